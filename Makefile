@@ -1,0 +1,42 @@
+# Two set-up commands on a fresh clone: `make train` and `make test`. Each installs what it needs.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# The torch build that this project is tested with; override for another CUDA/CPU build.
+TORCH  ?= torch==2.14.1 torchvision==0.29.1
+ARGS   ?=
+
+.PHONY: install train test test-fast lint parity benchmark clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+train: install            ## train the default (ViT on the embedded digits data, CPU, offline)
+	$(BIN)/python -m vitlab.train $(ARGS)
+
+test: install             ## the whole suite, as CI runs it
+	$(BIN)/python -m pytest $(ARGS)
+
+test-fast: install        ## skip tests marked slow
+	$(BIN)/python -m pytest -m "not slow" $(ARGS)
+
+lint: install
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+parity: install           ## e.g. make parity ARGS="model=vit_b16"
+	$(BIN)/python -m vitlab.parity $(ARGS)
+
+benchmark: install
+	$(BIN)/python -m vitlab.benchmark $(ARGS)
+
+clean:
+	rm -rf outputs multirun lightning_logs wandb .pytest_cache .ruff_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

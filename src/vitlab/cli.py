@@ -1,0 +1,126 @@
+"""What every `python -m vitlab.<task>` entry point shares: where the configs are, the run-id
+resolver, one-line errors for bad input, the resolved config as a tree, and the model group read
+into a ViTConfig. This is the only library module besides the entry points that knows Hydra."""
+
+from __future__ import annotations
+
+import functools
+import os
+import secrets
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from vitlab.model import ViTConfig
+
+# Input errors users can fix; anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, ConnectionError, OmegaConfBaseException)
+# Keys of the model group that are not ViTConfig fields.
+MODEL_EXTRA_KEYS = ("variant", "timm_name", "pretrained")
+
+
+def config_dir() -> Path:
+    """conf/ at the repository root (editable installs and checkouts), whatever the working
+    directory; VITLAB_CONFIG_DIR points elsewhere."""
+    if os.environ.get("VITLAB_CONFIG_DIR"):
+        return Path(os.environ["VITLAB_CONFIG_DIR"]).resolve()
+    here = Path(__file__).resolve().parents[2] / "conf"
+    if not (here / "train.yaml").is_file() and not (here / "parity.yaml").is_file():
+        raise FileNotFoundError(f"vitlab configs not found at {here}; install vitlab editable from its "
+                                "repository (make install) or set VITLAB_CONFIG_DIR to its conf/ folder")
+    return here
+
+
+def _new_run_id() -> str:
+    return f"{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def register_resolvers() -> None:
+    """`${run_id:}`: process id + random hex, cached per config (a sweep's jobs share it, as `now`)."""
+    if not OmegaConf.has_resolver("run_id"):
+        OmegaConf.register_new_resolver("run_id", _new_run_id, use_cache=True)
+
+
+def is_launcher_child() -> bool:
+    """A process started by Lightning's DDP launcher for ranks > 0 (it sets LOCAL_RANK)."""
+    return int(os.environ.get("LOCAL_RANK", "0")) > 0
+
+
+def refuse_reused_run_dir(argv: list[str]) -> None:
+    """Hydra writes into hydra.run.dir before any task code runs; refuse a non-empty one up front
+    so an earlier run's files are never overwritten."""
+    if is_launcher_child():
+        return
+    for arg in argv:
+        if arg.startswith("hydra.run.dir="):
+            path = Path(arg.split("=", 1)[1])
+            if path.is_dir() and any(path.iterdir()):
+                fail(f"run directory {str(path)!r} already holds files; vitlab never reuses a run "
+                     "directory: give a new hydra.run.dir or leave it to the default")
+
+
+def fail(message: str, code: int = 2) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Callable[[], Any]]:
+    """Turn `task(cfg)` into a Hydra command line: configs from config_dir(), run ids, and input
+    errors reported as one line (the traceback only with HYDRA_FULL_ERROR=1)."""
+
+    def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], Any]:
+        @functools.wraps(task)
+        def guarded(cfg: DictConfig) -> Any:
+            try:
+                return task(cfg)
+            except USER_ERRORS as e:
+                if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                    raise
+                fail(one_line(e))
+
+        def main() -> Any:
+            register_resolvers()
+            refuse_reused_run_dir(sys.argv[1:])
+            return hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=config_name)(guarded)()
+
+        main.task = task  # the undecorated function, for tests that compose configs themselves
+        return main
+
+    return decorate
+
+
+def one_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    if isinstance(e, OmegaConfBaseException):  # its message ends with full_key/object_type lines
+        text = text.splitlines()[0]
+    return " ".join(text.split())
+
+
+def vit_config(model: DictConfig) -> ViTConfig:
+    """The model group -> ViTConfig (sizes from `variant`, then the explicit fields)."""
+    d = OmegaConf.to_container(model, resolve=True)
+    variant = d.pop("variant", None)
+    for key in MODEL_EXTRA_KEYS:
+        d.pop(key, None)
+    return ViTConfig.from_variant(variant, **d)
+
+
+def print_config_tree(cfg: DictConfig, save_to: Path | None = None) -> None:
+    """The resolved config as a rich tree on the terminal, and as YAML in the run directory."""
+    import rich
+    import rich.syntax
+    import rich.tree
+
+    tree = rich.tree.Tree("config", guide_style="dim")
+    for key, value in cfg.items():
+        branch = tree.add(str(key), style="bold")
+        text = OmegaConf.to_yaml(value, resolve=True) if isinstance(value, DictConfig) else str(value)
+        branch.add(rich.syntax.Syntax(text, "yaml", theme="ansi_dark", background_color="default"))
+    rich.print(tree)
+    if save_to is not None:
+        save_to.write_text(OmegaConf.to_yaml(cfg, resolve=True))

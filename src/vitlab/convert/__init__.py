@@ -1,0 +1,1 @@
+"""Weight conversion between vitlab and other implementations (pure functions over state dicts)."""

@@ -1,0 +1,257 @@
+"""Weights between timm's VisionTransformer and vitlab's ViT.
+
+vitlab keeps timm's parameter names, so the key table below maps every name to itself; what the
+conversion adds is the strict check (every key used, every shape matched, nothing left over) and
+the real exceptions: a pos_embed trained at another resolution is resampled, a head of another
+class count is dropped when asked. Reading files never runs code: safetensors, or
+`torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vitlab.model import ViT, ViTConfig, resample_pos_embed
+
+log = logging.getLogger(__name__)
+
+StateDict = dict[str, torch.Tensor]
+
+# vitlab key pattern -> timm key pattern ('{i}' is a block index). One row per parameter family.
+KEY_MAP: dict[str, str] = {
+    "cls_token": "cls_token",
+    "reg_token": "reg_token",
+    "pos_embed": "pos_embed",
+    "patch_embed.proj.weight": "patch_embed.proj.weight",
+    "patch_embed.proj.bias": "patch_embed.proj.bias",
+    "norm_pre.{p}": "norm_pre.{p}",
+    "blocks.{i}.norm1.{p}": "blocks.{i}.norm1.{p}",
+    "blocks.{i}.attn.qkv.{p}": "blocks.{i}.attn.qkv.{p}",
+    "blocks.{i}.attn.q_norm.{p}": "blocks.{i}.attn.q_norm.{p}",
+    "blocks.{i}.attn.k_norm.{p}": "blocks.{i}.attn.k_norm.{p}",
+    "blocks.{i}.attn.proj.{p}": "blocks.{i}.attn.proj.{p}",
+    "blocks.{i}.ls1.gamma": "blocks.{i}.ls1.gamma",
+    "blocks.{i}.norm2.{p}": "blocks.{i}.norm2.{p}",
+    "blocks.{i}.mlp.fc1.{p}": "blocks.{i}.mlp.fc1.{p}",
+    "blocks.{i}.mlp.fc2.{p}": "blocks.{i}.mlp.fc2.{p}",
+    "blocks.{i}.ls2.gamma": "blocks.{i}.ls2.gamma",
+    "norm.{p}": "norm.{p}",
+    "fc_norm.{p}": "fc_norm.{p}",
+    "head.{p}": "head.{p}",
+}
+
+
+def _pattern(template: str) -> re.Pattern:
+    rx = re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>weight|bias)")
+    return re.compile(rx + "$")
+
+
+_TO_TIMM = [(_pattern(src), dst) for src, dst in KEY_MAP.items()]
+_FROM_TIMM = [(_pattern(dst), src) for src, dst in KEY_MAP.items()]
+_OURS = [(_pattern(src), src) for src in KEY_MAP]
+
+
+def _rename(key: str, table: list[tuple[re.Pattern, str]]) -> str | None:
+    for rx, template in table:
+        m = rx.match(key)
+        if m:
+            return template.format(**m.groupdict())
+    return None
+
+
+def expected_shapes(cfg: ViTConfig) -> dict[str, torch.Size]:
+    """The state-dict keys and shapes of a vitlab ViT of this config, without allocating it."""
+    with torch.device("meta"):
+        model = ViT(cfg)
+    return {k: v.shape for k, v in model.state_dict().items()}
+
+
+def _convert(sd: StateDict, cfg: ViTConfig, table, *, src: str, resample: bool, reset_head: bool) -> StateDict:
+    want = expected_shapes(cfg)
+    out: StateDict = {}
+    unknown = []
+    for key, value in sd.items():
+        new = _rename(key, table)
+        if new is None or new not in want:
+            unknown.append(key)
+            continue
+        out[new] = value
+    if unknown:
+        raise ValueError(f"{src} state dict has keys this ViT config does not use: {unknown[:8]}"
+                         f"{' ...' if len(unknown) > 8 else ''}")
+    if reset_head:
+        for k in [k for k in out if k.startswith("head.")]:
+            del out[k]
+        want = {k: v for k, v in want.items() if not k.startswith("head.")}
+    if resample and "pos_embed" in out and out["pos_embed"].shape != want.get("pos_embed"):
+        n_prefix = cfg.num_prefix_tokens if cfg.embeds_prefix else 0
+        out["pos_embed"] = resample_pos_embed(out["pos_embed"], cfg.grid_size, None, n_prefix)
+    missing = sorted(set(want) - set(out))
+    if missing:
+        raise ValueError(f"{src} state dict lacks keys this ViT config needs: {missing[:8]}")
+    bad = [f"{k} {tuple(out[k].shape)} != {tuple(want[k])}" for k in want if out[k].shape != want[k]]
+    if bad:
+        raise ValueError(f"{src} state dict does not fit this ViT config: {'; '.join(bad[:4])}")
+    return {k: out[k] for k in want}  # our key order
+
+
+def timm_to_vitlab(sd: StateDict, cfg: ViTConfig, *, resample: bool = True, reset_head: bool = False) -> StateDict:
+    """A timm VisionTransformer state dict -> vitlab's, checked against `cfg`. `resample` fits a pos_embed
+    of another grid (square source grids, as timm assumes); `reset_head` drops the classifier so a new
+    one (another class count) keeps its fresh initialisation."""
+    return _convert(sd, cfg, _FROM_TIMM, src="timm", resample=resample, reset_head=reset_head)
+
+
+def vitlab_to_timm(sd: StateDict, cfg: ViTConfig) -> StateDict:
+    """vitlab state dict -> timm VisionTransformer's, checked against `cfg`."""
+    out = _convert(sd, cfg, _OURS, src="vitlab", resample=False, reset_head=False)
+    return {_rename(k, _TO_TIMM): v for k, v in out.items()}
+
+
+# ---- timm models ----------------------------------------------------------------------------------
+
+
+def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
+    """Arguments of timm's VisionTransformer that build the same network as `cfg`. A fixed sin-cos
+    embedding becomes a learned one with the same values (timm has no fixed one), patches only."""
+    d = cfg.to_dict()
+    del d["norm_eps"]
+    d["img_size"] = tuple(cfg.img_hw)
+    if cfg.pos_embed == "sincos2d":
+        d.update(pos_embed="learn", no_embed_class=True)
+    elif cfg.pos_embed == "none":
+        d["pos_embed"] = "none"
+    if cfg.norm_eps != 1e-6:
+        d["norm_layer"] = partial(nn.LayerNorm, eps=cfg.norm_eps)
+    return d
+
+
+def create_timm_model(cfg: ViTConfig, name: str | None = None, pretrained: bool = False) -> nn.Module:
+    """timm's model for `cfg`: the registered `name` with cfg's arguments on top, or a bare
+    VisionTransformer. Pretrained weights come through timm's own hub download."""
+    import timm
+    from timm.models.vision_transformer import VisionTransformer
+
+    kwargs = timm_kwargs(cfg)
+    if name is None:
+        if pretrained:
+            raise ValueError("pretrained weights need a timm model name")
+        return VisionTransformer(**kwargs)
+    try:
+        return timm.create_model(name, pretrained=pretrained, **kwargs)
+    except Exception as e:  # huggingface_hub raises many kinds when offline
+        if pretrained and _looks_offline(e):
+            raise ConnectionError(offline_message(name)) from e
+        raise
+
+
+def _looks_offline(e: BaseException) -> bool:
+    names = {type(x).__name__ for x in _chain(e)}
+    return bool(names & {"LocalEntryNotFoundError", "ConnectionError", "OfflineModeIsEnabled",
+                         "ConnectTimeout", "ReadTimeout", "MaxRetryError", "NameResolutionError",
+                         "ConnectError", "HfHubHTTPError", "gaierror"}) or "offline" in str(e).lower()
+
+
+def _chain(e: BaseException | None):
+    while e is not None:
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def offline_message(name: str) -> str:
+    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+    return (f"cannot fetch timm weights {name!r}: no network and not in the Hugging Face cache ({cache}); "
+            "run once online, or pass a local .safetensors/.pth file instead of the name")
+
+
+def timm_pretrained_state_dict(name: str) -> StateDict:
+    """timm's pretrained weights for a registered name, as timm itself loads them (its checkpoint
+    filter converts original JAX/npz layouts), downloaded through the Hugging Face hub and cached."""
+    import timm
+
+    try:
+        model = timm.create_model(name, pretrained=True)
+    except Exception as e:
+        if _looks_offline(e):
+            raise ConnectionError(offline_message(name)) from e
+        raise
+    return model.state_dict()
+
+
+# ---- files ----------------------------------------------------------------------------------------
+
+
+def read_state_dict(path: str | os.PathLike) -> StateDict:
+    """A weights file: .safetensors, or a PyTorch pickle read with weights_only=True (no code runs).
+    Accepts a bare state dict, or one inside 'state_dict' / 'model' / 'state_dict_ema' (Lightning and
+    timm training checkpoints); Lightning's 'model.' prefix is removed."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"weights file {str(path)!r} does not exist")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except Exception as e:
+            raise ValueError(f"weights file {str(path)!r} is not a valid safetensors file: {e}") from e
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"weights file {str(path)!r} cannot be read safely as PyTorch weights "
+                         f"(only plain tensors are allowed; nothing was executed): {str(e).splitlines()[0]}") from e
+    if isinstance(obj, dict):
+        for key in ("state_dict_ema", "state_dict", "model"):
+            if isinstance(obj.get(key), dict):
+                obj = obj[key]
+                break
+    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ValueError(f"weights file {str(path)!r} does not hold a state dict (a mapping of names to tensors)")
+    if all(k.startswith("model.") for k in obj):
+        obj = {k[len("model."):]: v for k, v in obj.items()}
+    return obj
+
+
+def load_timm_weights(model: ViT, source: str, *, reset_head: bool = False) -> None:
+    """Load timm weights into `model`: `source` is a local file, or a timm model name (downloaded
+    through timm when online). The pos_embed is resampled to the model's img_size."""
+    if Path(source).suffix in (".safetensors", ".pth", ".pt", ".bin") or Path(source).exists():
+        sd = read_state_dict(source)
+    else:
+        sd = timm_pretrained_state_dict(source)
+    model.load_state_dict(timm_to_vitlab(sd, model.cfg, reset_head=reset_head), strict=not reset_head)
+    log.info("loaded timm weights %s%s", source, " (new head)" if reset_head else "")
+
+
+def export_timm(model: ViT, path: str | os.PathLike, timm_name: str | None = None) -> Path:
+    """Write `model` as a timm-loadable .safetensors file (config in its metadata). Written to a
+    temporary file, read back and compared, then renamed into place: a crash leaves no half file."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise ValueError(f"export path {str(path)!r} must end in .safetensors")
+    sd = {k: v.detach().cpu().contiguous() for k, v in vitlab_to_timm(model.state_dict(), model.cfg).items()}
+    meta = {"format": "pt", "vitlab_config": json.dumps(model.cfg.to_dict())}
+    if timm_name:
+        meta["timm_name"] = timm_name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(sd, str(tmp), metadata=meta)
+        back = load_file(str(tmp))
+        if back.keys() != sd.keys() or any(not torch.equal(back[k], sd[k]) for k in sd):
+            raise OSError(f"verification of {tmp} failed: the file read back differs")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path

@@ -1,0 +1,196 @@
+"""ViTConfig: every architectural choice of the network, with timm's argument names.
+
+Sizes live in one table, `VARIANTS`, keyed by the paper's names (Dosovitskiy et al. 2021, Table 1;
+Ti from DeiT). `ViTConfig.from_variant("B/16", img_size=384)` decodes a variant string the way
+big_vision does and lets explicit keyword arguments override it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# width, depth, heads; MLP ratio 4 throughout (ViT paper Table 1; Ti from DeiT Table 1).
+VARIANTS: dict[str, dict[str, int]] = {
+    "Ti": dict(embed_dim=192, depth=12, num_heads=3),
+    "S": dict(embed_dim=384, depth=12, num_heads=6),
+    "B": dict(embed_dim=768, depth=12, num_heads=12),
+    "L": dict(embed_dim=1024, depth=24, num_heads=16),
+    "H": dict(embed_dim=1280, depth=32, num_heads=16),
+}
+
+GLOBAL_POOLS = ("token", "avg", "")
+POS_EMBEDS = ("learn", "sincos2d", "none")
+WEIGHT_INITS = ("", "jax")
+
+
+def parse_variant(variant: str) -> dict[str, int]:
+    """'B/16' -> dict(embed_dim=768, depth=12, num_heads=12, patch_size=16)."""
+    name, _, patch = variant.partition("/")
+    if name not in VARIANTS or not patch.isdigit():
+        raise ValueError(f"variant {variant!r} is not of the form <size>/<patch> with size in {list(VARIANTS)}")
+    return dict(VARIANTS[name], patch_size=int(patch))
+
+
+@dataclass
+class ViTConfig:
+    img_size: int | tuple[int, int] = 224  # int for square images, (H, W) otherwise
+    patch_size: int = 16
+    in_chans: int = 3
+    num_classes: int = 1000  # 0: no head, forward returns pooled features
+    embed_dim: int = 768
+    depth: int = 12
+    num_heads: int = 12
+    mlp_ratio: float = 4.0
+    qkv_bias: bool = True
+    qk_norm: bool = False
+    init_values: float | None = None  # LayerScale (CaiT); None switches it off
+    class_token: bool = True
+    reg_tokens: int = 0  # "Vision Transformers Need Registers"
+    no_embed_class: bool = False  # position embedding for patches only (DeiT-III, big_vision)
+    global_pool: str = "token"  # 'token', 'avg' or '' (no pooling: the head sees every token)
+    fc_norm: bool | None = None  # None: norm after pooling iff global_pool == 'avg' (as timm)
+    pre_norm: bool = False  # LayerNorm before the blocks (CLIP); drops the patch-embedding bias
+    pos_embed: str = "learn"  # 'learn', 'sincos2d' (fixed, patches only) or 'none'
+    drop_rate: float = 0.0  # before the head
+    pos_drop_rate: float = 0.0
+    proj_drop_rate: float = 0.0
+    attn_drop_rate: float = 0.0
+    drop_path_rate: float = 0.0  # stochastic depth, linear in depth from 0 to this value
+    dynamic_img_size: bool = False  # accept any input size, resampling pos_embed per batch
+    norm_eps: float = 1e-6
+    weight_init: str = ""  # '' (timm's default) or 'jax'
+    grid_size: tuple[int, int] = field(init=False)  # derived: patches along H and W
+
+    def __post_init__(self) -> None:
+        if isinstance(self.img_size, (list, tuple)):
+            if len(self.img_size) != 2:
+                raise ValueError(f"img_size {list(self.img_size)} must be an int or [height, width]")
+            self.img_size = (int(self.img_size[0]), int(self.img_size[1]))
+        self._check_types()
+        for name in ("patch_size", "in_chans", "embed_dim", "depth", "num_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
+        for name in ("num_classes", "reg_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} {getattr(self, name)} must be >= 0")
+        h, w = self.img_hw
+        if h < 1 or w < 1:
+            raise ValueError(f"img_size {self.img_size} must be positive")
+        if h % self.patch_size or w % self.patch_size:
+            raise ValueError(f"img_size {self.img_size} is not divisible by patch_size {self.patch_size}")
+        if self.embed_dim % self.num_heads:
+            raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
+        if self.mlp_ratio <= 0:
+            raise ValueError(f"mlp_ratio {self.mlp_ratio} must be > 0")
+        if self.global_pool is None:
+            self.global_pool = ""
+        if self.global_pool not in GLOBAL_POOLS:
+            raise ValueError(f"global_pool {self.global_pool!r} is not one of 'token', 'avg', '' (none)")
+        if self.global_pool == "token" and not self.class_token:
+            raise ValueError("global_pool 'token' needs class_token=true; use global_pool 'avg' without it")
+        if self.pos_embed not in POS_EMBEDS:
+            raise ValueError(f"pos_embed {self.pos_embed!r} is not one of {list(POS_EMBEDS)}")
+        if self.pos_embed == "sincos2d" and self.embed_dim % 4:
+            raise ValueError(f"pos_embed 'sincos2d' needs embed_dim divisible by 4, got {self.embed_dim}")
+        if self.weight_init not in WEIGHT_INITS:
+            raise ValueError(f"weight_init {self.weight_init!r} is not one of {list(WEIGHT_INITS)}")
+        for name in ("drop_rate", "pos_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate"):
+            p = getattr(self, name)
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"{name} {p} must be in [0, 1)")
+        if self.init_values is not None and self.init_values <= 0:
+            raise ValueError(f"init_values {self.init_values} must be > 0, or null to switch LayerScale off")
+        if self.norm_eps <= 0:
+            raise ValueError(f"norm_eps {self.norm_eps} must be > 0")
+        self.grid_size = (h // self.patch_size, w // self.patch_size)
+
+    def _check_types(self) -> None:
+        # Hydra hands over whatever YAML parsed; catch "depth: 12.5" or "qk_norm: yes please" here.
+        ints = ("patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "reg_tokens")
+        bools = ("qkv_bias", "qk_norm", "class_token", "no_embed_class", "pre_norm", "dynamic_img_size")
+        floats = ("mlp_ratio", "drop_rate", "pos_drop_rate", "proj_drop_rate", "attn_drop_rate",
+                  "drop_path_rate", "norm_eps")
+        for name in ints:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{name} {v!r} must be an integer")
+        for name in bools:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} {getattr(self, name)!r} must be true or false")
+        for name in floats:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{name} {v!r} must be a number")
+        if self.fc_norm is not None and not isinstance(self.fc_norm, bool):
+            raise ValueError(f"fc_norm {self.fc_norm!r} must be true, false or null")
+        if isinstance(self.img_size, bool) or not isinstance(self.img_size, (int, tuple)):
+            raise ValueError(f"img_size {self.img_size!r} must be an int or [height, width]")
+
+    # ---- derived values -------------------------------------------------------------------------
+    @property
+    def img_hw(self) -> tuple[int, int]:
+        return (self.img_size, self.img_size) if isinstance(self.img_size, int) else tuple(self.img_size)
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid_size[0] * self.grid_size[1]
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return int(self.class_token) + self.reg_tokens
+
+    @property
+    def use_fc_norm(self) -> bool:
+        return self.global_pool == "avg" if self.fc_norm is None else self.fc_norm
+
+    @property
+    def embeds_prefix(self) -> bool:
+        """Whether pos_embed has rows for the class/register tokens (timm's original layout)."""
+        return self.pos_embed == "learn" and not self.no_embed_class
+
+    # ---- construction and plain-data round trip -------------------------------------------------
+    @classmethod
+    def from_variant(cls, variant: str | None = None, **overrides: Any) -> ViTConfig:
+        """Sizes from `VARIANTS` (e.g. 'S/16'), then explicit overrides; None overrides are ignored
+        for the fields the variant sets, so a config file can leave them open."""
+        kwargs: dict[str, Any] = {}
+        if variant:
+            kwargs.update(parse_variant(variant))
+            overrides = {k: v for k, v in overrides.items() if not (k in kwargs and v is None)}
+        kwargs.update(overrides)
+        return cls.from_dict(kwargs)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ViTConfig:
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown model key(s) {unknown}; allowed: {sorted(names)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (no tuples, no derived fields): what a checkpoint stores."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        if isinstance(d["img_size"], tuple):
+            d["img_size"] = list(d["img_size"])
+        return d
+
+    def replace(self, **changes: Any) -> ViTConfig:
+        return ViTConfig.from_dict({**self.to_dict(), **changes})
+
+    # ---- cost model -----------------------------------------------------------------------------
+    def num_tokens(self) -> int:
+        return self.num_patches + self.num_prefix_tokens
+
+    def flops_per_image(self) -> int:
+        """Forward FLOPs (multiply-add = 2) of one image: linear layers 2*N*(4D^2 + 2*D*Dm) per block,
+        attention 4*N^2*D per block, patch embedding 2*Np*P^2*C*D, head 2*D*K (norms and adds ignored)."""
+        n, d = self.num_tokens(), self.embed_dim
+        hidden = int(d * self.mlp_ratio)
+        per_block = 2 * n * (4 * d * d + 2 * d * hidden) + 4 * n * n * d
+        embed = 2 * self.num_patches * self.patch_size**2 * self.in_chans * d
+        head = 2 * d * self.num_classes
+        return self.depth * per_block + embed + head
+

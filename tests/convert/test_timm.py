@@ -1,0 +1,156 @@
+import pickle
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from omegaconf import OmegaConf
+
+from tests.conftest import ROOT, tiny
+from vitlab.cli import vit_config
+from vitlab.convert.timm import (
+    KEY_MAP,
+    create_timm_model,
+    expected_shapes,
+    export_timm,
+    load_timm_weights,
+    read_state_dict,
+    timm_pretrained_state_dict,
+    timm_to_vitlab,
+    vitlab_to_timm,
+)
+from vitlab.model import ViT
+
+
+def zoo_with_timm():
+    for path in sorted((ROOT / "conf" / "model").glob("*.yaml")):
+        node = OmegaConf.merge(OmegaConf.load(ROOT / "conf/model/_base.yaml"), OmegaConf.load(path))
+        if path.stem != "_base" and node.timm_name:
+            node.pop("defaults", None)
+            yield pytest.param(path.stem, node, id=path.stem)
+
+
+def test_round_trip_is_bit_identical():
+    cfg = tiny(reg_tokens=2, qk_norm=True, init_values=1e-4, global_pool="avg", pre_norm=True)
+    sd = ViT(cfg).state_dict()
+    back = timm_to_vitlab(vitlab_to_timm(sd, cfg), cfg)
+    assert list(back) == list(sd)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_key_table_covers_every_parameter_of_every_option():
+    cfg = tiny(reg_tokens=2, qk_norm=True, init_values=1e-4, pre_norm=True, global_pool="avg")
+    for c in (cfg, tiny(fc_norm=True)):
+        timm_sd = create_timm_model(c).state_dict()
+        assert list(vitlab_to_timm(ViT(c).state_dict(), c)) == list(timm_sd)
+    assert len(KEY_MAP) == len(set(KEY_MAP.values()))
+
+
+def test_strict_checks_name_the_offending_keys():
+    cfg = tiny()
+    sd = vitlab_to_timm(ViT(cfg).state_dict(), cfg)
+    with pytest.raises(ValueError, match=r"keys this ViT config does not use: \['dist_token'\]"):
+        timm_to_vitlab({**sd, "dist_token": torch.zeros(1, 1, 32)}, cfg)
+    with pytest.raises(ValueError, match=r"lacks keys this ViT config needs: \['blocks.1.mlp.fc2.bias'\]"):
+        timm_to_vitlab({k: v for k, v in sd.items() if k != "blocks.1.mlp.fc2.bias"}, cfg)
+    with pytest.raises(ValueError, match=r"head.weight \(7, 32\) != \(10, 32\)"):
+        timm_to_vitlab(sd, tiny(num_classes=10))
+    with pytest.raises(ValueError, match="does not use"):  # depth 2 weights into depth 1
+        timm_to_vitlab(sd, tiny(depth=1))
+
+
+def test_new_head_and_new_resolution():
+    src = tiny(img_size=32)
+    sd = vitlab_to_timm(ViT(src).state_dict(), src)
+    dst = tiny(img_size=64, num_classes=3)
+    out = timm_to_vitlab(sd, dst, reset_head=True)
+    assert "head.weight" not in out and out["pos_embed"].shape == (1, 1 + 64, 32)
+    model = ViT(dst)
+    head = model.head.weight.clone()
+    model.load_state_dict(out, strict=False)
+    assert torch.equal(model.head.weight, head)
+
+
+@pytest.mark.parametrize("name, node", list(zoo_with_timm()))
+def test_zoo_parameter_counts_and_shapes_equal_timm(name, node):
+    cfg = vit_config(node)
+    with torch.device("meta"):
+        theirs = timm.create_model(node.timm_name, pretrained=False, num_classes=cfg.num_classes)
+    assert {k: v.shape for k, v in theirs.state_dict().items()} == expected_shapes(cfg)
+    with torch.device("meta"):
+        ours = ViT(cfg)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+
+
+def test_read_state_dict_formats(tmp_path: Path):
+    cfg = tiny()
+    sd = ViT(cfg).state_dict()
+    torch.save(sd, tmp_path / "plain.pth")
+    torch.save({"state_dict": {f"model.{k}": v for k, v in sd.items()}, "epoch": 3}, tmp_path / "lightning.ckpt")
+    torch.save({"model": sd, "optimizer": {}}, tmp_path / "timm_train.pth.tar")
+    for f in ("plain.pth", "lightning.ckpt", "timm_train.pth.tar"):
+        got = read_state_dict(tmp_path / f)
+        assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd), f
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (exec, ("open('PWNED', 'w').write('x')",))
+
+
+def test_pickle_that_would_run_code_is_refused(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with open(tmp_path / "evil.pth", "wb") as f:
+        pickle.dump({"pos_embed": _RunsCode()}, f, protocol=2)
+    with pytest.raises(ValueError, match="cannot be read safely"):
+        read_state_dict(tmp_path / "evil.pth")
+    assert not (tmp_path / "PWNED").exists()
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"lr": 0.1}, "does not hold a state dict"),
+    ([torch.zeros(1)], "does not hold a state dict"),
+])
+def test_not_a_state_dict(tmp_path: Path, content, message):
+    torch.save(content, tmp_path / "w.pth")
+    with pytest.raises(ValueError, match=message):
+        read_state_dict(tmp_path / "w.pth")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_state_dict(tmp_path / "missing.pth")
+    (tmp_path / "bad.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="not a valid safetensors file"):
+        read_state_dict(tmp_path / "bad.safetensors")
+
+
+def test_export_is_timm_loadable_and_atomic(tmp_path: Path):
+    torch.manual_seed(0)
+    cfg = tiny(reg_tokens=1)
+    model = ViT(cfg).eval()
+    path = export_timm(model, tmp_path / "sub" / "w.safetensors", timm_name=None)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["w.safetensors"]  # no temporary left
+    theirs = create_timm_model(cfg)
+    theirs.load_state_dict(read_state_dict(path))
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs.eval()(x), model(x), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="must end in .safetensors"):
+        export_timm(model, tmp_path / "w.pth")
+
+
+def test_load_timm_weights_from_file_resamples(tmp_path: Path):
+    torch.manual_seed(0)
+    src = tiny(img_size=32)
+    timm_model = create_timm_model(src)
+    torch.save(timm_model.state_dict(), tmp_path / "w.pth")
+    model = ViT(tiny(img_size=48, num_classes=3))
+    load_timm_weights(model, str(tmp_path / "w.pth"), reset_head=True)
+    torch.testing.assert_close(model.blocks[1].mlp.fc2.weight, timm_model.blocks[1].mlp.fc2.weight)
+    assert model.pos_embed.shape == (1, 1 + 36, 32)
+
+
+def test_offline_download_fails_with_a_clear_message(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConnectionError, match="cannot fetch timm weights 'vit_tiny_patch16_224.augreg_in21k'"):
+        timm_pretrained_state_dict("vit_tiny_patch16_224.augreg_in21k")
+    with pytest.raises(ConnectionError, match="no network and not in the Hugging Face cache"):
+        load_timm_weights(ViT(tiny()), "vit_tiny_patch16_224.augreg_in21k")

@@ -1,0 +1,69 @@
+import pytest
+
+from vitlab.model import VARIANTS, ViTConfig, parse_variant
+
+
+def test_variant_table_is_the_papers():
+    # ViT paper Table 1 (Ti from DeiT): width, depth, heads
+    assert {k: (v["embed_dim"], v["depth"], v["num_heads"]) for k, v in VARIANTS.items()} == {
+        "Ti": (192, 12, 3), "S": (384, 12, 6), "B": (768, 12, 12), "L": (1024, 24, 16), "H": (1280, 32, 16)}
+    assert parse_variant("L/14") == dict(embed_dim=1024, depth=24, num_heads=16, patch_size=14)
+
+
+def test_from_variant_explicit_overrides_win_and_none_defers():
+    cfg = ViTConfig.from_variant("B/16", depth=6, embed_dim=None, img_size=384)
+    assert (cfg.embed_dim, cfg.depth, cfg.num_heads, cfg.patch_size) == (768, 6, 12, 16)
+    assert cfg.grid_size == (24, 24) and cfg.num_patches == 576
+
+
+def test_non_square_and_derived_values():
+    cfg = ViTConfig.from_variant("S/16", img_size=[224, 160], reg_tokens=4)
+    assert cfg.img_size == (224, 160) and cfg.grid_size == (14, 10)
+    assert cfg.num_prefix_tokens == 5 and cfg.num_tokens() == 145
+
+
+def test_round_trip_as_plain_data():
+    cfg = ViTConfig.from_variant("Ti/16", img_size=[224, 160], qk_norm=True, init_values=1e-5)
+    d = cfg.to_dict()
+    assert d["img_size"] == [224, 160] and "grid_size" not in d
+    assert ViTConfig.from_dict(d) == cfg
+
+
+def test_flops_match_the_hand_count_for_b16():
+    # N=197, D=768: 12 * (24 N D^2 + 4 N^2 D) + 2*196*768*768 (patches) + 2*768*1000 (head)
+    n, d = 197, 768
+    expected = 12 * (24 * n * d * d + 4 * n * n * d) + 2 * 196 * 16 * 16 * 3 * d + 2 * d * 1000
+    assert ViTConfig.from_variant("B/16").flops_per_image() == expected
+    assert abs(expected / 2e9 - 17.58) < 0.05  # timm's 17.58 GMACs
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(img_size=30), "img_size 30 is not divisible by patch_size 16"),
+    (dict(img_size=[224, 100]), "is not divisible by patch_size 16"),
+    (dict(img_size=[1, 2, 3]), "img_size [1, 2, 3] must be an int or [height, width]"),
+    (dict(embed_dim=100, num_heads=3), "embed_dim 100 is not divisible by num_heads 3"),
+    (dict(global_pool="max"), "global_pool 'max' is not one of"),
+    (dict(global_pool="token", class_token=False), "global_pool 'token' needs class_token"),
+    (dict(pos_embed="rope"), "pos_embed 'rope' is not one of"),
+    (dict(pos_embed="sincos2d", embed_dim=66, num_heads=6), "divisible by 4"),
+    (dict(drop_path_rate=1.5), "drop_path_rate 1.5 must be in [0, 1)"),
+    (dict(attn_drop_rate=-0.1), "attn_drop_rate -0.1 must be in [0, 1)"),
+    (dict(depth=0), "depth 0 must be >= 1"),
+    (dict(depth=2.5), "depth 2.5 must be an integer"),
+    (dict(qk_norm="yes"), "qk_norm 'yes' must be true or false"),
+    (dict(reg_tokens=-1), "reg_tokens -1 must be >= 0"),
+    (dict(init_values=0.0), "init_values 0.0 must be > 0"),
+    (dict(weight_init="moco"), "weight_init 'moco' is not one of"),
+])
+def test_bad_config_fails_at_construction_naming_the_field(kwargs, message):
+    with pytest.raises(ValueError) as e:
+        ViTConfig(**kwargs)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ValueError, match=r"unknown model key\(s\) \['depht'\]"):
+        ViTConfig.from_dict({"depht": 3})
+    with pytest.raises(ValueError, match="variant 'X/16'"):
+        ViTConfig.from_variant("X/16")

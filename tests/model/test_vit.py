@@ -1,0 +1,186 @@
+import pytest
+import torch
+from timm.layers import resample_abs_pos_embed
+from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
+
+from tests.conftest import tiny
+from vitlab.convert.timm import timm_kwargs, vitlab_to_timm
+from vitlab.model import ViT, ViTConfig, posemb_sincos_2d, resample_pos_embed
+
+OPTIONS = {
+    "default": {},
+    "avg_pool": dict(global_pool="avg"),
+    "no_pool": dict(global_pool=""),
+    "avg_no_class_token": dict(global_pool="avg", class_token=False),
+    "registers": dict(reg_tokens=4),
+    "registers_no_embed_class": dict(reg_tokens=2, no_embed_class=True),
+    "qk_norm": dict(qk_norm=True),
+    "layerscale": dict(init_values=1e-5),
+    "no_embed_class": dict(no_embed_class=True),
+    "pre_norm": dict(pre_norm=True),
+    "fc_norm_token": dict(fc_norm=True),
+    "no_fc_norm_avg": dict(global_pool="avg", fc_norm=False),
+    "no_qkv_bias": dict(qkv_bias=False),
+    "mlp_ratio_3": dict(mlp_ratio=3.0),
+    "non_square": dict(img_size=[32, 16]),
+    "no_pos_embed": dict(pos_embed="none"),
+    "sincos2d": dict(pos_embed="sincos2d"),
+    "eps_1e-5": dict(norm_eps=1e-5),
+    "no_head": dict(num_classes=0),
+    "jax_init": dict(weight_init="jax"),
+    "dynamic": dict(dynamic_img_size=True),
+}
+
+
+def _pair(cfg: ViTConfig):
+    ours = ViT(cfg).eval()
+    theirs = VisionTransformer(**timm_kwargs(cfg)).eval()
+    theirs.load_state_dict(vitlab_to_timm(ours.state_dict(), cfg))
+    return ours, theirs
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_logits_and_keys_match_timm(name):
+    torch.manual_seed(0)
+    cfg = tiny(**OPTIONS[name])
+    ours, theirs = _pair(cfg)
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+    x = torch.randn(3, cfg.in_chans, *cfg.img_hw)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), atol=1e-6, rtol=0)
+        torch.testing.assert_close(ours.forward_features(x), theirs.forward_features(x), atol=1e-6, rtol=0)
+
+
+def test_dynamic_img_size_resamples_per_batch_like_timm():
+    torch.manual_seed(0)
+    ours, theirs = _pair(tiny(dynamic_img_size=True))
+    x = torch.randn(2, 3, 48, 24)  # a 6x3 grid instead of 4x4
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), atol=1e-6, rtol=0)
+
+
+def test_fixed_input_size_is_checked():
+    with pytest.raises(ValueError, match=r"input size 48x48 does not match img_size \(32, 32\)"):
+        ViT(tiny())(torch.randn(1, 3, 48, 48))
+
+
+def test_output_shapes():
+    x = torch.randn(2, 3, 32, 16)
+    assert ViT(tiny(img_size=[32, 16]))(x).shape == (2, 7)
+    assert ViT(tiny(img_size=[32, 16], num_classes=0))(x).shape == (2, 32)
+    assert ViT(tiny(img_size=[32, 16], global_pool=""))(x).shape == (2, 1 + 8, 7)
+    assert ViT(tiny(img_size=[32, 16], reg_tokens=3)).forward_features(x).shape == (2, 1 + 3 + 8, 32)
+    assert ViT(tiny()).forward_head(torch.randn(2, 17, 32), pre_logits=True).shape == (2, 32)
+
+
+def test_sincos2d_is_fixed_and_matches_big_vision_formula():
+    cfg = tiny(pos_embed="sincos2d")
+    model = ViT(cfg)
+    assert not model.pos_embed.requires_grad
+    pe = posemb_sincos_2d((4, 4), 32)[0]
+    assert pe.shape == (16, 32)
+    # row for patch (y=1, x=2): [sin(2w), cos(2w), sin(1w), cos(1w)], w_k = 10000^(-k/7)
+    w = 1.0 / 10000 ** (torch.arange(8) / 7)
+    torch.testing.assert_close(pe[1 * 4 + 2], torch.cat([(2 * w).sin(), (2 * w).cos(), w.sin(), w.cos()]))
+    torch.testing.assert_close(model.pos_embed[0], pe)
+
+
+def test_drop_path_schedule_is_linear_and_only_active_in_training():
+    torch.manual_seed(0)
+    model = ViT(tiny(depth=4, drop_path_rate=0.3))
+    rates = [getattr(b.drop_path1, "p", 0.0) for b in model.blocks]
+    assert rates == pytest.approx([0.0, 0.1, 0.2, 0.3])
+    x = torch.randn(8, 3, 32, 32)
+    model.train()
+    assert not torch.equal(model(x), model(x))
+    model.eval()
+    assert torch.equal(model(x), model(x))
+
+
+def test_attention_maps_are_distributions_that_reproduce_sdpa():
+    torch.manual_seed(0)
+    model = ViT(tiny(reg_tokens=1)).eval()
+    x = torch.randn(2, 3, 32, 32)
+    maps = model.attention_maps(x)
+    assert len(maps) == 2 and maps[0].shape == (2, 4, 18, 18)
+    for m in maps:
+        torch.testing.assert_close(m.sum(-1), torch.ones(m.shape[:-1]))
+    # The map times v, projected, is exactly the SDPA path's attention output.
+    blk = model.blocks[0]
+    h = blk.norm1(model.embed(x))
+    _, _, v = blk.attn._qkv(h)
+    manual = blk.attn.proj((maps[0] @ v).transpose(1, 2).reshape(2, 18, 32))
+    torch.testing.assert_close(manual, blk.attn(h), atol=1e-5, rtol=1e-5)
+
+
+def test_forward_intermediates_by_index_and_name():
+    torch.manual_seed(0)
+    model = ViT(tiny(depth=3)).eval()
+    x = torch.randn(2, 3, 32, 32)
+    out = model.forward_intermediates(x, [0, -1, "patch_embed", "norm"])
+    assert list(out) == ["blocks.0", "blocks.2", "patch_embed", "norm"]
+    assert out["patch_embed"].shape == (2, 16, 32)
+    torch.testing.assert_close(out["norm"], model.forward_features(x))
+    torch.testing.assert_close(out["blocks.2"], model.blocks(model.embed(x)))
+    with pytest.raises(ValueError, match="block index 3 out of range for depth 3"):
+        model.forward_intermediates(x, [3])
+    with pytest.raises(ValueError, match="unknown layer 'head'"):
+        model.forward_intermediates(x, ["head"])
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    model = ViT(tiny())
+    x = torch.randn(2, 3, 32, 32)
+    model(x).sum().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.set_grad_checkpointing(True)
+    model(x).sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], atol=1e-6, rtol=1e-5)
+
+
+def test_weight_init_schemes():
+    torch.manual_seed(0)
+    timm_init = ViT(tiny(embed_dim=64, num_heads=4))
+    w = timm_init.blocks[0].mlp.fc1.weight
+    assert abs(w.std().item() - 0.02) < 0.002 and abs(w.mean().item()) < 0.002
+    assert timm_init.cls_token.abs().max() < 1e-4
+    jax = ViT(tiny(embed_dim=64, num_heads=4, weight_init="jax"))
+    assert torch.count_nonzero(jax.head.weight) == 0 and torch.count_nonzero(jax.head.bias) == 0
+    fc1 = jax.blocks[0].mlp.fc1.weight  # Xavier-uniform bound sqrt(6 / (64 + 256))
+    assert fc1.abs().max() <= (6 / (64 + 256)) ** 0.5 and fc1.abs().max() > 0.9 * (6 / 320) ** 0.5
+    conv = jax.patch_embed.proj.weight  # LeCun normal: std 1/sqrt(fan_in)
+    assert abs(conv.std().item() - (1 / (3 * 8 * 8)) ** 0.5) < 0.01
+
+
+def test_pos_embed_resampled_on_load_like_timm():
+    """A 224-px checkpoint loaded into a 384-px model: the same pos_embed timm's own loader makes."""
+    torch.manual_seed(0)
+    small = dict(embed_dim=32, depth=1, num_heads=2, patch_size=16, num_classes=5)
+    at224 = ViT(ViTConfig(img_size=224, **small))
+    at384 = ViT(ViTConfig(img_size=384, **small))
+    at384.load_state_dict(at224.state_dict())
+    timm384 = VisionTransformer(**timm_kwargs(at384.cfg))
+    expected = checkpoint_filter_fn(dict(at224.state_dict()), timm384)["pos_embed"]
+    assert at384.pos_embed.shape == (1, 1 + 24 * 24, 32)
+    torch.testing.assert_close(at384.pos_embed.detach(), expected, atol=1e-6, rtol=0)
+
+
+def test_resample_pos_embed_matches_timm_non_square_and_prefix():
+    torch.manual_seed(0)
+    pe = torch.randn(1, 3 + 6 * 4, 16)
+    ours = resample_pos_embed(pe, (9, 5), (6, 4), num_prefix_tokens=3)
+    theirs = resample_abs_pos_embed(pe, [9, 5], [6, 4], num_prefix_tokens=3)
+    torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="not a square grid"):
+        resample_pos_embed(torch.randn(1, 1 + 6, 16), (4, 4), None, 1)
+
+
+def test_compiles_without_graph_breaks():
+    torch.manual_seed(0)
+    model = ViT(tiny()).eval()
+    explanation = torch._dynamo.explain(model)(torch.randn(2, 3, 32, 32))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
