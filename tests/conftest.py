@@ -22,15 +22,54 @@ def tiny(**overrides) -> ViTConfig:
     return ViTConfig(**{**base, **overrides})
 
 
-def run_cli(module: str, *args: str, cwd: Path | None = None, env: dict | None = None,
-            timeout: int = 600) -> subprocess.CompletedProcess:
+def run_cli(
+    module: str, *args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
     """`python -m vitlab.<module> args` in a subprocess, output captured."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([sys.executable, "-m", f"vitlab.{module}", *args], cwd=cwd or ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", f"vitlab.{module}", *args],
+        cwd=cwd or ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture
+def compose_cfg(tmp_path):
+    """compose(config_name, overrides) as the entry points see it (HydraConfig set), writing under tmp_path."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from vitlab.cli import config_dir, register_resolvers
+
+    register_resolvers()
+
+    def _compose(name: str = "train", overrides=(), output_dir: Path | None = None, keep_hydra: bool = False):
+        out = output_dir or tmp_path
+        out.mkdir(parents=True, exist_ok=True)
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            cfg = compose(
+                name,
+                overrides=[*overrides, f"paths.root_dir={tmp_path}", f"paths.output_dir={out}"],
+                return_hydra_config=True,
+            )
+        HydraConfig.instance().set_config(cfg)
+        if not keep_hydra:  # the task function never sees the hydra node
+            with open_dict(cfg):
+                del cfg["hydra"]
+        return cfg
+
+    yield _compose
+    GlobalHydra.instance().clear()

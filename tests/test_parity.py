@@ -8,8 +8,13 @@ from vitlab.cli import vit_config
 from vitlab.parity import compare, passes
 
 ACCEPTANCE_OVERRIDES = [
-    dict(global_pool="avg"), dict(reg_tokens=4), dict(qk_norm=True), dict(init_values=1e-5),
-    dict(no_embed_class=True), dict(img_size=384), dict(img_size=[224, 160]),
+    dict(global_pool="avg"),
+    dict(reg_tokens=4),
+    dict(qk_norm=True),
+    dict(init_values=1e-5),
+    dict(no_embed_class=True),
+    dict(img_size=384),
+    dict(img_size=[224, 160]),
 ]
 
 
@@ -27,8 +32,15 @@ def test_parity_command_writes_json_and_passes(cli, tmp_path):
     assert "PASS" in r.stdout
     report = json.loads((run_dir / "parity.json").read_text())
     assert report["passed"] is True
-    assert list(report["layers"]) == ["patch_embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3",
-                                      "features", "logits"]
+    assert list(report["layers"]) == [
+        "patch_embed",
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+        "blocks.3",
+        "features",
+        "logits",
+    ]
     assert report["layers"]["logits"]["max_abs"] <= 1e-5 and report["top1_agreement"] == 1.0
     assert report["grad"]["relative"] <= 1e-4
 
@@ -48,7 +60,8 @@ def test_configs_found_from_any_directory_and_run_dirs_never_reused(cli, tmp_pat
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         f"error: run directory '{run_dir}' already holds files; vitlab never reuses a run directory: "
-        "give a new hydra.run.dir or leave it to the default"]
+        "give a new hydra.run.dir or leave it to the default"
+    ]
     assert (run_dir / "parity.json").read_text() == before
 
 

@@ -13,12 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+from hydra.errors import InstantiationException
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from vitlab.model import ViTConfig
 
-# Input errors users can fix; anything else is a bug and keeps its traceback.
+# Input errors users can fix; anything else is a bug and keeps its traceback. Hydra wraps errors raised
+# while instantiating a config node; those count when what they wrap does.
 USER_ERRORS = (ValueError, FileNotFoundError, ConnectionError, OmegaConfBaseException)
 # Keys of the model group that are not ViTConfig fields.
 MODEL_EXTRA_KEYS = ("variant", "timm_name", "pretrained")
@@ -31,8 +34,10 @@ def config_dir() -> Path:
         return Path(os.environ["VITLAB_CONFIG_DIR"]).resolve()
     here = Path(__file__).resolve().parents[2] / "conf"
     if not (here / "train.yaml").is_file() and not (here / "parity.yaml").is_file():
-        raise FileNotFoundError(f"vitlab configs not found at {here}; install vitlab editable from its "
-                                "repository (make install) or set VITLAB_CONFIG_DIR to its conf/ folder")
+        raise FileNotFoundError(
+            f"vitlab configs not found at {here}; install vitlab editable from its "
+            "repository (make install) or set VITLAB_CONFIG_DIR to its conf/ folder"
+        )
     return here
 
 
@@ -60,8 +65,10 @@ def refuse_reused_run_dir(argv: list[str]) -> None:
         if arg.startswith("hydra.run.dir="):
             path = Path(arg.split("=", 1)[1])
             if path.is_dir() and any(path.iterdir()):
-                fail(f"run directory {str(path)!r} already holds files; vitlab never reuses a run "
-                     "directory: give a new hydra.run.dir or leave it to the default")
+                fail(
+                    f"run directory {str(path)!r} already holds files; vitlab never reuses a run "
+                    "directory: give a new hydra.run.dir or leave it to the default"
+                )
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -78,10 +85,11 @@ def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Cal
         def guarded(cfg: DictConfig) -> Any:
             try:
                 return task(cfg)
-            except USER_ERRORS as e:
-                if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            except (*USER_ERRORS, InstantiationException) as e:
+                cause = e.__cause__ if isinstance(e, InstantiationException) else e
+                if os.environ.get("HYDRA_FULL_ERROR") == "1" or not isinstance(cause, USER_ERRORS):
                     raise
-                fail(one_line(e))
+                fail(one_line(cause))
 
         def main() -> Any:
             register_resolvers()
@@ -124,3 +132,48 @@ def print_config_tree(cfg: DictConfig, save_to: Path | None = None) -> None:
     rich.print(tree)
     if save_to is not None:
         save_to.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+
+class SweepSummary(Callback):
+    """Hydra callback: after a -m sweep, one row per job (its overrides and final metrics) printed as a
+    table and written to summary.json in the sweep directory. Configured in conf/hydra/default.yaml."""
+
+    def __init__(self, filename: str = "metrics.json", columns: list[str] | None = None):
+        self.filename = filename
+        self.columns = columns or ["val/acc_best", "test/acc", "test/loss", "wall_time_s"]
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        import json
+
+        from rich.console import Console
+        from rich.table import Table
+
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = []
+        for job in sorted(
+            (p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)
+        ):
+            overrides_file = job / ".hydra" / "overrides.yaml"
+            overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.is_file() else []
+            metrics_file = job / self.filename
+            metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
+            rows.append(
+                {
+                    "job": int(job.name),
+                    "overrides": overrides,
+                    "status": "done" if metrics else "failed",
+                    **{c: metrics.get(c) for c in self.columns},
+                }
+            )
+        (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=2))
+        table = Table(title=f"sweep summary ({sweep_dir})")
+        for col in ["job", "overrides", "status", *self.columns]:
+            table.add_column(col)
+        for r in rows:
+            table.add_row(
+                str(r["job"]),
+                " ".join(r["overrides"]),
+                r["status"],
+                *[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in self.columns],
+            )
+        Console().print(table)

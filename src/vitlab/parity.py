@@ -36,6 +36,7 @@ def _timm_taps(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list]:
     def keep(name):
         def hook(_module, _inputs, output):
             taps[name] = output.flatten(1, 2) if output.ndim == 4 else output
+
         return hook
 
     handles = [model.patch_embed.register_forward_hook(keep("patch_embed"))]
@@ -43,8 +44,9 @@ def _timm_taps(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list]:
     return taps, handles
 
 
-def compare(cfg: ViTConfig, timm_name: str | None = None, pretrained: bool = False,
-            batch_size: int = 2, seed: int = 0) -> dict[str, Any]:
+def compare(
+    cfg: ViTConfig, timm_name: str | None = None, pretrained: bool = False, batch_size: int = 2, seed: int = 0
+) -> dict[str, Any]:
     """Build both models with the same weights, run the same batch, return every difference."""
     torch.manual_seed(seed)
     weights = "random"
@@ -105,14 +107,21 @@ def compare(cfg: ViTConfig, timm_name: str | None = None, pretrained: bool = Fal
         "seed": seed,
         "layers": layers,
         "top1_agreement": top1,
-        "grad": {"max_abs": worst, "worst_param": worst_name, "max_grad": scale,
-                 "relative": worst / scale if scale else 0.0},
+        "grad": {
+            "max_abs": worst,
+            "worst_param": worst_name,
+            "max_grad": scale,
+            "relative": worst / scale if scale else 0.0,
+        },
     }
 
 
 def passes(report: dict[str, Any], atol: float, grad_rtol: float) -> bool:
-    return (report["layers"]["logits"]["max_abs"] <= atol and report["top1_agreement"] == 1.0
-            and report["grad"]["relative"] <= grad_rtol)
+    return (
+        report["layers"]["logits"]["max_abs"] <= atol
+        and report["top1_agreement"] == 1.0
+        and report["grad"]["relative"] <= grad_rtol
+    )
 
 
 def print_report(report: dict[str, Any], atol: float, grad_rtol: float) -> None:
@@ -131,11 +140,15 @@ def print_report(report: dict[str, Any], atol: float, grad_rtol: float) -> None:
     console.print(table)
     g = report["grad"]
     console.print(f"top-1 agreement: {report['top1_agreement']:.3f}")
-    console.print(f"gradients: max |diff| {g['max_abs']:.3e} at {g['worst_param']} "
-                  f"(relative {g['relative']:.3e} of max |grad| {g['max_grad']:.3e})")
+    console.print(
+        f"gradients: max |diff| {g['max_abs']:.3e} at {g['worst_param']} "
+        f"(relative {g['relative']:.3e} of max |grad| {g['max_grad']:.3e})"
+    )
     verdict = "[green]PASS[/green]" if ok else "[red]FAIL[/red]"
-    console.print(f"{verdict}: logits max |diff| {report['layers']['logits']['max_abs']:.3e} "
-                  f"(tolerance {atol:g}), gradient relative diff tolerance {grad_rtol:g}")
+    console.print(
+        f"{verdict}: logits max |diff| {report['layers']['logits']['max_abs']:.3e} "
+        f"(tolerance {atol:g}), gradient relative diff tolerance {grad_rtol:g}"
+    )
 
 
 @entry_point("parity")

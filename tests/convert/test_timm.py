@@ -107,10 +107,13 @@ def test_pickle_that_would_run_code_is_refused(tmp_path: Path, monkeypatch):
     assert not (tmp_path / "PWNED").exists()
 
 
-@pytest.mark.parametrize("content, message", [
-    ({"lr": 0.1}, "does not hold a state dict"),
-    ([torch.zeros(1)], "does not hold a state dict"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ({"lr": 0.1}, "does not hold a state dict"),
+        ([torch.zeros(1)], "does not hold a state dict"),
+    ],
+)
 def test_not_a_state_dict(tmp_path: Path, content, message):
     torch.save(content, tmp_path / "w.pth")
     with pytest.raises(ValueError, match=message):

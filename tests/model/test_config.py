@@ -6,7 +6,12 @@ from vitlab.model import VARIANTS, ViTConfig, parse_variant
 def test_variant_table_is_the_papers():
     # ViT paper Table 1 (Ti from DeiT): width, depth, heads
     assert {k: (v["embed_dim"], v["depth"], v["num_heads"]) for k, v in VARIANTS.items()} == {
-        "Ti": (192, 12, 3), "S": (384, 12, 6), "B": (768, 12, 12), "L": (1024, 24, 16), "H": (1280, 32, 16)}
+        "Ti": (192, 12, 3),
+        "S": (384, 12, 6),
+        "B": (768, 12, 12),
+        "L": (1024, 24, 16),
+        "H": (1280, 32, 16),
+    }
     assert parse_variant("L/14") == dict(embed_dim=1024, depth=24, num_heads=16, patch_size=14)
 
 
@@ -37,24 +42,27 @@ def test_flops_match_the_hand_count_for_b16():
     assert abs(expected / 2e9 - 17.58) < 0.05  # timm's 17.58 GMACs
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(img_size=30), "img_size 30 is not divisible by patch_size 16"),
-    (dict(img_size=[224, 100]), "is not divisible by patch_size 16"),
-    (dict(img_size=[1, 2, 3]), "img_size [1, 2, 3] must be an int or [height, width]"),
-    (dict(embed_dim=100, num_heads=3), "embed_dim 100 is not divisible by num_heads 3"),
-    (dict(global_pool="max"), "global_pool 'max' is not one of"),
-    (dict(global_pool="token", class_token=False), "global_pool 'token' needs class_token"),
-    (dict(pos_embed="rope"), "pos_embed 'rope' is not one of"),
-    (dict(pos_embed="sincos2d", embed_dim=66, num_heads=6), "divisible by 4"),
-    (dict(drop_path_rate=1.5), "drop_path_rate 1.5 must be in [0, 1)"),
-    (dict(attn_drop_rate=-0.1), "attn_drop_rate -0.1 must be in [0, 1)"),
-    (dict(depth=0), "depth 0 must be >= 1"),
-    (dict(depth=2.5), "depth 2.5 must be an integer"),
-    (dict(qk_norm="yes"), "qk_norm 'yes' must be true or false"),
-    (dict(reg_tokens=-1), "reg_tokens -1 must be >= 0"),
-    (dict(init_values=0.0), "init_values 0.0 must be > 0"),
-    (dict(weight_init="moco"), "weight_init 'moco' is not one of"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(img_size=30), "img_size 30 is not divisible by patch_size 16"),
+        (dict(img_size=[224, 100]), "is not divisible by patch_size 16"),
+        (dict(img_size=[1, 2, 3]), "img_size [1, 2, 3] must be an int or [height, width]"),
+        (dict(embed_dim=100, num_heads=3), "embed_dim 100 is not divisible by num_heads 3"),
+        (dict(global_pool="max"), "global_pool 'max' is not one of"),
+        (dict(global_pool="token", class_token=False), "global_pool 'token' needs class_token"),
+        (dict(pos_embed="rope"), "pos_embed 'rope' is not one of"),
+        (dict(pos_embed="sincos2d", embed_dim=66, num_heads=6), "divisible by 4"),
+        (dict(drop_path_rate=1.5), "drop_path_rate 1.5 must be in [0, 1)"),
+        (dict(attn_drop_rate=-0.1), "attn_drop_rate -0.1 must be in [0, 1)"),
+        (dict(depth=0), "depth 0 must be >= 1"),
+        (dict(depth=2.5), "depth 2.5 must be an integer"),
+        (dict(qk_norm="yes"), "qk_norm 'yes' must be true or false"),
+        (dict(reg_tokens=-1), "reg_tokens -1 must be >= 0"),
+        (dict(init_values=0.0), "init_values 0.0 must be > 0"),
+        (dict(weight_init="moco"), "weight_init 'moco' is not one of"),
+    ],
+)
 def test_bad_config_fails_at_construction_naming_the_field(kwargs, message):
     with pytest.raises(ValueError) as e:
         ViTConfig(**kwargs)

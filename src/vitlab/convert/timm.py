@@ -86,8 +86,9 @@ def _convert(sd: StateDict, cfg: ViTConfig, table, *, src: str, resample: bool, 
             continue
         out[new] = value
     if unknown:
-        raise ValueError(f"{src} state dict has keys this ViT config does not use: {unknown[:8]}"
-                         f"{' ...' if len(unknown) > 8 else ''}")
+        raise ValueError(
+            f"{src} state dict has keys this ViT config does not use: {unknown[:8]}{' ...' if len(unknown) > 8 else ''}"
+        )
     if reset_head:
         for k in [k for k in out if k.startswith("head.")]:
             del out[k]
@@ -156,9 +157,24 @@ def create_timm_model(cfg: ViTConfig, name: str | None = None, pretrained: bool 
 
 def _looks_offline(e: BaseException) -> bool:
     names = {type(x).__name__ for x in _chain(e)}
-    return bool(names & {"LocalEntryNotFoundError", "ConnectionError", "OfflineModeIsEnabled",
-                         "ConnectTimeout", "ReadTimeout", "MaxRetryError", "NameResolutionError",
-                         "ConnectError", "HfHubHTTPError", "gaierror"}) or "offline" in str(e).lower()
+    return (
+        bool(
+            names
+            & {
+                "LocalEntryNotFoundError",
+                "ConnectionError",
+                "OfflineModeIsEnabled",
+                "ConnectTimeout",
+                "ReadTimeout",
+                "MaxRetryError",
+                "NameResolutionError",
+                "ConnectError",
+                "HfHubHTTPError",
+                "gaierror",
+            }
+        )
+        or "offline" in str(e).lower()
+    )
 
 
 def _chain(e: BaseException | None):
@@ -169,8 +185,10 @@ def _chain(e: BaseException | None):
 
 def offline_message(name: str) -> str:
     cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
-    return (f"cannot fetch timm weights {name!r}: no network and not in the Hugging Face cache ({cache}); "
-            "run once online, or pass a local .safetensors/.pth file instead of the name")
+    return (
+        f"cannot fetch timm weights {name!r}: no network and not in the Hugging Face cache ({cache}); "
+        "run once online, or pass a local .safetensors/.pth file instead of the name"
+    )
 
 
 def timm_pretrained_state_dict(name: str) -> StateDict:
@@ -207,8 +225,10 @@ def read_state_dict(path: str | os.PathLike) -> StateDict:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"weights file {str(path)!r} cannot be read safely as PyTorch weights "
-                         f"(only plain tensors are allowed; nothing was executed): {str(e).splitlines()[0]}") from e
+        raise ValueError(
+            f"weights file {str(path)!r} cannot be read safely as PyTorch weights "
+            f"(only plain tensors are allowed; nothing was executed): {str(e).splitlines()[0]}"
+        ) from e
     if isinstance(obj, dict):
         for key in ("state_dict_ema", "state_dict", "model"):
             if isinstance(obj.get(key), dict):
@@ -217,17 +237,21 @@ def read_state_dict(path: str | os.PathLike) -> StateDict:
     if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise ValueError(f"weights file {str(path)!r} does not hold a state dict (a mapping of names to tensors)")
     if all(k.startswith("model.") for k in obj):
-        obj = {k[len("model."):]: v for k, v in obj.items()}
+        obj = {k[len("model.") :]: v for k, v in obj.items()}
     return obj
 
 
-def load_timm_weights(model: ViT, source: str, *, reset_head: bool = False) -> None:
+def load_timm_weights(model: ViT, source: str, *, reset_head: bool | None = None) -> None:
     """Load timm weights into `model`: `source` is a local file, or a timm model name (downloaded
-    through timm when online). The pos_embed is resampled to the model's img_size."""
-    if Path(source).suffix in (".safetensors", ".pth", ".pt", ".bin") or Path(source).exists():
+    through timm when online). The pos_embed is resampled to the model's img_size. `reset_head`:
+    keep the model's fresh head; None decides by whether the checkpoint's head fits."""
+    if Path(source).suffix in (".safetensors", ".pth", ".pt", ".bin", ".ckpt") or Path(source).exists():
         sd = read_state_dict(source)
     else:
         sd = timm_pretrained_state_dict(source)
+    if reset_head is None:
+        head = sd.get("head.weight")
+        reset_head = head is None or not isinstance(model.head, nn.Linear) or head.shape != model.head.weight.shape
     model.load_state_dict(timm_to_vitlab(sd, model.cfg, reset_head=reset_head), strict=not reset_head)
     log.info("loaded timm weights %s%s", source, " (new head)" if reset_head else "")
 

@@ -110,8 +110,15 @@ class ViTConfig:
         # Hydra hands over whatever YAML parsed; catch "depth: 12.5" or "qk_norm: yes please" here.
         ints = ("patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "reg_tokens")
         bools = ("qkv_bias", "qk_norm", "class_token", "no_embed_class", "pre_norm", "dynamic_img_size")
-        floats = ("mlp_ratio", "drop_rate", "pos_drop_rate", "proj_drop_rate", "attn_drop_rate",
-                  "drop_path_rate", "norm_eps")
+        floats = (
+            "mlp_ratio",
+            "drop_rate",
+            "pos_drop_rate",
+            "proj_drop_rate",
+            "attn_drop_rate",
+            "drop_path_rate",
+            "norm_eps",
+        )
         for name in ints:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
@@ -193,4 +200,3 @@ class ViTConfig:
         embed = 2 * self.num_patches * self.patch_size**2 * self.in_chans * d
         head = 2 * d * self.num_classes
         return self.depth * per_block + embed + head
-

@@ -24,8 +24,7 @@ from vitlab.model.config import ViTConfig
 def posemb_sincos_2d(grid_size: tuple[int, int], dim: int, temperature: float = 10_000.0) -> torch.Tensor:
     """Fixed 2-D sin-cos embedding as big_vision's `posemb_sincos_2d`: (1, H*W, dim)."""
     h, w = grid_size
-    y, x = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32),
-                          indexing="ij")
+    y, x = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
     omega = torch.arange(dim // 4, dtype=torch.float32) / max(dim // 4 - 1, 1)
     omega = 1.0 / temperature**omega
     y = y.flatten()[:, None] * omega[None, :]
@@ -254,8 +253,10 @@ class ViT(nn.Module):
         """Images (B, C, H, W) -> tokens (B, N, D): patches, prefix tokens, position embedding."""
         H, W = x.shape[-2:]
         if not self.cfg.dynamic_img_size and (H, W) != self.cfg.img_hw:
-            raise ValueError(f"input size {H}x{W} does not match img_size {self.cfg.img_hw}; "
-                             "resize the input or build the model with dynamic_img_size=true")
+            raise ValueError(
+                f"input size {H}x{W} does not match img_size {self.cfg.img_hw}; "
+                "resize the input or build the model with dynamic_img_size=true"
+            )
         x = self.patch_embed(x)  # (B, h, w, D)
         B, h, w, D = x.shape
         x = x.reshape(B, h * w, D)
@@ -294,7 +295,7 @@ class ViT(nn.Module):
         if self.cfg.global_pool == "token":
             x = x[:, 0]
         elif self.cfg.global_pool == "avg":
-            x = x[:, self.num_prefix_tokens:].mean(dim=1)
+            x = x[:, self.num_prefix_tokens :].mean(dim=1)
         x = self.head_drop(self.fc_norm(x))
         return x if pre_logits else self.head(x)
 
@@ -322,8 +323,9 @@ class ViT(nn.Module):
             out["patch_embed"] = self.patch_embed(x).flatten(1, 2)
         x = self.embed(x)
         out["embed"] = x
-        last = max([int(n.split(".")[1]) for n in wanted if n.startswith("blocks.")] +
-                   [depth - 1 if "norm" in wanted else -1])
+        last = max(
+            [int(n.split(".")[1]) for n in wanted if n.startswith("blocks.")] + [depth - 1 if "norm" in wanted else -1]
+        )
         for i, blk in enumerate(self.blocks[: last + 1]):
             x = blk(x)
             out[f"blocks.{i}"] = x

@@ -1,0 +1,146 @@
+"""python -m vitlab.train [overrides]: fit, then test the best checkpoint.
+
+Prints the resolved config as a tree and saves it (config.yaml) in the run directory, writes the
+final metrics to metrics.json there, and returns `optimized_metric` for sweepers (-m, Optuna).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+
+from vitlab.cli import entry_point, print_config_tree, vit_config
+from vitlab.convert.timm import load_timm_weights
+from vitlab.lit_module import ViTModule
+
+log = logging.getLogger(__name__)
+
+PROGRESS_BARS = ("auto", "rich", "tqdm", "none")
+
+
+def check_launch(cfg: DictConfig) -> None:
+    """Lightning's DDP launcher re-runs this command for every rank; under a -m sweep on the basic
+    launcher every child would re-run the whole sweep. Stop before anything starts."""
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN or "submitit" in str(hc.launcher.get("_target_", "")):
+        return
+    t = cfg.trainer
+    devices, nodes = t.get("devices", 1), t.get("num_nodes", 1)
+    many = (
+        nodes > 1
+        or devices in (-1, "auto")
+        or (isinstance(devices, int) and devices > 1)
+        or (not isinstance(devices, (int, str)) and len(devices) > 1)
+    )
+    if many:
+        raise ValueError(
+            f"-m sweeps run each job in this process, but trainer.devices={devices} "
+            f"(num_nodes={nodes}) needs one process per device, which Lightning starts by "
+            "re-running the command: sweep with trainer.devices=1, or use hydra/launcher=slurm "
+            "(one SLURM job per sweep point)"
+        )
+
+
+def progress_bar(choice: str) -> tuple[list, bool]:
+    if choice not in PROGRESS_BARS:
+        raise ValueError(f"progress_bar {choice!r} is not one of {list(PROGRESS_BARS)}")
+    if choice == "auto":
+        choice = "rich" if sys.stdout.isatty() else "none"
+    return ([RichProgressBar()] if choice == "rich" else []), choice != "none"
+
+
+def instantiate_group(group: DictConfig | None) -> list[Any]:
+    """Every entry with a _target_ in a callbacks/logger group, in order."""
+    if not group:
+        return []
+    return [instantiate(node) for node in group.values() if isinstance(node, DictConfig) and "_target_" in node]
+
+
+@rank_zero_only
+def write_metrics(path: Path, metrics: dict[str, Any]) -> None:
+    path.write_text(json.dumps(metrics, indent=2))
+
+
+def train(cfg: DictConfig) -> float | None:
+    started = time.time()
+    check_launch(cfg)
+    out = Path(cfg.paths.output_dir)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    log.info("seed %s", cfg.seed)
+
+    datamodule = instantiate(cfg.data)
+    model_cfg = vit_config(cfg.model)
+    module = ViTModule(
+        model=model_cfg.to_dict(),
+        optim=OmegaConf.to_container(cfg.optim, resolve=True),
+        label_smoothing=cfg.label_smoothing,
+        mixup=OmegaConf.to_container(cfg.mixup, resolve=True),
+        compile=cfg.compile,
+        class_names=list(getattr(datamodule, "class_names", []) or []),
+        data=OmegaConf.to_container(cfg.data, resolve=True),
+    )
+    if cfg.model.pretrained and cfg.train and not cfg.ckpt_path:
+        load_timm_weights(module.model, cfg.model.pretrained)
+
+    bars, show_bar = progress_bar(cfg.progress_bar)
+    callbacks = instantiate_group(cfg.get("callbacks")) + bars
+    loggers = instantiate_group(cfg.get("logger"))
+    trainer: L.Trainer = instantiate(
+        cfg.trainer, callbacks=callbacks, logger=loggers or False, enable_progress_bar=show_bar
+    )
+    if trainer.is_global_zero:
+        print_config_tree(cfg, save_to=out / "config.yaml")
+    for lg in loggers:
+        lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+
+    metrics: dict[str, Any] = {}
+    try:
+        if cfg.train:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+            metrics.update({k: v.item() for k, v in trainer.callback_metrics.items()})
+        if cfg.test:
+            best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+            if cfg.train and not best:
+                log.warning("no best checkpoint was saved; testing the final weights")
+            ckpt = best or (None if cfg.train else cfg.ckpt_path)
+            trainer.test(module, datamodule=datamodule, ckpt_path=ckpt)
+            metrics.update({k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
+            metrics["tested_checkpoint"] = ckpt or "final weights"
+    finally:
+        if any(isinstance(lg, WandbLogger) for lg in loggers):
+            import wandb
+
+            wandb.finish()  # one wandb run per job, also in sweeps
+    metrics["wall_time_s"] = round(time.time() - started, 2)
+    metrics["run_dir"] = str(out)
+    write_metrics(out / "metrics.json", metrics)
+
+    if cfg.optimized_metric is None:
+        return None
+    if cfg.optimized_metric not in metrics:
+        raise ValueError(f"optimized_metric {cfg.optimized_metric!r} was not logged; logged: {sorted(metrics)}")
+    return metrics[cfg.optimized_metric]
+
+
+@entry_point("train")
+def main(cfg: DictConfig) -> float | None:
+    return train(cfg)
+
+
+if __name__ == "__main__":
+    torch.set_float32_matmul_precision("high")
+    main()

@@ -1,0 +1,190 @@
+"""Every file under conf/ composes, resolves and instantiates."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from vitlab.cli import config_dir, vit_config
+from vitlab.lit_module import ViTModule
+
+CONF = config_dir()
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml") if not p.stem.startswith("_"))
+
+
+def every_conf_file() -> set[Path]:
+    return {p for p in CONF.rglob("*.yaml") if p.parent.name != "local"}
+
+
+def build_everything(cfg):
+    """What vitlab.train builds before fitting: model, data, module, callbacks, loggers, trainer."""
+    mc = vit_config(cfg.model)
+    # One block is enough to check the module's arguments; every full model is built in test_model_configs.
+    ViTModule(
+        model={**mc.to_dict(), "depth": 1},
+        optim=OmegaConf.to_container(cfg.optim),
+        mixup=OmegaConf.to_container(cfg.mixup),
+    )
+    dm = instantiate(cfg.data)
+    assert (dm.num_classes, dm.channels) == (mc.num_classes, mc.in_chans)
+    callbacks = [instantiate(c) for c in cfg.callbacks.values() if c and "_target_" in c]
+    loggers = [instantiate(c) for c in (cfg.logger or {}).values() if c and "_target_" in c]
+    return mc, dm, callbacks, loggers
+
+
+def test_the_tests_cover_every_conf_file():
+    covered = {
+        CONF / f"{g}/{o}.yaml"
+        for g in (
+            "model",
+            "data",
+            "optim",
+            "trainer",
+            "callbacks",
+            "logger",
+            "debug",
+            "experiment",
+            "hparams_search",
+            "paths",
+        )
+        for o in options(g)
+    }
+    covered |= {CONF / "model/_base.yaml", CONF / "hydra/default.yaml", CONF / "hydra/launcher/slurm.yaml"}
+    covered |= {CONF / f"{n}.yaml" for n in ("train", "eval", "predict", "parity")}
+    assert every_conf_file() <= covered, every_conf_file() - covered
+
+
+def test_base_model_fields_are_vitconfig_fields():
+    from dataclasses import fields
+
+    from vitlab.cli import MODEL_EXTRA_KEYS
+    from vitlab.model import ViTConfig
+
+    base = OmegaConf.load(CONF / "model/_base.yaml")
+    assert set(base) == {f.name for f in fields(ViTConfig) if f.init} | set(MODEL_EXTRA_KEYS)
+    defaults = ViTConfig()
+    for key in base:
+        if key not in MODEL_EXTRA_KEYS and base[key] is not None:
+            assert base[key] == getattr(defaults, key), key
+
+
+@pytest.mark.parametrize("model", options("model"))
+def test_model_configs(compose_cfg, model):
+    cfg = compose_cfg("train", [f"model={model}"])
+    assert vit_config(cfg.model).num_classes == 10  # wired to data=digits
+    cfg = compose_cfg("parity", [f"model={model}"])
+    with torch.device("meta"):
+        from vitlab.model import ViT
+
+        ViT(vit_config(cfg.model))
+
+
+@pytest.mark.parametrize("data", options("data"))
+def test_data_configs(compose_cfg, data):
+    cfg = compose_cfg("train", [f"data={data}", "model=vit_cifar"])
+    mc, dm, *_ = build_everything(cfg)
+    assert dm.img_size == mc.img_size == 32
+
+
+def test_wiring_resizes_digits_for_vit_b16(compose_cfg):
+    cfg = compose_cfg("train", ["model=vit_b16", "data=digits"])
+    mc, dm, *_ = build_everything(cfg)
+    assert (mc.img_size, mc.in_chans, mc.num_classes) == (224, 1, 10)
+    dm.setup()
+    x, _ = dm.on_after_batch_transfer(next(iter(dm.test_dataloader())), 0)
+    assert x.shape[1:] == (1, 224, 224)
+
+
+@pytest.mark.parametrize("trainer", options("trainer"))
+def test_trainer_configs(compose_cfg, trainer):
+    cfg = compose_cfg("train", [f"trainer={trainer}"])
+    strategy = cfg.trainer.get("strategy")
+    if isinstance(strategy, dict) or OmegaConf.is_dict(strategy):
+        strategy = instantiate(strategy)  # FSDP: the strategy object, with the block wrap policy
+        assert type(strategy).__name__ == "FSDPStrategy"
+    if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
+        # No GPU here: build the same trainer on CPU processes to check every other argument.
+        overrides = dict(accelerator="cpu", precision="32-true")
+        if not isinstance(strategy, str):
+            overrides["strategy"] = "ddp"
+        trainer_obj = instantiate(cfg.trainer, **overrides, logger=False)
+    else:
+        trainer_obj = instantiate(cfg.trainer, logger=False)
+    assert trainer_obj.max_epochs == cfg.trainer.max_epochs
+
+
+@pytest.mark.parametrize("callbacks", options("callbacks"))
+def test_callback_configs(compose_cfg, callbacks):
+    cfg = compose_cfg("train", [f"callbacks={callbacks}"])
+    _, _, cbs, _ = build_everything(cfg)
+    names = {type(c).__name__ for c in cbs}
+    if callbacks == "ema":
+        assert "EMAWeightAveraging" in names and "ModelCheckpoint" in names
+
+
+@pytest.mark.parametrize("logger", options("logger"))
+def test_logger_configs(compose_cfg, logger, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = compose_cfg("train", [f"logger={logger}"])
+    _, _, _, loggers = build_everything(cfg)
+    assert len(loggers) == (3 if logger == "many" else 1)
+
+
+@pytest.mark.parametrize("debug", options("debug"))
+def test_debug_configs(compose_cfg, debug):
+    cfg = compose_cfg("train", [f"debug={debug}"])
+    assert cfg.task_name == "debug"
+    build_everything(cfg)
+    instantiate(cfg.trainer, logger=False)
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_experiment_configs(compose_cfg, experiment):
+    cfg = compose_cfg("train", [f"experiment={experiment}"])
+    mc, dm, *_ = build_everything(cfg)
+    assert cfg.tags and mc.num_classes == dm.num_classes
+
+
+def test_hparams_search_config(compose_cfg):
+    cfg = compose_cfg("train", ["hparams_search=digits_optuna"], keep_hydra=True)
+    assert cfg.hydra.sweeper._target_.endswith("OptunaSweeper")
+    assert set(cfg.hydra.sweeper.params) == {"optim.lr", "optim.weight_decay", "model.drop_path_rate", "model.depth"}
+    instantiate(cfg.hydra.sweeper.sampler)
+
+
+def test_slurm_launcher_example(compose_cfg):
+    cfg = compose_cfg("train", ["hydra/launcher=slurm", "trainer=ddp"], keep_hydra=True)
+    assert "submitit" in cfg.hydra.launcher._target_
+    assert cfg.hydra.launcher.tasks_per_node == cfg.hydra.launcher.gpus_per_node == 4
+
+
+@pytest.mark.parametrize("name", ["eval", "predict", "parity"])
+def test_other_entry_point_configs(compose_cfg, name):
+    overrides = {
+        "eval": ["ckpt_path=x.ckpt", "data=digits", "model.img_size=8"],
+        "predict": ["ckpt_path=x.ckpt", "images=[a.png]"],
+        "parity": [],
+    }[name]
+    cfg = compose_cfg(name, overrides)
+    assert cfg.task_name == name
+    if name == "eval":
+        instantiate(cfg.data)
+        instantiate(cfg.trainer, logger=False)
+
+
+def test_unknown_key_and_wrong_type_fail_at_start_up(compose_cfg):
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="model.depht"):
+        compose_cfg("train", ["model.depht=3"])
+    cfg = compose_cfg("train", ["model.depth=three"])
+    with pytest.raises(ValueError, match="depth 'three' must be an integer"):
+        vit_config(cfg.model)
+    cfg = compose_cfg("train", ["optim.lr=fast"])
+    with pytest.raises(ValueError, match="optim.lr .fast. must be a number >= 0"):
+        build_everything(cfg)

@@ -1,0 +1,221 @@
+"""vitlab.train, eval and predict end to end on the embedded digits data (short runs, CPU)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from PIL import Image
+from sklearn.datasets import load_digits
+
+from tests.conftest import run_cli
+from vitlab.lit_module import ViTModule
+from vitlab.train import train
+
+SHORT = ["debug=limit", "progress_bar=none"]
+METRICS = ["train/loss", "train/acc", "val/loss", "val/acc", "val/acc_best", "test/loss", "test/acc", "test/acc_top5"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One short training run through the real command line, shared by the tests below."""
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    r = run_cli(
+        "train",
+        "trainer.max_epochs=3",
+        "trainer.limit_test_batches=1.0",
+        "progress_bar=none",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run_dir, json.loads((run_dir / "metrics.json").read_text()), r.stdout
+
+
+def test_train_writes_config_metrics_checkpoints_and_logs(trained):
+    run_dir, metrics, stdout = trained
+    assert all(k in metrics for k in METRICS), sorted(metrics)
+    assert "model" in stdout and "optim" in stdout  # the config tree was printed
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["model"]["num_classes"] == 10 and saved["model"]["in_chans"] == 1  # resolved wiring
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    header = (run_dir / "csv" / "metrics.csv").read_text().splitlines()[0].split(",")
+    for col in (
+        "train/loss_step",
+        "val/acc_best",
+        "lr-AdamW/pg1",
+        "train/device/samples_per_sec",
+        "train/device/flops_per_sec",
+    ):
+        assert col in header, col
+
+
+def test_checkpoint_rebuilds_without_hydra(trained):
+    run_dir, metrics, _ = trained
+    module = ViTModule.load_from_checkpoint(metrics["tested_checkpoint"], weights_only=True)
+    hp = module.hparams
+    assert hp["model"]["embed_dim"] == 64 and hp["model"]["num_classes"] == 10
+    assert hp["class_names"] == [str(i) for i in range(10)]
+    assert hp["data"]["_target_"] == "vitlab.data.DigitsDataModule"
+    assert all(type(v) in (dict, list, str, int, float, bool, type(None)) for v in hp.values())
+
+
+def test_eval_reproduces_the_test_accuracy(trained, tmp_path):
+    run_dir, metrics, _ = trained
+    r = run_cli(
+        "eval", f"ckpt_path={metrics['tested_checkpoint']}", "progress_bar=none", f"hydra.run.dir={tmp_path / 'e'}"
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    again = json.loads((tmp_path / "e" / "metrics.json").read_text())
+    assert again["test/acc"] == metrics["test/acc"] and again["test/loss"] == pytest.approx(metrics["test/loss"])
+
+
+def test_predict_prints_top_k(trained, tmp_path):
+    _, metrics, _ = trained
+    digits = load_digits()
+    paths = []
+    for i in (0, 1):
+        path = tmp_path / f"digit{i}.png"
+        Image.fromarray((digits.images[i] * 255 / 16).astype("uint8")).resize((32, 32)).save(path)
+        paths.append(str(path))
+    r = run_cli(
+        "predict",
+        f"ckpt_path={metrics['tested_checkpoint']}",
+        f"images=[{','.join(paths)}]",
+        "top_k=3",
+        f"hydra.run.dir={tmp_path / 'p'}",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [line for line in r.stdout.splitlines() if line.startswith(str(tmp_path))]
+    assert len(lines) == 2 and all(line.count("(") == 3 for line in lines)
+    preds = json.loads((tmp_path / "p" / "predictions.json").read_text())
+    assert [len(p["top_k"]) for p in preds] == [3, 3] and sum(t["prob"] for t in preds[0]["top_k"]) <= 1.0 + 1e-6
+
+
+@pytest.mark.parametrize("logger", ["csv", "tensorboard", "wandb"])
+def test_loggers(compose_cfg, tmp_path, monkeypatch, logger):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = compose_cfg("train", [*SHORT, f"logger={logger}", "callbacks=none"])
+    value = train(cfg)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert value == metrics["val/acc_best"]
+    if logger == "csv":
+        assert (tmp_path / "csv" / "metrics.csv").is_file()
+    elif logger == "tensorboard":
+        assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    else:
+        import wandb
+
+        assert wandb.run is None  # finished after the job
+        (run,) = (tmp_path / "wandb").glob("offline-run-*")
+        assert list(run.glob("run-*.wandb"))
+
+
+def test_ema_checkpoint_tests_and_reloads(compose_cfg, tmp_path):
+    cfg = compose_cfg("train", [*SHORT, "callbacks=ema", "callbacks.ema.update_starting_at_step=0"])
+    train(cfg)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    ckpt = torch.load(metrics["tested_checkpoint"], weights_only=True)
+    assert "current_model_state" in ckpt  # Lightning's EMA callback keeps the raw weights for resuming
+    assert not torch.equal(ckpt["state_dict"]["model.head.weight"], ckpt["current_model_state"]["model.head.weight"])
+
+
+def test_mixup_label_smoothing_layer_decay_and_compile_options_train(compose_cfg, tmp_path):
+    cfg = compose_cfg(
+        "train",
+        [
+            *SHORT,
+            "mixup.mixup_alpha=0.8",
+            "mixup.cutmix_alpha=1.0",
+            "optim.layer_decay=0.75",
+            "model.drop_path_rate=0.1",
+            "callbacks=none",
+            "logger=csv",
+        ],
+    )
+    assert 0.0 <= train(cfg) <= 1.0
+
+
+def test_ddp_on_two_cpu_processes_shares_one_run_dir_and_syncs_metrics(tmp_path):
+    run_dir = tmp_path / "run"
+    r = run_cli(
+        "train",
+        "trainer=ddp_cpu",
+        "trainer.devices=2",
+        *SHORT,
+        "trainer.limit_test_batches=1.0",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # rank 1 wrote into rank 0's directory, no other
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    # Each rank tested half of the test set; the synced accuracy equals one process testing all of it.
+    r = run_cli(
+        "eval", f"ckpt_path={metrics['tested_checkpoint']}", "progress_bar=none", f"hydra.run.dir={tmp_path / 'e'}"
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    single = json.loads((tmp_path / "e" / "metrics.json").read_text())
+    assert metrics["test/acc"] == pytest.approx(single["test/acc"], abs=1e-6)
+
+
+def test_grid_sweep_gives_each_job_a_directory_and_a_summary(tmp_path):
+    sweep = tmp_path / "sweep"
+    r = run_cli("train", "-m", "optim.lr=1e-3,3e-3", "model.drop_path_rate=0,0.1", *SHORT, f"hydra.sweep.dir={sweep}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert jobs == ["0", "1", "2", "3"]
+    assert all((sweep / j / "metrics.json").is_file() for j in jobs)
+    summary = json.loads((sweep / "summary.json").read_text())
+    assert [s["status"] for s in summary] == ["done"] * 4
+    assert summary[3]["overrides"][:2] == ["optim.lr=0.003", "model.drop_path_rate=0.1"]
+    assert "sweep summary" in r.stdout
+
+
+def test_optuna_search(tmp_path):
+    sweep = tmp_path / "optuna"
+    r = run_cli("train", "hparams_search=digits_optuna", "hydra.sweeper.n_trials=3", *SHORT, f"hydra.sweep.dir={sweep}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert 0.0 <= result["best_value"] <= 1.0 and set(result["best_params"]) >= {"optim.lr", "model.depth"}
+    assert len(json.loads((sweep / "summary.json").read_text())) == 3
+
+
+def test_multirun_with_multi_process_ddp_stops_at_once(tmp_path):
+    r = run_cli("train", "-m", "trainer=ddp_cpu", "optim.lr=1e-3,3e-3", *SHORT, f"hydra.sweep.dir={tmp_path / 's'}")
+    assert r.returncode == 2
+    (line,) = r.stderr.strip().splitlines()[-1:]
+    assert line.startswith("error: -m sweeps run each job in this process, but trainer.devices=2")
+    assert not list((tmp_path / "s").glob("*/metrics.json"))
+
+
+def test_runs_started_together_get_their_own_directories(tmp_path):
+    cmd = [sys.executable, "-m", "vitlab.train", "debug=fdr", "progress_bar=none"]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(2)]
+    assert all(p.wait(timeout=300) == 0 for p in procs)
+    runs = list((tmp_path / "outputs" / "debug" / "runs").iterdir())
+    assert len(runs) == 2 and all((r / "config.yaml").is_file() for r in runs)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["model.depth=three"], "error: depth 'three' must be an integer"),
+        (["model.drop_path_rate=1.5"], "error: drop_path_rate 1.5 must be in [0, 1)"),
+        (["data.batch_size=0"], "data.batch_size 0 must be >= 1"),
+        (["progress_bar=fancy"], "error: progress_bar 'fancy' is not one of ['auto', 'rich', 'tqdm', 'none']"),
+        (["optim.layer_decay=2"], "error: optim.layer_decay 2 must be in (0, 1]"),
+    ],
+)
+def test_bad_values_fail_in_one_line(tmp_path, args, message):
+    r = run_cli("train", *args, "debug=fdr", f"hydra.run.dir={tmp_path / 'r'}")
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_unknown_key_is_named(tmp_path):
+    r = run_cli("train", "model.depht=3", f"hydra.run.dir={tmp_path / 'r'}")
+    assert r.returncode != 0 and "model.depht" in r.stderr and "Traceback" not in r.stderr
