@@ -104,6 +104,8 @@ def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Cal
 
 def one_line(e: BaseException) -> str:
     text = str(e).strip() or type(e).__name__
+    if "Original Traceback" in text:  # re-raised from a DataLoader worker: its last line is the error
+        text = text.splitlines()[-1].split(": ", 1)[-1]
     if isinstance(e, OmegaConfBaseException):  # its message ends with full_key/object_type lines
         text = text.splitlines()[0]
     return " ".join(text.split())

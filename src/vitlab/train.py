@@ -21,11 +21,12 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from vitlab.cli import entry_point, print_config_tree, vit_config
 from vitlab.convert.timm import load_timm_weights
-from vitlab.lit_module import ViTModule
+from vitlab.lit_module import ViTModule, read_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,33 @@ def progress_bar(choice: str) -> tuple[list, bool]:
     return ([RichProgressBar()] if choice == "rich" else []), choice != "none"
 
 
+def resolve_ckpt_path(ckpt_path: str | None, runs_dir: Path) -> str | None:
+    """`last`: the newest last.ckpt or interrupted.ckpt among this task's earlier runs."""
+    if ckpt_path != "last":
+        if ckpt_path is not None and not Path(ckpt_path).is_file():
+            raise FileNotFoundError(f"ckpt_path {ckpt_path!r} does not exist")
+        return ckpt_path
+    found = [p for name in ("last.ckpt", "interrupted.ckpt") for p in runs_dir.glob(f"*/checkpoints/{name}")]
+    if not found:
+        raise FileNotFoundError(f"ckpt_path=last: no last.ckpt or interrupted.ckpt under {runs_dir}/*/checkpoints")
+    return str(max(found, key=lambda p: p.stat().st_mtime))
+
+
+def check_resumable(ckpt_path: str, module: ViTModule) -> None:
+    """Refuse, in one line, a checkpoint of another architecture or class count before Lightning
+    fails deep inside load_state_dict."""
+    theirs = read_checkpoint(ckpt_path)["hyper_parameters"]["model"]
+    ours = module.hparams["model"]
+    diff = {k: (theirs.get(k), ours[k]) for k in ours if theirs.get(k) != ours[k] and k not in RESUME_MAY_DIFFER}
+    if diff:
+        shown = ", ".join(f"{k}={a!r} (this run: {b!r})" for k, (a, b) in list(diff.items())[:4])
+        raise ValueError(f"ckpt_path {ckpt_path!r} was trained with a different model: {shown}")
+
+
+# Regularisation may change between a run and its resumption; the architecture may not.
+RESUME_MAY_DIFFER = {"drop_rate", "pos_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate"}
+
+
 def instantiate_group(group: DictConfig | None) -> list[Any]:
     """Every entry with a _target_ in a callbacks/logger group, in order."""
     if not group:
@@ -93,7 +121,10 @@ def train(cfg: DictConfig) -> float | None:
         class_names=list(getattr(datamodule, "class_names", []) or []),
         data=OmegaConf.to_container(cfg.data, resolve=True),
     )
-    if cfg.model.pretrained and cfg.train and not cfg.ckpt_path:
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
+    if ckpt_path:
+        check_resumable(ckpt_path, module)
+    elif cfg.model.pretrained and cfg.train:
         load_timm_weights(module.model, cfg.model.pretrained)
 
     bars, show_bar = progress_bar(cfg.progress_bar)
@@ -110,14 +141,17 @@ def train(cfg: DictConfig) -> float | None:
     metrics: dict[str, Any] = {}
     try:
         if cfg.train:
-            trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+            try:
+                trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+            except SIGTERMException:
+                raise SystemExit(143) from None  # 128 + SIGTERM; SaveOnInterrupt said where it saved
             metrics.update({k: v.item() for k, v in trainer.callback_metrics.items()})
         if cfg.test:
             best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
             if cfg.train and not best:
                 log.warning("no best checkpoint was saved; testing the final weights")
-            ckpt = best or (None if cfg.train else cfg.ckpt_path)
-            trainer.test(module, datamodule=datamodule, ckpt_path=ckpt)
+            ckpt = best or (None if cfg.train else ckpt_path)
+            trainer.test(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=True if ckpt else None)
             metrics.update({k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
             metrics["tested_checkpoint"] = ckpt or "final weights"
     finally:

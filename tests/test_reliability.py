@@ -1,0 +1,169 @@
+"""Resume exactly, survive interruption, stop on NaN, refuse bad input in one line."""
+
+import json
+import pickle
+
+import pytest
+import torch
+
+from tests.conftest import run_cli
+
+# Short deterministic CPU run: 3 epochs x 9 steps (batch 128 of 1,257), stochastic depth and EMA on
+# so the RNG and the averaged weights are part of what must resume exactly.
+RUN = [
+    "trainer.max_epochs=3",
+    "trainer.deterministic=true",
+    "progress_bar=none",
+    "model.drop_path_rate=0.1",
+    "callbacks=ema",
+    "callbacks.ema.update_starting_at_step=0",
+    "trainer.limit_test_batches=1.0",
+]
+
+
+def _state(ckpt_path):
+    ckpt = torch.load(ckpt_path, weights_only=True)
+    return ckpt["state_dict"], ckpt["current_model_state"]  # EMA weights (+ metric states), raw weights
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("full") / "run"
+    r = run_cli("train", *RUN, f"hydra.run.dir={run_dir}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.parametrize("signum, step", [("SIGTERM", 13), ("SIGUSR1", 5)])
+def test_interrupt_mid_epoch_then_resume_is_exact(uninterrupted, tmp_path, signum, step):
+    killed = tmp_path / "killed"
+    r = run_cli(
+        "train",
+        *RUN,
+        "+callbacks.kill._target_=tests.helpers.SignalAtStep",
+        f"+callbacks.kill.step={step}",
+        f"+callbacks.kill.signum={signum}",
+        f"hydra.run.dir={killed}",
+    )
+    saved = killed / "checkpoints" / "interrupted.ckpt"
+    assert r.returncode == 143, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"interrupted by SIGTERM/SIGUSR1 at step {step}: saved a resumable checkpoint to {saved}; "
+        f"resume with ckpt_path={saved}"
+    )
+    assert torch.load(saved, weights_only=True)["global_step"] == step  # mid-epoch: 9 steps per epoch
+
+    resumed = tmp_path / "resumed"
+    r = run_cli("train", *RUN, f"ckpt_path={saved}", f"hydra.run.dir={resumed}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ema_a, raw_a = _state(uninterrupted / "checkpoints" / "last.ckpt")
+    ema_b, raw_b = _state(resumed / "checkpoints" / "last.ckpt")
+    for a, b in ((raw_a, raw_b), (ema_a, ema_b)):
+        assert a.keys() == b.keys()
+        assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) <= 1e-6
+    m_a = json.loads((uninterrupted / "metrics.json").read_text())
+    m_b = json.loads((resumed / "metrics.json").read_text())
+    for key in ("val/acc", "val/acc_best", "val/loss", "test/acc", "test/loss", "lr-AdamW/pg1"):
+        assert m_b[key] == pytest.approx(m_a[key], abs=1e-6), key
+
+
+def test_ckpt_path_last_finds_the_newest_checkpoint(uninterrupted, tmp_path):
+    # `last` looks among this task's runs under paths.log_dir; point log_dir at the uninterrupted run's parent.
+    runs = tmp_path / "logs" / "train" / "runs"
+    runs.mkdir(parents=True)
+    (runs / "old").symlink_to(uninterrupted, target_is_directory=True)
+    r = run_cli(
+        "train",
+        *RUN,
+        "trainer.max_epochs=4",
+        "ckpt_path=last",
+        f"paths.log_dir={tmp_path / 'logs'}",
+        f"hydra.run.dir={tmp_path / 'next'}",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert torch.load(tmp_path / "next" / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 3
+
+
+def test_ctrl_c_saves_and_exits_non_zero(tmp_path):
+    r = run_cli(
+        "train",
+        *RUN,
+        "+callbacks.kill._target_=tests.helpers.SignalAtStep",
+        "+callbacks.kill.step=4",
+        "+callbacks.kill.signum=SIGINT",
+        f"hydra.run.dir={tmp_path / 'r'}",
+    )
+    assert r.returncode == 1
+    assert "interrupted by Ctrl-C at step 4: saved a resumable checkpoint" in r.stderr
+    assert (tmp_path / "r" / "checkpoints" / "interrupted.ckpt").is_file()
+
+
+def test_non_finite_loss_stops_naming_step_and_intact_checkpoint(tmp_path):
+    run = tmp_path / "r"
+    r = run_cli(
+        "train",
+        *RUN,
+        "+callbacks.nan._target_=tests.helpers.NanAtStep",
+        "+callbacks.nan.step=12",
+        f"hydra.run.dir={run}",
+    )
+    last = run / "checkpoints" / "last.ckpt"
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"error: training loss became nan at step 12 (epoch 1); stopped before the update; "
+        f"the last good checkpoint is {last}"
+    )
+    ckpt = torch.load(last, weights_only=True)
+    weights = {k: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    assert ckpt["global_step"] == 9 and len(weights) == 56 and all(torch.isfinite(v).all() for v in weights.values())
+    assert not (run / "checkpoints" / "interrupted.ckpt").exists()
+    assert not list((run / "checkpoints").glob(".*tmp*"))  # no temporary files left behind
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (exec, ("open('PWNED', 'w').write('x')",))
+
+
+def test_crafted_pickle_checkpoint_is_refused(tmp_path):
+    evil = tmp_path / "evil.ckpt"
+    with open(evil, "wb") as f:
+        pickle.dump({"state_dict": {}, "hyper_parameters": _RunsCode()}, f, protocol=2)
+    for module, args in (
+        ("train", [f"ckpt_path={evil}"]),
+        ("eval", [f"ckpt_path={evil}"]),
+        ("predict", [f"ckpt_path={evil}", "images=[x.png]"]),
+    ):
+        r = run_cli(
+            module,
+            *args,
+            "progress_bar=none" if module != "predict" else "top_k=1",
+            f"hydra.run.dir={tmp_path / module}",
+            cwd=tmp_path,
+        )
+        assert r.returncode == 2, (module, r.stderr[-2000:])
+        assert "cannot be read safely" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_checkpoint_of_another_architecture_is_refused(uninterrupted, tmp_path):
+    last = uninterrupted / "checkpoints" / "last.ckpt"
+    r = run_cli("train", "model.depth=2", f"ckpt_path={last}", f"hydra.run.dir={tmp_path / 'r'}")
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"error: ckpt_path '{last}' was trained with a different model: depth=4 (this run: 2)"
+    r = run_cli(
+        "train",
+        "data=fake",
+        "data.num_classes=5",
+        "data.channels=1",
+        f"ckpt_path={last}",
+        f"hydra.run.dir={tmp_path / 's'}",
+    )
+    assert r.returncode == 2 and "num_classes=10 (this run: 5)" in r.stderr
+
+
+def test_missing_ckpt_path(tmp_path):
+    r = run_cli("train", "ckpt_path=nowhere.ckpt", f"hydra.run.dir={tmp_path / 'r'}")
+    assert (r.returncode, r.stderr.strip()) == (2, "error: ckpt_path 'nowhere.ckpt' does not exist")
+    r = run_cli("eval", "ckpt_path=nowhere.ckpt", f"hydra.run.dir={tmp_path / 'e'}")
+    assert (r.returncode, r.stderr.strip()) == (2, "error: ckpt_path 'nowhere.ckpt' does not exist")
