@@ -55,7 +55,7 @@ def test_the_tests_cover_every_conf_file():
         for o in options(g)
     }
     covered |= {CONF / "model/_base.yaml", CONF / "hydra/default.yaml", CONF / "hydra/launcher/slurm.yaml"}
-    covered |= {CONF / f"{n}.yaml" for n in ("train", "eval", "predict", "parity")}
+    covered |= {CONF / f"{n}.yaml" for n in ("train", "eval", "predict", "parity", "visualize")}
     assert every_conf_file() <= covered, every_conf_file() - covered
 
 

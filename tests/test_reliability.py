@@ -12,6 +12,7 @@ from tests.conftest import run_cli
 # so the RNG and the averaged weights are part of what must resume exactly.
 RUN = [
     "trainer.max_epochs=3",
+    "data.batch_size=128",
     "trainer.deterministic=true",
     "progress_bar=none",
     "model.drop_path_rate=0.1",

@@ -216,6 +216,22 @@ def test_bad_values_fail_in_one_line(tmp_path, args, message):
     assert "Traceback" not in r.stderr
 
 
-def test_unknown_key_is_named(tmp_path):
+def test_unknown_key_and_option_are_named_in_one_line(tmp_path):
     r = run_cli("train", "model.depht=3", f"hydra.run.dir={tmp_path / 'r'}")
-    assert r.returncode != 0 and "model.depht" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.startswith("error: Could not override 'model.depht'. To append to your config use +model.depht=3")
+    r = run_cli("train", "model=vit_x", f"hydra.run.dir={tmp_path / 'r'}")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "Could not find 'model/vit_x'" in r.stderr and "vit_b16" in r.stderr  # names what is allowed
+    assert "search path" not in r.stderr
+    assert not (tmp_path / "r").exists()  # nothing was written
+
+
+def test_visualize_learning_curves(trained, tmp_path):
+    run_dir, _, _ = trained
+    r = run_cli("visualize", f"run_dir={run_dir}", f"hydra.run.dir={tmp_path / 'v'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    with Image.open(tmp_path / "v" / "learning_curves.png") as img:
+        assert img.format == "PNG" and img.size == (1500, 400)
+    r = run_cli("visualize", f"run_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'w'}")
+    assert r.returncode == 2 and "has no csv/metrics.csv" in r.stderr

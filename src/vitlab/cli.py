@@ -71,6 +71,26 @@ def refuse_reused_run_dir(argv: list[str]) -> None:
                 )
 
 
+def check_overrides(config_name: str, argv: list[str]) -> None:
+    """Hydra reports an unknown key or option in several lines; compose once up front and say it in one
+    (plain runs only: sweeps, Hydra's own flags and HYDRA_FULL_ERROR=1 are left to Hydra)."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1" or any(a.startswith("-") for a in argv):
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    overrides = [a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            compose(config_name, overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        fail(one_line(e))
+    finally:
+        from hydra.core.global_hydra import GlobalHydra
+
+        GlobalHydra.instance().clear()
+
+
 def fail(message: str, code: int = 2) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
@@ -93,6 +113,7 @@ def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Cal
 
         def main() -> Any:
             register_resolvers()
+            check_overrides(config_name, sys.argv[1:])
             refuse_reused_run_dir(sys.argv[1:])
             return hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=config_name)(guarded)()
 
@@ -108,6 +129,7 @@ def one_line(e: BaseException) -> str:
         text = text.splitlines()[-1].split(": ", 1)[-1]
     if isinstance(e, OmegaConfBaseException):  # its message ends with full_key/object_type lines
         text = text.splitlines()[0]
+    text = text.split("\nConfig search path")[0]  # Hydra's missing-option message ends with its search path
     return " ".join(text.split())
 
 

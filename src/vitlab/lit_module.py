@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -198,8 +199,6 @@ class ViTModule(L.LightningModule):
         return loss
 
     def _non_finite_message(self, loss: torch.Tensor) -> str:
-        from pathlib import Path
-
         saved = [Path(p) for cb in self.trainer.checkpoint_callbacks for p in (cb.last_model_path, cb.best_model_path)]
         saved = [p for p in saved if str(p) not in ("", ".") and p.is_file()]
         last = max(saved, key=lambda p: p.stat().st_mtime) if saved else None
@@ -237,9 +236,9 @@ class ViTModule(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         values = self._log_epoch("val")
-        if not self.trainer.sanity_checking:
+        if not self.trainer.sanity_checking:  # the sanity check's numbers are no result
             self.val_acc_best.update(values["val/acc"])
-        self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=True)
+            self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=True)
 
     def test_step(self, batch, batch_idx: int) -> None:
         x, y = batch
@@ -290,8 +289,6 @@ def batch_size(batch) -> int:
 def read_checkpoint(path: str) -> dict[str, Any]:
     """A vitlab training checkpoint as plain data, read with weights_only=True: a file that would run
     code when unpickled is refused, never executed."""
-    from pathlib import Path
-
     if not Path(path).is_file():
         raise FileNotFoundError(f"ckpt_path {str(path)!r} does not exist")
     try:

@@ -39,7 +39,7 @@ def plot_learning_curves(run_dir: str | Path, out: str | Path) -> Path:
 
     s = read_csv_log(Path(run_dir))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for key, label in (("train/loss_epoch", "train"), ("val/loss", "val")):
+    for key, label in (("train/loss", "train"), ("val/loss", "val")):
         if s.get(key):
             axes[0].plot(*zip(*s[key], strict=True), label=label)
     axes[0].set(title="loss", xlabel="epoch")
