@@ -5,6 +5,7 @@ into a ViTConfig. This is the only library module besides the entry points that 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import secrets
 import sys
@@ -103,6 +104,12 @@ def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Cal
     def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], Any]:
         @functools.wraps(task)
         def guarded(cfg: DictConfig) -> Any:
+            # Lightning gives its loggers a stderr handler of their own when imported before Hydra set up
+            # logging; send them through Hydra's (terminal + the run's log file) and keep stderr for errors.
+            for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+                logger = logging.getLogger(name)
+                logger.handlers.clear()
+                logger.propagate = True
             try:
                 return task(cfg)
             except (*USER_ERRORS, InstantiationException) as e:

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitlab.cli import entry_point
 from vitlab.lit_module import load_checkpoint
-from vitlab.train import progress_bar
+from vitlab.train import make_trainer, progress_bar
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
@@ -33,7 +33,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
             f"{datamodule.num_classes} classes and {datamodule.channels} channels"
         )
     bars, show_bar = progress_bar(cfg.progress_bar)
-    trainer = instantiate(
+    trainer = make_trainer(
         cfg.trainer, logger=False, callbacks=bars, enable_progress_bar=show_bar, enable_checkpointing=False
     )
     (metrics,) = trainer.test(module, datamodule=datamodule)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -91,6 +92,24 @@ def check_resumable(ckpt_path: str, module: ViTModule) -> None:
 RESUME_MAY_DIFFER = {"drop_rate", "pos_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate"}
 
 
+def make_trainer(trainer_cfg: DictConfig, **kwargs: Any) -> L.Trainer:
+    """The Lightning Trainer of the config; a request this machine cannot serve (a GPU where there is
+    none, more devices than exist) is one line naming what was asked and what there is."""
+    from hydra.errors import InstantiationException
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    try:
+        return instantiate(trainer_cfg, **kwargs)
+    except InstantiationException as e:
+        if not isinstance(e.__cause__, MisconfigurationException):
+            raise
+        have = f"{torch.cuda.device_count()} CUDA GPU(s) and {os.cpu_count()} CPU cores"
+        raise ValueError(
+            f"trainer.accelerator={trainer_cfg.get('accelerator')!r} trainer.devices="
+            f"{trainer_cfg.get('devices')!r} cannot run here ({e.__cause__}); this machine has {have}"
+        ) from None
+
+
 def instantiate_group(group: DictConfig | None) -> list[Any]:
     """Every entry with a _target_ in a callbacks/logger group, in order."""
     if not group:
@@ -130,9 +149,7 @@ def train(cfg: DictConfig) -> float | None:
     bars, show_bar = progress_bar(cfg.progress_bar)
     callbacks = instantiate_group(cfg.get("callbacks")) + bars
     loggers = instantiate_group(cfg.get("logger"))
-    trainer: L.Trainer = instantiate(
-        cfg.trainer, callbacks=callbacks, logger=loggers or False, enable_progress_bar=show_bar
-    )
+    trainer = make_trainer(cfg.trainer, callbacks=callbacks, logger=loggers or False, enable_progress_bar=show_bar)
     if trainer.is_global_zero:
         print_config_tree(cfg, save_to=out / "config.yaml")
     for lg in loggers:

@@ -1,0 +1,8 @@
+"""LightningDataModules, selected in configs with `data=<name>` (conf/data/)."""
+
+from vitlab.data.cifar import CIFAR10DataModule, CIFAR100DataModule
+from vitlab.data.digits import DigitsDataModule
+from vitlab.data.fake import FakeDataModule
+from vitlab.data.imagefolder import ImageFolderDataModule
+
+__all__ = ["CIFAR10DataModule", "CIFAR100DataModule", "DigitsDataModule", "FakeDataModule", "ImageFolderDataModule"]

@@ -1,0 +1,130 @@
+"""What every image DataModule shares: global batch size split over processes, loaders, transforms.
+
+`data.batch_size` is the *global* batch: under DDP with N processes each loads batch_size / N
+(it must divide), so changing trainer.devices keeps the optimisation the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from vitlab.data import transforms
+
+
+class TransformDataset(Dataset):
+    """(image, label) pairs of `base`, restricted to `indices`, with `transform` applied to the image."""
+
+    def __init__(self, base: Any, transform, indices: Sequence[int] | None = None):
+        self.base, self.transform = base, transform
+        self.indices = list(range(len(base))) if indices is None else list(indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int):
+        img, label = self.base[self.indices[i]]
+        return self.transform(img), label
+
+
+class ImageDataModule(L.LightningDataModule):
+    # Per-dataset facts; subclasses set them (ImageFolder/fake take some from the config).
+    num_classes: int
+    channels: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    class_names: list[str]
+
+    def __init__(
+        self,
+        img_size: int | Sequence[int],
+        batch_size: int = 128,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        train_transform: dict | None = None,
+        eval_transform: dict | None = None,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        data_dir: str | None = None,
+        num_classes: int | None = None,
+        channels: int | None = None,
+    ):
+        super().__init__()
+        # The config states these so the model can be wired to them; datasets with fixed values check them.
+        for name, value in (("num_classes", num_classes), ("channels", channels)):
+            fixed = getattr(type(self), name, None)
+            if value is not None and fixed is not None and value != fixed:
+                raise ValueError(f"data.{name} {value} does not match {type(self).__name__}'s {fixed}")
+            if value is not None:
+                setattr(self, name, value)
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size {batch_size} must be >= 1")
+        if num_workers < 0:
+            raise ValueError(f"data.num_workers {num_workers} must be >= 0")
+        self.img_size = list(img_size) if isinstance(img_size, (list, tuple)) else img_size
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.data_dir = data_dir
+        self.mean = tuple(mean) if mean is not None else self.mean
+        self.std = tuple(std) if std is not None else self.std
+        if len(self.mean) != self.channels or len(self.std) != self.channels:
+            raise ValueError(
+                f"data.mean {list(self.mean)} and data.std {list(self.std)} need one value per channel "
+                f"({self.channels})"
+            )
+        self.train_tf = transforms.train_transform(self.img_size, self.mean, self.std, **(train_transform or {}))
+        self.eval_tf = transforms.eval_transform(self.img_size, self.mean, self.std, **(eval_transform or {}))
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+        self.test_set: Dataset | None = None
+
+    @property
+    def per_device_batch_size(self) -> int:
+        world = self.trainer.world_size if self.trainer is not None else 1
+        if self.batch_size % world:
+            raise ValueError(
+                f"data.batch_size {self.batch_size} is global and must be divisible by the "
+                f"{world} processes (trainer.devices x trainer.num_nodes)"
+            )
+        return self.batch_size // world
+
+    def _loader(self, dataset: Dataset | None, train: bool, **kwargs) -> StatefulDataLoader:
+        """A torchdata StatefulDataLoader: its position and its shuffling generator are saved in
+        checkpoints, so a run resumed mid-epoch sees exactly the batches it would have seen."""
+        if dataset is None:
+            raise RuntimeError("call setup() before asking for a dataloader")
+        kwargs.setdefault("num_workers", self.num_workers)
+        loader = StatefulDataLoader(
+            dataset,
+            batch_size=self.per_device_batch_size,
+            shuffle=train,
+            drop_last=train,
+            pin_memory=self.pin_memory,
+            persistent_workers=kwargs["num_workers"] > 0,
+            **kwargs,
+        )
+        if train:
+            # The permutation gets a generator of its own, seeded from the run's seed. A generator given
+            # to the loader would also feed the per-epoch worker seed, and after a resume the two would
+            # be drawn in another order. (Under DDP, Lightning swaps in a DistributedSampler instead.)
+            loader.sampler.generator = torch.Generator().manual_seed(torch.initial_seed())
+        return loader
+
+    def train_dataloader(self) -> StatefulDataLoader:
+        return self._loader(self.train_set, train=True)
+
+    def val_dataloader(self) -> StatefulDataLoader:
+        return self._loader(self.val_set, train=False)
+
+    def test_dataloader(self) -> StatefulDataLoader:
+        return self._loader(self.test_set, train=False)
+
+    def predict_tensor(self, img) -> torch.Tensor:
+        """One image (PIL or uint8 tensor) -> the (1, C, H, W) batch the eval pipeline makes."""
+        return self.eval_tf(img).unsqueeze(0)

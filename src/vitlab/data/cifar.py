@@ -1,0 +1,70 @@
+"""CIFAR-10 and CIFAR-100 through torchvision: downloaded once into data_dir when online, read from
+there afterwards, and a clear error when neither works. Validation is a fixed hold-out of the
+training set (`val_size` images); the official test set is the test split."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torchvision import datasets
+
+from vitlab.data.base import ImageDataModule, TransformDataset
+
+
+class CIFAR10DataModule(ImageDataModule):
+    num_classes = 10
+    channels = 3
+    mean = (0.4914, 0.4822, 0.4465)
+    std = (0.2470, 0.2435, 0.2616)
+    dataset_cls = datasets.CIFAR10
+    label = "CIFAR-10"
+
+    def __init__(
+        self, data_dir: str = "data", val_size: int = 5000, split_seed: int = 0, download: bool = True, **kwargs
+    ):
+        super().__init__(data_dir=data_dir, **kwargs)
+        if not 0 < val_size < 50_000:
+            raise ValueError(f"data.val_size {val_size} must be in (0, 50000)")
+        self.val_size, self.split_seed, self.download = val_size, split_seed, download
+        self.class_names: list[str] = []  # read from the dataset in setup()
+
+    def _open(self, train: bool):
+        root = Path(self.data_dir)
+        try:
+            return self.dataset_cls(root, train=train, download=False)
+        except RuntimeError:  # not there (or corrupt): torchvision says "Dataset not found or corrupted"
+            if not self.download:
+                raise FileNotFoundError(
+                    f"{self.label} not found under data.data_dir={str(root)!r} and data.download=false"
+                ) from None
+        try:
+            return self.dataset_cls(root, train=train, download=True)
+        except Exception as e:
+            raise ConnectionError(
+                f"{self.label} not found under data.data_dir={str(root)!r} and the download "
+                f"failed ({type(e).__name__}: {e}); download it once online or copy the "
+                f"extracted dataset there"
+            ) from e
+
+    def prepare_data(self) -> None:  # rank 0 only: download before the other ranks read
+        self._open(train=True)
+        self._open(train=False)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        train_full, test = self._open(train=True), self._open(train=False)
+        self.class_names = list(train_full.classes)
+        order = torch.randperm(len(train_full), generator=torch.Generator().manual_seed(self.split_seed)).tolist()
+        self.train_set = TransformDataset(train_full, self.train_tf, sorted(order[self.val_size :]))
+        self.val_set = TransformDataset(train_full, self.eval_tf, sorted(order[: self.val_size]))
+        self.test_set = TransformDataset(test, self.eval_tf)
+
+
+class CIFAR100DataModule(CIFAR10DataModule):
+    num_classes = 100
+    mean = (0.5071, 0.4865, 0.4409)
+    std = (0.2673, 0.2564, 0.2762)
+    dataset_cls = datasets.CIFAR100
+    label = "CIFAR-100"

@@ -1,0 +1,148 @@
+import socket
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vitlab.data import CIFAR10DataModule, DigitsDataModule, FakeDataModule, ImageFolderDataModule
+from vitlab.data.digits import random_affine, random_shift
+from vitlab.data.transforms import eval_transform, train_transform
+
+
+def test_digits_split_is_fixed_stratified_and_disjoint():
+    a, b = DigitsDataModule(img_size=8), DigitsDataModule(img_size=8)
+    a.setup(), b.setup()
+    assert (len(a.train_set), len(a.val_set), len(a.test_set)) == (1257, 270, 270)
+    assert torch.equal(a.test_set.images, b.test_set.images)
+    counts = torch.bincount(a.test_set.labels, minlength=10)
+    assert counts.min() >= 26 and counts.max() <= 28  # stratified: ~27 per class
+    train = {tuple(x.flatten().tolist()) for x in a.train_set.images}
+    assert not any(tuple(x.flatten().tolist()) in train for x in a.test_set.images[:50])
+
+
+def test_digits_batches_are_normalised_and_resized_on_transfer():
+    dm = DigitsDataModule(img_size=[16, 24], batch_size=32)
+    dm.setup()
+    x, y = dm.on_after_batch_transfer(next(iter(dm.test_dataloader())), 0)
+    assert x.shape == (32, 1, 16, 24) and y.dtype == torch.long
+    full = dm.train_set.images
+    assert abs(full.mean().item()) < 0.05 and abs(full.std().item() - 1) < 0.05
+
+
+def test_random_shift_moves_each_image_within_bounds():
+    torch.manual_seed(0)
+    x = torch.arange(16.0).reshape(1, 1, 4, 4).repeat(64, 1, 1, 1)
+    out = random_shift(x, 1, fill=-1.0)
+    assert out.shape == x.shape
+    for img in out[:, 0]:
+        kept = img[img >= 0]
+        assert len(kept) >= 9  # at most one row and one column shifted out
+        assert torch.all(kept.diff()[kept.diff() > 0] >= 1)
+    assert len({tuple(o.flatten().tolist()) for o in out}) > 1
+
+
+def test_random_affine_identity_and_fill():
+    x = torch.randn(4, 1, 8, 8)
+    torch.testing.assert_close(random_affine(x, 0.0, (1.0, 1.0), fill=-0.8), x, atol=1e-6, rtol=0)
+    zoomed_out = random_affine(torch.zeros(2, 1, 8, 8) + 5.0, 0.0, (0.5, 0.5), fill=-0.8)
+    assert zoomed_out[0, 0, 0, 0].item() == pytest.approx(-0.8)  # the corner is outside the shrunk image
+    assert zoomed_out[0, 0, 4, 4].item() == pytest.approx(5.0)
+
+
+def test_bad_datamodule_arguments_name_the_value():
+    with pytest.raises(ValueError, match="data.batch_size 0 must be >= 1"):
+        DigitsDataModule(img_size=8, batch_size=0)
+    with pytest.raises(ValueError, match="data.num_classes 5 does not match DigitsDataModule's 10"):
+        DigitsDataModule(img_size=8, num_classes=5)
+    with pytest.raises(ValueError, match=r"data.rotate 270 must be in \[0, 180\]"):
+        DigitsDataModule(img_size=8, rotate=270)
+    with pytest.raises(ValueError, match="one value per channel"):
+        FakeDataModule(img_size=8, channels=3, mean=[0.5])
+
+
+def test_transforms_shapes_and_validation():
+    img = torch.randint(0, 256, (3, 40, 30), dtype=torch.uint8)
+    out = train_transform(32, (0.5,) * 3, (0.5,) * 3, auto_augment="randaugment", random_erasing=0.5)(img)
+    assert out.shape == (3, 32, 32) and out.dtype == torch.float32
+    assert eval_transform([32, 16], (0.5,) * 3, (0.5,) * 3, crop_pct=0.875)(img).shape == (3, 32, 16)
+    with pytest.raises(ValueError, match="auto_augment 'autoaug' is not one of"):
+        train_transform(32, (0.5,), (0.5,), auto_augment="autoaug")
+    with pytest.raises(ValueError, match=r"crop_pct 1.5 must be in \(0, 1\]"):
+        eval_transform(32, (0.5,), (0.5,), crop_pct=1.5)
+
+
+def test_fake_data_is_deterministic():
+    dm = FakeDataModule(img_size=16, num_classes=4, batch_size=8, num_train=16)
+    dm.setup()
+    x1, y1 = next(iter(dm.val_dataloader()))
+    x2, y2 = next(iter(dm.val_dataloader()))
+    assert x1.shape == (8, 3, 16, 16) and torch.equal(x1, x2) and torch.equal(y1, y2) and y1.max() < 4
+
+
+def _image_tree(root, modes=("RGB", "L", "RGBA", "I;16", "P")):
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for cls in ("cat", "dog"):
+            d = root / split / cls
+            d.mkdir(parents=True)
+            for i, mode in enumerate(modes):
+                if mode == "I;16":
+                    img = Image.fromarray(rng.integers(0, 65535, (20, 24), dtype=np.uint16))
+                    assert img.mode.startswith("I;16")
+                else:
+                    img = Image.fromarray(rng.integers(0, 255, (20, 24, 3), dtype=np.uint8)).convert(mode)
+                img.save(d / f"{i}.png")
+
+
+def test_imagefolder_mixes_image_modes(tmp_path):
+    _image_tree(tmp_path)
+    dm = ImageFolderDataModule(
+        data_dir=str(tmp_path), num_classes=2, img_size=16, batch_size=10, eval_transform={"crop_pct": 1.0}
+    )
+    dm.setup()
+    assert dm.class_names == ["cat", "dog"]
+    x, y = next(iter(dm.val_dataloader()))
+    assert x.shape == (10, 3, 16, 16) and sorted(y.tolist()) == [0] * 5 + [1] * 5
+    x, _ = next(iter(dm.train_dataloader()))
+    assert x.shape == (10, 3, 16, 16)
+
+
+def test_imagefolder_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ImageFolderDataModule(data_dir=str(tmp_path / "nope"), num_classes=2, img_size=16).setup()
+    _image_tree(tmp_path, modes=("RGB",))
+    with pytest.raises(ValueError, match="data.num_classes 3 does not match the 2 class folders"):
+        ImageFolderDataModule(data_dir=str(tmp_path), num_classes=3, img_size=16).setup()
+
+
+def test_cifar_offline_without_a_copy_fails_clearly(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="CIFAR-10 not found under data.data_dir=.* and data.download=false"):
+        CIFAR10DataModule(data_dir=str(tmp_path), download=False, img_size=32).prepare_data()
+    socket.setdefaulttimeout(5)  # this machine has no route out; fail fast whatever the resolver does
+    try:
+        with pytest.raises(ConnectionError, match="CIFAR-10 not found under data.data_dir=.* and the download failed"):
+            CIFAR10DataModule(data_dir=str(tmp_path), download=True, img_size=32).prepare_data()
+    finally:
+        socket.setdefaulttimeout(None)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_undecodable_image_stops_naming_the_file(tmp_path, workers):
+    from vitlab.cli import one_line
+
+    _image_tree(tmp_path, modes=("RGB",))
+    bad = tmp_path / "val" / "dog" / "broken.png"
+    bad.write_bytes((tmp_path / "val" / "dog" / "0.png").read_bytes()[:40])  # truncated
+    dm = ImageFolderDataModule(data_dir=str(tmp_path), num_classes=2, img_size=16, batch_size=4, num_workers=workers)
+    dm.setup()
+    with pytest.raises(ValueError) as e:
+        list(dm.val_dataloader())
+    assert one_line(e.value).startswith(f"image file '{bad}' cannot be decoded")
+
+
+def test_empty_class_folder_is_named(tmp_path):
+    _image_tree(tmp_path, modes=("RGB",))
+    (tmp_path / "train" / "eel").mkdir()
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'train'}: Found no valid file for the classes eel"):
+        ImageFolderDataModule(data_dir=str(tmp_path), num_classes=3, img_size=16).setup()
