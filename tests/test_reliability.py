@@ -168,3 +168,89 @@ def test_missing_ckpt_path(tmp_path):
     assert (r.returncode, r.stderr.strip()) == (2, "error: ckpt_path 'nowhere.ckpt' does not exist")
     r = run_cli("eval", "ckpt_path=nowhere.ckpt", f"hydra.run.dir={tmp_path / 'e'}")
     assert (r.returncode, r.stderr.strip()) == (2, "error: ckpt_path 'nowhere.ckpt' does not exist")
+
+
+def _earlier_run(root):
+    """An earlier run's directory with files whose bytes must survive any failed command."""
+    run = root / "outputs" / "train" / "runs" / "earlier"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"earlier checkpoint bytes")
+    (run / "metrics.json").write_text('{"test/acc": 0.99}')
+    return {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+
+def _image_tree(root, broken=False, empty_class=False):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for cls in ("a", "b"):
+            (root / split / cls).mkdir(parents=True)
+            for i in range(3):
+                Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(root / split / cls / f"{i}.png")
+    if broken:
+        (root / "train" / "a" / "broken.png").write_bytes((root / "train" / "a" / "0.png").read_bytes()[:30])
+    if empty_class:
+        (root / "train" / "c").mkdir()
+    return root
+
+
+def _bad_inputs(tmp):
+    not_a_state_dict = tmp / "weights.pth"
+    torch.save({"lr": 0.1}, not_a_state_dict)
+    folder = ["data=imagefolder", "data.num_classes=2", "data.num_workers=0", "data.batch_size=4"]
+    return {
+        "unknown model key": (["model.depht=3"], "Could not override 'model.depht'."),
+        "unknown data": (["data=imagenet22k"], "Could not find 'data/imagenet22k' Available options in 'data':"),
+        "bad geometry": (["model.img_size=30"], "img_size 30 is not divisible by patch_size 4"),
+        "dropout above 1": (["model.drop_rate=1.5"], "drop_rate 1.5 must be in [0, 1)"),
+        "negative dropout": (["model.attn_drop_rate=-0.1"], "attn_drop_rate -0.1 must be in [0, 1)"),
+        "missing data dir": (
+            [*folder, f"data.data_dir={tmp / 'nope'}"],
+            f"data.data_dir '{tmp / 'nope'}' does not exist",
+        ),
+        "empty class": (
+            [*folder, "data.num_classes=3", f"data.data_dir={_image_tree(tmp / 'empty', empty_class=True)}"],
+            "Found no valid file for the classes c",
+        ),
+        "corrupt image": (
+            [*folder, f"data.data_dir={_image_tree(tmp / 'broken', broken=True)}"],
+            f"image file '{tmp / 'broken' / 'train' / 'a' / 'broken.png'}' cannot be decoded",
+        ),
+        "class count": (
+            [*folder, "data.num_classes=5", f"data.data_dir={_image_tree(tmp / 'two')}"],
+            "data.num_classes 5 does not match the 2 class folders",
+        ),
+        "missing ckpt": (["ckpt_path=nowhere.ckpt"], "ckpt_path 'nowhere.ckpt' does not exist"),
+        "more devices than exist": (["trainer=gpu"], "trainer.accelerator='gpu' trainer.devices=1 cannot run here"),
+        "weights not a state dict": ([f"model.pretrained={not_a_state_dict}"], "does not hold a state dict"),
+    }
+
+
+BAD = [
+    "unknown model key",
+    "unknown data",
+    "bad geometry",
+    "dropout above 1",
+    "negative dropout",
+    "missing data dir",
+    "empty class",
+    "corrupt image",
+    "class count",
+    "missing ckpt",
+    "more devices than exist",
+    "weights not a state dict",
+]
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_is_one_line_exit_2_and_damages_nothing(tmp_path, case):
+    before = _earlier_run(tmp_path)
+    args, message = _bad_inputs(tmp_path)[case]
+    r = run_cli("train", *args, "progress_bar=none", "trainer.max_epochs=1", cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr[-2000:]
+    assert {p: p.read_bytes() for p in before} == before
+    assert not list((tmp_path / "outputs").rglob("*.ckpt*"))[1:]  # only the earlier run's checkpoint

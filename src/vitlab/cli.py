@@ -105,11 +105,13 @@ def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Cal
         @functools.wraps(task)
         def guarded(cfg: DictConfig) -> Any:
             # Lightning gives its loggers a stderr handler of their own when imported before Hydra set up
-            # logging; send them through Hydra's (terminal + the run's log file) and keep stderr for errors.
+            # logging; send them, and Python's warnings, through Hydra's logging (terminal and the run's
+            # log file) and keep stderr for errors.
             for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
                 logger = logging.getLogger(name)
                 logger.handlers.clear()
                 logger.propagate = True
+            logging.captureWarnings(True)  # Python warnings too
             try:
                 return task(cfg)
             except (*USER_ERRORS, InstantiationException) as e:
