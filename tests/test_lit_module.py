@@ -65,3 +65,9 @@ def test_mixup_gives_soft_targets_and_training_step_runs():
     mixed_x, soft = m.mixup(x, y)
     assert soft.shape == (4, 7) and torch.allclose(soft.sum(1), torch.ones(4))
     assert not torch.equal(mixed_x, x)
+
+
+def test_linear_probe_trains_only_the_head():
+    m = ViTModule(model=tiny(global_pool="avg").to_dict(), freeze_backbone=True)
+    names = {n for g in param_groups(m.model, 1e-3, 0.05) for n in g["names"]}
+    assert names == {"head.weight", "head.bias", "fc_norm.weight", "fc_norm.bias"}

@@ -227,11 +227,71 @@ def test_unknown_key_and_option_are_named_in_one_line(tmp_path):
     assert not (tmp_path / "r").exists()  # nothing was written
 
 
-def test_visualize_learning_curves(trained, tmp_path):
-    run_dir, _, _ = trained
-    r = run_cli("visualize", f"run_dir={run_dir}", f"hydra.run.dir={tmp_path / 'v'}")
+def test_visualize_a_trained_run(trained, tmp_path):
+    run_dir, metrics, _ = trained
+    digit = tmp_path / "digit.png"
+    Image.fromarray((load_digits().images[7] * 255 / 16).astype("uint8")).save(digit)
+    r = run_cli(
+        "visualize",
+        f"ckpt_path={metrics['tested_checkpoint']}",
+        f"image={digit}",
+        f"run_dir={run_dir}",
+        f"hydra.run.dir={tmp_path / 'v'}",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    with Image.open(tmp_path / "v" / "learning_curves.png") as img:
-        assert img.format == "PNG" and img.size == (1500, 400)
+    expected = {
+        "learning_curves.png": (1500, 400),
+        "patch_grid.png": (400, 400),
+        "attention_heads.png": (1200, 300),
+        "attention_rollout.png": (600, 300),
+        "pos_embed_similarity.png": (300, 300),
+        "patch_filters.png": (700, 400),
+    }
+    for name, size in expected.items():
+        with Image.open(tmp_path / "v" / name) as img:
+            assert img.format == "PNG" and img.size == size, name
     r = run_cli("visualize", f"run_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'w'}")
     assert r.returncode == 2 and "has no csv/metrics.csv" in r.stderr
+
+
+@pytest.mark.slow
+def test_finetune_random_timm_vit_b16_from_224_to_384_on_digits(tmp_path):
+    import timm
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    source = timm.create_model("vit_base_patch16_224", pretrained=False)
+    weights = tmp_path / "vit_b16_224.safetensors"
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(weights))
+    run = tmp_path / "run"
+    # One step at lr 0 runs the whole pipeline and leaves the loaded weights as they were loaded.
+    r = run_cli(
+        "train",
+        "experiment=digits_finetune_timm_384",
+        f"model.pretrained={weights}",
+        "optim.lr=0.0",
+        "trainer.max_steps=1",
+        "data.batch_size=2",
+        "trainer.limit_val_batches=1",
+        "trainer.limit_test_batches=1",
+        "trainer.num_sanity_val_steps=0",
+        "progress_bar=none",
+        f"hydra.run.dir={run}",
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    ours = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, mmap=True)["state_dict"]
+    # timm's own loader, same file, same target: 384 px, one channel, ten classes.
+    theirs = timm.create_model(
+        "vit_base_patch16_224",
+        pretrained=True,
+        pretrained_cfg_overlay=dict(file=str(weights)),
+        img_size=384,
+        in_chans=1,
+        num_classes=10,
+    )
+    assert ours["model.pos_embed"].shape == (1, 1 + 24 * 24, 768)
+    torch.testing.assert_close(ours["model.pos_embed"], theirs.pos_embed.detach(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours["model.patch_embed.proj.weight"], theirs.patch_embed.proj.weight.detach())
+    torch.testing.assert_close(ours["model.blocks.7.attn.qkv.weight"], source.blocks[7].attn.qkv.weight.detach())
+    assert ours["model.head.weight"].shape == (10, 768)

@@ -106,10 +106,14 @@ class ViTModule(L.LightningModule):
         compile: bool = False,
         class_names: list[str] | None = None,
         data: dict[str, Any] | None = None,  # the data config that trained it, for vitlab.eval/predict
+        freeze_backbone: bool = False,  # linear probe: train the head (and fc_norm) only
     ):
         super().__init__()
         self.save_hyperparameters()
         self.model = ViT(ViTConfig.from_dict(model))
+        if freeze_backbone:
+            for name, p in self.model.named_parameters():
+                p.requires_grad_(name.startswith(("head.", "fc_norm.")))
         self.optim = {**DEFAULT_OPTIM, **(optim or {})}
         unknown = sorted(set(self.optim) - set(DEFAULT_OPTIM))
         if unknown:

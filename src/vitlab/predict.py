@@ -12,28 +12,39 @@ from omegaconf import DictConfig, OmegaConf
 from PIL import Image, UnidentifiedImageError
 
 from vitlab.cli import entry_point
-from vitlab.lit_module import load_checkpoint
+from vitlab.lit_module import ViTModule, load_checkpoint
+
+
+def open_image(path: str, channels: int) -> Image.Image:
+    """An image file as the model's channel count wants it (L or RGB)."""
+    try:
+        with Image.open(path) as img:
+            return img.convert("L" if channels == 1 else "RGB")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"image {path!r} does not exist") from None
+    except UnidentifiedImageError:
+        raise ValueError(f"image {path!r} is not an image file PIL can read") from None
+
+
+def preprocessing(module: ViTModule, ckpt_path: str):
+    """The DataModule of the checkpoint's stored data config: its predict_tensor() prepares an image
+    exactly as the test images were."""
+    data = module.hparams.get("data")
+    if not data:
+        raise ValueError(f"checkpoint {ckpt_path!r} stores no data config to preprocess images with")
+    return instantiate(OmegaConf.create(data))
 
 
 def predict(cfg: DictConfig) -> list[dict]:
     module = load_checkpoint(cfg.ckpt_path, map_location=cfg.device).eval()
-    data = module.hparams.get("data")
-    if not data:
-        raise ValueError(f"checkpoint {cfg.ckpt_path!r} stores no data config to preprocess images with")
-    datamodule = instantiate(OmegaConf.create(data))
+    datamodule = preprocessing(module, cfg.ckpt_path)
     names = module.hparams.get("class_names") or [str(i) for i in range(module.model.cfg.num_classes)]
     images = [cfg.images] if isinstance(cfg.images, str) else list(cfg.images)
     if cfg.top_k < 1:
         raise ValueError(f"top_k {cfg.top_k} must be >= 1")
     results = []
     for path in images:
-        try:
-            with Image.open(path) as img:
-                img = img.convert("L" if module.model.cfg.in_chans == 1 else "RGB")
-        except FileNotFoundError:
-            raise FileNotFoundError(f"image {path!r} does not exist") from None
-        except UnidentifiedImageError:
-            raise ValueError(f"image {path!r} is not an image file PIL can read") from None
+        img = open_image(path, module.model.cfg.in_chans)
         with torch.no_grad():
             probs = module(datamodule.predict_tensor(img).to(cfg.device)).softmax(-1)[0]
         top = probs.topk(min(cfg.top_k, len(probs)))

@@ -139,11 +139,12 @@ def train(cfg: DictConfig) -> float | None:
         compile=cfg.compile,
         class_names=list(getattr(datamodule, "class_names", []) or []),
         data=OmegaConf.to_container(cfg.data, resolve=True),
+        freeze_backbone=cfg.freeze_backbone,
     )
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
     if ckpt_path:
         check_resumable(ckpt_path, module)
-    elif cfg.model.pretrained and cfg.train:
+    elif cfg.model.pretrained:
         load_timm_weights(module.model, cfg.model.pretrained)
 
     bars, show_bar = progress_bar(cfg.progress_bar)
@@ -183,7 +184,11 @@ def train(cfg: DictConfig) -> float | None:
     if cfg.optimized_metric is None:
         return None
     if cfg.optimized_metric not in metrics:
-        raise ValueError(f"optimized_metric {cfg.optimized_metric!r} was not logged; logged: {sorted(metrics)}")
+        message = f"optimized_metric {cfg.optimized_metric!r} was not logged; logged: {sorted(metrics)}"
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # a sweeper needs the value
+            raise ValueError(message)
+        log.warning(message)  # e.g. training stopped by max_steps before the first validation
+        return None
     return metrics[cfg.optimized_metric]
 
 

@@ -1,6 +1,10 @@
-"""python -m vitlab.visualize run_dir=<training run>: figures as PNG files (matplotlib, no display).
+"""python -m vitlab.visualize [ckpt_path=<ckpt>] [image=<file>] [run_dir=<run>]: PNG figures.
 
-Implemented: the learning curves of a run (loss, accuracy and learning rate from its CSV log).
+- ckpt_path + image: the patch grid over the image, the last block's class-token attention per
+  head, and attention rollout over all blocks (Abnar & Zuidema 2020), overlaid on the image;
+- ckpt_path: the cosine similarity of each patch's position embedding with all others (ViT paper,
+  Figure 7) and the principal components of the patch-embedding filters (Figure 7, left);
+- run_dir: the learning curves (loss, accuracy, learning rate) from the run's CSV log.
 """
 
 from __future__ import annotations
@@ -9,9 +13,134 @@ import csv
 from collections import defaultdict
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from vitlab.cli import entry_point
+from vitlab.model import ViT
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def attention_rollout(maps: list[torch.Tensor]) -> torch.Tensor:
+    """Attention rollout (Abnar & Zuidema 2020): average the heads, add the residual as 0.5*(A + I),
+    renormalise the rows, multiply through the blocks. (B, N, N) with rows summing to 1."""
+    n = maps[0].shape[-1]
+    eye = torch.eye(n, device=maps[0].device)
+    rollout = eye.expand(maps[0].shape[0], n, n)
+    for a in maps:
+        a = 0.5 * a.mean(dim=1) + 0.5 * eye
+        a = a / a.sum(dim=-1, keepdim=True)
+        rollout = a @ rollout
+    return rollout
+
+
+def _to_display(x: torch.Tensor, mean, std) -> torch.Tensor:
+    """A normalised (C, H, W) input back to a (H, W) or (H, W, 3) image in [0, 1]."""
+    img = x * torch.tensor(std)[:, None, None] + torch.tensor(mean)[:, None, None]
+    img = img.clamp(0, 1)
+    return img[0] if img.shape[0] == 1 else img[:3].permute(1, 2, 0)
+
+
+def _patch_map(row: torch.Tensor, model: ViT, hw: tuple[int, int]):
+    """Attention of one query over the patch tokens -> a (H, W) map upsampled to the image."""
+    gh, gw = model.cfg.grid_size
+    patches = row[model.num_prefix_tokens :].reshape(1, 1, gh, gw)
+    return F.interpolate(patches, size=hw, mode="nearest")[0, 0].numpy()
+
+
+def plot_attention(model: ViT, x: torch.Tensor, mean, std, out_dir: Path) -> dict[str, Path]:
+    """Patch grid, last-block class-token attention per head, and rollout, for one image (1, C, H, W)."""
+    plt = _pyplot()
+    model.eval()
+    maps = model.attention_maps(x)
+    img = _to_display(x[0], mean, std).numpy()
+    hw = tuple(x.shape[-2:])
+    p = model.cfg.patch_size
+    cmap = "gray" if img.ndim == 2 else None
+    # The class token's row; without one, the mean over all queries.
+    query = (lambda a: a[0]) if model.cfg.class_token else (lambda a: a.mean(dim=0))
+    files = {}
+
+    fig, ax = plt.subplots(figsize=(4, 4))
+    ax.imshow(img, cmap=cmap)
+    for k in range(0, hw[0] + 1, p):
+        ax.axhline(k - 0.5, color="y", lw=0.8)
+    for k in range(0, hw[1] + 1, p):
+        ax.axvline(k - 0.5, color="y", lw=0.8)
+    ax.set(title=f"{model.cfg.grid_size[0]}x{model.cfg.grid_size[1]} patches of {p}x{p}", xticks=[], yticks=[])
+    files["patch_grid"] = _save(fig, out_dir / "patch_grid.png")
+
+    last = maps[-1][0]  # (heads, N, N)
+    heads = last.shape[0]
+    fig, axes = plt.subplots(1, heads, figsize=(3 * heads, 3), squeeze=False)
+    for h, ax in enumerate(axes[0]):
+        ax.imshow(img, cmap=cmap)
+        ax.imshow(_patch_map(query(last[h]), model, hw), alpha=0.6, cmap="inferno")
+        ax.set(title=f"head {h}", xticks=[], yticks=[])
+    fig.suptitle("last block: class-token attention per head")
+    files["attention_heads"] = _save(fig, out_dir / "attention_heads.png")
+
+    rollout = attention_rollout(maps)[0]
+    fig, axes = plt.subplots(1, 2, figsize=(6, 3))
+    axes[0].imshow(img, cmap=cmap)
+    axes[1].imshow(img, cmap=cmap)
+    axes[1].imshow(_patch_map(query(rollout), model, hw), alpha=0.6, cmap="inferno")
+    for ax, title in zip(axes, ("input", f"attention rollout over {len(maps)} blocks"), strict=True):
+        ax.set(title=title, xticks=[], yticks=[])
+    files["attention_rollout"] = _save(fig, out_dir / "attention_rollout.png")
+    return files
+
+
+def plot_embeddings(model: ViT, out_dir: Path) -> dict[str, Path]:
+    """Position-embedding similarity (paper Fig. 7 centre) and patch-filter principal components (left)."""
+    plt = _pyplot()
+    files = {}
+    gh, gw = model.cfg.grid_size
+    if model.pos_embed is not None:
+        pe = model.pos_embed[0].detach()
+        pe = pe[-gh * gw :]  # the patch rows (prefix rows, when present, come first)
+        pe = F.normalize(pe, dim=-1)
+        sim = (pe @ pe.T).reshape(gh, gw, gh, gw).numpy()
+        fig, axes = plt.subplots(gh, gw, figsize=(max(3.0, 1.2 * gw), max(3.0, 1.2 * gh)), squeeze=False)
+        for i in range(gh):
+            for j in range(gw):
+                axes[i][j].imshow(sim[i, j], vmin=-1, vmax=1, cmap="viridis")
+                axes[i][j].set(xticks=[], yticks=[])
+        fig.suptitle("position embedding similarity")
+        files["pos_embed_similarity"] = _save(fig, out_dir / "pos_embed_similarity.png")
+    w = model.patch_embed.proj.weight.detach()  # (D, C, P, P)
+    d, c, p, _ = w.shape
+    flat = w.reshape(d, -1)
+    _, _, vt = torch.linalg.svd(flat - flat.mean(0), full_matrices=False)
+    k = min(28, vt.shape[0])
+    fig, axes = plt.subplots(4, 7, figsize=(7, 4), squeeze=False)
+    for idx, ax in enumerate(axes.flat):
+        ax.set(xticks=[], yticks=[])
+        if idx >= k:
+            ax.axis("off")
+        else:
+            comp = vt[idx].reshape(c, p, p)
+            comp = (comp - comp.min()) / (comp.max() - comp.min() + 1e-12)
+            ax.imshow((comp[0] if c == 1 else comp[:3].permute(1, 2, 0)).numpy(), cmap="gray" if c == 1 else None)
+    fig.suptitle(f"patch-embedding filters: first {k} principal components")
+    files["patch_filters"] = _save(fig, out_dir / "patch_filters.png")
+    return files
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    _pyplot().close(fig)
+    return path
 
 
 def read_csv_log(run_dir: Path) -> dict[str, list[tuple[float, float]]]:
@@ -32,11 +161,7 @@ def read_csv_log(run_dir: Path) -> dict[str, list[tuple[float, float]]]:
 
 
 def plot_learning_curves(run_dir: str | Path, out: str | Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     s = read_csv_log(Path(run_dir))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for key, label in (("train/loss", "train"), ("val/loss", "val")):
@@ -66,10 +191,26 @@ def plot_learning_curves(run_dir: str | Path, out: str | Path) -> Path:
 
 @entry_point("visualize")
 def main(cfg: DictConfig) -> None:
-    if not cfg.run_dir:
-        raise ValueError("give run_dir=<a training run directory>")
-    out = plot_learning_curves(cfg.run_dir, Path(cfg.paths.output_dir) / "learning_curves.png")
-    print(f"wrote {out}")
+    from vitlab.lit_module import load_checkpoint
+    from vitlab.predict import open_image, preprocessing
+
+    if not (cfg.run_dir or cfg.ckpt_path):
+        raise ValueError("give ckpt_path=<checkpoint> [image=<file>] and/or run_dir=<training run directory>")
+    if cfg.image and not cfg.ckpt_path:
+        raise ValueError("image=... needs ckpt_path=<checkpoint> of the model to look inside")
+    out = Path(cfg.paths.output_dir)
+    written = []
+    if cfg.ckpt_path:
+        module = load_checkpoint(cfg.ckpt_path).eval()
+        written += plot_embeddings(module.model, out).values()
+        if cfg.image:
+            dm = preprocessing(module, cfg.ckpt_path)
+            x = dm.predict_tensor(open_image(cfg.image, module.model.cfg.in_chans))
+            written += plot_attention(module.model, x, dm.mean, dm.std, out).values()
+    if cfg.run_dir:
+        written.append(plot_learning_curves(cfg.run_dir, out / "learning_curves.png"))
+    for path in written:
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 from functools import partial
@@ -75,6 +76,20 @@ def expected_shapes(cfg: ViTConfig) -> dict[str, torch.Size]:
     return {k: v.shape for k, v in model.state_dict().items()}
 
 
+def adapt_in_chans(weight: torch.Tensor, in_chans: int) -> torch.Tensor:
+    """Patch-embedding filters (D, C, P, P) for another channel count, as timm's `adapt_input_conv`:
+    summed over C for one channel; otherwise repeated and scaled by C / in_chans."""
+    c = weight.shape[1]
+    if in_chans == c:
+        return weight
+    w = weight.float()
+    if in_chans == 1:
+        w = w.sum(dim=1, keepdim=True)
+    else:
+        w = w.repeat(1, math.ceil(in_chans / c), 1, 1)[:, :in_chans] * (c / in_chans)
+    return w.to(weight.dtype)
+
+
 def _convert(sd: StateDict, cfg: ViTConfig, table, *, src: str, resample: bool, reset_head: bool) -> StateDict:
     want = expected_shapes(cfg)
     out: StateDict = {}
@@ -96,6 +111,9 @@ def _convert(sd: StateDict, cfg: ViTConfig, table, *, src: str, resample: bool, 
     if resample and "pos_embed" in out and out["pos_embed"].shape != want.get("pos_embed"):
         n_prefix = cfg.num_prefix_tokens if cfg.embeds_prefix else 0
         out["pos_embed"] = resample_pos_embed(out["pos_embed"], cfg.grid_size, None, n_prefix)
+    key = "patch_embed.proj.weight"
+    if resample and key in out and out[key].shape[1] != cfg.in_chans:  # e.g. RGB weights for grayscale data
+        out[key] = adapt_in_chans(out[key], cfg.in_chans)
     missing = sorted(set(want) - set(out))
     if missing:
         raise ValueError(f"{src} state dict lacks keys this ViT config needs: {missing[:8]}")
@@ -107,8 +125,8 @@ def _convert(sd: StateDict, cfg: ViTConfig, table, *, src: str, resample: bool, 
 
 def timm_to_vitlab(sd: StateDict, cfg: ViTConfig, *, resample: bool = True, reset_head: bool = False) -> StateDict:
     """A timm VisionTransformer state dict -> vitlab's, checked against `cfg`. `resample` fits a pos_embed
-    of another grid (square source grids, as timm assumes); `reset_head` drops the classifier so a new
-    one (another class count) keeps its fresh initialisation."""
+    of another grid (square source grids, as timm assumes) and patch filters of another channel count;
+    `reset_head` drops the classifier so a new one (another class count) keeps its fresh initialisation."""
     return _convert(sd, cfg, _FROM_TIMM, src="timm", resample=resample, reset_head=reset_head)
 
 

@@ -1,0 +1,108 @@
+"""Hugging Face transformers' ViTForImageClassification -> vitlab.
+
+HF keeps query, key and value as three Linear layers; vitlab (like timm) fuses them into one qkv
+whose rows are q; k; v. HF's LayerNorm eps is 1e-12 (timm's 1e-6), carried over through the config.
+Checkpoints on the Hub use transformers-4 names (`vit.encoder.layer.3.attention.attention.query`);
+transformers 5 renames them in memory (`vit.layers.3.attention.q_proj`): both are accepted.
+The result goes through the strict timm-name checks of `convert.timm` (every key, every shape).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from vitlab.convert.timm import StateDict, timm_to_vitlab
+from vitlab.model import ViTConfig
+
+# transformers-5 in-memory names -> the transformers-4 names stored in checkpoints
+_V5_TO_V4 = [
+    (r"^vit\.layers\.(\d+)\.attention\.q_proj\.", r"vit.encoder.layer.\1.attention.attention.query."),
+    (r"^vit\.layers\.(\d+)\.attention\.k_proj\.", r"vit.encoder.layer.\1.attention.attention.key."),
+    (r"^vit\.layers\.(\d+)\.attention\.v_proj\.", r"vit.encoder.layer.\1.attention.attention.value."),
+    (r"^vit\.layers\.(\d+)\.attention\.o_proj\.", r"vit.encoder.layer.\1.attention.output.dense."),
+    (r"^vit\.layers\.(\d+)\.mlp\.fc1\.", r"vit.encoder.layer.\1.intermediate.dense."),
+    (r"^vit\.layers\.(\d+)\.mlp\.fc2\.", r"vit.encoder.layer.\1.output.dense."),
+    (r"^vit\.layers\.(\d+)\.", r"vit.encoder.layer.\1."),
+]
+
+# transformers-4 name -> timm/vitlab name; {i} block index, {p} weight|bias
+HF_KEY_MAP = {
+    "vit.embeddings.cls_token": "cls_token",
+    "vit.embeddings.position_embeddings": "pos_embed",
+    "vit.embeddings.patch_embeddings.projection.{p}": "patch_embed.proj.{p}",
+    "vit.encoder.layer.{i}.layernorm_before.{p}": "blocks.{i}.norm1.{p}",
+    "vit.encoder.layer.{i}.attention.output.dense.{p}": "blocks.{i}.attn.proj.{p}",
+    "vit.encoder.layer.{i}.layernorm_after.{p}": "blocks.{i}.norm2.{p}",
+    "vit.encoder.layer.{i}.intermediate.dense.{p}": "blocks.{i}.mlp.fc1.{p}",
+    "vit.encoder.layer.{i}.output.dense.{p}": "blocks.{i}.mlp.fc2.{p}",
+    "vit.layernorm.{p}": "norm.{p}",
+    "classifier.{p}": "head.{p}",
+}
+_QKV = re.compile(r"^vit\.encoder\.layer\.(\d+)\.attention\.attention\.(query|key|value)\.(weight|bias)$")
+
+
+def _pattern(template: str) -> re.Pattern:
+    rx = re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>weight|bias)")
+    return re.compile(rx + "$")
+
+
+_TABLE = [(_pattern(src), dst) for src, dst in HF_KEY_MAP.items()]
+
+
+def canonical_hf_key(key: str) -> str:
+    for rx, repl in _V5_TO_V4:
+        new = re.sub(rx, repl, key)
+        if new != key:
+            return new
+    return key
+
+
+def hf_to_vitlab(sd: StateDict, cfg: ViTConfig) -> StateDict:
+    """An HF ViTForImageClassification (or ViTModel) state dict -> vitlab's, checked against `cfg`."""
+    timm_sd: StateDict = {}
+    qkv: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    unknown = []
+    for key, value in sd.items():
+        key = canonical_hf_key(key)
+        if m := _QKV.match(key):
+            qkv.setdefault((m[1], m[3]), {})[m[2]] = value
+            continue
+        for rx, dst in _TABLE:
+            if mm := rx.match(key):
+                timm_sd[dst.format(**mm.groupdict())] = value
+                break
+        else:
+            unknown.append(key)
+    if unknown:
+        raise ValueError(f"HF state dict has keys vitlab does not map: {unknown[:8]}")
+    for (block, p), parts in qkv.items():
+        if set(parts) != {"query", "key", "value"}:
+            raise ValueError(f"HF block {block} has {sorted(parts)} {p} but needs query, key and value")
+        timm_sd[f"blocks.{block}.attn.qkv.{p}"] = torch.cat([parts["query"], parts["key"], parts["value"]], dim=0)
+    return timm_to_vitlab(timm_sd, cfg, resample=False)
+
+
+def vit_config_from_hf(hf: Any, **overrides: Any) -> ViTConfig:
+    """ViTConfig of an HF `transformers.ViTConfig` (object or dict)."""
+    get = hf.get if isinstance(hf, dict) else (lambda k, d=None: getattr(hf, k, d))
+    if get("hidden_act", "gelu") != "gelu":
+        raise ValueError(f"HF hidden_act {get('hidden_act')!r} is not supported; vitlab uses the exact GELU")
+    id2label = get("id2label") or {}
+    return ViTConfig.from_dict(
+        {
+            "img_size": get("image_size", 224),
+            "patch_size": get("patch_size", 16),
+            "in_chans": get("num_channels", 3),
+            "num_classes": len(id2label) or get("num_labels", 0) or 0,
+            "embed_dim": get("hidden_size", 768),
+            "depth": get("num_hidden_layers", 12),
+            "num_heads": get("num_attention_heads", 12),
+            "mlp_ratio": get("intermediate_size", 3072) / get("hidden_size", 768),
+            "qkv_bias": get("qkv_bias", True),
+            "norm_eps": get("layer_norm_eps", 1e-12),
+            **overrides,
+        }
+    )

@@ -1,0 +1,56 @@
+import pytest
+import torch
+
+from vitlab.convert.hf import canonical_hf_key, hf_to_vitlab, vit_config_from_hf
+from vitlab.model import ViT
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf_model(num_labels=7, **kw):
+    cfg = transformers.ViTConfig(
+        image_size=32,
+        patch_size=8,
+        num_channels=3,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        num_labels=num_labels,
+        **kw,
+    )
+    torch.manual_seed(0)
+    model = transformers.ViTForImageClassification(cfg).eval()
+    with torch.no_grad():  # HF zero-initialises some biases and LayerNorms: make every weight count
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+@pytest.mark.parametrize("names", ["transformers-5 (in memory)", "transformers-4 (hub checkpoints)"])
+def test_hf_logits_match(names):
+    hf = _hf_model()
+    cfg = vit_config_from_hf(hf.config)
+    assert cfg.norm_eps == 1e-12 and cfg.num_classes == 7 and cfg.mlp_ratio == 4.0
+    sd = hf.state_dict()
+    if names.startswith("transformers-4"):
+        sd = {canonical_hf_key(k): v for k, v in sd.items()}
+        assert "vit.encoder.layer.1.attention.attention.query.weight" in sd
+    ours = ViT(cfg).eval()
+    ours.load_state_dict(hf_to_vitlab(sd, cfg))
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), hf(pixel_values=x).logits, atol=1e-5, rtol=0)
+
+
+def test_hf_errors():
+    hf = _hf_model()
+    cfg = vit_config_from_hf(hf.config)
+    sd = hf.state_dict()
+    missing_value = {k: v for k, v in sd.items() if "v_proj" not in k or ".0." not in k}
+    with pytest.raises(ValueError, match="HF block 0 has \\['key', 'query'\\]"):
+        hf_to_vitlab(missing_value, cfg)
+    with pytest.raises(ValueError, match="keys vitlab does not map: \\['vit.pooler.dense.weight'\\]"):
+        hf_to_vitlab({**sd, "vit.pooler.dense.weight": torch.zeros(32, 32)}, cfg)
+    with pytest.raises(ValueError, match="hidden_act 'relu' is not supported"):
+        vit_config_from_hf({"hidden_act": "relu"})
