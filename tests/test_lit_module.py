@@ -71,3 +71,24 @@ def test_linear_probe_trains_only_the_head():
     m = ViTModule(model=tiny(global_pool="avg").to_dict(), freeze_backbone=True)
     names = {n for g in param_groups(m.model, 1e-3, 0.05) for n in g["names"]}
     assert names == {"head.weight", "head.bias", "fc_norm.weight", "fc_norm.bias"}
+
+
+def test_checkpoint_without_metric_states_loads_but_weights_stay_strict(tmp_path):
+    import lightning
+
+    from vitlab.lit_module import load_checkpoint
+
+    m = ViTModule(model=tiny().to_dict())
+    weights = {k: v for k, v in m.state_dict().items() if k.startswith("model.")}
+    ckpt = {
+        "state_dict": weights,
+        "hyper_parameters": dict(m.hparams),
+        "pytorch-lightning_version": lightning.__version__,
+    }
+    torch.save(ckpt, tmp_path / "old.ckpt")
+    loaded = load_checkpoint(str(tmp_path / "old.ckpt"))
+    assert torch.equal(loaded.model.head.weight, m.model.head.weight)
+    del weights["model.head.bias"]
+    torch.save(ckpt, tmp_path / "broken.ckpt")
+    with pytest.raises(RuntimeError, match="model.head.bias"):
+        load_checkpoint(str(tmp_path / "broken.ckpt"))

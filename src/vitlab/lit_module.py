@@ -221,6 +221,12 @@ class ViTModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._rng_to_restore = checkpoint.get("rng_states")
+        # Metric states are bookkeeping, not weights: a checkpoint without them (older, or written
+        # elsewhere) starts them fresh; the model's own keys stay strictly checked.
+        state = checkpoint.get("state_dict", {})
+        for key, value in self.state_dict().items():
+            if not key.startswith("model.") and key not in state:
+                state[key] = value
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         states = getattr(self, "_rng_to_restore", None)
