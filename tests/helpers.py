@@ -27,3 +27,10 @@ class NanAtStep(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step:
             batch[0].fill_(torch.nan)
+
+
+class AssertCompiled(L.Callback):
+    """Fail the run unless the model's forward was compiled in place (nn.Module.compile)."""
+
+    def on_train_start(self, trainer, pl_module):
+        assert pl_module.model._compiled_call_impl is not None, "compile=true did not compile the model"

@@ -122,7 +122,7 @@ def test_ema_checkpoint_tests_and_reloads(compose_cfg, tmp_path):
     assert not torch.equal(ckpt["state_dict"]["model.head.weight"], ckpt["current_model_state"]["model.head.weight"])
 
 
-def test_mixup_label_smoothing_layer_decay_and_compile_options_train(compose_cfg, tmp_path):
+def test_mixup_label_smoothing_layer_decay_and_drop_path_options_train(compose_cfg, tmp_path):
     cfg = compose_cfg(
         "train",
         [
@@ -295,3 +295,16 @@ def test_finetune_random_timm_vit_b16_from_224_to_384_on_digits(tmp_path):
     torch.testing.assert_close(ours["model.patch_embed.proj.weight"], theirs.patch_embed.proj.weight.detach())
     torch.testing.assert_close(ours["model.blocks.7.attn.qkv.weight"], source.blocks[7].attn.qkv.weight.detach())
     assert ours["model.head.weight"].shape == (10, 768)
+
+
+@pytest.mark.slow
+def test_compile_option_trains_a_compiled_model(tmp_path):
+    r = run_cli(
+        "train",
+        "compile=true",
+        *SHORT,
+        "+callbacks.compiled._target_=tests.helpers.AssertCompiled",
+        f"hydra.run.dir={tmp_path / 'r'}",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert 0.0 <= json.loads((tmp_path / "r" / "metrics.json").read_text())["test/acc"] <= 1.0
