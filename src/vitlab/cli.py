@@ -126,7 +126,6 @@ def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Cal
             refuse_reused_run_dir(sys.argv[1:])
             return hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=config_name)(guarded)()
 
-        main.task = task  # the undecorated function, for tests that compose configs themselves
         return main
 
     return decorate
