@@ -26,8 +26,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     or half-written checkpoint where a good one was."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any = None) -> None:
-        fs = get_filesystem(path)
-        if fs.protocol not in ("file", ("file", "local")) and "file" not in fs.protocol:
+        protocols = get_filesystem(path).protocol
+        if "file" not in (protocols if isinstance(protocols, tuple) else (protocols,)):
             return super().save_checkpoint(checkpoint, path, storage_options)  # object stores: their own semantics
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

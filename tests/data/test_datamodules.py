@@ -59,6 +59,8 @@ def test_bad_datamodule_arguments_name_the_value():
         DigitsDataModule(img_size=8, rotate=270)
     with pytest.raises(ValueError, match="one value per channel"):
         FakeDataModule(img_size=8, channels=3, mean=[0.5])
+    with pytest.raises(ValueError, match="digits augments whole batches on the device: use data.shift"):
+        DigitsDataModule(img_size=8, train_transform={"hflip": 0.5})
 
 
 def test_transforms_shapes_and_validation():

@@ -147,8 +147,6 @@ def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
     d["img_size"] = tuple(cfg.img_hw)
     if cfg.pos_embed == "sincos2d":
         d.update(pos_embed="learn", no_embed_class=True)
-    elif cfg.pos_embed == "none":
-        d["pos_embed"] = "none"
     if cfg.norm_eps != 1e-6:
         d["norm_layer"] = partial(nn.LayerNorm, eps=cfg.norm_eps)
     return d

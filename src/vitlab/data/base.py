@@ -67,6 +67,7 @@ class ImageDataModule(L.LightningDataModule):
         if num_workers < 0:
             raise ValueError(f"data.num_workers {num_workers} must be >= 0")
         self.img_size = list(img_size) if isinstance(img_size, (list, tuple)) else img_size
+        self.img_hw = transforms.image_hw(img_size)
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.pin_memory = pin_memory

@@ -84,6 +84,11 @@ class DigitsDataModule(ImageDataModule):
         scale: tuple[float, float] = (1.0, 1.0),
         **kwargs,
     ):
+        if kwargs.get("train_transform") or kwargs.get("eval_transform"):
+            raise ValueError(
+                "digits augments whole batches on the device: use data.shift, data.rotate and "
+                "data.scale instead of data.train_transform / data.eval_transform"
+            )
         super().__init__(**kwargs)
         if not (0 < val_fraction < 1 and 0 < test_fraction < 1 and val_fraction + test_fraction < 1):
             raise ValueError(
@@ -104,7 +109,7 @@ class DigitsDataModule(ImageDataModule):
             split_seed,
             shift,
         )
-        self.hw = (self.img_size, self.img_size) if isinstance(self.img_size, int) else tuple(self.img_size)
+        self.black = (0.0 - self.mean[0]) / self.std[0]  # the fill for pixels moved in by augmentation
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -143,17 +148,16 @@ class DigitsDataModule(ImageDataModule):
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         x, y = batch
         if self.trainer is not None and self.trainer.training:
-            black = self.normalize(torch.zeros(())).item()
             if self.rotate or self.scale != (1.0, 1.0):
-                x = random_affine(x, self.rotate, self.scale, fill=black, generator=self.rng)
+                x = random_affine(x, self.rotate, self.scale, fill=self.black, generator=self.rng)
             if self.shift:
-                x = random_shift(x, self.shift, fill=black, generator=self.rng)
+                x = random_shift(x, self.shift, fill=self.black, generator=self.rng)
         return self.resize(x), y
 
     def resize(self, x: torch.Tensor) -> torch.Tensor:
-        if tuple(x.shape[-2:]) == self.hw:
+        if tuple(x.shape[-2:]) == self.img_hw:
             return x
-        return F.interpolate(x, size=self.hw, mode="bicubic", align_corners=False)
+        return F.interpolate(x, size=self.img_hw, mode="bicubic", align_corners=False)
 
     def predict_tensor(self, img) -> torch.Tensor:
         """A PIL image or tensor of a digit -> (1, 1, H, W), as the test images are prepared."""

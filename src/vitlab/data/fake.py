@@ -44,8 +44,10 @@ class FakeDataModule(ImageDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        hw = (self.img_size, self.img_size) if isinstance(self.img_size, int) else tuple(self.img_size)
-        sets = [RandomImages(n, self.channels, hw, self.num_classes, self.seed + k) for k, n in enumerate(self.sizes)]
+        sets = [
+            RandomImages(n, self.channels, self.img_hw, self.num_classes, self.seed + k)
+            for k, n in enumerate(self.sizes)
+        ]
         self.train_set = TransformDataset(sets[0], self.train_tf)
         self.val_set = TransformDataset(sets[1], self.eval_tf)
         self.test_set = TransformDataset(sets[2], self.eval_tf)

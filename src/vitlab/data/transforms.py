@@ -20,7 +20,8 @@ INTERPOLATIONS = {
 }
 
 
-def _hw(img_size: int | Sequence[int]) -> tuple[int, int]:
+def image_hw(img_size: int | Sequence[int]) -> tuple[int, int]:
+    """An img_size (int, or [H, W]) as (H, W)."""
     return (img_size, img_size) if isinstance(img_size, int) else (int(img_size[0]), int(img_size[1]))
 
 
@@ -47,7 +48,7 @@ def train_transform(
         raise ValueError(f"auto_augment {auto_augment!r} is not one of {list(AUTO_AUGMENTS)}")
     if not 0.0 <= hflip <= 1.0 or not 0.0 <= random_erasing <= 1.0:
         raise ValueError(f"hflip {hflip} and random_erasing {random_erasing} must be probabilities in [0, 1]")
-    hw, mode = _hw(img_size), _interp(interpolation)
+    hw, mode = image_hw(img_size), _interp(interpolation)
     ops: list = [T.ToImage()]
     if shift:
         ops.append(_Shift(shift))
@@ -80,7 +81,7 @@ def eval_transform(
 ) -> T.Compose:
     if not 0.0 < crop_pct <= 1.0:
         raise ValueError(f"crop_pct {crop_pct} must be in (0, 1]")
-    hw, mode = _hw(img_size), _interp(interpolation)
+    hw, mode = image_hw(img_size), _interp(interpolation)
     ops: list = [T.ToImage()]
     if crop_pct < 1.0:
         ops += [T.Resize([int(s / crop_pct) for s in hw], interpolation=mode, antialias=True), T.CenterCrop(hw)]
