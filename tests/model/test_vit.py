@@ -142,6 +142,27 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(p.grad, ref[n], atol=1e-6, rtol=1e-5)
 
 
+def test_class_token_head_computes_only_row_0_of_the_last_block():
+    """forward() skips the last block's other rows: same logits and gradients as the full path,
+    stochastic depth included (its per-sample draws are the same either way)."""
+    torch.manual_seed(0)
+    model = ViT(tiny(drop_path_rate=0.2, reg_tokens=2)).train()
+    x = torch.randn(4, 3, 32, 32)
+    torch.manual_seed(1)
+    fast = model(x)
+    fast.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    torch.manual_seed(1)
+    full = model.forward_head(model.forward_features(x))
+    full.square().sum().backward()
+    torch.testing.assert_close(fast, full, atol=1e-6, rtol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], atol=1e-6, rtol=1e-5)
+    assert model.forward_features(x, last_rows=1).shape == (4, 1, 32)
+    assert model.forward_features(x).shape == (4, 1 + 2 + 16, 32)
+
+
 def test_weight_init_schemes():
     torch.manual_seed(0)
     timm_init = ViT(tiny(embed_dim=64, num_heads=4))
