@@ -264,31 +264,45 @@ class ViTModule(L.LightningModule):
 
     # ---- optimisation ----------------------------------------------------------------------------
     def configure_optimizers(self):
-        o = self.optim
-        groups = param_groups(self.model, o["lr"], o["weight_decay"], o["layer_decay"])
-        for g in groups:
-            g.pop("names")
-        optimizer = torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=o["fused"])
+        optimizer = make_optimizer(self.model, self.optim)
         total = max(1, int(self.trainer.estimated_stepping_batches))
         # Counting the steps builds the train loader before a checkpoint's loader position is restored,
         # and fit then never applies that position (Lightning-AI/pytorch-lightning#20550, open): drop the
         # early loader so fit builds it again after the restore. tests/test_reliability.py guards this.
         self.trainer.fit_loop._combined_loader = None
-        if o["warmup_steps"] is not None:
-            warmup = int(o["warmup_steps"])
-        else:
-            epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
-            warmup = round(o["warmup_epochs"] * total / epochs)
-        if warmup < 0:
-            raise ValueError(f"optim warmup {warmup} steps must be >= 0")
-        if warmup > total:
-            log.warning(
-                "warmup of %d steps is longer than the %d training steps; warming up over all of them", warmup, total
-            )
-            warmup = total
-        schedule = functools.partial(warmup_cosine, warmup=warmup, total=total, min_ratio=o["min_lr_ratio"])
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
+        scheduler = make_scheduler(optimizer, self.optim, total, epochs)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def make_optimizer(model: ViT, optim: dict[str, Any]) -> torch.optim.AdamW:
+    """AdamW over `param_groups` with the settings of an `optim` dict (DEFAULT_OPTIM's keys)."""
+    o = {**DEFAULT_OPTIM, **optim}
+    groups = param_groups(model, o["lr"], o["weight_decay"], o["layer_decay"])
+    for g in groups:
+        g.pop("names")
+    return torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=o["fused"])
+
+
+def make_scheduler(
+    optimizer: torch.optim.Optimizer, optim: dict[str, Any], total_steps: int, epochs: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Per-step warmup + cosine (`warmup_cosine`) over `total_steps`; warmup_epochs convert to steps
+    with `epochs` epochs in those steps."""
+    o = {**DEFAULT_OPTIM, **optim}
+    if o["warmup_steps"] is not None:
+        warmup = int(o["warmup_steps"])
+    else:
+        warmup = round(o["warmup_epochs"] * total_steps / epochs)
+    if warmup < 0:
+        raise ValueError(f"optim warmup {warmup} steps must be >= 0")
+    if warmup > total_steps:
+        log.warning(
+            "warmup of %d steps is longer than the %d training steps; warming up over all of them", warmup, total_steps
+        )
+        warmup = total_steps
+    schedule = functools.partial(warmup_cosine, warmup=warmup, total=total_steps, min_ratio=o["min_lr_ratio"])
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
 def batch_size(batch) -> int:

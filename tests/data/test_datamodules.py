@@ -1,4 +1,5 @@
 import socket
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -28,6 +29,22 @@ def test_digits_batches_are_normalised_and_resized_on_transfer():
     assert x.shape == (32, 1, 16, 24) and y.dtype == torch.long
     full = dm.train_set.images
     assert abs(full.mean().item()) < 0.05 and abs(full.std().item() - 1) < 0.05
+
+
+def test_digits_live_on_the_training_device_and_are_not_pinned_there():
+    """On a GPU the whole set moves there once; a batch is a gather on the device. The meta device
+    stands in for a GPU (none in CI): placement and loader settings are what is checked."""
+    dm = DigitsDataModule(img_size=8, batch_size=16, pin_memory=True)
+    dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("meta")), world_size=1)
+    dm.setup()
+    assert dm.train_set.images.device.type == "meta" and dm.test_set.labels.device.type == "meta"
+    loader = dm.train_dataloader()
+    assert not loader.pin_memory
+    x, y = dm.train_set.__getitems__([0, 5, 7])
+    assert x.device.type == "meta" and x.shape == (3, 1, 8, 8)
+    cpu = DigitsDataModule(img_size=8, batch_size=16, pin_memory=True)
+    cpu.setup()
+    assert cpu.train_dataloader().pin_memory and cpu.train_set.images.device.type == "cpu"
 
 
 def test_random_shift_moves_each_image_within_bounds():

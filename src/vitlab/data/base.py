@@ -101,12 +101,12 @@ class ImageDataModule(L.LightningDataModule):
         if dataset is None:
             raise RuntimeError("call setup() before asking for a dataloader")
         kwargs.setdefault("num_workers", self.num_workers)
+        kwargs.setdefault("pin_memory", self.pin_memory)
         loader = StatefulDataLoader(
             dataset,
             batch_size=self.per_device_batch_size,
             shuffle=train,
             drop_last=train,
-            pin_memory=self.pin_memory,
             persistent_workers=kwargs["num_workers"] > 0,
             **kwargs,
         )
@@ -125,6 +125,14 @@ class ImageDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> StatefulDataLoader:
         return self._loader(self.test_set, train=False)
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        return self.device_transform(batch, train=self.trainer is not None and self.trainer.training)
+
+    def device_transform(self, batch, train: bool):
+        """Work on a whole batch once it is on the device (none here; digits augments there). A plain
+        training loop calls it as Lightning does."""
+        return batch
 
     def predict_tensor(self, img) -> torch.Tensor:
         """One image (PIL or uint8 tensor) -> the (1, C, H, W) batch the eval pipeline makes."""

@@ -32,7 +32,7 @@ class TensorImages(Dataset):
         return self.images[i], self.labels[i]
 
     def __getitems__(self, indices: list[int]):
-        idx = torch.as_tensor(indices)
+        idx = torch.as_tensor(indices, device=self.labels.device)
         return self.images[idx], self.labels[idx]
 
 
@@ -127,15 +127,20 @@ class DigitsDataModule(ImageDataModule):
             stratify=labels[rest].tolist(),
             random_state=self.split_seed,
         )
+        # 1,797 tiny images: on a GPU they live there, and a batch is one gather on the device (no copy
+        # from host memory per step).
+        device = self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
+        images, labels = images.to(device), labels.to(device)
         for name, part in (("train_set", train), ("val_set", val), ("test_set", test)):
-            part = torch.tensor(sorted(part))
+            part = torch.tensor(sorted(part), device=device)
             setattr(self, name, TensorImages(images[part], labels[part]))
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.mean[0]) / self.std[0]
 
     def _loader(self, dataset, train: bool):
-        return super()._loader(dataset, train, collate_fn=_already_batched, num_workers=0)
+        pin = self.pin_memory and dataset.labels.device.type == "cpu"  # tensors on a GPU cannot be pinned
+        return super()._loader(dataset, train, collate_fn=_already_batched, num_workers=0, pin_memory=pin)
 
     # The augmentation draws from its own generator, saved with checkpoints, so a resumed run
     # augments the remaining batches exactly as the uninterrupted run would have.
@@ -145,9 +150,9 @@ class DigitsDataModule(ImageDataModule):
     def load_state_dict(self, state: dict) -> None:
         self.rng.set_state(state["augment_rng"])
 
-    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+    def device_transform(self, batch, train: bool):
         x, y = batch
-        if self.trainer is not None and self.trainer.training:
+        if train:
             if self.rotate or self.scale != (1.0, 1.0):
                 x = random_affine(x, self.rotate, self.scale, fill=self.black, generator=self.rng)
             if self.shift:
