@@ -166,12 +166,16 @@ def print_config_tree(cfg: DictConfig, save_to: Path | None = None) -> None:
         save_to.write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
 
+# What a finished job of each entry point writes in its directory: train, parity, benchmark.
+RESULT_FILES = ("metrics.json", "parity.json", "benchmark.json")
+
+
 class SweepSummary(Callback):
     """Hydra callback: after a -m sweep, one row per job (its overrides and final metrics) printed as a
     table and written to summary.json in the sweep directory. Configured in conf/hydra/default.yaml."""
 
-    def __init__(self, filename: str = "metrics.json", columns: list[str] | None = None):
-        self.filename = filename
+    def __init__(self, filenames: tuple[str, ...] = RESULT_FILES, columns: list[str] | None = None):
+        self.filenames = filenames
         self.columns = columns or ["val/acc_best", "test/acc", "test/loss", "wall_time_s"]
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -187,8 +191,8 @@ class SweepSummary(Callback):
         ):
             overrides_file = job / ".hydra" / "overrides.yaml"
             overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.is_file() else []
-            metrics_file = job / self.filename
-            metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
+            found = [job / name for name in self.filenames if (job / name).is_file()]
+            metrics = json.loads(found[0].read_text()) if found else {}
             rows.append(
                 {
                     "job": int(job.name),

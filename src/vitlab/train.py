@@ -122,17 +122,10 @@ def write_metrics(path: Path, metrics: dict[str, Any]) -> None:
     path.write_text(json.dumps(metrics, indent=2))
 
 
-def train(cfg: DictConfig) -> float | None:
-    started = time.time()
-    check_launch(cfg)
-    out = Path(cfg.paths.output_dir)
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    log.info("seed %s", cfg.seed)
-
-    datamodule = instantiate(cfg.data)
-    model_cfg = vit_config(cfg.model)
-    module = ViTModule(
-        model=model_cfg.to_dict(),
+def build_module(cfg: DictConfig, datamodule: L.LightningDataModule) -> ViTModule:
+    """The ViTModule of a train config (random weights; `train` loads pretrained ones)."""
+    return ViTModule(
+        model=vit_config(cfg.model).to_dict(),
         optim=OmegaConf.to_container(cfg.optim, resolve=True),
         label_smoothing=cfg.label_smoothing,
         mixup=OmegaConf.to_container(cfg.mixup, resolve=True),
@@ -141,6 +134,17 @@ def train(cfg: DictConfig) -> float | None:
         data=OmegaConf.to_container(cfg.data, resolve=True),
         freeze_backbone=cfg.freeze_backbone,
     )
+
+
+def train(cfg: DictConfig) -> float | None:
+    started = time.time()
+    check_launch(cfg)
+    out = Path(cfg.paths.output_dir)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    log.info("seed %s", cfg.seed)
+
+    datamodule = instantiate(cfg.data)
+    module = build_module(cfg, datamodule)
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
     if ckpt_path:
         check_resumable(ckpt_path, module)

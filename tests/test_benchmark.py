@@ -1,0 +1,176 @@
+"""vitlab.benchmark's mechanics on tiny models: it runs, its JSON holds every field and its numbers are
+consistent with each other; FLOPs and memory match hand counts. Never its speed (experiments/throughput)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.conftest import run_cli, tiny
+from vitlab.benchmark import MB, Contender, build_contenders, peak_matmul_flops, step_peak_bytes, tensor_bytes
+
+# A 32-px ViT with 4 blocks: 16 patches + class token.
+TINY = [
+    "model.img_size=32",
+    "model.patch_size=8",
+    "model.embed_dim=32",
+    "model.depth=4",
+    "model.num_heads=4",
+    "model.in_chans=3",
+    "model.num_classes=7",
+]
+ROW_KEYS = {
+    "median_ms",
+    "times_ms",
+    "images_per_s",
+    "achieved_flops_per_s",
+    "mfu",
+    "state_memory_mb",
+    "step_memory_mb",
+    "peak_memory_mb",
+}
+RATIO_KEYS = {"throughput", "throughput_paired_min", "throughput_paired_max", "peak_memory", "step_memory"}
+
+
+def test_flops_per_image_is_the_hand_count():
+    # N = 17 tokens, D = 32, MLP 128: per block 2*17*(4*32*32 + 2*32*128) + 4*17*17*32; patch embedding
+    # 2*16*(8*8*3)*32; head 2*32*7.
+    per_block = 2 * 17 * (4 * 32 * 32 + 2 * 32 * 128) + 4 * 17 * 17 * 32
+    assert tiny(depth=4).flops_per_image() == 4 * per_block + 2 * 16 * 192 * 32 + 2 * 32 * 7 == 2_016_192
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    run_dir = tmp_path_factory.mktemp("bench") / "run"
+    r = run_cli(
+        "benchmark",
+        *TINY,
+        "benchmark.batch_size=4",
+        "benchmark.contenders=[vitlab,timm,vitlab_ckpt]",
+        "benchmark.modes=[train,fwd_bwd,infer]",
+        "benchmark.warmup=1",
+        "benchmark.repeats=3",
+        "benchmark.peak_matmul_size=256",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "vitlab/timm" not in r.stderr and "img/s" in r.stdout  # the table went to stdout
+    return json.loads((run_dir / "benchmark.json").read_text())
+
+
+def test_report_has_every_field_and_consistent_numbers(report):
+    assert report["task"] == "models" and report["model"] == "vit_digits"
+    assert report["flops"]["forward_per_image"] == 2_016_192
+    assert report["flops"]["train_gflops_per_image"] == pytest.approx(3 * 2_016_192 / 1e9)
+    assert report["peak"]["dtype"] == "float32" and report["peak"]["size"] == 256 and report["peak"]["flops_per_s"] > 0
+    assert {"torch", "timm", "lightning", "device", "threads"} <= report["environment"].keys()
+    for mode, factor in (("train", 3), ("fwd_bwd", 3), ("infer", 1)):
+        rows = report["results"][mode]
+        assert list(rows) == ["vitlab", "timm", "vitlab_ckpt"]
+        for row in rows.values():
+            assert row.keys() == ROW_KEYS
+            assert len(row["times_ms"]) == 3 and row["median_ms"] == pytest.approx(sorted(row["times_ms"])[1], abs=1e-3)
+            assert row["images_per_s"] == pytest.approx(4 / (row["median_ms"] / 1e3))
+            assert row["achieved_flops_per_s"] == pytest.approx(factor * 2_016_192 * row["images_per_s"])
+            assert row["mfu"] == pytest.approx(row["achieved_flops_per_s"] / report["peak"]["flops_per_s"])
+            assert row["peak_memory_mb"] == pytest.approx(row["state_memory_mb"] + row["step_memory_mb"])
+        ratios = report["ratios"][mode]
+        assert set(ratios) == {"vitlab/timm", "vitlab/vitlab_ckpt"}
+        for name, ratio in ratios.items():
+            assert ratio.keys() == RATIO_KEYS
+            other = name.split("/")[1]
+            assert ratio["throughput"] == pytest.approx(rows[other]["median_ms"] / rows["vitlab"]["median_ms"])
+            assert ratio["throughput_paired_min"] <= ratio["throughput_paired_max"]
+
+
+def test_memory_figures_are_the_tensors_that_exist(report):
+    params = sum(p.numel() for p in __import__("vitlab").model.ViT(tiny(depth=4)).parameters())
+    batch = 4 * 3 * 32 * 32 * 4 + 4 * 8  # images fp32 + int64 labels
+    train, infer = report["results"]["train"], report["results"]["infer"]
+    # Weights, then AdamW's two moments (and a step counter per tensor) while training.
+    assert infer["vitlab"]["state_memory_mb"] * MB == pytest.approx(4 * params + batch)
+    assert 3 * 4 * params + batch < train["vitlab"]["state_memory_mb"] * MB < 3 * 4 * params + batch + 4096
+    # Same weights and the same optimizer state in timm (no buffers in either).
+    assert train["timm"]["state_memory_mb"] == pytest.approx(train["vitlab"]["state_memory_mb"], rel=0.01)
+    # Gradient checkpointing keeps block inputs only: the step needs less memory, the weights do not change.
+    assert train["vitlab_ckpt"]["step_memory_mb"] < train["vitlab"]["step_memory_mb"]
+    assert train["vitlab_ckpt"]["state_memory_mb"] == train["vitlab"]["state_memory_mb"]
+    assert report["ratios"]["train"]["vitlab/vitlab_ckpt"]["step_memory"] > 1
+
+
+def test_step_peak_bytes_counts_live_tensors_on_cpu():
+    def two_at_once():
+        a = torch.ones(1000, 1000)
+        b = torch.ones(1000, 1000)
+        del a, b
+        torch.ones(500, 1000)
+
+    assert step_peak_bytes(two_at_once, torch.device("cpu")) == pytest.approx(8_000_000, rel=1e-3)
+    view = torch.ones(10, 10)
+    assert tensor_bytes([view, view[1:], view.t()]) == 400  # one storage, counted once
+
+
+def test_contenders_start_from_the_same_weights_and_step_alike():
+    cfg = tiny()
+    b = OmegaConf.create(
+        dict(contenders=["vitlab", "timm", "timm_ckpt"], precision="fp32", compile=False, timm_optimizer="timm")
+    )
+    torch.manual_seed(0)
+    contenders = build_contenders(
+        cfg, b, {"lr": 1e-3, "weight_decay": 0.05, "betas": [0.9, 0.999], "eps": 1e-8}, torch.device("cpu")
+    )
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
+    losses = [c.loss(x, y).item() for c in contenders]
+    assert losses == pytest.approx([losses[0]] * 3, abs=1e-6)
+    assert contenders[2].model.grad_checkpointing and not contenders[1].model.grad_checkpointing
+    for c in contenders:
+        c.step("train", x, y)
+        assert isinstance(c, Contender) and all(p.grad is None for p in c.model.parameters())
+    # One AdamW step from the same point with the same hyper-parameters: the same weights after it.
+    ours, theirs = contenders[0].model.state_dict(), contenders[1].model.state_dict()
+    torch.testing.assert_close(ours["head.weight"], theirs["head.weight"], atol=1e-6, rtol=0)
+    assert peak_matmul_flops(torch.device("cpu"), torch.float32, size=64, repeats=2)["flops_per_s"] > 0
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("benchmark.precision=fp16", "benchmark.precision 'fp16' is not one of ['fp32', 'bf16']"),
+        ("benchmark.contenders=[vitlab,jax]", "benchmark.contenders ['vitlab', 'jax'] must be distinct values"),
+        ("benchmark.repeats=0", "benchmark.repeats 0 must be an integer >= 1"),
+        ("benchmark.device=tpu", "benchmark.device 'tpu' is not one of auto, cpu, cuda"),
+    ],
+)
+def test_bad_settings_fail_in_one_line(override, message, tmp_path: Path):
+    r = run_cli("benchmark", *TINY, override, f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_overhead_mode_times_lightning_and_a_plain_loop(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    r = run_cli(
+        "benchmark",
+        "benchmark.task=overhead",
+        "benchmark.overhead.epochs=1",
+        "benchmark.overhead.rounds=2",
+        'benchmark.overhead.train_overrides=["model.depth=1","data.batch_size=256","logger=csv","progress_bar=none"]',
+        f"hydra.run.dir={run_dir}",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((run_dir / "benchmark.json").read_text())
+    assert report["train_overrides"][0] == "model.depth=1"
+    for loop in ("lightning", "plain"):
+        res = report["results"][loop]
+        assert res["steps_per_epoch"] == 4  # 1,257 training digits // 256 (drop_last)
+        assert len(res["step"]["times_ms"]) == 2 * 4 and len(res["epoch"]["times_ms"]) == 2
+    ratio = report["ratios"]["lightning/plain"]
+    assert ratio["step_time"] == pytest.approx(
+        report["results"]["lightning"]["step"]["median_ms"] / report["results"]["plain"]["step"]["median_ms"]
+    )
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()  # vitlab.train's callbacks ran, in this run dir
+    refused = run_cli("benchmark", "benchmark.task=overhead", "model=vit_s16", f"hydra.run.dir={tmp_path / 'r2'}")
+    assert refused.returncode == 2 and "benchmark.overhead.train_overrides" in refused.stderr
