@@ -55,7 +55,7 @@ def test_the_tests_cover_every_conf_file():
         for o in options(g)
     }
     covered |= {CONF / "model/_base.yaml", CONF / "hydra/default.yaml", CONF / "hydra/launcher/slurm.yaml"}
-    covered |= {CONF / f"{n}.yaml" for n in ("train", "eval", "predict", "parity", "visualize")}
+    covered |= {CONF / f"{n}.yaml" for n in ("train", "eval", "predict", "parity", "visualize", "benchmark")}
     assert every_conf_file() <= covered, every_conf_file() - covered
 
 
@@ -163,18 +163,25 @@ def test_slurm_launcher_example(compose_cfg):
     assert cfg.hydra.launcher.tasks_per_node == cfg.hydra.launcher.gpus_per_node == 4
 
 
-@pytest.mark.parametrize("name", ["eval", "predict", "parity"])
+@pytest.mark.parametrize("name", ["eval", "predict", "parity", "benchmark"])
 def test_other_entry_point_configs(compose_cfg, name):
     overrides = {
         "eval": ["ckpt_path=x.ckpt", "data=digits", "model.img_size=8"],
         "predict": ["ckpt_path=x.ckpt", "images=[a.png]"],
         "parity": [],
+        "benchmark": [],
     }[name]
     cfg = compose_cfg(name, overrides)
     assert cfg.task_name == name
     if name == "eval":
         instantiate(cfg.data)
         instantiate(cfg.trainer, logger=False)
+    if name == "benchmark":
+        from vitlab.benchmark import check
+
+        check(cfg.benchmark)  # the defaults are valid, and the overhead task's train overrides compose
+        train = compose_cfg("train", list(cfg.benchmark.overhead.train_overrides))
+        assert train.progress_bar == "none" and "csv" in train.logger
 
 
 def test_unknown_key_and_wrong_type_fail_at_start_up(compose_cfg):

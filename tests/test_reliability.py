@@ -19,6 +19,7 @@ RUN = [
     "callbacks=ema",
     "callbacks.ema.update_starting_at_step=0",
     "trainer.limit_test_batches=1.0",
+    "trainer.log_every_n_steps=5",  # 27 steps in all: log the LR (compared after resuming) within them
 ]
 
 

@@ -200,7 +200,7 @@ class ViTModule(L.LightningModule):
         if not torch.isfinite(loss):  # stop before the update, so no checkpoint ever holds NaN weights
             raise NonFiniteLossError(self._non_finite_message(loss))
         self._update("train", loss, logits, y)  # accuracy against the unmixed labels
-        if self.global_step % self.trainer.log_every_n_steps == 0:
+        if (self.global_step + 1) % self.trainer.log_every_n_steps == 0:  # the steps Lightning writes logs at
             self.log("train/loss_step", loss.detach(), prog_bar=True)
         return loss
 

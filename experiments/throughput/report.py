@@ -1,0 +1,93 @@
+"""Tables and plot for experiments/throughput from the benchmark.json files of its runs.
+
+python experiments/throughput/report.py outputs/throughput
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def models_table(reports: list[dict]) -> None:
+    cols = ["model", "batch", "mode", "contender", "median ms", "img/s", "GFLOP/s", "MFU", "peak MB", "step MB"]
+    print("| " + " | ".join(cols) + " | ratio [per-round range] |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for rep in reports:
+        for mode, rows in rep["results"].items():
+            first = next(iter(rows))
+            for name, r in rows.items():
+                ratio = rep["ratios"][mode].get(f"{first}/{name}")
+                shown = (
+                    f"{ratio['throughput']:.3f} [{ratio['throughput_paired_min']:.3f}, "
+                    f"{ratio['throughput_paired_max']:.3f}]"
+                    if ratio
+                    else ""
+                )
+                print(
+                    f"| {rep['model']} | {rep['benchmark']['batch_size']} | {mode} | {name} | {r['median_ms']:.1f} | "
+                    f"{r['images_per_s']:.1f} | {r['achieved_flops_per_s'] / 1e9:.1f} | {100 * r['mfu']:.1f}% | "
+                    f"{r['peak_memory_mb']:.0f} | {r['step_memory_mb']:.0f} | {shown} |"
+                )
+
+
+def overhead_table(rep: dict) -> None:
+    print("| loop | ms per training step (median) | s per epoch (val + checkpoints) | steps per epoch |")
+    print("|---|---|---|---|")
+    for name, r in rep["results"].items():
+        print(
+            f"| {name} | {r['step']['median_ms']:.2f} | {r['epoch']['median_ms'] / 1e3:.3f} | {r['steps_per_epoch']} |"
+        )
+    ratio = rep["ratios"]["lightning/plain"]
+    print(f"\nLightning / plain: {ratio['step_time']:.3f} per step, {ratio['epoch_time']:.3f} per epoch")
+
+
+def plot(reports: list[dict], out: Path) -> None:
+    """vitlab/timm throughput per model and mode, with the per-round range as an error bar."""
+    bars = []
+    for rep in reports:
+        for mode, ratios in rep["ratios"].items():
+            if "vitlab/timm" in ratios:
+                r = ratios["vitlab/timm"]
+                bars.append((f"{rep['model']} b{rep['benchmark']['batch_size']}\n{mode}", r))
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    xs = range(len(bars))
+    values = [r["throughput"] for _, r in bars]
+    low = [v - r["throughput_paired_min"] for v, (_, r) in zip(values, bars, strict=True)]
+    high = [r["throughput_paired_max"] - v for v, (_, r) in zip(values, bars, strict=True)]
+    ax.bar(xs, values, yerr=[low, high], capsize=3, color="tab:blue")
+    ax.axhline(1.0, color="k", lw=1)
+    ax.set(xticks=list(xs), ylabel="vitlab / timm throughput", title="CPU fp32, 2 cores (median; bar: per-round range)")
+    ax.set_xticklabels([label for label, _ in bars], fontsize=8)
+    ax.set_ylim(0.8, max(v + h for v, h in zip(values, high, strict=True)) + 0.05)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+
+
+def main(root: Path) -> None:
+    reports = [json.loads(p.read_text()) for p in sorted(root.glob("*/benchmark.json"))]
+    models = [r for r in reports if r["task"] == "models"]
+    order = {"vit_digits": 0, "vit_ti16": 1, "vit_s16": 2, "vit_b16": 3}
+    models.sort(key=lambda r: order.get(r["model"], 9))
+    models_table(models)
+    for rep in models:
+        peak = rep["peak"]
+        print(
+            f"\n{rep['model']}: {rep['flops']['forward_gflops_per_image']:.3f} GFLOPs/image forward; peak "
+            f"{peak['flops_per_s'] / 1e9:.0f} GFLOP/s ({peak['dtype']} {peak['size']}^3 matmul)"
+        )
+    for rep in reports:
+        if rep["task"] == "overhead":
+            print()
+            overhead_table(rep)
+    plot([r for r in models if "timm" in next(iter(r["results"].values()))], Path(__file__).with_name("ratios.png"))
+    print(f"\nwrote {Path(__file__).with_name('ratios.png')}")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
