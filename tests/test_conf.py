@@ -85,10 +85,17 @@ def test_model_configs(compose_cfg, model):
 
 
 @pytest.mark.parametrize("data", options("data"))
-def test_data_configs(compose_cfg, data):
-    cfg = compose_cfg("train", [f"data={data}", "model=vit_cifar"])
+def test_data_configs(compose_cfg, data, tmp_path):
+    extra = []
+    if data == "imagefolder":  # its class count is read from the folder
+        for cls in ("cat", "dog", "eel"):
+            (tmp_path / "tree" / "train" / cls).mkdir(parents=True)
+        extra = [f"data.data_dir={tmp_path / 'tree'}"]
+    cfg = compose_cfg("train", [f"data={data}", "model=vit_cifar", *extra])
     mc, dm, *_ = build_everything(cfg)
     assert dm.img_size == mc.img_size == 32
+    if data == "imagefolder":
+        assert dm.num_classes == mc.num_classes == 3
 
 
 def test_wiring_resizes_digits_for_vit_b16(compose_cfg):

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from vitlab.lit_module import load_checkpoint
-from vitlab.predict import preprocessing
+from vitlab.run import inference_datamodule
 from vitlab.visualize import attention_rollout, plot_attention, plot_embeddings
 
 HERE = Path(__file__).parent
@@ -19,7 +19,7 @@ HERE = Path(__file__).parent
 def main(ckpt: str) -> None:
     module = load_checkpoint(ckpt).eval()
     model = module.model
-    dm = preprocessing(module, ckpt)
+    dm = inference_datamodule(module, ckpt)
     dm.setup()
     x, y = dm.test_set.images, dm.test_set.labels
     x = dm.resize(x)

@@ -46,6 +46,7 @@ from torch import nn
 from vitlab.cli import entry_point, vit_config
 from vitlab.convert.timm import create_timm_model, vitlab_to_timm
 from vitlab.data.digits import TensorImages
+from vitlab.errors import UserError
 from vitlab.lit_module import make_optimizer, make_scheduler
 from vitlab.model import ViT, ViTConfig
 
@@ -70,9 +71,9 @@ def pick_device(name: str) -> torch.device:
     except RuntimeError:
         device = None
     if device is None or device.type not in ("cpu", "cuda"):
-        raise ValueError(f"benchmark.device {name!r} is not one of auto, cpu, cuda, cuda:<i>")
+        raise UserError(f"benchmark.device {name!r} is not one of auto, cpu, cuda, cuda:<i>")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"benchmark.device {name!r} is not available here: no CUDA GPU; use cpu or auto")
+        raise UserError(f"benchmark.device {name!r} is not available here: no CUDA GPU; use cpu or auto")
     return device
 
 
@@ -331,18 +332,16 @@ class LoopTimer(L.Callback):
 
 def run_lightning(train_cfg: DictConfig, epochs: int) -> LoopTimes:
     """`vitlab.train`'s fit, as it builds it, for `epochs` epochs; progress bar as configured there."""
-    from hydra.utils import instantiate
-
-    from vitlab.train import build_module, instantiate_group, make_trainer, progress_bar
+    from vitlab import run
 
     L.seed_everything(train_cfg.seed, workers=True, verbose=False)
-    datamodule = instantiate(train_cfg.data)
-    module = build_module(train_cfg, datamodule)
+    datamodule = run.build_datamodule(train_cfg.data)
+    module = run.build_module(train_cfg, datamodule)
     timer = LoopTimer()
-    bars, show_bar = progress_bar(train_cfg.progress_bar)
-    callbacks = instantiate_group(train_cfg.get("callbacks")) + bars + [timer]
-    loggers = instantiate_group(train_cfg.get("logger"))
-    trainer = make_trainer(
+    bars, show_bar = run.progress_bar(train_cfg.progress_bar)
+    callbacks = run.instantiate_group(train_cfg.get("callbacks")) + bars + [timer]
+    loggers = run.instantiate_group(train_cfg.get("logger"))
+    trainer = run.build_trainer(
         train_cfg.trainer, callbacks=callbacks, logger=loggers or False, enable_progress_bar=show_bar, max_epochs=epochs
     )
     trainer.fit(module, datamodule=datamodule, weights_only=True)
@@ -353,15 +352,13 @@ def run_plain(train_cfg: DictConfig, epochs: int) -> LoopTimes:
     """The loop one would write by hand around the same pieces: the same datamodule (and its on-device
     augmentation), model, AdamW groups, per-step schedule and loss; running training loss and accuracy
     kept on the device; a validation pass per epoch."""
-    from hydra.utils import instantiate
-
-    from vitlab.train import build_module
+    from vitlab import run
 
     L.seed_everything(train_cfg.seed, workers=True, verbose=False)
-    datamodule = instantiate(train_cfg.data)
+    datamodule = run.build_datamodule(train_cfg.data)
     on_cpu = train_cfg.trainer.get("accelerator", "auto") == "cpu"
     device = torch.device("cpu") if on_cpu else pick_device("auto")
-    module = build_module(train_cfg, datamodule)
+    module = run.build_module(train_cfg, datamodule)
     model, smoothing, mixup = module.model.to(device), module.label_smoothing, module.mixup
     if train_cfg.compile:
         model.compile()  # as ViTModule.setup does for fit
@@ -455,7 +452,7 @@ def bench_overhead(train_cfg: DictConfig, b: DictConfig) -> dict[str, Any]:
 def check(b: DictConfig) -> None:
     def choice(key: str, allowed) -> None:
         if b[key] not in allowed:
-            raise ValueError(f"benchmark.{key} {b[key]!r} is not one of {list(allowed)}")
+            raise UserError(f"benchmark.{key} {b[key]!r} is not one of {list(allowed)}")
 
     choice("task", TASKS)
     choice("precision", PRECISIONS)
@@ -463,15 +460,15 @@ def check(b: DictConfig) -> None:
     for key, allowed in (("contenders", CONTENDERS), ("modes", MODES)):
         bad = [v for v in b[key] if v not in allowed]
         if bad or not b[key] or len(set(b[key])) != len(b[key]):
-            raise ValueError(f"benchmark.{key} {list(b[key])} must be distinct values from {list(allowed)}")
+            raise UserError(f"benchmark.{key} {list(b[key])} must be distinct values from {list(allowed)}")
     for key in ("batch_size", "repeats", "steps"):
         if not isinstance(b[key], int) or b[key] < 1:
-            raise ValueError(f"benchmark.{key} {b[key]!r} must be an integer >= 1")
+            raise UserError(f"benchmark.{key} {b[key]!r} must be an integer >= 1")
     if not isinstance(b.warmup, int) or b.warmup < 0:
-        raise ValueError(f"benchmark.warmup {b.warmup!r} must be an integer >= 0")
+        raise UserError(f"benchmark.warmup {b.warmup!r} must be an integer >= 0")
     for key in ("epochs", "rounds"):
         if not isinstance(b.overhead[key], int) or b.overhead[key] < 1:
-            raise ValueError(f"benchmark.overhead.{key} {b.overhead[key]!r} must be an integer >= 1")
+            raise UserError(f"benchmark.overhead.{key} {b.overhead[key]!r} must be an integer >= 1")
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -554,7 +551,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     if b.task == "overhead":
         chosen = [o for o in HydraConfig.get().overrides.task if o.split("=")[0].lstrip("+~") in ("model", "optim")]
         if chosen:
-            raise ValueError(
+            raise UserError(
                 f"benchmark.task=overhead times vitlab.train's own config; {chosen[0]!r} does not reach it: put "
                 "it in benchmark.overhead.train_overrides, e.g. 'benchmark.overhead.train_overrides=[model.depth=2]'"
             )

@@ -1,12 +1,16 @@
-"""Lightning pieces that keep runs safe: checkpoints written atomically and verified, a resumable
-checkpoint on SIGTERM / SIGUSR1 / Ctrl-C, and a stop on a non-finite loss."""
+"""Lightning pieces that keep runs safe and readable: checkpoints written atomically and verified, a
+resumable checkpoint on SIGTERM / SIGUSR1 / Ctrl-C, a stop on a non-finite loss, and a log line per
+epoch where no progress bar is shown."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import re
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +21,50 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from vitlab.errors import UserError
+
 log = logging.getLogger(__name__)
+
+# A save in progress writes `.<name>.tmp-<pid>` beside its target (AtomicCheckpointIO).
+_TEMPORARY = re.compile(r"^\..+\.tmp-(\d+)$")
+# What a full or read-only disk, or missing permissions, look like: the user's to fix.
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+
+
+def remove_stale_temporaries(directory: Path) -> list[Path]:
+    """Delete the temporaries of checkpoint saves whose process is gone (a `kill -9` mid-save leaves
+    one, as large as a checkpoint, that nothing else would ever remove)."""
+    removed = []
+    for path in Path(directory).glob(".*.tmp-*"):
+        m = _TEMPORARY.match(path.name)
+        if m and not _alive(int(m.group(1))):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    if removed:
+        log.info("removed %d unfinished checkpoint file(s) left by a killed save in %s", len(removed), directory)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _disk_error(e: BaseException) -> OSError | None:
+    """The OSError of a full/read-only disk behind `e`, if any (torch.save reports a failed write as a
+    RuntimeError from its C++ writer, with the OSError as its context)."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
+            return e
+        if "No space left on device" in str(e):
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -32,6 +79,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        remove_stale_temporaries(path.parent)
         try:
             with open(tmp, "wb") as f:
                 torch.save(checkpoint, f)
@@ -41,12 +89,21 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             if set(back) != set(checkpoint) or set(back.get("state_dict", {})) != set(checkpoint.get("state_dict", {})):
                 raise OSError(f"checkpoint {tmp} read back differs from what was written")
             os.replace(tmp, path)
+        except (OSError, RuntimeError) as e:
+            disk = _disk_error(e)
+            if disk is None:
+                raise
+            kept = f"the previous {path.name} is intact" if path.is_file() else f"no {path.name} was written"
+            raise UserError(
+                f"cannot write checkpoint {path} ({disk.strerror or disk}); {kept}, and no partial file is left; "
+                "free space or choose another paths.log_dir (resume from an earlier checkpoint with ckpt_path=...)"
+            ) from e
         finally:
             tmp.unlink(missing_ok=True)
 
 
-class NonFiniteLossError(ValueError):
-    pass
+class NonFiniteLossError(UserError):
+    """The training loss became NaN or inf: the recipe (LR, data), not the code, is to change."""
 
 
 class SaveOnInterrupt(L.Callback):
@@ -71,7 +128,7 @@ class SaveOnInterrupt(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, (SIGTERMException, KeyboardInterrupt)) or trainer.state.fn != TrainerFn.FITTING:
             return
-        trainer.save_checkpoint(self.path)
+        trainer.save_checkpoint(self.path, weights_only=False)  # the full state, to resume from
         if trainer.is_global_zero:
             what = "SIGTERM/SIGUSR1" if isinstance(exception, SIGTERMException) else "Ctrl-C"
             print(
@@ -91,3 +148,36 @@ def _slurm_requeue(trainer: L.Trainer) -> bool:
 
     env = trainer._accelerator_connector.cluster_environment
     return isinstance(env, SLURMEnvironment) and env.auto_requeue
+
+
+class EpochLog(L.Callback):
+    """A log line per training epoch, for runs without a progress bar (log files, CI, `make train` piped):
+    the epoch's training and validation metrics, its time, and images/s. An epoch's line is written
+    when the next one starts (the module logs its training metrics after the callbacks' epoch-end
+    hooks have run), and the last one when fit ends."""
+
+    KEYS = ("train/loss", "train/acc", "val/loss", "val/acc", "val/acc_best")
+
+    def __init__(self):
+        self._started: float | None = None
+        self._step = 0
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._started is not None:
+            self._write(trainer, trainer.current_epoch - 1)
+        self._started, self._step = time.perf_counter(), trainer.global_step
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._started is not None:
+            self._write(trainer, trainer.current_epoch - 1)
+            self._started = None
+
+    def _write(self, trainer: L.Trainer, epoch: int) -> None:
+        if not trainer.is_global_zero:
+            return
+        seconds = time.perf_counter() - self._started
+        steps = trainer.global_step - self._step
+        values = trainer.callback_metrics
+        shown = " ".join(f"{k} {values[k].item():.4f}" for k in self.KEYS if k in values)
+        total = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
+        log.info("epoch %d%s (%d steps, %.1f s): %s", epoch + 1, total, steps, seconds, shown)

@@ -1,31 +1,46 @@
-"""What every `python -m vitlab.<task>` entry point shares: where the configs are, the run-id
-resolver, one-line errors for bad input, the resolved config as a tree, and the model group read
-into a ViTConfig. This is the only library module besides the entry points that knows Hydra."""
+"""What every `python -m vitlab.<task>` entry point shares: where the configs are, the resolvers,
+the run directory guard, one-line errors for bad input, and the model group read into a ViTConfig.
+This is the only library module besides the entry points that knows Hydra.
+
+It imports no torch, Lightning or timm at module level: `--help` and config errors answer at once.
+"""
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import secrets
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import hydra
-from hydra.errors import InstantiationException
+from hydra.errors import HydraException, InstantiationException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from vitlab.model import ViTConfig
+from vitlab.errors import MissingFileError, UserError
 
-# Input errors users can fix; anything else is a bug and keeps its traceback. Hydra wraps errors raised
-# while instantiating a config node; those count when what they wrap does.
-USER_ERRORS = (ValueError, FileNotFoundError, ConnectionError, OmegaConfBaseException)
+# What becomes a one-line exit 2: our own checks of the user's input, and Hydra's and OmegaConf's
+# reports of a bad config or override. Anything else is a bug and keeps its traceback (exit 1).
+CONFIG_ERRORS = (UserError, OmegaConfBaseException, HydraException)
 # Keys of the model group that are not ViTConfig fields.
 MODEL_EXTRA_KEYS = ("variant", "timm_name", "pretrained")
+# Written into every run directory the moment a command claims it (see claim_run_dir).
+CLAIM_FILE = ".vitlab-run"
+
+# Warnings nobody running vitlab can act on: deprecations inside torchdata and Lightning, and the
+# logging-interval notice (vitlab lowers the interval to the epoch length itself, see lit_module).
+QUIET_WARNINGS = (
+    r"'set_vital' is deprecated",
+    r".*isinstance\(treespec, LeafSpec\)",
+    r"The number of training batches \(\d+\) is smaller than the logging interval",
+)
 
 
 def config_dir() -> Path:
@@ -35,7 +50,7 @@ def config_dir() -> Path:
         return Path(os.environ["VITLAB_CONFIG_DIR"]).resolve()
     here = Path(__file__).resolve().parents[2] / "conf"
     if not (here / "train.yaml").is_file() and not (here / "parity.yaml").is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"vitlab configs not found at {here}; install vitlab editable from its "
             "repository (make install) or set VITLAB_CONFIG_DIR to its conf/ folder"
         )
@@ -47,9 +62,29 @@ def _new_run_id() -> str:
 
 
 def register_resolvers() -> None:
-    """`${run_id:}`: process id + random hex, cached per config (a sweep's jobs share it, as `now`)."""
+    """`${run_id:}`: process id + random hex, cached per config (a sweep's jobs share it, as `now`).
+    `${cwd:}`: the directory the command was started in. Hydra's `${hydra:runtime.cwd}` says the same
+    but only inside a job: a sweep resolves hydra.sweep.dir before any job exists."""
     if not OmegaConf.has_resolver("run_id"):
         OmegaConf.register_new_resolver("run_id", _new_run_id, use_cache=True)
+    if not OmegaConf.has_resolver("cwd"):
+        OmegaConf.register_new_resolver("cwd", os.getcwd)
+    if not OmegaConf.has_resolver("class_folders"):
+        OmegaConf.register_new_resolver("class_folders", class_folders)
+
+
+def class_folders(data_dir: str) -> int:
+    """`${class_folders:<data_dir>}`: the number of class folders in data_dir/train, as torchvision's
+    ImageFolder will find them, so the model's head is sized from the data without a count to type."""
+    train = Path(data_dir) / "train"
+    if not Path(data_dir).is_dir():
+        raise MissingFileError(f"data.data_dir {str(data_dir)!r} does not exist")
+    if not train.is_dir():
+        raise MissingFileError(
+            f"image folder split {str(train)!r} does not exist (expected {data_dir}/train/<class>/... "
+            f"and {data_dir}/val/<class>/...)"
+        )
+    return sum(1 for entry in os.scandir(train) if entry.is_dir())
 
 
 def is_launcher_child() -> bool:
@@ -57,39 +92,91 @@ def is_launcher_child() -> bool:
     return int(os.environ.get("LOCAL_RANK", "0")) > 0
 
 
-def refuse_reused_run_dir(argv: list[str]) -> None:
-    """Hydra writes into hydra.run.dir before any task code runs; refuse a non-empty one up front
-    so an earlier run's files are never overwritten."""
+def _override_value(argv: list[str], key: str) -> str | None:
+    """The value the command line gives `key` (as `key=`, `+key=` or `++key=`), or None."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        overrides = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
+    except HydraException:
+        return None  # Hydra reports the malformed override itself
+    found = [o for o in overrides if o.key_or_group == key and not o.is_delete()]
+    return str(found[-1].value()) if found else None
+
+
+def _unwritable(path: Path, what: str, err: OSError) -> UserError:
+    return UserError(
+        f"{what} {str(path)!r} cannot be written ({err.strerror or type(err).__name__}); "
+        "choose a writable hydra.run.dir or paths.log_dir, or start the command in a writable directory"
+    )
+
+
+def claim_run_dir(path: Path) -> None:
+    """Make `path` this run's directory, or refuse: Hydra writes into hydra.run.dir before any task code
+    runs, so an earlier run's files are protected here. The claim is an exclusive create, so two
+    commands started at once with the same new directory cannot both get it."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"hydra.run.dir {str(path)!r} is a file, not a directory; give a new directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path / CLAIM_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        fd = None
+    except OSError as e:
+        raise _unwritable(path, "run directory", e) from e
+    reused = UserError(
+        f"run directory {str(path)!r} already holds files; vitlab never reuses a run directory: "
+        "give a new hydra.run.dir or leave it to the default"
+    )
+    if fd is None:
+        raise reused
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{os.getpid()} {' '.join(sys.argv)}\n")
+    if any(p.name != CLAIM_FILE for p in path.iterdir()):  # an earlier run from before claim files
+        (path / CLAIM_FILE).unlink()
+        raise reused
+
+
+def check_writable(directory: Path) -> None:
+    """Create `directory` (where runs go) and a file in it, or say in one line why not."""
+    import tempfile
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise _unwritable(directory, "output directory", e) from e
+
+
+def prepare(config_name: str, argv: list[str]) -> None:
+    """Before Hydra starts: compose once to report a bad override in one line, then make sure the run
+    directory is new and writable (plain runs; sweeps, Hydra's flags and HYDRA_FULL_ERROR=1 are left to
+    Hydra, which reports them itself)."""
     if is_launcher_child():
-        return
-    for arg in argv:
-        if arg.startswith("hydra.run.dir="):
-            path = Path(arg.split("=", 1)[1])
-            if path.is_dir() and any(path.iterdir()):
-                fail(
-                    f"run directory {str(path)!r} already holds files; vitlab never reuses a run "
-                    "directory: give a new hydra.run.dir or leave it to the default"
-                )
-
-
-def check_overrides(config_name: str, argv: list[str]) -> None:
-    """Hydra reports an unknown key or option in several lines; compose once up front and say it in one
-    (plain runs only: sweeps, Hydra's own flags and HYDRA_FULL_ERROR=1 are left to Hydra)."""
+        return  # Lightning's DDP launcher re-runs the command with rank 0's directory, on purpose
+    run_dir = _override_value(argv, "hydra.run.dir")
     if os.environ.get("HYDRA_FULL_ERROR") == "1" or any(a.startswith("-") for a in argv):
         return
     from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
+    from hydra.core.global_hydra import GlobalHydra
 
     overrides = [a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-            compose(config_name, overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as e:
-        fail(one_line(e))
+            cfg = compose(config_name, overrides=overrides)
+        log_dir = OmegaConf.select(cfg, "paths.log_dir", throw_on_resolution_failure=False)
+    except CONFIG_ERRORS as e:
+        fail(one_line(user_error(e) or e))
     finally:
-        from hydra.core.global_hydra import GlobalHydra
-
         GlobalHydra.instance().clear()
+    try:
+        if run_dir is not None:
+            claim_run_dir(Path(run_dir))
+        elif log_dir:
+            check_writable(Path(log_dir))
+    except UserError as e:
+        fail(one_line(e))
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -97,38 +184,97 @@ def fail(message: str, code: int = 2) -> None:
     raise SystemExit(code)
 
 
+def user_error(e: BaseException) -> BaseException | None:
+    """The user's mistake behind `e`, or None for a bug. Hydra wraps what a config's constructor raised,
+    OmegaConf what a resolver raised: our own UserError inside either is the message to show."""
+    cause = e
+    while isinstance(cause, (InstantiationException, OmegaConfBaseException)) and cause.__cause__ is not None:
+        if not isinstance(cause.__cause__, (InstantiationException, OmegaConfBaseException, UserError)):
+            break
+        cause = cause.__cause__
+    if isinstance(e, InstantiationException) and cause is e:
+        return None  # a constructor failed on something that is not the user's input: a bug
+    return cause if isinstance(cause, CONFIG_ERRORS) else None
+
+
+class _NoTips(logging.Filter):
+    """Lightning's advertisement for its cloud products, printed on every run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Tip:" not in str(record.msg)
+
+
+def quiet() -> None:
+    """Warnings nobody can act on are dropped; the rest, and Lightning's logs, go through Hydra's
+    logging (terminal and the run's log file)."""
+    for pattern in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    route_lightning_logs()
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # Optuna's storage layer lists its plugins at INFO
+    logging.captureWarnings(True)
+
+
+def route_lightning_logs() -> None:
+    """Lightning gives its loggers a stderr handler of their own on import (every line would show twice,
+    once unformatted); send them through the root logger instead. Called again once Lightning is
+    imported (vitlab.run), since commands import it only when their task runs."""
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoTips) for f in logger.filters):
+            logger.addFilter(_NoTips())
+
+
 def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Callable[[], Any]]:
-    """Turn `task(cfg)` into a Hydra command line: configs from config_dir(), run ids, and input
-    errors reported as one line (the traceback only with HYDRA_FULL_ERROR=1)."""
+    """Turn `task(cfg)` into a Hydra command line: configs from config_dir(), resolvers, a new run
+    directory, and input errors reported as one line (the traceback only with HYDRA_FULL_ERROR=1).
+    In a -m sweep a job with bad input is reported and recorded, and the sweep goes on (SweepSummary
+    lists it and makes the sweep exit 2)."""
 
     def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], Any]:
         @functools.wraps(task)
         def guarded(cfg: DictConfig) -> Any:
-            # Lightning gives its loggers a stderr handler of their own when imported before Hydra set up
-            # logging; send them, and Python's warnings, through Hydra's logging (terminal and the run's
-            # log file) and keep stderr for errors.
-            for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-                logger = logging.getLogger(name)
-                logger.handlers.clear()
-                logger.propagate = True
-            logging.captureWarnings(True)  # Python warnings too
+            quiet()
             try:
                 return task(cfg)
-            except (*USER_ERRORS, InstantiationException) as e:
-                cause = e.__cause__ if isinstance(e, InstantiationException) else e
-                if os.environ.get("HYDRA_FULL_ERROR") == "1" or not isinstance(cause, USER_ERRORS):
+            except (*CONFIG_ERRORS, InstantiationException) as e:
+                cause = user_error(e)
+                if os.environ.get("HYDRA_FULL_ERROR") == "1" or cause is None:
                     raise
-                fail(one_line(cause))
+                if _sweep_job_dir() is None:
+                    fail(one_line(cause))
+                return _record_failed_job(one_line(cause))
 
         def main() -> Any:
+            quiet()
             register_resolvers()
-            check_overrides(config_name, sys.argv[1:])
-            refuse_reused_run_dir(sys.argv[1:])
+            prepare(config_name, sys.argv[1:])
             return hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=config_name)(guarded)()
 
         return main
 
     return decorate
+
+
+def _sweep_job_dir() -> Path | None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def _record_failed_job(message: str) -> float:
+    """A sweep job's bad input: said on stderr, kept in the job's error.json for the summary; NaN goes to
+    the sweeper (Optuna records a failed trial) so the other jobs still run."""
+    job = _sweep_job_dir()
+    print(f"error: sweep job {job.name}: {message}", file=sys.stderr, flush=True)
+    (job / "error.json").write_text(json.dumps({"error": message}))
+    return float("nan")
 
 
 def one_line(e: BaseException) -> str:
@@ -141,8 +287,10 @@ def one_line(e: BaseException) -> str:
     return " ".join(text.split())
 
 
-def vit_config(model: DictConfig) -> ViTConfig:
+def vit_config(model: DictConfig):
     """The model group -> ViTConfig (sizes from `variant`, then the explicit fields)."""
+    from vitlab.model.config import ViTConfig
+
     d = OmegaConf.to_container(model, resolve=True)
     variant = d.pop("variant", None)
     for key in MODEL_EXTRA_KEYS:
@@ -150,8 +298,12 @@ def vit_config(model: DictConfig) -> ViTConfig:
     return ViTConfig.from_variant(variant, **d)
 
 
-def print_config_tree(cfg: DictConfig, save_to: Path | None = None) -> None:
-    """The resolved config as a rich tree on the terminal, and as YAML in the run directory."""
+def save_config(cfg: DictConfig, path: Path, show: bool = False) -> None:
+    """The resolved config as YAML in the run directory; with `show`, also as a tree on the terminal
+    (the full tree is ~170 lines: the log says where the file is instead)."""
+    path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    if not show:
+        return
     import rich
     import rich.syntax
     import rich.tree
@@ -162,8 +314,6 @@ def print_config_tree(cfg: DictConfig, save_to: Path | None = None) -> None:
         text = OmegaConf.to_yaml(value, resolve=True) if isinstance(value, DictConfig) else str(value)
         branch.add(rich.syntax.Syntax(text, "yaml", theme="ansi_dark", background_color="default"))
     rich.print(tree)
-    if save_to is not None:
-        save_to.write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
 
 # What a finished job of each entry point writes in its directory: train, parity, benchmark.
@@ -179,8 +329,6 @@ class SweepSummary(Callback):
         self.columns = columns or ["val/acc_best", "test/acc", "test/loss", "wall_time_s"]
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        import json
-
         from rich.console import Console
         from rich.table import Table
 
@@ -193,12 +341,14 @@ class SweepSummary(Callback):
             overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.is_file() else []
             found = [job / name for name in self.filenames if (job / name).is_file()]
             metrics = json.loads(found[0].read_text()) if found else {}
+            error = json.loads((job / "error.json").read_text())["error"] if (job / "error.json").is_file() else None
             rows.append(
                 {
                     "job": int(job.name),
                     "overrides": overrides,
-                    "status": "done" if metrics else "failed",
+                    "status": "done" if metrics and not error else "failed",
                     **{c: metrics.get(c) for c in self.columns},
+                    **({"error": error} if error else {}),
                 }
             )
         (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=2))
@@ -212,4 +362,12 @@ class SweepSummary(Callback):
                 r["status"],
                 *[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in self.columns],
             )
-        Console().print(table)
+        Console(width=None if sys.stdout.isatty() else 160).print(table)
+        failed = [r for r in rows if r["status"] == "failed"]
+        if failed:
+            first = failed[0]
+            fail(
+                f"{len(failed)} of {len(rows)} sweep jobs failed (job {first['job']}: "
+                f"{first.get('error') or 'no result file'}); every job is listed in {sweep_dir / 'summary.json'}"
+            )
+        print(f"sweep results: {sweep_dir / 'summary.json'}", flush=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from torchvision.transforms import v2
 
 from vitlab.callbacks import NonFiniteLossError
+from vitlab.errors import MissingFileError, UserError
 from vitlab.model import ViT, ViTConfig
 
 log = logging.getLogger(__name__)
@@ -45,16 +47,16 @@ def _check_optim(o: dict[str, Any]) -> None:
 
     for key in ("lr", "weight_decay", "eps", "warmup_epochs", "min_lr_ratio"):
         if not number(o[key]) or o[key] < 0:
-            raise ValueError(f"optim.{key} {o[key]!r} must be a number >= 0")
+            raise UserError(f"optim.{key} {o[key]!r} must be a number >= 0")
     for key in ("warmup_steps", "layer_decay"):
         if o[key] is not None and (not number(o[key]) or o[key] < 0):
-            raise ValueError(f"optim.{key} {o[key]!r} must be a number >= 0 or null")
+            raise UserError(f"optim.{key} {o[key]!r} must be a number >= 0 or null")
     if o["layer_decay"] is not None and not 0 < o["layer_decay"] <= 1:
-        raise ValueError(f"optim.layer_decay {o['layer_decay']} must be in (0, 1]")
+        raise UserError(f"optim.layer_decay {o['layer_decay']} must be in (0, 1]")
     if len(o["betas"]) != 2 or not all(number(b) and 0 <= b < 1 for b in o["betas"]):
-        raise ValueError(f"optim.betas {list(o['betas'])} must be two numbers in [0, 1)")
+        raise UserError(f"optim.betas {list(o['betas'])} must be two numbers in [0, 1)")
     if not 0 <= o["min_lr_ratio"] <= 1:
-        raise ValueError(f"optim.min_lr_ratio {o['min_lr_ratio']} must be in [0, 1]")
+        raise UserError(f"optim.min_lr_ratio {o['min_lr_ratio']} must be in [0, 1]")
 
 
 def layer_id(name: str, depth: int) -> int:
@@ -117,17 +119,17 @@ class ViTModule(L.LightningModule):
         self.optim = {**DEFAULT_OPTIM, **(optim or {})}
         unknown = sorted(set(self.optim) - set(DEFAULT_OPTIM))
         if unknown:
-            raise ValueError(f"unknown optim key(s) {unknown}; allowed: {sorted(DEFAULT_OPTIM)}")
+            raise UserError(f"unknown optim key(s) {unknown}; allowed: {sorted(DEFAULT_OPTIM)}")
         _check_optim(self.optim)
         if not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing {label_smoothing} must be in [0, 1)")
+            raise UserError(f"label_smoothing {label_smoothing} must be in [0, 1)")
         self.label_smoothing = label_smoothing
         self.mixup = self._build_mixup(mixup or {})
         self.compile_model = compile
 
         k = self.model.cfg.num_classes
         if k < 2:
-            raise ValueError(f"model.num_classes {k} must be >= 2 to train a classifier")
+            raise UserError(f"model.num_classes {k} must be >= 2 to train a classifier")
         # Updated every step, computed (and synced across processes) once per epoch: logging a value
         # costs ~1 ms in Lightning, as much as the forward pass of the digits model.
         acc = functools.partial(MulticlassAccuracy, k, average="micro", validate_args=False)
@@ -273,6 +275,10 @@ class ViTModule(L.LightningModule):
         # early loader so fit builds it again after the restore. tests/test_reliability.py guards this.
         self.trainer.fit_loop._combined_loader = None
         epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
+        if 0 < total // epochs < self.trainer.log_every_n_steps:
+            # Epochs shorter than the logging interval would log no step at all (no loss or LR curve for a
+            # short run): log once per epoch's worth of steps instead.
+            self.trainer.log_every_n_steps = total // epochs
         scheduler = make_scheduler(optimizer, self.optim, total, epochs)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -297,7 +303,7 @@ def make_scheduler(
     else:
         warmup = round(o["warmup_epochs"] * total_steps / epochs)
     if warmup < 0:
-        raise ValueError(f"optim warmup {warmup} steps must be >= 0")
+        raise UserError(f"optim warmup {warmup} steps must be >= 0")
     if warmup > total_steps:
         log.warning(
             "warmup of %d steps is longer than the %d training steps; warming up over all of them", warmup, total_steps
@@ -314,23 +320,41 @@ def batch_size(batch) -> int:
 
 def read_checkpoint(path: str) -> dict[str, Any]:
     """A vitlab training checkpoint as plain data, read with weights_only=True: a file that would run
-    code when unpickled is refused, never executed."""
+    code when unpickled is refused, never executed; a file cut short is called corrupt."""
+    if Path(path).is_dir():
+        raise MissingFileError(f"ckpt_path {str(path)!r} is a directory; give a checkpoint file (.ckpt) in it")
     if not Path(path).is_file():
-        raise FileNotFoundError(f"ckpt_path {str(path)!r} does not exist")
+        raise MissingFileError(f"ckpt_path {str(path)!r} does not exist")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:
-        raise ValueError(
+        ckpt = _load_weights_only(path)
+    except pickle.UnpicklingError as e:
+        raise UserError(
             f"ckpt_path {str(path)!r} cannot be read safely as a training checkpoint (only tensors "
             f"and plain data are allowed; nothing in it was run): {type(e).__name__}"
-        ) from None
+        ) from e
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise UserError(
+            f"ckpt_path {str(path)!r} is corrupt or incomplete (cut short while copying or saving?): "
+            f"{str(e).splitlines()[0].split('. ')[0]}"
+        ) from e
     if (
         not isinstance(ckpt, dict)
         or "state_dict" not in ckpt
         or not isinstance((ckpt.get("hyper_parameters") or {}).get("model"), dict)
     ):
-        raise ValueError(f"ckpt_path {str(path)!r} is not a vitlab training checkpoint (it holds no model config)")
+        raise UserError(f"ckpt_path {str(path)!r} is not a vitlab training checkpoint (it holds no model config)")
     return ckpt
+
+
+def _load_weights_only(path: str) -> Any:
+    """torch.load(weights_only=True), memory-mapped when the file is a zip checkpoint (every file torch
+    has written since 1.6); older pickle files are read whole."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap can only be used" not in str(e):
+            raise
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def load_checkpoint(path: str, map_location: str = "cpu") -> ViTModule:

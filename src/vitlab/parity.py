@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from vitlab.cli import entry_point, vit_config
 from vitlab.convert.timm import create_timm_model, timm_to_vitlab, vitlab_to_timm
+from vitlab.errors import OfflineError, UserError
 from vitlab.model import ViT, ViTConfig
 
 log = logging.getLogger(__name__)
@@ -52,13 +53,12 @@ def compare(
     weights = "random"
     if pretrained:
         if not timm_name:
-            raise ValueError("pretrained=true needs a model with a timm counterpart (model.timm_name)")
+            raise UserError("pretrained=true needs a model with a timm counterpart (model.timm_name)")
         try:
             theirs = create_timm_model(cfg, timm_name, pretrained=True)
-            weights = f"timm pretrained ({timm_name})"
-        except ConnectionError as e:
-            log.warning("%s; comparing with random weights instead", e)
-            pretrained = False
+        except OfflineError as e:  # never report a check of weights that were not loaded
+            raise OfflineError(f"{e}; or check parity on random weights with pretrained=false") from e
+        weights = f"timm pretrained ({timm_name})"
     if pretrained:
         ours = ViT(cfg)
         ours.load_state_dict(timm_to_vitlab(theirs.state_dict(), cfg))

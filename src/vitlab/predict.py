@@ -1,50 +1,33 @@
 """python -m vitlab.predict ckpt_path=<file.ckpt> images=[a.png,b.jpg] [top_k=5]: print the top-k
-classes of each image (and write predictions.json), preprocessed as the checkpoint's test data."""
+classes of each image (and write predictions.json). Each file is decoded by the same function as the
+training data (`data.images.load_image`) and prepared as the checkpoint's test images were."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import torch
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
-from PIL import Image, UnidentifiedImageError
+from omegaconf import DictConfig
 
 from vitlab.cli import entry_point
-from vitlab.lit_module import ViTModule, load_checkpoint
-
-
-def open_image(path: str, channels: int) -> Image.Image:
-    """An image file as the model's channel count wants it (L or RGB)."""
-    try:
-        with Image.open(path) as img:
-            return img.convert("L" if channels == 1 else "RGB")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"image {path!r} does not exist") from None
-    except UnidentifiedImageError:
-        raise ValueError(f"image {path!r} is not an image file PIL can read") from None
-
-
-def preprocessing(module: ViTModule, ckpt_path: str):
-    """The DataModule of the checkpoint's stored data config: its predict_tensor() prepares an image
-    exactly as the test images were."""
-    data = module.hparams.get("data")
-    if not data:
-        raise ValueError(f"checkpoint {ckpt_path!r} stores no data config to preprocess images with")
-    return instantiate(OmegaConf.create(data))
+from vitlab.errors import UserError
 
 
 def predict(cfg: DictConfig) -> list[dict]:
-    module = load_checkpoint(cfg.ckpt_path, map_location=cfg.device).eval()
-    datamodule = preprocessing(module, cfg.ckpt_path)
+    import torch
+
+    from vitlab import run
+    from vitlab.data.images import load_image
+
+    if cfg.top_k < 1:
+        raise UserError(f"top_k {cfg.top_k} must be >= 1")
+    module = run.load_for_inference(cfg.ckpt_path, map_location=cfg.device).eval()
+    datamodule = run.inference_datamodule(module, cfg.ckpt_path)
     names = module.hparams.get("class_names") or [str(i) for i in range(module.model.cfg.num_classes)]
     images = [cfg.images] if isinstance(cfg.images, str) else list(cfg.images)
-    if cfg.top_k < 1:
-        raise ValueError(f"top_k {cfg.top_k} must be >= 1")
+    pixels = [load_image(path, module.model.cfg.in_chans) for path in images]  # every file checked first
     results = []
-    for path in images:
-        img = open_image(path, module.model.cfg.in_chans)
+    for path, img in zip(images, pixels, strict=True):
         with torch.no_grad():
             probs = module(datamodule.predict_tensor(img).to(cfg.device)).softmax(-1)[0]
         top = probs.topk(min(cfg.top_k, len(probs)))
@@ -53,7 +36,9 @@ def predict(cfg: DictConfig) -> list[dict]:
         ]
         results.append({"image": str(path), "top_k": ranked})
         print(f"{path}: " + ", ".join(f"{r['class']} ({r['prob']:.3f})" for r in ranked))
-    (Path(cfg.paths.output_dir) / "predictions.json").write_text(json.dumps(results, indent=2))
+    out = Path(cfg.paths.output_dir) / "predictions.json"
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}", flush=True)
     return results
 
 

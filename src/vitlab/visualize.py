@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from vitlab.cli import entry_point
+from vitlab.errors import MissingFileError, UserError
 from vitlab.model import ViT
 
 
@@ -147,7 +148,7 @@ def read_csv_log(run_dir: Path) -> dict[str, list[tuple[float, float]]]:
     """Every logged series of a run's CSVLogger file as (epoch or step, value) pairs."""
     path = Path(run_dir) / "csv" / "metrics.csv"
     if not path.is_file():
-        raise FileNotFoundError(f"run_dir {str(run_dir)!r} has no csv/metrics.csv (train with logger=csv or many)")
+        raise MissingFileError(f"run_dir {str(run_dir)!r} has no csv/metrics.csv (train with logger=csv or many)")
     series: dict[str, list[tuple[float, float]]] = defaultdict(list)
     with path.open() as f:
         for row in csv.DictReader(f):
@@ -191,21 +192,22 @@ def plot_learning_curves(run_dir: str | Path, out: str | Path) -> Path:
 
 @entry_point("visualize")
 def main(cfg: DictConfig) -> None:
-    from vitlab.lit_module import load_checkpoint
-    from vitlab.predict import open_image, preprocessing
+    from vitlab import run
+    from vitlab.data.images import load_image
 
     if not (cfg.run_dir or cfg.ckpt_path):
-        raise ValueError("give ckpt_path=<checkpoint> [image=<file>] and/or run_dir=<training run directory>")
+        raise UserError("give ckpt_path=<checkpoint> [image=<file>] and/or run_dir=<training run directory>")
     if cfg.image and not cfg.ckpt_path:
-        raise ValueError("image=... needs ckpt_path=<checkpoint> of the model to look inside")
+        raise UserError("image=... needs ckpt_path=<checkpoint> of the model to look inside")
     out = Path(cfg.paths.output_dir)
     written = []
     if cfg.ckpt_path:
-        module = load_checkpoint(cfg.ckpt_path).eval()
+        module = run.load_for_inference(cfg.ckpt_path).eval()
         written += plot_embeddings(module.model, out).values()
         if cfg.image:
-            dm = preprocessing(module, cfg.ckpt_path)
-            x = dm.predict_tensor(open_image(cfg.image, module.model.cfg.in_chans))
+            img = load_image(cfg.image, module.model.cfg.in_chans)
+            dm = run.inference_datamodule(module, cfg.ckpt_path)
+            x = dm.predict_tensor(img)
             written += plot_attention(module.model, x, dm.mean, dm.std, out).values()
     if cfg.run_dir:
         written.append(plot_learning_curves(cfg.run_dir, out / "learning_curves.png"))

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from vitlab.convert.timm import StateDict, timm_to_vitlab
+from vitlab.errors import UserError
 from vitlab.model import ViTConfig
 
 # transformers-5 in-memory names -> the transformers-4 names stored in checkpoints
@@ -77,10 +78,10 @@ def hf_to_vitlab(sd: StateDict, cfg: ViTConfig) -> StateDict:
         else:
             unknown.append(key)
     if unknown:
-        raise ValueError(f"HF state dict has keys vitlab does not map: {unknown[:8]}")
+        raise UserError(f"HF state dict has keys vitlab does not map: {unknown[:8]}")
     for (block, p), parts in qkv.items():
         if set(parts) != {"query", "key", "value"}:
-            raise ValueError(f"HF block {block} has {sorted(parts)} {p} but needs query, key and value")
+            raise UserError(f"HF block {block} has {sorted(parts)} {p} but needs query, key and value")
         timm_sd[f"blocks.{block}.attn.qkv.{p}"] = torch.cat([parts["query"], parts["key"], parts["value"]], dim=0)
     return timm_to_vitlab(timm_sd, cfg, resample=False)
 
@@ -89,7 +90,7 @@ def vit_config_from_hf(hf: Any, **overrides: Any) -> ViTConfig:
     """ViTConfig of an HF `transformers.ViTConfig` (object or dict)."""
     get = hf.get if isinstance(hf, dict) else (lambda k, d=None: getattr(hf, k, d))
     if get("hidden_act", "gelu") != "gelu":
-        raise ValueError(f"HF hidden_act {get('hidden_act')!r} is not supported; vitlab uses the exact GELU")
+        raise UserError(f"HF hidden_act {get('hidden_act')!r} is not supported; vitlab uses the exact GELU")
     id2label = get("id2label") or {}
     return ViTConfig.from_dict(
         {

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vitlab.errors import MissingFileError, OfflineError, UserError
 from vitlab.model import ViT, ViTConfig, resample_pos_embed
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ def _convert(sd: StateDict, cfg: ViTConfig, table, *, src: str, resample: bool, 
             continue
         out[new] = value
     if unknown:
-        raise ValueError(
+        raise UserError(
             f"{src} state dict has keys this ViT config does not use: {unknown[:8]}{' ...' if len(unknown) > 8 else ''}"
         )
     if reset_head:
@@ -116,10 +117,10 @@ def _convert(sd: StateDict, cfg: ViTConfig, table, *, src: str, resample: bool, 
         out[key] = adapt_in_chans(out[key], cfg.in_chans)
     missing = sorted(set(want) - set(out))
     if missing:
-        raise ValueError(f"{src} state dict lacks keys this ViT config needs: {missing[:8]}")
+        raise UserError(f"{src} state dict lacks keys this ViT config needs: {missing[:8]}")
     bad = [f"{k} {tuple(out[k].shape)} != {tuple(want[k])}" for k in want if out[k].shape != want[k]]
     if bad:
-        raise ValueError(f"{src} state dict does not fit this ViT config: {'; '.join(bad[:4])}")
+        raise UserError(f"{src} state dict does not fit this ViT config: {'; '.join(bad[:4])}")
     return {k: out[k] for k in want}  # our key order
 
 
@@ -161,14 +162,34 @@ def create_timm_model(cfg: ViTConfig, name: str | None = None, pretrained: bool 
     kwargs = timm_kwargs(cfg)
     if name is None:
         if pretrained:
-            raise ValueError("pretrained weights need a timm model name")
+            raise UserError("pretrained weights need a timm model name")
         return VisionTransformer(**kwargs)
+    check_timm_name(name)
     try:
         return timm.create_model(name, pretrained=pretrained, **kwargs)
     except Exception as e:  # huggingface_hub raises many kinds when offline
         if pretrained and _looks_offline(e):
-            raise ConnectionError(offline_message(name)) from e
+            raise OfflineError(offline_message(name)) from e
         raise
+
+
+def check_timm_name(name: str) -> None:
+    """A timm model name, optionally with a pretrained tag (`vit_base_patch16_224.augreg_in21k`), that
+    timm knows; otherwise a one-line error with the closest names."""
+    import difflib
+
+    import timm
+
+    arch, _, tag = name.partition(".")
+    if not timm.is_model(arch):
+        close = difflib.get_close_matches(arch, timm.list_models(), n=3, cutoff=0.6)
+        hint = f"did you mean {close}? " if close else ""
+        raise UserError(
+            f"{name!r} is neither a weights file nor a timm model name; {hint}"
+            "timm.list_models('vit_*') lists timm's ViTs"
+        )
+    if tag and name not in timm.list_pretrained(f"{arch}.*"):
+        raise UserError(f"timm has no pretrained weights {name!r}; it has {timm.list_pretrained(f'{arch}.*')[:6]}")
 
 
 def _looks_offline(e: BaseException) -> bool:
@@ -212,11 +233,12 @@ def timm_pretrained_state_dict(name: str) -> StateDict:
     filter converts original JAX/npz layouts), downloaded through the Hugging Face hub and cached."""
     import timm
 
+    check_timm_name(name)
     try:
         model = timm.create_model(name, pretrained=True)
     except Exception as e:
         if _looks_offline(e):
-            raise ConnectionError(offline_message(name)) from e
+            raise OfflineError(offline_message(name)) from e
         raise
     return model.state_dict()
 
@@ -230,18 +252,18 @@ def read_state_dict(path: str | os.PathLike) -> StateDict:
     timm training checkpoints); Lightning's 'model.' prefix is removed."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"weights file {str(path)!r} does not exist")
+        raise MissingFileError(f"weights file {str(path)!r} does not exist")
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
         try:
             return load_file(str(path))
         except Exception as e:
-            raise ValueError(f"weights file {str(path)!r} is not a valid safetensors file: {e}") from e
+            raise UserError(f"weights file {str(path)!r} is not a valid safetensors file: {e}") from e
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(
+        raise UserError(
             f"weights file {str(path)!r} cannot be read safely as PyTorch weights "
             f"(only plain tensors are allowed; nothing was executed): {str(e).splitlines()[0]}"
         ) from e
@@ -251,7 +273,7 @@ def read_state_dict(path: str | os.PathLike) -> StateDict:
                 obj = obj[key]
                 break
     if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ValueError(f"weights file {str(path)!r} does not hold a state dict (a mapping of names to tensors)")
+        raise UserError(f"weights file {str(path)!r} does not hold a state dict (a mapping of names to tensors)")
     if all(k.startswith("model.") for k in obj):
         obj = {k[len("model.") :]: v for k, v in obj.items()}
     return obj
@@ -279,7 +301,7 @@ def export_timm(model: ViT, path: str | os.PathLike, timm_name: str | None = Non
 
     path = Path(path)
     if path.suffix != ".safetensors":
-        raise ValueError(f"export path {str(path)!r} must end in .safetensors")
+        raise UserError(f"export path {str(path)!r} must end in .safetensors")
     sd = {k: v.detach().cpu().contiguous() for k, v in vitlab_to_timm(model.state_dict(), model.cfg).items()}
     meta = {"format": "pt", "vitlab_config": json.dumps(model.cfg.to_dict())}
     if timm_name:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitlab.data import transforms
+from vitlab.errors import UserError
 
 
 class TransformDataset(Dataset):
@@ -44,8 +46,8 @@ class ImageDataModule(L.LightningDataModule):
         self,
         img_size: int | Sequence[int],
         batch_size: int = 128,
-        num_workers: int = 0,
-        pin_memory: bool = False,
+        num_workers: int | None = 0,  # None: the CPUs this process may use per device, less one, at most 16
+        pin_memory: bool | None = False,  # None: when training on a CUDA device
         train_transform: dict | None = None,
         eval_transform: dict | None = None,
         mean: Sequence[float] | None = None,
@@ -59,13 +61,13 @@ class ImageDataModule(L.LightningDataModule):
         for name, value in (("num_classes", num_classes), ("channels", channels)):
             fixed = getattr(type(self), name, None)
             if value is not None and fixed is not None and value != fixed:
-                raise ValueError(f"data.{name} {value} does not match {type(self).__name__}'s {fixed}")
+                raise UserError(f"data.{name} {value} does not match {type(self).__name__}'s {fixed}")
             if value is not None:
                 setattr(self, name, value)
         if batch_size < 1:
-            raise ValueError(f"data.batch_size {batch_size} must be >= 1")
-        if num_workers < 0:
-            raise ValueError(f"data.num_workers {num_workers} must be >= 0")
+            raise UserError(f"data.batch_size {batch_size} must be >= 1")
+        if num_workers is not None and num_workers < 0:
+            raise UserError(f"data.num_workers {num_workers} must be >= 0")
         self.img_size = list(img_size) if isinstance(img_size, (list, tuple)) else img_size
         self.img_hw = transforms.image_hw(img_size)
         self.batch_size = batch_size
@@ -74,8 +76,10 @@ class ImageDataModule(L.LightningDataModule):
         self.data_dir = data_dir
         self.mean = tuple(mean) if mean is not None else self.mean
         self.std = tuple(std) if std is not None else self.std
+        if any(not s > 0 for s in self.std):
+            raise UserError(f"data.std {list(self.std)} must be positive (images are divided by it), or null")
         if len(self.mean) != self.channels or len(self.std) != self.channels:
-            raise ValueError(
+            raise UserError(
                 f"data.mean {list(self.mean)} and data.std {list(self.std)} need one value per channel "
                 f"({self.channels})"
             )
@@ -89,7 +93,7 @@ class ImageDataModule(L.LightningDataModule):
     def per_device_batch_size(self) -> int:
         world = self.trainer.world_size if self.trainer is not None else 1
         if self.batch_size % world:
-            raise ValueError(
+            raise UserError(
                 f"data.batch_size {self.batch_size} is global and must be divisible by the "
                 f"{world} processes (trainer.devices x trainer.num_nodes)"
             )
@@ -100,8 +104,11 @@ class ImageDataModule(L.LightningDataModule):
         checkpoints, so a run resumed mid-epoch sees exactly the batches it would have seen."""
         if dataset is None:
             raise RuntimeError("call setup() before asking for a dataloader")
-        kwargs.setdefault("num_workers", self.num_workers)
-        kwargs.setdefault("pin_memory", self.pin_memory)
+        if train:
+            self._check_enough_images(len(dataset))
+        kwargs.setdefault("num_workers", self.num_workers if self.num_workers is not None else self._auto_workers())
+        on_cuda = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+        kwargs.setdefault("pin_memory", self.pin_memory if self.pin_memory is not None else on_cuda)
         loader = StatefulDataLoader(
             dataset,
             batch_size=self.per_device_batch_size,
@@ -116,6 +123,22 @@ class ImageDataModule(L.LightningDataModule):
             # be drawn in another order. (Under DDP, Lightning swaps in a DistributedSampler instead.)
             loader.sampler.generator = torch.Generator().manual_seed(torch.initial_seed())
         return loader
+
+    def _auto_workers(self) -> int:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        devices = self.trainer.num_devices if self.trainer is not None else 1
+        return max(1, min(16, cpus // max(1, devices) - 1))
+
+    def _check_enough_images(self, n: int) -> None:
+        """Training takes full batches only (drop_last): fewer images than a batch would train nothing."""
+        world = self.trainer.world_size if self.trainer is not None else 1
+        if n // world < self.per_device_batch_size:
+            per = f" ({n // world} per process)" if world > 1 else ""
+            most = n // world * world
+            raise UserError(
+                f"data.batch_size {self.batch_size} is larger than the {n} training images{per}, and training "
+                f"uses full batches only, so nothing would be trained; set data.batch_size to at most {most}"
+            )
 
     def train_dataloader(self) -> StatefulDataLoader:
         return self._loader(self.train_set, train=True)

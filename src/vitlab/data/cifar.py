@@ -10,6 +10,7 @@ import torch
 from torchvision import datasets
 
 from vitlab.data.base import ImageDataModule, TransformDataset
+from vitlab.errors import MissingFileError, OfflineError, UserError
 
 
 class CIFAR10DataModule(ImageDataModule):
@@ -25,7 +26,7 @@ class CIFAR10DataModule(ImageDataModule):
     ):
         super().__init__(data_dir=data_dir, **kwargs)
         if not 0 < val_size < 50_000:
-            raise ValueError(f"data.val_size {val_size} must be in (0, 50000)")
+            raise UserError(f"data.val_size {val_size} must be in (0, 50000)")
         self.val_size, self.split_seed, self.download = val_size, split_seed, download
         self.class_names: list[str] = []  # read from the dataset in setup()
 
@@ -35,13 +36,13 @@ class CIFAR10DataModule(ImageDataModule):
             return self.dataset_cls(root, train=train, download=False)
         except RuntimeError:  # not there (or corrupt): torchvision says "Dataset not found or corrupted"
             if not self.download:
-                raise FileNotFoundError(
+                raise MissingFileError(
                     f"{self.label} not found under data.data_dir={str(root)!r} and data.download=false"
                 ) from None
         try:
             return self.dataset_cls(root, train=train, download=True)
         except Exception as e:
-            raise ConnectionError(
+            raise OfflineError(
                 f"{self.label} not found under data.data_dir={str(root)!r} and the download "
                 f"failed ({type(e).__name__}: {e}); download it once online or copy the "
                 f"extracted dataset there"

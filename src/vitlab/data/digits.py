@@ -17,6 +17,7 @@ from sklearn.model_selection import train_test_split
 from torch.utils.data import Dataset
 
 from vitlab.data.base import ImageDataModule
+from vitlab.errors import UserError
 
 
 class TensorImages(Dataset):
@@ -85,22 +86,22 @@ class DigitsDataModule(ImageDataModule):
         **kwargs,
     ):
         if kwargs.get("train_transform") or kwargs.get("eval_transform"):
-            raise ValueError(
+            raise UserError(
                 "digits augments whole batches on the device: use data.shift, data.rotate and "
                 "data.scale instead of data.train_transform / data.eval_transform"
             )
         super().__init__(**kwargs)
         if not (0 < val_fraction < 1 and 0 < test_fraction < 1 and val_fraction + test_fraction < 1):
-            raise ValueError(
+            raise UserError(
                 f"data.val_fraction {val_fraction} and data.test_fraction {test_fraction} must be "
                 "in (0, 1) and sum to less than 1"
             )
         if shift < 0:
-            raise ValueError(f"data.shift {shift} must be >= 0")
+            raise UserError(f"data.shift {shift} must be >= 0")
         if not 0 <= rotate <= 180:
-            raise ValueError(f"data.rotate {rotate} must be in [0, 180] degrees")
+            raise UserError(f"data.rotate {rotate} must be in [0, 180] degrees")
         if len(scale) != 2 or not 0 < scale[0] <= scale[1]:
-            raise ValueError(f"data.scale {list(scale)} must be [min, max] with 0 < min <= max")
+            raise UserError(f"data.scale {list(scale)} must be [min, max] with 0 < min <= max")
         self.rotate, self.scale = rotate, tuple(scale)
         self.rng = torch.Generator().manual_seed(torch.initial_seed() + 1)
         self.val_fraction, self.test_fraction, self.split_seed, self.shift = (
@@ -139,7 +140,7 @@ class DigitsDataModule(ImageDataModule):
         return (x - self.mean[0]) / self.std[0]
 
     def _loader(self, dataset, train: bool):
-        pin = self.pin_memory and dataset.labels.device.type == "cpu"  # tensors on a GPU cannot be pinned
+        pin = bool(self.pin_memory) and dataset.labels.device.type == "cpu"  # tensors on a GPU cannot be pinned
         return super()._loader(dataset, train, collate_fn=_already_batched, num_workers=0, pin_memory=pin)
 
     # The augmentation draws from its own generator, saved with checkpoints, so a resumed run

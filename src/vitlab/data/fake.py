@@ -7,6 +7,7 @@ import torch
 from torch.utils.data import Dataset
 
 from vitlab.data.base import ImageDataModule, TransformDataset
+from vitlab.errors import UserError
 
 
 class RandomImages(Dataset):
@@ -34,7 +35,7 @@ class FakeDataModule(ImageDataModule):
         **kwargs,
     ):
         if num_classes < 1 or channels < 1:
-            raise ValueError(f"data.num_classes {num_classes} and data.channels {channels} must be >= 1")
+            raise UserError(f"data.num_classes {num_classes} and data.channels {channels} must be >= 1")
         kwargs["mean"] = kwargs.get("mean") or (0.5,) * channels
         kwargs["std"] = kwargs.get("std") or (0.5,) * channels
         super().__init__(num_classes=num_classes, channels=channels, **kwargs)

@@ -1,31 +1,26 @@
 """Any tree of images in class folders: data_dir/train/<class>/*.jpg and data_dir/val/<class>/*
 (ImageNet's layout). data_dir/test/ is used for testing when present, else val/.
 
-Every image is decoded to RGB, so grayscale, palette, RGBA and 16-bit files mix with RGB ones.
+Every image is decoded by `data.images.load_image` to upright RGB, so grayscale, palette, RGBA, CMYK,
+16-bit and EXIF-rotated files mix with RGB ones, exactly as `vitlab.predict` will read them.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from PIL import Image
 from torchvision import datasets
 
 from vitlab.data.base import ImageDataModule, TransformDataset
+from vitlab.data.images import load_image
+from vitlab.errors import MissingFileError, UserError
 
 
-def rgb_loader(path: str) -> Image.Image:
-    """Decode one file to RGB; a file that cannot be decoded stops the run naming it (silently
-    skipping it would train on less data than the user believes)."""
-    try:
-        with Image.open(path) as img:
-            if img.mode in ("I;16", "I;16B", "I;16L", "I"):  # 16/32-bit grayscale: scale to 8 bit first
-                img = img.point(lambda v: v / 256 if img.mode.startswith("I;16") else v).convert("L")
-            return img.convert("RGB")
-    except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for truncated, corrupt or non-image files
-        raise ValueError(
-            f"image file {path!r} cannot be decoded ({type(e).__name__}: {e}); remove or replace it"
-        ) from None
+def rgb_loader(path: str):
+    """ImageFolder's loader: every file through the one decoder (`data.images.load_image`); a file that
+    cannot be decoded stops the run naming it (silently skipping it would train on less data than the
+    user believes)."""
+    return load_image(path, channels=3)
 
 
 class ImageFolderDataModule(ImageDataModule):
@@ -35,37 +30,37 @@ class ImageFolderDataModule(ImageDataModule):
 
     def __init__(self, data_dir: str, num_classes: int, **kwargs):
         if num_classes < 1:
-            raise ValueError(f"data.num_classes {num_classes} must be >= 1")
+            raise UserError(f"data.num_classes {num_classes} must be >= 1")
         super().__init__(data_dir=data_dir, num_classes=num_classes, **kwargs)
         self.class_names: list[str] = []
 
     def _split(self, name: str) -> datasets.ImageFolder:
         path = Path(self.data_dir) / name
         if not path.is_dir():
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"image folder split {str(path)!r} does not exist "
                 f"(expected {self.data_dir}/train/<class>/... and {self.data_dir}/val/<class>/...)"
             )
         try:
             return datasets.ImageFolder(str(path), loader=rgb_loader)
         except FileNotFoundError as e:  # an empty split or class folder
-            raise FileNotFoundError(f"{path}: {e}") from None
+            raise MissingFileError(f"{path}: {e}") from None
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
         if not Path(self.data_dir).is_dir():
-            raise FileNotFoundError(f"data.data_dir {str(self.data_dir)!r} does not exist")
+            raise MissingFileError(f"data.data_dir {str(self.data_dir)!r} does not exist")
         train, val = self._split("train"), self._split("val")
         test = self._split("test") if (Path(self.data_dir) / "test").is_dir() else val
         if len(train.classes) != self.num_classes:
-            raise ValueError(
+            raise UserError(
                 f"data.num_classes {self.num_classes} does not match the {len(train.classes)} class "
                 f"folders in {self.data_dir}/train"
             )
         for split in (val, test):
             if split.classes != train.classes:
-                raise ValueError(f"class folders of {split.root} differ from those of {train.root}")
+                raise UserError(f"class folders of {split.root} differ from those of {train.root}")
         self.class_names = list(train.classes)
         self.train_set = TransformDataset(train, self.train_tf)
         self.val_set = TransformDataset(val, self.eval_tf)

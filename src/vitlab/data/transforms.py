@@ -12,6 +12,8 @@ import torch
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2 as T
 
+from vitlab.errors import UserError
+
 AUTO_AUGMENTS = (None, "randaugment", "trivialaugment")
 INTERPOLATIONS = {
     "bilinear": InterpolationMode.BILINEAR,
@@ -27,7 +29,9 @@ def image_hw(img_size: int | Sequence[int]) -> tuple[int, int]:
 
 def _interp(name: str) -> InterpolationMode:
     if name not in INTERPOLATIONS:
-        raise ValueError(f"interpolation {name!r} is not one of {list(INTERPOLATIONS)}")
+        raise UserError(
+            f"interpolation {name!r} (data.train_transform / data.eval_transform) is not one of {list(INTERPOLATIONS)}"
+        )
     return INTERPOLATIONS[name]
 
 
@@ -44,10 +48,21 @@ def train_transform(
     random_erasing: float = 0.0,
     interpolation: str = "bicubic",
 ) -> T.Compose:
+    key = "data.train_transform"
     if auto_augment not in AUTO_AUGMENTS:
-        raise ValueError(f"auto_augment {auto_augment!r} is not one of {list(AUTO_AUGMENTS)}")
-    if not 0.0 <= hflip <= 1.0 or not 0.0 <= random_erasing <= 1.0:
-        raise ValueError(f"hflip {hflip} and random_erasing {random_erasing} must be probabilities in [0, 1]")
+        raise UserError(f"{key}.auto_augment {auto_augment!r} is not one of {list(AUTO_AUGMENTS)}")
+    for name, p in (("hflip", hflip), ("random_erasing", random_erasing)):
+        if not 0.0 <= p <= 1.0:
+            raise UserError(f"{key}.{name} {p} must be a probability in [0, 1]")
+    if random_resized_crop and (
+        len(random_resized_crop) != 2 or not 0.0 < random_resized_crop[0] <= random_resized_crop[1] <= 1.0
+    ):
+        raise UserError(
+            f"{key}.random_resized_crop {list(random_resized_crop)} must be [min_scale, max_scale] with "
+            "0 < min_scale <= max_scale <= 1 (fractions of the image area), or null"
+        )
+    if shift < 0:
+        raise UserError(f"{key}.shift {shift} must be >= 0 pixels")
     hw, mode = image_hw(img_size), _interp(interpolation)
     ops: list = [T.ToImage()]
     if shift:
@@ -80,7 +95,7 @@ def eval_transform(
     interpolation: str = "bicubic",
 ) -> T.Compose:
     if not 0.0 < crop_pct <= 1.0:
-        raise ValueError(f"crop_pct {crop_pct} must be in (0, 1]")
+        raise UserError(f"data.eval_transform.crop_pct {crop_pct} must be in (0, 1]")
     hw, mode = image_hw(img_size), _interp(interpolation)
     ops: list = [T.ToImage()]
     if crop_pct < 1.0:

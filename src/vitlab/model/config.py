@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from vitlab.errors import UserError
+
 # width, depth, heads; MLP ratio 4 throughout (ViT paper Table 1; Ti from DeiT Table 1).
 VARIANTS: dict[str, dict[str, int]] = {
     "Ti": dict(embed_dim=192, depth=12, num_heads=3),
@@ -29,7 +31,7 @@ def parse_variant(variant: str) -> dict[str, int]:
     """'B/16' -> dict(embed_dim=768, depth=12, num_heads=12, patch_size=16)."""
     name, _, patch = variant.partition("/")
     if name not in VARIANTS or not patch.isdigit():
-        raise ValueError(f"variant {variant!r} is not of the form <size>/<patch> with size in {list(VARIANTS)}")
+        raise UserError(f"variant {variant!r} is not of the form <size>/<patch> with size in {list(VARIANTS)}")
     return dict(VARIANTS[name], patch_size=int(patch))
 
 
@@ -66,44 +68,44 @@ class ViTConfig:
     def __post_init__(self) -> None:
         if isinstance(self.img_size, (list, tuple)):
             if len(self.img_size) != 2:
-                raise ValueError(f"img_size {list(self.img_size)} must be an int or [height, width]")
+                raise UserError(f"img_size {list(self.img_size)} must be an int or [height, width]")
             self.img_size = (int(self.img_size[0]), int(self.img_size[1]))
         self._check_types()
         for name in ("patch_size", "in_chans", "embed_dim", "depth", "num_heads"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
+                raise UserError(f"{name} {getattr(self, name)} must be >= 1")
         for name in ("num_classes", "reg_tokens"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} {getattr(self, name)} must be >= 0")
+                raise UserError(f"{name} {getattr(self, name)} must be >= 0")
         h, w = self.img_hw
         if h < 1 or w < 1:
-            raise ValueError(f"img_size {self.img_size} must be positive")
+            raise UserError(f"img_size {self.img_size} must be positive")
         if h % self.patch_size or w % self.patch_size:
-            raise ValueError(f"img_size {self.img_size} is not divisible by patch_size {self.patch_size}")
+            raise UserError(f"img_size {self.img_size} is not divisible by patch_size {self.patch_size}")
         if self.embed_dim % self.num_heads:
-            raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
+            raise UserError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
         if self.mlp_ratio <= 0:
-            raise ValueError(f"mlp_ratio {self.mlp_ratio} must be > 0")
+            raise UserError(f"mlp_ratio {self.mlp_ratio} must be > 0")
         if self.global_pool is None:
             self.global_pool = ""
         if self.global_pool not in GLOBAL_POOLS:
-            raise ValueError(f"global_pool {self.global_pool!r} is not one of 'token', 'avg', '' (none)")
+            raise UserError(f"global_pool {self.global_pool!r} is not one of 'token', 'avg', '' (none)")
         if self.global_pool == "token" and not self.class_token:
-            raise ValueError("global_pool 'token' needs class_token=true; use global_pool 'avg' without it")
+            raise UserError("global_pool 'token' needs class_token=true; use global_pool 'avg' without it")
         if self.pos_embed not in POS_EMBEDS:
-            raise ValueError(f"pos_embed {self.pos_embed!r} is not one of {list(POS_EMBEDS)}")
+            raise UserError(f"pos_embed {self.pos_embed!r} is not one of {list(POS_EMBEDS)}")
         if self.pos_embed == "sincos2d" and self.embed_dim % 4:
-            raise ValueError(f"pos_embed 'sincos2d' needs embed_dim divisible by 4, got {self.embed_dim}")
+            raise UserError(f"pos_embed 'sincos2d' needs embed_dim divisible by 4, got {self.embed_dim}")
         if self.weight_init not in WEIGHT_INITS:
-            raise ValueError(f"weight_init {self.weight_init!r} is not one of {list(WEIGHT_INITS)}")
+            raise UserError(f"weight_init {self.weight_init!r} is not one of {list(WEIGHT_INITS)}")
         for name in ("drop_rate", "pos_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate"):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
-                raise ValueError(f"{name} {p} must be in [0, 1)")
+                raise UserError(f"{name} {p} must be in [0, 1)")
         if self.init_values is not None and self.init_values <= 0:
-            raise ValueError(f"init_values {self.init_values} must be > 0, or null to switch LayerScale off")
+            raise UserError(f"init_values {self.init_values} must be > 0, or null to switch LayerScale off")
         if self.norm_eps <= 0:
-            raise ValueError(f"norm_eps {self.norm_eps} must be > 0")
+            raise UserError(f"norm_eps {self.norm_eps} must be > 0")
         self.grid_size = (h // self.patch_size, w // self.patch_size)
 
     def _check_types(self) -> None:
@@ -122,18 +124,18 @@ class ViTConfig:
         for name in ints:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"{name} {v!r} must be an integer")
+                raise UserError(f"{name} {v!r} must be an integer")
         for name in bools:
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} {getattr(self, name)!r} must be true or false")
+                raise UserError(f"{name} {getattr(self, name)!r} must be true or false")
         for name in floats:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"{name} {v!r} must be a number")
+                raise UserError(f"{name} {v!r} must be a number")
         if self.fc_norm is not None and not isinstance(self.fc_norm, bool):
-            raise ValueError(f"fc_norm {self.fc_norm!r} must be true, false or null")
+            raise UserError(f"fc_norm {self.fc_norm!r} must be true, false or null")
         if isinstance(self.img_size, bool) or not isinstance(self.img_size, (int, tuple)):
-            raise ValueError(f"img_size {self.img_size!r} must be an int or [height, width]")
+            raise UserError(f"img_size {self.img_size!r} must be an int or [height, width]")
 
     # ---- derived values -------------------------------------------------------------------------
     @property
@@ -174,7 +176,7 @@ class ViTConfig:
         names = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise ValueError(f"unknown model key(s) {unknown}; allowed: {sorted(names)}")
+            raise UserError(f"unknown model key(s) {unknown}; allowed: {sorted(names)}")
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,0 +1,59 @@
+"""The one way vitlab turns an image file into pixels: training, evaluation, `vitlab.predict` and
+`vitlab.visualize` all call `load_image`, so a model never sees a file differently at prediction time
+than it did in training.
+
+- EXIF orientation is applied (a portrait photo tagged Orientation=6 comes out upright).
+- 16-bit and 32-bit grayscale (PIL modes I;16, I, F) are scaled to 8 bit, not clipped to white.
+- Palette, grayscale+alpha, RGBA and CMYK files become RGB (alpha is dropped), or L for 1-channel models.
+- A file that cannot be decoded, is a directory, or is too large to decode safely is a one-line
+  `UserError` naming it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from vitlab.errors import MissingFileError, UserError
+
+
+def load_image(path: str | Path, channels: int = 3) -> Image.Image:
+    """Decode `path` to an upright 8-bit PIL image with `channels` channels (1: L, 3: RGB)."""
+    path = Path(path)
+    if path.is_dir():
+        raise MissingFileError(f"image {str(path)!r} is a directory; give image files (for example {path}/<name>.jpg)")
+    if not path.exists():
+        raise MissingFileError(f"image file {str(path)!r} does not exist")
+    try:
+        with Image.open(path) as img:
+            img = ImageOps.exif_transpose(img)
+            return to_channels(to_8bit(img), channels)
+    except Image.DecompressionBombError as e:
+        raise UserError(f"image file {str(path)!r} is too large to decode safely ({e}); downscale it first") from e
+    except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for truncated, corrupt or non-image files
+        raise UserError(
+            f"image file {str(path)!r} cannot be decoded ({type(e).__name__}: {e}); remove or replace it"
+        ) from e
+
+
+def to_8bit(img: Image.Image) -> Image.Image:
+    """High-bit-depth grayscale to 8-bit L: 16-bit values (I;16*, or I holding them) divided by 257,
+    float images (F) in [0, 1] or [0, 255] scaled likewise. Other modes are returned as they are."""
+    if img.mode not in ("I", "F") and not img.mode.startswith("I;16"):
+        return img
+    a = np.asarray(img, dtype=np.float64)
+    if img.mode == "F":
+        a = a * 255.0 if a.max(initial=0.0) <= 1.0 else a
+    elif img.mode.startswith("I;16") or a.max(initial=0.0) > 255:
+        a = a / 257.0  # 65535 -> 255
+    return Image.fromarray(np.clip(np.rint(a), 0, 255).astype(np.uint8), mode="L")
+
+
+def to_channels(img: Image.Image, channels: int) -> Image.Image:
+    if channels == 1:
+        return img.convert("L")
+    if img.mode in ("P", "PA", "LA", "La", "RGBa"):
+        img = img.convert("RGBA")  # palette transparency and premultiplied alpha resolved before dropping alpha
+    return img.convert("RGB")

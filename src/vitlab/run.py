@@ -1,0 +1,196 @@
+"""The assembly layer: a composed config becomes the objects a command runs (datamodule, module,
+trainer with its loggers and callbacks), and a checkpoint path becomes a module to test or predict
+with. Every command (`train`, `eval`, `predict`, `visualize`, `benchmark`) calls these; no command
+imports another.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
+from hydra.types import RunMode
+from hydra.utils import instantiate
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import RichProgressBar
+from omegaconf import DictConfig, OmegaConf
+
+from vitlab.callbacks import EpochLog, remove_stale_temporaries
+from vitlab.cli import route_lightning_logs, vit_config
+from vitlab.errors import MissingFileError, UserError
+from vitlab.lit_module import ViTModule, load_checkpoint, read_checkpoint
+
+log = logging.getLogger(__name__)
+route_lightning_logs()
+
+PROGRESS_BARS = ("auto", "rich", "tqdm", "none")
+# Regularisation may change between a run and its resumption; the architecture may not.
+RESUME_MAY_DIFFER = {"drop_rate", "pos_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate"}
+
+__all__ = [
+    "build_datamodule",
+    "build_module",
+    "build_trainer",
+    "check_launch",
+    "check_resumable",
+    "inference_datamodule",
+    "load_for_inference",
+    "resolve_ckpt_path",
+]
+
+
+def check_launch(cfg: DictConfig) -> None:
+    """Lightning's DDP launcher re-runs this command for every rank; under a -m sweep on the basic
+    launcher every child would re-run the whole sweep. Stop before anything starts."""
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN or "submitit" in str(hc.launcher.get("_target_", "")):
+        return
+    t = cfg.trainer
+    devices, nodes = t.get("devices", 1), t.get("num_nodes", 1)
+    many = (
+        nodes > 1
+        or devices in (-1, "auto")
+        or (isinstance(devices, int) and devices > 1)
+        or (not isinstance(devices, (int, str)) and len(devices) > 1)
+    )
+    if many:
+        raise UserError(
+            f"-m sweeps run each job in this process, but trainer.devices={devices} "
+            f"(num_nodes={nodes}) needs one process per device, which Lightning starts by "
+            "re-running the command: sweep with trainer.devices=1, or use hydra/launcher=slurm "
+            "(one SLURM job per sweep point)"
+        )
+
+
+def resolve_ckpt_path(ckpt_path: str | None, runs_dir: Path) -> str | None:
+    """A checkpoint file the user named, or `last`: the newest last.ckpt or interrupted.ckpt among this
+    task's earlier runs. Temporaries that a killed save left beside it are removed."""
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "last":
+        found = [p for name in ("last.ckpt", "interrupted.ckpt") for p in runs_dir.glob(f"*/checkpoints/{name}")]
+        if not found:
+            raise MissingFileError(f"ckpt_path=last: no last.ckpt or interrupted.ckpt under {runs_dir}/*/checkpoints")
+        ckpt_path = str(max(found, key=lambda p: p.stat().st_mtime))
+    path = Path(ckpt_path)
+    if path.is_dir():
+        raise MissingFileError(f"ckpt_path {ckpt_path!r} is a directory; give a checkpoint file (.ckpt) in it")
+    if not path.is_file():
+        raise MissingFileError(f"ckpt_path {ckpt_path!r} does not exist")
+    remove_stale_temporaries(path.parent)
+    return ckpt_path
+
+
+def check_resumable(ckpt_path: str, module: ViTModule) -> None:
+    """Refuse, in one line, a checkpoint of another architecture or class count before Lightning
+    fails deep inside load_state_dict."""
+    theirs = read_checkpoint(ckpt_path)["hyper_parameters"]["model"]
+    ours = module.hparams["model"]
+    diff = {k: (theirs.get(k), ours[k]) for k in ours if theirs.get(k) != ours[k] and k not in RESUME_MAY_DIFFER}
+    if diff:
+        shown = ", ".join(f"{k}={a!r} (this run: {b!r})" for k, (a, b) in list(diff.items())[:4])
+        raise UserError(f"ckpt_path {ckpt_path!r} was trained with a different model: {shown}")
+
+
+def build_datamodule(data_cfg: DictConfig) -> L.LightningDataModule:
+    return instantiate(data_cfg)
+
+
+def build_module(cfg: DictConfig, datamodule: L.LightningDataModule) -> ViTModule:
+    """The ViTModule of a train config (random weights; `train` loads pretrained ones)."""
+    return ViTModule(
+        model=vit_config(cfg.model).to_dict(),
+        optim=OmegaConf.to_container(cfg.optim, resolve=True),
+        label_smoothing=cfg.label_smoothing,
+        mixup=OmegaConf.to_container(cfg.mixup, resolve=True),
+        compile=cfg.compile,
+        class_names=list(getattr(datamodule, "class_names", []) or []),
+        data=OmegaConf.to_container(cfg.data, resolve=True),
+        freeze_backbone=cfg.freeze_backbone,
+    )
+
+
+def progress_bar(choice: str) -> tuple[list, bool]:
+    """The progress-bar callbacks and Trainer flag of `progress_bar=`; without a bar (a log file, CI)
+    an EpochLog line per epoch says how training goes."""
+    if choice not in PROGRESS_BARS:
+        raise UserError(f"progress_bar {choice!r} is not one of {list(PROGRESS_BARS)}")
+    if choice == "auto":
+        choice = "rich" if sys.stdout.isatty() else "none"
+    if choice == "none":
+        return [EpochLog()], False
+    return ([RichProgressBar()] if choice == "rich" else []), True
+
+
+def instantiate_group(group: DictConfig | None) -> list[Any]:
+    """Every entry with a _target_ in a callbacks/logger group, in order."""
+    if not group:
+        return []
+    return [instantiate(node) for node in group.values() if isinstance(node, DictConfig) and "_target_" in node]
+
+
+def build_loggers(group: DictConfig | None) -> list[Any]:
+    """The logger group; W&B without an API key (and not offline) is refused before it prompts."""
+    loggers = instantiate_group(group)
+    for lg in loggers:
+        if type(lg).__name__ == "WandbLogger":
+            _check_wandb_login(lg)
+    return loggers
+
+
+def _check_wandb_login(logger) -> None:
+    offline = logger._wandb_init.get("mode") == "offline" or os.environ.get("WANDB_MODE") in ("offline", "disabled")
+    if offline or os.environ.get("WANDB_API_KEY"):
+        return
+    import wandb
+
+    if not wandb.login(prompt=False):  # finds a key in the environment, ~/.netrc or wandb's settings
+        raise UserError(
+            "logger=wandb needs a W&B login: run `wandb login`, set WANDB_API_KEY, or log offline with "
+            "logger.wandb.offline=true (or WANDB_MODE=offline; `wandb sync` uploads later)"
+        )
+
+
+def build_trainer(trainer_cfg: DictConfig, **kwargs: Any) -> L.Trainer:
+    """The Lightning Trainer of the config. Lightning's own refusal of a setting becomes one line: a
+    device request this machine cannot serve names what there is; any other names the setting."""
+    try:
+        return instantiate(trainer_cfg, **kwargs)
+    except InstantiationException as e:
+        cause = e.__cause__
+        if not isinstance(cause, (MisconfigurationException, ValueError)) or isinstance(cause, UserError):
+            raise
+        text = str(cause).strip().splitlines()[0]
+        if isinstance(cause, MisconfigurationException) and _is_device_error(text):
+            have = f"{torch.cuda.device_count()} CUDA GPU(s) and {os.cpu_count()} CPU cores"
+            raise UserError(
+                f"trainer.accelerator={trainer_cfg.get('accelerator')!r} trainer.devices="
+                f"{trainer_cfg.get('devices')!r} cannot run here ({text}); this machine has {have}"
+            ) from cause
+        raise UserError(f"trainer: {text}") from cause
+
+
+def _is_device_error(text: str) -> bool:
+    return any(word in text.lower() for word in ("device", "accelerator", "gpu", "cuda", "mps", "tpu"))
+
+
+def load_for_inference(ckpt_path: str, map_location: str = "cpu") -> ViTModule:
+    """A trained ViTModule from a checkpoint file, for eval, predict and visualize."""
+    resolve_ckpt_path(ckpt_path, Path("."))
+    return load_checkpoint(ckpt_path, map_location=map_location)
+
+
+def inference_datamodule(module: ViTModule, ckpt_path: str) -> L.LightningDataModule:
+    """The DataModule of the checkpoint's stored data config: its predict_tensor() prepares an image
+    exactly as the test images were."""
+    data = module.hparams.get("data")
+    if not data:
+        raise UserError(f"checkpoint {ckpt_path!r} stores no data config to preprocess images with")
+    return build_datamodule(OmegaConf.create(data))
