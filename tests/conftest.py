@@ -23,10 +23,16 @@ def tiny(**overrides) -> ViTConfig:
 
 
 def run_cli(
-    module: str, *args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600
+    module: str,
+    *args: str,
+    cwd: Path | None = None,
+    env: dict | None = None,
+    timeout: int = 600,
+    replace_env: bool = False,
 ) -> subprocess.CompletedProcess:
-    """`python -m vitlab.<module> args` in a subprocess, output captured."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    """`python -m vitlab.<module> args` in a subprocess, output captured. `env` is added to this
+    process's environment, or replaces it with `replace_env`."""
+    full_env = {**({} if replace_env else os.environ), "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run(
         [sys.executable, "-m", f"vitlab.{module}", *args],

@@ -29,8 +29,47 @@ class NanAtStep(L.Callback):
             batch[0].fill_(torch.nan)
 
 
+class BugInForward(L.Callback):
+    """Plant a bug: the model's forward raises a ValueError (which is not a user's mistake)."""
+
+    def on_train_start(self, trainer, pl_module):
+        def broken(x):
+            raise ValueError("planted bug in forward")
+
+        pl_module.model.forward = broken
+
+
 class AssertCompiled(L.Callback):
     """Fail the run unless the model's forward was compiled in place (nn.Module.compile)."""
 
     def on_train_start(self, trainer, pl_module):
         assert pl_module.model._compiled_call_impl is not None, "compile=true did not compile the model"
+
+
+# ---- files for command-line tests ------------------------------------------------------------------
+
+
+def earlier_run(root):
+    """An earlier run's directory with files whose bytes must survive any failed command: returns
+    {path: bytes} to compare against afterwards."""
+    run = root / "outputs" / "train" / "runs" / "earlier"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"earlier checkpoint bytes")
+    (run / "metrics.json").write_text('{"test/acc": 0.99}')
+    (run / "config.yaml").write_text("seed: 1\n")
+    return {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+
+def image_tree(root, classes=("a", "b"), per_class=3, size=(8, 8), splits=("train", "val"), seed=0):
+    """data_dir/<split>/<class>/<i>.png of random RGB images; returns root."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for split in splits:
+        for cls in classes:
+            (root / split / cls).mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                pixels = rng.integers(0, 255, (*size, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(root / split / cls / f"{i}.png")
+    return root

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import run_cli
+from tests.helpers import earlier_run, image_tree
 
 # Short deterministic CPU run: 3 epochs x 9 steps (batch 128 of 1,257), stochastic depth and EMA on
 # so the RNG and the averaged weights are part of what must resume exactly.
@@ -171,25 +172,8 @@ def test_missing_ckpt_path(tmp_path):
     assert (r.returncode, r.stderr.strip()) == (2, "error: ckpt_path 'nowhere.ckpt' does not exist")
 
 
-def _earlier_run(root):
-    """An earlier run's directory with files whose bytes must survive any failed command."""
-    run = root / "outputs" / "train" / "runs" / "earlier"
-    (run / "checkpoints").mkdir(parents=True)
-    (run / "checkpoints" / "last.ckpt").write_bytes(b"earlier checkpoint bytes")
-    (run / "metrics.json").write_text('{"test/acc": 0.99}')
-    return {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-
-
 def _image_tree(root, broken=False, empty_class=False):
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    for split in ("train", "val"):
-        for cls in ("a", "b"):
-            (root / split / cls).mkdir(parents=True)
-            for i in range(3):
-                Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(root / split / cls / f"{i}.png")
+    image_tree(root)
     if broken:
         (root / "train" / "a" / "broken.png").write_bytes((root / "train" / "a" / "0.png").read_bytes()[:30])
     if empty_class:
@@ -247,7 +231,7 @@ BAD = [
 
 @pytest.mark.parametrize("case", BAD)
 def test_bad_input_is_one_line_exit_2_and_damages_nothing(tmp_path, case):
-    before = _earlier_run(tmp_path)
+    before = earlier_run(tmp_path)
     args, message = _bad_inputs(tmp_path)[case]
     r = run_cli("train", *args, "progress_bar=none", "trainer.max_epochs=1", cwd=tmp_path)
     assert r.returncode == 2, r.stderr[-2000:]

@@ -22,21 +22,15 @@ METRICS = ["train/loss", "train/acc", "val/loss", "val/acc", "val/acc_best", "te
 def trained(tmp_path_factory):
     """One short training run through the real command line, shared by the tests below."""
     run_dir = tmp_path_factory.mktemp("trained") / "run"
-    r = run_cli(
-        "train",
-        "trainer.max_epochs=3",
-        "trainer.limit_test_batches=1.0",
-        "progress_bar=none",
-        f"hydra.run.dir={run_dir}",
-    )
+    # As `make train > log` runs it: progress_bar left to `auto`, output not a terminal.
+    r = run_cli("train", "trainer.max_epochs=3", "trainer.limit_test_batches=1.0", f"hydra.run.dir={run_dir}")
     assert r.returncode == 0, r.stderr[-3000:]
-    return run_dir, json.loads((run_dir / "metrics.json").read_text()), r.stdout
+    return run_dir, json.loads((run_dir / "metrics.json").read_text()), r.stdout + r.stderr
 
 
 def test_train_writes_config_metrics_checkpoints_and_logs(trained):
-    run_dir, metrics, stdout = trained
+    run_dir, metrics, output = trained
     assert all(k in metrics for k in METRICS), sorted(metrics)
-    assert "model" in stdout and "optim" in stdout  # the config tree was printed
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["model"]["num_classes"] == 10 and saved["model"]["in_chans"] == 1  # resolved wiring
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
@@ -49,6 +43,19 @@ def test_train_writes_config_metrics_checkpoints_and_logs(trained):
         "train/device/flops_per_sec",
     ):
         assert col in header, col
+
+
+def test_a_log_file_shows_each_epoch_and_ends_with_where_the_results_are(trained):
+    run_dir, metrics, output = trained
+    lines = output.strip().splitlines()
+    epochs = [line for line in lines if "[vitlab.callbacks][INFO] - epoch " in line]
+    assert [line.split(" - ")[1].split(" (")[0] for line in epochs] == ["epoch 1/3", "epoch 2/3", "epoch 3/3"]
+    assert all("val/acc " in line and "train/loss " in line for line in epochs)
+    assert lines[-2:] == [f"run directory: {run_dir}", f"best checkpoint: {metrics['tested_checkpoint']}"]
+    assert len(lines) < 30  # no config tree (it is in config.yaml), no model-summary table
+    # No warning but those the user can act on (3 epochs are shorter than the default warmup of 5).
+    warnings = [line for line in lines if "warn" in line.lower() or "Tip:" in line]
+    assert all("warmup of 95 steps is longer than the 57 training steps" in line for line in warnings), warnings
 
 
 def test_checkpoint_rebuilds_without_hydra(trained):
@@ -187,7 +194,8 @@ def test_multirun_with_multi_process_ddp_stops_at_once(tmp_path):
     r = run_cli("train", "-m", "trainer=ddp_cpu", "optim.lr=1e-3,3e-3", *SHORT, f"hydra.sweep.dir={tmp_path / 's'}")
     assert r.returncode == 2
     (line,) = r.stderr.strip().splitlines()[-1:]
-    assert line.startswith("error: -m sweeps run each job in this process, but trainer.devices=2")
+    assert line.startswith("error: 2 of 2 sweep jobs failed (job 0: -m sweeps run each job in this process")
+    assert "trainer.devices=2" in line
     assert not list((tmp_path / "s").glob("*/metrics.json"))
 
 
