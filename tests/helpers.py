@@ -1,10 +1,47 @@
-"""Test-only Lightning callbacks, loaded into real `python -m vitlab.train` runs via +callbacks.X._target_."""
+"""What tests share: tiny model configs, running a command as a user does, files for command-line
+tests, and test-only Lightning callbacks (loaded into real `python -m vitlab.train` runs via
++callbacks.X._target_)."""
 
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import lightning as L
 import torch
+
+from vitlab.model import ViTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny(**overrides) -> ViTConfig:
+    """A ViT small enough for CPU tests: 32 px, patch 8 (16 patches), dim 32, depth 2, 4 heads."""
+    base = dict(img_size=32, patch_size=8, in_chans=3, num_classes=7, embed_dim=32, depth=2, num_heads=4)
+    return ViTConfig(**{**base, **overrides})
+
+
+def run_cli(
+    module: str,
+    *args: str,
+    cwd: Path | None = None,
+    env: dict | None = None,
+    timeout: int = 600,
+    replace_env: bool = False,
+) -> subprocess.CompletedProcess:
+    """`python -m vitlab.<module> args` in a subprocess, output captured. `env` is added to this
+    process's environment, or replaces it with `replace_env`."""
+    full_env = {**({} if replace_env else os.environ), "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run(
+        [sys.executable, "-m", f"vitlab.{module}", *args],
+        cwd=cwd or ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 class SignalAtStep(L.Callback):

@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from tests.conftest import run_cli, tiny
-from vitlab.benchmark import MB, Contender, build_contenders, peak_matmul_flops, step_peak_bytes, tensor_bytes
+from tests.helpers import run_cli, tiny
+from vitlab.benchmark.config import BenchmarkConfig
+from vitlab.benchmark.measure import MB, peak_matmul_flops, step_peak_bytes, tensor_bytes
+from vitlab.benchmark.models import Contender, build_contenders
+from vitlab.optim import OptimConfig
 
 # A 32-px ViT with 4 blocks: 16 patches + class token.
 TINY = [
@@ -114,13 +116,9 @@ def test_step_peak_bytes_counts_live_tensors_on_cpu():
 
 def test_contenders_start_from_the_same_weights_and_step_alike():
     cfg = tiny()
-    b = OmegaConf.create(
-        dict(contenders=["vitlab", "timm", "timm_ckpt"], precision="fp32", compile=False, timm_optimizer="timm")
-    )
+    b = BenchmarkConfig(contenders=("vitlab", "timm", "timm_ckpt"), timm_optimizer="timm")
     torch.manual_seed(0)
-    contenders = build_contenders(
-        cfg, b, {"lr": 1e-3, "weight_decay": 0.05, "betas": [0.9, 0.999], "eps": 1e-8}, torch.device("cpu")
-    )
+    contenders = build_contenders(cfg, b, OptimConfig(fused=None), torch.device("cpu"))
     x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
     losses = [c.loss(x, y).item() for c in contenders]
     assert losses == pytest.approx([losses[0]] * 3, abs=1e-6)

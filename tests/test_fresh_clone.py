@@ -12,8 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import ROOT, run_cli
-from tests.helpers import earlier_run, image_tree
+from tests.helpers import ROOT, earlier_run, image_tree, run_cli
 
 pytestmark = pytest.mark.slow
 

@@ -3,9 +3,9 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from vitlab.cli import vit_config
-from vitlab.parity import compare, passes
+from vitlab.convert.compare import compare, passes
 
 ACCEPTANCE_OVERRIDES = [
     dict(global_pool="avg"),
@@ -65,10 +65,11 @@ def test_configs_found_from_any_directory_and_run_dirs_never_reused(cli, tmp_pat
     assert (run_dir / "parity.json").read_text() == before
 
 
-def test_pretrained_offline_falls_back_to_random_weights_with_a_warning(cli, tmp_path):
+def test_pretrained_offline_is_an_error_never_a_check_of_random_weights(cli, tmp_path):
+    # (issue 10: it used to fall back to random weights and print PASS; tests/test_fresh_clone.py too)
     r = cli("parity", "model=vit_ti16", "pretrained=true", "batch_size=1", f"hydra.run.dir={tmp_path / 'a'}")
-    assert r.returncode == 0, r.stderr
-    assert "cannot fetch timm weights 'vit_tiny_patch16_224'" in r.stdout + r.stderr
+    assert r.returncode == 2 and "PASS" not in r.stdout
+    assert r.stderr.startswith("error: cannot fetch timm weights 'vit_tiny_patch16_224'")
     r = cli("parity", "model=vit_digits", "pretrained=true", f"hydra.run.dir={tmp_path / 'b'}")
     assert r.returncode == 2
     assert r.stderr.strip() == "error: pretrained=true needs a model with a timm counterpart (model.timm_name)"

@@ -6,8 +6,7 @@ import pickle
 import pytest
 import torch
 
-from tests.conftest import run_cli
-from tests.helpers import earlier_run, image_tree
+from tests.helpers import earlier_run, image_tree, run_cli
 
 # Short deterministic CPU run: 3 epochs x 9 steps (batch 128 of 1,257), stochastic depth and EMA on
 # so the RNG and the averaged weights are part of what must resume exactly.

@@ -10,7 +10,7 @@ import yaml
 from PIL import Image
 from sklearn.datasets import load_digits
 
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 from vitlab.lit_module import ViTModule
 from vitlab.train import train
 

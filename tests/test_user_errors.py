@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.conftest import run_cli
-from tests.helpers import earlier_run
+from tests.helpers import earlier_run, run_cli
 
 pytestmark = pytest.mark.slow
 

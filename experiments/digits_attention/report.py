@@ -9,15 +9,14 @@ from pathlib import Path
 
 import torch
 
-from vitlab.lit_module import load_checkpoint
-from vitlab.run import inference_datamodule
-from vitlab.visualize import attention_rollout, plot_attention, plot_embeddings
+from vitlab.figures import attention_rollout, plot_attention, plot_embeddings
+from vitlab.run import inference_datamodule, load_for_inference
 
 HERE = Path(__file__).parent
 
 
 def main(ckpt: str) -> None:
-    module = load_checkpoint(ckpt).eval()
+    module = load_for_inference(ckpt).eval()
     model = module.model
     dm = inference_datamodule(module, ckpt)
     dm.setup()

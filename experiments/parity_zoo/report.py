@@ -28,8 +28,8 @@ def slips(cfg: ViTConfig) -> dict[str, list[float]]:
     from timm.layers import set_fused_attn
     from timm.models.vision_transformer import VisionTransformer
 
+    from vitlab.convert.compare import timm_taps
     from vitlab.convert.timm import timm_kwargs, vitlab_to_timm
-    from vitlab.parity import _timm_taps
 
     torch.manual_seed(0)
     ours = ViT(cfg).eval()
@@ -49,7 +49,7 @@ def slips(cfg: ViTConfig) -> dict[str, list[float]]:
         theirs = VisionTransformer(**timm_kwargs(cfg), **extra).eval()
         set_fused_attn(True)
         theirs.load_state_dict(vitlab_to_timm(ours.state_dict(), cfg))
-        taps, _ = _timm_taps(theirs)
+        taps, _ = timm_taps(theirs)
         with torch.no_grad():
             feats = theirs.forward_features(x)
             logits = theirs.forward_head(feats)

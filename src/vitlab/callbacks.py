@@ -102,10 +102,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             tmp.unlink(missing_ok=True)
 
 
-class NonFiniteLossError(UserError):
-    """The training loss became NaN or inf: the recipe (LR, data), not the code, is to change."""
-
-
 class SaveOnInterrupt(L.Callback):
     """On SIGTERM (cluster pre-emption), SIGUSR1 (SLURM's warning signal) or Ctrl-C, save a resumable
     checkpoint of the exact training state (mid-epoch included) and say where. Lightning stops after

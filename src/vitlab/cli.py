@@ -30,7 +30,7 @@ from vitlab.errors import MissingFileError, UserError
 # reports of a bad config or override. Anything else is a bug and keeps its traceback (exit 1).
 CONFIG_ERRORS = (UserError, OmegaConfBaseException, HydraException)
 # Keys of the model group that are not ViTConfig fields.
-MODEL_EXTRA_KEYS = ("variant", "timm_name", "pretrained")
+MODEL_EXTRA_KEYS = ("arch", "variant", "timm_name", "pretrained")
 # Written into every run directory the moment a command claims it (see claim_run_dir).
 CLAIM_FILE = ".vitlab-run"
 
@@ -288,14 +288,15 @@ def one_line(e: BaseException) -> str:
 
 
 def vit_config(model: DictConfig):
-    """The model group -> ViTConfig (sizes from `variant`, then the explicit fields)."""
-    from vitlab.model.config import ViTConfig
+    """The model group -> the config of its architecture (`model.arch`, ViTConfig by default): sizes
+    from `variant`, then the explicit fields."""
+    from vitlab.model import config_class
 
     d = OmegaConf.to_container(model, resolve=True)
-    variant = d.pop("variant", None)
+    arch, variant = d.get("arch") or "vit", d.get("variant")
     for key in MODEL_EXTRA_KEYS:
         d.pop(key, None)
-    return ViTConfig.from_variant(variant, **d)
+    return config_class(arch).from_variant(variant, **d)
 
 
 def save_config(cfg: DictConfig, path: Path, show: bool = False) -> None:

@@ -23,3 +23,7 @@ class MissingFileError(UserError, FileNotFoundError):
 
 class OfflineError(UserError, ConnectionError):
     """Something had to be downloaded, and there is no network."""
+
+
+class NonFiniteLossError(UserError):
+    """The training loss became NaN or inf: the recipe (LR, data), not the code, is to change."""

@@ -1,4 +1,5 @@
-"""ViTModule: the LightningModule around our ViT. Loss, metrics, optimizer groups, LR schedule.
+"""ViTModule: the LightningModule around our ViT: loss (with MixUp/CutMix and label smoothing),
+metrics, and the optimisation recipe of vitlab.optim wired into Lightning.
 
 Its constructor takes plain data only (dicts, lists, numbers), saved as the checkpoint's
 hyper-parameters, so `ViTModule.load_from_checkpoint(path)` rebuilds the model without Hydra and
@@ -9,8 +10,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
-import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,80 +23,44 @@ from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 from torchvision.transforms import v2
 
-from vitlab.callbacks import NonFiniteLossError
-from vitlab.errors import MissingFileError, UserError
-from vitlab.model import ViT, ViTConfig
+from vitlab.errors import NonFiniteLossError, UserError
+from vitlab.model import config_class, model_class
+from vitlab.optim import OptimConfig, make_optimizer, make_scheduler
+from vitlab.settings import check_at_least, check_range, from_mapping
 
 log = logging.getLogger(__name__)
 
-DEFAULT_OPTIM = dict(
-    lr=1e-3,
-    weight_decay=0.05,
-    betas=(0.9, 0.999),
-    eps=1e-8,
-    warmup_epochs=0.0,
-    warmup_steps=None,
-    min_lr_ratio=0.0,
-    layer_decay=None,
-    fused=None,
-)
 
+@dataclass(frozen=True)
+class MixupConfig:
+    """torchvision's MixUp/CutMix on each training batch; both alphas 0 = off (conf/train.yaml `mixup`)."""
 
-def _check_optim(o: dict[str, Any]) -> None:
-    def number(v) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+    prob: float = 1.0  # chance a batch is mixed
+    switch_prob: float = 0.5  # chance of CutMix rather than MixUp when both are on
 
-    for key in ("lr", "weight_decay", "eps", "warmup_epochs", "min_lr_ratio"):
-        if not number(o[key]) or o[key] < 0:
-            raise UserError(f"optim.{key} {o[key]!r} must be a number >= 0")
-    for key in ("warmup_steps", "layer_decay"):
-        if o[key] is not None and (not number(o[key]) or o[key] < 0):
-            raise UserError(f"optim.{key} {o[key]!r} must be a number >= 0 or null")
-    if o["layer_decay"] is not None and not 0 < o["layer_decay"] <= 1:
-        raise UserError(f"optim.layer_decay {o['layer_decay']} must be in (0, 1]")
-    if len(o["betas"]) != 2 or not all(number(b) and 0 <= b < 1 for b in o["betas"]):
-        raise UserError(f"optim.betas {list(o['betas'])} must be two numbers in [0, 1)")
-    if not 0 <= o["min_lr_ratio"] <= 1:
-        raise UserError(f"optim.min_lr_ratio {o['min_lr_ratio']} must be in [0, 1]")
+    def __post_init__(self):
+        for key in ("mixup_alpha", "cutmix_alpha"):
+            check_at_least(f"mixup.{key}", getattr(self, key))
+        for key in ("prob", "switch_prob"):
+            check_range(f"mixup.{key}", getattr(self, key), 0, 1)
 
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> MixupConfig:
+        return from_mapping(cls, values, "mixup")
 
-def layer_id(name: str, depth: int) -> int:
-    """Depth of a parameter for layer-wise LR decay (BEiT): embeddings 0, block i -> i + 1, the rest
-    (final norm, head) depth + 1."""
-    if name.startswith(("cls_token", "reg_token", "pos_embed", "patch_embed", "norm_pre")):
-        return 0
-    if name.startswith("blocks."):
-        return int(name.split(".")[1]) + 1
-    return depth + 1
-
-
-def param_groups(model: ViT, lr: float, weight_decay: float, layer_decay: float | None = None) -> list[dict]:
-    """AdamW groups: no weight decay on norms, biases, LayerScale, position embeddings and class/register
-    tokens (every 1-D parameter, plus model.no_weight_decay()); with `layer_decay`, block i's LR is
-    scaled by layer_decay ** (depth + 1 - (i + 1))."""
-    skip, depth = model.no_weight_decay(), len(model.blocks)
-    groups: dict[tuple[int, bool], dict] = {}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        no_decay = p.ndim <= 1 or name in skip
-        layer = layer_id(name, depth) if layer_decay else depth + 1
-        scale = layer_decay ** (depth + 1 - layer) if layer_decay else 1.0
-        group = groups.setdefault(
-            (layer, no_decay),
-            {"params": [], "names": [], "lr": lr * scale, "weight_decay": 0.0 if no_decay else weight_decay},
-        )
-        group["params"].append(p)
-        group["names"].append(name)
-    return list(groups.values())
-
-
-def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """LR factor: linear warmup over `warmup` steps, then cosine from 1 to `min_ratio` at `total`."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    def build(self, num_classes: int) -> v2.RandomChoice | None:
+        if not self.mixup_alpha and not self.cutmix_alpha:
+            return None
+        ops, p = [], []
+        if self.mixup_alpha:
+            ops.append(v2.MixUp(alpha=self.mixup_alpha, num_classes=num_classes))
+            p.append(1.0 - self.switch_prob if self.cutmix_alpha else 1.0)
+        if self.cutmix_alpha:
+            ops.append(v2.CutMix(alpha=self.cutmix_alpha, num_classes=num_classes))
+            p.append(self.switch_prob if self.mixup_alpha else 1.0)
+        return v2.RandomChoice(ops, p=p)
 
 
 class ViTModule(L.LightningModule):
@@ -109,22 +74,19 @@ class ViTModule(L.LightningModule):
         class_names: list[str] | None = None,
         data: dict[str, Any] | None = None,  # the data config that trained it, for vitlab.eval/predict
         freeze_backbone: bool = False,  # linear probe: train the head (and fc_norm) only
+        arch: str = "vit",  # a key of vitlab.model.ARCHS
     ):
         super().__init__()
         self.save_hyperparameters()
-        self.model = ViT(ViTConfig.from_dict(model))
+        self.model = model_class(arch)(config_class(arch).from_dict(model))
         if freeze_backbone:
             for name, p in self.model.named_parameters():
                 p.requires_grad_(name.startswith(("head.", "fc_norm.")))
-        self.optim = {**DEFAULT_OPTIM, **(optim or {})}
-        unknown = sorted(set(self.optim) - set(DEFAULT_OPTIM))
-        if unknown:
-            raise UserError(f"unknown optim key(s) {unknown}; allowed: {sorted(DEFAULT_OPTIM)}")
-        _check_optim(self.optim)
-        if not 0.0 <= label_smoothing < 1.0:
-            raise UserError(f"label_smoothing {label_smoothing} must be in [0, 1)")
+        self.optim = OptimConfig.from_dict(optim)  # omitted keys: the same defaults as conf/optim/adamw.yaml
+        check_range("label_smoothing", label_smoothing, 0, 1, high_open=True)
         self.label_smoothing = label_smoothing
-        self.mixup = self._build_mixup(mixup or {})
+        self.mixup_cfg = MixupConfig.from_dict(mixup)
+        self.mixup = self.mixup_cfg.build(self.model.cfg.num_classes)
         self.compile_model = compile
 
         k = self.model.cfg.num_classes
@@ -143,22 +105,6 @@ class ViTModule(L.LightningModule):
         # mid-epoch logs the same values as one that was never interrupted.
         for metric in [*self.train_metrics.values(), self.val_acc_best]:
             metric.persistent(True)
-
-    def _build_mixup(self, cfg: dict[str, Any]):
-        """torchvision's MixUp/CutMix on the batch; None when both alphas are 0."""
-        mixup_alpha, cutmix_alpha = cfg.get("mixup_alpha", 0.0), cfg.get("cutmix_alpha", 0.0)
-        self.mixup_prob, switch = cfg.get("prob", 1.0), cfg.get("switch_prob", 0.5)
-        if not mixup_alpha and not cutmix_alpha:
-            return None
-        k = self.hparams.model["num_classes"]
-        ops, p = [], []
-        if mixup_alpha:
-            ops.append(v2.MixUp(alpha=mixup_alpha, num_classes=k))
-            p.append(1.0 - switch if cutmix_alpha else 1.0)
-        if cutmix_alpha:
-            ops.append(v2.CutMix(alpha=cutmix_alpha, num_classes=k))
-            p.append(switch if mixup_alpha else 1.0)
-        return v2.RandomChoice(ops, p=p)
 
     # ---- steps -----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -192,13 +138,18 @@ class ViTModule(L.LightningModule):
         self.log_dict(values, prog_bar=stage == "val")
         return values
 
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        x, y = batch
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training loss of a batch and its logits: MixUp/CutMix (when on), then cross-entropy with
+        label smoothing. A plain training loop calls this too, so both optimise the same objective."""
         target = y
-        if self.mixup is not None and torch.rand(()) < self.mixup_prob:
+        if self.mixup is not None and torch.rand(()) < self.mixup_cfg.prob:
             x, target = self.mixup(x, y)
         logits = self.model(x)
-        loss = F.cross_entropy(logits, target, label_smoothing=self.label_smoothing)
+        return F.cross_entropy(logits, target, label_smoothing=self.label_smoothing), logits
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss, logits = self.loss(x, y)
         if not torch.isfinite(loss):  # stop before the update, so no checkpoint ever holds NaN weights
             raise NonFiniteLossError(self._non_finite_message(loss))
         self._update("train", loss, logits, y)  # accuracy against the unmixed labels
@@ -262,10 +213,6 @@ class ViTModule(L.LightningModule):
     def on_test_epoch_end(self) -> None:
         self._log_epoch("test")
 
-    def predict_step(self, batch, batch_idx: int = 0) -> torch.Tensor:
-        x = batch[0] if isinstance(batch, (tuple, list)) else batch
-        return self.model(x).softmax(-1)
-
     # ---- optimisation ----------------------------------------------------------------------------
     def configure_optimizers(self):
         optimizer = make_optimizer(self.model, self.optim)
@@ -283,81 +230,6 @@ class ViTModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def make_optimizer(model: ViT, optim: dict[str, Any]) -> torch.optim.AdamW:
-    """AdamW over `param_groups` with the settings of an `optim` dict (DEFAULT_OPTIM's keys)."""
-    o = {**DEFAULT_OPTIM, **optim}
-    groups = param_groups(model, o["lr"], o["weight_decay"], o["layer_decay"])
-    for g in groups:
-        g.pop("names")
-    return torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], fused=o["fused"])
-
-
-def make_scheduler(
-    optimizer: torch.optim.Optimizer, optim: dict[str, Any], total_steps: int, epochs: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """Per-step warmup + cosine (`warmup_cosine`) over `total_steps`; warmup_epochs convert to steps
-    with `epochs` epochs in those steps."""
-    o = {**DEFAULT_OPTIM, **optim}
-    if o["warmup_steps"] is not None:
-        warmup = int(o["warmup_steps"])
-    else:
-        warmup = round(o["warmup_epochs"] * total_steps / epochs)
-    if warmup < 0:
-        raise UserError(f"optim warmup {warmup} steps must be >= 0")
-    if warmup > total_steps:
-        log.warning(
-            "warmup of %d steps is longer than the %d training steps; warming up over all of them", warmup, total_steps
-        )
-        warmup = total_steps
-    schedule = functools.partial(warmup_cosine, warmup=warmup, total=total_steps, min_ratio=o["min_lr_ratio"])
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-
-
 def batch_size(batch) -> int:
     """Images in a (images, labels) batch: for Lightning's ThroughputMonitor."""
     return len(batch[1])
-
-
-def read_checkpoint(path: str) -> dict[str, Any]:
-    """A vitlab training checkpoint as plain data, read with weights_only=True: a file that would run
-    code when unpickled is refused, never executed; a file cut short is called corrupt."""
-    if Path(path).is_dir():
-        raise MissingFileError(f"ckpt_path {str(path)!r} is a directory; give a checkpoint file (.ckpt) in it")
-    if not Path(path).is_file():
-        raise MissingFileError(f"ckpt_path {str(path)!r} does not exist")
-    try:
-        ckpt = _load_weights_only(path)
-    except pickle.UnpicklingError as e:
-        raise UserError(
-            f"ckpt_path {str(path)!r} cannot be read safely as a training checkpoint (only tensors "
-            f"and plain data are allowed; nothing in it was run): {type(e).__name__}"
-        ) from e
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise UserError(
-            f"ckpt_path {str(path)!r} is corrupt or incomplete (cut short while copying or saving?): "
-            f"{str(e).splitlines()[0].split('. ')[0]}"
-        ) from e
-    if (
-        not isinstance(ckpt, dict)
-        or "state_dict" not in ckpt
-        or not isinstance((ckpt.get("hyper_parameters") or {}).get("model"), dict)
-    ):
-        raise UserError(f"ckpt_path {str(path)!r} is not a vitlab training checkpoint (it holds no model config)")
-    return ckpt
-
-
-def _load_weights_only(path: str) -> Any:
-    """torch.load(weights_only=True), memory-mapped when the file is a zip checkpoint (every file torch
-    has written since 1.6); older pickle files are read whole."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as e:
-        if "mmap can only be used" not in str(e):
-            raise
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def load_checkpoint(path: str, map_location: str = "cpu") -> ViTModule:
-    """A ViTModule from a training checkpoint, rebuilt from the config stored in it (no Hydra)."""
-    read_checkpoint(path)
-    return ViTModule.load_from_checkpoint(path, map_location=map_location, weights_only=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,13 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from vitlab.callbacks import EpochLog, remove_stale_temporaries
 from vitlab.cli import route_lightning_logs, vit_config
 from vitlab.errors import MissingFileError, UserError
-from vitlab.lit_module import ViTModule, load_checkpoint, read_checkpoint
+from vitlab.lit_module import ViTModule
 
 log = logging.getLogger(__name__)
 route_lightning_logs()
@@ -40,8 +42,11 @@ __all__ = [
     "build_trainer",
     "check_launch",
     "check_resumable",
+    "describe",
+    "fit_and_test",
     "inference_datamodule",
     "load_for_inference",
+    "read_checkpoint",
     "resolve_ckpt_path",
 ]
 
@@ -114,6 +119,7 @@ def build_module(cfg: DictConfig, datamodule: L.LightningDataModule) -> ViTModul
         class_names=list(getattr(datamodule, "class_names", []) or []),
         data=OmegaConf.to_container(cfg.data, resolve=True),
         freeze_backbone=cfg.freeze_backbone,
+        arch=cfg.model.get("arch") or "vit",
     )
 
 
@@ -181,10 +187,91 @@ def _is_device_error(text: str) -> bool:
     return any(word in text.lower() for word in ("device", "accelerator", "gpu", "cuda", "mps", "tpu"))
 
 
+# ---- training --------------------------------------------------------------------------------------
+
+
+def fit_and_test(
+    cfg: DictConfig, trainer: L.Trainer, module: ViTModule, datamodule: L.LightningDataModule, ckpt_path: str | None
+) -> dict[str, Any]:
+    """Fit (resuming from `ckpt_path`), then test the best checkpoint; the final metrics."""
+    metrics: dict[str, Any] = {}
+    if cfg.train:
+        try:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+        except SIGTERMException:
+            raise SystemExit(143) from None  # 128 + SIGTERM; SaveOnInterrupt said where it saved
+        metrics.update({k: v.item() for k, v in trainer.callback_metrics.items()})
+    if cfg.test:
+        best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+        if cfg.train and not best:
+            log.warning("no best checkpoint was saved; testing the final weights")
+        ckpt = best or (None if cfg.train else ckpt_path)
+        trainer.test(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=True if ckpt else None)
+        metrics.update({k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
+        metrics["tested_checkpoint"] = ckpt or "final weights"
+    return metrics
+
+
+def describe(cfg: DictConfig, module: ViTModule) -> str:
+    """One line on what is about to train (the whole config is in the run directory)."""
+    m = module.model.cfg
+    params = sum(p.numel() for p in module.model.parameters())
+    data = str(cfg.data.get("_target_", "")).rsplit(".", 1)[-1].removesuffix("DataModule").lower()
+    return (
+        f"training ViT (dim {m.embed_dim}, depth {m.depth}, heads {m.num_heads}, patch {m.patch_size}, "
+        f"img {m.img_size}, {params / 1e6:.2f}M params) on {data}, batch {cfg.data.batch_size}, "
+        f"up to {cfg.trainer.max_epochs} epochs"
+    )
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+
+def read_checkpoint(path: str) -> dict[str, Any]:
+    """A vitlab training checkpoint as plain data, read with weights_only=True: a file that would run
+    code when unpickled is refused, never executed; a file cut short is called corrupt."""
+    if Path(path).is_dir():
+        raise MissingFileError(f"ckpt_path {str(path)!r} is a directory; give a checkpoint file (.ckpt) in it")
+    if not Path(path).is_file():
+        raise MissingFileError(f"ckpt_path {str(path)!r} does not exist")
+    try:
+        ckpt = _load_weights_only(path)
+    except pickle.UnpicklingError as e:
+        raise UserError(
+            f"ckpt_path {str(path)!r} cannot be read safely as a training checkpoint (only tensors "
+            f"and plain data are allowed; nothing in it was run): {type(e).__name__}"
+        ) from e
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise UserError(
+            f"ckpt_path {str(path)!r} is corrupt or incomplete (cut short while copying or saving?): "
+            f"{str(e).splitlines()[0].split('. ')[0]}"
+        ) from e
+    if (
+        not isinstance(ckpt, dict)
+        or "state_dict" not in ckpt
+        or not isinstance((ckpt.get("hyper_parameters") or {}).get("model"), dict)
+    ):
+        raise UserError(f"ckpt_path {str(path)!r} is not a vitlab training checkpoint (it holds no model config)")
+    return ckpt
+
+
+def _load_weights_only(path: str) -> Any:
+    """torch.load(weights_only=True), memory-mapped when the file is a zip checkpoint (every file torch
+    has written since 1.6); older pickle files are read whole."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap can only be used" not in str(e):
+            raise
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def load_for_inference(ckpt_path: str, map_location: str = "cpu") -> ViTModule:
-    """A trained ViTModule from a checkpoint file, for eval, predict and visualize."""
+    """A trained ViTModule from a checkpoint file, rebuilt from the config stored in it (no Hydra), for
+    eval, predict and visualize."""
     resolve_ckpt_path(ckpt_path, Path("."))
-    return load_checkpoint(ckpt_path, map_location=map_location)
+    read_checkpoint(ckpt_path)
+    return ViTModule.load_from_checkpoint(ckpt_path, map_location=map_location, weights_only=True)
 
 
 def inference_datamodule(module: ViTModule, ckpt_path: str) -> L.LightningDataModule:

@@ -28,7 +28,6 @@ def train(cfg: DictConfig) -> float | None:
     import lightning as L
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
     from omegaconf import OmegaConf
 
     from vitlab import run
@@ -53,26 +52,12 @@ def train(cfg: DictConfig) -> float | None:
     trainer = run.build_trainer(cfg.trainer, callbacks=callbacks, logger=loggers or False, enable_progress_bar=show_bar)
     if trainer.is_global_zero:
         save_config(cfg, out / "config.yaml", show=cfg.print_config)
-        log.info("%s; run directory %s (config in config.yaml)", describe(cfg, module), out)
+        log.info("%s; run directory %s (config in config.yaml)", run.describe(cfg, module), out)
     for lg in loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
-    metrics: dict[str, Any] = {}
     try:
-        if cfg.train:
-            try:
-                trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
-            except SIGTERMException:
-                raise SystemExit(143) from None  # 128 + SIGTERM; SaveOnInterrupt said where it saved
-            metrics.update({k: v.item() for k, v in trainer.callback_metrics.items()})
-        if cfg.test:
-            best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
-            if cfg.train and not best:
-                log.warning("no best checkpoint was saved; testing the final weights")
-            ckpt = best or (None if cfg.train else ckpt_path)
-            trainer.test(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=True if ckpt else None)
-            metrics.update({k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
-            metrics["tested_checkpoint"] = ckpt or "final weights"
+        metrics = run.fit_and_test(cfg, trainer, module, datamodule, ckpt_path)
     finally:
         if any(type(lg).__name__ == "WandbLogger" for lg in loggers):
             import wandb
@@ -93,18 +78,6 @@ def train(cfg: DictConfig) -> float | None:
         log.warning(message)  # e.g. training stopped by max_steps before the first validation
         return None
     return metrics[cfg.optimized_metric]
-
-
-def describe(cfg: DictConfig, module) -> str:
-    """One line on what is about to train (the whole config is in the run directory)."""
-    m = module.model.cfg
-    params = sum(p.numel() for p in module.model.parameters())
-    data = str(cfg.data.get("_target_", "")).rsplit(".", 1)[-1].removesuffix("DataModule").lower()
-    return (
-        f"training ViT (dim {m.embed_dim}, depth {m.depth}, heads {m.num_heads}, patch {m.patch_size}, "
-        f"img {m.img_size}, {params / 1e6:.2f}M params) on {data}, batch {cfg.data.batch_size}, "
-        f"up to {cfg.trainer.max_epochs} epochs"
-    )
 
 
 def report(metrics: dict[str, Any], trainer, out: Path) -> None:

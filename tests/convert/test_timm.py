@@ -6,7 +6,7 @@ import timm
 import torch
 from omegaconf import OmegaConf
 
-from tests.conftest import ROOT, tiny
+from tests.helpers import ROOT, tiny
 from vitlab.cli import vit_config
 from vitlab.convert.timm import (
     KEY_MAP,

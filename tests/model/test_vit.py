@@ -3,7 +3,7 @@ import torch
 from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
-from tests.conftest import tiny
+from tests.helpers import tiny
 from vitlab.convert.timm import timm_kwargs, vitlab_to_timm
 from vitlab.model import ViT, ViTConfig, posemb_sincos_2d, resample_pos_embed
 

@@ -2,9 +2,9 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import tiny
+from tests.helpers import tiny
+from vitlab.figures import attention_rollout, plot_attention, plot_embeddings
 from vitlab.model import ViT
-from vitlab.visualize import attention_rollout, plot_attention, plot_embeddings
 
 
 def _png_size(path):

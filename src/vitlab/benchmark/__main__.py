@@ -1,0 +1,76 @@
+"""python -m vitlab.benchmark model=<name> [benchmark.*=...]: how fast, against what.
+
+`benchmark.task=models` (default) times vitlab's ViT against timm's on one batch (benchmark/models.py);
+`benchmark.task=overhead` times vitlab.train's Lightning loop against a plain loop (benchmark/overhead.py).
+Each prints a table and writes `benchmark.json` in its run directory. Speed goals are checked here,
+never in timed tests (README: Benchmarks; experiments/throughput).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from vitlab.cli import entry_point, vit_config
+from vitlab.errors import UserError
+
+
+def overhead(cfg: DictConfig, b, report: dict[str, Any]) -> None:
+    from hydra import compose
+    from hydra.core.hydra_config import HydraConfig
+
+    from vitlab.benchmark import overhead as task
+    from vitlab.benchmark.measure import environment, pick_device
+
+    chosen = [o for o in HydraConfig.get().overrides.task if o.split("=")[0].lstrip("+~") in ("model", "optim")]
+    if chosen:
+        raise UserError(
+            f"benchmark.task=overhead times vitlab.train's own config; {chosen[0]!r} does not reach it: put "
+            "it in benchmark.overhead.train_overrides, e.g. 'benchmark.overhead.train_overrides=[model.depth=2]'"
+        )
+    train_cfg = compose("train", overrides=list(b.overhead.train_overrides))
+    report["train_overrides"] = list(b.overhead.train_overrides)
+    report["environment"] = environment(pick_device("auto"))
+    report.update(task.bench_overhead(train_cfg, b))
+    task.print_report(report)
+
+
+def models(cfg: DictConfig, b, report: dict[str, Any]) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from vitlab.benchmark import models as task
+    from vitlab.benchmark.measure import environment, pick_device
+    from vitlab.optim import OptimConfig
+
+    device = pick_device(b.device)
+    model_cfg = vit_config(cfg.model)
+    report["model"] = HydraConfig.get().runtime.choices.get("model") or cfg.model.get("variant") or "custom"
+    report["timm_name"] = cfg.model.get("timm_name")
+    report["config"] = model_cfg.to_dict()
+    report["environment"] = environment(device)
+    optim = OptimConfig.from_dict(OmegaConf.to_container(cfg.optim, resolve=True))
+    report.update(task.bench_models(model_cfg, b, optim, device))
+    task.print_report(report)
+
+
+@entry_point("benchmark")
+def main(cfg: DictConfig) -> dict[str, Any]:
+    import torch
+
+    from vitlab.benchmark.config import BenchmarkConfig
+
+    torch.set_float32_matmul_precision("high")  # as vitlab.train: TF32 matmuls on GPUs that have them
+    b = BenchmarkConfig.from_dict(OmegaConf.to_container(cfg.benchmark, resolve=True))
+    report: dict[str, Any] = {"task": b.task, "benchmark": OmegaConf.to_container(cfg.benchmark, resolve=True)}
+    (overhead if b.task == "overhead" else models)(cfg, b, report)
+    out = Path(cfg.paths.output_dir) / "benchmark.json"
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

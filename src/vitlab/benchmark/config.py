@@ -1,0 +1,74 @@
+"""The benchmark's settings (conf/benchmark.yaml `benchmark:`), validated; a test keeps the YAML and
+these dataclasses equal."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vitlab.errors import UserError
+from vitlab.settings import from_mapping
+
+TASKS = ("models", "overhead")
+CONTENDERS = ("vitlab", "timm", "vitlab_ckpt", "timm_ckpt")
+MODES = ("train", "fwd_bwd", "infer")
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TIMM_OPTIMIZERS = ("timm", "vitlab")
+
+
+def _count(key: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise UserError(f"benchmark.{key} {value!r} must be an integer >= {low}")
+
+
+@dataclass(frozen=True)
+class OverheadConfig:
+    epochs: int = 2  # timed epochs per run, after one warm-up epoch
+    rounds: int = 8  # runs of each loop, alternating
+    train_overrides: tuple[str, ...] = ("logger=csv", "progress_bar=none")  # vitlab.train overrides
+
+    def __post_init__(self):
+        _count("overhead.epochs", self.epochs, 1)
+        _count("overhead.rounds", self.rounds, 1)
+        object.__setattr__(self, "train_overrides", tuple(self.train_overrides))
+
+
+@dataclass(frozen=True)
+class BenchmarkConfig:
+    task: str = "models"
+    contenders: tuple[str, ...] = ("vitlab", "timm")
+    modes: tuple[str, ...] = ("train", "infer")
+    batch_size: int = 64
+    precision: str = "fp32"
+    compile: bool = False
+    device: str = "auto"
+    warmup: int = 3
+    repeats: int = 10
+    steps: int = 1
+    peak_matmul_size: int | None = None
+    timm_optimizer: str = "timm"
+    overhead: OverheadConfig = field(default_factory=OverheadConfig)
+
+    def __post_init__(self):
+        for key, allowed in (("task", TASKS), ("precision", PRECISIONS), ("timm_optimizer", TIMM_OPTIMIZERS)):
+            if getattr(self, key) not in allowed:
+                raise UserError(f"benchmark.{key} {getattr(self, key)!r} is not one of {list(allowed)}")
+        for key, allowed in (("contenders", CONTENDERS), ("modes", MODES)):
+            values = list(getattr(self, key))
+            if not values or any(v not in allowed for v in values) or len(set(values)) != len(values):
+                raise UserError(f"benchmark.{key} {values} must be distinct values from {list(allowed)}")
+            object.__setattr__(self, key, tuple(values))
+        for key in ("batch_size", "repeats", "steps"):
+            _count(key, getattr(self, key), 1)
+        _count("warmup", self.warmup, 0)
+        if self.peak_matmul_size is not None:
+            _count("peak_matmul_size", self.peak_matmul_size, 1)
+        if isinstance(self.overhead, Mapping):
+            object.__setattr__(self, "overhead", from_mapping(OverheadConfig, self.overhead, "benchmark.overhead"))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> BenchmarkConfig:
+        return from_mapping(cls, values, "benchmark")

@@ -1,0 +1,118 @@
+"""vitlab's ViT against timm's, layer by layer: both get the same weights (timm's pretrained ones, or
+random ones ported across), see the same fixed batch in fp32 eval mode, and are compared at the patch
+embedding, after every block, at the final features and the logits; then one backward pass of the
+same loss compares every parameter's gradient. Pure torch + timm (no Hydra): `python -m
+vitlab.parity` and the parity-zoo study call it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from vitlab.convert.timm import create_timm_model, timm_to_vitlab, vitlab_to_timm
+from vitlab.errors import OfflineError, UserError
+from vitlab.model import ViT, ViTConfig
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
+    d = (a.detach().double() - b.detach().double()).abs()
+    return {"max_abs": d.max().item(), "mean_abs": d.mean().item()}
+
+
+def timm_taps(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list]:
+    """Forward hooks that record timm's patch embedding and every block's output by our names."""
+    taps: dict[str, torch.Tensor] = {}
+
+    def keep(name):
+        def hook(_module, _inputs, output):
+            taps[name] = output.flatten(1, 2) if output.ndim == 4 else output
+
+        return hook
+
+    handles = [model.patch_embed.register_forward_hook(keep("patch_embed"))]
+    handles += [blk.register_forward_hook(keep(f"blocks.{i}")) for i, blk in enumerate(model.blocks)]
+    return taps, handles
+
+
+def build_pair(cfg: ViTConfig, timm_name: str | None, pretrained: bool) -> tuple[ViT, nn.Module, str]:
+    """Our ViT and timm's with the same weights: timm's pretrained ones ported into ours, or ours
+    (random) ported into timm's. Offline, pretrained weights are an error: never a silent fallback."""
+    if pretrained:
+        if not timm_name:
+            raise UserError("pretrained=true needs a model with a timm counterpart (model.timm_name)")
+        try:
+            theirs = create_timm_model(cfg, timm_name, pretrained=True)
+        except OfflineError as e:  # never report a check of weights that were not loaded
+            raise OfflineError(f"{e}; or check parity on random weights with pretrained=false") from e
+        ours = ViT(cfg)
+        ours.load_state_dict(timm_to_vitlab(theirs.state_dict(), cfg))
+        weights = f"timm pretrained ({timm_name})"
+    else:
+        ours = ViT(cfg)
+        theirs = create_timm_model(cfg, timm_name)
+        theirs.load_state_dict(vitlab_to_timm(ours.state_dict(), cfg))
+        weights = "random"
+    return ours.eval(), theirs.eval(), weights
+
+
+def gradient_diff(ours: nn.Module, theirs: nn.Module) -> dict[str, Any]:
+    """The largest difference between the two models' parameter gradients, and where."""
+    grads_theirs = dict(theirs.named_parameters())
+    worst, worst_name, scale = 0.0, "", 0.0
+    for name, p in ours.named_parameters():
+        if p.grad is None:
+            continue
+        q = grads_theirs[name].grad
+        d = (p.grad.double() - q.double()).abs().max().item()
+        scale = max(scale, q.abs().max().item())
+        if d >= worst:
+            worst, worst_name = d, name
+    return {"max_abs": worst, "worst_param": worst_name, "max_grad": scale, "relative": worst / scale if scale else 0.0}
+
+
+def compare(
+    cfg: ViTConfig, timm_name: str | None = None, pretrained: bool = False, batch_size: int = 2, seed: int = 0
+) -> dict[str, Any]:
+    """Build both models with the same weights, run the same batch, return every difference."""
+    torch.manual_seed(seed)
+    ours, theirs, weights = build_pair(cfg, timm_name, pretrained)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch_size, cfg.in_chans, *cfg.img_hw, generator=g)
+
+    names = ["patch_embed"] + [f"blocks.{i}" for i in range(cfg.depth)] + ["norm"]
+    ours_out = ours.forward_intermediates(x, names)
+    logits_ours = ours.forward_head(ours_out["norm"])
+    taps, handles = timm_taps(theirs)
+    feats_theirs = theirs.forward_features(x)
+    logits_theirs = theirs.forward_head(feats_theirs)
+    for h in handles:
+        h.remove()
+
+    layers = {name: _diff(ours_out[name], taps[name]) for name in names[:-1]}
+    layers["features"] = _diff(ours_out["norm"], feats_theirs)
+    layers["logits"] = _diff(logits_ours, logits_theirs)
+    top1 = (logits_ours.argmax(-1) == logits_theirs.argmax(-1)).float().mean().item()
+
+    # One backward pass of the same loss: a fixed random projection of the outputs.
+    w = torch.randn(logits_ours.shape, generator=g)
+    (logits_ours * w).sum().backward()
+    (logits_theirs * w).sum().backward()
+    return {
+        "model": {"timm_name": timm_name, "config": cfg.to_dict()},
+        "weights": weights,
+        "batch_size": batch_size,
+        "seed": seed,
+        "layers": layers,
+        "top1_agreement": top1,
+        "grad": gradient_diff(ours, theirs),
+    }
+
+
+def passes(report: dict[str, Any], atol: float, grad_rtol: float) -> bool:
+    return (
+        report["layers"]["logits"]["max_abs"] <= atol
+        and report["top1_agreement"] == 1.0
+        and report["grad"]["relative"] <= grad_rtol
+    )
