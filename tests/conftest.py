@@ -12,6 +12,16 @@ os.environ.setdefault("WANDB_MODE", "offline")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests run where a CUDA device is visible and are skipped, saying so, elsewhere (CI)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def cli():
     return run_cli

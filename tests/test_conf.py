@@ -203,3 +203,29 @@ def test_unknown_key_and_wrong_type_fail_at_start_up(compose_cfg):
     cfg = compose_cfg("train", ["optim.lr=fast"])
     with pytest.raises(ValueError, match="optim.lr .fast. must be a number >= 0"):
         build_everything(cfg)
+
+
+@pytest.mark.parametrize(
+    "data", [d for d in options("data") if "train_transform" in OmegaConf.load(CONF / f"data/{d}.yaml")]
+)
+def test_data_transform_settings_are_the_dataclass_fields(data):
+    """Each data YAML's transform settings are fields of the dataclasses (no stray key), with valid values."""
+    from dataclasses import fields
+
+    from vitlab.data.transforms import EvalTransform, TrainTransform
+
+    node = OmegaConf.to_container(OmegaConf.load(CONF / f"data/{data}.yaml"))
+    for key, cls in (("train_transform", TrainTransform), ("eval_transform", EvalTransform)):
+        names = {f.name for f in fields(cls)}
+        assert set(node[key]) <= names, (key, set(node[key]) - names)
+        cls(**node[key])  # valid values
+
+
+def test_benchmark_yaml_and_dataclass_are_one_source_of_defaults():
+    from vitlab.benchmark.config import BenchmarkConfig
+    from vitlab.settings import to_dict
+
+    yaml_defaults = OmegaConf.to_container(OmegaConf.load(CONF / "benchmark.yaml"))["benchmark"]
+    defaults = to_dict(BenchmarkConfig())
+    defaults["overhead"]["train_overrides"] = list(defaults["overhead"]["train_overrides"])
+    assert yaml_defaults == defaults

@@ -1,6 +1,7 @@
 """The README's commands as a new user types them, from a fresh clone: no hydra.sweep.dir, no
 hydra.run.dir, real image files (issue 10, "Broken for users")."""
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -17,41 +18,38 @@ from tests.helpers import ROOT, earlier_run, image_tree, run_cli
 pytestmark = pytest.mark.slow
 
 
-def _sweep_dir(stdout: str) -> Path:
-    """The sweep directory the command announced on its last line."""
-    (line,) = [line for line in stdout.splitlines() if line.startswith("sweep results: ")]
-    return Path(line.removeprefix("sweep results: ")).parent
+@contextlib.contextmanager
+def sweep_as_typed(where: str, tmp_path: Path, *args: str):
+    """Run `python -m vitlab.train <args>` from the repo root or another directory, as a user types it
+    (no hydra.sweep.dir), and yield the sweep directory it announced; one made in the repo is removed."""
+    cwd = ROOT if where == "repo root" else tmp_path
+    r = run_cli("train", *args, cwd=cwd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (line,) = [line for line in r.stdout.splitlines() if line.startswith("sweep results: ")]
+    sweep = Path(line.removeprefix("sweep results: ")).parent
+    try:
+        assert sweep.parent == cwd / "outputs" / "train" / "multiruns"
+        assert "setup plugin" not in r.stdout  # Optuna's storage layer is quiet
+        yield sweep
+    finally:
+        if where == "repo root":
+            shutil.rmtree(sweep)
 
 
 @pytest.mark.parametrize("where", ["repo root", "another directory"])
 def test_readme_grid_sweep_runs_as_typed(tmp_path, where):
-    cwd = ROOT if where == "repo root" else tmp_path
-    r = run_cli("train", "-m", "model.drop_path_rate=0,0.1", "trainer.max_epochs=1", cwd=cwd)
-    assert r.returncode == 0, r.stderr[-3000:]
-    sweep = _sweep_dir(r.stdout)
-    try:
-        assert sweep.parent == cwd / "outputs" / "train" / "multiruns"
+    with sweep_as_typed(where, tmp_path, "-m", "model.drop_path_rate=0,0.1", "trainer.max_epochs=1") as sweep:
         summary = json.loads((sweep / "summary.json").read_text())
         assert [s["status"] for s in summary] == ["done", "done"]
         assert [s["overrides"][0] for s in summary] == ["model.drop_path_rate=0", "model.drop_path_rate=0.1"]
-    finally:
-        if where == "repo root":
-            shutil.rmtree(sweep)
 
 
 @pytest.mark.parametrize("where", ["repo root", "another directory"])
 def test_readme_optuna_search_runs_as_typed(tmp_path, where):
-    cwd = ROOT if where == "repo root" else tmp_path
-    r = run_cli("train", "hparams_search=digits_optuna", "hydra.sweeper.n_trials=2", "trainer.max_epochs=1", cwd=cwd)
-    assert r.returncode == 0, r.stderr[-3000:]
-    sweep = _sweep_dir(r.stdout)
-    try:
+    args = ("hparams_search=digits_optuna", "hydra.sweeper.n_trials=2", "trainer.max_epochs=1")
+    with sweep_as_typed(where, tmp_path, *args) as sweep:
         assert (sweep / "optimization_results.yaml").is_file()
         assert len(json.loads((sweep / "summary.json").read_text())) == 2
-        assert "setup plugin" not in r.stdout  # Optuna's storage layer is quiet
-    finally:
-        if where == "repo root":
-            shutil.rmtree(sweep)
 
 
 def test_a_sweep_with_an_invalid_job_runs_the_others_and_summarises_all(tmp_path):

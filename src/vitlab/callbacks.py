@@ -4,10 +4,8 @@ epoch where no progress bar is shown."""
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import re
 import signal
 import sys
 import time
@@ -21,50 +19,9 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from vitlab.errors import UserError
+from vitlab.atomic import atomic_write
 
 log = logging.getLogger(__name__)
-
-# A save in progress writes `.<name>.tmp-<pid>` beside its target (AtomicCheckpointIO).
-_TEMPORARY = re.compile(r"^\..+\.tmp-(\d+)$")
-# What a full or read-only disk, or missing permissions, look like: the user's to fix.
-_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
-
-
-def remove_stale_temporaries(directory: Path) -> list[Path]:
-    """Delete the temporaries of checkpoint saves whose process is gone (a `kill -9` mid-save leaves
-    one, as large as a checkpoint, that nothing else would ever remove)."""
-    removed = []
-    for path in Path(directory).glob(".*.tmp-*"):
-        m = _TEMPORARY.match(path.name)
-        if m and not _alive(int(m.group(1))):
-            path.unlink(missing_ok=True)
-            removed.append(path)
-    if removed:
-        log.info("removed %d unfinished checkpoint file(s) left by a killed save in %s", len(removed), directory)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _disk_error(e: BaseException) -> OSError | None:
-    """The OSError of a full/read-only disk behind `e`, if any (torch.save reports a failed write as a
-    RuntimeError from its C++ writer, with the OSError as its context)."""
-    while e is not None:
-        if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
-            return e
-        if "No space left on device" in str(e):
-            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        e = e.__cause__ or e.__context__
-    return None
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -76,30 +33,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         protocols = get_filesystem(path).protocol
         if "file" not in (protocols if isinstance(protocols, tuple) else (protocols,)):
             return super().save_checkpoint(checkpoint, path, storage_options)  # object stores: their own semantics
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        remove_stale_temporaries(path.parent)
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
+
+        def verify(tmp: Path) -> None:
             back = torch.load(tmp, map_location="cpu", weights_only=True, mmap=True)
             if set(back) != set(checkpoint) or set(back.get("state_dict", {})) != set(checkpoint.get("state_dict", {})):
                 raise OSError(f"checkpoint {tmp} read back differs from what was written")
-            os.replace(tmp, path)
-        except (OSError, RuntimeError) as e:
-            disk = _disk_error(e)
-            if disk is None:
-                raise
-            kept = f"the previous {path.name} is intact" if path.is_file() else f"no {path.name} was written"
-            raise UserError(
-                f"cannot write checkpoint {path} ({disk.strerror or disk}); {kept}, and no partial file is left; "
-                "free space or choose another paths.log_dir (resume from an earlier checkpoint with ckpt_path=...)"
-            ) from e
-        finally:
-            tmp.unlink(missing_ok=True)
+
+        atomic_write(path, lambda f: torch.save(checkpoint, f), verify, what="checkpoint")
 
 
 class SaveOnInterrupt(L.Callback):

@@ -24,17 +24,19 @@ from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from vitlab.callbacks import EpochLog, remove_stale_temporaries
+from vitlab.atomic import remove_stale_temporaries
+from vitlab.callbacks import EpochLog
 from vitlab.cli import route_lightning_logs, vit_config
 from vitlab.errors import MissingFileError, UserError
 from vitlab.lit_module import ViTModule
+from vitlab.model.config import DROPOUTS
 
 log = logging.getLogger(__name__)
 route_lightning_logs()
 
 PROGRESS_BARS = ("auto", "rich", "tqdm", "none")
 # Regularisation may change between a run and its resumption; the architecture may not.
-RESUME_MAY_DIFFER = {"drop_rate", "pos_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate"}
+RESUME_MAY_DIFFER = set(DROPOUTS)
 
 __all__ = [
     "build_datamodule",

@@ -1,8 +1,8 @@
 """Weights between timm's VisionTransformer and vitlab's ViT.
 
-vitlab keeps timm's parameter names, so the key table below maps every name to itself; what the
-conversion adds is the strict check (every key used, every shape matched, nothing left over) and
-the real exceptions: a pos_embed trained at another resolution is resampled, a head of another
+vitlab keeps timm's parameter names, so no key is renamed (the key table is the identity, and is not
+written out); what the conversion adds is the strict check (every key used, every shape matched,
+nothing left over) and the real exceptions: a pos_embed trained at another resolution is resampled, a head of another
 class count is dropped when asked. Reading files never runs code: safetensors, or
 `torch.load(weights_only=True)`.
 """
@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import os
-import re
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -21,53 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from vitlab.atomic import atomic_write
 from vitlab.errors import MissingFileError, OfflineError, UserError
 from vitlab.model import ViT, ViTConfig, resample_pos_embed
 
 log = logging.getLogger(__name__)
 
 StateDict = dict[str, torch.Tensor]
-
-# vitlab key pattern -> timm key pattern ('{i}' is a block index). One row per parameter family.
-KEY_MAP: dict[str, str] = {
-    "cls_token": "cls_token",
-    "reg_token": "reg_token",
-    "pos_embed": "pos_embed",
-    "patch_embed.proj.weight": "patch_embed.proj.weight",
-    "patch_embed.proj.bias": "patch_embed.proj.bias",
-    "norm_pre.{p}": "norm_pre.{p}",
-    "blocks.{i}.norm1.{p}": "blocks.{i}.norm1.{p}",
-    "blocks.{i}.attn.qkv.{p}": "blocks.{i}.attn.qkv.{p}",
-    "blocks.{i}.attn.q_norm.{p}": "blocks.{i}.attn.q_norm.{p}",
-    "blocks.{i}.attn.k_norm.{p}": "blocks.{i}.attn.k_norm.{p}",
-    "blocks.{i}.attn.proj.{p}": "blocks.{i}.attn.proj.{p}",
-    "blocks.{i}.ls1.gamma": "blocks.{i}.ls1.gamma",
-    "blocks.{i}.norm2.{p}": "blocks.{i}.norm2.{p}",
-    "blocks.{i}.mlp.fc1.{p}": "blocks.{i}.mlp.fc1.{p}",
-    "blocks.{i}.mlp.fc2.{p}": "blocks.{i}.mlp.fc2.{p}",
-    "blocks.{i}.ls2.gamma": "blocks.{i}.ls2.gamma",
-    "norm.{p}": "norm.{p}",
-    "fc_norm.{p}": "fc_norm.{p}",
-    "head.{p}": "head.{p}",
-}
-
-
-def _pattern(template: str) -> re.Pattern:
-    rx = re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>weight|bias)")
-    return re.compile(rx + "$")
-
-
-_TO_TIMM = [(_pattern(src), dst) for src, dst in KEY_MAP.items()]
-_FROM_TIMM = [(_pattern(dst), src) for src, dst in KEY_MAP.items()]
-_OURS = [(_pattern(src), src) for src in KEY_MAP]
-
-
-def _rename(key: str, table: list[tuple[re.Pattern, str]]) -> str | None:
-    for rx, template in table:
-        m = rx.match(key)
-        if m:
-            return template.format(**m.groupdict())
-    return None
 
 
 def expected_shapes(cfg: ViTConfig) -> dict[str, torch.Size]:
@@ -91,16 +50,10 @@ def adapt_in_chans(weight: torch.Tensor, in_chans: int) -> torch.Tensor:
     return w.to(weight.dtype)
 
 
-def _convert(sd: StateDict, cfg: ViTConfig, table, *, src: str, resample: bool, reset_head: bool) -> StateDict:
+def _convert(sd: StateDict, cfg: ViTConfig, *, src: str, resample: bool, reset_head: bool) -> StateDict:
     want = expected_shapes(cfg)
-    out: StateDict = {}
-    unknown = []
-    for key, value in sd.items():
-        new = _rename(key, table)
-        if new is None or new not in want:
-            unknown.append(key)
-            continue
-        out[new] = value
+    unknown = [key for key in sd if key not in want]
+    out: StateDict = {key: value for key, value in sd.items() if key in want}
     if unknown:
         raise UserError(
             f"{src} state dict has keys this ViT config does not use: {unknown[:8]}{' ...' if len(unknown) > 8 else ''}"
@@ -128,13 +81,12 @@ def timm_to_vitlab(sd: StateDict, cfg: ViTConfig, *, resample: bool = True, rese
     """A timm VisionTransformer state dict -> vitlab's, checked against `cfg`. `resample` fits a pos_embed
     of another grid (square source grids, as timm assumes) and patch filters of another channel count;
     `reset_head` drops the classifier so a new one (another class count) keeps its fresh initialisation."""
-    return _convert(sd, cfg, _FROM_TIMM, src="timm", resample=resample, reset_head=reset_head)
+    return _convert(sd, cfg, src="timm", resample=resample, reset_head=reset_head)
 
 
 def vitlab_to_timm(sd: StateDict, cfg: ViTConfig) -> StateDict:
     """vitlab state dict -> timm VisionTransformer's, checked against `cfg`."""
-    out = _convert(sd, cfg, _OURS, src="vitlab", resample=False, reset_head=False)
-    return {_rename(k, _TO_TIMM): v for k, v in out.items()}
+    return _convert(sd, cfg, src="vitlab", resample=False, reset_head=False)
 
 
 # ---- timm models ----------------------------------------------------------------------------------
@@ -192,26 +144,29 @@ def check_timm_name(name: str) -> None:
         raise UserError(f"timm has no pretrained weights {name!r}; it has {timm.list_pretrained(f'{arch}.*')[:6]}")
 
 
+def _offline_errors() -> tuple[type[BaseException], ...]:
+    """What the Hugging Face hub and the HTTP stacks under it raise without a network (the ones
+    installed here; each is optional)."""
+    import socket
+
+    kinds: list[type[BaseException]] = [ConnectionError, TimeoutError, socket.gaierror]
+    for module, names in (
+        ("huggingface_hub.errors", ("LocalEntryNotFoundError", "OfflineModeIsEnabled")),
+        ("requests.exceptions", ("ConnectionError", "Timeout")),
+        ("httpx", ("ConnectError", "TimeoutException")),
+        ("urllib3.exceptions", ("MaxRetryError", "NameResolutionError", "NewConnectionError")),
+    ):
+        try:
+            mod = __import__(module, fromlist=list(names))
+        except ImportError:
+            continue
+        kinds += [getattr(mod, n) for n in names if isinstance(getattr(mod, n, None), type)]
+    return tuple(kinds)
+
+
 def _looks_offline(e: BaseException) -> bool:
-    names = {type(x).__name__ for x in _chain(e)}
-    return (
-        bool(
-            names
-            & {
-                "LocalEntryNotFoundError",
-                "ConnectionError",
-                "OfflineModeIsEnabled",
-                "ConnectTimeout",
-                "ReadTimeout",
-                "MaxRetryError",
-                "NameResolutionError",
-                "ConnectError",
-                "HfHubHTTPError",
-                "gaierror",
-            }
-        )
-        or "offline" in str(e).lower()
-    )
+    offline = _offline_errors()
+    return any(isinstance(x, offline) for x in _chain(e))
 
 
 def _chain(e: BaseException | None):
@@ -297,7 +252,7 @@ def load_timm_weights(model: ViT, source: str, *, reset_head: bool | None = None
 def export_timm(model: ViT, path: str | os.PathLike, timm_name: str | None = None) -> Path:
     """Write `model` as a timm-loadable .safetensors file (config in its metadata). Written to a
     temporary file, read back and compared, then renamed into place: a crash leaves no half file."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save
 
     path = Path(path)
     if path.suffix != ".safetensors":
@@ -306,14 +261,11 @@ def export_timm(model: ViT, path: str | os.PathLike, timm_name: str | None = Non
     meta = {"format": "pt", "vitlab_config": json.dumps(model.cfg.to_dict())}
     if timm_name:
         meta["timm_name"] = timm_name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        save_file(sd, str(tmp), metadata=meta)
+
+    def verify(tmp: Path) -> None:
         back = load_file(str(tmp))
         if back.keys() != sd.keys() or any(not torch.equal(back[k], sd[k]) for k in sd):
             raise OSError(f"verification of {tmp} failed: the file read back differs")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    atomic_write(path, lambda f: f.write(save(sd, metadata=meta)), verify, what="weights file")
     return path

@@ -25,6 +25,8 @@ VARIANTS: dict[str, dict[str, int]] = {
 GLOBAL_POOLS = ("token", "avg", "")
 POS_EMBEDS = ("learn", "sincos2d", "none")
 WEIGHT_INITS = ("", "jax")
+# The regularisation fields: probabilities in [0, 1), free to change when a run is resumed.
+DROPOUTS = ("drop_rate", "pos_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate")
 
 
 def parse_variant(variant: str) -> dict[str, int]:
@@ -98,7 +100,7 @@ class ViTConfig:
             raise UserError(f"pos_embed 'sincos2d' needs embed_dim divisible by 4, got {self.embed_dim}")
         if self.weight_init not in WEIGHT_INITS:
             raise UserError(f"weight_init {self.weight_init!r} is not one of {list(WEIGHT_INITS)}")
-        for name in ("drop_rate", "pos_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate"):
+        for name in DROPOUTS:
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise UserError(f"{name} {p} must be in [0, 1)")
@@ -112,15 +114,7 @@ class ViTConfig:
         # Hydra hands over whatever YAML parsed; catch "depth: 12.5" or "qk_norm: yes please" here.
         ints = ("patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "reg_tokens")
         bools = ("qkv_bias", "qk_norm", "class_token", "no_embed_class", "pre_norm", "dynamic_img_size")
-        floats = (
-            "mlp_ratio",
-            "drop_rate",
-            "pos_drop_rate",
-            "proj_drop_rate",
-            "attn_drop_rate",
-            "drop_path_rate",
-            "norm_eps",
-        )
+        floats = ("mlp_ratio", "norm_eps", *DROPOUTS)
         for name in ints:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):

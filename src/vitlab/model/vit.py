@@ -81,7 +81,6 @@ class LayerScale(nn.Module):
 
     def __init__(self, dim: int, init_values: float):
         super().__init__()
-        self.init_values = init_values
         self.gamma = nn.Parameter(torch.full((dim,), float(init_values)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

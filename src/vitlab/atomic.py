@@ -1,0 +1,93 @@
+"""Writing a file so that a crash, a `kill -9` or a full disk never leaves half of it where a good one
+was: into a temporary file beside the target, flushed and fsynced, optionally checked, then renamed
+over the target. Checkpoints (callbacks.AtomicCheckpointIO) and exported weights (convert.timm) use it.
+No Lightning or Hydra here."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+from vitlab.errors import UserError
+
+log = logging.getLogger(__name__)
+
+# A write in progress is `.<name>.tmp-<pid>` beside its target.
+_TEMPORARY = re.compile(r"^\..+\.tmp-(\d+)$")
+# What a full or read-only disk, or missing permissions, look like: the user's to fix.
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+
+
+def atomic_write(
+    path: str | os.PathLike,
+    write: Callable[[BinaryIO], None],
+    verify: Callable[[Path], None] | None = None,
+    what: str = "file",
+) -> Path:
+    """`write(f)` into `.<name>.tmp-<pid>`, fsync, `verify(tmp)` (raise to refuse), rename onto `path`.
+    A full or read-only disk becomes a UserError saying so; the temporary file never survives."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path.parent)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if verify is not None:
+            verify(tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        disk = disk_error(e)
+        if disk is None:
+            raise
+        kept = f"the previous {path.name} is intact" if path.is_file() else f"no {path.name} was written"
+        raise UserError(
+            f"cannot write {what} {path} ({disk.strerror or disk}); {kept}, and no partial file is left; "
+            "free space or choose another paths.log_dir (resume from an earlier checkpoint with ckpt_path=...)"
+        ) from e
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
+    """Delete the temporaries of writes whose process is gone (a `kill -9` mid-save leaves one, as
+    large as a checkpoint, that nothing else would ever remove)."""
+    removed = []
+    for path in Path(directory).glob(".*.tmp-*"):
+        m = _TEMPORARY.match(path.name)
+        if m and not _alive(int(m.group(1))):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    if removed:
+        log.info("removed %d unfinished checkpoint file(s) left by a killed save in %s", len(removed), directory)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def disk_error(e: BaseException | None) -> OSError | None:
+    """The OSError of a full/read-only disk behind `e`, if any (torch.save reports a failed write as a
+    RuntimeError from its C++ writer, with the OSError as its context)."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
+            return e
+        if "No space left on device" in str(e):
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        e = e.__cause__ or e.__context__
+    return None
