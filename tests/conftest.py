@@ -1,14 +1,17 @@
 import os
-from pathlib import Path
 
-import pytest
-import torch
-
-from tests.helpers import run_cli
-
-# Tests never touch the network: timm/HF downloads fail at once instead of waiting on a socket.
+# Tests never touch the network: timm/HF downloads fail at once instead of waiting on a socket. Set
+# before anything imports huggingface_hub (Lightning does), which reads it once at import.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.helpers import run_cli  # noqa: E402
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 

@@ -86,7 +86,7 @@ def test_a_small_image_folder_is_refused_not_trained_on_nothing(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = json.loads((tmp_path / "ok" / "metrics.json").read_text())
     assert metrics["tested_checkpoint"].endswith(".ckpt")
-    ckpt = torch.load(metrics["tested_checkpoint"], weights_only=True)
+    ckpt = torch.load(tmp_path / "ok" / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 6 and ckpt["hyper_parameters"]["model"]["num_classes"] == 3
     assert ckpt["hyper_parameters"]["class_names"] == ["cat", "dog", "eel"]
 
