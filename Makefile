@@ -24,7 +24,7 @@ train: install            ## train the default (ViT on the embedded digits data,
 test: install             ## the whole suite, as CI runs it
 	$(BIN)/python -m pytest $(ARGS)
 
-test-fast: install        ## skip tests marked slow
+test-fast: install        ## every module, without the slow command-line cases (~1.5 min on 2 cores)
 	$(BIN)/python -m pytest -m "not slow" $(ARGS)
 
 lint: install

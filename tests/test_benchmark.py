@@ -132,6 +132,7 @@ def test_contenders_start_from_the_same_weights_and_step_alike():
     assert peak_matmul_flops(torch.device("cpu"), torch.float32, size=64, repeats=2)["flops_per_s"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -147,7 +148,6 @@ def test_bad_settings_fail_in_one_line(override, message, tmp_path: Path):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.slow
 def test_overhead_mode_times_lightning_and_a_plain_loop(tmp_path: Path):
     run_dir = tmp_path / "run"
     r = run_cli(

@@ -45,12 +45,14 @@ def test_parity_command_writes_json_and_passes(cli, tmp_path):
     assert report["grad"]["relative"] <= 1e-4
 
 
+@pytest.mark.slow
 def test_parity_fails_with_exit_code_above_tolerance(cli, tmp_path):
     r = cli("parity", "model=vit_digits", "atol=-1.0", f"hydra.run.dir={tmp_path / 'run'}")
     assert r.returncode == 1 and "FAIL" in r.stdout
     assert json.loads((tmp_path / "run" / "parity.json").read_text())["passed"] is False
 
 
+@pytest.mark.slow
 def test_configs_found_from_any_directory_and_run_dirs_never_reused(cli, tmp_path):
     r = cli("parity", "model=vit_digits", "model.reg_tokens=2", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -65,6 +67,7 @@ def test_configs_found_from_any_directory_and_run_dirs_never_reused(cli, tmp_pat
     assert (run_dir / "parity.json").read_text() == before
 
 
+@pytest.mark.slow
 def test_pretrained_offline_is_an_error_never_a_check_of_random_weights(cli, tmp_path):
     # (issue 10: it used to fall back to random weights and print PASS; tests/test_fresh_clone.py too)
     r = cli("parity", "model=vit_ti16", "pretrained=true", "batch_size=1", f"hydra.run.dir={tmp_path / 'a'}")
@@ -75,6 +78,7 @@ def test_pretrained_offline_is_an_error_never_a_check_of_random_weights(cli, tmp
     assert r.stderr.strip() == "error: pretrained=true needs a model with a timm counterpart (model.timm_name)"
 
 
+@pytest.mark.slow
 def test_bad_model_value_is_one_line(cli, tmp_path):
     r = cli("parity", "model=vit_digits", "model.img_size=10", f"hydra.run.dir={tmp_path / 'r'}")
     assert r.returncode == 2

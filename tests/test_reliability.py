@@ -8,6 +8,9 @@ import torch
 
 from tests.helpers import earlier_run, image_tree, run_cli
 
+# Command-line runs, for CI; the pieces have fast unit tests (test_callbacks, test_atomic).
+pytestmark = pytest.mark.slow
+
 # Short deterministic CPU run: 3 epochs x 9 steps (batch 128 of 1,257), stochastic depth and EMA on
 # so the RNG and the averaged weights are part of what must resume exactly.
 RUN = [

@@ -145,6 +145,7 @@ def test_mixup_label_smoothing_layer_decay_and_drop_path_options_train(compose_c
     assert 0.0 <= train(cfg) <= 1.0
 
 
+@pytest.mark.slow
 def test_ddp_on_two_cpu_processes_shares_one_run_dir_and_syncs_metrics(tmp_path):
     run_dir = tmp_path / "run"
     r = run_cli(
@@ -168,6 +169,7 @@ def test_ddp_on_two_cpu_processes_shares_one_run_dir_and_syncs_metrics(tmp_path)
     assert metrics["test/acc"] == pytest.approx(single["test/acc"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_grid_sweep_gives_each_job_a_directory_and_a_summary(tmp_path):
     sweep = tmp_path / "sweep"
     r = run_cli("train", "-m", "optim.lr=1e-3,3e-3", "model.drop_path_rate=0,0.1", *SHORT, f"hydra.sweep.dir={sweep}")
@@ -181,6 +183,7 @@ def test_grid_sweep_gives_each_job_a_directory_and_a_summary(tmp_path):
     assert "sweep summary" in r.stdout
 
 
+@pytest.mark.slow
 def test_optuna_search(tmp_path):
     sweep = tmp_path / "optuna"
     r = run_cli("train", "hparams_search=digits_optuna", "hydra.sweeper.n_trials=3", *SHORT, f"hydra.sweep.dir={sweep}")
@@ -190,6 +193,7 @@ def test_optuna_search(tmp_path):
     assert len(json.loads((sweep / "summary.json").read_text())) == 3
 
 
+@pytest.mark.slow
 def test_multirun_with_multi_process_ddp_stops_at_once(tmp_path):
     r = run_cli("train", "-m", "trainer=ddp_cpu", "optim.lr=1e-3,3e-3", *SHORT, f"hydra.sweep.dir={tmp_path / 's'}")
     assert r.returncode == 2
@@ -199,6 +203,7 @@ def test_multirun_with_multi_process_ddp_stops_at_once(tmp_path):
     assert not list((tmp_path / "s").glob("*/metrics.json"))
 
 
+@pytest.mark.slow
 def test_runs_started_together_get_their_own_directories(tmp_path):
     cmd = [sys.executable, "-m", "vitlab.train", "debug=fdr", "progress_bar=none"]
     procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(2)]
@@ -207,6 +212,7 @@ def test_runs_started_together_get_their_own_directories(tmp_path):
     assert len(runs) == 2 and all((r / "config.yaml").is_file() for r in runs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -224,6 +230,7 @@ def test_bad_values_fail_in_one_line(tmp_path, args, message):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_unknown_key_and_option_are_named_in_one_line(tmp_path):
     r = run_cli("train", "model.depht=3", f"hydra.run.dir={tmp_path / 'r'}")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
