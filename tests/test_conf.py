@@ -173,7 +173,7 @@ def test_slurm_launcher_example(compose_cfg):
 @pytest.mark.parametrize("name", ["eval", "predict", "parity", "benchmark"])
 def test_other_entry_point_configs(compose_cfg, name):
     overrides = {
-        "eval": ["ckpt_path=x.ckpt", "data=digits", "model.img_size=8"],
+        "eval": ["ckpt_path=x.ckpt", "data=digits", "data.img_size=8"],
         "predict": ["ckpt_path=x.ckpt", "images=[a.png]"],
         "parity": [],
         "benchmark": [],

@@ -56,10 +56,10 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
     module = run.load_for_inference(cfg.ckpt_path)
     mc = module.model.cfg
-    with open_dict(cfg):  # a chosen data group's ${model.*} interpolations resolve to the trained model's
-        cfg.model.img_size = list(mc.img_size) if isinstance(mc.img_size, tuple) else mc.img_size
-        cfg.model.in_chans, cfg.model.num_classes = mc.in_chans, mc.num_classes
-    datamodule = run.build_datamodule(data_config(cfg, module.hparams.get("data"), cfg.ckpt_path))
+    data = data_config(cfg, module.hparams.get("data"), cfg.ckpt_path)
+    with open_dict(data):  # images are prepared at the size the checkpoint's model takes
+        data.img_size = list(mc.img_size) if isinstance(mc.img_size, tuple) else mc.img_size
+    datamodule = run.build_datamodule(data)
     if (datamodule.num_classes, datamodule.channels) != (mc.num_classes, mc.in_chans):
         raise UserError(
             f"checkpoint expects {mc.num_classes} classes and {mc.in_chans} channels, but the data has "
