@@ -171,7 +171,7 @@ def prepare(config_name: str, argv: list[str]) -> None:
     finally:
         GlobalHydra.instance().clear()
     try:
-        if run_dir is not None:
+        if run_dir is not None and "${" not in run_dir:  # one with interpolations: unique by its own making
             claim_run_dir(Path(run_dir))
         elif log_dir:
             check_writable(Path(log_dir))
