@@ -88,7 +88,7 @@ def _slurm_requeue(trainer: L.Trainer) -> bool:
 
 class EpochLog(L.Callback):
     """A log line per training epoch, for runs without a progress bar (log files, CI, `make train` piped):
-    the epoch's training and validation metrics, its time, and images/s. An epoch's line is written
+    the epoch's training and validation metrics, its steps and its time. An epoch's line is written
     when the next one starts (the module logs its training metrics after the callbacks' epoch-end
     hooks have run), and the last one when fit ends."""
 

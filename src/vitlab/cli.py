@@ -244,9 +244,10 @@ def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Cal
                 cause = user_error(e)
                 if os.environ.get("HYDRA_FULL_ERROR") == "1" or cause is None:
                     raise
-                if _sweep_job_dir() is None:
+                job = _sweep_job_dir()
+                if job is None:
                     fail(one_line(cause))
-                return _record_failed_job(one_line(cause))
+                return _record_failed_job(job, one_line(cause))
 
         def main() -> Any:
             quiet()
@@ -268,10 +269,9 @@ def _sweep_job_dir() -> Path | None:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
-def _record_failed_job(message: str) -> float:
+def _record_failed_job(job: Path, message: str) -> float:
     """A sweep job's bad input: said on stderr, kept in the job's error.json for the summary; NaN goes to
     the sweeper (Optuna records a failed trial) so the other jobs still run."""
-    job = _sweep_job_dir()
     print(f"error: sweep job {job.name}: {message}", file=sys.stderr, flush=True)
     (job / "error.json").write_text(json.dumps({"error": message}))
     return float("nan")

@@ -77,8 +77,9 @@ def check_launch(cfg: DictConfig) -> None:
 
 
 def resolve_ckpt_path(ckpt_path: str | None, runs_dir: Path) -> str | None:
-    """A checkpoint file the user named, or `last`: the newest last.ckpt or interrupted.ckpt among this
-    task's earlier runs. Temporaries that a killed save left beside it are removed."""
+    """The checkpoint to resume from: the file the user named, or for `last` the newest last.ckpt or
+    interrupted.ckpt among this task's earlier runs. Temporaries that a killed save left beside it are
+    removed."""
     if ckpt_path is None:
         return None
     if ckpt_path == "last":
@@ -86,12 +87,8 @@ def resolve_ckpt_path(ckpt_path: str | None, runs_dir: Path) -> str | None:
         if not found:
             raise MissingFileError(f"ckpt_path=last: no last.ckpt or interrupted.ckpt under {runs_dir}/*/checkpoints")
         ckpt_path = str(max(found, key=lambda p: p.stat().st_mtime))
-    path = Path(ckpt_path)
-    if path.is_dir():
-        raise MissingFileError(f"ckpt_path {ckpt_path!r} is a directory; give a checkpoint file (.ckpt) in it")
-    if not path.is_file():
-        raise MissingFileError(f"ckpt_path {ckpt_path!r} does not exist")
-    remove_stale_temporaries(path.parent)
+    if Path(ckpt_path).is_file():  # a missing or wrong path is named by read_checkpoint (check_resumable)
+        remove_stale_temporaries(Path(ckpt_path).parent)
     return ckpt_path
 
 
@@ -146,15 +143,14 @@ def instantiate_group(group: DictConfig | None) -> list[Any]:
 
 def build_loggers(group: DictConfig | None) -> list[Any]:
     """The logger group; W&B without an API key (and not offline) is refused before it prompts."""
-    loggers = instantiate_group(group)
-    for lg in loggers:
-        if type(lg).__name__ == "WandbLogger":
-            _check_wandb_login(lg)
-    return loggers
+    for node in (group or {}).values():
+        if isinstance(node, DictConfig) and str(node.get("_target_", "")).endswith("WandbLogger"):
+            _check_wandb_login(node)
+    return instantiate_group(group)
 
 
-def _check_wandb_login(logger) -> None:
-    offline = logger._wandb_init.get("mode") == "offline" or os.environ.get("WANDB_MODE") in ("offline", "disabled")
+def _check_wandb_login(node: DictConfig) -> None:
+    offline = node.get("offline") or os.environ.get("WANDB_MODE") in ("offline", "disabled")
     if offline or os.environ.get("WANDB_API_KEY"):
         return
     import wandb
@@ -271,8 +267,7 @@ def _load_weights_only(path: str) -> Any:
 def load_for_inference(ckpt_path: str, map_location: str = "cpu") -> ViTModule:
     """A trained ViTModule from a checkpoint file, rebuilt from the config stored in it (no Hydra), for
     eval, predict and visualize."""
-    resolve_ckpt_path(ckpt_path, Path("."))
-    read_checkpoint(ckpt_path)
+    read_checkpoint(ckpt_path)  # names a missing, corrupt or unsafe file in one line
     return ViTModule.load_from_checkpoint(ckpt_path, map_location=map_location, weights_only=True)
 
 
