@@ -1,6 +1,6 @@
 """python -m vitlab.predict ckpt_path=<file.ckpt> images=[a.png,b.jpg] [top_k=5]: print the top-k
 classes of each image (and write predictions.json). Each file is decoded by the same function as the
-training data (`data.images.load_image`) and prepared as the checkpoint's test images were."""
+training data (`data.images.read_image`) and prepared as the checkpoint's test images were."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def predict(cfg: DictConfig) -> list[dict]:
     import torch
 
     from vitlab import run
-    from vitlab.data.images import load_image
+    from vitlab.data.images import read_image
 
     if cfg.top_k < 1:
         raise UserError(f"top_k {cfg.top_k} must be >= 1")
@@ -25,7 +25,7 @@ def predict(cfg: DictConfig) -> list[dict]:
     datamodule = run.inference_datamodule(module, cfg.ckpt_path)
     names = module.hparams.get("class_names") or [str(i) for i in range(module.model.cfg.num_classes)]
     images = [cfg.images] if isinstance(cfg.images, str) else list(cfg.images)
-    pixels = [load_image(path, module.model.cfg.in_chans) for path in images]  # every file checked first
+    pixels = [read_image(path, module.model.cfg.in_chans) for path in images]  # every file checked first
     results = []
     for path, img in zip(images, pixels, strict=True):
         with torch.no_grad():

@@ -20,7 +20,7 @@ from vitlab.errors import UserError
 @entry_point("visualize")
 def main(cfg: DictConfig) -> None:
     from vitlab import run
-    from vitlab.data.images import load_image
+    from vitlab.data.images import read_image
     from vitlab.figures import plot_attention, plot_embeddings, plot_learning_curves
 
     if not (cfg.run_dir or cfg.ckpt_path):
@@ -33,7 +33,7 @@ def main(cfg: DictConfig) -> None:
         module = run.load_for_inference(cfg.ckpt_path).eval()
         written += plot_embeddings(module.model, out).values()
         if cfg.image:
-            img = load_image(cfg.image, module.model.cfg.in_chans)
+            img = read_image(cfg.image, module.model.cfg.in_chans)
             dm = run.inference_datamodule(module, cfg.ckpt_path)
             x = dm.predict_tensor(img)
             written += plot_attention(module.model, x, dm.mean, dm.std, out).values()

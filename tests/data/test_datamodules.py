@@ -8,7 +8,6 @@ from PIL import Image
 
 from vitlab.data import CIFAR10DataModule, DigitsDataModule, FakeDataModule, ImageFolderDataModule
 from vitlab.data.digits import random_affine, random_shift
-from vitlab.data.transforms import eval_transform, train_transform
 
 
 def test_digits_split_is_fixed_stratified_and_disjoint():
@@ -80,17 +79,6 @@ def test_bad_datamodule_arguments_name_the_value():
         DigitsDataModule(img_size=8, train_transform={"hflip": 0.5})
 
 
-def test_transforms_shapes_and_validation():
-    img = torch.randint(0, 256, (3, 40, 30), dtype=torch.uint8)
-    out = train_transform(32, (0.5,) * 3, (0.5,) * 3, auto_augment="randaugment", random_erasing=0.5)(img)
-    assert out.shape == (3, 32, 32) and out.dtype == torch.float32
-    assert eval_transform([32, 16], (0.5,) * 3, (0.5,) * 3, crop_pct=0.875)(img).shape == (3, 32, 16)
-    with pytest.raises(ValueError, match="auto_augment 'autoaug' is not one of"):
-        train_transform(32, (0.5,), (0.5,), auto_augment="autoaug")
-    with pytest.raises(ValueError, match=r"crop_pct 1.5 must be in \(0, 1\]"):
-        eval_transform(32, (0.5,), (0.5,), crop_pct=1.5)
-
-
 def test_fake_data_is_deterministic():
     dm = FakeDataModule(img_size=16, num_classes=4, batch_size=8, num_train=16)
     dm.setup()
@@ -125,6 +113,33 @@ def test_imagefolder_mixes_image_modes(tmp_path):
     assert x.shape == (10, 3, 16, 16) and sorted(y.tolist()) == [0] * 5 + [1] * 5
     x, _ = next(iter(dm.train_dataloader()))
     assert x.shape == (10, 3, 16, 16)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_batches_cross_as_uint8_and_become_normalised_floats_on_the_device(tmp_path, workers):
+    _image_tree(tmp_path, modes=("RGB", "L"))
+    Image.fromarray(np.random.default_rng(1).integers(0, 255, (30, 40, 3), dtype=np.uint8)).save(
+        tmp_path / "val" / "cat" / "2.jpg", quality=90
+    )
+    dm = ImageFolderDataModule(
+        data_dir=str(tmp_path), num_classes=2, img_size=16, batch_size=2, num_workers=workers, prefetch_factor=3,
+        train_transform={"random_erasing": 0.5},
+    )
+    dm.setup()
+    train = dm.train_dataloader()
+    assert train.num_workers == workers and (not workers or (train.persistent_workers and train.prefetch_factor == 3))
+    for loader in (train, dm.val_dataloader()):
+        x, y = next(iter(loader))
+        assert x.dtype == torch.uint8 and x.shape == (2, 3, 16, 16) and y.dtype == torch.long
+        z, y2 = dm.device_transform((x, y), train=True)
+        assert z.dtype == torch.float32 and y2 is y
+    # The eval loader and vitlab.predict are one preprocessing: the same file gives the same tensor.
+    from vitlab.data.images import read_image
+
+    val = [p for p, _ in dm.val_set.base.samples]
+    batches = [dm.device_transform(b, train=False)[0] for b in dm.val_dataloader()]
+    for path, x in zip(val, torch.cat(batches), strict=True):
+        assert torch.equal(dm.predict_tensor(read_image(path))[0], x), path
 
 
 def test_imagefolder_errors(tmp_path):

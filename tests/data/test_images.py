@@ -1,10 +1,13 @@
-"""data.images.load_image: every kind of file a photo folder holds comes out as the right pixels."""
+"""data.images.read_image / load_image: every kind of file a photo folder holds comes out as the right
+pixels, and the fast JPEG decoder agrees with PIL's."""
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
-from vitlab.data.images import load_image
+from vitlab.data import images
+from vitlab.data.images import load_image, read_image
 from vitlab.errors import MissingFileError, UserError
 
 RNG = np.random.default_rng(0)
@@ -59,3 +62,45 @@ def test_files_that_cannot_be_read_are_named(tmp_path):
     (tmp_path / "text.png").write_text("not an image")
     with pytest.raises(UserError, match="image file '.*text.png' cannot be decoded .UnidentifiedImageError"):
         load_image(tmp_path / "text.png")
+
+
+def _photo() -> np.ndarray:
+    from sklearn.datasets import load_sample_images
+
+    return load_sample_images().images[0][100:160, 200:290]  # a real photo (60 x 90): smooth areas and edges
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L", "CMYK"])
+@pytest.mark.parametrize("orientation", [1, 6])
+def test_jpegs_decode_to_the_same_pixels_as_pil(tmp_path, mode, orientation, monkeypatch):
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    path = _save(tmp_path, "p.jpg", Image.fromarray(_photo()).convert(mode), quality=90, exif=exif)
+    for channels in (3, 1):  # (1 channel reads through PIL: a grayscale model sees PIL's L of a colour photo)
+        fast = read_image(path, channels)
+        assert fast.dtype == torch.uint8 and fast.shape[0] == channels
+        assert fast.shape[1:] == ((60, 90) if orientation == 1 else (90, 60))
+        pil = np.asarray(load_image(path, channels)).reshape(*fast.shape[1:], channels)
+        assert np.array_equal(fast.permute(1, 2, 0).numpy(), pil)
+    calls = []
+    monkeypatch.setattr(images, "load_image", lambda *a: calls.append(a) or Image.new("RGB", (1, 1)))
+    read_image(path)
+    assert not calls  # the JPEG went through torchvision's decoder, not PIL
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "P", "LA", "I;16"])
+def test_other_files_go_through_pil_and_come_out_as_uint8_tensors(tmp_path, mode):
+    img = Image.fromarray(np.array([[0, 257, 32896, 65535]], dtype=np.uint16)) if mode == "I;16" else (
+        Image.fromarray(RGB).convert(mode) if mode != "P" else Image.fromarray(RGB).quantize(256)
+    )
+    path = _save(tmp_path, "x.png", img)
+    out = read_image(path)
+    assert out.dtype == torch.uint8 and out.shape == (3, *np.asarray(img).shape[:2])
+    assert np.array_equal(out.permute(1, 2, 0).numpy(), np.asarray(load_image(path)))
+
+
+def test_a_truncated_jpeg_is_named_not_decoded_in_part(tmp_path):
+    path = _save(tmp_path, "t.jpg", Image.fromarray(_photo()), quality=90)
+    path.write_bytes(path.read_bytes()[:600])
+    with pytest.raises(UserError, match="image file '.*t.jpg' cannot be decoded"):
+        read_image(path)

@@ -2,6 +2,10 @@
 
 `data.batch_size` is the *global* batch: under DDP with N processes each loads batch_size / N
 (it must divide), so changing trainer.devices keeps the optimisation the same.
+
+The loaders' workers decode and augment each image on uint8 and batches stay uint8 (pinned when
+training on a GPU, moved without blocking); `device_transform` turns them into normalised float32 on
+the device, with random erasing in training (data/transforms.py).
 """
 
 from __future__ import annotations
@@ -46,8 +50,10 @@ class ImageDataModule(L.LightningDataModule):
         self,
         img_size: int | Sequence[int],
         batch_size: int = 128,
-        num_workers: int | None = 0,  # None: the CPUs this process may use per device, less one, at most 16
-        pin_memory: bool | None = False,  # None: when training on a CUDA device
+        num_workers: int | None = None,  # None: the CPUs this process may use per device, less one, at most 16
+        pin_memory: bool | None = None,  # None: when training on a CUDA device
+        persistent_workers: bool = True,  # keep the workers between epochs (validation's too)
+        prefetch_factor: int | None = None,  # batches each worker prepares ahead; None: PyTorch's 2
         train_transform: dict | None = None,
         eval_transform: dict | None = None,
         mean: Sequence[float] | None = None,
@@ -68,11 +74,14 @@ class ImageDataModule(L.LightningDataModule):
             raise UserError(f"data.batch_size {batch_size} must be >= 1")
         if num_workers is not None and num_workers < 0:
             raise UserError(f"data.num_workers {num_workers} must be >= 0")
+        if prefetch_factor is not None and prefetch_factor < 1:
+            raise UserError(f"data.prefetch_factor {prefetch_factor} must be >= 1, or null")
         self.img_size = list(img_size) if isinstance(img_size, (list, tuple)) else img_size
         self.img_hw = transforms.image_hw(img_size)
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.pin_memory = pin_memory
+        self.persistent_workers, self.prefetch_factor = persistent_workers, prefetch_factor
         self.data_dir = data_dir
         self.mean = tuple(mean) if mean is not None else self.mean
         self.std = tuple(std) if std is not None else self.std
@@ -83,8 +92,13 @@ class ImageDataModule(L.LightningDataModule):
                 f"data.mean {list(self.mean)} and data.std {list(self.std)} need one value per channel "
                 f"({self.channels})"
             )
-        self.train_tf = transforms.train_transform(self.img_size, self.mean, self.std, **(train_transform or {}))
-        self.eval_tf = transforms.eval_transform(self.img_size, self.mean, self.std, **(eval_transform or {}))
+        self.train_tf = transforms.train_transform(self.img_size, **(train_transform or {}))
+        self.eval_tf = transforms.eval_transform(self.img_size, **(eval_transform or {}))
+        erasing = (train_transform or {}).get("random_erasing", transforms.TrainTransform.random_erasing)
+        self.to_input = transforms.DeviceTransform(self.mean, self.std, random_erasing=erasing)
+        # The on-device augmentation draws from a generator of its own, saved with checkpoints, so a resumed
+        # run augments the remaining batches exactly as the uninterrupted run would have.
+        self.rng = torch.Generator().manual_seed(torch.initial_seed() + 1)
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
@@ -106,16 +120,15 @@ class ImageDataModule(L.LightningDataModule):
             raise RuntimeError("call setup() before asking for a dataloader")
         if train:
             self._check_enough_images(len(dataset))
-        kwargs.setdefault("num_workers", self.num_workers if self.num_workers is not None else self._auto_workers())
+        if "num_workers" not in kwargs:
+            kwargs["num_workers"] = self.num_workers if self.num_workers is not None else self._auto_workers()
         on_cuda = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
         kwargs.setdefault("pin_memory", self.pin_memory if self.pin_memory is not None else on_cuda)
+        if kwargs["num_workers"] > 0:
+            kwargs.setdefault("persistent_workers", self.persistent_workers)
+            kwargs.setdefault("prefetch_factor", self.prefetch_factor)
         loader = StatefulDataLoader(
-            dataset,
-            batch_size=self.per_device_batch_size,
-            shuffle=train,
-            drop_last=train,
-            persistent_workers=kwargs["num_workers"] > 0,
-            **kwargs,
+            dataset, batch_size=self.per_device_batch_size, shuffle=train, drop_last=train, **kwargs
         )
         if train:
             # The permutation gets a generator of its own, seeded from the run's seed. A generator given
@@ -153,10 +166,18 @@ class ImageDataModule(L.LightningDataModule):
         return self.device_transform(batch, train=self.trainer is not None and self.trainer.training)
 
     def device_transform(self, batch, train: bool):
-        """Work on a whole batch once it is on the device (none here; digits augments there). A plain
-        training loop calls it as Lightning does."""
-        return batch
+        """A uint8 batch, once on the device, to the model's normalised float32 input (random erasing in
+        training). A plain training loop calls it as Lightning does."""
+        x, y = batch
+        return self.to_input(x, train, self.rng), y
 
     def predict_tensor(self, img) -> torch.Tensor:
-        """One image (PIL or uint8 tensor) -> the (1, C, H, W) batch the eval pipeline makes."""
-        return self.eval_tf(img).unsqueeze(0)
+        """One image (PIL or uint8 tensor) -> the (1, C, H, W) float32 batch the eval loader makes of it."""
+        return self.device_transform((self.eval_tf(img).unsqueeze(0), None), train=False)[0]
+
+    def state_dict(self) -> dict:
+        return {"augment_rng": self.rng.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "augment_rng" in state:
+            self.rng.set_state(state["augment_rng"])

@@ -46,8 +46,8 @@ def random_shift(x: torch.Tensor, pixels: int, fill: float, generator: torch.Gen
     on the CPU from `generator`)."""
     B, C, H, W = x.shape
     padded = F.pad(x, (pixels,) * 4, value=fill)
-    dy = torch.randint(0, 2 * pixels + 1, (B, 1), generator=generator).to(x.device)
-    dx = torch.randint(0, 2 * pixels + 1, (B, 1), generator=generator).to(x.device)
+    dy = torch.randint(0, 2 * pixels + 1, (B, 1), generator=generator).to(x.device, non_blocking=True)
+    dx = torch.randint(0, 2 * pixels + 1, (B, 1), generator=generator).to(x.device, non_blocking=True)
     rows = (dy + torch.arange(H, device=x.device))[:, :, None]  # (B, H, 1)
     cols = (dx + torch.arange(W, device=x.device))[:, None, :]  # (B, 1, W)
     return padded[torch.arange(B, device=x.device)[:, None, None], :, rows, cols].permute(0, 3, 1, 2)
@@ -59,8 +59,8 @@ def random_affine(
     """Rotate each image of (B, C, H, W) by its own angle in [-degrees, degrees] and zoom by a factor in
     `scale`, about the centre (bilinear), filling uncovered pixels with `fill`."""
     B = x.shape[0]
-    angle = ((torch.rand(B, generator=generator) * 2 - 1) * math.radians(degrees)).to(x.device)
-    zoom = torch.empty(B).uniform_(*scale, generator=generator).to(x.device)
+    angle = ((torch.rand(B, generator=generator) * 2 - 1) * math.radians(degrees)).to(x.device, non_blocking=True)
+    zoom = torch.empty(B).uniform_(*scale, generator=generator).to(x.device, non_blocking=True)
     cos, sin = angle.cos() / zoom, angle.sin() / zoom  # the grid maps output to input: inverse zoom
     zero = torch.zeros_like(cos)
     theta = torch.stack([torch.stack([cos, -sin, zero], 1), torch.stack([sin, cos, zero], 1)], 1)  # (B, 2, 3)
@@ -103,7 +103,6 @@ class DigitsDataModule(ImageDataModule):
         if len(scale) != 2 or not 0 < scale[0] <= scale[1]:
             raise UserError(f"data.scale {list(scale)} must be [min, max] with 0 < min <= max")
         self.rotate, self.scale = rotate, tuple(scale)
-        self.rng = torch.Generator().manual_seed(torch.initial_seed() + 1)
         self.val_fraction, self.test_fraction, self.split_seed, self.shift = (
             val_fraction,
             test_fraction,
@@ -142,14 +141,6 @@ class DigitsDataModule(ImageDataModule):
     def _loader(self, dataset, train: bool):
         pin = bool(self.pin_memory) and dataset.labels.device.type == "cpu"  # tensors on a GPU cannot be pinned
         return super()._loader(dataset, train, collate_fn=_already_batched, num_workers=0, pin_memory=pin)
-
-    # The augmentation draws from its own generator, saved with checkpoints, so a resumed run
-    # augments the remaining batches exactly as the uninterrupted run would have.
-    def state_dict(self) -> dict:
-        return {"augment_rng": self.rng.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.rng.set_state(state["augment_rng"])
 
     def device_transform(self, batch, train: bool):
         x, y = batch

@@ -1,8 +1,9 @@
 """Any tree of images in class folders: data_dir/train/<class>/*.jpg and data_dir/val/<class>/*
 (ImageNet's layout). data_dir/test/ is used for testing when present, else val/.
 
-Every image is decoded by `data.images.load_image` to upright RGB, so grayscale, palette, RGBA, CMYK,
-16-bit and EXIF-rotated files mix with RGB ones, exactly as `vitlab.predict` will read them.
+Every image is decoded by `data.images.read_image` to an upright uint8 RGB tensor, so grayscale,
+palette, RGBA, CMYK, 16-bit and EXIF-rotated files mix with RGB ones, exactly as `vitlab.predict` will
+read them.
 """
 
 from __future__ import annotations
@@ -12,15 +13,15 @@ from pathlib import Path
 from torchvision import datasets
 
 from vitlab.data.base import ImageDataModule, TransformDataset
-from vitlab.data.images import load_image
+from vitlab.data.images import read_image
 from vitlab.errors import MissingFileError, UserError
 
 
 def rgb_loader(path: str):
-    """ImageFolder's loader: every file through the one decoder (`data.images.load_image`); a file that
+    """ImageFolder's loader: every file through the one decoder (`data.images.read_image`); a file that
     cannot be decoded stops the run naming it (silently skipping it would train on less data than the
     user believes)."""
-    return load_image(path, channels=3)
+    return read_image(path, channels=3)
 
 
 class ImageFolderDataModule(ImageDataModule):

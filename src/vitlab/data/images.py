@@ -1,6 +1,11 @@
 """The one way vitlab turns an image file into pixels: training, evaluation, `vitlab.predict` and
-`vitlab.visualize` all call `load_image`, so a model never sees a file differently at prediction time
-than it did in training.
+`vitlab.visualize` all call `read_image` (a uint8 (C, H, W) tensor; `load_image` is the PIL image it
+falls back to), so a model never sees a file differently at prediction time than it did in training.
+
+- JPEGs, most photos, are decoded by `torchvision.io.decode_image` (libjpeg-turbo, straight into a
+  tensor); this gives the same pixels as PIL's decoder, EXIF orientation and CMYK included (a test
+  holds them equal). Every other file, any JPEG that decoder refuses, and 1-channel reads go through PIL.
+  (torchvision 0.29 marks its decoders deprecated in favour of TorchCodec; they still ship and work.)
 
 - EXIF orientation is applied (a portrait photo tagged Orientation=6 comes out upright).
 - 16-bit and 32-bit grayscale (PIL modes I;16, I, F) are scaled to 8 bit, not clipped to white.
@@ -14,9 +19,31 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image, ImageOps
 
 from vitlab.errors import MissingFileError, UserError
+
+
+JPEG_MAGIC = b"\xff\xd8\xff"
+
+
+def read_image(path: str | Path, channels: int = 3) -> torch.Tensor:
+    """Decode `path` to an upright uint8 (channels, H, W) tensor (1: grayscale, 3: RGB)."""
+    from torchvision.io import ImageReadMode, decode_image
+
+    path = Path(path)
+    if channels == 3 and path.is_file():  # (its grayscale is the JPEG's Y channel, not PIL's L: 1-channel uses PIL)
+        data = path.read_bytes()
+        if data.startswith(JPEG_MAGIC):
+            try:
+                return decode_image(
+                    torch.frombuffer(bytearray(data), dtype=torch.uint8), ImageReadMode.RGB, apply_exif_orientation=True
+                )
+            except RuntimeError:  # truncated, corrupt or a JPEG flavour it lacks: PIL decodes it or names the problem
+                pass
+    img = load_image(path, channels)
+    return torch.from_numpy(np.array(img, dtype=np.uint8)).view(img.height, img.width, -1).permute(2, 0, 1).contiguous()
 
 
 def load_image(path: str | Path, channels: int = 3) -> Image.Image:

@@ -1,14 +1,21 @@
-"""Train and eval transforms (torchvision v2), built from plain arguments so configs drive them.
+"""Train and eval transforms, built from plain arguments so configs drive them, in two halves:
 
-Every dataset hands over uint8 image tensors (C, H, W) or PIL images; the pipelines end in float32
-normalised tensors of the model's img_size. Their settings are the dataclasses `TrainTransform` and
-`EvalTransform` (the `data.train_transform` / `data.eval_transform` groups of conf/data/*.yaml; a test
-keeps the YAML keys and these fields equal). No Hydra, OmegaConf or Lightning here.
+- per image, in the loader's workers (torchvision v2): decode has happened; geometry and colour
+  (random-resized-crop, shift, flip, RandAugment, TrivialAugment; eval's resize and center crop) run
+  on uint8 (C, H, W) and the images stay uint8, so a batch crosses to the device at a quarter of
+  float32's bytes and the workers do no float arithmetic;
+- per batch, on the device (`DeviceTransform`): uint8 to float32 in [0, 1], normalisation, and
+  random erasing, drawn per image and applied to the whole batch at once.
+
+Their settings are the dataclasses `TrainTransform` and `EvalTransform` (the `data.train_transform` /
+`data.eval_transform` groups of conf/data/*.yaml; a test keeps the YAML keys and these fields equal).
+No Hydra, OmegaConf or Lightning here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+import math
 from dataclasses import dataclass
 
 import torch
@@ -82,10 +89,10 @@ class EvalTransform:
         _interp(self.interpolation)
 
 
-def train_transform(
-    img_size: int | Sequence[int], mean: Sequence[float], std: Sequence[float], **settings
-) -> T.Compose:
-    """The training pipeline for `TrainTransform(**settings)`, ending in normalised float32 images."""
+def train_transform(img_size: int | Sequence[int], **settings) -> T.Compose:
+    """The per-image training pipeline of `TrainTransform(**settings)`: a PIL image or uint8 tensor in,
+    a uint8 (C, H, W) tensor of img_size out. Normalisation and random erasing follow on the device
+    (`DeviceTransform`)."""
     t = from_mapping(TrainTransform, settings, "data.train_transform")
     hw, mode = image_hw(img_size), _interp(t.interpolation)
     ops: list = [T.ToImage()]
@@ -104,14 +111,12 @@ def train_transform(
         ops.append(T.RandAugment(magnitude=t.rand_augment_magnitude, interpolation=aa_mode))
     elif t.auto_augment == "trivialaugment":
         ops.append(T.TrivialAugmentWide(interpolation=aa_mode))
-    ops += [T.ToDtype(torch.float32, scale=True), T.Normalize(list(mean), list(std))]
-    if t.random_erasing:
-        ops.append(T.RandomErasing(t.random_erasing, value=0))
     return T.Compose(ops)
 
 
-def eval_transform(img_size: int | Sequence[int], mean: Sequence[float], std: Sequence[float], **settings) -> T.Compose:
-    """The evaluation (and prediction) pipeline for `EvalTransform(**settings)`."""
+def eval_transform(img_size: int | Sequence[int], **settings) -> T.Compose:
+    """The per-image evaluation (and prediction) pipeline of `EvalTransform(**settings)`: uint8 out, as
+    `train_transform`."""
     t = from_mapping(EvalTransform, settings, "data.eval_transform")
     hw, mode = image_hw(img_size), _interp(t.interpolation)
     ops: list = [T.ToImage()]
@@ -119,8 +124,68 @@ def eval_transform(img_size: int | Sequence[int], mean: Sequence[float], std: Se
         ops += [T.Resize([int(s / t.crop_pct) for s in hw], interpolation=mode, antialias=True), T.CenterCrop(hw)]
     else:
         ops.append(_ResizeIfNeeded(hw, mode))
-    ops += [T.ToDtype(torch.float32, scale=True), T.Normalize(list(mean), list(std))]
     return T.Compose(ops)
+
+
+class DeviceTransform:
+    """The per-batch half, where the batch already is (the GPU in training): uint8 (B, C, H, W) to
+    float32 in [0, 1], normalised with `mean`/`std`, then, when training, random erasing with
+    probability `random_erasing` per image (torchvision's RandomErasing: area 2-33%, aspect 0.3-3.3,
+    erased to 0 after normalisation). The same arithmetic as torchvision's ToDtype(scale=True) and
+    Normalize on each image; the erased boxes are drawn on the CPU from `generator`, so a checkpoint
+    that saves its state resumes the same draws."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float], random_erasing: float = 0.0):
+        self.mean, self.std, self.random_erasing = list(mean), list(std), random_erasing
+        self._stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, x: torch.Tensor, train: bool, generator: torch.Generator | None = None) -> torch.Tensor:
+        if x.dtype != torch.uint8:
+            raise TypeError(f"DeviceTransform takes uint8 batches, got {x.dtype}")
+        if x.device not in self._stats:  # copied to the device once, not per step (a copy waits for the device)
+            stats = (torch.tensor(v, dtype=torch.float32).view(-1, 1, 1).to(x.device) for v in (self.mean, self.std))
+            self._stats[x.device] = tuple(stats)
+        mean, std = self._stats[x.device]
+        x = x.to(torch.float32).div_(255).sub_(mean).div_(std)
+        if train and self.random_erasing:
+            boxes = erasing_boxes(len(x), x.shape[-2:], self.random_erasing, generator)
+            x = erase(x, boxes.to(x.device, non_blocking=True))
+        return x
+
+
+ERASE_SCALE, ERASE_RATIO, ERASE_ATTEMPTS = (0.02, 0.33), (0.3, 3.3), 10  # torchvision's RandomErasing
+
+
+def erasing_boxes(
+    n: int, hw: Sequence[int], p: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """(n, 4) int64 boxes (top, left, height, width) as torchvision's RandomErasing draws them, one per
+    image: erased with probability `p`; up to 10 tries for a box of 2-33% of the area and aspect ratio
+    0.3-3.3 that fits; an image without one (or not chosen) gets height and width 0."""
+    H, W = int(hw[0]), int(hw[1])
+    chosen = torch.rand(n, generator=generator) < p
+    area = H * W * torch.empty(n, ERASE_ATTEMPTS).uniform_(*ERASE_SCALE, generator=generator)
+    log_ratio = torch.empty(n, ERASE_ATTEMPTS).uniform_(*map(math.log, ERASE_RATIO), generator=generator)
+    h = torch.sqrt(area * log_ratio.exp()).round().long()
+    w = torch.sqrt(area / log_ratio.exp()).round().long()
+    fits = (h < H) & (w < W)
+    first = fits.long().argmax(1, keepdim=True)  # the first try that fits (0 when none does)
+    h, w = h.gather(1, first).squeeze(1), w.gather(1, first).squeeze(1)
+    keep = chosen & fits.any(1)
+    h, w = torch.where(keep, h, 0), torch.where(keep, w, 0)
+    top = (torch.rand(n, generator=generator) * (H - h + 1)).long()
+    left = (torch.rand(n, generator=generator) * (W - w + 1)).long()
+    return torch.stack([top, left, h, w], 1)
+
+
+def erase(x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    """Zero each image's box ((B, 4) top, left, height, width) of a (B, C, H, W) batch in one pass."""
+    rows = torch.arange(x.shape[-2], device=x.device)
+    cols = torch.arange(x.shape[-1], device=x.device)
+    top, left, h, w = (boxes[:, k, None] for k in range(4))  # (B, 1) each
+    in_rows = (rows >= top) & (rows < top + h)  # (B, H)
+    in_cols = (cols >= left) & (cols < left + w)  # (B, W)
+    return x.masked_fill(in_rows[:, None, :, None] & in_cols[:, None, None, :], 0.0)
 
 
 class _ResizeIfNeeded(T.Transform):
