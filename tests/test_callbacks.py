@@ -1,9 +1,11 @@
 import errno
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-from vitlab.callbacks import AtomicCheckpointIO
+from vitlab.callbacks import AtomicCheckpointIO, LastCheckpoint
 from vitlab.errors import UserError
 
 
@@ -43,3 +45,52 @@ def test_a_bug_while_saving_is_not_called_a_full_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "save", bug)
     with pytest.raises(RuntimeError, match="something else broke"):
         AtomicCheckpointIO().save_checkpoint({"state_dict": {}}, tmp_path / "last.ckpt")
+
+
+class _Scored(L.LightningModule):
+    """A linear model whose val/acc follows `scores` per epoch."""
+
+    def __init__(self, scores):
+        super().__init__()
+        self.net, self.scores = torch.nn.Linear(2, 1), scores
+
+    def training_step(self, batch, _):
+        return self.net(batch[0]).sum()
+
+    def validation_step(self, batch, _):
+        self.log("val/acc", float(self.scores[self.current_epoch]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_last_checkpoint_links_the_best_when_both_fall_due_and_is_written_otherwise(tmp_path, monkeypatch):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    saves = []
+    real_save = torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: saves.append(obj["global_step"]) or real_save(obj, f, *a, **k))
+    best = ModelCheckpoint(dirpath=tmp_path, filename="best_{epoch}", monitor="val/acc", mode="max", save_top_k=1)
+    last = LastCheckpoint(dirpath=tmp_path)
+    data = DataLoader(TensorDataset(torch.randn(4, 2)), batch_size=2)
+    trainer = L.Trainer(
+        max_epochs=3, callbacks=[best, last], logger=False, enable_progress_bar=False, plugins=[AtomicCheckpointIO()],
+        enable_model_summary=False, accelerator="cpu",
+    )
+    trainer.fit(_Scored([0.1, 0.5, 0.2]), data, data)
+    # epochs 1 and 2 improve: one serialisation each, last.ckpt the same file; epoch 3 does not: last.ckpt alone
+    assert saves == [2, 4, 6]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best_epoch=1.ckpt", "last.ckpt"]
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 6
+    assert torch.load(tmp_path / "best_epoch=1.ckpt", weights_only=True)["global_step"] == 4
+    assert last.best_model_path == str(tmp_path / "last.ckpt")
+
+    saves.clear()
+    trainer = L.Trainer(
+        max_epochs=1, callbacks=[best := ModelCheckpoint(dirpath=tmp_path / "b", monitor="val/acc", mode="max"),
+                                 LastCheckpoint(dirpath=tmp_path / "b")],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+    )
+    trainer.fit(_Scored([0.3]), data, data)
+    files = {p.name: p.stat().st_ino for p in (tmp_path / "b").iterdir()}
+    assert saves == [2] and len(files) == 2 and len(set(files.values())) == 1  # a hard link, not a copy

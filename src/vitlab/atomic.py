@@ -57,6 +57,25 @@ def atomic_write(
     return path
 
 
+def atomic_link(source: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """Make `path` name the same file as `source` (a hard link, placed by rename, so `path` is always
+    a complete file); where the filesystem has no hard links, an atomic copy."""
+    source, path = Path(source), Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+        return atomic_write(path, lambda f: f.write(source.read_bytes()), what="checkpoint")
+    try:
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
 def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
     """Delete the temporaries of writes whose process is gone (a `kill -9` mid-save leaves one, as
     large as a checkpoint, that nothing else would ever remove)."""

@@ -113,10 +113,7 @@ class ViTModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         if self.compile_model and stage == "fit":
             self.model.compile()  # in place: state-dict keys stay the same
-        dm = self.trainer.datamodule if self.trainer is not None else None
-        if dm is not None and hasattr(dm, "per_device_batch_size"):
-            # forward + backward ~ 3x forward: lets ThroughputMonitor report FLOP/s
-            self.flops_per_batch = 3 * self.model.cfg.flops_per_image() * dm.per_device_batch_size
+        self.train_flops_per_image = 3 * self.model.cfg.flops_per_image()  # forward + backward ~ 3x forward (callbacks.Throughput)
 
     def on_fit_start(self) -> None:
         names = getattr(self.trainer.datamodule, "class_names", None)
@@ -125,7 +122,8 @@ class ViTModule(L.LightningModule):
 
     def _update(self, stage: str, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> None:
         m = getattr(self, f"{stage}_metrics")
-        m["loss"].update(loss.detach(), weight=len(y))
+        # The weight is made on the device: a Python number would be copied there, and that copy waits.
+        m["loss"].update(loss.detach(), weight=torch.full((), len(y), dtype=loss.dtype, device=loss.device))
         for name, metric in m.items():
             if name != "loss":
                 metric.update(logits.detach(), y)
@@ -150,26 +148,49 @@ class ViTModule(L.LightningModule):
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss, logits = self.loss(x, y)
-        if not torch.isfinite(loss):  # stop before the update, so no checkpoint ever holds NaN weights
-            raise NonFiniteLossError(self._non_finite_message(loss))
+        log_step = (self.global_step + 1) % self.trainer.log_every_n_steps == 0  # the steps Lightning writes logs at
+        self._check_finite(loss, now=log_step)
         self._update("train", loss, logits, y)  # accuracy against the unmixed labels
-        if (self.global_step + 1) % self.trainer.log_every_n_steps == 0:  # the steps Lightning writes logs at
+        if log_step:
             self.log("train/loss_step", loss.detach(), prog_bar=True)
         return loss
 
-    def _non_finite_message(self, loss: torch.Tensor) -> str:
+    # A non-finite loss stops the run, and no checkpoint ever holds the weights it produced. On the CPU the
+    # loss is read every step and the run stops before the update. On a GPU reading it would make the host
+    # wait for every step: the first bad step is recorded on the device and read at logging steps, at the
+    # end of each epoch and before every checkpoint is written.
+    def _check_finite(self, loss: torch.Tensor, now: bool = False) -> None:
+        if loss.device.type == "cpu":
+            if not torch.isfinite(loss):
+                raise NonFiniteLossError(self._non_finite_message(loss.item(), self.global_step, "stopped before the update"))
+            return
+        if getattr(self, "_bad", None) is None or self._bad.device != loss.device:
+            self._bad = torch.full((2,), -1.0, device=loss.device)  # (first bad step, its loss)
+        first = ~torch.isfinite(loss.detach()) & (self._bad[0] < 0)
+        step = torch.full((), float(self.global_step), device=loss.device)  # a fill on the device, not a copy
+        self._bad.copy_(torch.where(first, torch.stack([step, loss.detach().float()]), self._bad))
+        if now:
+            self._raise_if_not_finite()
+
+    def _raise_if_not_finite(self) -> None:
+        bad = getattr(self, "_bad", None)
+        if bad is not None and bad[0].item() >= 0:
+            step, value = int(bad[0].item()), bad[1].item()
+            raise NonFiniteLossError(
+                self._non_finite_message(value, step, f"the weights from then on (step {self.global_step}) were not saved")
+            )
+
+    def _non_finite_message(self, value: float, step: int, stopped: str) -> str:
         saved = [Path(p) for cb in self.trainer.checkpoint_callbacks for p in (cb.last_model_path, cb.best_model_path)]
         saved = [p for p in saved if str(p) not in ("", ".") and p.is_file()]
         last = max(saved, key=lambda p: p.stat().st_mtime) if saved else None
         where = f"the last good checkpoint is {last}" if last else "no checkpoint was saved yet"
-        return (
-            f"training loss became {loss.item()} at step {self.global_step} (epoch {self.current_epoch}); "
-            f"stopped before the update; {where}"
-        )
+        return f"training loss became {value} at step {step} (epoch {self.current_epoch}); {stopped}; {where}"
 
     # Global RNG (dropout, stochastic depth, mixup) travels with checkpoints and is put back just before
     # the first batch after a resume, so resumed and uninterrupted runs draw the same numbers.
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._raise_if_not_finite()  # before anything is written
         checkpoint["rng_states"] = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             checkpoint["rng_states"]["cuda"] = torch.cuda.get_rng_state_all()
@@ -192,6 +213,7 @@ class ViTModule(L.LightningModule):
             self._rng_to_restore = None
 
     def on_train_epoch_end(self) -> None:
+        self._raise_if_not_finite()
         self._log_epoch("train")
 
     def validation_step(self, batch, batch_idx: int) -> None:
@@ -230,6 +252,3 @@ class ViTModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def batch_size(batch) -> int:
-    """Images in a (images, labels) batch: for Lightning's ThroughputMonitor."""
-    return len(batch[1])
