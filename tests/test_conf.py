@@ -187,8 +187,8 @@ def test_other_entry_point_configs(compose_cfg, name):
         from vitlab.benchmark.config import BenchmarkConfig
 
         b = BenchmarkConfig.from_dict(OmegaConf.to_container(cfg.benchmark))  # the defaults are valid
-        assert b.overhead.train_overrides == tuple(cfg.benchmark.overhead.train_overrides)
-        train = compose_cfg("train", list(cfg.benchmark.overhead.train_overrides))
+        assert b.train_overrides == tuple(cfg.benchmark.train_overrides)
+        train = compose_cfg("train", list(cfg.benchmark.train_overrides))
         assert train.progress_bar == "none" and "csv" in train.logger
 
 
@@ -227,5 +227,5 @@ def test_benchmark_yaml_and_dataclass_are_one_source_of_defaults():
 
     yaml_defaults = OmegaConf.to_container(OmegaConf.load(CONF / "benchmark.yaml"))["benchmark"]
     defaults = to_dict(BenchmarkConfig())
-    defaults["overhead"]["train_overrides"] = list(defaults["overhead"]["train_overrides"])
+    defaults["train_overrides"] = list(defaults["train_overrides"])
     assert yaml_defaults == defaults

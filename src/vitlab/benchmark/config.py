@@ -12,7 +12,7 @@ import torch
 from vitlab.errors import UserError
 from vitlab.settings import from_mapping
 
-TASKS = ("models", "overhead")
+TASKS = ("models", "overhead", "pipeline", "end2end")
 CONTENDERS = ("vitlab", "timm", "vitlab_ckpt", "timm_ckpt")
 MODES = ("train", "fwd_bwd", "infer")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -28,12 +28,32 @@ def _count(key: str, value: Any, low: int) -> None:
 class OverheadConfig:
     epochs: int = 2  # timed epochs per run, after one warm-up epoch
     rounds: int = 8  # runs of each loop, alternating
-    train_overrides: tuple[str, ...] = ("logger=csv", "progress_bar=none")  # vitlab.train overrides
 
     def __post_init__(self):
         _count("overhead.epochs", self.epochs, 1)
         _count("overhead.rounds", self.rounds, 1)
-        object.__setattr__(self, "train_overrides", tuple(self.train_overrides))
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    batches: int = 20  # timed batches per pass of a loader
+    warmup_batches: int = 3  # untimed batches first (worker start-up, the first prefetch)
+    rounds: int = 3  # passes of each loader, alternating
+
+    def __post_init__(self):
+        _count("pipeline.batches", self.batches, 1)
+        _count("pipeline.warmup_batches", self.warmup_batches, 0)
+        _count("pipeline.rounds", self.rounds, 1)
+
+
+@dataclass(frozen=True)
+class EndToEndConfig:
+    warmup_steps: int = 10  # untimed training steps (start-up, compilation, first batches)
+    steps: int = 30  # timed training steps
+
+    def __post_init__(self):
+        _count("end2end.warmup_steps", self.warmup_steps, 1)
+        _count("end2end.steps", self.steps, 1)
 
 
 @dataclass(frozen=True)
@@ -50,7 +70,10 @@ class BenchmarkConfig:
     steps: int = 1
     peak_matmul_size: int | None = None
     timm_optimizer: str = "timm"
+    train_overrides: tuple[str, ...] = ("logger=csv", "progress_bar=none")  # vitlab.train's, for overhead/pipeline/end2end
     overhead: OverheadConfig = field(default_factory=OverheadConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    end2end: EndToEndConfig = field(default_factory=EndToEndConfig)
 
     def __post_init__(self):
         for key, allowed in (("task", TASKS), ("precision", PRECISIONS), ("timm_optimizer", TIMM_OPTIMIZERS)):
@@ -66,8 +89,10 @@ class BenchmarkConfig:
         _count("warmup", self.warmup, 0)
         if self.peak_matmul_size is not None:
             _count("peak_matmul_size", self.peak_matmul_size, 1)
-        if isinstance(self.overhead, Mapping):
-            object.__setattr__(self, "overhead", from_mapping(OverheadConfig, self.overhead, "benchmark.overhead"))
+        object.__setattr__(self, "train_overrides", tuple(self.train_overrides))
+        for key, cls in (("overhead", OverheadConfig), ("pipeline", PipelineConfig), ("end2end", EndToEndConfig)):
+            if isinstance(getattr(self, key), Mapping):
+                object.__setattr__(self, key, from_mapping(cls, getattr(self, key), f"benchmark.{key}"))
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> BenchmarkConfig:

@@ -21,6 +21,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitlab.data import transforms
 from vitlab.errors import UserError
+from vitlab.settings import from_mapping
 
 
 class TransformDataset(Dataset):
@@ -94,8 +95,8 @@ class ImageDataModule(L.LightningDataModule):
             )
         self.train_tf = transforms.train_transform(self.img_size, **(train_transform or {}))
         self.eval_tf = transforms.eval_transform(self.img_size, **(eval_transform or {}))
-        erasing = (train_transform or {}).get("random_erasing", transforms.TrainTransform.random_erasing)
-        self.to_input = transforms.DeviceTransform(self.mean, self.std, random_erasing=erasing)
+        self.train_settings = from_mapping(transforms.TrainTransform, train_transform or {}, "data.train_transform")
+        self.to_input = transforms.DeviceTransform(self.mean, self.std, self.train_settings.random_erasing)
         # The on-device augmentation draws from a generator of its own, saved with checkpoints, so a resumed
         # run augments the remaining batches exactly as the uninterrupted run would have.
         self.rng = torch.Generator().manual_seed(torch.initial_seed() + 1)

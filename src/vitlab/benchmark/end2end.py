@@ -1,0 +1,124 @@
+"""benchmark.task=end2end: what share of the model's speed `vitlab.train` delivers. Two figures, same
+model, per-device batch, precision and compile setting, in one process:
+
+- `train`: vitlab.train's own fit (its config, data, callbacks, logger) on the chosen data, timed over a
+  window of steady-state training steps. The device is synchronised only at the window's two ends, so
+  the timer adds no wait of its own; steps before the window (start-up, compilation, the first
+  batches) are untimed.
+- `bare_step`: `task=models`' training step of the same model on one synthetic batch already on the
+  device (forward, backward, AdamW).
+
+The ratio train / bare_step is 1.0 when loading, augmentation, the loop and its callbacks cost nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from vitlab import run
+from vitlab.benchmark.config import BenchmarkConfig
+from vitlab.benchmark.measure import sync
+from vitlab.cli import vit_config
+from vitlab.errors import UserError
+from vitlab.optim import OptimConfig
+
+PRECISION_OF_TRAINER = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16"}
+
+
+class Window(L.Callback):
+    """Synchronise and read the clock after step `start` and after step `start + steps`, then stop."""
+
+    def __init__(self, start: int, steps: int):
+        self.start, self.steps = start, steps
+        self.t0 = self.t1 = None
+        self.images = 0
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step == self.start:
+            sync(module.device)
+            self.t0 = time.perf_counter()
+        elif self.start < step <= self.start + self.steps:
+            self.images += len(batch[1])
+            if step == self.start + self.steps:
+                sync(module.device)
+                self.t1 = time.perf_counter()
+                trainer.should_stop = True
+
+
+def bench_end2end(train_cfg: DictConfig, b: BenchmarkConfig, device: torch.device) -> dict[str, Any]:
+    from vitlab.benchmark.models import bench_models
+
+    e = b.end2end
+    precision = PRECISION_OF_TRAINER.get(str(train_cfg.trainer.get("precision", "32-true")))
+    if precision is None:
+        raise UserError(
+            f"benchmark.task=end2end compares with task=models, which runs {list(PRECISION_OF_TRAINER)} "
+            f"precisions; trainer.precision is {train_cfg.trainer.precision!r}"
+        )
+    if int(train_cfg.trainer.get("devices", 1) or 1) != 1 or int(train_cfg.trainer.get("num_nodes", 1) or 1) != 1:
+        raise UserError("benchmark.task=end2end measures one device: set trainer.devices=1 in benchmark.train_overrides")
+
+    # The bare step first, in a fresh process (after a fit, its loader workers and allocations linger).
+    datamodule = run.build_datamodule(train_cfg.data)
+    per_device = datamodule.per_device_batch_size
+    bare = dataclasses.replace(
+        b, task="models", contenders=("vitlab",), modes=("train",), batch_size=per_device, precision=precision,
+        compile=bool(train_cfg.get("compile", False)),
+    )
+    model_cfg = vit_config(train_cfg.model)
+    optim = OptimConfig.from_dict(OmegaConf.to_container(train_cfg.optim, resolve=True))
+    step = bench_models(model_cfg, bare, optim, device)["results"]["train"]["vitlab"]
+
+    L.seed_everything(train_cfg.seed, workers=True, verbose=False)
+    module = run.build_module(train_cfg, datamodule)
+    window = Window(e.warmup_steps, e.steps)
+    bars, show_bar = run.progress_bar(train_cfg.progress_bar)
+    callbacks = run.instantiate_group(train_cfg.get("callbacks")) + bars + [window]
+    trainer = run.build_trainer(
+        train_cfg.trainer,
+        callbacks=callbacks,
+        logger=run.instantiate_group(train_cfg.get("logger")) or False,
+        enable_progress_bar=show_bar,
+        max_epochs=1,
+        limit_train_batches=e.warmup_steps + e.steps,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, datamodule=datamodule, weights_only=True)
+    if window.t1 is None:
+        raise UserError(
+            f"the training set gave {trainer.global_step} steps, fewer than benchmark.end2end.warmup_steps + steps "
+            f"({e.warmup_steps + e.steps}): lower them or use more images"
+        )
+    train_rate = window.images / (window.t1 - window.t0)
+
+    return {
+        "model": model_cfg.to_dict(),
+        "batch_size": per_device,
+        "precision": precision,
+        "compile": bare.compile,
+        "device": str(device),
+        "train": {"images_per_s": train_rate, "steps": e.steps, "warmup_steps": e.warmup_steps,
+                  "seconds": window.t1 - window.t0},
+        "bare_step": {"images_per_s": step["images_per_s"], "median_ms": step["median_ms"]},
+        "ratios": {"train/bare_step": train_rate / step["images_per_s"]},
+    }
+
+
+def print_report(report: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    console = Console(width=140)
+    t, s = report["train"], report["bare_step"]
+    console.print(
+        f"end to end ({report['device']}, batch {report['batch_size']}, {report['precision']}, compile "
+        f"{report['compile']}): vitlab.train {t['images_per_s']:.1f} images/s over {t['steps']} steps; bare step "
+        f"{s['images_per_s']:.1f} images/s; train / bare step = {report['ratios']['train/bare_step']:.3f}"
+    )

@@ -1,0 +1,151 @@
+"""benchmark.task=pipeline: the training loader alone, in images/s, against what decoding and cropping
+cost. Three loaders over the same training images, with the same sampler, batch size, workers and
+prefetch (vitlab.train's data config):
+
+- `vitlab`: the datamodule's own train loader (uint8 batches; normalisation happens later, on the device);
+- `float32_workers`: the same, plus what the workers did before uint8 batches: ToDtype(float32),
+  Normalize and RandomErasing per image (the pipeline this one replaced, kept to measure against);
+- `ceiling`: a bare loader that only decodes (torchvision's libjpeg-turbo for files) and applies the same
+  random-resized-crop (or resize) and flip on uint8: no auto-augment, no checks, no fallbacks.
+
+Each loader is iterated `rounds` times (alternating order; persistent workers, as in training), the
+first `warmup_batches` of a round untimed. Ratios are each loader's images/s over the ceiling's.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import Dataset
+from torchvision.transforms import v2 as T
+
+from vitlab import run
+from vitlab.benchmark.config import BenchmarkConfig
+from vitlab.data.base import TransformDataset
+from vitlab.data.transforms import INTERPOLATIONS, TrainTransform, image_hw
+from vitlab.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+class Ceiling(Dataset):
+    """Decode and crop only: the least any loader of these images must do."""
+
+    def __init__(self, data: TransformDataset, img_size, settings: TrainTransform):
+        self.data, self.samples = data, getattr(data.base, "samples", None)  # ImageFolder: (path, label) pairs
+        hw, mode = image_hw(img_size), INTERPOLATIONS[settings.interpolation]
+        crop = (
+            T.RandomResizedCrop(hw, scale=settings.random_resized_crop, interpolation=mode, antialias=True)
+            if settings.random_resized_crop
+            else T.Resize(hw, interpolation=mode, antialias=True)
+        )
+        self.augment = T.Compose([crop, T.RandomHorizontalFlip()])
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        from torchvision.io import ImageReadMode, decode_image
+
+        index = self.data.indices[i]
+        if self.samples is not None:
+            path, label = self.samples[index]
+            img = decode_image(path, ImageReadMode.RGB)
+        else:
+            img, label = self.data.base[index]
+            img = T.functional.to_image(img)
+        return self.augment(img), label
+
+
+def loaders(dm) -> dict[str, Any]:
+    train = dm.train_set
+    if not isinstance(train, TransformDataset):
+        raise UserError(
+            f"benchmark.task=pipeline times a loader's workers; {type(dm).__name__} has none (its images live in "
+            "memory and are augmented on the device): use data=imagefolder, data=cifar10 or data=fake"
+        )
+    settings = dm.train_settings
+    before = [T.ToDtype(torch.float32, scale=True), T.Normalize(list(dm.mean), list(dm.std))]
+    if settings.random_erasing:
+        before.append(T.RandomErasing(settings.random_erasing, value=0))
+    old = TransformDataset(train.base, T.Compose([dm.train_tf, *before]), train.indices)
+    return {
+        "vitlab": dm.train_dataloader(),
+        "float32_workers": dm._loader(old, train=True),
+        "ceiling": dm._loader(Ceiling(train, dm.img_size, settings), train=True),
+    }
+
+
+def time_loader(loader, warmup: int, batches: int) -> tuple[float, int]:
+    """Seconds for `batches` batches after `warmup` untimed ones, and the images they held."""
+    it = iter(loader)
+    for _ in range(warmup):
+        next(it)
+    images, start = 0, time.perf_counter()
+    for _ in range(batches):
+        images += len(next(it)[1])
+    return time.perf_counter() - start, images
+
+
+def bench_pipeline(train_cfg: DictConfig, b: BenchmarkConfig) -> dict[str, Any]:
+    L.seed_everything(train_cfg.seed, workers=True, verbose=False)
+    dm = run.build_datamodule(train_cfg.data)
+    dm.setup("fit")
+    contenders = loaders(dm)
+    p = b.pipeline
+    need = p.warmup_batches + p.batches
+    if len(contenders["vitlab"]) < need:
+        raise UserError(
+            f"benchmark.pipeline needs {need} batches (warmup_batches + batches) per pass, and the training set gives "
+            f"{len(contenders['vitlab'])} of {dm.per_device_batch_size}: lower them or use more images"
+        )
+    rates: dict[str, list[float]] = {name: [] for name in contenders}
+    names = list(contenders)
+    for r in range(p.rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            seconds, images = time_loader(contenders[name], p.warmup_batches, p.batches)
+            rates[name].append(images / seconds)
+            log.info("round %d %s: %.1f images/s", r, name, rates[name][-1])
+    loader = contenders["vitlab"]
+    first = next(iter(loader))[0]
+    results = {
+        name: {"images_per_s": statistics.median(v), "images_per_s_rounds": [round(x, 2) for x in v]}
+        for name, v in rates.items()
+    }
+    ceiling = results["ceiling"]["images_per_s"]
+    return {
+        "loader": {
+            "batch_size": dm.per_device_batch_size,
+            "num_workers": loader.num_workers,
+            "prefetch_factor": loader.prefetch_factor,
+            "persistent_workers": loader.persistent_workers,
+            "batch_dtype": str(first.dtype).removeprefix("torch."),
+            "batch_shape": list(first.shape),
+            "train_images": len(dm.train_set),
+        },
+        "results": results,
+        "ratios": {f"{name}/ceiling": results[name]["images_per_s"] / ceiling for name in ("vitlab", "float32_workers")},
+    }
+
+
+def print_report(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=140)
+    ld = report["loader"]
+    table = Table(
+        title=f"train loader, batch {ld['batch_size']}, {ld['num_workers']} workers ({ld['train_images']} images)"
+    )
+    for col in ("loader", "images/s (median)", "per round", "/ ceiling"):
+        table.add_column(col)
+    for name, r in report["results"].items():
+        ratio = report["ratios"].get(f"{name}/ceiling")
+        table.add_row(name, f"{r['images_per_s']:.1f}", str(r["images_per_s_rounds"]), f"{ratio:.3f}" if ratio else "")
+    console.print(table)
