@@ -66,6 +66,34 @@ class NanAtStep(L.Callback):
             batch[0].fill_(torch.nan)
 
 
+class ForbidSync(L.Callback):
+    """Run ordinary training steps under `torch.cuda.set_sync_debug_mode("error")`: any host-device
+    synchronisation raises. Each guarded window runs from the end of one step's callbacks to the end of the
+    next step's (fetching, transfer, device transform, hooks, forward, backward, optimizer, scheduler). Left
+    out: the first `after` steps (lazy set-up), logging steps and the step after one (reading a logged
+    value must wait), and epoch ends. Put it last in the callbacks; `ForbidSync.guarded` counts the windows
+    (on the class: the tests build it from the config)."""
+
+    guarded = 0
+
+    def __init__(self, after: int = 3):
+        self.after = after
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        torch.cuda.set_sync_debug_mode("default")
+        step, n = trainer.global_step, trainer.log_every_n_steps  # `step` steps are done
+        ordinary = step >= self.after and (step + 1) % n != 0 and step % n != 0  # the next step and this one
+        if ordinary and batch_idx + 1 < trainer.num_training_batches:
+            torch.cuda.set_sync_debug_mode("error")
+            ForbidSync.guarded += 1
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        torch.cuda.set_sync_debug_mode("default")
+
+    def on_exception(self, trainer, pl_module, exception):
+        torch.cuda.set_sync_debug_mode("default")
+
+
 class BugInForward(L.Callback):
     """Plant a bug: the model's forward raises a ValueError (which is not a user's mistake)."""
 

@@ -179,17 +179,33 @@ def test_pipeline_times_the_train_loader_against_the_old_one_and_a_decode_and_cr
 
     image_tree(tmp_path / "photos", per_class=8, size=(30, 40))
     run_dir = tmp_path / "run"
-    overrides = ["data=imagefolder", f"data.data_dir={tmp_path / 'photos'}", "data.batch_size=4", "data.num_workers=1",
-                 "model.img_size=16", "data.train_transform.random_erasing=0.25"]
+    overrides = [
+        "data=imagefolder",
+        f"data.data_dir={tmp_path / 'photos'}",
+        "data.batch_size=4",
+        "data.num_workers=1",
+        "model.img_size=16",
+        "data.train_transform.random_erasing=0.25",
+    ]
     r = run_cli(
-        "benchmark", "benchmark.task=pipeline", "benchmark.pipeline.batches=2", "benchmark.pipeline.warmup_batches=1",
-        "benchmark.pipeline.rounds=2", "benchmark.train_overrides=[" + ",".join(f'"{o}"' for o in overrides) + "]", f"hydra.run.dir={run_dir}",
+        "benchmark",
+        "benchmark.task=pipeline",
+        "benchmark.pipeline.batches=2",
+        "benchmark.pipeline.warmup_batches=1",
+        "benchmark.pipeline.rounds=2",
+        "benchmark.train_overrides=[" + ",".join(f'"{o}"' for o in overrides) + "]",
+        f"hydra.run.dir={run_dir}",
     )
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads((run_dir / "benchmark.json").read_text())
     assert report["loader"] == {
-        "batch_size": 4, "num_workers": 1, "prefetch_factor": 2, "persistent_workers": True,
-        "batch_dtype": "uint8", "batch_shape": [4, 3, 16, 16], "train_images": 16,
+        "batch_size": 4,
+        "num_workers": 1,
+        "prefetch_factor": 2,
+        "persistent_workers": True,
+        "batch_dtype": "uint8",
+        "batch_shape": [4, 3, 16, 16],
+        "train_images": 16,
     }
     assert set(report["results"]) == {"vitlab", "float32_workers", "ceiling"}
     for name, row in report["results"].items():
@@ -205,8 +221,12 @@ def test_pipeline_times_the_train_loader_against_the_old_one_and_a_decode_and_cr
 def test_end2end_divides_vitlab_trains_steady_state_by_the_bare_step(tmp_path: Path):
     run_dir = tmp_path / "run"
     r = run_cli(
-        "benchmark", "benchmark.task=end2end", "benchmark.end2end.warmup_steps=2", "benchmark.end2end.steps=3",
-        "benchmark.repeats=2", "benchmark.warmup=1",
+        "benchmark",
+        "benchmark.task=end2end",
+        "benchmark.end2end.warmup_steps=2",
+        "benchmark.end2end.steps=3",
+        "benchmark.repeats=2",
+        "benchmark.warmup=1",
         'benchmark.train_overrides=["data=fake","data.num_train=64","data.batch_size=8","data.num_workers=0",'
         '"model.img_size=16","model.patch_size=8","model.embed_dim=16","model.depth=1","model.num_heads=2",'
         '"logger=csv","progress_bar=none"]',
@@ -221,7 +241,11 @@ def test_end2end_divides_vitlab_trains_steady_state_by_the_bare_step(tmp_path: P
     assert bare == pytest.approx(8 / (report["bare_step"]["median_ms"] / 1e3))
     assert report["ratios"]["train/bare_step"] == pytest.approx(train / bare)
     too_few = run_cli(
-        "benchmark", "benchmark.task=end2end", "benchmark.end2end.steps=500", "benchmark.repeats=1",
-        'benchmark.train_overrides=["model.depth=1"]', f"hydra.run.dir={tmp_path / 'r2'}",
+        "benchmark",
+        "benchmark.task=end2end",
+        "benchmark.end2end.steps=500",
+        "benchmark.repeats=1",
+        'benchmark.train_overrides=["model.depth=1"]',
+        f"hydra.run.dir={tmp_path / 'r2'}",
     )
     assert too_few.returncode == 2 and "fewer than benchmark.end2end.warmup_steps + steps (510)" in too_few.stderr

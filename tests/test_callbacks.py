@@ -69,13 +69,20 @@ def test_last_checkpoint_links_the_best_when_both_fall_due_and_is_written_otherw
 
     saves = []
     real_save = torch.save
-    monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: saves.append(obj["global_step"]) or real_save(obj, f, *a, **k))
+    monkeypatch.setattr(
+        torch, "save", lambda obj, f, *a, **k: saves.append(obj["global_step"]) or real_save(obj, f, *a, **k)
+    )
     best = ModelCheckpoint(dirpath=tmp_path, filename="best_{epoch}", monitor="val/acc", mode="max", save_top_k=1)
     last = LastCheckpoint(dirpath=tmp_path)
     data = DataLoader(TensorDataset(torch.randn(4, 2)), batch_size=2)
     trainer = L.Trainer(
-        max_epochs=3, callbacks=[best, last], logger=False, enable_progress_bar=False, plugins=[AtomicCheckpointIO()],
-        enable_model_summary=False, accelerator="cpu",
+        max_epochs=3,
+        callbacks=[best, last],
+        logger=False,
+        enable_progress_bar=False,
+        plugins=[AtomicCheckpointIO()],
+        enable_model_summary=False,
+        accelerator="cpu",
     )
     trainer.fit(_Scored([0.1, 0.5, 0.2]), data, data)
     # epochs 1 and 2 improve: one serialisation each, last.ckpt the same file; epoch 3 does not: last.ckpt alone
@@ -87,9 +94,15 @@ def test_last_checkpoint_links_the_best_when_both_fall_due_and_is_written_otherw
 
     saves.clear()
     trainer = L.Trainer(
-        max_epochs=1, callbacks=[best := ModelCheckpoint(dirpath=tmp_path / "b", monitor="val/acc", mode="max"),
-                                 LastCheckpoint(dirpath=tmp_path / "b")],
-        logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+        max_epochs=1,
+        callbacks=[
+            best := ModelCheckpoint(dirpath=tmp_path / "b", monitor="val/acc", mode="max"),
+            LastCheckpoint(dirpath=tmp_path / "b"),
+        ],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
     )
     trainer.fit(_Scored([0.3]), data, data)
     files = {p.name: p.stat().st_ino for p in (tmp_path / "b").iterdir()}

@@ -114,8 +114,8 @@ def test_trainer_configs(compose_cfg, trainer):
     if isinstance(strategy, dict) or OmegaConf.is_dict(strategy):
         strategy = instantiate(strategy)  # FSDP: the strategy object, with the block wrap policy
         assert type(strategy).__name__ == "FSDPStrategy"
-    if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
-        # No GPU here: build the same trainer on CPU processes to check every other argument.
+    if cfg.trainer.accelerator == "gpu" and torch.cuda.device_count() < cfg.trainer.devices:
+        # Fewer GPUs here than it asks for: build the same trainer on CPU processes to check every other argument.
         overrides = dict(accelerator="cpu", precision="32-true")
         if not isinstance(strategy, str):
             overrides["strategy"] = "ddp"

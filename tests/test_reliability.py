@@ -23,11 +23,12 @@ RUN = [
     "callbacks.ema.update_starting_at_step=0",
     "trainer.limit_test_batches=1.0",
     "trainer.log_every_n_steps=5",  # 27 steps in all: log the LR (compared after resuming) within them
+    "trainer.accelerator=cpu",  # the CPU's resume, also where a GPU is visible (tests/test_gpu.py resumes on one)
 ]
 
 
 def _state(ckpt_path):
-    ckpt = torch.load(ckpt_path, weights_only=True)
+    ckpt = torch.load(ckpt_path, weights_only=True, map_location="cpu")
     return ckpt["state_dict"], ckpt["current_model_state"]  # EMA weights (+ metric states), raw weights
 
 
@@ -210,7 +211,10 @@ def _bad_inputs(tmp):
             "data.num_classes 5 does not match the 2 class folders",
         ),
         "missing ckpt": (["ckpt_path=nowhere.ckpt"], "ckpt_path 'nowhere.ckpt' does not exist"),
-        "more devices than exist": (["trainer=gpu"], "trainer.accelerator='gpu' trainer.devices=1 cannot run here"),
+        "more devices than exist": (
+            ["trainer=gpu", f"trainer.devices={torch.cuda.device_count() + 1}"],
+            f"trainer.accelerator='gpu' trainer.devices={torch.cuda.device_count() + 1} cannot run here",
+        ),
         "weights not a state dict": ([f"model.pretrained={not_a_state_dict}"], "does not hold a state dict"),
     }
 

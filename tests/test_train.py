@@ -75,7 +75,10 @@ def test_eval_reproduces_the_test_accuracy(trained, tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     again = json.loads((tmp_path / "e" / "metrics.json").read_text())
-    assert again["test/acc"] == metrics["test/acc"] and again["test/loss"] == pytest.approx(metrics["test/loss"])
+    # (rel 1e-4: on a GPU, TF32 matmuls in two processes differ by ~1e-5 in the loss)
+    assert again["test/acc"] == metrics["test/acc"] and again["test/loss"] == pytest.approx(
+        metrics["test/loss"], rel=1e-4
+    )
 
 
 def test_predict_prints_top_k(trained, tmp_path):
@@ -158,6 +161,7 @@ def test_ddp_on_two_cpu_processes_shares_one_run_dir_and_syncs_metrics(tmp_path)
         cwd=tmp_path,
     )
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "sync_dist" not in r.stderr  # no advice to sync values torchmetrics has already synced
     assert [p.name for p in tmp_path.iterdir()] == ["run"]  # rank 1 wrote into rank 0's directory, no other
     metrics = json.loads((run_dir / "metrics.json").read_text())
     # Each rank tested half of the test set; the synced accuracy equals one process testing all of it.
@@ -295,7 +299,7 @@ def test_finetune_random_timm_vit_b16_from_224_to_384_on_digits(tmp_path):
         timeout=900,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    ours = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, mmap=True)["state_dict"]
+    ours = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, mmap=True, map_location="cpu")["state_dict"]
     # timm's own loader, same file, same target: 384 px, one channel, ten classes.
     theirs = timm.create_model(
         "vit_base_patch16_224",

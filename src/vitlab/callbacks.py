@@ -185,7 +185,10 @@ class Throughput(L.Callback):
         seconds = now - self._start - self._paused
         if seconds > 0:
             per_device = self._images / seconds
-            values = {"train/device/samples_per_sec": per_device, "train/samples_per_sec": per_device * trainer.world_size}
+            values = {
+                "train/device/samples_per_sec": per_device,
+                "train/samples_per_sec": per_device * trainer.world_size,
+            }
             flops = getattr(pl_module, "train_flops_per_image", None)
             if flops:
                 values["train/device/flops_per_sec"] = flops * per_device

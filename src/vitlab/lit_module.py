@@ -113,7 +113,9 @@ class ViTModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         if self.compile_model and stage == "fit":
             self.model.compile()  # in place: state-dict keys stay the same
-        self.train_flops_per_image = 3 * self.model.cfg.flops_per_image()  # forward + backward ~ 3x forward (callbacks.Throughput)
+        self.train_flops_per_image = (
+            3 * self.model.cfg.flops_per_image()
+        )  # forward + backward ~ 3x forward (callbacks.Throughput)
 
     def on_fit_start(self) -> None:
         names = getattr(self.trainer.datamodule, "class_names", None)
@@ -133,7 +135,9 @@ class ViTModule(L.LightningModule):
         for name, metric in getattr(self, f"{stage}_metrics").items():
             values[f"{stage}/{name}"] = metric.compute()
             metric.reset()
-        self.log_dict(values, prog_bar=stage == "val")
+        # torchmetrics has already reduced these over processes; sync_dist=True averages equal values (and
+        # keeps Lightning from warning, under DDP, that epoch-level values were not synced).
+        self.log_dict(values, prog_bar=stage == "val", sync_dist=True)
         return values
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +166,9 @@ class ViTModule(L.LightningModule):
     def _check_finite(self, loss: torch.Tensor, now: bool = False) -> None:
         if loss.device.type == "cpu":
             if not torch.isfinite(loss):
-                raise NonFiniteLossError(self._non_finite_message(loss.item(), self.global_step, "stopped before the update"))
+                raise NonFiniteLossError(
+                    self._non_finite_message(loss.item(), self.global_step, "stopped before the update")
+                )
             return
         if getattr(self, "_bad", None) is None or self._bad.device != loss.device:
             self._bad = torch.full((2,), -1.0, device=loss.device)  # (first bad step, its loss)
@@ -177,7 +183,9 @@ class ViTModule(L.LightningModule):
         if bad is not None and bad[0].item() >= 0:
             step, value = int(bad[0].item()), bad[1].item()
             raise NonFiniteLossError(
-                self._non_finite_message(value, step, f"the weights from then on (step {self.global_step}) were not saved")
+                self._non_finite_message(
+                    value, step, f"the weights from then on (step {self.global_step}) were not saved"
+                )
             )
 
     def _non_finite_message(self, value: float, step: int, stopped: str) -> str:
@@ -225,7 +233,7 @@ class ViTModule(L.LightningModule):
         values = self._log_epoch("val")
         if not self.trainer.sanity_checking:  # the sanity check's numbers are no result
             self.val_acc_best.update(values["val/acc"])
-            self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=True)
+            self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=True, sync_dist=True)
 
     def test_step(self, batch, batch_idx: int) -> None:
         x, y = batch
@@ -250,5 +258,3 @@ class ViTModule(L.LightningModule):
             self.trainer.log_every_n_steps = total // epochs
         scheduler = make_scheduler(optimizer, self.optim, total, epochs)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-

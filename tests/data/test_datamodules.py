@@ -122,7 +122,12 @@ def test_batches_cross_as_uint8_and_become_normalised_floats_on_the_device(tmp_p
         tmp_path / "val" / "cat" / "2.jpg", quality=90
     )
     dm = ImageFolderDataModule(
-        data_dir=str(tmp_path), num_classes=2, img_size=16, batch_size=2, num_workers=workers, prefetch_factor=3,
+        data_dir=str(tmp_path),
+        num_classes=2,
+        img_size=16,
+        batch_size=2,
+        num_workers=workers,
+        prefetch_factor=3,
         train_transform={"random_erasing": 0.5},
     )
     dm.setup()

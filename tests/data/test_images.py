@@ -90,8 +90,10 @@ def test_jpegs_decode_to_the_same_pixels_as_pil(tmp_path, mode, orientation, mon
 
 @pytest.mark.parametrize("mode", ["RGBA", "P", "LA", "I;16"])
 def test_other_files_go_through_pil_and_come_out_as_uint8_tensors(tmp_path, mode):
-    img = Image.fromarray(np.array([[0, 257, 32896, 65535]], dtype=np.uint16)) if mode == "I;16" else (
-        Image.fromarray(RGB).convert(mode) if mode != "P" else Image.fromarray(RGB).quantize(256)
+    img = (
+        Image.fromarray(np.array([[0, 257, 32896, 65535]], dtype=np.uint16))
+        if mode == "I;16"
+        else (Image.fromarray(RGB).convert(mode) if mode != "P" else Image.fromarray(RGB).quantize(256))
     )
     path = _save(tmp_path, "x.png", img)
     out = read_image(path)

@@ -70,7 +70,10 @@ class BenchmarkConfig:
     steps: int = 1
     peak_matmul_size: int | None = None
     timm_optimizer: str = "timm"
-    train_overrides: tuple[str, ...] = ("logger=csv", "progress_bar=none")  # vitlab.train's, for overhead/pipeline/end2end
+    train_overrides: tuple[str, ...] = (
+        "logger=csv",
+        "progress_bar=none",
+    )  # vitlab.train's, for overhead/pipeline/end2end
     overhead: OverheadConfig = field(default_factory=OverheadConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     end2end: EndToEndConfig = field(default_factory=EndToEndConfig)

@@ -63,13 +63,20 @@ def bench_end2end(train_cfg: DictConfig, b: BenchmarkConfig, device: torch.devic
             f"precisions; trainer.precision is {train_cfg.trainer.precision!r}"
         )
     if int(train_cfg.trainer.get("devices", 1) or 1) != 1 or int(train_cfg.trainer.get("num_nodes", 1) or 1) != 1:
-        raise UserError("benchmark.task=end2end measures one device: set trainer.devices=1 in benchmark.train_overrides")
+        raise UserError(
+            "benchmark.task=end2end measures one device: set trainer.devices=1 in benchmark.train_overrides"
+        )
 
     # The bare step first, in a fresh process (after a fit, its loader workers and allocations linger).
     datamodule = run.build_datamodule(train_cfg.data)
     per_device = datamodule.per_device_batch_size
     bare = dataclasses.replace(
-        b, task="models", contenders=("vitlab",), modes=("train",), batch_size=per_device, precision=precision,
+        b,
+        task="models",
+        contenders=("vitlab",),
+        modes=("train",),
+        batch_size=per_device,
+        precision=precision,
         compile=bool(train_cfg.get("compile", False)),
     )
     model_cfg = vit_config(train_cfg.model)
@@ -105,8 +112,12 @@ def bench_end2end(train_cfg: DictConfig, b: BenchmarkConfig, device: torch.devic
         "precision": precision,
         "compile": bare.compile,
         "device": str(device),
-        "train": {"images_per_s": train_rate, "steps": e.steps, "warmup_steps": e.warmup_steps,
-                  "seconds": window.t1 - window.t0},
+        "train": {
+            "images_per_s": train_rate,
+            "steps": e.steps,
+            "warmup_steps": e.warmup_steps,
+            "seconds": window.t1 - window.t0,
+        },
         "bare_step": {"images_per_s": step["images_per_s"], "median_ms": step["median_ms"]},
         "ratios": {"train/bare_step": train_rate / step["images_per_s"]},
     }

@@ -24,7 +24,6 @@ from PIL import Image, ImageOps
 
 from vitlab.errors import MissingFileError, UserError
 
-
 JPEG_MAGIC = b"\xff\xd8\xff"
 
 

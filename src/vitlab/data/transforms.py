@@ -14,8 +14,8 @@ No Hydra, OmegaConf or Lightning here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -156,9 +156,7 @@ class DeviceTransform:
 ERASE_SCALE, ERASE_RATIO, ERASE_ATTEMPTS = (0.02, 0.33), (0.3, 3.3), 10  # torchvision's RandomErasing
 
 
-def erasing_boxes(
-    n: int, hw: Sequence[int], p: float, generator: torch.Generator | None = None
-) -> torch.Tensor:
+def erasing_boxes(n: int, hw: Sequence[int], p: float, generator: torch.Generator | None = None) -> torch.Tensor:
     """(n, 4) int64 boxes (top, left, height, width) as torchvision's RandomErasing draws them, one per
     image: erased with probability `p`; up to 10 tries for a box of 2-33% of the area and aspect ratio
     0.3-3.3 that fits; an image without one (or not chosen) gets height and width 0."""
