@@ -26,7 +26,7 @@ from torchvision.transforms import v2
 from vitlab.errors import NonFiniteLossError, UserError
 from vitlab.model import config_class, model_class
 from vitlab.optim import OptimConfig, make_optimizer, make_scheduler
-from vitlab.settings import check_at_least, check_range, from_mapping
+from vitlab.settings import check_at_least, check_range, compile_mode, from_mapping
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class ViTModule(L.LightningModule):
         optim: dict[str, Any] | None = None,
         label_smoothing: float = 0.0,
         mixup: dict[str, Any] | None = None,
-        compile: bool = False,
+        compile: bool | str = False,  # or a torch.compile mode (COMPILE_MODES)
         class_names: list[str] | None = None,
         data: dict[str, Any] | None = None,  # the data config that trained it, for vitlab.eval/predict
         freeze_backbone: bool = False,  # linear probe: train the head (and fc_norm) only
@@ -87,7 +87,7 @@ class ViTModule(L.LightningModule):
         self.label_smoothing = label_smoothing
         self.mixup_cfg = MixupConfig.from_dict(mixup)
         self.mixup = self.mixup_cfg.build(self.model.cfg.num_classes)
-        self.compile_model = compile
+        self.compile_mode = compile_mode(compile)
 
         k = self.model.cfg.num_classes
         if k < 2:
@@ -111,8 +111,8 @@ class ViTModule(L.LightningModule):
         return self.model(x)
 
     def setup(self, stage: str) -> None:
-        if self.compile_model and stage == "fit":
-            self.model.compile()  # in place: state-dict keys stay the same
+        if self.compile_mode and stage == "fit":
+            self.model.compile(mode=self.compile_mode)  # in place: state-dict keys stay the same
         self.train_flops_per_image = (
             3 * self.model.cfg.flops_per_image()
         )  # forward + backward ~ 3x forward (callbacks.Throughput)

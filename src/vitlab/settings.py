@@ -51,3 +51,19 @@ def check_at_least(key: str, value: Any, low: float = 0, *, optional: bool = Fal
 def to_dict(obj: Any) -> dict[str, Any]:
     """A config dataclass as plain data (tuples as lists), for checkpoints and YAML."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(obj).items()}
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compile_mode(value: bool | str | None) -> str | None:
+    """The torch.compile mode of a `compile` setting: false/null = none, true = "default", or a mode name.
+    `reduce-overhead` captures CUDA graphs: one launch per compiled region instead of one per kernel, for
+    small models whose GPU step is launch-bound (the digits default)."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "default"
+    if value not in COMPILE_MODES:
+        raise UserError(f"compile {value!r} is not one of false, true, {', '.join(COMPILE_MODES)}")
+    return value

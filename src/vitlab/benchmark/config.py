@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from vitlab.errors import UserError
-from vitlab.settings import from_mapping
+from vitlab.settings import compile_mode, from_mapping
 
 TASKS = ("models", "overhead", "pipeline", "end2end")
 CONTENDERS = ("vitlab", "timm", "vitlab_ckpt", "timm_ckpt")
@@ -63,7 +63,7 @@ class BenchmarkConfig:
     modes: tuple[str, ...] = ("train", "infer")
     batch_size: int = 64
     precision: str = "fp32"
-    compile: bool = False
+    compile: bool | str = False  # or a torch.compile mode, as vitlab.train's compile
     device: str = "auto"
     warmup: int = 3
     repeats: int = 10
@@ -90,6 +90,7 @@ class BenchmarkConfig:
         for key in ("batch_size", "repeats", "steps"):
             _count(key, getattr(self, key), 1)
         _count("warmup", self.warmup, 0)
+        compile_mode(self.compile)  # a bool or a mode name
         if self.peak_matmul_size is not None:
             _count("peak_matmul_size", self.peak_matmul_size, 1)
         object.__setattr__(self, "train_overrides", tuple(self.train_overrides))

@@ -77,7 +77,7 @@ def bench_end2end(train_cfg: DictConfig, b: BenchmarkConfig, device: torch.devic
         modes=("train",),
         batch_size=per_device,
         precision=precision,
-        compile=bool(train_cfg.get("compile", False)),
+        compile=train_cfg.get("compile", False),
     )
     model_cfg = vit_config(train_cfg.model)
     optim = OptimConfig.from_dict(OmegaConf.to_container(train_cfg.optim, resolve=True))

@@ -22,6 +22,7 @@ from vitlab.benchmark.measure import MB, peak_matmul_flops, step_peak_bytes, sum
 from vitlab.convert.timm import create_timm_model, vitlab_to_timm
 from vitlab.model import ViT, ViTConfig
 from vitlab.optim import OptimConfig, make_optimizer
+from vitlab.settings import compile_mode
 
 
 class Contender:
@@ -82,8 +83,8 @@ def build_contenders(cfg: ViTConfig, b: BenchmarkConfig, optim: OptimConfig, dev
             model = model.to(device)
             optimizer = timm_optimizer(model, optim, b.timm_optimizer)
         model.set_grad_checkpointing(name.endswith("_ckpt"))
-        if b.compile:
-            model.compile()  # in place, as vitlab.train compile=true does
+        if compile_mode(b.compile):
+            model.compile(mode=compile_mode(b.compile))  # in place, as vitlab.train's compile does
         out.append(Contender(name, model, optimizer, autocast))
     return out
 

@@ -81,8 +81,8 @@ def run_plain(train_cfg: DictConfig, epochs: int) -> LoopTimes:
     module = run.build_module(train_cfg, datamodule)
     module.to(device)
     model = module.model
-    if train_cfg.compile:
-        model.compile()  # as ViTModule.setup does for fit
+    if module.compile_mode:
+        model.compile(mode=module.compile_mode)  # as ViTModule.setup does for fit
     datamodule.setup("fit")
     for ds in (datamodule.train_set, datamodule.val_set):
         if isinstance(ds, TensorImages):  # where vitlab.train keeps them too (DigitsDataModule.setup)

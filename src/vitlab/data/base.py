@@ -163,6 +163,14 @@ class ImageDataModule(L.LightningDataModule):
     def test_dataloader(self) -> StatefulDataLoader:
         return self._loader(self.test_set, train=False)
 
+    def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
+        """(images, labels) straight to the device, without Lightning's generic walk over the batch (a
+        tenth of a millisecond per step, as much as a small model's data path); pinned uint8 batches are
+        copied without blocking, so the next step queues while the copy runs."""
+        if isinstance(batch, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in batch):
+            return type(batch)(t.to(device, non_blocking=device.type == "cuda") for t in batch)
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         return self.device_transform(batch, train=self.trainer is not None and self.trainer.training)
 
