@@ -131,9 +131,11 @@ def test_predict_sees_the_image_training_and_eval_see(folder_run, tmp_path, kind
     dm.data_dir = str(tree)
     dm.setup("test")
     (index,) = [i for i, (path, _) in enumerate(dm.test_set.base.samples) if path.endswith(photo.name)]
-    x_eval = dm.test_set[index][0]
+    x_eval, _ = dm.device_transform(
+        (dm.test_set[index][0][None], None), train=False
+    )  # the loader's uint8, then the device's half
     with torch.no_grad():
-        expected = module(x_eval[None]).softmax(-1)[0]
+        expected = module(x_eval).softmax(-1)[0]
 
     r = run_cli("predict", f"ckpt_path={ckpt}", f"images=[{photo}]", "top_k=2", f"hydra.run.dir={tmp_path / 'p'}")
     assert r.returncode == 0, r.stderr[-3000:]

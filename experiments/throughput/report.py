@@ -46,6 +46,48 @@ def overhead_table(rep: dict) -> None:
     print(f"\nLightning / plain: {ratio['step_time']:.3f} per step, {ratio['epoch_time']:.3f} per epoch")
 
 
+def pipeline_table(reports: list[dict]) -> None:
+    print("| run | loader | images/s (median) | per round | / ceiling |")
+    print("|---|---|---|---|---|")
+    for rep in reports:
+        for name, r in rep["results"].items():
+            ratio = rep["ratios"].get(f"{name}/ceiling")
+            rounds = ", ".join(f"{x:.0f}" for x in r["images_per_s_rounds"])
+            shown = f"{ratio:.3f}" if ratio else ""
+            print(f"| {rep['run']} | {name} | {r['images_per_s']:.1f} | {rounds} | {shown} |")
+
+
+def end2end_table(reports: list[dict]) -> None:
+    print("| run | device | batch | precision | vitlab.train img/s | bare step img/s | train / bare step |")
+    print("|---|---|---|---|---|---|---|")
+    for rep in reports:
+        print(
+            f"| {rep['run']} | {rep['device']} | {rep['batch_size']} | {rep['precision']} | "
+            f"{rep['train']['images_per_s']:.1f} | {rep['bare_step']['images_per_s']:.1f} | "
+            f"{rep['ratios']['train/bare_step']:.3f} |"
+        )
+
+
+def pipeline_plot(reports: list[dict], out: Path) -> None:
+    """Images/s of each loader per pipeline run, with the per-round range."""
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    names = ["ceiling", "vitlab", "float32_workers"]
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        rows = [rep["results"][name] for rep in reports]
+        values = [r["images_per_s"] for r in rows]
+        low = [v - min(r["images_per_s_rounds"]) for v, r in zip(values, rows, strict=True)]
+        high = [max(r["images_per_s_rounds"]) - v for v, r in zip(values, rows, strict=True)]
+        xs = [i + (k - 1) * width for i in range(len(reports))]
+        ax.bar(xs, values, width, yerr=[low, high], capsize=3, label=name)
+    ax.set(xticks=list(range(len(reports))), ylabel="images/s", title="train loader, 2-core CPU (median; bar: range)")
+    ax.set_xticklabels([rep["run"] for rep in reports], fontsize=8)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+
+
 def plot(reports: list[dict], out: Path) -> None:
     """vitlab/timm throughput per model and mode, with the per-round range as an error bar."""
     bars = []
@@ -70,7 +112,7 @@ def plot(reports: list[dict], out: Path) -> None:
 
 
 def main(root: Path) -> None:
-    reports = [json.loads(p.read_text()) for p in sorted(root.glob("*/benchmark.json"))]
+    reports = [{**json.loads(p.read_text()), "run": p.parent.name} for p in sorted(root.glob("*/benchmark.json"))]
     models = [r for r in reports if r["task"] == "models"]
     order = {"vit_digits": 0, "vit_ti16": 1, "vit_s16": 2, "vit_b16": 3}
     models.sort(key=lambda r: order.get(r["model"], 9))
@@ -85,8 +127,18 @@ def main(root: Path) -> None:
         if rep["task"] == "overhead":
             print()
             overhead_table(rep)
-    plot([r for r in models if "timm" in next(iter(r["results"].values()))], Path(__file__).with_name("ratios.png"))
-    print(f"\nwrote {Path(__file__).with_name('ratios.png')}")
+    pipelines = [r for r in reports if r["task"] == "pipeline"]
+    if pipelines:
+        print()
+        pipeline_table(pipelines)
+        pipeline_plot(pipelines, Path(__file__).with_name("pipeline.png"))
+    ends = [r for r in reports if r["task"] == "end2end"]
+    if ends:
+        print()
+        end2end_table(ends)
+    if models:
+        plot([r for r in models if "timm" in next(iter(r["results"].values()))], Path(__file__).with_name("ratios.png"))
+        print(f"\nwrote {Path(__file__).with_name('ratios.png')}")
 
 
 if __name__ == "__main__":
