@@ -9,7 +9,8 @@ from vitlab.settings import compile_mode
 
 
 def test_compile_accepts_a_bool_or_a_torch_compile_mode():
-    assert [compile_mode(v) for v in (False, None, True, "reduce-overhead")] == [None, None, "default", "reduce-overhead"]
+    modes = [compile_mode(v) for v in (False, None, True, "reduce-overhead")]
+    assert modes == [None, None, "default", "reduce-overhead"]
     with pytest.raises(UserError, match="compile 'fast' is not one of false, true, default, reduce-overhead"):
         ViTModule(model=tiny().to_dict(), compile="fast")
     assert ViTModule(model=tiny().to_dict(), compile="max-autotune").compile_mode == "max-autotune"
