@@ -44,6 +44,14 @@ def run_cli(
     )
 
 
+def extra_callback(name: str, target: str, **params) -> list[str]:
+    """Overrides that add callbacks.<name>: the class `target` of this module, built with `params`."""
+    return [
+        f"+callbacks.{name}._target_=tests.helpers.{target}",
+        *(f"+callbacks.{name}.{k}={v}" for k, v in params.items()),
+    ]
+
+
 class SignalAtStep(L.Callback):
     """Send a real signal to this process after optimizer step `step` (mid-epoch when chosen so)."""
 

@@ -1,19 +1,17 @@
 """On a CUDA GPU (skipped elsewhere): a bf16-mixed training step, vitlab.train's steps without a host
-sync, exact resume and the non-finite-loss stop, as trainer=gpu runs them."""
+sync, and exact resume, as trainer=gpu runs them (the non-finite-loss stop on a GPU: test_reliability)."""
 
 import json
 
 import pytest
 import torch
 
-from tests.helpers import ForbidSync, run_cli, tiny
-from tests.test_reliability import RUN
+from tests.helpers import ForbidSync, extra_callback, run_cli, tiny
+from tests.test_reliability import GPU_RUN
 from vitlab.lit_module import ViTModule
 from vitlab.optim import OptimConfig, make_optimizer
 
 pytestmark = pytest.mark.gpu
-
-GPU_RUN = [o for o in RUN if not o.startswith("trainer.accelerator")] + ["trainer=gpu"]
 
 
 def test_bf16_autocast_training_step_lowers_the_loss():
@@ -64,7 +62,7 @@ def test_training_steps_never_wait_for_the_gpu(compose_cfg, data):
             "progress_bar=none",
             "logger=csv",
             *data,
-            "+callbacks.zz_no_sync._target_=tests.helpers.ForbidSync",
+            *extra_callback("zz_no_sync", "ForbidSync"),
         ],
     )  # last: see ForbidSync
     try:
@@ -80,8 +78,7 @@ def test_resume_on_the_gpu_is_exact(tmp_path):
     r = run_cli(
         "train",
         *GPU_RUN,
-        "+callbacks.kill._target_=tests.helpers.SignalAtStep",
-        "+callbacks.kill.step=13",
+        *extra_callback("kill", "SignalAtStep", step=13),
         f"hydra.run.dir={killed}",
     )
     assert r.returncode == 143, r.stderr[-3000:]
@@ -96,22 +93,3 @@ def test_resume_on_the_gpu_is_exact(tmp_path):
     m_a, m_b = (json.loads((d / "metrics.json").read_text()) for d in (full, resumed))
     for key in ("val/acc", "val/loss", "test/acc", "test/loss"):
         assert m_b[key] == pytest.approx(m_a[key], abs=1e-6), key
-
-
-def test_a_non_finite_loss_on_the_gpu_stops_at_the_next_log_step_and_is_never_saved(tmp_path):
-    run = tmp_path / "r"
-    r = run_cli(
-        "train",
-        *GPU_RUN,
-        "+callbacks.nan._target_=tests.helpers.NanAtStep",
-        "+callbacks.nan.step=12",
-        f"hydra.run.dir={run}",
-    )
-    last = run / "checkpoints" / "last.ckpt"
-    assert r.returncode == 2, r.stderr[-3000:]
-    assert r.stderr.strip().splitlines()[-1] == (  # log_every_n_steps=5: read at step 14
-        f"error: training loss became nan at step 12 (epoch 1); the weights from then on (step 14) were not saved; "
-        f"the last good checkpoint is {last}"
-    )
-    ckpt = torch.load(last, weights_only=True, map_location="cpu")
-    assert ckpt["global_step"] == 9 and all(torch.isfinite(v).all() for v in ckpt["state_dict"].values())

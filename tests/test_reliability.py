@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from tests.helpers import earlier_run, image_tree, run_cli
+from tests.helpers import earlier_run, extra_callback, image_tree, run_cli
 
 # Command-line runs, for CI; the pieces have fast unit tests (test_callbacks, test_atomic).
 pytestmark = pytest.mark.slow
@@ -46,9 +46,7 @@ def test_interrupt_mid_epoch_then_resume_is_exact(uninterrupted, tmp_path, signu
     r = run_cli(
         "train",
         *RUN,
-        "+callbacks.kill._target_=tests.helpers.SignalAtStep",
-        f"+callbacks.kill.step={step}",
-        f"+callbacks.kill.signum={signum}",
+        *extra_callback("kill", "SignalAtStep", step=step, signum=signum),
         f"hydra.run.dir={killed}",
     )
     saved = killed / "checkpoints" / "interrupted.ckpt"
@@ -94,9 +92,7 @@ def test_ctrl_c_saves_and_exits_non_zero(tmp_path):
     r = run_cli(
         "train",
         *RUN,
-        "+callbacks.kill._target_=tests.helpers.SignalAtStep",
-        "+callbacks.kill.step=4",
-        "+callbacks.kill.signum=SIGINT",
+        *extra_callback("kill", "SignalAtStep", step=4, signum="SIGINT"),
         f"hydra.run.dir={tmp_path / 'r'}",
     )
     assert r.returncode == 1
@@ -104,22 +100,27 @@ def test_ctrl_c_saves_and_exits_non_zero(tmp_path):
     assert (tmp_path / "r" / "checkpoints" / "interrupted.ckpt").is_file()
 
 
-def test_non_finite_loss_stops_naming_step_and_intact_checkpoint(tmp_path):
+# On the CPU the loss is read every step: the run stops before the update. On a GPU it is read at log steps
+# (every 5 here): the bad step is named, and the weights after it are never saved.
+GPU_RUN = [o for o in RUN if not o.startswith("trainer.accelerator")] + ["trainer=gpu"]
+STOPPED = {"cpu": "stopped before the update", "gpu": "the weights from then on (step 14) were not saved"}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_non_finite_loss_stops_naming_step_and_intact_checkpoint(tmp_path, device):
     run = tmp_path / "r"
     r = run_cli(
         "train",
-        *RUN,
-        "+callbacks.nan._target_=tests.helpers.NanAtStep",
-        "+callbacks.nan.step=12",
+        *(RUN if device == "cpu" else GPU_RUN),
+        *extra_callback("nan", "NanAtStep", step=12),
         f"hydra.run.dir={run}",
     )
     last = run / "checkpoints" / "last.ckpt"
-    assert r.returncode == 2
+    assert r.returncode == 2, r.stderr[-3000:]
     assert r.stderr.strip().splitlines()[-1] == (
-        f"error: training loss became nan at step 12 (epoch 1); stopped before the update; "
-        f"the last good checkpoint is {last}"
+        f"error: training loss became nan at step 12 (epoch 1); {STOPPED[device]}; the last good checkpoint is {last}"
     )
-    ckpt = torch.load(last, weights_only=True)
+    ckpt = torch.load(last, weights_only=True, map_location="cpu")
     weights = {k: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     assert ckpt["global_step"] == 9 and len(weights) == 56 and all(torch.isfinite(v).all() for v in weights.values())
     assert not (run / "checkpoints" / "interrupted.ckpt").exists()

@@ -10,7 +10,7 @@ import yaml
 from PIL import Image
 from sklearn.datasets import load_digits
 
-from tests.helpers import run_cli
+from tests.helpers import extra_callback, run_cli
 from vitlab.lit_module import ViTModule
 from vitlab.train import train
 
@@ -322,7 +322,7 @@ def test_compile_option_trains_a_compiled_model(tmp_path):
         "train",
         "compile=true",
         *SHORT,
-        "+callbacks.compiled._target_=tests.helpers.AssertCompiled",
+        *extra_callback("compiled", "AssertCompiled"),
         f"hydra.run.dir={tmp_path / 'r'}",
     )
     assert r.returncode == 0, r.stderr[-3000:]
