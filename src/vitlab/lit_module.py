@@ -190,7 +190,8 @@ class ViTModule(L.LightningModule):
     def _non_finite_message(self, value: float, step: int, stopped: str) -> str:
         saved = [Path(p) for cb in self.trainer.checkpoint_callbacks for p in (cb.last_model_path, cb.best_model_path)]
         saved = [p for p in saved if str(p) not in ("", ".") and p.is_file()]
-        last = max(saved, key=lambda p: p.stat().st_mtime) if saved else None
+        # the newest; of one file under two names (last.ckpt linked to the best), the one saved later
+        last = max(reversed(saved), key=lambda p: p.stat().st_mtime_ns) if saved else None
         where = f"the last good checkpoint is {last}" if last else "no checkpoint was saved yet"
         return f"training loss became {value} at step {step} (epoch {self.current_epoch}); {stopped}; {where}"
 
