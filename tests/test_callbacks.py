@@ -107,3 +107,30 @@ def test_last_checkpoint_links_the_best_when_both_fall_due_and_is_written_otherw
     trainer.fit(_Scored([0.3]), data, data)
     files = {p.name: p.stat().st_ino for p in (tmp_path / "b").iterdir()}
     assert saves == [2] and len(files) == 2 and len(set(files.values())) == 1  # a hard link, not a copy
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_throughput_is_read_once_per_logging_interval(tmp_path, accumulate):
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from vitlab.callbacks import Throughput
+
+    data = DataLoader(TensorDataset(torch.randn(24, 2), torch.zeros(24)), batch_size=2)  # 12 batches an epoch
+    module = _Scored([0.1, 0.2])
+    module.train_flops_per_image = 10.0
+    trainer = L.Trainer(
+        max_epochs=2, callbacks=[Throughput()], logger=CSVLogger(tmp_path), log_every_n_steps=2,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, accelerator="cpu",
+        accumulate_grad_batches=accumulate, limit_val_batches=1,
+    )  # fmt: skip
+    trainer.fit(module, data, data)
+    rows = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    logged = [dict(zip(header, r.split(","), strict=True)) for r in rows[1:]]
+    logged = [r for r in logged if r["train/device/samples_per_sec"]]
+    # every 2nd optimizer step (24 / accumulate of them), once, also when batches accumulate
+    assert [int(r["step"]) for r in logged] == list(range(1, 24 // accumulate, 2))
+    for r in logged:
+        rate = float(r["train/device/samples_per_sec"])
+        assert rate > 0 and float(r["train/device/flops_per_sec"]) == pytest.approx(10.0 * rate, rel=1e-6)

@@ -167,6 +167,7 @@ class Throughput(L.Callback):
         self._images = 0
         self._paused = 0.0
         self._val_start: float | None = None
+        self._read_at = -1
 
     def _now(self, module: L.LightningModule) -> float:
         if module.device.type == "cuda":
@@ -179,8 +180,10 @@ class Throughput(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         self._images += len(batch[1])  # a shape, known on the host
-        if trainer.global_step % trainer.log_every_n_steps or self._start is None:
+        step = trainer.global_step  # optimizer steps: the same for every micro-batch of an accumulation
+        if step % trainer.log_every_n_steps or step == self._read_at or self._start is None:
             return
+        self._read_at = step
         now = self._now(pl_module)
         seconds = now - self._start - self._paused
         if seconds > 0:
