@@ -177,6 +177,7 @@ class Throughput(L.Callback):
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._start is None:
             self._start, self._images, self._paused = self._now(pl_module), 0, 0.0
+            self._read_at = trainer.global_step
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         self._images += len(batch[1])  # a shape, known on the host
