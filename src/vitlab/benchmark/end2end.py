@@ -52,10 +52,8 @@ class Window(L.Callback):
                 trainer.should_stop = True
 
 
-def bench_end2end(train_cfg: DictConfig, b: BenchmarkConfig, device: torch.device) -> dict[str, Any]:
-    from vitlab.benchmark.models import bench_models
-
-    e = b.end2end
+def trainer_precision(train_cfg: DictConfig) -> str:
+    """The task=models precision of vitlab.train's trainer config (one device only)."""
     precision = PRECISION_OF_TRAINER.get(str(train_cfg.trainer.get("precision", "32-true")))
     if precision is None:
         raise UserError(
@@ -66,31 +64,18 @@ def bench_end2end(train_cfg: DictConfig, b: BenchmarkConfig, device: torch.devic
         raise UserError(
             "benchmark.task=end2end measures one device: set trainer.devices=1 in benchmark.train_overrides"
         )
+    return precision
 
-    # The bare step first, in a fresh process (after a fit, its loader workers and allocations linger).
-    datamodule = run.build_datamodule(train_cfg.data)
-    per_device = datamodule.per_device_batch_size
-    bare = dataclasses.replace(
-        b,
-        task="models",
-        contenders=("vitlab",),
-        modes=("train",),
-        batch_size=per_device,
-        precision=precision,
-        compile=train_cfg.get("compile", False),
-    )
-    model_cfg = vit_config(train_cfg.model)
-    optim = OptimConfig.from_dict(OmegaConf.to_container(train_cfg.optim, resolve=True))
-    step = bench_models(model_cfg, bare, optim, device)["results"]["train"]["vitlab"]
 
+def train_window(train_cfg: DictConfig, datamodule, e) -> Window:
+    """vitlab.train's fit (its callbacks, logger, data) for warmup_steps + steps, timed over the last steps."""
     L.seed_everything(train_cfg.seed, workers=True, verbose=False)
     module = run.build_module(train_cfg, datamodule)
     window = Window(e.warmup_steps, e.steps)
     bars, show_bar = run.progress_bar(train_cfg.progress_bar)
-    callbacks = run.instantiate_group(train_cfg.get("callbacks")) + bars + [window]
     trainer = run.build_trainer(
         train_cfg.trainer,
-        callbacks=callbacks,
+        callbacks=run.instantiate_group(train_cfg.get("callbacks")) + bars + [window],
         logger=run.instantiate_group(train_cfg.get("logger")) or False,
         enable_progress_bar=show_bar,
         max_epochs=1,
@@ -104,22 +89,35 @@ def bench_end2end(train_cfg: DictConfig, b: BenchmarkConfig, device: torch.devic
             f"the training set gave {trainer.global_step} steps, fewer than benchmark.end2end.warmup_steps + steps "
             f"({e.warmup_steps + e.steps}): lower them or use more images"
         )
-    train_rate = window.images / (window.t1 - window.t0)
+    return window
 
+
+def bench_end2end(train_cfg: DictConfig, b: BenchmarkConfig, device: torch.device) -> dict[str, Any]:
+    from vitlab.benchmark.models import bench_models
+
+    precision = trainer_precision(train_cfg)
+    datamodule = run.build_datamodule(train_cfg.data)
+    per_device = datamodule.per_device_batch_size
+    # The bare step first, in a fresh process (after a fit, its loader workers and allocations linger).
+    bare = dataclasses.replace(
+        b, task="models", contenders=("vitlab",), modes=("train",), batch_size=per_device, precision=precision,
+        compile=train_cfg.get("compile", False),
+    )  # fmt: skip
+    model_cfg = vit_config(train_cfg.model)
+    optim = OptimConfig.from_dict(OmegaConf.to_container(train_cfg.optim, resolve=True))
+    step = bench_models(model_cfg, bare, optim, device)["results"]["train"]["vitlab"]
+    window = train_window(train_cfg, datamodule, b.end2end)
+    seconds = window.t1 - window.t0
+    train = {"images_per_s": window.images / seconds, "steps": window.steps, "warmup_steps": window.start}
     return {
         "model": model_cfg.to_dict(),
         "batch_size": per_device,
         "precision": precision,
         "compile": bare.compile,
         "device": str(device),
-        "train": {
-            "images_per_s": train_rate,
-            "steps": e.steps,
-            "warmup_steps": e.warmup_steps,
-            "seconds": window.t1 - window.t0,
-        },
+        "train": {**train, "seconds": seconds},
         "bare_step": {"images_per_s": step["images_per_s"], "median_ms": step["median_ms"]},
-        "ratios": {"train/bare_step": train_rate / step["images_per_s"]},
+        "ratios": {"train/bare_step": train["images_per_s"] / step["images_per_s"]},
     }
 
 
