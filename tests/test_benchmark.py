@@ -221,31 +221,24 @@ def test_pipeline_times_the_train_loader_against_the_old_one_and_a_decode_and_cr
 def test_end2end_divides_vitlab_trains_steady_state_by_the_bare_step(tmp_path: Path):
     run_dir = tmp_path / "run"
     r = run_cli(
-        "benchmark",
-        "benchmark.task=end2end",
-        "benchmark.end2end.warmup_steps=2",
-        "benchmark.end2end.steps=3",
-        "benchmark.repeats=2",
-        "benchmark.warmup=1",
+        "benchmark", "benchmark.task=end2end", "benchmark.end2end.warmup_steps=2", "benchmark.end2end.steps=10",
+        "benchmark.repeats=2", "benchmark.warmup=1",
         'benchmark.train_overrides=["data=fake","data.num_train=64","data.batch_size=8","data.num_workers=0",'
         '"model.img_size=16","model.patch_size=8","model.embed_dim=16","model.depth=1","model.num_heads=2",'
         '"logger=csv","progress_bar=none"]',
         f"hydra.run.dir={run_dir}",
-    )
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads((run_dir / "benchmark.json").read_text())
     assert report["batch_size"] == 8 and report["precision"] == "fp32" and report["compile"] is False
-    assert report["model"]["embed_dim"] == 16 and report["train"]["steps"] == 3
+    assert report["model"]["embed_dim"] == 16 and report["train"]["steps"] == 10
     train, bare = report["train"]["images_per_s"], report["bare_step"]["images_per_s"]
-    assert train == pytest.approx(3 * 8 / report["train"]["seconds"])
+    assert train == pytest.approx(10 * 8 / report["train"]["seconds"])  # 8 steps an epoch: the window spans two
+    assert report["train"]["epoch_ends_left_out_s"] > 0  # the epoch end between them (validation, checkpoints)
     assert bare == pytest.approx(8 / (report["bare_step"]["median_ms"] / 1e3))
     assert report["ratios"]["train/bare_step"] == pytest.approx(train / bare)
-    too_few = run_cli(
-        "benchmark",
-        "benchmark.task=end2end",
-        "benchmark.end2end.steps=500",
-        "benchmark.repeats=1",
-        'benchmark.train_overrides=["model.depth=1"]',
+    two = run_cli(
+        "benchmark", "benchmark.task=end2end", 'benchmark.train_overrides=["trainer=ddp_cpu","trainer.devices=2"]',
         f"hydra.run.dir={tmp_path / 'r2'}",
-    )
-    assert too_few.returncode == 2 and "fewer than benchmark.end2end.warmup_steps + steps (510)" in too_few.stderr
+    )  # fmt: skip
+    assert two.returncode == 2 and "measures one device: set trainer.devices=1" in two.stderr

@@ -2,9 +2,11 @@
 model, per-device batch, precision and compile setting, in one process:
 
 - `train`: vitlab.train's own fit (its config, data, callbacks, logger) on the chosen data, timed over a
-  window of steady-state training steps. The device is synchronised only at the window's two ends, so
-  the timer adds no wait of its own; steps before the window (start-up, compilation, the first
-  batches) are untimed.
+  window of steady-state training steps. The device is synchronised only at the window's two ends (and
+  at epoch boundaries inside it), so the timer adds no wait of its own to a step; steps before the
+  window (start-up, compilation, the first batches) are untimed. A window may span epochs: the time
+  between one training epoch's end and the next one's start (validation, checkpoints) is left out, the
+  next epoch's first batches (the loader restarting) are counted.
 - `bare_step`: `task=models`' training step of the same model on one synthetic batch already on the
   device (forward, backward, AdamW).
 
@@ -32,16 +34,20 @@ PRECISION_OF_TRAINER = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16"}
 
 
 class Window(L.Callback):
-    """Synchronise and read the clock after step `start` and after step `start + steps`, then stop."""
+    """Synchronise and read the clock after step `start` and after step `start + steps`, then stop;
+    epoch ends inside the window (validation, checkpoints) are left out."""
 
     def __init__(self, start: int, steps: int):
         self.start, self.steps = start, steps
-        self.t0 = self.t1 = None
-        self.images = 0
+        self.t0 = self.t1 = self._paused_at = None
+        self.images, self.paused = 0, 0.0
+
+    def _active(self, trainer) -> bool:
+        return self.t0 is not None and self.t1 is None
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if step == self.start:
+        if step == self.start and self.t0 is None:
             sync(module.device)
             self.t0 = time.perf_counter()
         elif self.start < step <= self.start + self.steps:
@@ -50,6 +56,20 @@ class Window(L.Callback):
                 sync(module.device)
                 self.t1 = time.perf_counter()
                 trainer.should_stop = True
+
+    def on_train_epoch_end(self, trainer, module) -> None:
+        if self._active(trainer):
+            sync(module.device)
+            self._paused_at = time.perf_counter()
+
+    def on_train_epoch_start(self, trainer, module) -> None:
+        if self._active(trainer) and self._paused_at is not None:
+            self.paused += time.perf_counter() - self._paused_at
+            self._paused_at = None
+
+    @property
+    def seconds(self) -> float:
+        return self.t1 - self.t0 - self.paused
 
 
 def trainer_precision(train_cfg: DictConfig) -> str:
@@ -78,17 +98,14 @@ def train_window(train_cfg: DictConfig, datamodule, e) -> Window:
         callbacks=run.instantiate_group(train_cfg.get("callbacks")) + bars + [window],
         logger=run.instantiate_group(train_cfg.get("logger")) or False,
         enable_progress_bar=show_bar,
-        max_epochs=1,
-        limit_train_batches=e.warmup_steps + e.steps,
+        max_epochs=-1,
+        max_steps=e.warmup_steps + e.steps,
         limit_val_batches=1,
         num_sanity_val_steps=0,
     )
     trainer.fit(module, datamodule=datamodule, weights_only=True)
-    if window.t1 is None:
-        raise UserError(
-            f"the training set gave {trainer.global_step} steps, fewer than benchmark.end2end.warmup_steps + steps "
-            f"({e.warmup_steps + e.steps}): lower them or use more images"
-        )
+    if window.t1 is None:  # training stopped early (an interrupt), or Lightning counted steps unlike the window
+        raise RuntimeError(f"training stopped after {trainer.global_step} of {e.warmup_steps + e.steps} steps")
     return window
 
 
@@ -107,7 +124,7 @@ def bench_end2end(train_cfg: DictConfig, b: BenchmarkConfig, device: torch.devic
     optim = OptimConfig.from_dict(OmegaConf.to_container(train_cfg.optim, resolve=True))
     step = bench_models(model_cfg, bare, optim, device)["results"]["train"]["vitlab"]
     window = train_window(train_cfg, datamodule, b.end2end)
-    seconds = window.t1 - window.t0
+    seconds = window.seconds
     train = {"images_per_s": window.images / seconds, "steps": window.steps, "warmup_steps": window.start}
     return {
         "model": model_cfg.to_dict(),
@@ -115,7 +132,7 @@ def bench_end2end(train_cfg: DictConfig, b: BenchmarkConfig, device: torch.devic
         "precision": precision,
         "compile": bare.compile,
         "device": str(device),
-        "train": {**train, "seconds": seconds},
+        "train": {**train, "seconds": seconds, "epoch_ends_left_out_s": window.paused},
         "bare_step": {"images_per_s": step["images_per_s"], "median_ms": step["median_ms"]},
         "ratios": {"train/bare_step": train["images_per_s"] / step["images_per_s"]},
     }
