@@ -196,6 +196,8 @@ class Throughput(L.Callback):
             flops = getattr(pl_module, "train_flops_per_image", None)
             if flops:
                 values["train/device/flops_per_sec"] = flops * per_device
+            # host tensors: a Python number would be copied to the module's device by Lightning
+            values = {k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()}
             pl_module.log_dict(values, on_step=True, on_epoch=False)
         self._start, self._images, self._paused = now, 0, 0.0
 

@@ -155,7 +155,9 @@ class ViTModule(L.LightningModule):
         self._check_finite(loss, now=log_step)
         self._update("train", loss, logits, y)  # accuracy against the unmixed labels
         if log_step:
-            self.log("train/loss_step", loss.detach(), prog_bar=True)
+            # Read here, on a step that logs (and waits) anyway: a device tensor in the progress bar would be
+            # read again, and waited for, after every later step.
+            self.log("train/loss_step", loss.detach().float().cpu(), prog_bar=True)
         return loss
 
     # A non-finite loss stops the run, and no checkpoint ever holds the weights it produced. On the CPU the

@@ -33,7 +33,8 @@ class TensorImages(Dataset):
         return self.images[i], self.labels[i]
 
     def __getitems__(self, indices: list[int]):
-        idx = torch.as_tensor(indices, device=self.labels.device)
+        # made on the host and copied without blocking (a list turned into a GPU tensor waits for the GPU)
+        idx = torch.as_tensor(indices).to(self.labels.device, non_blocking=True)
         return self.images[idx], self.labels[idx]
 
 
