@@ -54,3 +54,27 @@ def test_hf_errors():
         hf_to_vitlab({**sd, "vit.pooler.dense.weight": torch.zeros(32, 32)}, cfg)
     with pytest.raises(ValueError, match="hidden_act 'relu' is not supported"):
         vit_config_from_hf({"hidden_act": "relu"})
+
+
+@pytest.mark.parametrize("pooler", [True, False])
+def test_a_bare_vitmodel_state_dict_loads_as_the_backbone(pooler, caplog):
+    hf = _hf_model()
+    backbone = transformers.ViTModel(hf.config, add_pooling_layer=pooler).eval()
+    backbone.load_state_dict({k.removeprefix("vit."): v for k, v in hf.state_dict().items() if k.startswith("vit.")},
+                             strict=False)  # fmt: skip
+    sd = backbone.state_dict()
+    assert not any(k.startswith("vit.") for k in sd) and any(k.startswith("pooler.") for k in sd) == pooler
+    cfg = vit_config_from_hf(hf.config, num_classes=0)
+    ours = ViT(cfg).eval()
+    with caplog.at_level("INFO", logger="vitlab.convert.hf"):
+        ours.load_state_dict(hf_to_vitlab(sd, cfg))
+    assert ("left out its pooler" in caplog.text) == pooler
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():  # features: the final norm's class token (HF's last_hidden_state[:, 0])
+        torch.testing.assert_close(ours(x), backbone(pixel_values=x).last_hidden_state[:, 0], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="no classifier, and the config asks for 7 classes"):
+        hf_to_vitlab(sd, vit_config_from_hf(hf.config))
+    classifier = ViT(vit_config_from_hf(hf.config))
+    fresh = classifier.head.weight.clone()
+    missing = classifier.load_state_dict(hf_to_vitlab(sd, classifier.cfg, reset_head=True), strict=False).missing_keys
+    assert missing == ["head.weight", "head.bias"] and torch.equal(classifier.head.weight, fresh)

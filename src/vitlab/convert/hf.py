@@ -1,14 +1,20 @@
-"""Hugging Face transformers' ViTForImageClassification -> vitlab.
+"""Hugging Face transformers' ViTForImageClassification and ViTModel -> vitlab.
 
 HF keeps query, key and value as three Linear layers; vitlab (like timm) fuses them into one qkv
 whose rows are q; k; v. HF's LayerNorm eps is 1e-12 (timm's 1e-6), carried over through the config.
 Checkpoints on the Hub use transformers-4 names (`vit.encoder.layer.3.attention.attention.query`);
 transformers 5 renames them in memory (`vit.layers.3.attention.q_proj`): both are accepted.
+A bare `ViTModel` state dict (the Hub's backbone checkpoints: `embeddings.…`, no `vit.` prefix) is read
+as the classifier's backbone; its pooler (`pooler.dense`, a dense layer and tanh on the class token that
+neither timm nor vitlab has) is left out, as transformers itself leaves it out when it loads such a
+checkpoint into ViTForImageClassification. Give it a config with `num_classes=0` (features), or pass
+`reset_head=True` and load into a model with a new head (`load_state_dict(..., strict=False)`).
 The result goes through the strict timm-name checks of `convert.timm` (every key, every shape).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -17,6 +23,8 @@ import torch
 from vitlab.convert.timm import StateDict, timm_to_vitlab
 from vitlab.errors import UserError
 from vitlab.model import ViTConfig
+
+log = logging.getLogger(__name__)
 
 # transformers-5 in-memory names -> the transformers-4 names stored in checkpoints
 _V5_TO_V4 = [
@@ -61,8 +69,25 @@ def canonical_hf_key(key: str) -> str:
     return key
 
 
-def hf_to_vitlab(sd: StateDict, cfg: ViTConfig) -> StateDict:
-    """An HF ViTForImageClassification (or ViTModel) state dict -> vitlab's, checked against `cfg`."""
+def backbone_keys(sd: StateDict) -> StateDict:
+    """A bare ViTModel state dict with ViTForImageClassification's `vit.` names, without its pooler."""
+    if any(k.startswith("vit.") for k in sd) or not any(k.startswith("embeddings.") for k in sd):
+        return sd
+    dropped = [k for k in sd if k.startswith("pooler.")]
+    if dropped:
+        log.info("HF ViTModel state dict: left out its pooler (%s), which vitlab and timm do not have", dropped)
+    return {f"vit.{k}": v for k, v in sd.items() if not k.startswith("pooler.")}
+
+
+def hf_to_vitlab(sd: StateDict, cfg: ViTConfig, *, reset_head: bool = False) -> StateDict:
+    """An HF ViTForImageClassification or ViTModel state dict -> vitlab's, checked against `cfg`.
+    `reset_head` leaves the classifier out (a new head, or a backbone that has none)."""
+    sd = backbone_keys(sd)
+    if cfg.num_classes and not reset_head and "classifier.weight" not in sd:
+        raise UserError(
+            f"HF state dict has no classifier, and the config asks for {cfg.num_classes} classes: convert it with "
+            "num_classes=0 (features), or with reset_head=True to keep the model's new head"
+        )
     timm_sd: StateDict = {}
     qkv: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     unknown = []
@@ -83,7 +108,7 @@ def hf_to_vitlab(sd: StateDict, cfg: ViTConfig) -> StateDict:
         if set(parts) != {"query", "key", "value"}:
             raise UserError(f"HF block {block} has {sorted(parts)} {p} but needs query, key and value")
         timm_sd[f"blocks.{block}.attn.qkv.{p}"] = torch.cat([parts["query"], parts["key"], parts["value"]], dim=0)
-    return timm_to_vitlab(timm_sd, cfg, resample=False)
+    return timm_to_vitlab(timm_sd, cfg, resample=False, reset_head=reset_head)
 
 
 def vit_config_from_hf(hf: Any, **overrides: Any) -> ViTConfig:
