@@ -60,6 +60,17 @@ def test_dynamic_img_size_resamples_per_batch_like_timm():
         torch.testing.assert_close(ours(x), theirs(x), atol=1e-6, rtol=0)
 
 
+def test_dynamic_img_pad_pads_like_timm_and_without_it_nothing_is_cropped_silently():
+    torch.manual_seed(0)
+    ours, theirs = _pair(tiny(dynamic_img_size=True, dynamic_img_pad=True))
+    x = torch.randn(2, 3, 30, 27)  # patch 8: padded to 32x32, a 4x4 grid
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), atol=1e-6, rtol=0)
+        assert ours.forward_features(x).shape == (2, 1 + 16, 32)
+    with pytest.raises(ValueError, match="input size 30x27 is not a multiple of patch_size 8; crop or resize"):
+        ViT(tiny(dynamic_img_size=True))(x)
+
+
 def test_fixed_input_size_is_checked():
     with pytest.raises(ValueError, match=r"input size 48x48 does not match img_size \(32, 32\)"):
         ViT(tiny())(torch.randn(1, 3, 48, 48))

@@ -63,6 +63,7 @@ class ViTConfig:
     attn_drop_rate: float = 0.0
     drop_path_rate: float = 0.0  # stochastic depth, linear in depth from 0 to this value
     dynamic_img_size: bool = False  # accept any input size, resampling pos_embed per batch
+    dynamic_img_pad: bool = False  # pad inputs (right, bottom, zeros) to a multiple of patch_size, as timm
     norm_eps: float = 1e-6
     weight_init: str = ""  # '' (timm's default) or 'jax'
     grid_size: tuple[int, int] = field(init=False)  # derived: patches along H and W
@@ -113,7 +114,15 @@ class ViTConfig:
     def _check_types(self) -> None:
         # Hydra hands over whatever YAML parsed; catch "depth: 12.5" or "qk_norm: yes please" here.
         ints = ("patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "reg_tokens")
-        bools = ("qkv_bias", "qk_norm", "class_token", "no_embed_class", "pre_norm", "dynamic_img_size")
+        bools = (
+            "qkv_bias",
+            "qk_norm",
+            "class_token",
+            "no_embed_class",
+            "pre_norm",
+            "dynamic_img_size",
+            "dynamic_img_pad",
+        )
         floats = ("mlp_ratio", "norm_eps", *DROPOUTS)
         for name in ints:
             v = getattr(self, name)

@@ -165,14 +165,19 @@ class Block(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    """Non-overlapping PxP patches, linearly projected (paper Eq. 1) as one strided convolution."""
+    """Non-overlapping PxP patches, linearly projected (paper Eq. 1) as one strided convolution. With
+    `dynamic_img_pad` an input is first zero-padded on the right and bottom to a multiple of P (timm's)."""
 
     def __init__(self, cfg: ViTConfig):
         super().__init__()
-        p = cfg.patch_size
+        p = self.patch_size = cfg.patch_size
+        self.dynamic_img_pad = cfg.dynamic_img_pad
         self.proj = nn.Conv2d(cfg.in_chans, cfg.embed_dim, kernel_size=p, stride=p, bias=not cfg.pre_norm)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, H/P, W/P, D)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, ceil(H/P), ceil(W/P), D)
+        if self.dynamic_img_pad:
+            p, (H, W) = self.patch_size, x.shape[-2:]
+            x = F.pad(x, (0, (p - W % p) % p, 0, (p - H % p) % p))
         return self.proj(x).permute(0, 2, 3, 1)
 
 
@@ -261,6 +266,12 @@ class ViT(nn.Module):
             raise ValueError(
                 f"input size {H}x{W} does not match img_size {self.cfg.img_hw}; "
                 "resize the input or build the model with dynamic_img_size=true"
+            )
+        P = self.cfg.patch_size
+        if (H % P or W % P) and not self.cfg.dynamic_img_pad:  # the strided conv would drop the remainder
+            raise ValueError(
+                f"input size {H}x{W} is not a multiple of patch_size {P}; crop or resize it, or build the "
+                "model with dynamic_img_pad=true to pad it"
             )
         x = self.patch_embed(x)  # (B, h, w, D)
         B, h, w, D = x.shape
