@@ -45,11 +45,20 @@ def test_logits_and_keys_match_timm(name):
     cfg = tiny(**OPTIONS[name])
     ours, theirs = _pair(cfg)
     assert list(ours.state_dict()) == list(theirs.state_dict())
-    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+    assert sum(v.numel() for v in ours.state_dict().values()) == sum(v.numel() for v in theirs.state_dict().values())
     x = torch.randn(3, cfg.in_chans, *cfg.img_hw)
     with torch.no_grad():
         torch.testing.assert_close(ours(x), theirs(x), atol=1e-6, rtol=0)
         torch.testing.assert_close(ours.forward_features(x), theirs.forward_features(x), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_every_parameter_gets_a_gradient(name):  # as timm's test_model_backward
+    cfg = tiny(**OPTIONS[name])
+    model = ViT(cfg).train()
+    model(torch.randn(2, cfg.in_chans, *cfg.img_hw)).sum().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing and all(p.requires_grad for p in model.parameters())
 
 
 def test_dynamic_img_size_resamples_per_batch_like_timm():
@@ -88,7 +97,8 @@ def test_output_shapes():
 def test_sincos2d_is_fixed_and_matches_big_vision_formula():
     cfg = tiny(pos_embed="sincos2d")
     model = ViT(cfg)
-    assert not model.pos_embed.requires_grad
+    assert "pos_embed" in dict(model.named_buffers()) and "pos_embed" not in dict(model.named_parameters())
+    assert "pos_embed" in model.state_dict()  # checkpoints carry it under timm's key
     pe = posemb_sincos_2d((4, 4), 32)[0]
     assert pe.shape == (16, 32)
     # row for patch (y=1, x=2): [sin(2w), cos(2w), sin(1w), cos(1w)], w_k = 10000^(-k/7)

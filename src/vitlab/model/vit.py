@@ -199,8 +199,8 @@ class ViT(nn.Module):
         if cfg.pos_embed == "learn":
             rows = cfg.num_patches + (cfg.num_prefix_tokens if cfg.embeds_prefix else 0)
             self.pos_embed = nn.Parameter(torch.zeros(1, rows, D))
-        elif cfg.pos_embed == "sincos2d":  # fixed: a frozen parameter so checkpoints carry it as timm's
-            self.pos_embed = nn.Parameter(posemb_sincos_2d(cfg.grid_size, D), requires_grad=False)
+        elif cfg.pos_embed == "sincos2d":  # fixed: a buffer (nothing to train), saved under timm's key
+            self.register_buffer("pos_embed", posemb_sincos_2d(cfg.grid_size, D))
         else:
             self.pos_embed = None
         self.pos_drop = nn.Dropout(cfg.pos_drop_rate)
@@ -222,7 +222,7 @@ class ViT(nn.Module):
         """timm's default scheme ('': truncated normal 0.02 for every Linear, zero biases, PyTorch's
         default for the patch conv) or big_vision's ('jax': Xavier-uniform Linears, LeCun-normal
         patch conv, zero head)."""
-        if self.pos_embed is not None and self.pos_embed.requires_grad:
+        if isinstance(self.pos_embed, nn.Parameter):
             nn.init.trunc_normal_(self.pos_embed, std=0.02)
         for tok in (self.cls_token, self.reg_token):
             if tok is not None:
