@@ -41,6 +41,10 @@ def test_flops_per_image_is_the_hand_count():
     # 2*16*(8*8*3)*32; head 2*32*7.
     per_block = 2 * 17 * (4 * 32 * 32 + 2 * 32 * 128) + 4 * 17 * 17 * 32
     assert tiny(depth=4).flops_per_image() == 4 * per_block + 2 * 16 * 192 * 32 + 2 * 32 * 7 == 2_016_192
+    # SwiGLU: three D x 128 matrices instead of two; packed: fc1 32->128, fc2 64->32 (the halves' product)
+    swiglu, packed = 2 * 17 * 32 * 128, 2 * 17 * (32 * 128 + 64 * 32 - 2 * 32 * 128)
+    assert tiny(depth=4, mlp_layer="swiglu").flops_per_image() == 2_016_192 + 4 * swiglu
+    assert tiny(depth=4, mlp_layer="swiglu_packed").flops_per_image() == 2_016_192 + 4 * packed
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ def test_flops_match_the_hand_count_for_b16():
         (dict(img_size=[224, 100]), "is not divisible by patch_size 16"),
         (dict(img_size=[1, 2, 3]), "img_size [1, 2, 3] must be an int or [height, width]"),
         (dict(embed_dim=100, num_heads=3), "embed_dim 100 is not divisible by num_heads 3"),
-        (dict(global_pool="max"), "global_pool 'max' is not one of"),
+        (dict(global_pool="gem"), "global_pool 'gem' is not one of"),
         (dict(global_pool="token", class_token=False), "global_pool 'token' needs class_token"),
         (dict(pos_embed="rope"), "pos_embed 'rope' is not one of"),
         (dict(pos_embed="sincos2d", embed_dim=66, num_heads=6), "divisible by 4"),

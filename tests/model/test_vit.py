@@ -29,6 +29,17 @@ OPTIONS = {
     "no_head": dict(num_classes=0),
     "jax_init": dict(weight_init="jax"),
     "dynamic": dict(dynamic_img_size=True),
+    "max_pool": dict(global_pool="max"),
+    "avgmax_pool": dict(global_pool="avgmax", class_token=False),
+    "no_final_norm": dict(final_norm=False),
+    "no_final_norm_avg": dict(final_norm=False, global_pool="avg"),
+    "gelu_tanh": dict(act_layer="gelu_tanh"),
+    "quick_gelu_clip": dict(act_layer="quick_gelu", pre_norm=True),
+    "silu": dict(act_layer="silu"),
+    "rmsnorm": dict(norm_layer="rmsnorm", qk_norm=True, pre_norm=True),
+    "swiglu": dict(mlp_layer="swiglu", act_layer="silu"),
+    "swiglu_packed_dinov2": dict(mlp_layer="swiglu_packed", act_layer="silu", reg_tokens=4, init_values=1e-5),
+    "no_proj_bias": dict(proj_bias=False, qkv_bias=False),
 }
 
 

@@ -95,14 +95,16 @@ def vitlab_to_timm(sd: StateDict, cfg: ViTConfig) -> StateDict:
 def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
     """Arguments of timm's VisionTransformer that build the same network as `cfg`. A fixed sin-cos
     embedding becomes a learned one with the same values (timm has no fixed one), patches only."""
+    from timm.layers import Mlp, RmsNorm, SwiGLU, SwiGLUPacked
+
     d = cfg.to_dict()
     del d["norm_eps"]
     d["img_size"] = tuple(cfg.img_hw)
     if cfg.pos_embed == "sincos2d":
         d.update(pos_embed="learn", no_embed_class=True)
-    if cfg.norm_eps != 1e-6:
-        d["norm_layer"] = partial(nn.LayerNorm, eps=cfg.norm_eps)
-    return d
+    d["norm_layer"] = partial({"layernorm": nn.LayerNorm, "rmsnorm": RmsNorm}[cfg.norm_layer], eps=cfg.norm_eps)
+    d["mlp_layer"] = {"mlp": Mlp, "swiglu": SwiGLU, "swiglu_packed": SwiGLUPacked}[cfg.mlp_layer]
+    return d  # act_layer: timm reads the same names
 
 
 def create_timm_model(cfg: ViTConfig, name: str | None = None, pretrained: bool = False) -> nn.Module:

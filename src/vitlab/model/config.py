@@ -22,7 +22,11 @@ VARIANTS: dict[str, dict[str, int]] = {
     "H": dict(embed_dim=1280, depth=32, num_heads=16),
 }
 
-GLOBAL_POOLS = ("token", "avg", "")
+GLOBAL_POOLS = ("token", "avg", "max", "avgmax", "")
+# Component names, as timm spells them (model/vit.py holds the tables that build them).
+ACT_LAYERS = ("gelu", "gelu_tanh", "quick_gelu", "silu")
+NORM_LAYERS = ("layernorm", "rmsnorm")
+MLP_LAYERS = ("mlp", "swiglu", "swiglu_packed")
 POS_EMBEDS = ("learn", "sincos2d", "none")
 WEIGHT_INITS = ("", "jax")
 # The regularisation fields: probabilities in [0, 1), free to change when a run is resumed.
@@ -53,8 +57,13 @@ class ViTConfig:
     class_token: bool = True
     reg_tokens: int = 0  # "Vision Transformers Need Registers"
     no_embed_class: bool = False  # position embedding for patches only (DeiT-III, big_vision)
-    global_pool: str = "token"  # 'token', 'avg' or '' (no pooling: the head sees every token)
-    fc_norm: bool | None = None  # None: norm after pooling iff global_pool == 'avg' (as timm)
+    global_pool: str = "token"  # 'token', 'avg', 'max', 'avgmax' or '' (no pooling: the head sees every token)
+    fc_norm: bool | None = None  # None: norm after pooling iff global_pool is avg/max/avgmax (as timm)
+    final_norm: bool = True  # False: no norm after the blocks (nor fc_norm), as timm
+    act_layer: str = "gelu"  # gelu (exact) | gelu_tanh | quick_gelu (CLIP) | silu
+    norm_layer: str = "layernorm"  # layernorm | rmsnorm (every norm of the network, qk_norm's too)
+    mlp_layer: str = "mlp"  # mlp | swiglu (fc1_g, fc1_x) | swiglu_packed (one fc1, halves: act(a) * b)
+    proj_bias: bool = True  # biases of the attention projection and the MLP's linear layers
     pre_norm: bool = False  # LayerNorm before the blocks (CLIP); drops the patch-embedding bias
     pos_embed: str = "learn"  # 'learn', 'sincos2d' (fixed, patches only) or 'none'
     drop_rate: float = 0.0  # before the head
@@ -92,7 +101,15 @@ class ViTConfig:
         if self.global_pool is None:
             self.global_pool = ""
         if self.global_pool not in GLOBAL_POOLS:
-            raise UserError(f"global_pool {self.global_pool!r} is not one of 'token', 'avg', '' (none)")
+            raise UserError(f"global_pool {self.global_pool!r} is not one of {list(GLOBAL_POOLS)} ('' = none)")
+        for name, allowed in (("act_layer", ACT_LAYERS), ("norm_layer", NORM_LAYERS), ("mlp_layer", MLP_LAYERS)):
+            if getattr(self, name) not in allowed:
+                raise UserError(f"{name} {getattr(self, name)!r} is not one of {list(allowed)}")
+        if self.mlp_layer == "swiglu_packed" and int(self.embed_dim * self.mlp_ratio) % 2:
+            raise UserError(
+                f"mlp_layer 'swiglu_packed' splits its {int(self.embed_dim * self.mlp_ratio)} hidden features in "
+                "two halves: embed_dim * mlp_ratio must be even"
+            )
         if self.global_pool == "token" and not self.class_token:
             raise UserError("global_pool 'token' needs class_token=true; use global_pool 'avg' without it")
         if self.pos_embed not in POS_EMBEDS:
@@ -122,6 +139,8 @@ class ViTConfig:
             "pre_norm",
             "dynamic_img_size",
             "dynamic_img_pad",
+            "final_norm",
+            "proj_bias",
         )
         floats = ("mlp_ratio", "norm_eps", *DROPOUTS)
         for name in ints:
@@ -155,7 +174,7 @@ class ViTConfig:
 
     @property
     def use_fc_norm(self) -> bool:
-        return self.global_pool == "avg" if self.fc_norm is None else self.fc_norm
+        return self.global_pool in ("avg", "max", "avgmax") if self.fc_norm is None else self.fc_norm
 
     @property
     def embeds_prefix(self) -> bool:
@@ -201,7 +220,9 @@ class ViTConfig:
         attention 4*N^2*D per block, patch embedding 2*Np*P^2*C*D, head 2*D*K (norms and adds ignored)."""
         n, d = self.num_tokens(), self.embed_dim
         hidden = int(d * self.mlp_ratio)
-        per_block = 2 * n * (4 * d * d + 2 * d * hidden) + 4 * n * n * d
+        # MLP weights: mlp D->Dm->D; swiglu two D->Dm and Dm->D; swiglu_packed D->Dm and Dm/2->D
+        mlp = {"mlp": 2 * d * hidden, "swiglu": 3 * d * hidden, "swiglu_packed": d * hidden + hidden // 2 * d}
+        per_block = 2 * n * (4 * d * d + mlp[self.mlp_layer]) + 4 * n * n * d
         embed = 2 * self.num_patches * self.patch_size**2 * self.in_chans * d
         head = 2 * d * self.num_classes
         return self.depth * per_block + embed + head

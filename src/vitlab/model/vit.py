@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,27 @@ def resample_pos_embed(
 # ---- layers ----------------------------------------------------------------------------------------
 
 
+class QuickGELU(nn.Module):
+    """x * sigmoid(1.702 x): OpenAI CLIP's approximation of GELU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+# The components a config names (config.py: act_layer, norm_layer), built as timm builds them.
+ACTIVATIONS = {
+    "gelu": nn.GELU,  # exact (erf), as the paper
+    "gelu_tanh": partial(nn.GELU, approximate="tanh"),
+    "quick_gelu": QuickGELU,
+    "silu": nn.SiLU,
+}
+NORMS = {"layernorm": nn.LayerNorm, "rmsnorm": nn.RMSNorm}  # (dim, eps=...); RMSNorm has a weight, no bias
+
+
+def norm(cfg: ViTConfig, dim: int) -> nn.Module:
+    return NORMS[cfg.norm_layer](dim, eps=cfg.norm_eps)
+
+
 class DropPath(nn.Module):
     """Stochastic depth (Huang et al. 2016): drop the whole residual branch per sample."""
 
@@ -98,9 +120,9 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5  # SDPA's default scale too
         self.attn_drop = cfg.attn_drop_rate
         self.qkv = nn.Linear(dim, 3 * dim, bias=cfg.qkv_bias)  # rows ordered q; k; v
-        self.q_norm = nn.LayerNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
-        self.k_norm = nn.LayerNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
-        self.proj = nn.Linear(dim, dim)
+        self.q_norm = norm(cfg, self.head_dim) if cfg.qk_norm else nn.Identity()
+        self.k_norm = norm(cfg, self.head_dim) if cfg.qk_norm else nn.Identity()
+        self.proj = nn.Linear(dim, dim, bias=cfg.proj_bias)
         self.proj_drop = nn.Dropout(cfg.proj_drop_rate)
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -127,17 +149,52 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
+    """fc1 -> activation -> fc2 (the paper's MLP; GELU unless the config names another)."""
+
     def __init__(self, cfg: ViTConfig):
         super().__init__()
         hidden = int(cfg.embed_dim * cfg.mlp_ratio)
-        self.fc1 = nn.Linear(cfg.embed_dim, hidden)
-        self.act = nn.GELU()  # the exact (erf) GELU, as the paper and timm
+        self.fc1 = nn.Linear(cfg.embed_dim, hidden, bias=cfg.proj_bias)
+        self.act = ACTIVATIONS[cfg.act_layer]()
         self.drop1 = nn.Dropout(cfg.proj_drop_rate)
-        self.fc2 = nn.Linear(hidden, cfg.embed_dim)
+        self.fc2 = nn.Linear(hidden, cfg.embed_dim, bias=cfg.proj_bias)
         self.drop2 = nn.Dropout(cfg.proj_drop_rate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+
+
+class SwiGLU(nn.Module):
+    """Gated MLP (Shazeer 2020): act(fc1_g x) * fc1_x x -> fc2, timm's `SwiGLU`."""
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        hidden = int(cfg.embed_dim * cfg.mlp_ratio)
+        self.fc1_g = nn.Linear(cfg.embed_dim, hidden, bias=cfg.proj_bias)
+        self.fc1_x = nn.Linear(cfg.embed_dim, hidden, bias=cfg.proj_bias)
+        self.act = ACTIVATIONS[cfg.act_layer]()
+        self.drop1 = nn.Dropout(cfg.proj_drop_rate)
+        self.fc2 = nn.Linear(hidden, cfg.embed_dim, bias=cfg.proj_bias)
+        self.drop2 = nn.Dropout(cfg.proj_drop_rate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop2(self.fc2(self.drop1(self.act(self.fc1_g(x)) * self.fc1_x(x))))
+
+
+class SwiGLUPacked(Mlp):
+    """The gated MLP with one fc1 whose output halves are (gate, value): act(gate) * value -> fc2 of half
+    the width, timm's `SwiGLUPacked` (DINOv2 giant)."""
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__(cfg)
+        self.fc2 = nn.Linear(self.fc1.out_features // 2, cfg.embed_dim, bias=cfg.proj_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, value = self.fc1(x).chunk(2, dim=-1)
+        return self.drop2(self.fc2(self.drop1(self.act(gate) * value)))
+
+
+MLPS = {"mlp": Mlp, "swiglu": SwiGLU, "swiglu_packed": SwiGLUPacked}
 
 
 class Block(nn.Module):
@@ -146,12 +203,12 @@ class Block(nn.Module):
     def __init__(self, cfg: ViTConfig, drop_path: float):
         super().__init__()
         dim = cfg.embed_dim
-        self.norm1 = nn.LayerNorm(dim, eps=cfg.norm_eps)
+        self.norm1 = norm(cfg, dim)
         self.attn = Attention(cfg)
         self.ls1 = LayerScale(dim, cfg.init_values) if cfg.init_values else nn.Identity()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.norm2 = nn.LayerNorm(dim, eps=cfg.norm_eps)
-        self.mlp = Mlp(cfg)
+        self.norm2 = norm(cfg, dim)
+        self.mlp = MLPS[cfg.mlp_layer](cfg)
         self.ls2 = LayerScale(dim, cfg.init_values) if cfg.init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
@@ -204,12 +261,12 @@ class ViT(nn.Module):
         else:
             self.pos_embed = None
         self.pos_drop = nn.Dropout(cfg.pos_drop_rate)
-        self.norm_pre = nn.LayerNorm(D, eps=cfg.norm_eps) if cfg.pre_norm else nn.Identity()
+        self.norm_pre = norm(cfg, D) if cfg.pre_norm else nn.Identity()
         # Stochastic depth grows linearly with depth (timm's torch.linspace, float32 included).
         dpr = torch.linspace(0, cfg.drop_path_rate, cfg.depth, device="cpu").tolist()
         self.blocks = nn.Sequential(*[Block(cfg, dpr[i]) for i in range(cfg.depth)])
-        self.norm = nn.LayerNorm(D, eps=cfg.norm_eps) if not cfg.use_fc_norm else nn.Identity()
-        self.fc_norm = nn.LayerNorm(D, eps=cfg.norm_eps) if cfg.use_fc_norm else nn.Identity()
+        self.norm = norm(cfg, D) if cfg.final_norm and not cfg.use_fc_norm else nn.Identity()
+        self.fc_norm = norm(cfg, D) if cfg.final_norm and cfg.use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(cfg.drop_rate)
         self.head = nn.Linear(D, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
 
@@ -308,10 +365,17 @@ class ViT(nn.Module):
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Tokens (B, N, D) -> logits (B, K); pooled features (B, D) with pre_logits."""
-        if self.cfg.global_pool == "token":
+        pool = self.cfg.global_pool
+        if pool == "token":
             x = x[:, 0]
-        elif self.cfg.global_pool == "avg":
-            x = x[:, self.num_prefix_tokens :].mean(dim=1)
+        elif pool:  # avg, max or avgmax over the patch tokens (timm's global_pool_nlc)
+            patches = x[:, self.num_prefix_tokens :]
+            if pool == "avg":
+                x = patches.mean(dim=1)
+            elif pool == "max":
+                x = patches.amax(dim=1)
+            else:
+                x = 0.5 * (patches.amax(dim=1) + patches.mean(dim=1))
         x = self.head_drop(self.fc_norm(x))
         return x if pre_logits else self.head(x)
 
