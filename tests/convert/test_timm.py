@@ -9,11 +9,13 @@ from omegaconf import OmegaConf
 from tests.helpers import ROOT, tiny
 from vitlab.cli import vit_config
 from vitlab.convert.timm import (
+    config_from_timm,
     create_timm_model,
     expected_shapes,
     export_timm,
     load_timm_weights,
     read_state_dict,
+    timm_model_args,
     timm_pretrained_state_dict,
     timm_to_vitlab,
     vitlab_to_timm,
@@ -159,3 +161,35 @@ def test_offline_download_fails_with_a_clear_message(monkeypatch):
         timm_pretrained_state_dict("vit_tiny_patch16_224.augreg_in21k")
     with pytest.raises(ConnectionError, match="no network and not in the Hugging Face cache"):
         load_timm_weights(ViT(tiny()), "vit_tiny_patch16_224.augreg_in21k")
+
+
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("vit_small_patch14_reg4_dinov2", dict(depth=2, img_size=98)),  # DINOv2: registers, patch 14, LayerScale
+        ("vit_giant_patch14_dinov2", dict(depth=1, img_size=56)),  # SwiGLU (packed), SiLU
+        ("vit_base_patch16_clip_quickgelu_224", dict(depth=1)),  # CLIP: quick GELU, pre-norm, no class bias
+        ("test_vit4", {"depth": 2}),  # RmsNorm
+        ("vit_base_patch32_siglip_gap_256", dict(depth=1)),  # tanh GELU, average pool without fc_norm
+        ("vit_base_patch16_radio_v3", dict(depth=1, img_size=64)),  # no final norm
+        ("vit_base_patch16_224.augreg_in21k", dict(depth=1, num_classes=10, img_size=64)),  # a tag, new head and size
+    ],
+)
+def test_config_from_timm_builds_what_timm_builds(name, overrides):
+    torch.manual_seed(0)
+    cfg = config_from_timm(name, **overrides)
+    theirs = timm.create_model(name, pretrained=False, **overrides).eval()
+    ours = ViT(cfg).eval()
+    ours.load_state_dict(timm_to_vitlab(theirs.state_dict(), cfg))
+    x = torch.randn(2, cfg.in_chans, *cfg.img_hw)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=0)
+    assert cfg.depth == overrides["depth"]
+
+
+def test_config_from_timm_names_what_it_cannot_express():
+    with pytest.raises(ValueError, match="timm's vit_base_patch16_siglip_224 is not expressible .* global_pool 'map'"):
+        config_from_timm("vit_base_patch16_siglip_224")
+    with pytest.raises(ValueError, match="'vit_base_patch16_2244' is not an architecture .* did you mean"):
+        config_from_timm("vit_base_patch16_2244")
+    assert timm_model_args("vit_small_patch14_dinov2")["img_size"] == (518, 518)  # timm's pretrained-cfg default

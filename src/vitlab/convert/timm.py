@@ -107,6 +107,142 @@ def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
     return d  # act_layer: timm reads the same names
 
 
+# ---- from a timm architecture name to a ViTConfig --------------------------------------------------
+
+# timm arguments our ViT has no counterpart for, with the value that means "off" (timm's default)
+TIMM_UNSUPPORTED = {
+    "attn_layer": "attention",  # timm's default class is compared by name below
+    "block_fn": "Block",
+    "embed_layer": "PatchEmbed",
+    "embed_norm_layer": None,
+    "scale_attn_norm": False,
+    "scale_mlp_norm": False,
+    "pool_include_prefix": False,
+    "patch_drop_rate": 0.0,
+    "fix_init": False,
+}
+
+
+def timm_vit_names() -> list[str]:
+    """Every architecture registered in timm's `vision_transformer` module."""
+    import timm
+
+    return timm.list_models(module="vision_transformer")
+
+
+def timm_model_args(name: str, **overrides: Any) -> dict[str, Any]:
+    """The keyword arguments timm passes to VisionTransformer for `name` (an architecture, optionally with a
+    pretrained tag), `overrides` merged and the pretrained config's defaults (input size, class count)
+    filled in, exactly as `timm.create_model(name, **overrides)` does: it runs, and its call to
+    VisionTransformer is answered with the arguments instead of a model (nothing allocated or downloaded)."""
+    import timm
+    import timm.models.vision_transformer as tv
+
+    arch = name.partition(".")[0]
+    names = timm_vit_names()
+    if arch not in names:
+        import difflib
+
+        close = difflib.get_close_matches(arch, names, n=3, cutoff=0.6)
+        raise UserError(
+            f"{arch!r} is not an architecture of timm's vision_transformer module ({len(names)} are)"
+            + (f"; did you mean {close}?" if close else "")
+        )
+    check_timm_name(name)
+
+    class Captured(Exception):
+        pass
+
+    args: dict[str, Any] = {}
+
+    def capture(**kwargs: Any):
+        args.update(kwargs)
+        raise Captured
+
+    real, tv.VisionTransformer = tv.VisionTransformer, capture
+    try:
+        timm.create_model(name, pretrained=False, **overrides)
+    except Captured:
+        pass
+    finally:
+        tv.VisionTransformer = real
+    return args
+
+
+def _component_name(value: Any) -> str:
+    """A timm component (class, partial, or name) as its class name, lower case."""
+    if isinstance(value, str):
+        return value.lower()
+    value = getattr(value, "func", value)  # functools.partial
+    return getattr(value, "__name__", type(value).__name__).lower()
+
+
+def _norm(value: Any) -> dict[str, Any]:
+    kind = _component_name(value)
+    names = {"layernorm": "layernorm", "rmsnorm": "rmsnorm"}
+    if kind not in names:
+        raise UserError(f"norm_layer {kind!r}")
+    eps = getattr(value, "keywords", {}).get("eps", 1e-6) if not isinstance(value, str) else 1e-6
+    return {"norm_layer": names[kind], "norm_eps": eps}
+
+
+def _mlp(value: Any) -> str:
+    kind = _component_name(value)
+    if kind == "mlp":
+        return "mlp"
+    if kind == "swiglu":
+        return "swiglu"
+    keywords = getattr(value, "keywords", {})
+    if kind in ("glumlp", "swiglupacked") and keywords.get("gate_last", True) is False:
+        if _component_name(keywords.get("act_layer", "silu")) == "silu":
+            return "swiglu_packed"
+    raise UserError(f"mlp_layer {kind!r} {keywords or ''}")
+
+
+ACT_NAMES = {"gelu": "gelu", "geludtanh": "gelu_tanh", "gelutanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
+             "quickgelu": "quick_gelu", "quick_gelu": "quick_gelu", "silu": "silu", "swish": "silu"}  # fmt: skip
+
+
+def vitlab_args(args: dict[str, Any]) -> dict[str, Any]:
+    """timm's VisionTransformer arguments as ViTConfig fields; a UserError names the first one that our ViT
+    cannot express."""
+    out: dict[str, Any] = {}
+    for key, value in args.items():
+        if key in TIMM_UNSUPPORTED:
+            default = TIMM_UNSUPPORTED[key]
+            off = value == default or (isinstance(default, str) and _component_name(value) == default.lower())
+            if not off:
+                raise UserError(f"{key}={_component_name(value) if callable(value) else value!r}")
+        elif key == "act_layer":
+            act = ACT_NAMES.get(_component_name(value))
+            if act is None:
+                raise UserError(f"act_layer {_component_name(value)!r}")
+            out["act_layer"] = act
+        elif key == "norm_layer":
+            out.update(_norm(value))
+        elif key == "mlp_layer":
+            out["mlp_layer"] = _mlp(value)
+        elif key in ("patch_size", "img_size") and isinstance(value, (tuple, list)):
+            if key == "patch_size" and len(set(value)) != 1:
+                raise UserError(f"patch_size {tuple(value)} (non-square patches)")
+            out[key] = value[0] if key == "patch_size" else list(value)
+        else:
+            out[key] = value
+    return out
+
+
+def config_from_timm(name: str, **overrides: Any) -> ViTConfig:
+    """The ViTConfig of `name`, an architecture registered in timm's `vision_transformer` module, from the
+    arguments timm registers for it, with timm's keyword `overrides` applied (`depth=2`, `img_size=384`,
+    `num_classes=10`), so that `timm_to_vitlab(timm.create_model(name, **overrides).state_dict(), cfg)`
+    loads into `ViT(cfg)`. An architecture our ViT cannot express is a UserError saying which argument."""
+    args = timm_model_args(name, **overrides)
+    try:
+        return ViTConfig.from_dict(vitlab_args(args))
+    except UserError as e:
+        raise UserError(f"timm's {name.partition('.')[0]} is not expressible by vitlab's ViT: {e}") from None
+
+
 def create_timm_model(cfg: ViTConfig, name: str | None = None, pretrained: bool = False) -> nn.Module:
     """timm's model for `cfg`: the registered `name` with cfg's arguments on top, or a bare
     VisionTransformer. Pretrained weights come through timm's own hub download."""
