@@ -1,8 +1,9 @@
 """vitlab's ViT against timm's, layer by layer: both get the same weights (timm's pretrained ones, or
 random ones ported across), see the same fixed batch in fp32 eval mode, and are compared at the patch
 embedding, after every block, at the final features and the logits; then one backward pass of the
-same loss compares every parameter's gradient. Pure torch + timm (no Hydra): `python -m
-vitlab.parity` and the parity-zoo study call it."""
+same loss compares every parameter's gradient. `compare_timm_arch` does the same for any architecture
+timm registers, built from timm's own arguments. Pure torch + timm (no Hydra): `python -m vitlab.parity`
+and the parity-zoo study call it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from vitlab.convert.timm import create_timm_model, timm_to_vitlab, vitlab_to_timm
+from vitlab.convert.timm import (
+    config_from_timm,
+    create_timm_model,
+    timm_model_args,
+    timm_to_vitlab,
+    vitlab_to_timm,
+)
 from vitlab.errors import OfflineError, UserError
 from vitlab.model import ViT, ViTConfig
 
@@ -116,3 +123,39 @@ def passes(report: dict[str, Any], atol: float, grad_rtol: float) -> bool:
         and report["top1_agreement"] == 1.0
         and report["grad"]["relative"] <= grad_rtol
     )
+
+
+def compare_timm_arch(name: str, depth_cap: int = 2, batch_size: int = 1, seed: int = 0) -> dict[str, Any]:
+    """One architecture of timm's vision_transformer module as timm registers it (depth capped at
+    `depth_cap`), against our ViT of `config_from_timm`: expressible or why not, the weights converted
+    timm -> vitlab -> timm (bit-identical?), the logits' and the gradients' largest difference."""
+    import timm
+
+    depth = min(int(timm_model_args(name).get("depth", 12)), depth_cap)
+    row: dict[str, Any] = {"arch": name, "depth": depth}
+    try:
+        cfg = config_from_timm(name, depth=depth)
+    except UserError as e:
+        return {**row, "expressible": False, "reason": str(e).split(": ", 1)[-1]}
+    torch.manual_seed(seed)
+    theirs = timm.create_model(name, pretrained=False, depth=depth).eval()
+    ours = ViT(cfg).eval()
+    ours.load_state_dict(timm_to_vitlab(theirs.state_dict(), cfg))
+    back = vitlab_to_timm(ours.state_dict(), cfg)
+    round_trip = back.keys() == theirs.state_dict().keys() and all(
+        torch.equal(back[k], v) for k, v in theirs.state_dict().items()
+    )
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch_size, cfg.in_chans, *cfg.img_hw, generator=g)
+    logits_ours, logits_theirs = ours(x), theirs(x)
+    w = torch.randn(logits_ours.shape, generator=g)
+    (logits_ours * w).sum().backward()
+    (logits_theirs * w).sum().backward()
+    return {
+        **row,
+        "expressible": True,
+        "reason": "",
+        "round_trip_exact": round_trip,
+        "logits_max_abs": (logits_ours - logits_theirs).abs().max().item(),
+        "grad": gradient_diff(ours, theirs),
+    }
