@@ -40,6 +40,8 @@ OPTIONS = {
     "swiglu": dict(mlp_layer="swiglu", act_layer="silu"),
     "swiglu_packed_dinov2": dict(mlp_layer="swiglu_packed", act_layer="silu", reg_tokens=4, init_values=1e-5),
     "no_proj_bias": dict(proj_bias=False, qkv_bias=False),
+    "map_siglip": dict(global_pool="map", class_token=False, act_layer="gelu_tanh"),
+    "map_with_class_token": dict(global_pool="map", reg_tokens=1),
 }
 
 

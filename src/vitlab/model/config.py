@@ -22,7 +22,7 @@ VARIANTS: dict[str, dict[str, int]] = {
     "H": dict(embed_dim=1280, depth=32, num_heads=16),
 }
 
-GLOBAL_POOLS = ("token", "avg", "max", "avgmax", "")
+GLOBAL_POOLS = ("token", "avg", "max", "avgmax", "map", "")
 # Component names, as timm spells them (model/vit.py holds the tables that build them).
 ACT_LAYERS = ("gelu", "gelu_tanh", "quick_gelu", "silu")
 NORM_LAYERS = ("layernorm", "rmsnorm")
@@ -57,7 +57,7 @@ class ViTConfig:
     class_token: bool = True
     reg_tokens: int = 0  # "Vision Transformers Need Registers"
     no_embed_class: bool = False  # position embedding for patches only (DeiT-III, big_vision)
-    global_pool: str = "token"  # 'token', 'avg', 'max', 'avgmax' or '' (no pooling: the head sees every token)
+    global_pool: str = "token"  # token | avg | max | avgmax | map (attention pool, SigLIP) | '' (every token)
     fc_norm: bool | None = None  # None: norm after pooling iff global_pool is avg/max/avgmax (as timm)
     final_norm: bool = True  # False: no norm after the blocks (nor fc_norm), as timm
     act_layer: str = "gelu"  # gelu (exact) | gelu_tanh | quick_gelu (CLIP) | silu
@@ -225,4 +225,6 @@ class ViTConfig:
         per_block = 2 * n * (4 * d * d + mlp[self.mlp_layer]) + 4 * n * n * d
         embed = 2 * self.num_patches * self.patch_size**2 * self.in_chans * d
         head = 2 * d * self.num_classes
+        if self.global_pool == "map":  # attention pool: keys and values of the patches, one query, its MLP
+            head += 2 * self.num_patches * 2 * d * d + 4 * self.num_patches * d + 2 * (2 * d * d + 2 * d * hidden)
         return self.depth * per_block + embed + head

@@ -221,6 +221,31 @@ class Block(nn.Module):
         return x
 
 
+class AttentionPool(nn.Module):
+    """Multi-head attention pooling with one learned query (SigLIP's 'map' head; timm's AttentionPoolLatent):
+    the latent query attends over the patch tokens, then a residual MLP on the pooled token."""
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        D = cfg.embed_dim
+        self.num_heads, self.head_dim = cfg.num_heads, D // cfg.num_heads
+        self.latent = nn.Parameter(torch.zeros(1, 1, D))
+        self.q = nn.Linear(D, D)
+        self.kv = nn.Linear(D, 2 * D)
+        self.proj = nn.Linear(D, D)
+        self.norm = norm(cfg, D)
+        self.mlp = Mlp(cfg.replace(proj_bias=True, proj_drop_rate=0.0))  # timm's: biases on, no dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D) -> (B, D)
+        B, N, D = x.shape
+        q = self.q(self.latent.expand(B, -1, -1)).reshape(B, 1, self.num_heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).reshape(B, N, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        x = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, 1, D)
+        x = self.proj(x)
+        x = x + self.mlp(self.norm(x))
+        return x[:, 0]
+
+
 class PatchEmbed(nn.Module):
     """Non-overlapping PxP patches, linearly projected (paper Eq. 1) as one strided convolution. With
     `dynamic_img_pad` an input is first zero-padded on the right and bottom to a multiple of P (timm's)."""
@@ -266,6 +291,7 @@ class ViT(nn.Module):
         dpr = torch.linspace(0, cfg.drop_path_rate, cfg.depth, device="cpu").tolist()
         self.blocks = nn.Sequential(*[Block(cfg, dpr[i]) for i in range(cfg.depth)])
         self.norm = norm(cfg, D) if cfg.final_norm and not cfg.use_fc_norm else nn.Identity()
+        self.attn_pool = AttentionPool(cfg) if cfg.global_pool == "map" else None
         self.fc_norm = norm(cfg, D) if cfg.final_norm and cfg.use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(cfg.drop_rate)
         self.head = nn.Linear(D, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
@@ -284,6 +310,8 @@ class ViT(nn.Module):
         for tok in (self.cls_token, self.reg_token):
             if tok is not None:
                 nn.init.normal_(tok, std=1e-6)
+        if self.attn_pool is not None:
+            nn.init.trunc_normal_(self.attn_pool.latent, std=self.cfg.embed_dim**-0.5)
         jax = self.cfg.weight_init == "jax"
         for name, m in self.named_modules():
             if isinstance(m, nn.Linear):
@@ -368,6 +396,8 @@ class ViT(nn.Module):
         pool = self.cfg.global_pool
         if pool == "token":
             x = x[:, 0]
+        elif pool == "map":
+            x = self.attn_pool(x[:, self.num_prefix_tokens :])
         elif pool:  # avg, max or avgmax over the patch tokens (timm's global_pool_nlc)
             patches = x[:, self.num_prefix_tokens :]
             if pool == "avg":
