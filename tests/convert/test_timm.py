@@ -172,6 +172,9 @@ def test_offline_download_fails_with_a_clear_message(monkeypatch):
         ("test_vit4", {"depth": 2}),  # RmsNorm
         ("vit_base_patch32_siglip_gap_256", dict(depth=1)),  # tanh GELU, average pool without fc_norm
         ("vit_base_patch16_radio_v3", dict(depth=1, img_size=64)),  # no final norm
+        ("vit_base_patch16_siglip_224", dict(depth=1)),  # SigLIP: attention-pool head ('map'), tanh GELU
+        ("aimv2_large_patch14_224", dict(depth=1, img_size=56)),  # AIMv2: norm after the patch embedding
+        ("beit3_base_patch16_224", dict(depth=1, img_size=64)),  # BEiT-3: norms inside attention and MLP
         ("vit_base_patch16_224.augreg_in21k", dict(depth=1, num_classes=10, img_size=64)),  # a tag, new head and size
     ],
 )
@@ -188,8 +191,8 @@ def test_config_from_timm_builds_what_timm_builds(name, overrides):
 
 
 def test_config_from_timm_names_what_it_cannot_express():
-    with pytest.raises(ValueError, match="timm's vit_base_patch16_siglip_224 is not expressible .* global_pool 'map'"):
-        config_from_timm("vit_base_patch16_siglip_224")
+    with pytest.raises(ValueError, match="timm's vit_small_patch16_18x2_224 is not expressible .* block_fn="):
+        config_from_timm("vit_small_patch16_18x2_224")
     with pytest.raises(ValueError, match="'vit_base_patch16_2244' is not an architecture .* did you mean"):
         config_from_timm("vit_base_patch16_2244")
     assert timm_model_args("vit_small_patch14_dinov2")["img_size"] == (518, 518)  # timm's pretrained-cfg default

@@ -42,6 +42,21 @@ OPTIONS = {
     "no_proj_bias": dict(proj_bias=False, qkv_bias=False),
     "map_siglip": dict(global_pool="map", class_token=False, act_layer="gelu_tanh"),
     "map_with_class_token": dict(global_pool="map", reg_tokens=1),
+    "aimv2_embed_norm": dict(
+        embed_norm=True,
+        norm_layer="rmsnorm",
+        mlp_layer="swiglu",
+        act_layer="silu",
+        class_token=False,
+        global_pool="avg",
+        fc_norm=False,
+        proj_bias=False,
+        qkv_bias=False,
+    ),
+    "beit3_scale_norms": dict(scale_attn_norm=True, scale_mlp_norm=True, global_pool="avg"),
+    "scale_mlp_norm_packed": dict(scale_mlp_norm=True, mlp_layer="swiglu_packed", act_layer="silu"),
+    "pool_include_prefix": dict(global_pool="avg", reg_tokens=2, pool_include_prefix=True),
+    "map_include_prefix": dict(global_pool="map", pool_include_prefix=True),
 }
 
 

@@ -104,6 +104,7 @@ def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
         d.update(pos_embed="learn", no_embed_class=True)
     d["norm_layer"] = partial({"layernorm": nn.LayerNorm, "rmsnorm": RmsNorm}[cfg.norm_layer], eps=cfg.norm_eps)
     d["mlp_layer"] = {"mlp": Mlp, "swiglu": SwiGLU, "swiglu_packed": SwiGLUPacked}[cfg.mlp_layer]
+    d["embed_norm_layer"] = d["norm_layer"] if d.pop("embed_norm") else None
     return d  # act_layer: timm reads the same names
 
 
@@ -114,10 +115,6 @@ TIMM_UNSUPPORTED = {
     "attn_layer": "attention",  # timm's default class is compared by name below
     "block_fn": "Block",
     "embed_layer": "PatchEmbed",
-    "embed_norm_layer": None,
-    "scale_attn_norm": False,
-    "scale_mlp_norm": False,
-    "pool_include_prefix": False,
     "patch_drop_rate": 0.0,
     "fix_init": False,
 }
@@ -220,6 +217,8 @@ def vitlab_args(args: dict[str, Any]) -> dict[str, Any]:
             out["act_layer"] = act
         elif key == "norm_layer":
             out.update(_norm(value))
+        elif key == "embed_norm_layer":
+            out["embed_norm"] = value is not None
         elif key == "mlp_layer":
             out["mlp_layer"] = _mlp(value)
         elif key in ("patch_size", "img_size") and isinstance(value, (tuple, list)):
@@ -228,6 +227,8 @@ def vitlab_args(args: dict[str, Any]) -> dict[str, Any]:
             out[key] = value[0] if key == "patch_size" else list(value)
         else:
             out[key] = value
+    if out.get("embed_norm") and _norm(args["embed_norm_layer"]) != _norm(args.get("norm_layer", "layernorm")):
+        raise UserError(f"embed_norm_layer={_component_name(args['embed_norm_layer'])!r} unlike norm_layer")
     return out
 
 

@@ -64,6 +64,10 @@ class ViTConfig:
     norm_layer: str = "layernorm"  # layernorm | rmsnorm (every norm of the network, qk_norm's too)
     mlp_layer: str = "mlp"  # mlp | swiglu (fc1_g, fc1_x) | swiglu_packed (one fc1, halves: act(a) * b)
     proj_bias: bool = True  # biases of the attention projection and the MLP's linear layers
+    embed_norm: bool = False  # a norm (norm_layer) after the patch embedding (AIMv2)
+    scale_attn_norm: bool = False  # a norm on the attention output before its projection (BEiT-3)
+    scale_mlp_norm: bool = False  # a norm on the MLP's hidden features before fc2 (BEiT-3)
+    pool_include_prefix: bool = False  # avg/max/avgmax/map pools over the prefix tokens too
     pre_norm: bool = False  # LayerNorm before the blocks (CLIP); drops the patch-embedding bias
     pos_embed: str = "learn"  # 'learn', 'sincos2d' (fixed, patches only) or 'none'
     drop_rate: float = 0.0  # before the head
@@ -141,6 +145,10 @@ class ViTConfig:
             "dynamic_img_pad",
             "final_norm",
             "proj_bias",
+            "embed_norm",
+            "scale_attn_norm",
+            "scale_mlp_norm",
+            "pool_include_prefix",
         )
         floats = ("mlp_ratio", "norm_eps", *DROPOUTS)
         for name in ints:

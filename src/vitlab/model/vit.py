@@ -77,6 +77,11 @@ ACTIVATIONS = {
     "silu": nn.SiLU,
 }
 NORMS = {"layernorm": nn.LayerNorm, "rmsnorm": nn.RMSNorm}  # (dim, eps=...); RMSNorm has a weight, no bias
+POOLS = {  # global_pool over tokens (B, N, D) -> (B, D); 'token' and 'map' (AttentionPool) are the model's own
+    "avg": lambda t: t.mean(dim=1),
+    "max": lambda t: t.amax(dim=1),
+    "avgmax": lambda t: 0.5 * (t.amax(dim=1) + t.mean(dim=1)),
+}
 
 
 def norm(cfg: ViTConfig, dim: int) -> nn.Module:
@@ -122,6 +127,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=cfg.qkv_bias)  # rows ordered q; k; v
         self.q_norm = norm(cfg, self.head_dim) if cfg.qk_norm else nn.Identity()
         self.k_norm = norm(cfg, self.head_dim) if cfg.qk_norm else nn.Identity()
+        self.norm = norm(cfg, dim) if cfg.scale_attn_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim, bias=cfg.proj_bias)
         self.proj_drop = nn.Dropout(cfg.proj_drop_rate)
 
@@ -139,7 +145,7 @@ class Attention(nn.Module):
             q = q[:, :, :rows]  # (B, H, rows, Dh)
         x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
         x = x.transpose(1, 2).reshape(B, -1, D)
-        return self.proj_drop(self.proj(x))
+        return self.proj_drop(self.proj(self.norm(x)))
 
     def attention_map(self, x: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(Dh)): (B, H, N, N), rows summing to 1. For visualisation only; the
@@ -157,11 +163,12 @@ class Mlp(nn.Module):
         self.fc1 = nn.Linear(cfg.embed_dim, hidden, bias=cfg.proj_bias)
         self.act = ACTIVATIONS[cfg.act_layer]()
         self.drop1 = nn.Dropout(cfg.proj_drop_rate)
+        self.norm = norm(cfg, hidden) if cfg.scale_mlp_norm else nn.Identity()
         self.fc2 = nn.Linear(hidden, cfg.embed_dim, bias=cfg.proj_bias)
         self.drop2 = nn.Dropout(cfg.proj_drop_rate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+        return self.drop2(self.fc2(self.norm(self.drop1(self.act(self.fc1(x))))))
 
 
 class SwiGLU(nn.Module):
@@ -174,11 +181,12 @@ class SwiGLU(nn.Module):
         self.fc1_x = nn.Linear(cfg.embed_dim, hidden, bias=cfg.proj_bias)
         self.act = ACTIVATIONS[cfg.act_layer]()
         self.drop1 = nn.Dropout(cfg.proj_drop_rate)
+        self.norm = norm(cfg, hidden) if cfg.scale_mlp_norm else nn.Identity()
         self.fc2 = nn.Linear(hidden, cfg.embed_dim, bias=cfg.proj_bias)
         self.drop2 = nn.Dropout(cfg.proj_drop_rate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.fc2(self.drop1(self.act(self.fc1_g(x)) * self.fc1_x(x))))
+        return self.drop2(self.fc2(self.norm(self.drop1(self.act(self.fc1_g(x)) * self.fc1_x(x)))))
 
 
 class SwiGLUPacked(Mlp):
@@ -187,11 +195,13 @@ class SwiGLUPacked(Mlp):
 
     def __init__(self, cfg: ViTConfig):
         super().__init__(cfg)
-        self.fc2 = nn.Linear(self.fc1.out_features // 2, cfg.embed_dim, bias=cfg.proj_bias)
+        half = self.fc1.out_features // 2
+        self.norm = norm(cfg, half) if cfg.scale_mlp_norm else nn.Identity()
+        self.fc2 = nn.Linear(half, cfg.embed_dim, bias=cfg.proj_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, value = self.fc1(x).chunk(2, dim=-1)
-        return self.drop2(self.fc2(self.drop1(self.act(gate) * value)))
+        return self.drop2(self.fc2(self.norm(self.drop1(self.act(gate) * value))))
 
 
 MLPS = {"mlp": Mlp, "swiglu": SwiGLU, "swiglu_packed": SwiGLUPacked}
@@ -255,12 +265,13 @@ class PatchEmbed(nn.Module):
         p = self.patch_size = cfg.patch_size
         self.dynamic_img_pad = cfg.dynamic_img_pad
         self.proj = nn.Conv2d(cfg.in_chans, cfg.embed_dim, kernel_size=p, stride=p, bias=not cfg.pre_norm)
+        self.norm = norm(cfg, cfg.embed_dim) if cfg.embed_norm else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, ceil(H/P), ceil(W/P), D)
         if self.dynamic_img_pad:
             p, (H, W) = self.patch_size, x.shape[-2:]
             x = F.pad(x, (0, (p - W % p) % p, 0, (p - H % p) % p))
-        return self.proj(x).permute(0, 2, 3, 1)
+        return self.norm(self.proj(x).permute(0, 2, 3, 1))
 
 
 # ---- the model -------------------------------------------------------------------------------------
@@ -396,16 +407,9 @@ class ViT(nn.Module):
         pool = self.cfg.global_pool
         if pool == "token":
             x = x[:, 0]
-        elif pool == "map":
-            x = self.attn_pool(x[:, self.num_prefix_tokens :])
-        elif pool:  # avg, max or avgmax over the patch tokens (timm's global_pool_nlc)
-            patches = x[:, self.num_prefix_tokens :]
-            if pool == "avg":
-                x = patches.mean(dim=1)
-            elif pool == "max":
-                x = patches.amax(dim=1)
-            else:
-                x = 0.5 * (patches.amax(dim=1) + patches.mean(dim=1))
+        elif pool:  # over the patch tokens (timm's global_pool_nlc), or every token with pool_include_prefix
+            tokens = x if self.cfg.pool_include_prefix else x[:, self.num_prefix_tokens :]
+            x = self.attn_pool(tokens) if pool == "map" else POOLS[pool](tokens)
         x = self.head_drop(self.fc_norm(x))
         return x if pre_logits else self.head(x)
 
