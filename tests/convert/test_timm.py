@@ -175,6 +175,7 @@ def test_offline_download_fails_with_a_clear_message(monkeypatch):
         ("vit_base_patch16_siglip_224", dict(depth=1)),  # SigLIP: attention-pool head ('map'), tanh GELU
         ("aimv2_large_patch14_224", dict(depth=1, img_size=56)),  # AIMv2: norm after the patch embedding
         ("beit3_base_patch16_224", dict(depth=1, img_size=64)),  # BEiT-3: norms inside attention and MLP
+        ("vit_base_patch16_xp_224", dict(depth=1, img_size=64)),  # ViT-22B's parallel blocks, RmsNorm, qk-norm
         ("vit_base_patch16_224.augreg_in21k", dict(depth=1, num_classes=10, img_size=64)),  # a tag, new head and size
     ],
 )

@@ -57,6 +57,15 @@ OPTIONS = {
     "scale_mlp_norm_packed": dict(scale_mlp_norm=True, mlp_layer="swiglu_packed", act_layer="silu"),
     "pool_include_prefix": dict(global_pool="avg", reg_tokens=2, pool_include_prefix=True),
     "map_include_prefix": dict(global_pool="map", pool_include_prefix=True),
+    "parallel_xp": dict(
+        block_fn="parallel_scaling",
+        pre_norm=True,
+        no_embed_class=True,
+        norm_layer="rmsnorm",
+        qkv_bias=False,
+        qk_norm=True,
+    ),
+    "parallel_qkv_bias_layerscale": dict(block_fn="parallel_scaling", init_values=1e-5, global_pool="avg"),
 }
 
 
@@ -161,6 +170,19 @@ def test_attention_maps_are_distributions_that_reproduce_sdpa():
     _, _, v = blk.attn._qkv(h)
     manual = blk.attn.proj((maps[0] @ v).transpose(1, 2).reshape(2, 18, 32))
     torch.testing.assert_close(manual, blk.attn(h), atol=1e-5, rtol=1e-5)
+
+
+def test_parallel_blocks_attention_maps_reproduce_their_sdpa():
+    torch.manual_seed(0)
+    model = ViT(tiny(block_fn="parallel_scaling", qkv_bias=False, qk_norm=True)).eval()
+    x = torch.randn(2, 3, 32, 32)
+    maps = model.attention_maps(x)
+    assert len(maps) == 2 and maps[0].shape == (2, 4, 17, 17)
+    blk, h = model.blocks[0], model.embed(x)
+    _, q, k, v = blk._project(h)
+    torch.testing.assert_close(
+        maps[0] @ v, torch.nn.functional.scaled_dot_product_attention(q, k, v), atol=1e-5, rtol=0
+    )
 
 
 def test_forward_intermediates_by_index_and_name():

@@ -95,6 +95,7 @@ def vitlab_to_timm(sd: StateDict, cfg: ViTConfig) -> StateDict:
 def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
     """Arguments of timm's VisionTransformer that build the same network as `cfg`. A fixed sin-cos
     embedding becomes a learned one with the same values (timm has no fixed one), patches only."""
+    import timm.models.vision_transformer as tv
     from timm.layers import Mlp, RmsNorm, SwiGLU, SwiGLUPacked
 
     d = cfg.to_dict()
@@ -105,6 +106,7 @@ def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
     d["norm_layer"] = partial({"layernorm": nn.LayerNorm, "rmsnorm": RmsNorm}[cfg.norm_layer], eps=cfg.norm_eps)
     d["mlp_layer"] = {"mlp": Mlp, "swiglu": SwiGLU, "swiglu_packed": SwiGLUPacked}[cfg.mlp_layer]
     d["embed_norm_layer"] = d["norm_layer"] if d.pop("embed_norm") else None
+    d["block_fn"] = {"block": tv.Block, "parallel_scaling": tv.ParallelScalingBlock}[cfg.block_fn]
     return d  # act_layer: timm reads the same names
 
 
@@ -113,7 +115,6 @@ def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
 # timm arguments our ViT has no counterpart for, with the value that means "off" (timm's default)
 TIMM_UNSUPPORTED = {
     "attn_layer": "attention",  # timm's default class is compared by name below
-    "block_fn": "Block",
     "embed_layer": "PatchEmbed",
     "patch_drop_rate": 0.0,
     "fix_init": False,
@@ -217,6 +218,11 @@ def vitlab_args(args: dict[str, Any]) -> dict[str, Any]:
             out["act_layer"] = act
         elif key == "norm_layer":
             out.update(_norm(value))
+        elif key == "block_fn":
+            block = {"block": "block", "parallelscalingblock": "parallel_scaling"}.get(_component_name(value))
+            if block is None:
+                raise UserError(f"block_fn={_component_name(value)!r}")
+            out["block_fn"] = block
         elif key == "embed_norm_layer":
             out["embed_norm"] = value is not None
         elif key == "mlp_layer":

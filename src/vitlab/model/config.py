@@ -27,6 +27,7 @@ GLOBAL_POOLS = ("token", "avg", "max", "avgmax", "map", "")
 ACT_LAYERS = ("gelu", "gelu_tanh", "quick_gelu", "silu")
 NORM_LAYERS = ("layernorm", "rmsnorm")
 MLP_LAYERS = ("mlp", "swiglu", "swiglu_packed")
+BLOCK_FNS = ("block", "parallel_scaling")
 POS_EMBEDS = ("learn", "sincos2d", "none")
 WEIGHT_INITS = ("", "jax")
 # The regularisation fields: probabilities in [0, 1), free to change when a run is resumed.
@@ -68,6 +69,7 @@ class ViTConfig:
     scale_attn_norm: bool = False  # a norm on the attention output before its projection (BEiT-3)
     scale_mlp_norm: bool = False  # a norm on the MLP's hidden features before fc2 (BEiT-3)
     pool_include_prefix: bool = False  # avg/max/avgmax/map pools over the prefix tokens too
+    block_fn: str = "block"  # block (pre-norm, the paper's) | parallel_scaling (ViT-22B: attention and MLP in parallel)
     pre_norm: bool = False  # LayerNorm before the blocks (CLIP); drops the patch-embedding bias
     pos_embed: str = "learn"  # 'learn', 'sincos2d' (fixed, patches only) or 'none'
     drop_rate: float = 0.0  # before the head
@@ -106,9 +108,17 @@ class ViTConfig:
             self.global_pool = ""
         if self.global_pool not in GLOBAL_POOLS:
             raise UserError(f"global_pool {self.global_pool!r} is not one of {list(GLOBAL_POOLS)} ('' = none)")
-        for name, allowed in (("act_layer", ACT_LAYERS), ("norm_layer", NORM_LAYERS), ("mlp_layer", MLP_LAYERS)):
+        components = (("act_layer", ACT_LAYERS), ("norm_layer", NORM_LAYERS), ("mlp_layer", MLP_LAYERS))
+        for name, allowed in (*components, ("block_fn", BLOCK_FNS)):
             if getattr(self, name) not in allowed:
                 raise UserError(f"{name} {getattr(self, name)!r} is not one of {list(allowed)}")
+        if self.block_fn == "parallel_scaling" and (
+            self.mlp_layer != "mlp" or self.scale_attn_norm or self.scale_mlp_norm
+        ):
+            raise UserError(
+                "block_fn 'parallel_scaling' has its own fused MLP: it takes mlp_layer 'mlp' and no "
+                "scale_attn_norm / scale_mlp_norm"
+            )
         if self.mlp_layer == "swiglu_packed" and int(self.embed_dim * self.mlp_ratio) % 2:
             raise UserError(
                 f"mlp_layer 'swiglu_packed' splits its {int(self.embed_dim * self.mlp_ratio)} hidden features in "

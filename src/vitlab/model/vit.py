@@ -230,6 +230,60 @@ class Block(nn.Module):
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return x
 
+    def attention_map(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn.attention_map(self.norm1(x))
+
+
+class ParallelScalingBlock(nn.Module):
+    """Attention and MLP in parallel from one norm and one input projection (ViT-22B, Dehghani et al.
+    2023; timm's ParallelScalingBlock): in_proj yields the MLP's hidden features and q, k, v at once, and
+    x + ls(attn_out_proj(attention) + mlp_out_proj(act(hidden))). Without qkv_bias the MLP keeps a bias
+    of its own (mlp_bias)."""
+
+    def __init__(self, cfg: ViTConfig, drop_path: float):
+        super().__init__()
+        dim, hidden = cfg.embed_dim, int(cfg.mlp_ratio * cfg.embed_dim)
+        self.num_heads, self.head_dim = cfg.num_heads, dim // cfg.num_heads
+        self.in_norm = norm(cfg, dim)
+        self.in_proj = nn.Linear(dim, hidden + 3 * dim, bias=cfg.qkv_bias)
+        self.in_split = [hidden, dim, dim, dim]
+        self.mlp_bias = None if cfg.qkv_bias else nn.Parameter(torch.zeros(hidden))
+        self.q_norm = norm(cfg, self.head_dim) if cfg.qk_norm else nn.Identity()
+        self.k_norm = norm(cfg, self.head_dim) if cfg.qk_norm else nn.Identity()
+        self.attn_drop = cfg.attn_drop_rate
+        self.mlp_drop = nn.Dropout(cfg.proj_drop_rate)
+        self.mlp_act = ACTIVATIONS[cfg.act_layer]()
+        self.attn_out_proj = nn.Linear(dim, dim, bias=cfg.proj_bias)
+        self.mlp_out_proj = nn.Linear(hidden, dim, bias=cfg.proj_bias)
+        self.ls = LayerScale(dim, cfg.init_values) if cfg.init_values else nn.Identity()
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        B, N, D = x.shape
+        hidden, q, k, v = torch.split(self.in_proj(self.in_norm(x)), self.in_split, dim=-1)
+        if self.mlp_bias is not None:
+            hidden = hidden + self.mlp_bias
+        heads = (B, N, self.num_heads, self.head_dim)
+        q = self.q_norm(q.view(heads)).transpose(1, 2)
+        k = self.k_norm(k.view(heads)).transpose(1, 2)
+        return hidden, q, k, v.view(heads).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
+        B, N, D = x.shape
+        hidden, q, k, v = self._project(x)
+        attn = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
+        attn = attn.transpose(1, 2).reshape(B, N, D)
+        y = self.attn_out_proj(attn) + self.mlp_out_proj(self.mlp_drop(self.mlp_act(hidden)))
+        x = x + self.drop_path(self.ls(y))
+        return x if rows is None else x[:, :rows]
+
+    def attention_map(self, x: torch.Tensor) -> torch.Tensor:
+        _, q, k, _ = self._project(x)
+        return ((q * self.head_dim**-0.5) @ k.transpose(-2, -1)).softmax(dim=-1)
+
+
+BLOCKS = {"block": Block, "parallel_scaling": ParallelScalingBlock}
+
 
 class AttentionPool(nn.Module):
     """Multi-head attention pooling with one learned query (SigLIP's 'map' head; timm's AttentionPoolLatent):
@@ -300,7 +354,7 @@ class ViT(nn.Module):
         self.norm_pre = norm(cfg, D) if cfg.pre_norm else nn.Identity()
         # Stochastic depth grows linearly with depth (timm's torch.linspace, float32 included).
         dpr = torch.linspace(0, cfg.drop_path_rate, cfg.depth, device="cpu").tolist()
-        self.blocks = nn.Sequential(*[Block(cfg, dpr[i]) for i in range(cfg.depth)])
+        self.blocks = nn.Sequential(*[BLOCKS[cfg.block_fn](cfg, dpr[i]) for i in range(cfg.depth)])
         self.norm = norm(cfg, D) if cfg.final_norm and not cfg.use_fc_norm else nn.Identity()
         self.attn_pool = AttentionPool(cfg) if cfg.global_pool == "map" else None
         self.fc_norm = norm(cfg, D) if cfg.final_norm and cfg.use_fc_norm else nn.Identity()
@@ -456,7 +510,7 @@ class ViT(nn.Module):
         maps = []
         x = self.embed(x)
         for blk in self.blocks:
-            maps.append(blk.attn.attention_map(blk.norm1(x)))
+            maps.append(blk.attention_map(x))
             x = blk(x)
         return maps
 
