@@ -15,7 +15,6 @@ from typing import Any
 from omegaconf import DictConfig
 
 from vitlab.cli import entry_point, vit_config
-from vitlab.errors import UserError
 
 
 def print_report(report: dict[str, Any], atol: float, grad_rtol: float) -> None:
@@ -48,23 +47,9 @@ def print_report(report: dict[str, Any], atol: float, grad_rtol: float) -> None:
 
 
 def zoo(cfg: DictConfig) -> None:
-    import fnmatch
+    from vitlab.convert.compare import timm_zoo, zoo_table
 
-    from vitlab.convert.compare import compare_timm_arch
-    from vitlab.convert.timm import timm_vit_names
-
-    names = [n for n in timm_vit_names() if cfg.timm_zoo == "all" or fnmatch.fnmatch(n, cfg.timm_zoo)]
-    if not names:
-        raise UserError(f"timm_zoo {cfg.timm_zoo!r} matches no architecture of timm's vision_transformer module")
-    rows = []
-    for i, name in enumerate(names):
-        row = compare_timm_arch(name, cfg.zoo_depth, cfg.batch_size, cfg.seed)
-        row["passed"] = row["expressible"] and (
-            row["round_trip_exact"] and row["logits_max_abs"] <= cfg.atol and row["grad"]["relative"] <= cfg.grad_rtol
-        )
-        rows.append(row)
-        shown = f"logits {row['logits_max_abs']:.1e}" if row["expressible"] else f"not expressible: {row['reason']}"
-        print(f"[{i + 1}/{len(names)}] {name}: {shown}", flush=True)
+    rows = timm_zoo(cfg.timm_zoo, cfg.zoo_depth, cfg.batch_size, cfg.seed, cfg.atol, cfg.grad_rtol)
     out = Path(cfg.paths.output_dir)
     (out / "timm_zoo.json").write_text(json.dumps(rows, indent=2))
     (out / "timm_zoo.md").write_text(zoo_table(rows, cfg.atol))
@@ -74,21 +59,6 @@ def zoo(cfg: DictConfig) -> None:
     print(f"wrote {out / 'timm_zoo.md'}")
     if failed:
         raise SystemExit(f"differ from timm: {failed}")
-
-
-def zoo_table(rows: list[dict[str, Any]], atol: float) -> str:
-    lines = [
-        f"| arch | depth | expressible | max logit diff | grad diff (rel.) | round trip exact | within {atol:g} |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        if r["expressible"]:
-            cells = ["yes", f"{r['logits_max_abs']:.1e}", f"{r['grad']['relative']:.1e}"]
-            cells += [str(r["round_trip_exact"]).lower(), "yes" if r["passed"] else "**no**"]
-        else:
-            cells = [f"no: {r['reason']}", "", "", "", ""]
-        lines.append(f"| {r['arch']} | {r['depth']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
 
 
 @entry_point("parity")

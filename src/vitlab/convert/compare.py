@@ -17,6 +17,7 @@ from vitlab.convert.timm import (
     create_timm_model,
     timm_model_args,
     timm_to_vitlab,
+    timm_vit_names,
     vitlab_to_timm,
 )
 from vitlab.errors import OfflineError, UserError
@@ -159,3 +160,42 @@ def compare_timm_arch(name: str, depth_cap: int = 2, batch_size: int = 1, seed: 
         "logits_max_abs": (logits_ours - logits_theirs).abs().max().item(),
         "grad": gradient_diff(ours, theirs),
     }
+
+
+def timm_zoo(
+    pattern: str, depth_cap: int = 2, batch_size: int = 1, seed: int = 0, atol: float = 1e-5, grad_rtol: float = 1e-4
+) -> list[dict[str, Any]]:
+    """`compare_timm_arch` for every architecture of timm's vision_transformer module matching `pattern`
+    ('all', or a glob), each row marked `passed` (expressible, round trip exact, within both tolerances);
+    prints a line per architecture as it goes."""
+    import fnmatch
+
+    names = [n for n in timm_vit_names() if pattern == "all" or fnmatch.fnmatch(n, pattern)]
+    if not names:
+        raise UserError(f"timm_zoo {pattern!r} matches no architecture of timm's vision_transformer module")
+    rows = []
+    for i, name in enumerate(names):
+        row = compare_timm_arch(name, depth_cap, batch_size, seed)
+        row["passed"] = row["expressible"] and (
+            row["round_trip_exact"] and row["logits_max_abs"] <= atol and row["grad"]["relative"] <= grad_rtol
+        )
+        rows.append(row)
+        shown = f"logits {row['logits_max_abs']:.1e}" if row["expressible"] else f"not expressible: {row['reason']}"
+        print(f"[{i + 1}/{len(names)}] {name}: {shown}", flush=True)
+    return rows
+
+
+def zoo_table(rows: list[dict[str, Any]], atol: float) -> str:
+    """The rows of `timm_zoo` as a markdown table."""
+    lines = [
+        f"| arch | depth | expressible | max logit diff | grad diff (rel.) | round trip exact | within {atol:g} |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["expressible"]:
+            cells = ["yes", f"{r['logits_max_abs']:.1e}", f"{r['grad']['relative']:.1e}"]
+            cells += [str(r["round_trip_exact"]).lower(), "yes" if r["passed"] else "**no**"]
+        else:
+            cells = [f"no: {r['reason']}", "", "", "", ""]
+        lines.append(f"| {r['arch']} | {r['depth']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
