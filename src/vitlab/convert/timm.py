@@ -197,7 +197,8 @@ def _mlp(value: Any) -> str:
     raise UserError(f"mlp_layer {kind!r} {keywords or ''}")
 
 
-ACT_NAMES = {"gelu": "gelu", "geludtanh": "gelu_tanh", "gelutanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
+# timm's activation names and class names (lower case) -> ours
+ACT_NAMES = {"gelu": "gelu", "gelutanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
              "quickgelu": "quick_gelu", "quick_gelu": "quick_gelu", "silu": "silu", "swish": "silu"}  # fmt: skip
 
 
