@@ -119,22 +119,20 @@ def test_throughput_is_read_once_per_logging_interval(tmp_path, accumulate):
     data = DataLoader(TensorDataset(torch.randn(24, 2), torch.zeros(24)), batch_size=2)  # 12 batches an epoch
     module = _Scored([0.1, 0.2])
     module.train_flops_per_image = 10.0
+
+    def fit():
+        L.Trainer(
+            max_epochs=2, callbacks=[Throughput()], logger=CSVLogger(tmp_path), log_every_n_steps=2,
+            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, accelerator="cpu",
+            accumulate_grad_batches=accumulate, limit_val_batches=1,
+        ).fit(module, data, data)  # fmt: skip
+
     readings = []
     module.log_dict = lambda values, **kw: readings.append(module.global_step)
-    trainer = L.Trainer(
-        max_epochs=2, callbacks=[Throughput()], logger=CSVLogger(tmp_path), log_every_n_steps=2,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, accelerator="cpu",
-        accumulate_grad_batches=accumulate, limit_val_batches=1,
-    )  # fmt: skip
-    trainer.fit(module, data, data)
+    fit()
     assert readings == list(range(2, 24 // accumulate + 1, 2))  # one reading (one sync) per interval
     del module.log_dict
-    trainer = L.Trainer(
-        max_epochs=2, callbacks=[Throughput()], logger=CSVLogger(tmp_path), log_every_n_steps=2,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, accelerator="cpu",
-        accumulate_grad_batches=accumulate, limit_val_batches=1,
-    )  # fmt: skip
-    trainer.fit(module, data, data)
+    fit()
     rows = (tmp_path / "lightning_logs" / "version_1" / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
     logged = [dict(zip(header, r.split(","), strict=True)) for r in rows[1:]]

@@ -154,24 +154,35 @@ class Attention(nn.Module):
         return ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
 
 
-class Mlp(nn.Module):
-    """fc1 -> activation -> fc2 (the paper's MLP; GELU unless the config names another)."""
+class _MlpOutput(nn.Module):
+    """What every MLP ends with: activation, dropout, the optional hidden norm (scale_mlp_norm), fc2, dropout,
+    registered in timm's order (so state-dict keys list as timm's)."""
 
-    def __init__(self, cfg: ViTConfig):
-        super().__init__()
-        hidden = int(cfg.embed_dim * cfg.mlp_ratio)
-        self.fc1 = nn.Linear(cfg.embed_dim, hidden, bias=cfg.proj_bias)
+    def _output_layers(self, cfg: ViTConfig, hidden: int) -> None:
         self.act = ACTIVATIONS[cfg.act_layer]()
         self.drop1 = nn.Dropout(cfg.proj_drop_rate)
         self.norm = norm(cfg, hidden) if cfg.scale_mlp_norm else nn.Identity()
         self.fc2 = nn.Linear(hidden, cfg.embed_dim, bias=cfg.proj_bias)
         self.drop2 = nn.Dropout(cfg.proj_drop_rate)
 
+    def _output(self, h: torch.Tensor) -> torch.Tensor:  # hidden features, activated -> (B, N, D)
+        return self.drop2(self.fc2(self.norm(self.drop1(h))))
+
+
+class Mlp(_MlpOutput):
+    """fc1 -> activation -> fc2 (the paper's MLP; GELU unless the config names another)."""
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        hidden = int(cfg.embed_dim * cfg.mlp_ratio)
+        self.fc1 = nn.Linear(cfg.embed_dim, hidden, bias=cfg.proj_bias)
+        self._output_layers(cfg, hidden)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.fc2(self.norm(self.drop1(self.act(self.fc1(x))))))
+        return self._output(self.act(self.fc1(x)))
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(_MlpOutput):
     """Gated MLP (Shazeer 2020): act(fc1_g x) * fc1_x x -> fc2, timm's `SwiGLU`."""
 
     def __init__(self, cfg: ViTConfig):
@@ -179,29 +190,25 @@ class SwiGLU(nn.Module):
         hidden = int(cfg.embed_dim * cfg.mlp_ratio)
         self.fc1_g = nn.Linear(cfg.embed_dim, hidden, bias=cfg.proj_bias)
         self.fc1_x = nn.Linear(cfg.embed_dim, hidden, bias=cfg.proj_bias)
-        self.act = ACTIVATIONS[cfg.act_layer]()
-        self.drop1 = nn.Dropout(cfg.proj_drop_rate)
-        self.norm = norm(cfg, hidden) if cfg.scale_mlp_norm else nn.Identity()
-        self.fc2 = nn.Linear(hidden, cfg.embed_dim, bias=cfg.proj_bias)
-        self.drop2 = nn.Dropout(cfg.proj_drop_rate)
+        self._output_layers(cfg, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.fc2(self.norm(self.drop1(self.act(self.fc1_g(x)) * self.fc1_x(x)))))
+        return self._output(self.act(self.fc1_g(x)) * self.fc1_x(x))
 
 
-class SwiGLUPacked(Mlp):
+class SwiGLUPacked(_MlpOutput):
     """The gated MLP with one fc1 whose output halves are (gate, value): act(gate) * value -> fc2 of half
     the width, timm's `SwiGLUPacked` (DINOv2 giant)."""
 
     def __init__(self, cfg: ViTConfig):
-        super().__init__(cfg)
-        half = self.fc1.out_features // 2
-        self.norm = norm(cfg, half) if cfg.scale_mlp_norm else nn.Identity()
-        self.fc2 = nn.Linear(half, cfg.embed_dim, bias=cfg.proj_bias)
+        super().__init__()
+        hidden = int(cfg.embed_dim * cfg.mlp_ratio)
+        self.fc1 = nn.Linear(cfg.embed_dim, hidden, bias=cfg.proj_bias)
+        self._output_layers(cfg, hidden // 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, value = self.fc1(x).chunk(2, dim=-1)
-        return self.drop2(self.fc2(self.norm(self.drop1(self.act(gate) * value))))
+        return self._output(self.act(gate) * value)
 
 
 MLPS = {"mlp": Mlp, "swiglu": SwiGLU, "swiglu_packed": SwiGLUPacked}
