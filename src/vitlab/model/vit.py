@@ -1,7 +1,8 @@
 """The Vision Transformer of "An Image is Worth 16x16 Words" (Dosovitskiy et al., ICLR 2021).
 
-Reads top to bottom: position-embedding helpers -> attention -> MLP -> block -> patch embedding
--> the model. Parameter names are timm's, so timm checkpoints load as they are; the computation
+Reads top to bottom: position-embedding helpers -> the component tables a config picks from
+(ACTIVATIONS, NORMS, POOLS) -> attention -> MLPs (MLPS) -> blocks (BLOCKS) -> attention pool -> patch
+embedding -> the model. Parameter names are timm's, so timm checkpoints load as they are; the computation
 follows timm's order of operations, so logits agree with timm's bit for bit on CPU in fp32.
 Shapes: B batch, N tokens (prefix + patches), D embed_dim, H heads, Dh head dim, P patch size.
 """
