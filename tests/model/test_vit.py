@@ -276,3 +276,29 @@ def test_compiles_without_graph_breaks():
     model = ViT(tiny()).eval()
     explanation = torch._dynamo.explain(model)(torch.randn(2, 3, 32, 32))
     assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+def test_timms_model_api_and_layer_decay_groups():  # timm's test_models: classifier, features, optimizer groups
+    from timm.optim import create_optimizer_v2
+
+    torch.manual_seed(0)
+    cfg = tiny(depth=3)
+    ours, theirs = _pair(cfg)
+    assert (ours.num_classes, ours.num_features, ours.head_hidden_size) == (7, 32, 32)
+    assert ours.feature_info == theirs.feature_info
+    assert ours.get_classifier() is ours.head
+
+    def scales(model):  # each parameter's layer-decay scale, by name
+        names = {id(p): n for n, p in model.named_parameters()}
+        opt = create_optimizer_v2(model, "adamw", lr=1e-3, layer_decay=0.75)
+        return {names[id(p)]: g["lr_scale"] for g in opt.param_groups for p in g["params"]}
+
+    assert scales(ours) == scales(theirs) and len(set(scales(ours).values())) == cfg.depth + 2
+    x = torch.randn(2, 3, 32, 32)
+    ours.reset_classifier(3)
+    assert ours(x).shape == (2, 3) and ours.cfg.num_classes == 3
+    ours.reset_classifier(0, global_pool="avg")
+    assert ours(x).shape == (2, 32) and ours.get_classifier().__class__ is torch.nn.Identity
+    assert list(ViT(ours.cfg).state_dict()) == list(ours.state_dict())  # the config still builds this model
+    with pytest.raises(ValueError, match="cannot add or remove the attention pool"):
+        ours.reset_classifier(3, global_pool="map")

@@ -409,8 +409,50 @@ class ViT(nn.Module):
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
 
+    # ---- timm's model API (what timm.optim, timm.data and timm users call) ----------------------
+    @property
+    def num_classes(self) -> int:
+        return self.cfg.num_classes
+
+    @property
+    def num_features(self) -> int:  # width of forward_features' tokens and of the pooled features
+        return self.cfg.embed_dim
+
+    head_hidden_size = num_features  # no pre-logits layer: the head sees the pooled features
+
+    @property
+    def feature_info(self) -> list[dict]:
+        """Every block's output as timm describes it: module name, channels, stride in pixels."""
+        return [
+            dict(module=f"blocks.{i}", num_chs=self.cfg.embed_dim, reduction=self.cfg.patch_size)
+            for i in range(self.cfg.depth)
+        ]
+
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed", "cls_token", "reg_token"}
+
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """Parameter groups by depth, as timm's: the embeddings, then each block, then the rest (timm.optim's
+        layer-wise learning-rate decay reads this)."""
+        return dict(
+            stem=r"^cls_token|pos_embed|patch_embed|reg_token", blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))]
+        )
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """A new head for `num_classes` (0: none, forward returns pooled features), and optionally another
+        pooling; the rest of the model is kept. The config follows, so checkpoints record the change."""
+        changes: dict = {"num_classes": num_classes}
+        if global_pool is not None:
+            if (global_pool == "map") != (self.attn_pool is not None):
+                raise ValueError("reset_classifier cannot add or remove the attention pool ('map'); build a new model")
+            # the norms stay as built (timm's too): pin fc_norm so the config still describes this model
+            changes.update(global_pool=global_pool, fc_norm=self.cfg.use_fc_norm)
+        self.cfg = self.cfg.replace(**changes)
+        device = next(self.parameters()).device
+        self.head = nn.Linear(self.cfg.embed_dim, num_classes, device=device) if num_classes > 0 else nn.Identity()
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each block's activations in the backward pass instead of storing them."""
