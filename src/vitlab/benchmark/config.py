@@ -36,7 +36,7 @@ class OverheadConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    batches: int = 20  # timed batches per pass of a loader
+    batches: int = 12  # timed batches per pass of a loader (with the warm-up: 15 of make_jpegs.py's 16 batches of 64)
     warmup_batches: int = 3  # untimed batches first (worker start-up, the first prefetch)
     rounds: int = 3  # passes of each loader, alternating
 

@@ -42,7 +42,7 @@ class Window(L.Callback):
         self.t0 = self.t1 = self._paused_at = None
         self.images, self.paused = 0, 0.0
 
-    def _active(self, trainer) -> bool:
+    def _active(self) -> bool:
         return self.t0 is not None and self.t1 is None
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
@@ -58,12 +58,12 @@ class Window(L.Callback):
                 trainer.should_stop = True
 
     def on_train_epoch_end(self, trainer, module) -> None:
-        if self._active(trainer):
+        if self._active():
             sync(module.device)
             self._paused_at = time.perf_counter()
 
     def on_train_epoch_start(self, trainer, module) -> None:
-        if self._active(trainer) and self._paused_at is not None:
+        if self._active() and self._paused_at is not None:
             self.paused += time.perf_counter() - self._paused_at
             self._paused_at = None
 
