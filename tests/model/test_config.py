@@ -60,7 +60,9 @@ def test_flops_match_the_hand_count_for_b16():
         (dict(qk_norm="yes"), "qk_norm 'yes' must be true or false"),
         (dict(reg_tokens=-1), "reg_tokens -1 must be >= 0"),
         (dict(init_values=0.0), "init_values 0.0 must be > 0"),
-        (dict(weight_init="moco"), "weight_init 'moco' is not one of"),
+        (dict(weight_init="xavier"), "weight_init 'xavier' is not one of"),
+        (dict(fix_init=True, block_fn="parallel_scaling"), "fix_init scales"),
+        (dict(pos_embed="sincos1d", embed_dim=33, num_heads=3), "even embed_dim"),
     ],
 )
 def test_bad_config_fails_at_construction_naming_the_field(kwargs, message):

@@ -65,6 +65,11 @@ OPTIONS = {
         qkv_bias=False,
         qk_norm=True,
     ),
+    "sincos1d": dict(pos_embed="sincos1d", reg_tokens=1),
+    "sincos1d_no_embed_class": dict(pos_embed="sincos1d", no_embed_class=True),
+    "patch_drop": dict(patch_drop_rate=0.5, reg_tokens=1),
+    "moco_init_fix_init": dict(weight_init="moco", fix_init=True),
+    "jax_nlhb_init": dict(weight_init="jax_nlhb"),
     "parallel_qkv_bias_layerscale": dict(block_fn="parallel_scaling", init_values=1e-5, global_pool="avg"),
 }
 
@@ -185,19 +190,19 @@ def test_parallel_blocks_attention_maps_reproduce_their_sdpa():
     )
 
 
-def test_forward_intermediates_by_index_and_name():
+def test_intermediates_by_name():
     torch.manual_seed(0)
     model = ViT(tiny(depth=3)).eval()
     x = torch.randn(2, 3, 32, 32)
-    out = model.forward_intermediates(x, [0, -1, "patch_embed", "norm"])
+    out = model.intermediates_by_name(x, [0, -1, "patch_embed", "norm"])
     assert list(out) == ["blocks.0", "blocks.2", "patch_embed", "norm"]
     assert out["patch_embed"].shape == (2, 16, 32)
     torch.testing.assert_close(out["norm"], model.forward_features(x))
     torch.testing.assert_close(out["blocks.2"], model.blocks(model.embed(x)))
     with pytest.raises(ValueError, match="block index 3 out of range for depth 3"):
-        model.forward_intermediates(x, [3])
+        model.intermediates_by_name(x, [3])
     with pytest.raises(ValueError, match="unknown layer 'head'"):
-        model.forward_intermediates(x, ["head"])
+        model.intermediates_by_name(x, ["head"])
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
@@ -267,8 +272,8 @@ def test_resample_pos_embed_matches_timm_non_square_and_prefix():
     ours = resample_pos_embed(pe, (9, 5), (6, 4), num_prefix_tokens=3)
     theirs = resample_abs_pos_embed(pe, [9, 5], [6, 4], num_prefix_tokens=3)
     torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
-    with pytest.raises(ValueError, match="not a square grid"):
-        resample_pos_embed(torch.randn(1, 1 + 6, 16), (4, 4), None, 1)
+    with pytest.raises(ValueError, match="7 patch rows, no grid near the aspect ratio of"):
+        resample_pos_embed(torch.randn(1, 1 + 7, 16), (4, 4), None, 1)
 
 
 def test_compiles_without_graph_breaks():
@@ -300,5 +305,76 @@ def test_timms_model_api_and_layer_decay_groups():  # timm's test_models: classi
     ours.reset_classifier(0, global_pool="avg")
     assert ours(x).shape == (2, 32) and ours.get_classifier().__class__ is torch.nn.Identity
     assert list(ViT(ours.cfg).state_dict()) == list(ours.state_dict())  # the config still builds this model
-    with pytest.raises(ValueError, match="cannot add or remove the attention pool"):
+    with pytest.raises(ValueError, match="cannot add an attention pool"):
         ours.reset_classifier(3, global_pool="map")
+
+
+def test_sincos1d_is_vaswanis_table_over_every_token_recomputed_at_any_size():
+    import numpy as np
+
+    def t2t(n, d):  # T2T-ViT's get_sinusoid_encoding, in float64
+        table = np.array([[p / np.power(10000, 2 * (j // 2) / d) for j in range(d)] for p in range(n)])
+        table[:, 0::2], table[:, 1::2] = np.sin(table[:, 0::2]), np.cos(table[:, 1::2])
+        return torch.tensor(table, dtype=torch.float32)[None]
+
+    cfg = tiny(pos_embed="sincos1d", reg_tokens=2, dynamic_img_size=True)
+    model = ViT(cfg)
+    assert "pos_embed" in dict(model.named_buffers()) and "pos_embed" not in dict(model.named_parameters())
+    torch.testing.assert_close(model.pos_embed, t2t(3 + 16, 32), atol=1e-5, rtol=0)
+    # at 48 x 32 px the table has 3 + 6 * 4 rows, recomputed (not resampled as a 2-D grid)
+    x = torch.randn(1, 3, 48, 32)
+    tokens = model.patch_embed(x).flatten(1, 2)
+    prefix = torch.cat([model.cls_token, model.reg_token], dim=1)
+    expected = torch.cat([prefix, tokens], dim=1) + t2t(3 + 24, 32)
+    torch.testing.assert_close(model.embed(x), expected, atol=1e-5, rtol=0)
+    bigger = ViT(cfg.replace(img_size=64))  # a checkpoint of another size loads with this size's own table
+    bigger.load_state_dict(model.state_dict())
+    torch.testing.assert_close(bigger.pos_embed, t2t(3 + 64, 32), atol=1e-5, rtol=0)
+
+
+def test_weight_init_modes_as_timm():
+    torch.manual_seed(0)
+    base = ViT(tiny(embed_dim=64, num_heads=4))
+    torch.manual_seed(0)
+    fixed = ViT(tiny(embed_dim=64, num_heads=4, fix_init=True))
+    # the same draws, scaled by 1/sqrt(2 (i + 1))
+    for i, (a, b) in enumerate(zip(base.blocks, fixed.blocks, strict=True)):
+        torch.testing.assert_close(b.attn.proj.weight, a.attn.proj.weight / (2.0 * (i + 1)) ** 0.5)
+        torch.testing.assert_close(b.mlp.fc2.weight, a.mlp.fc2.weight / (2.0 * (i + 1)) ** 0.5)
+        torch.testing.assert_close(b.attn.qkv.weight, a.attn.qkv.weight)
+    nlhb = ViT(tiny(weight_init="jax_nlhb"))
+    torch.testing.assert_close(nlhb.head.bias, torch.full((7,), -torch.log(torch.tensor(7.0)).item()))
+    assert torch.count_nonzero(nlhb.head.weight) == 0
+    moco = ViT(tiny(embed_dim=64, num_heads=4, weight_init="moco"))
+    qkv_bound = (6 / (64 + 64)) ** 0.5  # q, k and v counted separately: fan 64 + 64, not 192 + 64
+    assert qkv_bound * 0.9 < moco.blocks[0].attn.qkv.weight.abs().max() <= qkv_bound
+    assert moco.blocks[0].mlp.fc1.weight.abs().max() <= (6 / (64 + 256)) ** 0.5
+    skip = ViT(tiny(embed_dim=64, num_heads=4, weight_init="skip"))  # PyTorch's own: kaiming-uniform Linears
+    assert torch.count_nonzero(skip.cls_token) == 0 and torch.count_nonzero(skip.pos_embed) == 0
+    w = skip.blocks[0].mlp.fc1.weight
+    assert w.abs().max() <= 64**-0.5 and w.abs().max() > 0.9 * 64**-0.5
+
+
+def test_patch_dropout_keeps_a_random_subset_of_patches_in_training_only():
+    torch.manual_seed(0)
+    model = ViT(tiny(patch_drop_rate=0.5, reg_tokens=2))
+    x = torch.randn(3, 3, 32, 32)
+    tokens = model.train().embed(x)
+    assert tokens.shape == (3, 3 + 8, 32)  # prefix + int(16 * 0.5)
+    eval_tokens = model.eval().embed(x)
+    assert eval_tokens.shape == (3, 3 + 16, 32)
+    torch.testing.assert_close(tokens[:, :3], eval_tokens[:, :3])  # prefix kept, in place
+    kept = (tokens[:, 3:, None] == eval_tokens[:, None, 3:]).all(-1)  # each kept token is one of the originals
+    assert (kept.sum(-1) == 1).all() and (kept.sum(1) <= 1).all()
+    assert model.train()(x).shape == (3, 7)
+
+
+def test_non_square_checkpoint_loads_at_another_size_like_timm():
+    """Weights of a 32 x 24 px model (a 4 x 3 grid) load at 64 x 48: the grid is read with the model's
+    aspect ratio and resampled as timm's resample_abs_pos_embed with the old size given."""
+    torch.manual_seed(0)
+    small = ViT(tiny(img_size=[32, 24]))
+    big = ViT(tiny(img_size=[64, 48]))
+    big.load_state_dict(small.state_dict())
+    expected = resample_abs_pos_embed(small.pos_embed.detach(), [8, 6], [4, 3], num_prefix_tokens=1)
+    torch.testing.assert_close(big.pos_embed.detach(), expected, atol=0, rtol=0)

@@ -90,7 +90,7 @@ def compare(
     x = torch.randn(batch_size, cfg.in_chans, *cfg.img_hw, generator=g)
 
     names = ["patch_embed"] + [f"blocks.{i}" for i in range(cfg.depth)] + ["norm"]
-    ours_out = ours.forward_intermediates(x, names)
+    ours_out = ours.intermediates_by_name(x, names)
     logits_ours = ours.forward_head(ours_out["norm"])
     taps, handles = timm_taps(theirs)
     feats_theirs = theirs.forward_features(x)

@@ -94,7 +94,7 @@ def vitlab_to_timm(sd: StateDict, cfg: ViTConfig) -> StateDict:
 
 def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
     """Arguments of timm's VisionTransformer that build the same network as `cfg`. A fixed sin-cos
-    embedding becomes a learned one with the same values (timm has no fixed one), patches only."""
+    embedding becomes a learned one with the same values (timm has no fixed one)."""
     import timm.models.vision_transformer as tv
     from timm.layers import Mlp, RmsNorm, SwiGLU, SwiGLUPacked
 
@@ -103,6 +103,8 @@ def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
     d["img_size"] = tuple(cfg.img_hw)
     if cfg.pos_embed == "sincos2d":
         d.update(pos_embed="learn", no_embed_class=True)
+    elif cfg.pos_embed == "sincos1d":  # prefix rows as no_embed_class says
+        d.update(pos_embed="learn")
     d["norm_layer"] = partial({"layernorm": nn.LayerNorm, "rmsnorm": RmsNorm}[cfg.norm_layer], eps=cfg.norm_eps)
     d["mlp_layer"] = {"mlp": Mlp, "swiglu": SwiGLU, "swiglu_packed": SwiGLUPacked}[cfg.mlp_layer]
     d["embed_norm_layer"] = d["norm_layer"] if d.pop("embed_norm") else None
@@ -116,8 +118,6 @@ def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
 TIMM_UNSUPPORTED = {
     "attn_layer": "attention",  # timm's default class is compared by name below
     "embed_layer": "PatchEmbed",
-    "patch_drop_rate": 0.0,
-    "fix_init": False,
 }
 
 

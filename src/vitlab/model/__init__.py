@@ -21,7 +21,9 @@ __all__ = [
     "config_class",
     "model_class",
     "parse_variant",
+    "posemb_sincos_1d",
     "posemb_sincos_2d",
+    "resample_patch_embed",
     "resample_pos_embed",
 ]
 
@@ -42,7 +44,7 @@ def model_class(arch: str = "vit") -> type:
 
 
 def __getattr__(name: str):
-    if name in ("ViT", "posemb_sincos_2d", "resample_pos_embed"):
+    if name in ("ViT", "posemb_sincos_1d", "posemb_sincos_2d", "resample_patch_embed", "resample_pos_embed"):
         from vitlab.model import vit
 
         return getattr(vit, name)

@@ -28,10 +28,10 @@ ACT_LAYERS = ("gelu", "gelu_tanh", "quick_gelu", "silu")
 NORM_LAYERS = ("layernorm", "rmsnorm")
 MLP_LAYERS = ("mlp", "swiglu", "swiglu_packed")
 BLOCK_FNS = ("block", "parallel_scaling")
-POS_EMBEDS = ("learn", "sincos2d", "none")
-WEIGHT_INITS = ("", "jax")
+POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "none")
+WEIGHT_INITS = ("", "jax", "jax_nlhb", "moco", "skip")  # timm's modes
 # The regularisation fields: probabilities in [0, 1), free to change when a run is resumed.
-DROPOUTS = ("drop_rate", "pos_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate")
+DROPOUTS = ("drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate")
 
 
 def parse_variant(variant: str) -> dict[str, int]:
@@ -71,16 +71,19 @@ class ViTConfig:
     pool_include_prefix: bool = False  # avg/max/avgmax/map pools over the prefix tokens too
     block_fn: str = "block"  # block (pre-norm, the paper's) | parallel_scaling (ViT-22B: attention and MLP in parallel)
     pre_norm: bool = False  # LayerNorm before the blocks (CLIP); drops the patch-embedding bias
-    pos_embed: str = "learn"  # 'learn', 'sincos2d' (fixed, patches only) or 'none'
+    # 'learn', 'sincos1d' (fixed, Vaswani's table over the tokens), 'sincos2d' (fixed, patches only) or 'none'
+    pos_embed: str = "learn"
     drop_rate: float = 0.0  # before the head
     pos_drop_rate: float = 0.0
+    patch_drop_rate: float = 0.0  # training drops this fraction of the patch tokens (FLIP; timm's PatchDropout)
     proj_drop_rate: float = 0.0
     attn_drop_rate: float = 0.0
     drop_path_rate: float = 0.0  # stochastic depth, linear in depth from 0 to this value
     dynamic_img_size: bool = False  # accept any input size, resampling pos_embed per batch
     dynamic_img_pad: bool = False  # pad inputs (right, bottom, zeros) to a multiple of patch_size, as timm
     norm_eps: float = 1e-6
-    weight_init: str = ""  # '' (timm's default) or 'jax'
+    weight_init: str = ""  # '' (timm's), 'jax', 'jax_nlhb' (head bias -log K), 'moco', 'skip' (PyTorch's own)
+    fix_init: bool = False  # divide each block's output projections by sqrt(2 * (layer + 1)) (timm's fix_init)
     grid_size: tuple[int, int] = field(init=False)  # derived: patches along H and W
 
     def __post_init__(self) -> None:
@@ -108,28 +111,7 @@ class ViTConfig:
             self.global_pool = ""
         if self.global_pool not in GLOBAL_POOLS:
             raise UserError(f"global_pool {self.global_pool!r} is not one of {list(GLOBAL_POOLS)} ('' = none)")
-        components = (("act_layer", ACT_LAYERS), ("norm_layer", NORM_LAYERS), ("mlp_layer", MLP_LAYERS))
-        for name, allowed in (*components, ("block_fn", BLOCK_FNS)):
-            if getattr(self, name) not in allowed:
-                raise UserError(f"{name} {getattr(self, name)!r} is not one of {list(allowed)}")
-        if self.block_fn == "parallel_scaling" and (
-            self.mlp_layer != "mlp" or self.scale_attn_norm or self.scale_mlp_norm
-        ):
-            raise UserError(
-                "block_fn 'parallel_scaling' has its own fused MLP: it takes mlp_layer 'mlp' and no "
-                "scale_attn_norm / scale_mlp_norm"
-            )
-        if self.mlp_layer == "swiglu_packed" and int(self.embed_dim * self.mlp_ratio) % 2:
-            raise UserError(
-                f"mlp_layer 'swiglu_packed' splits its {int(self.embed_dim * self.mlp_ratio)} hidden features in "
-                "two halves: embed_dim * mlp_ratio must be even"
-            )
-        if self.global_pool == "token" and not self.class_token:
-            raise UserError("global_pool 'token' needs class_token=true; use global_pool 'avg' without it")
-        if self.pos_embed not in POS_EMBEDS:
-            raise UserError(f"pos_embed {self.pos_embed!r} is not one of {list(POS_EMBEDS)}")
-        if self.pos_embed == "sincos2d" and self.embed_dim % 4:
-            raise UserError(f"pos_embed 'sincos2d' needs embed_dim divisible by 4, got {self.embed_dim}")
+        self._check_choices()
         if self.weight_init not in WEIGHT_INITS:
             raise UserError(f"weight_init {self.weight_init!r} is not one of {list(WEIGHT_INITS)}")
         for name in DROPOUTS:
@@ -141,6 +123,35 @@ class ViTConfig:
         if self.norm_eps <= 0:
             raise UserError(f"norm_eps {self.norm_eps} must be > 0")
         self.grid_size = (h // self.patch_size, w // self.patch_size)
+
+    def _check_choices(self) -> None:
+        """The component names, and the combinations they do not support."""
+        components = (("act_layer", ACT_LAYERS), ("norm_layer", NORM_LAYERS), ("mlp_layer", MLP_LAYERS))
+        for name, allowed in (*components, ("block_fn", BLOCK_FNS)):
+            if getattr(self, name) not in allowed:
+                raise UserError(f"{name} {getattr(self, name)!r} is not one of {list(allowed)}")
+        if self.block_fn == "parallel_scaling" and (
+            self.mlp_layer != "mlp" or self.scale_attn_norm or self.scale_mlp_norm
+        ):
+            raise UserError(
+                "block_fn 'parallel_scaling' has its own fused MLP: it takes mlp_layer 'mlp' and no "
+                "scale_attn_norm / scale_mlp_norm"
+            )
+        if self.fix_init and self.block_fn != "block":
+            raise UserError("fix_init scales the attention and MLP projections of block_fn 'block' only")
+        if self.mlp_layer == "swiglu_packed" and int(self.embed_dim * self.mlp_ratio) % 2:
+            raise UserError(
+                f"mlp_layer 'swiglu_packed' splits its {int(self.embed_dim * self.mlp_ratio)} hidden features in "
+                "two halves: embed_dim * mlp_ratio must be even"
+            )
+        if self.global_pool == "token" and not self.class_token:
+            raise UserError("global_pool 'token' needs class_token=true; use global_pool 'avg' without it")
+        if self.pos_embed not in POS_EMBEDS:
+            raise UserError(f"pos_embed {self.pos_embed!r} is not one of {list(POS_EMBEDS)}")
+        if self.pos_embed == "sincos2d" and self.embed_dim % 4:
+            raise UserError(f"pos_embed 'sincos2d' needs embed_dim divisible by 4, got {self.embed_dim}")
+        if self.pos_embed == "sincos1d" and self.embed_dim % 2:
+            raise UserError(f"pos_embed 'sincos1d' needs an even embed_dim, got {self.embed_dim}")
 
     def _check_types(self) -> None:
         # Hydra hands over whatever YAML parsed; catch "depth: 12.5" or "qk_norm: yes please" here.
@@ -159,6 +170,7 @@ class ViTConfig:
             "scale_attn_norm",
             "scale_mlp_norm",
             "pool_include_prefix",
+            "fix_init",
         )
         floats = ("mlp_ratio", "norm_eps", *DROPOUTS)
         for name in ints:
@@ -197,7 +209,7 @@ class ViTConfig:
     @property
     def embeds_prefix(self) -> bool:
         """Whether pos_embed has rows for the class/register tokens (timm's original layout)."""
-        return self.pos_embed == "learn" and not self.no_embed_class
+        return self.pos_embed in ("learn", "sincos1d") and not self.no_embed_class
 
     # ---- construction and plain-data round trip -------------------------------------------------
     @classmethod

@@ -20,14 +20,26 @@ from torch.utils.checkpoint import checkpoint
 
 from vitlab.model.config import ViTConfig
 
+Size = int | Sequence[int]  # an int for squares, else (height, width)
+
 # ---- position embeddings --------------------------------------------------------------------------
 
 
-def posemb_sincos_2d(grid_size: tuple[int, int], dim: int, temperature: float = 10_000.0) -> torch.Tensor:
+def posemb_sincos_1d(length: int, dim: int, temperature: float = 10_000.0, device=None) -> torch.Tensor:
+    """Fixed 1-D sinusoid of "Attention Is All You Need" (Sec. 3.5), sin and cos interleaved as T2T-ViT's
+    `get_sinusoid_encoding`: (1, length, dim), row i, channels 2j and 2j+1 = sin, cos of i / temperature^(2j/dim)."""
+    pos = torch.arange(length, dtype=torch.float32, device=device)[:, None]
+    omega = temperature ** (-torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)  # (dim/2,)
+    angles = pos * omega  # (length, dim/2)
+    return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)[None]
+
+
+def posemb_sincos_2d(grid_size: tuple[int, int], dim: int, temperature: float = 10_000.0, device=None) -> torch.Tensor:
     """Fixed 2-D sin-cos embedding as big_vision's `posemb_sincos_2d`: (1, H*W, dim)."""
     h, w = grid_size
-    y, x = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
-    omega = torch.arange(dim // 4, dtype=torch.float32) / max(dim // 4 - 1, 1)
+    f32 = dict(dtype=torch.float32, device=device)
+    y, x = torch.meshgrid(torch.arange(h, **f32), torch.arange(w, **f32), indexing="ij")
+    omega = torch.arange(dim // 4, **f32) / max(dim // 4 - 1, 1)
     omega = 1.0 / temperature**omega
     y = y.flatten()[:, None] * omega[None, :]
     x = x.flatten()[:, None] * omega[None, :]
@@ -41,23 +53,78 @@ def resample_pos_embed(
     num_prefix_tokens: int = 1,
 ) -> torch.Tensor:
     """Resample the patch rows of a position embedding to a new grid (bicubic, antialiased, in fp32),
-    keeping the prefix rows, exactly as timm's `resample_abs_pos_embed`. `old_size` defaults to square."""
+    keeping the prefix rows, exactly as timm's `resample_abs_pos_embed`. Without `old_size` the rows are read
+    as the grid of the new one's aspect ratio (square for a square model, as timm assumes)."""
     new_size = (int(new_size[0]), int(new_size[1]))
     n_old = posemb.shape[1] - num_prefix_tokens
-    if old_size is None:
-        side = math.isqrt(n_old)
-        if side * side != n_old:
-            raise ValueError(f"pos_embed has {n_old} patch rows, not a square grid; give its grid size")
-        old_size = (side, side)
+    old_size = old_size or grid_like(n_old, new_size)
     old_size = (int(old_size[0]), int(old_size[1]))
     if old_size == new_size:
         return posemb
+    return _resample_grid(posemb, new_size, old_size, num_prefix_tokens)
+
+
+def grid_like(n: int, like: Sequence[int]) -> tuple[int, int]:
+    """The (h, w) with h * w = n whose aspect ratio is closest to `like`'s: the grid of a pos_embed saved
+    without its size. Refused when even the closest is more than 2x off (likely not the same images)."""
+    ratio = like[0] / like[1]
+    h = min((h for h in range(1, n + 1) if n % h == 0), key=lambda h: abs(math.log(h * h / n / ratio)))
+    if abs(math.log(h * h / n / ratio)) > math.log(2.0):
+        raise ValueError(f"pos_embed has {n} patch rows, no grid near the aspect ratio of {tuple(like)}; give its size")
+    return h, n // h
+
+
+def _resample_grid(posemb: torch.Tensor, new_size, old_size, num_prefix_tokens: int) -> torch.Tensor:
+    # No shortcut for new_size == old_size (bicubic at scale 1 is exact), so traced sizes stay symbolic.
     prefix, grid = posemb[:, :num_prefix_tokens], posemb[:, num_prefix_tokens:]
     dim = posemb.shape[-1]
-    grid = grid.float().reshape(1, *old_size, dim).permute(0, 3, 1, 2)  # (1, D, h, w)
+    grid = grid.float().reshape(1, old_size[0], old_size[1], dim).permute(0, 3, 1, 2)  # (1, D, h, w)
     grid = F.interpolate(grid, size=new_size, mode="bicubic", antialias=True)
-    grid = grid.permute(0, 2, 3, 1).reshape(1, -1, dim).to(posemb.dtype)
+    grid = grid.permute(0, 2, 3, 1).flatten(1, 2).to(posemb.dtype)
     return torch.cat([prefix, grid], dim=1) if num_prefix_tokens else grid
+
+
+@torch.fx.wrap  # FX records one call: the grid comes from the input's shape
+def _pos_embed_at(pos_embed: torch.Tensor, tokens: torch.Tensor, kind: str, trained_grid, num_prefix: int):
+    """The position embedding for the grid of `tokens` (B, h, w, D) (dynamic_img_size): a fixed table
+    recomputed, a learned one resampled from its trained grid (as timm's resample_abs_pos_embed)."""
+    h, w = tokens.shape[1], tokens.shape[2]
+    if kind == "sincos2d":
+        return posemb_sincos_2d((h, w), pos_embed.shape[-1], device=pos_embed.device).to(pos_embed.dtype)
+    if kind == "sincos1d":
+        return posemb_sincos_1d(num_prefix + h * w, pos_embed.shape[-1], device=pos_embed.device).to(pos_embed.dtype)
+    return _resample_grid(pos_embed, (h, w), trained_grid, num_prefix)
+
+
+def resample_patch_embed(weight: torch.Tensor, new_size: Sequence[int]) -> torch.Tensor:
+    """Patch filters (D, C, p, p) for another patch size, by FlexiViT's pseudo-inverse resize (Beyer et al.
+    2023, Eq. 4; timm's `resample_patch_embed`): the new filter w' minimises |<x, w> - <resize(x), w'>| over
+    patches x, so tokens of resized patches keep their values."""
+    old = tuple(weight.shape[-2:])
+    new = (int(new_size[0]), int(new_size[1]))
+    if old == new:
+        return weight
+    n_old = old[0] * old[1]
+    basis = torch.eye(n_old, dtype=torch.float32, device=weight.device).reshape(n_old, 1, *old)
+    resize = F.interpolate(basis, size=new, mode="bicubic", antialias=True).reshape(n_old, -1)  # (n_old, n_new)
+    pinv = torch.linalg.pinv(resize)  # (n_new, n_old)
+    w = weight.float().flatten(2) @ pinv.T  # (D, C, n_new)
+    return w.reshape(*weight.shape[:2], *new).to(weight.dtype)
+
+
+@torch.fx.wrap
+def _check_input_size(x: torch.Tensor, img_hw, patch_size: int, dynamic_size: bool, dynamic_pad: bool) -> None:
+    H, W = x.shape[-2], x.shape[-1]
+    if not dynamic_size and (H, W) != tuple(img_hw):
+        raise ValueError(
+            f"input size {H}x{W} does not match img_size {tuple(img_hw)}; "
+            "resize the input or build the model with dynamic_img_size=true"
+        )
+    if not dynamic_pad and (H % patch_size or W % patch_size):  # the strided conv would drop the remainder
+        raise ValueError(
+            f"input size {H}x{W} is not a multiple of patch_size {patch_size}; crop or resize it, or build the "
+            "model with dynamic_img_pad=true to pad it"
+        )
 
 
 # ---- layers ----------------------------------------------------------------------------------------
@@ -100,8 +167,29 @@ class DropPath(nn.Module):
         if not self.training or self.p == 0.0:
             return x
         keep = 1.0 - self.p
-        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+        mask = x.new_empty(x.shape[0], 1, 1).bernoulli_(keep)  # tokens (B, N, D): one draw per sample
         return x * mask.div_(keep)
+
+
+class PatchDropout(nn.Module):
+    """In training, keep a random max(1, int(L * (1 - p))) of the L patch tokens of each image, prefix tokens
+    always (Li et al. 2023, FLIP; timm's PatchDropout, unordered)."""
+
+    def __init__(self, p: float, num_prefix_tokens: int):
+        super().__init__()
+        self.p, self.num_prefix_tokens = p, num_prefix_tokens
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, prefix + L, D) -> (B, prefix + kept, D)
+        return _drop_patches(x, self.p, self.num_prefix_tokens) if self.training else x
+
+
+@torch.fx.wrap  # the kept count comes from the input's shape
+def _drop_patches(x: torch.Tensor, p: float, num_prefix: int) -> torch.Tensor:
+    prefix, x = x[:, :num_prefix], x[:, num_prefix:]
+    L = x.shape[1]
+    keep = torch.randn(x.shape[0], L, device=x.device).argsort(dim=-1)[:, : max(1, int(L * (1.0 - p)))]
+    x = x.gather(1, keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+    return torch.cat([prefix, x], dim=1)
 
 
 class LayerScale(nn.Module):
@@ -133,19 +221,20 @@ class Attention(nn.Module):
         self.proj_drop = nn.Dropout(cfg.proj_drop_rate)
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        B, N, D = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # each (B, H, N, Dh), views: no copy
         return self.q_norm(q), self.k_norm(k), v
 
-    def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
-        """With `rows`, only the first `rows` tokens query (every token is still a key and value)."""
-        B, N, D = x.shape
+    def forward(
+        self, x: torch.Tensor, rows: int | None = None, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
+        """With `rows`, only the first `rows` tokens query (every token is still a key and value).
+        `attn_mask`: SDPA's, broadcastable to (B, H, N, N), bool (True attends) or added to the scores."""
         q, k, v = self._qkv(x)
         if rows is not None:
-            q = q[:, :, :rows]  # (B, H, rows, Dh)
-        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
-        x = x.transpose(1, 2).reshape(B, -1, D)
+            q, attn_mask = q[:, :, :rows], _query_rows(attn_mask, rows)  # (B, H, rows, Dh)
+        drop = self.attn_drop if self.training else 0.0
+        x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=drop).transpose(1, 2).flatten(2)
         return self.proj_drop(self.proj(self.norm(x)))
 
     def attention_map(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,6 +242,12 @@ class Attention(nn.Module):
         forward pass never materialises it."""
         q, k, _ = self._qkv(x)
         return ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+
+
+@torch.fx.wrap  # traced with or without a mask
+def _query_rows(attn_mask: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """The mask of the first `rows` queries; None, or a mask with no query axis, as it is."""
+    return attn_mask if attn_mask is None or attn_mask.ndim < 2 else attn_mask[..., :rows, :]
 
 
 class _MlpOutput(nn.Module):
@@ -230,11 +325,13 @@ class Block(nn.Module):
         self.ls2 = LayerScale(dim, cfg.init_values) if cfg.init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
+    def forward(
+        self, x: torch.Tensor, rows: int | None = None, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
         """With `rows`, only the first `rows` tokens are updated and returned: a class-token head reads
         one row of the last block, and every other row's attention query, projection and MLP is waste."""
         shortcut = x if rows is None else x[:, :rows]
-        x = shortcut + self.drop_path1(self.ls1(self.attn(self.norm1(x), rows)))
+        x = shortcut + self.drop_path1(self.ls1(self.attn(self.norm1(x), rows, attn_mask)))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return x
 
@@ -267,20 +364,20 @@ class ParallelScalingBlock(nn.Module):
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        B, N, D = x.shape
         hidden, q, k, v = torch.split(self.in_proj(self.in_norm(x)), self.in_split, dim=-1)
         if self.mlp_bias is not None:
             hidden = hidden + self.mlp_bias
-        heads = (B, N, self.num_heads, self.head_dim)
-        q = self.q_norm(q.view(heads)).transpose(1, 2)
-        k = self.k_norm(k.view(heads)).transpose(1, 2)
-        return hidden, q, k, v.view(heads).transpose(1, 2)
+        heads = (self.num_heads, self.head_dim)
+        q = self.q_norm(q.unflatten(-1, heads)).transpose(1, 2)
+        k = self.k_norm(k.unflatten(-1, heads)).transpose(1, 2)
+        return hidden, q, k, v.unflatten(-1, heads).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
-        B, N, D = x.shape
+    def forward(
+        self, x: torch.Tensor, rows: int | None = None, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
         hidden, q, k, v = self._project(x)
-        attn = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
-        attn = attn.transpose(1, 2).reshape(B, N, D)
+        drop = self.attn_drop if self.training else 0.0
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=drop).transpose(1, 2).flatten(2)
         y = self.attn_out_proj(attn) + self.mlp_out_proj(self.mlp_drop(self.mlp_act(hidden)))
         x = x + self.drop_path(self.ls(y))
         return x if rows is None else x[:, :rows]
@@ -309,10 +406,10 @@ class AttentionPool(nn.Module):
         self.mlp = Mlp(cfg.replace(proj_bias=True, proj_drop_rate=0.0))  # timm's: biases on, no dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D) -> (B, D)
-        B, N, D = x.shape
-        q = self.q(self.latent.expand(B, -1, -1)).reshape(B, 1, self.num_heads, self.head_dim).transpose(1, 2)
-        k, v = self.kv(x).reshape(B, N, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        x = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, 1, D)
+        heads = (self.num_heads, self.head_dim)
+        q = self.q(self.latent.expand(x.shape[0], -1, -1)).unflatten(-1, heads).transpose(1, 2)  # (B, H, 1, Dh)
+        k, v = self.kv(x).unflatten(-1, (2, *heads)).permute(2, 0, 3, 1, 4).unbind(0)
+        x = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)  # (B, 1, D)
         x = self.proj(x)
         x = x + self.mlp(self.norm(x))
         return x[:, 0]
@@ -331,9 +428,61 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, ceil(H/P), ceil(W/P), D)
         if self.dynamic_img_pad:
-            p, (H, W) = self.patch_size, x.shape[-2:]
+            p, H, W = self.patch_size, x.shape[-2], x.shape[-1]
             x = F.pad(x, (0, (p - W % p) % p, 0, (p - H % p) % p))
         return self.norm(self.proj(x).permute(0, 2, 3, 1))
+
+
+# ---- initialisation: timm's weight_init modes, per Linear/Conv2d (name is the module's path) ----------
+
+
+def _lecun_normal_(w: torch.Tensor) -> None:
+    """Truncated at 2 std, corrected so the variance is 1/fan_in (JAX's lecun_normal)."""
+    nn.init.trunc_normal_(w, std=1.0, a=-2.0, b=2.0)
+    w.mul_(math.sqrt(1.0 / w[0].numel()) / 0.87962566103423978)
+
+
+def _init_timm(name: str, m: nn.Module, cfg: ViTConfig) -> None:  # '': truncated normal 0.02, zero biases
+    if isinstance(m, nn.Linear):
+        nn.init.trunc_normal_(m.weight, std=0.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
+def _init_jax(name: str, m: nn.Module, cfg: ViTConfig) -> None:
+    """big_vision's: Xavier-uniform Linears (MLP biases ~1e-6), LeCun-normal patch conv, zero head whose bias is
+    -log(num_classes) with 'jax_nlhb' (start from uniform class probabilities)."""
+    if isinstance(m, nn.Linear) and name.startswith("head"):
+        nn.init.zeros_(m.weight)
+        nn.init.constant_(m.bias, -math.log(cfg.num_classes) if cfg.weight_init == "jax_nlhb" else 0.0)
+    elif isinstance(m, nn.Linear):
+        nn.init.xavier_uniform_(m.weight)
+        if m.bias is not None:
+            nn.init.normal_(m.bias, std=1e-6) if "mlp" in name else nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Conv2d):
+        _lecun_normal_(m.weight)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
+def _init_moco(name: str, m: nn.Module, cfg: ViTConfig) -> None:
+    """MoCo v3's: Xavier-uniform Linears, with q, k and v's fan counted separately in the fused qkv."""
+    if isinstance(m, nn.Linear):
+        if "qkv" in name:
+            bound = math.sqrt(6.0 / (m.weight.shape[0] // 3 + m.weight.shape[1]))
+            nn.init.uniform_(m.weight, -bound, bound)
+        else:
+            nn.init.xavier_uniform_(m.weight)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
+WEIGHT_INITS = {"": _init_timm, "jax": _init_jax, "jax_nlhb": _init_jax, "moco": _init_moco}  # 'skip': PyTorch's
+
+# What timm's ViT weights expect of their inputs unless their pretrained config says otherwise (timm's `_cfg`).
+DEFAULT_PRETRAINED_CFG = dict(
+    mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), crop_pct=0.9, crop_mode="center", interpolation="bicubic"
+)
 
 
 # ---- the model -------------------------------------------------------------------------------------
@@ -351,14 +500,17 @@ class ViT(nn.Module):
         self.patch_embed = PatchEmbed(cfg)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.class_token else None
         self.reg_token = nn.Parameter(torch.zeros(1, cfg.reg_tokens, D)) if cfg.reg_tokens else None
+        prefix_rows = cfg.num_prefix_tokens if cfg.embeds_prefix else 0
         if cfg.pos_embed == "learn":
-            rows = cfg.num_patches + (cfg.num_prefix_tokens if cfg.embeds_prefix else 0)
-            self.pos_embed = nn.Parameter(torch.zeros(1, rows, D))
-        elif cfg.pos_embed == "sincos2d":  # fixed: a buffer (nothing to train), saved under timm's key
-            self.register_buffer("pos_embed", posemb_sincos_2d(cfg.grid_size, D))
+            self.pos_embed = nn.Parameter(torch.zeros(1, prefix_rows + cfg.num_patches, D))
+        elif cfg.pos_embed in ("sincos1d", "sincos2d"):  # fixed: a buffer (nothing to train), under timm's key
+            self.register_buffer("pos_embed", self._fixed_pos_embed(cfg))
         else:
             self.pos_embed = None
         self.pos_drop = nn.Dropout(cfg.pos_drop_rate)
+        self.patch_drop = (
+            PatchDropout(cfg.patch_drop_rate, self.num_prefix_tokens) if cfg.patch_drop_rate else nn.Identity()
+        )
         self.norm_pre = norm(cfg, D) if cfg.pre_norm else nn.Identity()
         # Stochastic depth grows linearly with depth (timm's torch.linspace, float32 included).
         dpr = torch.linspace(0, cfg.drop_path_rate, cfg.depth, device="cpu").tolist()
@@ -369,45 +521,38 @@ class ViT(nn.Module):
         self.head_drop = nn.Dropout(cfg.drop_rate)
         self.head = nn.Linear(D, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
 
-        self.init_weights()
+        self.pretrained_cfg = dict(self._default_pretrained_cfg(cfg))
+        if cfg.weight_init != "skip":
+            self.init_weights()
         self.register_load_state_dict_pre_hook(_resample_pos_embed_on_load)
+
+    @staticmethod
+    def _fixed_pos_embed(cfg: ViTConfig, device=None) -> torch.Tensor:
+        if cfg.pos_embed == "sincos2d":
+            return posemb_sincos_2d(cfg.grid_size, cfg.embed_dim, device=device)
+        rows = (cfg.num_prefix_tokens if cfg.embeds_prefix else 0) + cfg.num_patches
+        return posemb_sincos_1d(rows, cfg.embed_dim, device=device)
 
     # ---- initialisation --------------------------------------------------------------------------
     @torch.no_grad()
     def init_weights(self) -> None:
-        """timm's default scheme ('': truncated normal 0.02 for every Linear, zero biases, PyTorch's
-        default for the patch conv) or big_vision's ('jax': Xavier-uniform Linears, LeCun-normal
-        patch conv, zero head)."""
+        """timm's schemes by `cfg.weight_init` (WEIGHT_INITS): '' truncated normal 0.02 for every Linear, zero
+        biases, PyTorch's default for the patch conv; 'jax' / 'jax_nlhb' big_vision's; 'moco' MoCo v3's ('skip'
+        keeps PyTorch's own initialisation of each layer and zero tokens and pos_embed)."""
         if isinstance(self.pos_embed, nn.Parameter):
             nn.init.trunc_normal_(self.pos_embed, std=0.02)
         for tok in (self.cls_token, self.reg_token):
             if tok is not None:
                 nn.init.normal_(tok, std=1e-6)
-        if self.attn_pool is not None:
-            nn.init.trunc_normal_(self.attn_pool.latent, std=self.cfg.embed_dim**-0.5)
-        jax = self.cfg.weight_init == "jax"
+        init = WEIGHT_INITS[self.cfg.weight_init]
         for name, m in self.named_modules():
-            if isinstance(m, nn.Linear):
-                if jax and name == "head":
-                    nn.init.zeros_(m.weight)
-                    nn.init.zeros_(m.bias)
-                    continue
-                if jax:
-                    nn.init.xavier_uniform_(m.weight)
-                else:
-                    nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    if jax and ".mlp." in f".{name}":
-                        nn.init.normal_(m.bias, std=1e-6)
-                    else:
-                        nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Conv2d) and jax:
-                # LeCun normal: truncated at 2 std, corrected so the variance is 1/fan_in.
-                fan_in = m.weight[0].numel()
-                nn.init.trunc_normal_(m.weight, std=1.0, a=-2.0, b=2.0)
-                m.weight.mul_(math.sqrt(1.0 / fan_in) / 0.87962566103423978)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+            init(name, m, self.cfg)
+            if m is self.attn_pool:  # after its layers, as timm's AttentionPoolLatent.init_weights
+                nn.init.trunc_normal_(m.latent, std=self.cfg.embed_dim**-0.5)
+        if self.cfg.fix_init:  # timm's fix_init_weight: deeper blocks write smaller residuals
+            for i, blk in enumerate(self.blocks):
+                blk.attn.proj.weight.div_(math.sqrt(2.0 * (i + 1)))
+                blk.mlp.fc2.weight.div_(math.sqrt(2.0 * (i + 1)))
 
     # ---- timm's model API (what timm.optim, timm.data and timm users call) ----------------------
     @property
@@ -420,12 +565,24 @@ class ViT(nn.Module):
 
     head_hidden_size = num_features  # no pre-logits layer: the head sees the pooled features
 
+    @staticmethod
+    def _default_pretrained_cfg(cfg: ViTConfig) -> dict:
+        d = dict(DEFAULT_PRETRAINED_CFG, num_classes=cfg.num_classes, input_size=(cfg.in_chans, *cfg.img_hw))
+        if cfg.in_chans != 3:
+            d.update(mean=(0.5,) * cfg.in_chans, std=(0.5,) * cfg.in_chans)
+        return dict(d, pool_size=None, fixed_input_size=not cfg.dynamic_img_size, first_conv="patch_embed.proj",
+                    classifier="head")  # fmt: skip
+
+    @property
+    def default_cfg(self) -> dict:  # timm's older name of pretrained_cfg
+        return self.pretrained_cfg
+
     @property
     def feature_info(self) -> list[dict]:
         """Every block's output as timm describes it: module name, channels, stride in pixels."""
         return [
             dict(module=f"blocks.{i}", num_chs=self.cfg.embed_dim, reduction=self.cfg.patch_size)
-            for i in range(self.cfg.depth)
+            for i in range(len(self.blocks))
         ]
 
     def no_weight_decay(self) -> set[str]:
@@ -443,67 +600,95 @@ class ViT(nn.Module):
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """A new head for `num_classes` (0: none, forward returns pooled features), and optionally another
-        pooling; the rest of the model is kept. The config follows, so checkpoints record the change."""
+        pooling ('' keeps every token); the attention pool can be removed, not added. The rest of the model is
+        kept, and the config follows, so checkpoints record the change."""
         changes: dict = {"num_classes": num_classes}
         if global_pool is not None:
-            if (global_pool == "map") != (self.attn_pool is not None):
-                raise ValueError("reset_classifier cannot add or remove the attention pool ('map'); build a new model")
-            # the norms stay as built (timm's too): pin fc_norm so the config still describes this model
-            changes.update(global_pool=global_pool, fc_norm=self.cfg.use_fc_norm)
-        self.cfg = self.cfg.replace(**changes)
+            if global_pool == "map" and self.attn_pool is None:
+                raise ValueError("reset_classifier cannot add an attention pool ('map'); build a new model")
+            if global_pool != "map":
+                self.attn_pool = None
+            changes["global_pool"] = global_pool
+        self.cfg = self.cfg.replace(**changes, **self._built_norms())
         device = next(self.parameters()).device
         self.head = nn.Linear(self.cfg.embed_dim, num_classes, device=device) if num_classes > 0 else nn.Identity()
+
+    def _built_norms(self) -> dict:
+        """The config fields that describe the norms as built (the pooling no longer decides them)."""
+        has_norm, has_fc_norm = not isinstance(self.norm, nn.Identity), not isinstance(self.fc_norm, nn.Identity)
+        return dict(final_norm=has_norm or has_fc_norm, fc_norm=has_fc_norm)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each block's activations in the backward pass instead of storing them."""
         self.grad_checkpointing = enable
 
+    def set_input_size(self, img_size: Size | None = None, patch_size: Size | None = None):
+        """Another input resolution and/or patch size, as timm's: a learned pos_embed is resampled to the new
+        grid, a fixed one recomputed; the patch filters are resampled to the new patch size (FlexiViT)."""
+        old, changes = self.cfg, {}
+        if img_size is not None:
+            changes["img_size"] = img_size if isinstance(img_size, int) else list(img_size)
+        if patch_size is not None:
+            p = (patch_size, patch_size) if isinstance(patch_size, int) else tuple(patch_size)
+            if len(p) != 2 or p[0] != p[1]:
+                raise ValueError(f"patch_size {patch_size} must be square")
+            changes["patch_size"] = int(p[0])
+        new = old.replace(**changes)
+        if new.patch_size != old.patch_size:
+            conv, P = self.patch_embed.proj, new.patch_size
+            proj = nn.Conv2d(new.in_chans, new.embed_dim, P, P, bias=conv.bias is not None, device=conv.weight.device,
+                             dtype=conv.weight.dtype)  # fmt: skip
+            with torch.no_grad():
+                proj.weight.copy_(resample_patch_embed(conv.weight, (P, P)))
+                if conv.bias is not None:
+                    proj.bias.copy_(conv.bias)
+            self.patch_embed.proj, self.patch_embed.patch_size = proj, P
+        if self.pos_embed is not None and new.grid_size != old.grid_size:
+            if isinstance(self.pos_embed, nn.Parameter):
+                prefix = self.num_prefix_tokens if new.embeds_prefix else 0
+                pe = resample_pos_embed(self.pos_embed.detach(), new.grid_size, old.grid_size, prefix)
+                self.pos_embed = nn.Parameter(pe, requires_grad=self.pos_embed.requires_grad)
+            else:
+                self.pos_embed = self._fixed_pos_embed(new, self.pos_embed.device).to(self.pos_embed.dtype)
+        self.cfg = new
+        self.pretrained_cfg["input_size"] = (new.in_chans, *new.img_hw)
+
     # ---- forward ---------------------------------------------------------------------------------
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> tokens (B, N, D): patches, prefix tokens, position embedding."""
-        H, W = x.shape[-2:]
-        if not self.cfg.dynamic_img_size and (H, W) != self.cfg.img_hw:
-            raise ValueError(
-                f"input size {H}x{W} does not match img_size {self.cfg.img_hw}; "
-                "resize the input or build the model with dynamic_img_size=true"
-            )
-        P = self.cfg.patch_size
-        if (H % P or W % P) and not self.cfg.dynamic_img_pad:  # the strided conv would drop the remainder
-            raise ValueError(
-                f"input size {H}x{W} is not a multiple of patch_size {P}; crop or resize it, or build the "
-                "model with dynamic_img_pad=true to pad it"
-            )
+        cfg = self.cfg
+        _check_input_size(x, cfg.img_hw, cfg.patch_size, cfg.dynamic_img_size, cfg.dynamic_img_pad)
         x = self.patch_embed(x)  # (B, h, w, D)
-        B, h, w, D = x.shape
-        x = x.reshape(B, h * w, D)
-        prefix = [t.expand(B, -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
-        pos = self._pos_embed_for((h, w))
+        pos = self.pos_embed
+        if pos is not None and cfg.dynamic_img_size:  # this input's grid, from its shape
+            prefix_rows = self.num_prefix_tokens if cfg.embeds_prefix else 0
+            pos = _pos_embed_at(pos, x, cfg.pos_embed, cfg.grid_size, prefix_rows)
+        x = x.flatten(1, 2)  # (B, h*w, D)
+        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
         if pos is None:
             x = torch.cat(prefix + [x], dim=1) if prefix else x
-        elif self.cfg.embeds_prefix:  # original ViT: rows for the prefix tokens too; concat then add
+        elif cfg.embeds_prefix:  # original ViT: rows for the prefix tokens too; concat then add
             x = torch.cat(prefix + [x], dim=1) if prefix else x
             x = x + pos
         else:  # patches only (DeiT-III, big_vision): add then concat
             x = x + pos
             x = torch.cat(prefix + [x], dim=1) if prefix else x
-        return self.norm_pre(self.pos_drop(x))
+        return self.norm_pre(self.patch_drop(self.pos_drop(x)))
 
-    def _pos_embed_for(self, grid: tuple[int, int]) -> torch.Tensor | None:
-        if self.pos_embed is None or grid == self.cfg.grid_size:
-            return self.pos_embed
-        if self.cfg.pos_embed == "sincos2d":
-            return posemb_sincos_2d(grid, self.cfg.embed_dim).to(self.pos_embed)
-        prefix = self.num_prefix_tokens if self.cfg.embeds_prefix else 0
-        return resample_pos_embed(self.pos_embed, grid, self.cfg.grid_size, prefix)
+    def _block(self, blk: nn.Module, x: torch.Tensor, rows: int | None = None, attn_mask: torch.Tensor | None = None):
+        """One block, recomputed in the backward pass when gradient checkpointing is on."""
+        if self.grad_checkpointing and torch.is_grad_enabled():
+            return checkpoint(blk, x, rows, attn_mask, use_reentrant=False)
+        return blk(x, rows, attn_mask)
 
-    def forward_features(self, x: torch.Tensor, last_rows: int | None = None) -> torch.Tensor:
+    def forward_features(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, last_rows: int | None = None
+    ) -> torch.Tensor:
         """Images -> final normed tokens (B, N, D); with `last_rows`, the last block computes and returns
         only the first `last_rows` tokens (B, last_rows, D)."""
         x = self.embed(x)
-        ckpt = self.grad_checkpointing and torch.is_grad_enabled()
         for i, blk in enumerate(self.blocks):
-            rows = last_rows if i == len(self.blocks) - 1 else None
-            x = checkpoint(blk, x, rows, use_reentrant=False) if ckpt else blk(x, rows)
+            x = self._block(blk, x, last_rows if i == len(self.blocks) - 1 else None, attn_mask)
         return self.norm(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
@@ -517,41 +702,87 @@ class ViT(nn.Module):
         x = self.head_drop(self.fc_norm(x))
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         # A class-token head reads row 0 only: the last block skips the other N - 1 rows' work, about
         # 3/4 of a block (the same logits as timm's to ~1e-6; experiments/throughput).
         rows = 1 if self.cfg.global_pool == "token" else None
-        return self.forward_head(self.forward_features(x, last_rows=rows))
+        return self.forward_head(self.forward_features(x, attn_mask, last_rows=rows))
 
     # ---- looking inside --------------------------------------------------------------------------
-    def forward_intermediates(self, x: torch.Tensor, layers: Sequence[int | str] = (-1,)) -> dict[str, torch.Tensor]:
-        """Named intermediate outputs. `layers` holds block indices (negative count from the end) or
-        names: 'patch_embed' (B, h*w, D) before prefix tokens and position embedding, 'embed' (B, N, D)
-        the blocks' input, 'blocks.<i>', 'norm' (the final features). Stops after the last one asked."""
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: int | Sequence[int] | None = None,
+        return_prefix_tokens: bool = False,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+        output_dict: bool = False,
+        attn_mask: torch.Tensor | None = None,
+    ):
+        """timm's contract: block outputs at `indices` (an int n: the last n blocks; a list: those blocks,
+        negative from the end; None: all), patch tokens as (B, D, h, w) ('NCHW') or (B, h*w, D) ('NLC'), with
+        their prefix tokens as (tokens, prefix) pairs when `return_prefix_tokens`, each through the final norm
+        when `norm`. Returns (final features, intermediates), the intermediates alone, or timm's dict.
+        Checkpointed like forward_features when gradient checkpointing is on."""
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt {output_fmt!r} is not one of ['NCHW', 'NLC']")
+        take, last = take_indices(len(self.blocks), indices)
+        B, H, W = x.shape[0], x.shape[-2], x.shape[-1]
+        blocks = self.blocks[: last + 1] if stop_early else self.blocks
+        feats, x = [], self.embed(x)
+        for i, blk in enumerate(blocks):
+            x = self._block(blk, x, None, attn_mask)
+            if i in take:
+                feats.append(self.norm(x) if norm else x)
+        n = self.num_prefix_tokens
+        prefix, feats = [y[:, :n] for y in feats], [y[:, n:] for y in feats]
+        if output_fmt == "NCHW":
+            P = self.cfg.patch_size
+            h, w = (H + P - 1) // P, (W + P - 1) // P  # the padded grid with dynamic_img_pad
+            feats = [y.reshape(B, h, w, -1).permute(0, 3, 1, 2).contiguous() for y in feats]
+        if output_dict:
+            out = {"image_intermediates": feats}
+            if n and return_prefix_tokens:
+                out["image_intermediates_prefix"] = prefix
+            if not intermediates_only:
+                out["image_features"] = self.norm(x)
+            return out
+        if n and return_prefix_tokens:
+            feats = list(zip(feats, prefix, strict=True))
+        return feats if intermediates_only else (self.norm(x), feats)
+
+    def prune_intermediate_layers(
+        self, indices: int | Sequence[int] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
+        """Drop the blocks after the last of `indices` (and the final norm, the head), as timm's: a backbone
+        for forward_intermediates. The config follows. Returns the kept indices."""
+        take, last = take_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[: last + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.fc_norm = nn.Identity()
+            self.reset_classifier(0, "")
+        self.cfg = self.cfg.replace(depth=last + 1, **self._built_norms())
+        return take
+
+    def intermediates_by_name(self, x: torch.Tensor, layers: Sequence[int | str] = (-1,)) -> dict[str, torch.Tensor]:
+        """Named intermediate outputs, for layer-by-layer comparisons (convert/compare.py). `layers` holds block
+        indices (negative count from the end) or names: 'patch_embed' (B, h*w, D) before prefix tokens and
+        position embedding, 'embed' (B, N, D) the blocks' input, 'blocks.<i>', 'norm' (the final features)."""
         depth = len(self.blocks)
-        wanted: list[str] = []
-        for layer in layers:
-            if isinstance(layer, int):
-                if not -depth <= layer < depth:
-                    raise ValueError(f"block index {layer} out of range for depth {depth}")
-                layer = f"blocks.{layer % depth}"
-            valid = {"patch_embed", "embed", "norm"} | {f"blocks.{i}" for i in range(depth)}
-            if layer not in valid:
-                raise ValueError(f"unknown layer {layer!r}; use 'patch_embed', 'embed', 'blocks.<i>' or 'norm'")
-            wanted.append(layer)
-        out: dict[str, torch.Tensor] = {}
-        if "patch_embed" in wanted:
-            out["patch_embed"] = self.patch_embed(x).flatten(1, 2)
-        x = self.embed(x)
-        out["embed"] = x
-        last = max(
-            [int(n.split(".")[1]) for n in wanted if n.startswith("blocks.")] + [depth - 1 if "norm" in wanted else -1]
-        )
-        for i, blk in enumerate(self.blocks[: last + 1]):
-            x = blk(x)
-            out[f"blocks.{i}"] = x
-        if "norm" in wanted:
-            out["norm"] = self.norm(x)
+        valid = {"patch_embed", "embed", "norm"} | {f"blocks.{i}" for i in range(depth)}
+        wanted = [f"blocks.{take_indices(depth, [n])[0][0]}" if isinstance(n, int) else n for n in layers]
+        unknown = [n for n in wanted if n not in valid]
+        if unknown:
+            raise ValueError(f"unknown layer {unknown[0]!r}; use 'patch_embed', 'embed', 'blocks.<i>' or 'norm'")
+        out = {"patch_embed": self.patch_embed(x).flatten(1, 2)} if "patch_embed" in wanted else {}
+        out["embed"] = x = self.embed(x)
+        for i, blk in enumerate(self.blocks):
+            out[f"blocks.{i}"] = x = self._block(blk, x)
+        out["norm"] = self.norm(x)
         return {name: out[name] for name in wanted}
 
     @torch.no_grad()
@@ -565,6 +796,23 @@ class ViT(nn.Module):
         return maps
 
 
+def take_indices(depth: int, indices: int | Sequence[int] | None) -> tuple[list[int], int]:
+    """timm's `feature_take_indices`: None -> every block, an int n -> the last n, a list -> those (negative
+    from the end); returns the absolute indices and the largest."""
+    if indices is None:
+        indices = depth
+    if isinstance(indices, int):
+        if not 0 < indices <= depth:
+            raise ValueError(f"last-n {indices} is out of range (1 to {depth})")
+        take = list(range(depth - indices, depth))
+    else:
+        take = [depth + i if i < 0 else i for i in indices]
+        bad = [i for i, t in zip(indices, take, strict=True) if not 0 <= t < depth]
+        if bad:
+            raise ValueError(f"block index {bad[0]} out of range for depth {depth}")
+    return take, max(take)
+
+
 def _resample_pos_embed_on_load(module: ViT, state_dict: dict, prefix: str, *args) -> None:
     """Weights trained at another resolution: resample their pos_embed to this model's grid (as
     timm's checkpoint filter does), or take this model's own fixed sin-cos table."""
@@ -574,7 +822,7 @@ def _resample_pos_embed_on_load(module: ViT, state_dict: dict, prefix: str, *arg
     theirs, ours = state_dict[key], module.pos_embed
     if theirs.shape == ours.shape or theirs.ndim != 3 or theirs.shape[-1] != ours.shape[-1]:
         return  # same grid, or a mismatch that load_state_dict reports itself
-    if module.cfg.pos_embed == "sincos2d":
+    if module.cfg.pos_embed in ("sincos1d", "sincos2d"):  # fixed: recomputed, never resampled as a grid
         state_dict[key] = ours.detach().clone()
         return
     n_prefix = module.num_prefix_tokens if module.cfg.embeds_prefix else 0

@@ -1,0 +1,290 @@
+"""timm's own model checks (pytorch-image-models tests/test_models.py), ported to our ViT.
+
+Each test names the timm test it ports. timm runs them over its registered names; here they run over a
+set of configurations that between them use every component table of model/vit.py, and where timm's
+model can run the same call, ours is held to its output (same weights, both in eval mode).
+"""
+
+import math
+
+import pytest
+import torch
+from timm.layers import resample_patch_embed as timm_resample_patch_embed
+from timm.models import FeatureInfo
+from timm.models.vision_transformer import VisionTransformer
+from torchvision.models.feature_extraction import create_feature_extractor, get_graph_node_names
+
+from tests.helpers import tiny
+from vitlab.convert.timm import timm_kwargs, vitlab_to_timm
+from vitlab.model import ViT, resample_patch_embed
+
+CONFIGS = {
+    "class_token": {},
+    "registers_avg": dict(reg_tokens=2, global_pool="avg"),
+    "map_no_class_token": dict(global_pool="map", class_token=False, act_layer="gelu_tanh"),
+    "parallel_scaling": dict(block_fn="parallel_scaling", qk_norm=True, init_values=1e-5),
+    "swiglu_rmsnorm": dict(mlp_layer="swiglu", act_layer="silu", norm_layer="rmsnorm", no_embed_class=True),
+    "sincos2d_dynamic": dict(pos_embed="sincos2d", dynamic_img_size=True, reg_tokens=1),
+    "sincos1d_dynamic_pad": dict(pos_embed="sincos1d", dynamic_img_size=True, dynamic_img_pad=True),
+    "learn_dynamic_non_square": dict(img_size=[32, 24], dynamic_img_size=True, global_pool="avg"),
+}
+PARAMS = list(CONFIGS)
+
+
+def pair(name: str, **overrides):
+    torch.manual_seed(0)
+    cfg = tiny(**{**CONFIGS[name], **overrides})
+    ours = ViT(cfg).eval()
+    theirs = VisionTransformer(**timm_kwargs(cfg)).eval()
+    theirs.load_state_dict(vitlab_to_timm(ours.state_dict(), cfg))
+    return ours, theirs
+
+
+def images(model: ViT, batch: int = 2, hw=None) -> torch.Tensor:
+    return torch.randn(batch, model.cfg.in_chans, *(hw or model.cfg.img_hw))
+
+
+def other_size(model: ViT) -> tuple[int, int]:
+    return (40, 24) if model.cfg.dynamic_img_size else model.cfg.img_hw
+
+
+@pytest.mark.parametrize("name", PARAMS)
+def test_model_forward(name):  # test_model_forward: default and other sizes; grad checkpointing changes nothing
+    model, _ = pair(name)
+    for hw in {model.cfg.img_hw, other_size(model)}:
+        x = images(model, 1, hw)
+        out = model(x)
+        assert out.shape == (1, model.num_classes) and not out.isnan().any()
+        model.set_grad_checkpointing()
+        torch.testing.assert_close(model(x), out, rtol=1e-4, atol=1e-5)
+        model.set_grad_checkpointing(False)
+
+
+@pytest.mark.parametrize("name", PARAMS)
+@pytest.mark.parametrize("num_classes", [42, 0])
+def test_model_backward(name, num_classes):  # test_model_backward: every parameter gets a gradient
+    torch.manual_seed(0)
+    model = ViT(tiny(**CONFIGS[name], num_classes=num_classes, drop_path_rate=0.1, patch_drop_rate=0.25)).train()
+    out = model(images(model, 2, other_size(model)))
+    out.mean().backward()
+    assert [n for n, p in model.named_parameters() if p.grad is None] == []
+    num_params = sum(p.numel() for p in model.parameters())
+    assert sum(p.grad.numel() for p in model.parameters()) == num_params
+    assert out.shape[-1] == (num_classes or model.num_features) and not out.isnan().any()
+
+
+@pytest.mark.parametrize("name", PARAMS)
+def test_model_default_cfgs_non_std(name):  # test_model_default_cfgs_non_std
+    model, _ = pair(name)
+    assert model.num_classes >= 0 and model.num_features > 0 and model.head_hidden_size > 0
+    cfg = model.pretrained_cfg
+    assert model.default_cfg is cfg and cfg["input_size"] == (3, *model.cfg.img_hw)
+    assert cfg["fixed_input_size"] is not model.cfg.dynamic_img_size
+    x = torch.randn(1, *cfg["input_size"])
+    feats = model.forward_features(x)
+    pre = model.forward_head(feats, pre_logits=True)
+    assert feats.shape[-1] == model.num_features and pre.shape[1] == model.head_hidden_size
+    model.reset_classifier(0)
+    assert model.num_classes == 0
+    out = model(x)
+    assert out.shape == pre.shape and out.shape[-1] == model.head_hidden_size
+    torch.testing.assert_close(out, pre)
+    headless = ViT(tiny(**CONFIGS[name], num_classes=0)).eval()
+    assert headless(x).shape[-1] == headless.num_features
+    state = ViT(model.cfg.replace(num_classes=5)).state_dict()
+    assert cfg["classifier"] + ".weight" in state and cfg["first_conv"] + ".weight" in state
+
+
+@pytest.mark.parametrize("name", PARAMS)
+def test_model_forward_intermediates(name):  # test_model_forward_intermediates
+    model, _ = pair(name)
+    info = FeatureInfo(model.feature_info, len(model.feature_info))
+    channels, reductions = info.channels(), info.reduction()
+    assert len(channels) == model.cfg.depth >= 2  # timm asks >= 3 levels of its full-depth models
+    hw = other_size(model)
+    x = images(model, 1, hw)
+    output, intermediates = model.forward_intermediates(x, output_fmt="NCHW")
+    assert len(intermediates) == len(channels)
+    for c, r, o in zip(channels, reductions, intermediates, strict=True):
+        assert o.shape[0] == 1 and o.shape[1] == c and not o.isnan().any()
+        assert o.shape[2] <= math.ceil(hw[0] / r) + 1 and o.shape[3] <= math.ceil(hw[1] / r) + 1
+    torch.testing.assert_close(output, model.forward_features(x), atol=0, rtol=0)
+    model.set_grad_checkpointing()
+    output3, _ = model.forward_intermediates(x, output_fmt="NCHW")
+    torch.testing.assert_close(output, output3, rtol=1e-4, atol=1e-5)
+
+
+CONTRACT = [
+    dict(),
+    dict(indices=1),
+    dict(indices=[0, -1], norm=True),
+    dict(indices=[-2], output_fmt="NLC", return_prefix_tokens=True),
+    dict(indices=1, intermediates_only=True, stop_early=True),
+    dict(indices=[0], stop_early=True),
+    dict(output_dict=True, return_prefix_tokens=True),
+    dict(output_dict=True, intermediates_only=True, norm=True),
+]
+
+
+@pytest.mark.parametrize("name", PARAMS)
+@pytest.mark.parametrize("kwargs", CONTRACT, ids=lambda k: ",".join(k) or "defaults")
+def test_forward_intermediates_is_timms(name, kwargs):  # timm's contract, call by call
+    ours, theirs = pair(name, depth=3)
+    # timm has no fixed tables: it would resample the sin-cos values we recompute at another size
+    x = images(ours, 2, ours.cfg.img_hw if ours.cfg.pos_embed.startswith("sincos") else other_size(ours))
+    with torch.no_grad():
+        mine, reference = ours.forward_intermediates(x, **kwargs), theirs.forward_intermediates(x, **kwargs)
+    torch.testing.assert_close(mine, reference, atol=1e-6, rtol=0)
+
+
+def test_forward_intermediates_checkpointing_lowers_saved_activations():
+    """With gradient checkpointing, forward_intermediates keeps each block's input, not its activations."""
+
+    def saved_bytes(model: ViT, x: torch.Tensor) -> int:
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            final, feats = model.forward_intermediates(x, indices=[1, 3])
+        (final.sum() + sum(f.sum() for f in feats)).backward()
+        return total
+
+    torch.manual_seed(0)
+    model = ViT(tiny(depth=4, embed_dim=64, img_size=64)).train()
+    x = torch.randn(4, 3, 64, 64)
+    plain = saved_bytes(model, x)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model.set_grad_checkpointing()
+    checkpointed = saved_bytes(model, x)
+    assert checkpointed < plain / 4, (checkpointed, plain)
+    assert grads.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+    for n, g in grads.items():
+        torch.testing.assert_close(model.get_parameter(n).grad, g, atol=1e-6, rtol=1e-5)
+
+
+FX_NOTE = "ignore:NOTE. The nodes obtained by tracing the model in eval mode:UserWarning"  # dropout, drop path
+
+
+@pytest.mark.filterwarnings(FX_NOTE)
+@pytest.mark.parametrize("name", PARAMS)
+def test_model_forward_fx(name):  # test_model_forward_fx: torchvision's FX feature extractor
+    model, _ = pair(name)
+    train_nodes, eval_nodes = get_graph_node_names(model)
+    x = images(model, 1, other_size(model))
+    with torch.inference_mode():
+        outputs = model(x)
+        fx_model = create_feature_extractor(
+            model, train_return_nodes=[train_nodes[-1]], eval_return_nodes=[eval_nodes[-1]]
+        )
+        fx_outputs = torch.cat(tuple(fx_model(x).values()))
+    assert torch.equal(fx_outputs, outputs)
+    blocks = create_feature_extractor(model, return_nodes={"blocks.1": "last_block"})
+    assert blocks(x)["last_block"].shape[-1] == model.num_features
+
+
+@pytest.mark.filterwarnings(FX_NOTE)
+@pytest.mark.parametrize("name", PARAMS)
+def test_model_backward_fx(name):  # test_model_backward_fx
+    torch.manual_seed(0)
+    model = ViT(tiny(**CONFIGS[name], num_classes=42, drop_path_rate=0.1, patch_drop_rate=0.25)).train()
+    train_nodes, eval_nodes = get_graph_node_names(model)
+    fx_model = create_feature_extractor(model, train_return_nodes=[train_nodes[-1]], eval_return_nodes=[eval_nodes[-1]])
+    outputs = torch.cat(tuple(fx_model(images(model, 2)).values()))
+    outputs.mean().backward()
+    assert [n for n, p in fx_model.named_parameters() if p.grad is None] == []
+    assert outputs.shape[-1] == 42 and not outputs.isnan().any()
+
+
+@pytest.mark.parametrize("name", PARAMS)
+def test_torch_export_dynamic_batch_and_size(name):
+    """torch.export with a dynamic batch, and dynamic height and width (multiples of the patch; any size
+    with dynamic_img_pad) when the model takes any size: one program for every shape."""
+    model, _ = pair(name)
+    P, dim = model.cfg.patch_size, torch.export.Dim
+    shapes = {0: dim("batch", min=1, max=64)}
+    if model.cfg.dynamic_img_pad:  # (a grid of one patch is a size export specialises: 2 patches at least)
+        shapes.update({2: dim("height", min=2 * P, max=512), 3: dim("width", min=2 * P, max=512)})
+    elif model.cfg.dynamic_img_size:
+        shapes.update({2: P * dim("grid_h", min=2, max=64), 3: P * dim("grid_w", min=2, max=64)})
+    program = torch.export.export(model, (images(model),), dynamic_shapes={"x": shapes}).module()
+    sizes = [model.cfg.img_hw] + ([(48, 16), (16, 64)] if model.cfg.dynamic_img_size else [])
+    sizes += [(37, 21)] if model.cfg.dynamic_img_pad else []
+    for batch, hw in zip([3, 1, 5, 2][: len(sizes)], sizes, strict=True):
+        x = images(model, batch, hw)
+        with torch.no_grad():
+            torch.testing.assert_close(program(x), model(x), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", PARAMS)
+def test_set_input_size_is_timms(name):
+    ours, theirs = pair(name)
+    for img_size, patch_size in [((48, 40), None), (None, 4), (24, 6)]:
+        ours.set_input_size(img_size=img_size, patch_size=patch_size)
+        theirs.set_input_size(img_size=img_size, patch_size=patch_size)
+        mine, reference = ours.state_dict(), theirs.state_dict()
+        if ours.cfg.pos_embed.startswith("sincos"):  # timm's is a learned table: it resamples the old values
+            del mine["pos_embed"], reference["pos_embed"]
+        torch.testing.assert_close(mine, reference, atol=1e-5, rtol=0)
+        assert ours.pretrained_cfg["input_size"] == (3, *ours.cfg.img_hw)
+        assert (
+            ours.cfg.img_hw == theirs.patch_embed.img_size and ours.cfg.patch_size == theirs.patch_embed.patch_size[0]
+        )
+        rebuilt = ViT(ours.cfg).eval()  # the config describes the resized model
+        rebuilt.load_state_dict(ours.state_dict())
+        x = images(ours)
+        with torch.no_grad():
+            torch.testing.assert_close(rebuilt(x), ours(x), atol=0, rtol=0)
+            if not ours.cfg.pos_embed.startswith("sincos"):
+                torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=0)
+
+
+def test_resample_patch_embed_is_flexivits():
+    torch.manual_seed(0)
+    w = torch.randn(8, 3, 16, 16)
+    for size in [(14, 14), (8, 8), (24, 24)]:
+        torch.testing.assert_close(
+            resample_patch_embed(w, size), timm_resample_patch_embed(w, list(size)), atol=1e-4, rtol=1e-4
+        )
+    # the pseudo-inverse keeps each token: <x, w> == <resize(x), w'> for patches upsampled from 8 to 16 px
+    x = torch.randn(5, 3, 8, 8)
+    up = torch.nn.functional.interpolate(x, size=(16, 16), mode="bicubic", antialias=True)
+    w8 = torch.randn(4, 3, 8, 8)
+    w16 = resample_patch_embed(w8, (16, 16))
+    torch.testing.assert_close(
+        torch.einsum("bchw,dchw->bd", up, w16), torch.einsum("bchw,dchw->bd", x, w8), atol=1e-3, rtol=1e-3
+    )
+
+
+@pytest.mark.parametrize("name", PARAMS)
+def test_prune_intermediate_layers_is_timms(name):
+    ours, theirs = pair(name, depth=4)
+    for kwargs in [dict(indices=[1]), dict(indices=2, prune_norm=True)]:
+        ours, theirs = pair(name, depth=4)
+        assert ours.prune_intermediate_layers(**kwargs) == theirs.prune_intermediate_layers(**kwargs)
+        assert list(ours.state_dict()) == list(theirs.state_dict())
+        x = images(ours)
+        with torch.no_grad():
+            torch.testing.assert_close(ours(x), theirs(x), atol=1e-6, rtol=0)
+            torch.testing.assert_close(
+                ours.forward_intermediates(x), theirs.forward_intermediates(x), atol=1e-6, rtol=0
+            )
+        assert list(ViT(ours.cfg).state_dict()) == list(ours.state_dict())  # the config follows
+
+
+@pytest.mark.parametrize("name", PARAMS)
+def test_attn_mask_is_timms(name):
+    """forward(x, attn_mask): SDPA's mask in every block, as timm's (a key-padding mask here)."""
+    ours, theirs = pair(name)
+    x = images(ours)
+    n = ours.embed(x).shape[1]
+    keep = torch.ones(2, 1, 1, n, dtype=torch.bool)
+    keep[1, ..., -3:] = False  # the second image ignores its last three tokens
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x, attn_mask=keep), theirs(x, attn_mask=keep), atol=1e-6, rtol=0)
+        torch.testing.assert_close(ours(x, attn_mask=keep)[0], ours(x)[0], atol=1e-6, rtol=0)
+        assert not torch.allclose(ours(x, attn_mask=keep)[1], ours(x)[1])
