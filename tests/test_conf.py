@@ -55,7 +55,7 @@ def test_the_tests_cover_every_conf_file():
         for o in options(g)
     }
     covered |= {CONF / "model/_base.yaml", CONF / "hydra/default.yaml", CONF / "hydra/launcher/slurm.yaml"}
-    covered |= {CONF / f"{n}.yaml" for n in ("train", "eval", "predict", "parity", "visualize", "benchmark")}
+    covered |= {CONF / f"{n}.yaml" for n in ("train", "eval", "predict", "parity", "visualize", "benchmark", "export")}
     assert every_conf_file() <= covered, every_conf_file() - covered
 
 
@@ -170,11 +170,12 @@ def test_slurm_launcher_example(compose_cfg):
     assert cfg.hydra.launcher.tasks_per_node == cfg.hydra.launcher.gpus_per_node == 4
 
 
-@pytest.mark.parametrize("name", ["eval", "predict", "parity", "benchmark"])
+@pytest.mark.parametrize("name", ["eval", "predict", "parity", "benchmark", "export"])
 def test_other_entry_point_configs(compose_cfg, name):
     overrides = {
         "eval": ["ckpt_path=x.ckpt", "data=digits", "data.img_size=8"],
         "predict": ["ckpt_path=x.ckpt", "images=[a.png]"],
+        "export": ["ckpt_path=x.ckpt"],
         "parity": [],
         "benchmark": [],
     }[name]

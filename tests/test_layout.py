@@ -13,6 +13,7 @@ COMMANDS = {
     "vitlab.predict",
     "vitlab.visualize",
     "vitlab.parity",
+    "vitlab.export",
     "vitlab.benchmark.__main__",
 }
 

@@ -103,6 +103,38 @@ def test_predict_prints_top_k(trained, tmp_path):
     assert [len(p["top_k"]) for p in preds] == [3, 3] and sum(t["prob"] for t in preds[0]["top_k"]) <= 1.0 + 1e-6
 
 
+def test_export_onnx_as_typed_predicts_as_the_checkpoint(trained, tmp_path):
+    """`python -m vitlab.export ckpt_path=...` from a user's folder: model.onnx in the run directory, whose
+    onnxruntime output on a prepared image is the checkpoint's, with the preprocessing in its metadata; a
+    second export to the same file is refused."""
+    import onnxruntime
+
+    from vitlab import run
+
+    _, metrics, _ = trained
+    r = run_cli("export", f"ckpt_path={metrics['tested_checkpoint']}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (path,) = tmp_path.glob("outputs/export/runs/*/model.onnx")
+    assert f"wrote {path} (onnx); checked on inputs 2x1x8x8, 1x1x8x8: max |diff|" in r.stdout
+    assert "WARN" not in r.stdout + r.stderr and "INFO" not in r.stdout + r.stderr
+    module = run.load_for_inference(metrics["tested_checkpoint"]).eval()
+    data = run.inference_datamodule(module, metrics["tested_checkpoint"])
+    images = torch.from_numpy(load_digits().images[:3] * 255 / 16).to(torch.uint8)[:, None]
+    x = torch.cat([data.predict_tensor(img) for img in images])
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            torch.from_numpy(session.run(None, {"images": x.numpy()})[0]), module(x), atol=1e-4, rtol=0
+        )
+    meta = {k: json.loads(v) for k, v in session.get_modelmeta().custom_metadata_map.items()}
+    assert meta["class_names"] == [str(i) for i in range(10)] and meta["preprocessing"]["input_size"] == [1, 8, 8]
+    again = run_cli("export", f"ckpt_path={metrics['tested_checkpoint']}", f"output={path}", cwd=tmp_path)
+    assert (
+        again.returncode == 2
+        and again.stderr.strip() == f"error: output '{path}' exists; choose another output or set overwrite=true"
+    )
+
+
 @pytest.mark.parametrize("logger", ["csv", "tensorboard", "wandb"])
 def test_loggers(compose_cfg, tmp_path, monkeypatch, logger):
     monkeypatch.setenv("WANDB_MODE", "offline")

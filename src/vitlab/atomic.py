@@ -1,6 +1,7 @@
 """Writing a file so that a crash, a `kill -9` or a full disk never leaves half of it where a good one
 was: into a temporary file beside the target, flushed and fsynced, optionally checked, then renamed
-over the target. Checkpoints (callbacks.AtomicCheckpointIO) and exported weights (convert.timm) use it.
+over the target. Checkpoints (callbacks.AtomicCheckpointIO), exported weights (convert.timm) and exported
+programs (convert.export, through a temporary directory) use it.
 No Lightning or Hydra here."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import errno
 import logging
 import os
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -44,17 +46,46 @@ def atomic_write(
             verify(tmp)
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
-        disk = disk_error(e)
-        if disk is None:
-            raise
-        kept = f"the previous {path.name} is intact" if path.is_file() else f"no {path.name} was written"
-        raise UserError(
-            f"cannot write {what} {path} ({disk.strerror or disk}); {kept}, and no partial file is left; "
-            "free space or choose another paths.log_dir (resume from an earlier checkpoint with ckpt_path=...)"
-        ) from e
+        _raise_disk_error(e, path, what)
+        raise
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def atomic_files(path: str | os.PathLike, write: Callable[[Path], None], what: str = "file") -> Path:
+    """For writers that make more than one file (ONNX's external weights) or open the file themselves:
+    `write(tmp)` writes `tmp` (named as `path`, in a temporary directory beside it) and any side files, checks
+    them and raises to refuse; then each is fsynced and renamed into place, `path` last. The directory never
+    survives; a full disk is a UserError as in atomic_write."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path.parent)
+    tmpdir = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmpdir.mkdir()
+    try:
+        write(tmpdir / path.name)
+        for f in sorted(tmpdir.iterdir(), key=lambda f: f.name == path.name):
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+            os.replace(f, path.parent / f.name)
+    except (OSError, RuntimeError) as e:
+        _raise_disk_error(e, path, what)
+        raise
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    return path
+
+
+def _raise_disk_error(e: BaseException, path: Path, what: str) -> None:
+    disk = disk_error(e)
+    if disk is None:
+        return
+    kept = f"the previous {path.name} is intact" if path.is_file() else f"no {path.name} was written"
+    raise UserError(
+        f"cannot write {what} {path} ({disk.strerror or disk}); {kept}, and no partial file is left; "
+        "free space or choose another paths.log_dir (resume from an earlier checkpoint with ckpt_path=...)"
+    ) from e
 
 
 def atomic_link(source: str | os.PathLike, path: str | os.PathLike) -> Path:
@@ -83,7 +114,7 @@ def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
     for path in Path(directory).glob(".*.tmp-*"):
         m = _TEMPORARY.match(path.name)
         if m and not _alive(int(m.group(1))):
-            path.unlink(missing_ok=True)
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
             removed.append(path)
     if removed:
         log.info("removed %d unfinished checkpoint file(s) left by a killed save in %s", len(removed), directory)

@@ -211,6 +211,8 @@ def quiet() -> None:
         warnings.filterwarnings("ignore", message=pattern)
     route_lightning_logs()
     logging.getLogger("alembic").setLevel(logging.WARNING)  # Optuna's storage layer lists its plugins at INFO
+    for name in ("onnx_ir", "onnxscript"):  # the ONNX exporter logs each graph rewrite at INFO
+        logging.getLogger(name).setLevel(logging.WARNING)
     logging.captureWarnings(True)
 
 
