@@ -359,3 +359,48 @@ def test_compile_option_trains_a_compiled_model(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert 0.0 <= json.loads((tmp_path / "r" / "metrics.json").read_text())["test/acc"] <= 1.0
+
+
+def test_any_timm_vit_fine_tunes_from_its_name(compose_cfg, tmp_path, monkeypatch, caplog):
+    """model.pretrained=<timm name>: the model is timm's architecture at the run's size and classes, the
+    data takes the weights' normalisation and eval crop where the config leaves them null, and the weights
+    load (timm's download replaced by random weights of the same model: no network in tests)."""
+    import timm
+
+    import vitlab.convert.timm as ct
+    from vitlab.convert.timm import config_from_timm
+
+    name = "vit_small_patch14_reg4_dinov2.lvd142m"
+    weights = timm.create_model(name, pretrained=False, img_size=28, num_classes=0).state_dict()
+    monkeypatch.setattr(ct, "timm_pretrained_state_dict", lambda source: weights)
+    cfg = compose_cfg(
+        "train", [*SHORT, "data=fake", "data.channels=1", f"model.pretrained={name}", "model.img_size=28"]
+    )
+    assert cfg.data.mean is None and cfg.data.eval_transform.crop_pct is None
+    with caplog.at_level("INFO"):
+        train(cfg)
+    expected = config_from_timm(name, img_size=28, in_chans=1, num_classes=10).to_dict()
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert {k: saved["model"][k] for k in expected} == {**expected, "img_size": 28}
+    assert saved["model"]["timm_name"] == "vit_small_patch14_reg4_dinov2" and saved["model"]["reg_tokens"] == 4
+    mean, std = timm.models.get_pretrained_cfg(name).mean, timm.models.get_pretrained_cfg(name).std
+    assert saved["data"]["mean"] == pytest.approx([sum(mean) / 3]) and saved["data"]["std"] == pytest.approx(
+        [sum(std) / 3]
+    )
+    assert saved["data"]["eval_transform"] == {"crop_pct": 1.0, "interpolation": "bicubic"}  # DINOv2's
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("model.pretrained=")]
+    assert "timm's architecture (model." in line and "preprocessing of vit_small_patch14_reg4_dinov2.lvd142m" in line
+    ckpt = torch.load(json.loads((tmp_path / "metrics.json").read_text())["tested_checkpoint"], weights_only=True)
+    assert ckpt["hyper_parameters"]["model"]["embed_dim"] == 384
+
+
+def test_a_timm_name_we_cannot_express_is_named(compose_cfg):
+    from vitlab import run
+    from vitlab.errors import UserError
+
+    cfg = compose_cfg("train", ["model.pretrained=vit_base_patch16_rpn_224", "model.img_size=32"])
+    with pytest.raises(UserError, match="timm's vit_base_patch16_rpn_224 is not expressible by vitlab's ViT: block_fn"):
+        run.apply_pretrained(cfg)
+    cfg = compose_cfg("train", ["model.pretrained=vit_small_patch14_dinov2.lvd142m"])  # the digits' 8 px
+    with pytest.raises(UserError, match=r"model.img_size 8 is not a multiple of the patch size 14 of timm's "):
+        run.apply_pretrained(cfg)

@@ -22,7 +22,7 @@ from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitlab.atomic import remove_stale_temporaries
 from vitlab.callbacks import EpochLog
@@ -39,6 +39,7 @@ PROGRESS_BARS = ("auto", "rich", "tqdm", "none")
 RESUME_MAY_DIFFER = set(DROPOUTS)
 
 __all__ = [
+    "apply_pretrained",
     "build_datamodule",
     "build_module",
     "build_trainer",
@@ -101,6 +102,54 @@ def check_resumable(ckpt_path: str, module: ViTModule) -> None:
     if diff:
         shown = ", ".join(f"{k}={a!r} (this run: {b!r})" for k, (a, b) in list(diff.items())[:4])
         raise UserError(f"ckpt_path {ckpt_path!r} was trained with a different model: {shown}")
+
+
+def apply_pretrained(cfg: DictConfig) -> None:
+    """`model.pretrained=<timm name>`: the model is that timm architecture (convert.timm.config_from_timm), at this
+    run's img_size, in_chans, num_classes and regularisation (RUN_FIELDS); data.mean/std and the eval crop and
+    interpolation left null become the weights' (timm's pretrained_cfg). Applied to `cfg` before it is saved,
+    so config.yaml and the checkpoints describe what ran. A weights file keeps the model config as it is."""
+    from vitlab.convert.timm import RUN_FIELDS, config_from_timm, is_weights_file, timm_model_args, timm_pretrained_cfg
+
+    source = cfg.model.get("pretrained")
+    if not source or is_weights_file(source):
+        return
+    run_fields = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k in RUN_FIELDS}
+    pretrained = timm_pretrained_cfg(source)
+    patch = timm_model_args(source).get("patch_size", 16)
+    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+    img = run_fields["img_size"]
+    if any(s % patch for s in ([img] * 2 if isinstance(img, int) else img)):
+        raise UserError(
+            f"model.img_size {img} is not a multiple of the patch size {patch} of timm's {source}; set model.img_size "
+            f"(its weights were trained at {pretrained['input_size'][-1]})"
+        )
+    arch = config_from_timm(source, **run_fields).to_dict()
+    changed = sorted(k for k, v in arch.items() if cfg.model.get(k) != v)
+    with open_dict(cfg):
+        cfg.model.update(arch, variant=None, timm_name=source.partition(".")[0])
+        taken = _pretrained_preprocessing(cfg.data, pretrained, arch["in_chans"])
+    log.info(
+        "model.pretrained=%s: timm's architecture%s; preprocessing of %s: %s",
+        source,
+        f" (model.{', model.'.join(changed)} changed)" if changed else "",
+        pretrained["tag"],
+        ", ".join(f"data.{k}={v}" for k, v in taken.items()) or "none taken (set in the data config)",
+    )
+
+
+def _pretrained_preprocessing(data: DictConfig, pretrained: dict, channels: int) -> dict[str, Any]:
+    """Fill the data settings left null with the pretrained weights' (mean/std averaged over channels when the
+    data has another channel count); returns what was filled."""
+    taken: dict[str, Any] = {}
+    for key in ("mean", "std"):
+        if key in data and data[key] is None:
+            values = list(pretrained[key])
+            data[key] = taken[key] = values if len(values) == channels else [sum(values) / len(values)] * channels
+    for key in ("crop_pct", "interpolation"):
+        if "eval_transform" in data and key in data.eval_transform and data.eval_transform[key] is None:
+            data.eval_transform[key] = taken[f"eval_transform.{key}"] = pretrained[key]
+    return taken
 
 
 def build_datamodule(data_cfg: DictConfig) -> L.LightningDataModule:

@@ -35,6 +35,7 @@ def train(cfg: DictConfig) -> float | None:
 
     started = time.time()
     run.check_launch(cfg)
+    run.apply_pretrained(cfg)  # model.pretrained=<timm name>: timm's architecture and preprocessing
     out = Path(cfg.paths.output_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 

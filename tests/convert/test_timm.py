@@ -197,3 +197,22 @@ def test_config_from_timm_names_what_it_cannot_express():
     with pytest.raises(ValueError, match="'vit_base_patch16_2244' is not an architecture .* did you mean"):
         config_from_timm("vit_base_patch16_2244")
     assert timm_model_args("vit_small_patch14_dinov2")["img_size"] == (518, 518)  # timm's pretrained-cfg default
+
+
+def test_pretrained_cfg_follows_the_weights_loaded_by_name(monkeypatch):
+    """A model loaded with timm's weights by name carries their pretrained_cfg (what the data transforms use),
+    read from timm's registry; a fresh model carries timm's ViT defaults."""
+
+    import vitlab.convert.timm as ct
+
+    name = "vit_base_patch16_clip_224.openai"
+    cfg = config_from_timm(name, depth=1, num_classes=5, img_size=32)
+    model = ViT(cfg)
+    assert model.pretrained_cfg["mean"] == (0.5, 0.5, 0.5) and model.pretrained_cfg["crop_pct"] == 0.9
+    weights = timm.create_model(name, pretrained=False, depth=1, num_classes=5, img_size=32).state_dict()
+    monkeypatch.setattr(ct, "timm_pretrained_state_dict", lambda source: weights)
+    load_timm_weights(model, name)
+    expected = timm.models.get_pretrained_cfg(name)
+    assert model.pretrained_cfg["mean"] == expected.mean and model.pretrained_cfg["std"] == expected.std
+    assert model.pretrained_cfg["tag"] == name and model.pretrained_cfg["input_size"] == (3, 32, 32)
+    assert ct.timm_pretrained_cfg("vit_base_patch16_224")["tag"] == "vit_base_patch16_224.augreg2_in21k_ft_in1k"

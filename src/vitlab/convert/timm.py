@@ -23,6 +23,7 @@ from torch import nn
 from vitlab.atomic import atomic_write
 from vitlab.errors import MissingFileError, OfflineError, UserError
 from vitlab.model import ViT, ViTConfig, resample_pos_embed
+from vitlab.model.config import DROPOUTS
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +252,30 @@ def config_from_timm(name: str, **overrides: Any) -> ViTConfig:
         raise UserError(f"timm's {name.partition('.')[0]} is not expressible by vitlab's ViT: {e}") from None
 
 
+# What a run decides for itself when it starts from a timm architecture (model.pretrained=<timm name>): the size
+# of its images, their channels, its classes and its regularisation; every other field is the architecture's.
+RUN_FIELDS = ("img_size", "in_chans", "num_classes", "dynamic_img_size", "dynamic_img_pad", *DROPOUTS)
+PREPROCESSING = ("mean", "std", "crop_pct", "crop_mode", "interpolation", "input_size")
+
+
+def timm_pretrained_cfg(name: str) -> dict[str, Any]:
+    """What timm's weights `name` (an architecture, or with a pretrained tag) expect of their input, from timm's
+    registry (nothing downloaded): mean, std, crop_pct, crop_mode, interpolation, input_size (C, H, W), and
+    the tag (timm's default weights when `name` has none)."""
+    from timm.models import get_pretrained_cfg
+
+    check_timm_name(name)
+    cfg = get_pretrained_cfg(name)
+    if cfg is None:
+        raise UserError(f"timm has no pretrained configuration for {name!r}")
+    return {key: getattr(cfg, key) for key in PREPROCESSING} | {"tag": f"{name.partition('.')[0]}.{cfg.tag}"}
+
+
+def is_weights_file(source: str) -> bool:
+    """A local weights file (by suffix, or an existing path), as opposed to a timm model name."""
+    return Path(source).suffix in (".safetensors", ".pth", ".pt", ".bin", ".ckpt") or Path(source).exists()
+
+
 def create_timm_model(cfg: ViTConfig, name: str | None = None, pretrained: bool = False) -> nn.Module:
     """timm's model for `cfg`: the registered `name` with cfg's arguments on top, or a bare
     VisionTransformer. Pretrained weights come through timm's own hub download."""
@@ -384,10 +409,14 @@ def load_timm_weights(model: ViT, source: str, *, reset_head: bool | None = None
     """Load timm weights into `model`: `source` is a local file, or a timm model name (downloaded
     through timm when online). The pos_embed is resampled to the model's img_size. `reset_head`:
     keep the model's fresh head; None decides by whether the checkpoint's head fits."""
-    if Path(source).suffix in (".safetensors", ".pth", ".pt", ".bin", ".ckpt") or Path(source).exists():
+    if is_weights_file(source):
         sd = read_state_dict(source)
     else:
         sd = timm_pretrained_state_dict(source)
+        pretrained = timm_pretrained_cfg(source)
+        model.pretrained_cfg.update(
+            {k: pretrained[k] for k in PREPROCESSING if k != "input_size"}, tag=pretrained["tag"]
+        )
     if reset_head is None:
         head = sd.get("head.weight")
         reset_head = head is None or not isinstance(model.head, nn.Linear) or head.shape != model.head.weight.shape

@@ -46,6 +46,7 @@ class ImageDataModule(L.LightningDataModule):
     mean: tuple[float, ...]
     std: tuple[float, ...]
     class_names: list[str]
+    eval_crop_pct: float = 0.875  # data.eval_transform.crop_pct when null (and no pretrained weights set it)
 
     def __init__(
         self,
@@ -94,7 +95,11 @@ class ImageDataModule(L.LightningDataModule):
                 f"({self.channels})"
             )
         self.train_tf = transforms.train_transform(self.img_size, **(train_transform or {}))
-        self.eval_tf = transforms.eval_transform(self.img_size, **(eval_transform or {}))
+        # null eval settings: this dataset's defaults (run.apply_pretrained fills them from pretrained weights first)
+        eval_settings = {"crop_pct": self.eval_crop_pct} | {
+            k: v for k, v in (eval_transform or {}).items() if v is not None
+        }
+        self.eval_tf = transforms.eval_transform(self.img_size, **eval_settings)
         self.train_settings = from_mapping(transforms.TrainTransform, train_transform or {}, "data.train_transform")
         self.to_input = transforms.DeviceTransform(self.mean, self.std, self.train_settings.random_erasing)
         # The on-device augmentation draws from a generator of its own, saved with checkpoints, so a resumed

@@ -18,6 +18,7 @@ class CIFAR10DataModule(ImageDataModule):
     channels = 3
     mean = (0.4914, 0.4822, 0.4465)
     std = (0.2470, 0.2435, 0.2616)
+    eval_crop_pct = 1.0  # 32-px images: resized whole, no crop
     dataset_cls = datasets.CIFAR10
     label = "CIFAR-10"
 

@@ -24,6 +24,8 @@ class RandomImages(Dataset):
 
 
 class FakeDataModule(ImageDataModule):
+    eval_crop_pct = 1.0
+
     def __init__(
         self,
         num_classes: int = 10,
