@@ -398,8 +398,10 @@ def test_a_timm_name_we_cannot_express_is_named(compose_cfg):
     from vitlab import run
     from vitlab.errors import UserError
 
-    cfg = compose_cfg("train", ["model.pretrained=vit_base_patch16_rpn_224", "model.img_size=32"])
-    with pytest.raises(UserError, match="timm's vit_base_patch16_rpn_224 is not expressible by vitlab's ViT: block_fn"):
+    cfg = compose_cfg("train", ["model.pretrained=vit_dwee_patch16_reg1_gap_256", "model.img_size=32"])
+    with pytest.raises(
+        UserError, match="timm's vit_dwee_patch16_reg1_gap_256 is not expressible by vitlab's ViT: attn"
+    ):
         run.apply_pretrained(cfg)
     cfg = compose_cfg("train", ["model.pretrained=vit_small_patch14_dinov2.lvd142m"])  # the digits' 8 px
     with pytest.raises(UserError, match=r"model.img_size 8 is not a multiple of the patch size 14 of timm's "):

@@ -177,6 +177,8 @@ def test_offline_download_fails_with_a_clear_message(monkeypatch):
         ("beit3_base_patch16_224", dict(depth=1, img_size=64)),  # BEiT-3: norms inside attention and MLP
         ("vit_base_patch16_xp_224", dict(depth=1, img_size=64)),  # ViT-22B's parallel blocks, RmsNorm, qk-norm
         ("vit_base_patch16_224.augreg_in21k", dict(depth=1, num_classes=10, img_size=64)),  # a tag, new head and size
+        ("vit_base_patch16_rpn_224", dict(depth=1, img_size=64)),  # post-norm residual blocks
+        ("vit_small_patch16_18x2_224", dict(depth=2, img_size=64)),  # two attention and two MLP branches
     ],
 )
 def test_config_from_timm_builds_what_timm_builds(name, overrides):
@@ -192,8 +194,8 @@ def test_config_from_timm_builds_what_timm_builds(name, overrides):
 
 
 def test_config_from_timm_names_what_it_cannot_express():
-    with pytest.raises(ValueError, match="timm's vit_small_patch16_18x2_224 is not expressible .* block_fn="):
-        config_from_timm("vit_small_patch16_18x2_224")
+    with pytest.raises(ValueError, match="timm's vit_dwee_patch16_reg1_gap_256 is not expressible .* attn_layer="):
+        config_from_timm("vit_dwee_patch16_reg1_gap_256")
     with pytest.raises(ValueError, match="'vit_base_patch16_2244' is not an architecture .* did you mean"):
         config_from_timm("vit_base_patch16_2244")
     assert timm_model_args("vit_small_patch14_dinov2")["img_size"] == (518, 518)  # timm's pretrained-cfg default

@@ -109,7 +109,8 @@ def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
     d["norm_layer"] = partial({"layernorm": nn.LayerNorm, "rmsnorm": RmsNorm}[cfg.norm_layer], eps=cfg.norm_eps)
     d["mlp_layer"] = {"mlp": Mlp, "swiglu": SwiGLU, "swiglu_packed": SwiGLUPacked}[cfg.mlp_layer]
     d["embed_norm_layer"] = d["norm_layer"] if d.pop("embed_norm") else None
-    d["block_fn"] = {"block": tv.Block, "parallel_scaling": tv.ParallelScalingBlock}[cfg.block_fn]
+    blocks = {"block": tv.Block, "parallel_scaling": tv.ParallelScalingBlock, "res_post": tv.ResPostBlock}
+    d["block_fn"] = {**blocks, "parallel_things": tv.ParallelThingsBlock}[cfg.block_fn]
     return d  # act_layer: timm reads the same names
 
 
@@ -203,6 +204,11 @@ ACT_NAMES = {"gelu": "gelu", "gelutanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
              "quickgelu": "quick_gelu", "quick_gelu": "quick_gelu", "silu": "silu", "swish": "silu"}  # fmt: skip
 
 
+# timm's block classes (lower case) -> our block_fn
+BLOCK_NAMES = {"block": "block", "parallelscalingblock": "parallel_scaling", "respostblock": "res_post",
+               "parallelthingsblock": "parallel_things"}  # fmt: skip
+
+
 def vitlab_args(args: dict[str, Any]) -> dict[str, Any]:
     """timm's VisionTransformer arguments as ViTConfig fields; a UserError names the first one that our ViT
     cannot express."""
@@ -221,7 +227,7 @@ def vitlab_args(args: dict[str, Any]) -> dict[str, Any]:
         elif key == "norm_layer":
             out.update(_norm(value))
         elif key == "block_fn":
-            block = {"block": "block", "parallelscalingblock": "parallel_scaling"}.get(_component_name(value))
+            block = BLOCK_NAMES.get(_component_name(value))
             if block is None:
                 raise UserError(f"block_fn={_component_name(value)!r}")
             out["block_fn"] = block

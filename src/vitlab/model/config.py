@@ -27,7 +27,7 @@ GLOBAL_POOLS = ("token", "avg", "max", "avgmax", "map", "")
 ACT_LAYERS = ("gelu", "gelu_tanh", "quick_gelu", "silu")
 NORM_LAYERS = ("layernorm", "rmsnorm")
 MLP_LAYERS = ("mlp", "swiglu", "swiglu_packed")
-BLOCK_FNS = ("block", "parallel_scaling")
+BLOCK_FNS = ("block", "parallel_scaling", "res_post", "parallel_things")
 POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "none")
 WEIGHT_INITS = ("", "jax", "jax_nlhb", "moco", "skip")  # timm's modes
 # The regularisation fields: probabilities in [0, 1), free to change when a run is resumed.
@@ -69,7 +69,9 @@ class ViTConfig:
     scale_attn_norm: bool = False  # a norm on the attention output before its projection (BEiT-3)
     scale_mlp_norm: bool = False  # a norm on the MLP's hidden features before fc2 (BEiT-3)
     pool_include_prefix: bool = False  # avg/max/avgmax/map pools over the prefix tokens too
-    block_fn: str = "block"  # block (pre-norm, the paper's) | parallel_scaling (ViT-22B: attention and MLP in parallel)
+    # block (pre-norm, the paper's) | parallel_scaling (ViT-22B: attention and MLP in parallel) | res_post
+    # (post-norm residuals, Swin V2) | parallel_things (two attention, then two MLP branches, Touvron et al. 2022)
+    block_fn: str = "block"
     pre_norm: bool = False  # LayerNorm before the blocks (CLIP); drops the patch-embedding bias
     # 'learn', 'sincos1d' (fixed, Vaswani's table over the tokens), 'sincos2d' (fixed, patches only) or 'none'
     pos_embed: str = "learn"
@@ -137,8 +139,8 @@ class ViTConfig:
                 "block_fn 'parallel_scaling' has its own fused MLP: it takes mlp_layer 'mlp' and no "
                 "scale_attn_norm / scale_mlp_norm"
             )
-        if self.fix_init and self.block_fn != "block":
-            raise UserError("fix_init scales the attention and MLP projections of block_fn 'block' only")
+        if self.fix_init and self.block_fn not in ("block", "res_post"):
+            raise UserError("fix_init scales the attention and MLP projections of block_fn 'block' or 'res_post' only")
         if self.mlp_layer == "swiglu_packed" and int(self.embed_dim * self.mlp_ratio) % 2:
             raise UserError(
                 f"mlp_layer 'swiglu_packed' splits its {int(self.embed_dim * self.mlp_ratio)} hidden features in "
@@ -253,6 +255,7 @@ class ViTConfig:
         # MLP weights: mlp D->Dm->D; swiglu two D->Dm and Dm->D; swiglu_packed D->Dm and Dm/2->D
         mlp = {"mlp": 2 * d * hidden, "swiglu": 3 * d * hidden, "swiglu_packed": d * hidden + hidden // 2 * d}
         per_block = 2 * n * (4 * d * d + mlp[self.mlp_layer]) + 4 * n * n * d
+        per_block *= 2 if self.block_fn == "parallel_things" else 1  # two of each branch
         embed = 2 * self.num_patches * self.patch_size**2 * self.in_chans * d
         head = 2 * d * self.num_classes
         if self.global_pool == "map":  # attention pool: keys and values of the patches, one query, its MLP

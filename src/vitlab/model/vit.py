@@ -10,6 +10,7 @@ Shapes: B batch, N tokens (prefix + patches), D embed_dim, H heads, Dh head dim,
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from functools import partial
 
@@ -387,7 +388,67 @@ class ParallelScalingBlock(nn.Module):
         return ((q * self.head_dim**-0.5) @ k.transpose(-2, -1)).softmax(dim=-1)
 
 
-BLOCKS = {"block": Block, "parallel_scaling": ParallelScalingBlock}
+class ResPostBlock(nn.Module):
+    """Post-norm residuals (Swin V2's res-post-norm; timm's ResPostBlock): x + norm1(attn(x)), then
+    x + norm2(mlp(x)). `init_values` starts the norms' weights (not a LayerScale), as timm's."""
+
+    def __init__(self, cfg: ViTConfig, drop_path: float):
+        super().__init__()
+        self.attn = Attention(cfg)
+        self.norm1 = norm(cfg, cfg.embed_dim)
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.mlp = MLPS[cfg.mlp_layer](cfg)
+        self.norm2 = norm(cfg, cfg.embed_dim)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        if cfg.init_values is not None:
+            nn.init.constant_(self.norm1.weight, cfg.init_values)
+            nn.init.constant_(self.norm2.weight, cfg.init_values)
+
+    def forward(
+        self, x: torch.Tensor, rows: int | None = None, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
+        shortcut = x if rows is None else x[:, :rows]
+        x = shortcut + self.drop_path1(self.norm1(self.attn(x, rows, attn_mask)))
+        return x + self.drop_path2(self.norm2(self.mlp(x)))
+
+    def attention_map(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn.attention_map(x)
+
+
+class ParallelThingsBlock(nn.Module):
+    """Two attention branches side by side, then two MLP branches ("Three things everyone should know about
+    Vision Transformers", Touvron et al. 2022; timm's ParallelThingsBlock): x + sum_i attn_i(x), then
+    x + sum_i mlp_i(x), each branch norm -> layer -> LayerScale -> stochastic depth."""
+
+    def __init__(self, cfg: ViTConfig, drop_path: float, num_parallel: int = 2):
+        super().__init__()
+
+        def branch(name: str, layer: nn.Module) -> nn.Sequential:
+            ls = LayerScale(cfg.embed_dim, cfg.init_values) if cfg.init_values else nn.Identity()
+            dp = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+            return nn.Sequential(OrderedDict(norm=norm(cfg, cfg.embed_dim), **{name: layer}, ls=ls, drop_path=dp))
+
+        self.attns = nn.ModuleList([branch("attn", Attention(cfg)) for _ in range(num_parallel)])
+        self.ffns = nn.ModuleList([branch("mlp", MLPS[cfg.mlp_layer](cfg)) for _ in range(num_parallel)])
+
+    def forward(
+        self, x: torch.Tensor, rows: int | None = None, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
+        shortcut = x if rows is None else x[:, :rows]
+        attn = [b.drop_path(b.ls(b.attn(b.norm(x), rows, attn_mask))) for b in self.attns]
+        x = shortcut + torch.stack(attn).sum(dim=0)
+        return x + torch.stack([ffn(x) for ffn in self.ffns]).sum(dim=0)
+
+    def attention_map(self, x: torch.Tensor) -> torch.Tensor:  # the mean of the branches' maps
+        return torch.stack([b.attn.attention_map(b.norm(x)) for b in self.attns]).mean(dim=0)
+
+
+BLOCKS = {
+    "block": Block,
+    "parallel_scaling": ParallelScalingBlock,
+    "res_post": ResPostBlock,
+    "parallel_things": ParallelThingsBlock,
+}
 
 
 class AttentionPool(nn.Module):
