@@ -36,7 +36,7 @@ def slips(cfg: ViTConfig) -> dict[str, list[float]]:
     x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(0))
     names = ["patch_embed"] + [f"blocks.{i}" for i in range(cfg.depth)] + ["norm"]
     with torch.no_grad():
-        mine = ours.forward_intermediates(x, names)
+        mine = ours.intermediates_by_name(x, names)
         mine["logits"] = ours.forward_head(mine["norm"])
     variants = {
         "LayerNorm eps 1e-5 (PyTorch default)": dict(norm_layer=partial(torch.nn.LayerNorm, eps=1e-5)),
