@@ -58,7 +58,7 @@ def plot_attention(model: ViT, x: torch.Tensor, mean, std, out_dir: Path) -> dic
     maps = model.attention_maps(x)
     img = _to_display(x[0], mean, std).numpy()
     hw = tuple(x.shape[-2:])
-    p = model.cfg.patch_size
+    ph, pw = model.cfg.patch_hw
     cmap = "gray" if img.ndim == 2 else None
     # The class token's row; without one, the mean over all queries.
     query = (lambda a: a[0]) if model.cfg.class_token else (lambda a: a.mean(dim=0))
@@ -66,11 +66,11 @@ def plot_attention(model: ViT, x: torch.Tensor, mean, std, out_dir: Path) -> dic
 
     fig, ax = plt.subplots(figsize=(4, 4))
     ax.imshow(img, cmap=cmap)
-    for k in range(0, hw[0] + 1, p):
+    for k in range(0, hw[0] + 1, ph):
         ax.axhline(k - 0.5, color="y", lw=0.8)
-    for k in range(0, hw[1] + 1, p):
+    for k in range(0, hw[1] + 1, pw):
         ax.axvline(k - 0.5, color="y", lw=0.8)
-    ax.set(title=f"{model.cfg.grid_size[0]}x{model.cfg.grid_size[1]} patches of {p}x{p}", xticks=[], yticks=[])
+    ax.set(title=f"{model.cfg.grid_size[0]}x{model.cfg.grid_size[1]} patches of {ph}x{pw}", xticks=[], yticks=[])
     files["patch_grid"] = _save(fig, out_dir / "patch_grid.png")
 
     last = maps[-1][0]  # (heads, N, N)
@@ -111,8 +111,8 @@ def plot_embeddings(model: ViT, out_dir: Path) -> dict[str, Path]:
                 axes[i][j].set(xticks=[], yticks=[])
         fig.suptitle("position embedding similarity")
         files["pos_embed_similarity"] = _save(fig, out_dir / "pos_embed_similarity.png")
-    w = model.patch_embed.proj.weight.detach()  # (D, C, P, P)
-    d, c, p, _ = w.shape
+    w = model.patch_embed.proj.weight.detach()  # (D, C, Ph, Pw)
+    d, c, ph, pw = w.shape
     flat = w.reshape(d, -1)
     _, _, vt = torch.linalg.svd(flat - flat.mean(0), full_matrices=False)
     k = min(28, vt.shape[0])
@@ -122,7 +122,7 @@ def plot_embeddings(model: ViT, out_dir: Path) -> dict[str, Path]:
         if idx >= k:
             ax.axis("off")
         else:
-            comp = vt[idx].reshape(c, p, p)
+            comp = vt[idx].reshape(c, ph, pw)
             comp = (comp - comp.min()) / (comp.max() - comp.min() + 1e-12)
             ax.imshow((comp[0] if c == 1 else comp[:3].permute(1, 2, 0)).numpy(), cmap="gray" if c == 1 else None)
     fig.suptitle(f"patch-embedding filters: first {k} principal components")

@@ -15,6 +15,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torchvision.models.feature_extraction import create_feature_extractor, get_graph_node_names
 
 from tests.helpers import tiny
+from vitlab.convert.export import dynamic_shapes
 from vitlab.convert.timm import timm_kwargs, vitlab_to_timm
 from vitlab.model import ViT, resample_patch_embed
 
@@ -29,6 +30,7 @@ CONFIGS = {
     "sincos2d_dynamic": dict(pos_embed="sincos2d", dynamic_img_size=True, reg_tokens=1),
     "sincos1d_dynamic_pad": dict(pos_embed="sincos1d", dynamic_img_size=True, dynamic_img_pad=True),
     "learn_dynamic_non_square": dict(img_size=[32, 24], dynamic_img_size=True, global_pool="avg"),
+    "non_square_patches_pad": dict(patch_size=[8, 4], dynamic_img_size=True, dynamic_img_pad=True),
 }
 PARAMS = list(CONFIGS)
 
@@ -107,9 +109,10 @@ def test_model_forward_intermediates(name):  # test_model_forward_intermediates
     x = images(model, 1, hw)
     output, intermediates = model.forward_intermediates(x, output_fmt="NCHW")
     assert len(intermediates) == len(channels)
+    (ph, pw) = model.cfg.patch_hw  # timm's reduction is the larger side of a patch: bound each axis by its own
     for c, r, o in zip(channels, reductions, intermediates, strict=True):
-        assert o.shape[0] == 1 and o.shape[1] == c and not o.isnan().any()
-        assert o.shape[2] <= math.ceil(hw[0] / r) + 1 and o.shape[3] <= math.ceil(hw[1] / r) + 1
+        assert o.shape[0] == 1 and o.shape[1] == c and not o.isnan().any() and r == max(ph, pw)
+        assert o.shape[2] <= math.ceil(hw[0] / ph) + 1 and o.shape[3] <= math.ceil(hw[1] / pw) + 1
     torch.testing.assert_close(output, model.forward_features(x), atol=0, rtol=0)
     model.set_grad_checkpointing()
     output3, _ = model.forward_intermediates(x, output_fmt="NCHW")
@@ -207,13 +210,7 @@ def test_torch_export_dynamic_batch_and_size(name):
     """torch.export with a dynamic batch, and dynamic height and width (multiples of the patch; any size
     with dynamic_img_pad) when the model takes any size: one program for every shape."""
     model, _ = pair(name)
-    P, dim = model.cfg.patch_size, torch.export.Dim
-    shapes = {0: dim("batch", min=1, max=64)}
-    if model.cfg.dynamic_img_pad:  # (a grid of one patch is a size export specialises: 2 patches at least)
-        shapes.update({2: dim("height", min=2 * P, max=512), 3: dim("width", min=2 * P, max=512)})
-    elif model.cfg.dynamic_img_size:
-        shapes.update({2: P * dim("grid_h", min=2, max=64), 3: P * dim("grid_w", min=2, max=64)})
-    program = torch.export.export(model, (images(model),), dynamic_shapes={"x": shapes}).module()
+    program = torch.export.export(model, (images(model),), dynamic_shapes=dynamic_shapes(model)).module()
     sizes = [model.cfg.img_hw] + ([(48, 16), (16, 64)] if model.cfg.dynamic_img_size else [])
     sizes += [(37, 21)] if model.cfg.dynamic_img_pad else []
     for batch, hw in zip([3, 1, 5, 2][: len(sizes)], sizes, strict=True):
@@ -233,9 +230,7 @@ def test_set_input_size_is_timms(name):
             del mine["pos_embed"], reference["pos_embed"]
         torch.testing.assert_close(mine, reference, atol=1e-5, rtol=0)
         assert ours.pretrained_cfg["input_size"] == (3, *ours.cfg.img_hw)
-        assert (
-            ours.cfg.img_hw == theirs.patch_embed.img_size and ours.cfg.patch_size == theirs.patch_embed.patch_size[0]
-        )
+        assert ours.cfg.img_hw == theirs.patch_embed.img_size and ours.cfg.patch_hw == theirs.patch_embed.patch_size
         rebuilt = ViT(ours.cfg).eval()  # the config describes the resized model
         rebuilt.load_state_dict(ours.state_dict())
         x = images(ours)

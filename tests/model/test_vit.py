@@ -69,6 +69,7 @@ OPTIONS = {
     "res_post_fix_init": dict(block_fn="res_post", fix_init=True, qk_norm=True),
     "parallel_things_18x2": dict(block_fn="parallel_things", init_values=1e-5),
     "parallel_things_swiglu_reg": dict(block_fn="parallel_things", mlp_layer="swiglu", act_layer="silu", reg_tokens=2),
+    "non_square_patches": dict(patch_size=[8, 4], img_size=[32, 16], pos_embed="sincos2d", dynamic_img_size=True),
     "sincos1d": dict(pos_embed="sincos1d", reg_tokens=1),
     "sincos1d_no_embed_class": dict(pos_embed="sincos1d", no_embed_class=True),
     "patch_drop": dict(patch_drop_rate=0.5, reg_tokens=1),

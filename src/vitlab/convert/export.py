@@ -26,24 +26,24 @@ FORMATS = {".onnx": "onnx", ".pt2": "pt2"}
 def dynamic_shapes(model: ViT) -> dict[str, dict[int, Any]]:
     """torch.export's dynamic dimensions of the input `x` (B, C, H, W). A grid of one patch is left out:
     export specialises sizes of 1."""
-    Dim, P = torch.export.Dim, model.cfg.patch_size
+    Dim, (ph, pw) = torch.export.Dim, model.cfg.patch_hw
     shapes: dict[int, Any] = {0: Dim("batch", min=1, max=4096)}
     if model.cfg.dynamic_img_pad:
-        shapes.update({2: Dim("height", min=2 * P, max=8192), 3: Dim("width", min=2 * P, max=8192)})
+        shapes.update({2: Dim("height", min=2 * ph, max=8192), 3: Dim("width", min=2 * pw, max=8192)})
     elif model.cfg.dynamic_img_size:
-        shapes.update({2: P * Dim("grid_h", min=2, max=8192 // P), 3: P * Dim("grid_w", min=2, max=8192 // P)})
+        shapes.update({2: ph * Dim("grid_h", min=2, max=8192 // ph), 3: pw * Dim("grid_w", min=2, max=8192 // pw)})
     return {"x": shapes}
 
 
 def check_shapes(model: ViT) -> list[tuple[int, ...]]:
     """The input shapes an exported file is checked on: the model's own size at two batch sizes, and when
     the size is dynamic, a larger and a non-square one (and one that needs padding)."""
-    c, (h, w), P = model.cfg.in_chans, model.cfg.img_hw, model.cfg.patch_size
+    c, (h, w), (ph, pw) = model.cfg.in_chans, model.cfg.img_hw, model.cfg.patch_hw
     shapes = [(2, c, h, w), (1, c, h, w)]
     if model.cfg.dynamic_img_size:
-        shapes += [(3, c, h + 2 * P, w), (2, c, 2 * P, w + 4 * P)]
+        shapes += [(3, c, h + 2 * ph, w), (2, c, 2 * ph, w + 4 * pw)]
     if model.cfg.dynamic_img_pad:
-        shapes.append((2, c, h + P // 2 + 1, w + 1))
+        shapes.append((2, c, h + ph // 2 + 1, w + 1))
     return shapes
 
 

@@ -101,7 +101,7 @@ def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
 
     d = cfg.to_dict()
     del d["norm_eps"]
-    d["img_size"] = tuple(cfg.img_hw)
+    d["img_size"], d["patch_size"] = tuple(cfg.img_hw), tuple(cfg.patch_hw)
     if cfg.pos_embed == "sincos2d":
         d.update(pos_embed="learn", no_embed_class=True)
     elif cfg.pos_embed == "sincos1d":  # prefix rows as no_embed_class says
@@ -236,9 +236,7 @@ def vitlab_args(args: dict[str, Any]) -> dict[str, Any]:
         elif key == "mlp_layer":
             out["mlp_layer"] = _mlp(value)
         elif key in ("patch_size", "img_size") and isinstance(value, (tuple, list)):
-            if key == "patch_size" and len(set(value)) != 1:
-                raise UserError(f"patch_size {tuple(value)} (non-square patches)")
-            out[key] = value[0] if key == "patch_size" else list(value)
+            out[key] = list(value)  # ViTConfig keeps an int for squares
         else:
             out[key] = value
     if out.get("embed_norm") and _norm(args["embed_norm_layer"]) != _norm(args.get("norm_layer", "layernorm")):

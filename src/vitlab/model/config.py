@@ -45,7 +45,7 @@ def parse_variant(variant: str) -> dict[str, int]:
 @dataclass
 class ViTConfig:
     img_size: int | tuple[int, int] = 224  # int for square images, (H, W) otherwise
-    patch_size: int = 16
+    patch_size: int | tuple[int, int] = 16  # int for square patches, (H, W) otherwise
     in_chans: int = 3
     num_classes: int = 1000  # 0: no head, forward returns pooled features
     embed_dim: int = 768
@@ -93,17 +93,25 @@ class ViTConfig:
             if len(self.img_size) != 2:
                 raise UserError(f"img_size {list(self.img_size)} must be an int or [height, width]")
             self.img_size = (int(self.img_size[0]), int(self.img_size[1]))
+        if isinstance(self.patch_size, (list, tuple)):
+            if len(self.patch_size) != 2:
+                raise UserError(f"patch_size {list(self.patch_size)} must be an int or [height, width]")
+            ph, pw = self.patch_size  # checked to be ints below
+            self.patch_size = ph if ph == pw else (ph, pw)
         self._check_types()
-        for name in ("patch_size", "in_chans", "embed_dim", "depth", "num_heads"):
+        for name in ("in_chans", "embed_dim", "depth", "num_heads"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} {getattr(self, name)} must be >= 1")
+        if min(self.patch_hw) < 1:
+            raise UserError(f"patch_size {self.patch_size} must be >= 1")
         for name in ("num_classes", "reg_tokens"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} {getattr(self, name)} must be >= 0")
         h, w = self.img_hw
         if h < 1 or w < 1:
             raise UserError(f"img_size {self.img_size} must be positive")
-        if h % self.patch_size or w % self.patch_size:
+        ph, pw = self.patch_hw
+        if h % ph or w % pw:
             raise UserError(f"img_size {self.img_size} is not divisible by patch_size {self.patch_size}")
         if self.embed_dim % self.num_heads:
             raise UserError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
@@ -124,7 +132,7 @@ class ViTConfig:
             raise UserError(f"init_values {self.init_values} must be > 0, or null to switch LayerScale off")
         if self.norm_eps <= 0:
             raise UserError(f"norm_eps {self.norm_eps} must be > 0")
-        self.grid_size = (h // self.patch_size, w // self.patch_size)
+        self.grid_size = (h // ph, w // pw)
 
     def _check_choices(self) -> None:
         """The component names, and the combinations they do not support."""
@@ -157,7 +165,7 @@ class ViTConfig:
 
     def _check_types(self) -> None:
         # Hydra hands over whatever YAML parsed; catch "depth: 12.5" or "qk_norm: yes please" here.
-        ints = ("patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "reg_tokens")
+        ints = ("in_chans", "num_classes", "embed_dim", "depth", "num_heads", "reg_tokens")
         bools = (
             "qkv_bias",
             "qk_norm",
@@ -188,13 +196,20 @@ class ViTConfig:
                 raise UserError(f"{name} {v!r} must be a number")
         if self.fc_norm is not None and not isinstance(self.fc_norm, bool):
             raise UserError(f"fc_norm {self.fc_norm!r} must be true, false or null")
-        if isinstance(self.img_size, bool) or not isinstance(self.img_size, (int, tuple)):
-            raise UserError(f"img_size {self.img_size!r} must be an int or [height, width]")
+        for name in ("img_size", "patch_size"):
+            v = getattr(self, name)
+            parts = v if isinstance(v, tuple) else (v,)
+            if not all(isinstance(p, int) and not isinstance(p, bool) for p in parts):
+                raise UserError(f"{name} {v!r} must be an int or [height, width]")
 
     # ---- derived values -------------------------------------------------------------------------
     @property
     def img_hw(self) -> tuple[int, int]:
         return (self.img_size, self.img_size) if isinstance(self.img_size, int) else tuple(self.img_size)
+
+    @property
+    def patch_hw(self) -> tuple[int, int]:
+        return (self.patch_size, self.patch_size) if isinstance(self.patch_size, int) else tuple(self.patch_size)
 
     @property
     def num_patches(self) -> int:
@@ -236,8 +251,9 @@ class ViTConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain data (no tuples, no derived fields): what a checkpoint stores."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-        if isinstance(d["img_size"], tuple):
-            d["img_size"] = list(d["img_size"])
+        for key in ("img_size", "patch_size"):
+            if isinstance(d[key], tuple):
+                d[key] = list(d[key])
         return d
 
     def replace(self, **changes: Any) -> ViTConfig:
@@ -256,7 +272,7 @@ class ViTConfig:
         mlp = {"mlp": 2 * d * hidden, "swiglu": 3 * d * hidden, "swiglu_packed": d * hidden + hidden // 2 * d}
         per_block = 2 * n * (4 * d * d + mlp[self.mlp_layer]) + 4 * n * n * d
         per_block *= 2 if self.block_fn == "parallel_things" else 1  # two of each branch
-        embed = 2 * self.num_patches * self.patch_size**2 * self.in_chans * d
+        embed = 2 * self.num_patches * self.patch_hw[0] * self.patch_hw[1] * self.in_chans * d
         head = 2 * d * self.num_classes
         if self.global_pool == "map":  # attention pool: keys and values of the patches, one query, its MLP
             head += 2 * self.num_patches * 2 * d * d + 4 * self.num_patches * d + 2 * (2 * d * d + 2 * d * hidden)

@@ -114,16 +114,17 @@ def resample_patch_embed(weight: torch.Tensor, new_size: Sequence[int]) -> torch
 
 
 @torch.fx.wrap
-def _check_input_size(x: torch.Tensor, img_hw, patch_size: int, dynamic_size: bool, dynamic_pad: bool) -> None:
+def _check_input_size(x: torch.Tensor, img_hw, patch_hw, dynamic_size: bool, dynamic_pad: bool) -> None:
     H, W = x.shape[-2], x.shape[-1]
     if not dynamic_size and (H, W) != tuple(img_hw):
         raise ValueError(
             f"input size {H}x{W} does not match img_size {tuple(img_hw)}; "
             "resize the input or build the model with dynamic_img_size=true"
         )
-    if not dynamic_pad and (H % patch_size or W % patch_size):  # the strided conv would drop the remainder
+    if not dynamic_pad and (H % patch_hw[0] or W % patch_hw[1]):  # the strided conv would drop the remainder
+        patch = patch_hw[0] if patch_hw[0] == patch_hw[1] else tuple(patch_hw)
         raise ValueError(
-            f"input size {H}x{W} is not a multiple of patch_size {patch_size}; crop or resize it, or build the "
+            f"input size {H}x{W} is not a multiple of patch_size {patch}; crop or resize it, or build the "
             "model with dynamic_img_pad=true to pad it"
         )
 
@@ -482,15 +483,15 @@ class PatchEmbed(nn.Module):
 
     def __init__(self, cfg: ViTConfig):
         super().__init__()
-        p = self.patch_size = cfg.patch_size
+        p = self.patch_size = cfg.patch_hw
         self.dynamic_img_pad = cfg.dynamic_img_pad
         self.proj = nn.Conv2d(cfg.in_chans, cfg.embed_dim, kernel_size=p, stride=p, bias=not cfg.pre_norm)
         self.norm = norm(cfg, cfg.embed_dim) if cfg.embed_norm else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, ceil(H/P), ceil(W/P), D)
         if self.dynamic_img_pad:
-            p, H, W = self.patch_size, x.shape[-2], x.shape[-1]
-            x = F.pad(x, (0, (p - W % p) % p, 0, (p - H % p) % p))
+            (ph, pw), H, W = self.patch_size, x.shape[-2], x.shape[-1]
+            x = F.pad(x, (0, (pw - W % pw) % pw, 0, (ph - H % ph) % ph))
         return self.norm(self.proj(x).permute(0, 2, 3, 1))
 
 
@@ -642,7 +643,7 @@ class ViT(nn.Module):
     def feature_info(self) -> list[dict]:
         """Every block's output as timm describes it: module name, channels, stride in pixels."""
         return [
-            dict(module=f"blocks.{i}", num_chs=self.cfg.embed_dim, reduction=self.cfg.patch_size)
+            dict(module=f"blocks.{i}", num_chs=self.cfg.embed_dim, reduction=max(self.cfg.patch_hw))
             for i in range(len(self.blocks))
         ]
 
@@ -690,17 +691,14 @@ class ViT(nn.Module):
         if img_size is not None:
             changes["img_size"] = img_size if isinstance(img_size, int) else list(img_size)
         if patch_size is not None:
-            p = (patch_size, patch_size) if isinstance(patch_size, int) else tuple(patch_size)
-            if len(p) != 2 or p[0] != p[1]:
-                raise ValueError(f"patch_size {patch_size} must be square")
-            changes["patch_size"] = int(p[0])
+            changes["patch_size"] = patch_size if isinstance(patch_size, int) else list(patch_size)
         new = old.replace(**changes)
-        if new.patch_size != old.patch_size:
-            conv, P = self.patch_embed.proj, new.patch_size
+        if new.patch_hw != old.patch_hw:
+            conv, P = self.patch_embed.proj, new.patch_hw
             proj = nn.Conv2d(new.in_chans, new.embed_dim, P, P, bias=conv.bias is not None, device=conv.weight.device,
                              dtype=conv.weight.dtype)  # fmt: skip
             with torch.no_grad():
-                proj.weight.copy_(resample_patch_embed(conv.weight, (P, P)))
+                proj.weight.copy_(resample_patch_embed(conv.weight, P))
                 if conv.bias is not None:
                     proj.bias.copy_(conv.bias)
             self.patch_embed.proj, self.patch_embed.patch_size = proj, P
@@ -718,7 +716,7 @@ class ViT(nn.Module):
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> tokens (B, N, D): patches, prefix tokens, position embedding."""
         cfg = self.cfg
-        _check_input_size(x, cfg.img_hw, cfg.patch_size, cfg.dynamic_img_size, cfg.dynamic_img_pad)
+        _check_input_size(x, cfg.img_hw, cfg.patch_hw, cfg.dynamic_img_size, cfg.dynamic_img_pad)
         x = self.patch_embed(x)  # (B, h, w, D)
         pos = self.pos_embed
         if pos is not None and cfg.dynamic_img_size:  # this input's grid, from its shape
@@ -800,8 +798,8 @@ class ViT(nn.Module):
         n = self.num_prefix_tokens
         prefix, feats = [y[:, :n] for y in feats], [y[:, n:] for y in feats]
         if output_fmt == "NCHW":
-            P = self.cfg.patch_size
-            h, w = (H + P - 1) // P, (W + P - 1) // P  # the padded grid with dynamic_img_pad
+            (ph, pw) = self.cfg.patch_hw
+            h, w = (H + ph - 1) // ph, (W + pw - 1) // pw  # the padded grid with dynamic_img_pad
             feats = [y.reshape(B, h, w, -1).permute(0, 3, 1, 2).contiguous() for y in feats]
         if output_dict:
             out = {"image_intermediates": feats}
