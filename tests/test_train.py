@@ -394,13 +394,13 @@ def test_any_timm_vit_fine_tunes_from_its_name(compose_cfg, tmp_path, monkeypatc
     assert ckpt["hyper_parameters"]["model"]["embed_dim"] == 384
 
 
-def test_a_timm_name_we_cannot_express_is_named(compose_cfg):
+def test_timm_names_that_cannot_be_fine_tuned_are_named(compose_cfg):
     from vitlab import run
     from vitlab.errors import UserError
 
-    cfg = compose_cfg("train", ["model.pretrained=vit_dwee_patch16_reg1_gap_256", "model.img_size=32"])
+    cfg = compose_cfg("train", ["model.pretrained=deit3_small_patch16_224", "model.img_size=32"])
     with pytest.raises(
-        UserError, match="timm's vit_dwee_patch16_reg1_gap_256 is not expressible by vitlab's ViT: attn"
+        UserError, match="'deit3_small_patch16_224' is not an architecture of timm's vision_transformer"
     ):
         run.apply_pretrained(cfg)
     cfg = compose_cfg("train", ["model.pretrained=vit_small_patch14_dinov2.lvd142m"])  # the digits' 8 px

@@ -179,6 +179,8 @@ def test_offline_download_fails_with_a_clear_message(monkeypatch):
         ("vit_base_patch16_224.augreg_in21k", dict(depth=1, num_classes=10, img_size=64)),  # a tag, new head and size
         ("vit_base_patch16_rpn_224", dict(depth=1, img_size=64)),  # post-norm residual blocks
         ("vit_small_patch16_18x2_224", dict(depth=2, img_size=64)),  # two attention and two MLP branches
+        ("vit_dwee_patch16_reg1_gap_256", dict(depth=3, img_size=64)),  # differential attention
+        ("vit_dpwee_patch16_reg1_gap_256", dict(depth=2, img_size=64)),  # the parallel block, differential
     ],
 )
 def test_config_from_timm_builds_what_timm_builds(name, overrides):
@@ -194,8 +196,8 @@ def test_config_from_timm_builds_what_timm_builds(name, overrides):
 
 
 def test_config_from_timm_names_what_it_cannot_express():
-    with pytest.raises(ValueError, match="timm's vit_dwee_patch16_reg1_gap_256 is not expressible .* attn_layer="):
-        config_from_timm("vit_dwee_patch16_reg1_gap_256")
+    with pytest.raises(ValueError, match="timm's vit_so400m_patch14_siglip_384 is not expressible .* img_size"):
+        config_from_timm("vit_so400m_patch14_siglip_384")
     with pytest.raises(ValueError, match="'vit_base_patch16_2244' is not an architecture .* did you mean"):
         config_from_timm("vit_base_patch16_2244")
     assert timm_model_args("vit_small_patch14_dinov2")["img_size"] == (518, 518)  # timm's pretrained-cfg default

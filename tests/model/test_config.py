@@ -61,6 +61,8 @@ def test_flops_match_the_hand_count_for_b16():
         (dict(reg_tokens=-1), "reg_tokens -1 must be >= 0"),
         (dict(init_values=0.0), "init_values 0.0 must be > 0"),
         (dict(weight_init="xavier"), "weight_init 'xavier' is not one of"),
+        (dict(attn_layer="diff", embed_dim=36, num_heads=4), "differential attention halves each head"),
+        (dict(attn_layer="diff", block_fn="parallel_scaling"), "takes attn_layer 'attn'"),
         (dict(patch_size=[8, 0]), "patch_size (8, 0) must be >= 1"),
         (dict(patch_size=[8, 4.5]), "patch_size (8, 4.5) must be an int or [height, width]"),
         (dict(patch_size=[8, 4, 2]), "patch_size [8, 4, 2] must be an int or [height, width]"),

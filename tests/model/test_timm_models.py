@@ -26,6 +26,8 @@ CONFIGS = {
     "parallel_scaling": dict(block_fn="parallel_scaling", qk_norm=True, init_values=1e-5),
     "res_post_avg": dict(block_fn="res_post", class_token=False, global_pool="avg", init_values=1e-5),
     "parallel_things": dict(block_fn="parallel_things", init_values=1e-5, reg_tokens=1),
+    "diff_attention": dict(attn_layer="diff", init_values=1e-5, reg_tokens=1, qk_norm=True),
+    "diff_parallel_scaling": dict(block_fn="diff_parallel_scaling", qkv_bias=False, init_values=1e-5),
     "swiglu_rmsnorm": dict(mlp_layer="swiglu", act_layer="silu", norm_layer="rmsnorm", no_embed_class=True),
     "sincos2d_dynamic": dict(pos_embed="sincos2d", dynamic_img_size=True, reg_tokens=1),
     "sincos1d_dynamic_pad": dict(pos_embed="sincos1d", dynamic_img_size=True, dynamic_img_pad=True),

@@ -70,6 +70,15 @@ OPTIONS = {
     "parallel_things_18x2": dict(block_fn="parallel_things", init_values=1e-5),
     "parallel_things_swiglu_reg": dict(block_fn="parallel_things", mlp_layer="swiglu", act_layer="silu", reg_tokens=2),
     "non_square_patches": dict(patch_size=[8, 4], img_size=[32, 16], pos_embed="sincos2d", dynamic_img_size=True),
+    "diff_attention_dwee": dict(
+        attn_layer="diff", init_values=1e-5, class_token=False, reg_tokens=1, global_pool="avg"
+    ),
+    "diff_attention_qk_norm_token": dict(attn_layer="diff", qk_norm=True, depth=3),
+    "diff_attention_parallel_things": dict(attn_layer="diff", block_fn="parallel_things"),
+    "diff_parallel_scaling_dpwee": dict(
+        block_fn="diff_parallel_scaling", init_values=1e-5, class_token=False, reg_tokens=1, global_pool="avg"
+    ),
+    "diff_parallel_scaling_no_qkv_bias_qk_norm": dict(block_fn="diff_parallel_scaling", qkv_bias=False, qk_norm=True),
     "sincos1d": dict(pos_embed="sincos1d", reg_tokens=1),
     "sincos1d_no_embed_class": dict(pos_embed="sincos1d", no_embed_class=True),
     "patch_drop": dict(patch_drop_rate=0.5, reg_tokens=1),

@@ -110,7 +110,8 @@ def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
     d["mlp_layer"] = {"mlp": Mlp, "swiglu": SwiGLU, "swiglu_packed": SwiGLUPacked}[cfg.mlp_layer]
     d["embed_norm_layer"] = d["norm_layer"] if d.pop("embed_norm") else None
     blocks = {"block": tv.Block, "parallel_scaling": tv.ParallelScalingBlock, "res_post": tv.ResPostBlock}
-    d["block_fn"] = {**blocks, "parallel_things": tv.ParallelThingsBlock}[cfg.block_fn]
+    blocks.update(parallel_things=tv.ParallelThingsBlock, diff_parallel_scaling=tv.DiffParallelScalingBlock)
+    d["block_fn"] = blocks[cfg.block_fn]
     return d  # act_layer: timm reads the same names
 
 
@@ -118,7 +119,6 @@ def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
 
 # timm arguments our ViT has no counterpart for, with the value that means "off" (timm's default)
 TIMM_UNSUPPORTED = {
-    "attn_layer": "attention",  # timm's default class is compared by name below
     "embed_layer": "PatchEmbed",
 }
 
@@ -206,7 +206,8 @@ ACT_NAMES = {"gelu": "gelu", "gelutanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
 
 # timm's block classes (lower case) -> our block_fn
 BLOCK_NAMES = {"block": "block", "parallelscalingblock": "parallel_scaling", "respostblock": "res_post",
-               "parallelthingsblock": "parallel_things"}  # fmt: skip
+               "parallelthingsblock": "parallel_things",
+               "diffparallelscalingblock": "diff_parallel_scaling"}  # fmt: skip
 
 
 def vitlab_args(args: dict[str, Any]) -> dict[str, Any]:
@@ -226,6 +227,13 @@ def vitlab_args(args: dict[str, Any]) -> dict[str, Any]:
             out["act_layer"] = act
         elif key == "norm_layer":
             out.update(_norm(value))
+        elif key == "attn_layer":
+            attn = {"attn": "attn", "attention": "attn", "diff": "diff", "diffattention": "diff"}.get(
+                _component_name(value)
+            )
+            if attn is None:
+                raise UserError(f"attn_layer={_component_name(value)!r}")
+            out["attn_layer"] = attn
         elif key == "block_fn":
             block = BLOCK_NAMES.get(_component_name(value))
             if block is None:

@@ -27,7 +27,8 @@ GLOBAL_POOLS = ("token", "avg", "max", "avgmax", "map", "")
 ACT_LAYERS = ("gelu", "gelu_tanh", "quick_gelu", "silu")
 NORM_LAYERS = ("layernorm", "rmsnorm")
 MLP_LAYERS = ("mlp", "swiglu", "swiglu_packed")
-BLOCK_FNS = ("block", "parallel_scaling", "res_post", "parallel_things")
+ATTN_LAYERS = ("attn", "diff")
+BLOCK_FNS = ("block", "parallel_scaling", "diff_parallel_scaling", "res_post", "parallel_things")
 POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "none")
 WEIGHT_INITS = ("", "jax", "jax_nlhb", "moco", "skip")  # timm's modes
 # The regularisation fields: probabilities in [0, 1), free to change when a run is resumed.
@@ -63,13 +64,15 @@ class ViTConfig:
     final_norm: bool = True  # False: no norm after the blocks (nor fc_norm), as timm
     act_layer: str = "gelu"  # gelu (exact) | gelu_tanh | quick_gelu (CLIP) | silu
     norm_layer: str = "layernorm"  # layernorm | rmsnorm (every norm of the network, qk_norm's too)
+    attn_layer: str = "attn"  # attn | diff (differential attention, Ye et al. 2024)
     mlp_layer: str = "mlp"  # mlp | swiglu (fc1_g, fc1_x) | swiglu_packed (one fc1, halves: act(a) * b)
     proj_bias: bool = True  # biases of the attention projection and the MLP's linear layers
     embed_norm: bool = False  # a norm (norm_layer) after the patch embedding (AIMv2)
     scale_attn_norm: bool = False  # a norm on the attention output before its projection (BEiT-3)
     scale_mlp_norm: bool = False  # a norm on the MLP's hidden features before fc2 (BEiT-3)
     pool_include_prefix: bool = False  # avg/max/avgmax/map pools over the prefix tokens too
-    # block (pre-norm, the paper's) | parallel_scaling (ViT-22B: attention and MLP in parallel) | res_post
+    # block (pre-norm, the paper's) | parallel_scaling (ViT-22B: attention and MLP in parallel) |
+    # diff_parallel_scaling (the same with differential attention and one output projection) | res_post
     # (post-norm residuals, Swin V2) | parallel_things (two attention, then two MLP branches, Touvron et al. 2022)
     block_fn: str = "block"
     pre_norm: bool = False  # LayerNorm before the blocks (CLIP); drops the patch-embedding bias
@@ -137,16 +140,21 @@ class ViTConfig:
     def _check_choices(self) -> None:
         """The component names, and the combinations they do not support."""
         components = (("act_layer", ACT_LAYERS), ("norm_layer", NORM_LAYERS), ("mlp_layer", MLP_LAYERS))
+        components += (("attn_layer", ATTN_LAYERS),)
         for name, allowed in (*components, ("block_fn", BLOCK_FNS)):
             if getattr(self, name) not in allowed:
                 raise UserError(f"{name} {getattr(self, name)!r} is not one of {list(allowed)}")
-        if self.block_fn == "parallel_scaling" and (
-            self.mlp_layer != "mlp" or self.scale_attn_norm or self.scale_mlp_norm
+        if self.block_fn in ("parallel_scaling", "diff_parallel_scaling") and (
+            self.mlp_layer != "mlp" or self.attn_layer != "attn" or self.scale_attn_norm or self.scale_mlp_norm
         ):
             raise UserError(
-                "block_fn 'parallel_scaling' has its own fused MLP: it takes mlp_layer 'mlp' and no "
-                "scale_attn_norm / scale_mlp_norm"
+                f"block_fn {self.block_fn!r} has its own fused attention and MLP: it takes attn_layer 'attn', "
+                "mlp_layer 'mlp' and no scale_attn_norm / scale_mlp_norm"
             )
+        differential = self.attn_layer == "diff" or self.block_fn == "diff_parallel_scaling"
+        if differential and (self.embed_dim // self.num_heads) % 2:
+            head = self.embed_dim // self.num_heads
+            raise UserError(f"differential attention halves each head: embed_dim / num_heads {head} must be even")
         if self.fix_init and self.block_fn not in ("block", "res_post"):
             raise UserError("fix_init scales the attention and MLP projections of block_fn 'block' or 'res_post' only")
         if self.mlp_layer == "swiglu_packed" and int(self.embed_dim * self.mlp_ratio) % 2:
@@ -270,7 +278,9 @@ class ViTConfig:
         hidden = int(d * self.mlp_ratio)
         # MLP weights: mlp D->Dm->D; swiglu two D->Dm and Dm->D; swiglu_packed D->Dm and Dm/2->D
         mlp = {"mlp": 2 * d * hidden, "swiglu": 3 * d * hidden, "swiglu_packed": d * hidden + hidden // 2 * d}
-        per_block = 2 * n * (4 * d * d + mlp[self.mlp_layer]) + 4 * n * n * d
+        # attention: q k^T and (attention) v, 2 N^2 D each; differential attention applies v twice
+        differential = self.attn_layer == "diff" or self.block_fn == "diff_parallel_scaling"
+        per_block = 2 * n * (4 * d * d + mlp[self.mlp_layer]) + (6 if differential else 4) * n * n * d
         per_block *= 2 if self.block_fn == "parallel_things" else 1  # two of each branch
         embed = 2 * self.num_patches * self.patch_hw[0] * self.patch_hw[1] * self.in_chans * d
         head = 2 * d * self.num_classes

@@ -1,7 +1,7 @@
 """The Vision Transformer of "An Image is Worth 16x16 Words" (Dosovitskiy et al., ICLR 2021).
 
 Reads top to bottom: position-embedding helpers -> the component tables a config picks from
-(ACTIVATIONS, NORMS, POOLS) -> attention -> MLPs (MLPS) -> blocks (BLOCKS) -> attention pool -> patch
+(ACTIVATIONS, NORMS, POOLS) -> attention (ATTENTIONS) -> MLPs (MLPS) -> blocks (BLOCKS) -> attention pool -> patch
 embedding -> the model. Parameter names are timm's, so timm checkpoints load as they are; the computation
 follows timm's order of operations, so logits agree with timm's bit for bit on CPU in fp32.
 Shapes: B batch, N tokens (prefix + patches), D embed_dim, H heads, Dh head dim, P patch size.
@@ -208,7 +208,7 @@ class LayerScale(nn.Module):
 class Attention(nn.Module):
     """Multi-head self-attention with one fused qkv projection and SDPA (flash/mem-efficient kernels)."""
 
-    def __init__(self, cfg: ViTConfig):
+    def __init__(self, cfg: ViTConfig, layer: int = 0):
         super().__init__()
         dim = cfg.embed_dim
         self.num_heads = cfg.num_heads
@@ -244,6 +244,72 @@ class Attention(nn.Module):
         forward pass never materialises it."""
         q, k, _ = self._qkv(x)
         return ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+
+
+class _Differential:
+    """Differential attention (Ye et al. 2024, "Differential Transformer"; timm's DiffAttention): each head
+    splits q and k in two halves of Dh/2 and attends twice with values of width Dh,
+    softmax(q1 k1^T) v - lambda softmax(q2 k2^T) v, then an RMSNorm per head and a scale of (1 - lambda_init);
+    lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, lambda_init = 0.8 - 0.6 exp(-0.3 layer). Shared by
+    DiffAttention and DiffParallelScalingBlock, its parameters under timm's names."""
+
+    def _differential(self, cfg: ViTConfig, layer: int) -> None:
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.embed_dim // cfg.num_heads // 2  # v keeps 2 * head_dim
+        self.scale = self.head_dim**-0.5
+        self.q_norm = norm(cfg, self.head_dim) if cfg.qk_norm else nn.Identity()
+        self.k_norm = norm(cfg, self.head_dim) if cfg.qk_norm else nn.Identity()
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            self.register_parameter(name, nn.Parameter(torch.empty(self.head_dim).normal_(std=0.1)))
+        self.sub_norm = nn.RMSNorm(2 * self.head_dim, eps=1e-5)
+        self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer)
+        self.attn_drop = cfg.attn_drop_rate
+
+    def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        halves = (self.num_heads, 2, self.head_dim)
+        q = self.q_norm(q.unflatten(-1, halves).permute(0, 2, 3, 1, 4))  # (B, H, 2, N, Dh/2)
+        k = self.k_norm(k.unflatten(-1, halves).permute(0, 2, 3, 1, 4))
+        return q, k, v.unflatten(-1, (self.num_heads, 2 * self.head_dim)).transpose(1, 2)  # v: (B, H, N, Dh)
+
+    def _lambda(self) -> torch.Tensor:
+        l1, l2 = (self.lambda_q1 * self.lambda_k1).sum(-1), (self.lambda_q2 * self.lambda_k2).sum(-1)
+        return l1.float().exp() - l2.float().exp() + self.lambda_init
+
+    def _attend(
+        self, q, k, v, rows: int | None, attn_mask: torch.Tensor | None
+    ) -> torch.Tensor:  # -> (B, rows or N, D)
+        if rows is not None:
+            q, attn_mask = q[..., :rows, :], _query_rows(attn_mask, rows)
+        drop = self.attn_drop if self.training else 0.0
+        a1, a2 = (F.scaled_dot_product_attention(q[:, :, i], k[:, :, i], v, attn_mask, drop) for i in (0, 1))
+        x = self.sub_norm(a1 - self._lambda().type_as(a1) * a2) * (1 - self.lambda_init)
+        return x.transpose(1, 2).flatten(2)
+
+    def _map(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # the differential map (may be negative)
+        maps = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)  # (B, H, 2, N, N)
+        return maps[:, :, 0] - self._lambda().type_as(maps) * maps[:, :, 1]
+
+
+class DiffAttention(_Differential, Attention):
+    """Attention with the differential attention of `_Differential` in place of softmax attention."""
+
+    def __init__(self, cfg: ViTConfig, layer: int = 0):
+        super().__init__(cfg, layer)
+        self._differential(cfg, layer)
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self._heads(q, k, v)
+
+    def forward(
+        self, x: torch.Tensor, rows: int | None = None, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
+        return self.proj_drop(self.proj(self.norm(self._attend(*self._qkv(x), rows, attn_mask))))
+
+    def attention_map(self, x: torch.Tensor) -> torch.Tensor:
+        return self._map(*self._qkv(x)[:2])
+
+
+ATTENTIONS = {"attn": Attention, "diff": DiffAttention}  # config.py: attn_layer; built with (cfg, layer index)
 
 
 @torch.fx.wrap  # traced with or without a mask
@@ -315,11 +381,11 @@ MLPS = {"mlp": Mlp, "swiglu": SwiGLU, "swiglu_packed": SwiGLUPacked}
 class Block(nn.Module):
     """Pre-norm encoder block (paper Eq. 2-3): x + attn(LN(x)), then x + mlp(LN(x))."""
 
-    def __init__(self, cfg: ViTConfig, drop_path: float):
+    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0):
         super().__init__()
         dim = cfg.embed_dim
         self.norm1 = norm(cfg, dim)
-        self.attn = Attention(cfg)
+        self.attn = ATTENTIONS[cfg.attn_layer](cfg, layer)
         self.ls1 = LayerScale(dim, cfg.init_values) if cfg.init_values else nn.Identity()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = norm(cfg, dim)
@@ -347,7 +413,7 @@ class ParallelScalingBlock(nn.Module):
     x + ls(attn_out_proj(attention) + mlp_out_proj(act(hidden))). Without qkv_bias the MLP keeps a bias
     of its own (mlp_bias)."""
 
-    def __init__(self, cfg: ViTConfig, drop_path: float):
+    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0):
         super().__init__()
         dim, hidden = cfg.embed_dim, int(cfg.mlp_ratio * cfg.embed_dim)
         self.num_heads, self.head_dim = cfg.num_heads, dim // cfg.num_heads
@@ -389,13 +455,52 @@ class ParallelScalingBlock(nn.Module):
         return ((q * self.head_dim**-0.5) @ k.transpose(-2, -1)).softmax(dim=-1)
 
 
+class DiffParallelScalingBlock(_Differential, nn.Module):
+    """The parallel block with differential attention (timm's DiffParallelScalingBlock): one norm and one input
+    projection give the MLP's hidden features and q, k, v; x + ls(out_proj([diff_attention, act(hidden)]))."""
+
+    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0):
+        super().__init__()
+        dim, hidden = cfg.embed_dim, int(cfg.mlp_ratio * cfg.embed_dim)
+        self.in_norm = norm(cfg, dim)
+        self.in_proj = nn.Linear(dim, hidden + 3 * dim, bias=cfg.qkv_bias)
+        self.in_split = [hidden, dim, dim, dim]
+        self.mlp_bias = None if cfg.qkv_bias else nn.Parameter(torch.zeros(hidden))
+        self._differential(cfg, layer)
+        self.mlp_drop = nn.Dropout(cfg.proj_drop_rate)
+        self.mlp_act = ACTIVATIONS[cfg.act_layer]()
+        self.out_proj = nn.Linear(dim + hidden, dim, bias=cfg.proj_bias)
+        self.ls = LayerScale(dim, cfg.init_values) if cfg.init_values is not None else nn.Identity()
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        hidden, q, k, v = torch.split(self.in_proj(self.in_norm(x)), self.in_split, dim=-1)
+        if self.mlp_bias is not None:
+            hidden = hidden + self.mlp_bias
+        q, k, v = self._heads(q, k, v)
+        return hidden, q, k, v
+
+    def forward(
+        self, x: torch.Tensor, rows: int | None = None, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
+        hidden, q, k, v = self._project(x)
+        if rows is not None:
+            x, hidden = x[:, :rows], hidden[:, :rows]
+        y = torch.cat([self._attend(q, k, v, rows, attn_mask), self.mlp_drop(self.mlp_act(hidden))], dim=-1)
+        return x + self.drop_path(self.ls(self.out_proj(y)))
+
+    def attention_map(self, x: torch.Tensor) -> torch.Tensor:
+        _, q, k, _ = self._project(x)
+        return self._map(q, k)
+
+
 class ResPostBlock(nn.Module):
     """Post-norm residuals (Swin V2's res-post-norm; timm's ResPostBlock): x + norm1(attn(x)), then
     x + norm2(mlp(x)). `init_values` starts the norms' weights (not a LayerScale), as timm's."""
 
-    def __init__(self, cfg: ViTConfig, drop_path: float):
+    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0):
         super().__init__()
-        self.attn = Attention(cfg)
+        self.attn = ATTENTIONS[cfg.attn_layer](cfg, layer)
         self.norm1 = norm(cfg, cfg.embed_dim)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.mlp = MLPS[cfg.mlp_layer](cfg)
@@ -421,7 +526,7 @@ class ParallelThingsBlock(nn.Module):
     Vision Transformers", Touvron et al. 2022; timm's ParallelThingsBlock): x + sum_i attn_i(x), then
     x + sum_i mlp_i(x), each branch norm -> layer -> LayerScale -> stochastic depth."""
 
-    def __init__(self, cfg: ViTConfig, drop_path: float, num_parallel: int = 2):
+    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0, num_parallel: int = 2):
         super().__init__()
 
         def branch(name: str, layer: nn.Module) -> nn.Sequential:
@@ -429,7 +534,9 @@ class ParallelThingsBlock(nn.Module):
             dp = DropPath(drop_path) if drop_path > 0 else nn.Identity()
             return nn.Sequential(OrderedDict(norm=norm(cfg, cfg.embed_dim), **{name: layer}, ls=ls, drop_path=dp))
 
-        self.attns = nn.ModuleList([branch("attn", Attention(cfg)) for _ in range(num_parallel)])
+        self.attns = nn.ModuleList(
+            [branch("attn", ATTENTIONS[cfg.attn_layer](cfg, layer)) for _ in range(num_parallel)]
+        )
         self.ffns = nn.ModuleList([branch("mlp", MLPS[cfg.mlp_layer](cfg)) for _ in range(num_parallel)])
 
     def forward(
@@ -447,6 +554,7 @@ class ParallelThingsBlock(nn.Module):
 BLOCKS = {
     "block": Block,
     "parallel_scaling": ParallelScalingBlock,
+    "diff_parallel_scaling": DiffParallelScalingBlock,
     "res_post": ResPostBlock,
     "parallel_things": ParallelThingsBlock,
 }
@@ -576,7 +684,7 @@ class ViT(nn.Module):
         self.norm_pre = norm(cfg, D) if cfg.pre_norm else nn.Identity()
         # Stochastic depth grows linearly with depth (timm's torch.linspace, float32 included).
         dpr = torch.linspace(0, cfg.drop_path_rate, cfg.depth, device="cpu").tolist()
-        self.blocks = nn.Sequential(*[BLOCKS[cfg.block_fn](cfg, dpr[i]) for i in range(cfg.depth)])
+        self.blocks = nn.Sequential(*[BLOCKS[cfg.block_fn](cfg, dpr[i], i) for i in range(cfg.depth)])
         self.norm = norm(cfg, D) if cfg.final_norm and not cfg.use_fc_norm else nn.Identity()
         self.attn_pool = AttentionPool(cfg) if cfg.global_pool == "map" else None
         self.fc_norm = norm(cfg, D) if cfg.final_norm and cfg.use_fc_norm else nn.Identity()
