@@ -44,8 +44,12 @@ def model_class(arch: str = "vit") -> type:
 
 
 def __getattr__(name: str):
-    if name in ("ViT", "posemb_sincos_1d", "posemb_sincos_2d", "resample_patch_embed", "resample_pos_embed"):
+    if name == "ViT":
         from vitlab.model import vit
 
-        return getattr(vit, name)
+        return vit.ViT
+    if name in ("posemb_sincos_1d", "posemb_sincos_2d", "resample_patch_embed", "resample_pos_embed"):
+        from vitlab.model import posemb
+
+        return getattr(posemb, name)
     raise AttributeError(f"module 'vitlab.model' has no attribute {name!r}")
