@@ -116,9 +116,9 @@ def apply_pretrained(cfg: DictConfig) -> None:
         return
     run_fields = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k in RUN_FIELDS}
     pretrained = timm_pretrained_cfg(source)
-    patch = timm_model_args(source).get("patch_size", 16)
-    img = run_fields["img_size"]
-    if any(s % p for s, p in zip(*(v if isinstance(v, (list, tuple)) else [v] * 2 for v in (img, patch)), strict=True)):
+    patch, img = timm_model_args(source).get("patch_size", 16), run_fields["img_size"]
+    (ph, pw), (h, w) = (tuple(v) if isinstance(v, (list, tuple)) else (v, v) for v in (patch, img))
+    if h % ph or w % pw:
         raise UserError(
             f"model.img_size {img} is not a multiple of the patch size {patch} of timm's {source}; set model.img_size "
             f"(its weights were trained at {pretrained['input_size'][-1]})"
