@@ -47,17 +47,16 @@ def test_parity_command_writes_json_and_passes(cli, tmp_path):
 
 def test_timm_zoo_sweeps_timms_own_architectures(cli, tmp_path):
     run_dir = tmp_path / "run"
-    # vit_small_patch16_{18x2_224, 36x1_224, 384}: one with parallel blocks, two that ours expresses
-    r = cli("parity", "timm_zoo='vit_small_patch16_[13]*'", "zoo_depth=1", f"hydra.run.dir={run_dir}")
+    # vit_so400m_patch14_siglip_{378, 384}: 384 px is not a multiple of patch 14 (refused), 378 px is expressed
+    r = cli("parity", "timm_zoo='vit_so400m_patch14_siglip_3[78]*'", "zoo_depth=1", f"hydra.run.dir={run_dir}")
     assert r.returncode == 0, r.stderr
-    assert "2 of 3 expressible; 2 match timm to 1e-05" in r.stdout
+    assert "1 of 2 expressible; 1 match timm to 1e-05" in r.stdout
     rows = {row["arch"]: row for row in json.loads((run_dir / "timm_zoo.json").read_text())}
-    assert rows["vit_small_patch16_18x2_224"]["reason"] == "block_fn='parallelthingsblock'"
-    for name in ("vit_small_patch16_36x1_224", "vit_small_patch16_384"):
-        row = rows[name]
-        assert row["passed"] and row["round_trip_exact"] and row["depth"] == 1 and row["logits_max_abs"] <= 1e-5
+    assert rows["vit_so400m_patch14_siglip_384"]["reason"] == "img_size (384, 384) is not divisible by patch_size 14"
+    row = rows["vit_so400m_patch14_siglip_378"]
+    assert row["passed"] and row["round_trip_exact"] and row["depth"] == 1 and row["logits_max_abs"] <= 1e-5
     table = (run_dir / "timm_zoo.md").read_text().splitlines()
-    assert len(table) == 2 + 3 and "| vit_small_patch16_18x2_224 | 1 | no: block_fn=" in table[2]
+    assert len(table) == 2 + 2 and "| vit_so400m_patch14_siglip_384 | 1 | no: img_size" in table[3]
     none = cli("parity", "timm_zoo=resnet*", f"hydra.run.dir={tmp_path / 'r2'}")
     assert none.returncode == 2 and "timm_zoo 'resnet*' matches no architecture" in none.stderr
 
