@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-from timm.layers import resample_patch_embed as timm_resample_patch_embed
 from timm.models import FeatureInfo
 from timm.models.vision_transformer import VisionTransformer
 from torchvision.models.feature_extraction import create_feature_extractor, get_graph_node_names
@@ -17,7 +16,7 @@ from torchvision.models.feature_extraction import create_feature_extractor, get_
 from tests.helpers import tiny
 from vitlab.convert.export import dynamic_shapes
 from vitlab.convert.timm import timm_kwargs, vitlab_to_timm
-from vitlab.model import ViT, resample_patch_embed
+from vitlab.model import ViT
 
 CONFIGS = {
     "class_token": {},
@@ -240,23 +239,6 @@ def test_set_input_size_is_timms(name):
             torch.testing.assert_close(rebuilt(x), ours(x), atol=0, rtol=0)
             if not ours.cfg.pos_embed.startswith("sincos"):
                 torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=0)
-
-
-def test_resample_patch_embed_is_flexivits():
-    torch.manual_seed(0)
-    w = torch.randn(8, 3, 16, 16)
-    for size in [(14, 14), (8, 8), (24, 24)]:
-        torch.testing.assert_close(
-            resample_patch_embed(w, size), timm_resample_patch_embed(w, list(size)), atol=1e-4, rtol=1e-4
-        )
-    # the pseudo-inverse keeps each token: <x, w> == <resize(x), w'> for patches upsampled from 8 to 16 px
-    x = torch.randn(5, 3, 8, 8)
-    up = torch.nn.functional.interpolate(x, size=(16, 16), mode="bicubic", antialias=True)
-    w8 = torch.randn(4, 3, 8, 8)
-    w16 = resample_patch_embed(w8, (16, 16))
-    torch.testing.assert_close(
-        torch.einsum("bchw,dchw->bd", up, w16), torch.einsum("bchw,dchw->bd", x, w8), atol=1e-3, rtol=1e-3
-    )
 
 
 @pytest.mark.parametrize("name", PARAMS)

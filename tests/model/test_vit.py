@@ -5,7 +5,7 @@ from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_
 
 from tests.helpers import tiny
 from vitlab.convert.timm import timm_kwargs, vitlab_to_timm
-from vitlab.model import ViT, ViTConfig, posemb_sincos_2d, resample_pos_embed
+from vitlab.model import ViT, ViTConfig, posemb_sincos_2d
 
 OPTIONS = {
     "default": {},
@@ -278,16 +278,6 @@ def test_pos_embed_resampled_on_load_like_timm():
     expected = checkpoint_filter_fn(dict(at224.state_dict()), timm384)["pos_embed"]
     assert at384.pos_embed.shape == (1, 1 + 24 * 24, 32)
     torch.testing.assert_close(at384.pos_embed.detach(), expected, atol=1e-6, rtol=0)
-
-
-def test_resample_pos_embed_matches_timm_non_square_and_prefix():
-    torch.manual_seed(0)
-    pe = torch.randn(1, 3 + 6 * 4, 16)
-    ours = resample_pos_embed(pe, (9, 5), (6, 4), num_prefix_tokens=3)
-    theirs = resample_abs_pos_embed(pe, [9, 5], [6, 4], num_prefix_tokens=3)
-    torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
-    with pytest.raises(ValueError, match="7 patch rows, no grid near the aspect ratio of"):
-        resample_pos_embed(torch.randn(1, 1 + 7, 16), (4, 4), None, 1)
 
 
 def test_compiles_without_graph_breaks():
