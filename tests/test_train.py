@@ -406,3 +406,33 @@ def test_timm_names_that_cannot_be_fine_tuned_are_named(compose_cfg):
     cfg = compose_cfg("train", ["model.pretrained=vit_small_patch14_dinov2.lvd142m"])  # the digits' 8 px
     with pytest.raises(UserError, match=r"model.img_size 8 is not a multiple of the patch size 14 of timm's "):
         run.apply_pretrained(cfg)
+
+
+def test_fine_tunes_from_a_folder_as_timm_saves_one(compose_cfg, tmp_path):
+    """model.pretrained=local-dir:<folder> (config.json + weights, as timm's save_for_hf or a Hugging Face
+    download leaves them): the architecture, its saved arguments and its preprocessing come from the folder,
+    offline, and the weights load."""
+    import timm
+    from timm.models._hub import save_for_hf
+
+    from vitlab import run
+    from vitlab.convert.timm import config_from_timm, load_timm_weights
+
+    folder = tmp_path / "siglip"
+    theirs = timm.create_model("vit_base_patch16_siglip_224", depth=1, embed_dim=64, num_heads=2, img_size=32)
+    save_for_hf(theirs, str(folder), safe_serialization=True)
+    overrides = [f"model.pretrained=local-dir:{folder}", "model.img_size=32", "data=fake"]
+    cfg = compose_cfg("train", overrides)
+    run.apply_pretrained(cfg)
+    assert cfg.model.timm_name == "vit_base_patch16_siglip_224" and cfg.model.global_pool == "map"
+    expected = config_from_timm("vit_base_patch16_siglip_224", depth=1, embed_dim=64, num_heads=2, img_size=32)
+    run_fields = ("img_size", "num_classes")  # the run's: 32 px (a list in timm's), the data's 10 classes
+    assert {k: cfg.model[k] for k in expected.to_dict() if k not in run_fields} == {
+        k: v for k, v in expected.to_dict().items() if k not in run_fields
+    }
+    assert cfg.data.mean == [0.5, 0.5, 0.5] and cfg.data.eval_transform.crop_pct == 0.9
+    model = run.build_module(cfg, run.build_datamodule(cfg.data)).model
+    load_timm_weights(model, cfg.model.pretrained)
+    body = {k: v for k, v in model.state_dict().items() if not k.startswith("head.")}  # a new 10-class head
+    assert body and all(torch.equal(v, theirs.state_dict()[k]) for k, v in body.items())
+    assert model.pretrained_cfg["tag"] == f"local-dir:{folder}"

@@ -109,7 +109,14 @@ def apply_pretrained(cfg: DictConfig) -> None:
     run's img_size, in_chans, num_classes and regularisation (RUN_FIELDS); data.mean/std and the eval crop and
     interpolation left null become the weights' (timm's pretrained_cfg). Applied to `cfg` before it is saved,
     so config.yaml and the checkpoints describe what ran. A weights file keeps the model config as it is."""
-    from vitlab.convert.timm import RUN_FIELDS, config_from_timm, is_weights_file, timm_model_args, timm_pretrained_cfg
+    from vitlab.convert.timm import (
+        RUN_FIELDS,
+        config_from_timm,
+        is_weights_file,
+        timm_architecture,
+        timm_model_args,
+        timm_pretrained_cfg,
+    )
 
     source = cfg.model.get("pretrained")
     if not source or is_weights_file(source):
@@ -126,7 +133,7 @@ def apply_pretrained(cfg: DictConfig) -> None:
     arch = config_from_timm(source, **run_fields).to_dict()
     changed = sorted(k for k, v in arch.items() if cfg.model.get(k) != v)
     with open_dict(cfg):
-        cfg.model.update(arch, variant=None, timm_name=source.partition(".")[0])
+        cfg.model.update(arch, variant=None, timm_name=timm_architecture(source))
         taken = _pretrained_preprocessing(cfg.data, pretrained, arch["in_chans"])
     log.info(
         "model.pretrained=%s: timm's architecture%s; preprocessing of %s: %s",

@@ -130,15 +130,44 @@ def timm_vit_names() -> list[str]:
     return timm.list_models(module="vision_transformer")
 
 
+# Where timm.create_model reads a model from instead of its registry: a folder as timm saves one (config.json
+# with the architecture, its arguments and pretrained_cfg, and the weights), or a Hugging Face repository.
+TIMM_SOURCES = ("local-dir:", "hf-hub:")
+
+
+def _source_config(name: str) -> tuple[dict, str, dict]:
+    """(pretrained_cfg, architecture, model_args) of a `local-dir:` / `hf-hub:` name, read by timm."""
+    from timm.models._hub import load_model_config_from_hf, load_model_config_from_path
+
+    source, _, where = name.partition(":")
+    if source == "local-dir":
+        if not (Path(where) / "config.json").is_file():
+            raise MissingFileError(f"{name!r}: {where}/config.json does not exist (a folder as timm saves a model)")
+        return load_model_config_from_path(where)
+    try:
+        return load_model_config_from_hf(where)
+    except Exception as e:
+        if _looks_offline(e):
+            raise OfflineError(offline_message(name)) from e
+        raise
+
+
+def timm_architecture(name: str) -> str:
+    """The registered architecture `name` builds: the name without its pretrained tag, or the architecture in
+    the config.json of a `local-dir:` / `hf-hub:` source."""
+    return _source_config(name)[1] if name.startswith(TIMM_SOURCES) else name.partition(".")[0]
+
+
 def timm_model_args(name: str, **overrides: Any) -> dict[str, Any]:
     """The keyword arguments timm passes to VisionTransformer for `name` (an architecture, optionally with a
-    pretrained tag), `overrides` merged and the pretrained config's defaults (input size, class count)
-    filled in, exactly as `timm.create_model(name, **overrides)` does: it runs, and its call to
-    VisionTransformer is answered with the arguments instead of a model (nothing allocated or downloaded)."""
+    pretrained tag, or a TIMM_SOURCES folder or repository), `overrides` merged and the pretrained config's
+    defaults (input size, class count) filled in, exactly as `timm.create_model(name, **overrides)` does: it
+    runs, and its call to VisionTransformer is answered with the arguments instead of a model (nothing
+    allocated; nothing downloaded but a hub repository's config.json)."""
     import timm
     import timm.models.vision_transformer as tv
 
-    arch = name.partition(".")[0]
+    arch = timm_architecture(name)
     names = timm_vit_names()
     if arch not in names:
         import difflib
@@ -261,7 +290,7 @@ def config_from_timm(name: str, **overrides: Any) -> ViTConfig:
     try:
         return ViTConfig.from_dict(vitlab_args(args))
     except UserError as e:
-        raise UserError(f"timm's {name.partition('.')[0]} is not expressible by vitlab's ViT: {e}") from None
+        raise UserError(f"timm's {timm_architecture(name)} is not expressible by vitlab's ViT: {e}") from None
 
 
 # What a run decides for itself when it starts from a timm architecture (model.pretrained=<timm name>): the size
@@ -277,6 +306,9 @@ def timm_pretrained_cfg(name: str) -> dict[str, Any]:
     from timm.models import get_pretrained_cfg
 
     check_timm_name(name)
+    if name.startswith(TIMM_SOURCES):  # the folder's or repository's own config.json
+        cfg = _source_config(name)[0]
+        return {key: cfg[key] for key in PREPROCESSING if key in cfg} | {"tag": name}
     cfg = get_pretrained_cfg(name)
     if cfg is None:
         raise UserError(f"timm has no pretrained configuration for {name!r}")
@@ -315,6 +347,8 @@ def check_timm_name(name: str) -> None:
 
     import timm
 
+    if name.startswith(TIMM_SOURCES):
+        name = timm_architecture(name)  # a folder without config.json, or an unreachable repository, fails here
     arch, _, tag = name.partition(".")
     if not timm.is_model(arch):
         close = difflib.get_close_matches(arch, timm.list_models(), n=3, cutoff=0.6)
@@ -362,7 +396,7 @@ def offline_message(name: str) -> str:
     cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
     return (
         f"cannot fetch timm weights {name!r}: no network and not in the Hugging Face cache ({cache}); "
-        "run once online, or pass a local .safetensors/.pth file instead of the name"
+        "run once online, or give a local .safetensors/.pth file or a timm folder (local-dir:<folder>) instead"
     )
 
 
