@@ -140,7 +140,7 @@ class LayerScale(nn.Module):
 class Attention(nn.Module):
     """Multi-head self-attention with one fused qkv projection and SDPA (flash/mem-efficient kernels)."""
 
-    def __init__(self, cfg: ViTConfig, layer: int = 0):
+    def __init__(self, cfg: ViTConfig, layer: int = 0):  # layer: unused here, as ATTENTIONS builds every kind
         super().__init__()
         dim = cfg.embed_dim
         self.num_heads = cfg.num_heads
@@ -646,11 +646,11 @@ class ViT(nn.Module):
         for tok in (self.cls_token, self.reg_token):
             if tok is not None:
                 nn.init.normal_(tok, std=1e-6)
+        if self.attn_pool is not None:
+            nn.init.trunc_normal_(self.attn_pool.latent, std=self.cfg.embed_dim**-0.5)
         init = WEIGHT_INITS[self.cfg.weight_init]
         for name, m in self.named_modules():
             init(name, m, self.cfg)
-            if m is self.attn_pool:  # after its layers, as timm's AttentionPoolLatent.init_weights
-                nn.init.trunc_normal_(m.latent, std=self.cfg.embed_dim**-0.5)
         if self.cfg.fix_init:  # timm's fix_init_weight: deeper blocks write smaller residuals
             for i, blk in enumerate(self.blocks):
                 blk.attn.proj.weight.div_(math.sqrt(2.0 * (i + 1)))
