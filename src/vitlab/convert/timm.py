@@ -23,7 +23,7 @@ from torch import nn
 from vitlab.atomic import atomic_write
 from vitlab.errors import MissingFileError, OfflineError, UserError
 from vitlab.model import ViT, ViTConfig, resample_pos_embed
-from vitlab.model.config import DROPOUTS
+from vitlab.model.config import DROPOUTS, NORM_LAYERS
 
 log = logging.getLogger(__name__)
 
@@ -208,11 +208,10 @@ def _component_name(value: Any) -> str:
 
 def _norm(value: Any) -> dict[str, Any]:
     kind = _component_name(value)
-    names = {"layernorm": "layernorm", "rmsnorm": "rmsnorm"}
-    if kind not in names:
+    if kind not in NORM_LAYERS:
         raise UserError(f"norm_layer {kind!r}")
     eps = getattr(value, "keywords", {}).get("eps", 1e-6) if not isinstance(value, str) else 1e-6
-    return {"norm_layer": names[kind], "norm_eps": eps}
+    return {"norm_layer": kind, "norm_eps": eps}
 
 
 def _mlp(value: Any) -> str:
@@ -228,15 +227,14 @@ def _mlp(value: Any) -> str:
     raise UserError(f"mlp_layer {kind!r} {keywords or ''}")
 
 
-# timm's activation names and class names (lower case) -> ours
-ACT_NAMES = {"gelu": "gelu", "gelutanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
-             "quickgelu": "quick_gelu", "quick_gelu": "quick_gelu", "silu": "silu", "swish": "silu"}  # fmt: skip
-
-
-# timm's block classes (lower case) -> our block_fn
-BLOCK_NAMES = {"block": "block", "parallelscalingblock": "parallel_scaling", "respostblock": "res_post",
-               "parallelthingsblock": "parallel_things",
-               "diffparallelscalingblock": "diff_parallel_scaling"}  # fmt: skip
+# timm's component names and class names (lower case) -> ours, per argument
+COMPONENT_NAMES = {
+    "act_layer": {"gelu": "gelu", "gelutanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "quickgelu": "quick_gelu",
+                  "quick_gelu": "quick_gelu", "silu": "silu", "swish": "silu"},
+    "attn_layer": {"attn": "attn", "attention": "attn", "diff": "diff", "diffattention": "diff"},
+    "block_fn": {"block": "block", "parallelscalingblock": "parallel_scaling", "respostblock": "res_post",
+                 "parallelthingsblock": "parallel_things", "diffparallelscalingblock": "diff_parallel_scaling"},
+}  # fmt: skip
 
 
 def vitlab_args(args: dict[str, Any]) -> dict[str, Any]:
@@ -249,25 +247,13 @@ def vitlab_args(args: dict[str, Any]) -> dict[str, Any]:
             off = value == default or (isinstance(default, str) and _component_name(value) == default.lower())
             if not off:
                 raise UserError(f"{key}={_component_name(value) if callable(value) else value!r}")
-        elif key == "act_layer":
-            act = ACT_NAMES.get(_component_name(value))
-            if act is None:
-                raise UserError(f"act_layer {_component_name(value)!r}")
-            out["act_layer"] = act
+        elif key in COMPONENT_NAMES:  # a timm class or name -> ours
+            ours = COMPONENT_NAMES[key].get(_component_name(value))
+            if ours is None:
+                raise UserError(f"{key}={_component_name(value)!r}")
+            out[key] = ours
         elif key == "norm_layer":
             out.update(_norm(value))
-        elif key == "attn_layer":
-            attn = {"attn": "attn", "attention": "attn", "diff": "diff", "diffattention": "diff"}.get(
-                _component_name(value)
-            )
-            if attn is None:
-                raise UserError(f"attn_layer={_component_name(value)!r}")
-            out["attn_layer"] = attn
-        elif key == "block_fn":
-            block = BLOCK_NAMES.get(_component_name(value))
-            if block is None:
-                raise UserError(f"block_fn={_component_name(value)!r}")
-            out["block_fn"] = block
         elif key == "embed_norm_layer":
             out["embed_norm"] = value is not None
         elif key == "mlp_layer":

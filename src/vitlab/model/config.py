@@ -151,8 +151,7 @@ class ViTConfig:
                 f"block_fn {self.block_fn!r} has its own fused attention and MLP: it takes attn_layer 'attn', "
                 "mlp_layer 'mlp' and no scale_attn_norm / scale_mlp_norm"
             )
-        differential = self.attn_layer == "diff" or self.block_fn == "diff_parallel_scaling"
-        if differential and (self.embed_dim // self.num_heads) % 2:
+        if self.differential and (self.embed_dim // self.num_heads) % 2:
             head = self.embed_dim // self.num_heads
             raise UserError(f"differential attention halves each head: embed_dim / num_heads {head} must be even")
         if self.fix_init and self.block_fn not in ("block", "res_post"):
@@ -228,6 +227,11 @@ class ViTConfig:
         return int(self.class_token) + self.reg_tokens
 
     @property
+    def differential(self) -> bool:
+        """Whether attention is differential (Ye et al. 2024): attn_layer 'diff', or its parallel block."""
+        return self.attn_layer == "diff" or self.block_fn == "diff_parallel_scaling"
+
+    @property
     def use_fc_norm(self) -> bool:
         return self.global_pool in ("avg", "max", "avgmax") if self.fc_norm is None else self.fc_norm
 
@@ -279,8 +283,7 @@ class ViTConfig:
         # MLP weights: mlp D->Dm->D; swiglu two D->Dm and Dm->D; swiglu_packed D->Dm and Dm/2->D
         mlp = {"mlp": 2 * d * hidden, "swiglu": 3 * d * hidden, "swiglu_packed": d * hidden + hidden // 2 * d}
         # attention: q k^T and (attention) v, 2 N^2 D each; differential attention applies v twice
-        differential = self.attn_layer == "diff" or self.block_fn == "diff_parallel_scaling"
-        per_block = 2 * n * (4 * d * d + mlp[self.mlp_layer]) + (6 if differential else 4) * n * n * d
+        per_block = 2 * n * (4 * d * d + mlp[self.mlp_layer]) + (6 if self.differential else 4) * n * n * d
         per_block *= 2 if self.block_fn == "parallel_things" else 1  # two of each branch
         embed = 2 * self.num_patches * self.patch_hw[0] * self.patch_hw[1] * self.in_chans * d
         head = 2 * d * self.num_classes

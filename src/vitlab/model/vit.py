@@ -623,7 +623,7 @@ class ViT(nn.Module):
         self.head_drop = nn.Dropout(cfg.drop_rate)
         self.head = nn.Linear(D, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
 
-        self.pretrained_cfg = dict(self._default_pretrained_cfg(cfg))
+        self.pretrained_cfg = self._default_pretrained_cfg(cfg)  # replaced by the weights' (convert.timm)
         if cfg.weight_init != "skip":
             self.init_weights()
         self.register_load_state_dict_pre_hook(_resample_pos_embed_on_load)
