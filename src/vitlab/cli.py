@@ -188,10 +188,12 @@ def user_error(e: BaseException) -> BaseException | None:
     """The user's mistake behind `e`, or None for a bug. Hydra wraps what a config's constructor raised,
     OmegaConf what a resolver raised: our own UserError inside either is the message to show."""
     cause = e
-    while isinstance(cause, (InstantiationException, OmegaConfBaseException)) and cause.__cause__ is not None:
-        if not isinstance(cause.__cause__, (InstantiationException, OmegaConfBaseException, UserError)):
+    # OmegaConf re-raises a resolver's error without `from`: follow the implicit context as well
+    while isinstance(cause, (InstantiationException, OmegaConfBaseException)):
+        inner = cause.__cause__ or cause.__context__
+        if not isinstance(inner, (InstantiationException, OmegaConfBaseException, UserError)):
             break
-        cause = cause.__cause__
+        cause = inner
     if isinstance(e, InstantiationException) and cause is e:
         return None  # a constructor failed on something that is not the user's input: a bug
     return cause if isinstance(cause, CONFIG_ERRORS) else None
