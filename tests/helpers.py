@@ -2,10 +2,12 @@
 tests, and test-only Lightning callbacks (loaded into real `python -m vitlab.train` runs via
 +callbacks.X._target_)."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -29,9 +31,11 @@ def run_cli(
     env: dict | None = None,
     timeout: int = 600,
     replace_env: bool = False,
+    own_group: bool = False,
 ) -> subprocess.CompletedProcess:
     """`python -m vitlab.<module> args` in a subprocess, output captured. `env` is added to this
-    process's environment, or replaces it with `replace_env`."""
+    process's environment, or replaces it with `replace_env`. `own_group` starts it in a process group (and
+    session) of its own, as a terminal starts a command: a signal to its group then reaches only it."""
     full_env = {**({} if replace_env else os.environ), "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run(
@@ -41,6 +45,7 @@ def run_cli(
         capture_output=True,
         text=True,
         timeout=timeout,
+        start_new_session=own_group,
     )
 
 
@@ -53,14 +58,66 @@ def extra_callback(name: str, target: str, **params) -> list[str]:
 
 
 class SignalAtStep(L.Callback):
-    """Send a real signal to this process after optimizer step `step` (mid-epoch when chosen so)."""
+    """Send a real signal after optimizer step `step` (mid-epoch when chosen so): to this process, or with
+    `group=true` to its whole process group from another process, as Ctrl-C in a terminal, `timeout` or a
+    scheduler do (loader workers and the other ranks included); under DDP only from rank `rank`. `times=2` sends
+    it twice in a row. The time it was sent goes to `stamp`, when given."""
 
-    def __init__(self, step: int, signum: str = "SIGTERM"):
-        self.step, self.signum = step, getattr(signal, signum)
+    def __init__(
+        self,
+        step: int,
+        signum: str = "SIGTERM",
+        group: bool = False,
+        rank: int = 0,
+        times: int = 1,
+        stamp: str | None = None,
+    ):
+        self.step, self.signum, self.group, self.rank, self.times, self.stamp = (
+            step,
+            getattr(signal, signum),
+            group,
+            rank,
+            times,
+            stamp,
+        )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step:
-            os.kill(os.getpid(), self.signum)
+        if trainer.global_step != self.step or trainer.global_rank != self.rank:
+            return
+        if self.stamp:
+            Path(self.stamp).write_text(str(time.time()))
+        for _ in range(self.times):
+            if self.group:
+                kill = ["kill", f"-{self.signum.name[3:]}", "--", f"-{os.getpgid(0)}"]
+                subprocess.run(kill, check=True, start_new_session=True)  # the sender stays out of the group
+            else:
+                os.kill(os.getpid(), self.signum)
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    """Two run directories hold the same run: final weights (raw and EMA) bit for bit, and every logged value but
+    timings."""
+    ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (a, b))
+    keys = [k for k in ma if k.startswith(("train/", "val/", "test/", "lr-")) and "per_sec" not in k]
+    differ = {k: (ma[k], mb.get(k)) for k in keys if ma[k] != mb.get(k)}
+    assert not differ, f"metrics of {a} and {b} differ: {differ}"
+    ca, cb = (torch.load(d / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu") for d in (a, b))
+    assert ca["global_step"] == cb["global_step"]
+    for key in ("state_dict", "current_model_state"):  # the EMA weights (with callbacks=ema) and the raw ones
+        if key in ca:
+            assert ca[key].keys() == cb[key].keys()
+            differ = [k for k in ca[key] if not torch.equal(ca[key][k], cb[key][k])]
+            assert not differ, f"{key} of {a} and {b} differs in {differ}"
+
+
+class SleepPerStep(L.Callback):
+    """Make every training step `seconds` longer: a run slow enough to act on from outside while it trains."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        time.sleep(self.seconds)
 
 
 class NanAtStep(L.Callback):

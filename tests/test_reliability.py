@@ -2,6 +2,8 @@
 
 import json
 import pickle
+import shlex
+import signal
 
 import pytest
 import torch
@@ -42,20 +44,17 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.parametrize("signum, step", [("SIGTERM", 13), ("SIGUSR1", 5)])
 def test_interrupt_mid_epoch_then_resume_is_exact(uninterrupted, tmp_path, signum, step):
+    killer = extra_callback("kill", "SignalAtStep", step=step, signum=signum)
     killed = tmp_path / "killed"
-    r = run_cli(
-        "train",
-        *RUN,
-        *extra_callback("kill", "SignalAtStep", step=step, signum=signum),
-        f"hydra.run.dir={killed}",
-    )
+    r = run_cli("train", *RUN, *killer, f"hydra.run.dir={killed}")
     saved = killed / "checkpoints" / "interrupted.ckpt"
-    assert r.returncode == 143, r.stderr[-3000:]
+    assert r.returncode == 128 + getattr(signal, signum), r.stderr[-3000:]
+    # The signal came after step `step`; every process stops at the next step boundary.
+    command = shlex.join(["python", "-m", "vitlab.train", *RUN, *killer, f"ckpt_path={saved}"])
     assert r.stderr.strip().splitlines()[-1] == (
-        f"interrupted by SIGTERM/SIGUSR1 at step {step}: saved a resumable checkpoint to {saved}; "
-        f"resume with ckpt_path={saved}"
+        f"interrupted by {signum} at step {step + 1} (epoch {step // 9 + 1}): saved {saved}; resume with: {command}"
     )
-    assert torch.load(saved, weights_only=True)["global_step"] == step  # mid-epoch: 9 steps per epoch
+    assert torch.load(saved, weights_only=True)["global_step"] == step + 1  # mid-epoch: 9 steps per epoch
 
     resumed = tmp_path / "resumed"
     r = run_cli("train", *RUN, f"ckpt_path={saved}", f"hydra.run.dir={resumed}")
@@ -95,9 +94,10 @@ def test_ctrl_c_saves_and_exits_non_zero(tmp_path):
         *extra_callback("kill", "SignalAtStep", step=4, signum="SIGINT"),
         f"hydra.run.dir={tmp_path / 'r'}",
     )
-    assert r.returncode == 1
-    assert "interrupted by Ctrl-C at step 4: saved a resumable checkpoint" in r.stderr
-    assert (tmp_path / "r" / "checkpoints" / "interrupted.ckpt").is_file()
+    saved = tmp_path / "r" / "checkpoints" / "interrupted.ckpt"
+    assert r.returncode == 130  # 128 + SIGINT
+    assert f"interrupted by SIGINT at step 5 (epoch 1): saved {saved}; resume with: python -m vitlab.train" in r.stderr
+    assert saved.is_file()
 
 
 # On the CPU the loss is read every step: the run stops before the update. On a GPU it is read at log steps

@@ -1,13 +1,12 @@
-"""Lightning pieces that keep runs safe, fast and readable: checkpoints written atomically (and the
-last one linked to the best when both fall due), a resumable checkpoint on SIGTERM / SIGUSR1 / Ctrl-C,
-throughput read without stalling the device, and a log line per epoch where no progress bar is shown."""
+"""Lightning pieces that keep runs safe, fast and readable: checkpoints written atomically (the best carried into
+a resumed run's directory, the last one linked to the best when both fall due), a resumable checkpoint when a
+signal stops the run (vitlab.signals), throughput read without stalling the device, and a log line per epoch
+where no progress bar is shown."""
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vitlab.atomic import atomic_link, atomic_write
+from vitlab.signals import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,38 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_write(path, lambda f: torch.save(checkpoint, f), what="checkpoint")
 
 
+class BestCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint (the best checkpoints by a metric), which also carries its ranking into a run
+    resumed in a new directory: the earlier run's top-k files are hard-linked there (the same bytes, no copy) and
+    keep their scores, so the resumed run keeps or replaces them exactly as the uninterrupted run would have, and
+    tests the same checkpoint. (Lightning's own drops the scores when the directory changes, and the resumed run
+    then calls its first new checkpoint the best.)"""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._writes = trainer.is_global_zero
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        earlier = state_dict.get("dirpath")
+        if not earlier or not self.dirpath or Path(earlier) == Path(self.dirpath):
+            return super().load_state_dict(state_dict)
+        here = {
+            p: str(Path(self.dirpath) / Path(p).name) for p in state_dict.get("best_k_models", {}) if Path(p).is_file()
+        }
+        if state_dict.get("best_model_path") not in here:
+            log.info("the earlier run's best checkpoint is gone (%s): the ranking starts anew", earlier)
+            return
+        if getattr(self, "_writes", True):
+            Path(self.dirpath).mkdir(parents=True, exist_ok=True)
+            for theirs, ours in here.items():
+                atomic_link(theirs, ours)
+        self.best_k_models = {here[p]: score for p, score in state_dict["best_k_models"].items() if p in here}
+        self.best_model_score = state_dict["best_model_score"]
+        self.best_model_path = here[state_dict["best_model_path"]]
+        self.kth_best_model_path = here.get(state_dict.get("kth_best_model_path"), self.best_model_path)
+        self.kth_value = self.best_k_models[self.kth_best_model_path]
+
+
 class LastCheckpoint(ModelCheckpoint):
     """`last.ckpt`, written at every save point (Lightning's own `save_last` moves only when a top-k
     checkpoint is saved, and its `link` mode would point at an old best). When another ModelCheckpoint
@@ -50,6 +82,9 @@ class LastCheckpoint(ModelCheckpoint):
         kwargs.setdefault("filename", "last")
         kwargs.setdefault("enable_version_counter", False)
         super().__init__(monitor=None, save_top_k=1, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass  # nothing to carry over: last.ckpt is written anew at the next save point
 
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
         twin = next(
@@ -77,47 +112,39 @@ class LastCheckpoint(ModelCheckpoint):
 
 
 class SaveOnInterrupt(L.Callback):
-    """On SIGTERM (cluster pre-emption), SIGUSR1 (SLURM's warning signal) or Ctrl-C, save a resumable
-    checkpoint of the exact training state (mid-epoch included) and say where. Lightning stops after
-    the current batch on SIGTERM; SIGUSR1 is routed to the same path unless Lightning's SLURM
-    auto-requeue owns it."""
+    """Ctrl-C, SIGTERM, SIGUSR1 or SIGUSR2, to one process, to any rank or to the whole process group: every rank
+    stops after the same optimizer step (and the validation due after it), one resumable checkpoint of the exact
+    training state is written, and the run exits non-zero (`run.fit_and_test` says where it saved). The handling
+    is `signals.StopSignals`, which this callback puts in place of Lightning's for fit."""
 
     def __init__(self, dirpath: str, filename: str = "interrupted.ckpt"):
         self.path = Path(dirpath) / filename
-        self._previous_usr1 = None
+        self.saved: dict[str, Any] | None = None  # what was saved, for the run's last line
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage == "fit" and hasattr(signal, "SIGUSR1") and not _slurm_requeue(trainer):
-            self._previous_usr1 = signal.signal(signal.SIGUSR1, _as_sigterm)
+        if stage == "fit" and not isinstance(trainer._signal_connector, StopSignals):
+            trainer._signal_connector = StopSignals(trainer)
 
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self._previous_usr1 is not None:
-            signal.signal(signal.SIGUSR1, self._previous_usr1)
-            self._previous_usr1 = None
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        connector = trainer._signal_connector
+        # Only where the optimizer has stepped: a gradient being accumulated is in no checkpoint.
+        if not isinstance(connector, StopSignals) or trainer.fit_loop.epoch_loop._should_accumulate():
+            return
+        first = connector.stop is None
+        if connector.agree() is not None and first and trainer.is_global_zero:
+            log.info("%s: stopping after step %d", signal.Signals(connector.stop).name, trainer.global_step)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if not isinstance(exception, (SIGTERMException, KeyboardInterrupt)) or trainer.state.fn != TrainerFn.FITTING:
-            return
-        trainer.save_checkpoint(self.path, weights_only=False)  # the full state, to resume from
-        if trainer.is_global_zero:
-            what = "SIGTERM/SIGUSR1" if isinstance(exception, SIGTERMException) else "Ctrl-C"
-            print(
-                f"interrupted by {what} at step {trainer.global_step}: saved a resumable checkpoint to "
-                f"{self.path}; resume with ckpt_path={self.path}",
-                file=sys.stderr,
-                flush=True,
-            )
-
-
-def _as_sigterm(signum, frame) -> None:
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _slurm_requeue(trainer: L.Trainer) -> bool:
-    from lightning.fabric.plugins.environments import SLURMEnvironment
-
-    env = trainer._accelerator_connector.cluster_environment
-    return isinstance(env, SLURMEnvironment) and env.auto_requeue
+        connector = trainer._signal_connector
+        if not isinstance(exception, SIGTERMException) or not isinstance(connector, StopSignals) or not connector.stop:
+            return  # a bug, or a second Ctrl-C: nothing consistent to save
+        trainer.save_checkpoint(self.path, weights_only=False)  # every rank: the per-rank states are gathered
+        self.saved = {
+            "signal": connector.stop,
+            "path": self.path,
+            "step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+        }
 
 
 class EpochLog(L.Callback):

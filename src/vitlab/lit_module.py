@@ -18,11 +18,13 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 from torchvision.transforms import v2
 
+from vitlab import rank_state
 from vitlab.errors import NonFiniteLossError, UserError
 from vitlab.model import config_class, model_class
 from vitlab.optim import OptimConfig, make_optimizer, make_scheduler
@@ -111,6 +113,8 @@ class ViTModule(L.LightningModule):
         return self.model(x)
 
     def setup(self, stage: str) -> None:
+        if stage == "fit":
+            rank_state.seed_process(self.trainer)
         if self.compile_mode and stage == "fit":
             self.model.compile(mode=self.compile_mode)  # in place: state-dict keys stay the same
         # forward + backward ~ 3x forward: callbacks.Throughput reports FLOP/s with it
@@ -197,16 +201,16 @@ class ViTModule(L.LightningModule):
         where = f"the last good checkpoint is {last}" if last else "no checkpoint was saved yet"
         return f"training loss became {value} at step {step} (epoch {self.current_epoch}); {stopped}; {where}"
 
-    # Global RNG (dropout, stochastic depth, mixup) travels with checkpoints and is put back just before
-    # the first batch after a resume, so resumed and uninterrupted runs draw the same numbers.
+    # Each process's random generators (dropout, stochastic depth, MixUp), loader position, augmentation generator
+    # and running metrics travel with checkpoints (vitlab.rank_state), so a resumed run, with one process or
+    # many, draws and sees exactly what the uninterrupted run would have.
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._raise_if_not_finite()  # before anything is written
-        checkpoint["rng_states"] = {"torch": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            checkpoint["rng_states"]["cuda"] = torch.cuda.get_rng_state_all()
+        rank_state.save(self.trainer, self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._rng_to_restore = checkpoint.get("rng_states")
+        fitting = self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
+        self._rank_state = rank_state.take(self.trainer, checkpoint) if fitting else None
         # Metric states are bookkeeping, not weights: a checkpoint without them (older, or written
         # elsewhere) starts them fresh; the model's own keys stay strictly checked.
         state = checkpoint.get("state_dict", {})
@@ -215,12 +219,9 @@ class ViTModule(L.LightningModule):
                 state[key] = value
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
-        states = getattr(self, "_rng_to_restore", None)
-        if states:
-            torch.set_rng_state(states["torch"])
-            if "cuda" in states and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(states["cuda"])
-            self._rng_to_restore = None
+        if getattr(self, "_rank_state", None):
+            rank_state.restore(self, self._rank_state)
+            self._rank_state = None
 
     def on_train_epoch_end(self) -> None:
         self._raise_if_not_finite()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,11 +27,12 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitlab.atomic import remove_stale_temporaries
-from vitlab.callbacks import EpochLog
+from vitlab.callbacks import EpochLog, SaveOnInterrupt
 from vitlab.cli import route_lightning_logs, vit_config
 from vitlab.errors import MissingFileError, UserError
 from vitlab.lit_module import ViTModule
 from vitlab.model.config import DROPOUTS
+from vitlab.signals import pass_on
 
 log = logging.getLogger(__name__)
 route_lightning_logs()
@@ -45,6 +48,7 @@ __all__ = [
     "build_trainer",
     "check_launch",
     "check_resumable",
+    "earlier_start",
     "describe",
     "fit_and_test",
     "inference_datamodule",
@@ -55,10 +59,12 @@ __all__ = [
 
 
 def check_launch(cfg: DictConfig) -> None:
-    """Lightning's DDP launcher re-runs this command for every rank; under a -m sweep on the basic
-    launcher every child would re-run the whole sweep. Stop before anything starts."""
+    """Lightning's DDP launcher re-runs this command for every rank; under a -m sweep on a launcher that runs
+    jobs in this process (the basic one) or as one process each (submitit_local), every child would re-run the
+    whole sweep. Stop before anything starts; the Slurm launcher starts one task per device itself."""
     hc = HydraConfig.get()
-    if hc.mode != RunMode.MULTIRUN or "submitit" in str(hc.launcher.get("_target_", "")):
+    launcher = str(hc.launcher.get("_target_", ""))
+    if hc.mode != RunMode.MULTIRUN or launcher.endswith("SlurmLauncher"):
         return
     t = cfg.trainer
     devices, nodes = t.get("devices", 1), t.get("num_nodes", 1)
@@ -69,11 +75,11 @@ def check_launch(cfg: DictConfig) -> None:
         or (not isinstance(devices, (int, str)) and len(devices) > 1)
     )
     if many:
+        how = "as one process (hydra/launcher=submitit_local)" if "submitit" in launcher else "in this process"
         raise UserError(
-            f"-m sweeps run each job in this process, but trainer.devices={devices} "
-            f"(num_nodes={nodes}) needs one process per device, which Lightning starts by "
-            "re-running the command: sweep with trainer.devices=1, or use hydra/launcher=slurm "
-            "(one SLURM job per sweep point)"
+            f"-m sweeps run each job {how}, but trainer.devices={devices} (num_nodes={nodes}) needs one process "
+            "per device, which Lightning starts by re-running the command: sweep with trainer.devices=1, or use "
+            "hydra/launcher=slurm (one Slurm job per sweep point, one task per device)"
         )
 
 
@@ -84,13 +90,36 @@ def resolve_ckpt_path(ckpt_path: str | None, runs_dir: Path) -> str | None:
     if ckpt_path is None:
         return None
     if ckpt_path == "last":
-        found = [p for name in ("last.ckpt", "interrupted.ckpt") for p in runs_dir.glob(f"*/checkpoints/{name}")]
-        if not found:
+        ckpt_path = _newest(runs_dir.glob("*/checkpoints"))
+        if ckpt_path is None:
             raise MissingFileError(f"ckpt_path=last: no last.ckpt or interrupted.ckpt under {runs_dir}/*/checkpoints")
-        ckpt_path = str(max(found, key=lambda p: p.stat().st_mtime))
     if Path(ckpt_path).is_file():  # a missing or wrong path is named by read_checkpoint (check_resumable)
         remove_stale_temporaries(Path(ckpt_path).parent)
     return ckpt_path
+
+
+def earlier_start(run_dir: Path) -> str | None:
+    """The checkpoint to go on from when this run directory already holds one: the same job started again (Slurm
+    requeued or pre-empted it, or submitit resubmitted it at its time limit), which resumes where it stopped. A
+    new run never finds one: every command claims a new directory, and Lightning's DDP children start before
+    anything is saved."""
+    found = _newest([run_dir / "checkpoints"])
+    if found:
+        restart = os.environ.get("SLURM_RESTART_COUNT")
+        log.info(
+            "%s holds a checkpoint of an earlier start%s: resuming from %s",
+            run_dir,
+            f" (Slurm restart {restart})" if restart else "",
+            found,
+        )
+        remove_stale_temporaries(Path(found).parent)
+    return found
+
+
+def _newest(folders) -> str | None:
+    """The newest last.ckpt or interrupted.ckpt in `folders`."""
+    found = [p for folder in folders for p in (folder / "last.ckpt", folder / "interrupted.ckpt") if p.is_file()]
+    return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
 
 
 def check_resumable(ckpt_path: str, module: ViTModule) -> None:
@@ -252,7 +281,7 @@ def fit_and_test(
         try:
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
         except SIGTERMException:
-            raise SystemExit(143) from None  # 128 + SIGTERM; SaveOnInterrupt said where it saved
+            _stopped(trainer)
         metrics.update({k: v.item() for k, v in trainer.callback_metrics.items()})
     if cfg.test:
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
@@ -263,6 +292,32 @@ def fit_and_test(
         metrics.update({k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
         metrics["tested_checkpoint"] = ckpt or "final weights"
     return metrics
+
+
+def _stopped(trainer: L.Trainer) -> None:
+    """Training stopped on a signal: say what was saved and the command that resumes it, pass the signal on to the
+    handler that was there before (submitit's requeues a Slurm job) and exit with 128 + the signal's number."""
+    saved = next((cb.saved for cb in trainer.callbacks if isinstance(cb, SaveOnInterrupt) and cb.saved), None)
+    if saved is None:  # callbacks without save_on_interrupt: Lightning's own SIGTERM handling
+        if trainer.is_global_zero:
+            print("stopped by SIGTERM; no checkpoint saved (callbacks without save_on_interrupt)", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGTERM)
+    if trainer.is_global_zero:
+        name, path = signal.Signals(saved["signal"]).name, saved["path"]
+        print(
+            f"interrupted by {name} at step {saved['step']} (epoch {saved['epoch'] + 1}): saved {path}; resume with: "
+            f"{resume_command(path)}",
+            file=sys.stderr,
+            flush=True,
+        )
+    pass_on(saved["signal"])
+    raise SystemExit(128 + saved["signal"])
+
+
+def resume_command(ckpt_path: Path) -> str:
+    """This run's command line (its own overrides, as typed) with ckpt_path set to `ckpt_path`."""
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.lstrip("+~").startswith("ckpt_path=")]
+    return shlex.join(["python", "-m", "vitlab.train", *overrides, f"ckpt_path={ckpt_path}"])
 
 
 def describe(cfg: DictConfig, module: ViTModule) -> str:

@@ -42,6 +42,7 @@ def train(cfg: DictConfig) -> float | None:
     datamodule = run.build_datamodule(cfg.data)
     module = run.build_module(cfg, datamodule)
     ckpt_path = run.resolve_ckpt_path(cfg.ckpt_path, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
+    ckpt_path = ckpt_path or run.earlier_start(out)
     if ckpt_path:
         run.check_resumable(ckpt_path, module)
     elif cfg.model.pretrained:

@@ -34,7 +34,13 @@ def test_digits_live_on_the_training_device_and_are_not_pinned_there():
     """On a GPU the whole set moves there once; a batch is a gather on the device. The meta device
     stands in for a GPU (none in CI): placement and loader settings are what is checked."""
     dm = DigitsDataModule(img_size=8, batch_size=16, pin_memory=True)
-    dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("meta")), world_size=1)
+    epochs = SimpleNamespace(current=SimpleNamespace(processed=0))
+    dm.trainer = SimpleNamespace(
+        strategy=SimpleNamespace(root_device=torch.device("meta")),
+        world_size=1,
+        global_rank=0,
+        fit_loop=SimpleNamespace(epoch_progress=epochs),
+    )
     dm.setup()
     assert dm.train_set.images.device.type == "meta" and dm.test_set.labels.device.type == "meta"
     loader = dm.train_dataloader()

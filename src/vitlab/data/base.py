@@ -11,21 +11,29 @@ the device, with random erasing in training (data/transforms.py).
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import Dataset
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitlab.data import transforms
 from vitlab.errors import UserError
 from vitlab.settings import from_mapping
+from vitlab.signals import ignore_stop_signals
 
 
 class TransformDataset(Dataset):
-    """(image, label) pairs of `base`, restricted to `indices`, with `transform` applied to the image."""
+    """(image, label) pairs of `base`, restricted to `indices`, with `transform` applied to the image.
+
+    In training it is handed (seed, index) pairs (`SeededSampler`): the image's random transforms then draw from
+    torch's and Python's generators seeded with that number alone. An image is augmented the same way whichever
+    worker prepares it, however many workers there are and whatever they prepared before, so a resumed run, whose
+    workers start anew and whose loader drops what they had prefetched, augments exactly as the uninterrupted one."""
 
     def __init__(self, base: Any, transform, indices: Sequence[int] | None = None):
         self.base, self.transform = base, transform
@@ -34,9 +42,44 @@ class TransformDataset(Dataset):
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, key: int | tuple[int, int]):
+        if isinstance(key, int):
+            img, label = self.base[self.indices[key]]
+            return self.transform(img), label
+        seed, i = key
         img, label = self.base[self.indices[i]]
-        return self.transform(img), label
+        python = random.getstate()
+        with torch.random.fork_rng(devices=[]):  # the process's own draws (dropout, with no workers) go on untouched
+            torch.manual_seed(seed)
+            random.seed(seed)
+            img = self.transform(img)
+        random.setstate(python)
+        return img, label
+
+
+class SeededSampler(DistributedSampler):
+    """A DistributedSampler (one permutation per epoch from the seed and the epoch, this process's share of it)
+    that hands each index out with the seed of its augmentation this epoch: (seed, index) pairs for
+    TransformDataset. The seed depends on the run's seed, the epoch and the image only."""
+
+    def __iter__(self):
+        for i in super().__iter__():
+            yield _mix(self.seed, self.epoch, i), i
+
+
+def _mix(*numbers: int) -> int:
+    """A 63-bit seed from `numbers` (splitmix64 steps): neighbouring inputs give unrelated seeds."""
+    h = 0
+    for n in numbers:
+        h = (h ^ n) + 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
+        h = (h ^ h >> 30) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h = (h ^ h >> 27) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h >> 1
+
+
+def _worker_init(worker_id: int) -> None:
+    ignore_stop_signals()  # Ctrl-C or a scheduler's SIGTERM to the process group: the main process decides
 
 
 class ImageDataModule(L.LightningDataModule):
@@ -80,9 +123,7 @@ class ImageDataModule(L.LightningDataModule):
             raise UserError(f"data.prefetch_factor {prefetch_factor} must be >= 1, or null")
         self.img_size = list(img_size) if isinstance(img_size, (list, tuple)) else img_size
         self.img_hw = transforms.image_hw(img_size)
-        self.batch_size = batch_size
-        self.num_workers = num_workers
-        self.pin_memory = pin_memory
+        self.batch_size, self.num_workers, self.pin_memory = batch_size, num_workers, pin_memory
         self.persistent_workers, self.prefetch_factor = persistent_workers, prefetch_factor
         self.data_dir = data_dir
         self.mean = tuple(mean) if mean is not None else self.mean
@@ -102,9 +143,10 @@ class ImageDataModule(L.LightningDataModule):
         self.eval_tf = transforms.eval_transform(self.img_size, **eval_settings)
         self.train_settings = from_mapping(transforms.TrainTransform, train_transform or {}, "data.train_transform")
         self.to_input = transforms.DeviceTransform(self.mean, self.std, self.train_settings.random_erasing)
-        # The on-device augmentation draws from a generator of its own, saved with checkpoints, so a resumed
-        # run augments the remaining batches exactly as the uninterrupted run would have.
-        self.rng = torch.Generator().manual_seed(torch.initial_seed() + 1)
+        # The shuffling seed is the run's, in every process. The on-device augmentation draws from a generator of
+        # its own (one per process: rank_state.seed_process), checkpointed: a resumed run augments as it would have.
+        self.shuffle_seed = torch.initial_seed()
+        self.rng = torch.Generator().manual_seed(self.shuffle_seed + 1)
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
@@ -130,18 +172,28 @@ class ImageDataModule(L.LightningDataModule):
             kwargs["num_workers"] = self.num_workers if self.num_workers is not None else self._auto_workers()
         on_cuda = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
         kwargs.setdefault("pin_memory", self.pin_memory if self.pin_memory is not None else on_cuda)
+        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
+        # Every loader draws its workers' base seed from a generator of its own: drawn from the training generator
+        # (dropout, MixUp) it would leave a resumed run one draw off wherever a loader starts anew.
+        kwargs.setdefault("generator", torch.Generator())
+        if train:
+            # One permutation per epoch, decided by the run's seed and the epoch, and each process's share of it
+            # (all of it in one process): a position resumes by its count alone. The epoch is set here as Lightning
+            # will set it (epochs processed), before a resumed loader skips to its position: Lightning sets it only
+            # after it has made the iterator. Under DDP Lightning leaves a DistributedSampler as it is.
+            kind = SeededSampler if isinstance(dataset, TransformDataset) else DistributedSampler
+            sampler = kind(dataset, num_replicas=world, rank=rank, shuffle=True, seed=self.shuffle_seed)
+            sampler.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed if self.trainer is not None else 0)
+            kwargs["sampler"] = sampler
         if kwargs["num_workers"] > 0:
             kwargs.setdefault("persistent_workers", self.persistent_workers)
             kwargs.setdefault("prefetch_factor", self.prefetch_factor)
-        loader = StatefulDataLoader(
-            dataset, batch_size=self.per_device_batch_size, shuffle=train, drop_last=train, **kwargs
-        )
-        if train:
-            # The permutation gets a generator of its own, seeded from the run's seed. A generator given
-            # to the loader would also feed the per-epoch worker seed, and after a resume the two would
-            # be drawn in another order. (Under DDP, Lightning swaps in a DistributedSampler instead.)
-            loader.sampler.generator = torch.Generator().manual_seed(torch.initial_seed())
-        return loader
+            kwargs.setdefault("worker_init_fn", _worker_init)
+        return StatefulDataLoader(dataset, batch_size=self.per_device_batch_size, drop_last=train, **kwargs)
+
+    def seed_process(self, seed: int) -> None:
+        """This process's own augmentation draws (rank_state.seed_process: one stream per rank)."""
+        self.rng.manual_seed(seed + 1)
 
     def _auto_workers(self) -> int:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -166,7 +218,15 @@ class ImageDataModule(L.LightningDataModule):
         return self._loader(self.val_set, train=False)
 
     def test_dataloader(self) -> StatefulDataLoader:
-        return self._loader(self.test_set, train=False)
+        world = self.trainer.world_size if self.trainer is not None else 1
+        if world == 1:
+            return self._loader(self.test_set, train=False)
+        # Each process tests its own share, no image twice (Lightning's sampler would repeat some to even the
+        # shares out), so the synced metrics are those of one process testing them all. Testing runs outside DDP's
+        # wrapper: shares that differ by a batch cannot stall it.
+        rank = self.trainer.global_rank
+        share = UnrepeatedDistributedSampler(self.test_set, num_replicas=world, rank=rank, shuffle=False)
+        return self._loader(self.test_set, train=False, sampler=share)
 
     def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
         """(images, labels) straight to the device, without Lightning's generic walk over the batch (a

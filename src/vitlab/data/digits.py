@@ -139,9 +139,9 @@ class DigitsDataModule(ImageDataModule):
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.mean[0]) / self.std[0]
 
-    def _loader(self, dataset, train: bool):
+    def _loader(self, dataset, train: bool, **kwargs):
         pin = bool(self.pin_memory) and dataset.labels.device.type == "cpu"  # tensors on a GPU cannot be pinned
-        return super()._loader(dataset, train, collate_fn=_already_batched, num_workers=0, pin_memory=pin)
+        return super()._loader(dataset, train, collate_fn=_already_batched, num_workers=0, pin_memory=pin, **kwargs)
 
     def device_transform(self, batch, train: bool):
         x, y = batch

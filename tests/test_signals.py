@@ -1,0 +1,192 @@
+"""Stopping on a signal, in one process and in two: Ctrl-C, SIGTERM, SIGUSR1 or SIGUSR2, to the process, to one
+rank or to the whole process group (loader workers included). Every rank stops after the same step, one checkpoint
+is written, the run exits with 128 + the signal's number naming it and the command that resumes it, and the
+resumed run equals the uninterrupted one bit for bit."""
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from tests.helpers import ROOT, assert_same_run, extra_callback, image_tree, run_cli
+
+pytestmark = pytest.mark.slow  # command-line runs
+
+# 3 epochs x 9 steps of 128 digits; stochastic depth and EMA on, so the random draws and the averaged weights
+# are part of what must resume exactly.
+DIGITS = [
+    "trainer.max_epochs=3",
+    "data.batch_size=128",
+    "trainer.deterministic=true",
+    "progress_bar=none",
+    "model.drop_path_rate=0.1",
+    "callbacks=ema",
+    "callbacks.ema.update_starting_at_step=0",
+    "trainer.log_every_n_steps=5",
+]
+TWO = ["trainer=ddp_cpu", "trainer.devices=2"]  # two CPU processes (gloo)
+
+
+def folder(data_dir) -> list[str]:
+    """The uint8 pipeline with loader workers and every random augmentation: RandAugment in the workers, random
+    erasing on the device, MixUp/CutMix in the module. 72 images of 3 classes: 9 steps of 8 per epoch."""
+    return [
+        "data=imagefolder",
+        f"data.data_dir={data_dir}",
+        "data.batch_size=8",
+        "data.num_workers=2",
+        "model.img_size=8",
+        "data.train_transform.auto_augment=randaugment",
+        "data.train_transform.random_erasing=0.5",
+        "mixup.mixup_alpha=0.8",
+        "mixup.cutmix_alpha=1.0",
+        *[o for o in DIGITS if not o.startswith(("data.", "callbacks"))],
+    ]
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    return image_tree(tmp_path_factory.mktemp("images"), classes=("a", "b", "c"), per_class=24, size=(12, 12))
+
+
+def _run(tmp_path_factory, args):
+    run_dir = tmp_path_factory.mktemp("full") / "run"
+    r = run_cli("train", *args, f"hydra.run.dir={run_dir}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    return _run(tmp_path_factory, DIGITS)
+
+
+@pytest.fixture(scope="module")
+def digits_two(tmp_path_factory):
+    return _run(tmp_path_factory, [*DIGITS, *TWO])
+
+
+@pytest.fixture(scope="module")
+def folder_one(tmp_path_factory, images):
+    return _run(tmp_path_factory, folder(images))
+
+
+@pytest.fixture(scope="module")
+def folder_two(tmp_path_factory, images):
+    return _run(tmp_path_factory, [*folder(images), *TWO])
+
+
+def interrupt(args, tmp_path, signum, step, group=True, rank=0):
+    """The run stopped by `signum` after optimizer step `step`; the checkpoint it saved and its resume command."""
+    stamp = tmp_path / "sent"
+    killer = extra_callback("kill", "SignalAtStep", step=step, signum=signum, group=group, rank=rank, stamp=stamp)
+    killed = tmp_path / "killed"
+    r = run_cli("train", *args, *killer, f"hydra.run.dir={killed}", own_group=True)
+    exited = time.time()
+    saved = killed / "checkpoints" / "interrupted.ckpt"
+    assert r.returncode == 128 + getattr(signal, signum), r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    found = re.fullmatch(
+        rf"interrupted by {signum} at step (\d+) \(epoch (\d+)\): saved (\S+); resume with: (.*)", last
+    )
+    assert found, last
+    assert found[3] == str(saved) and saved.is_file()
+    assert int(found[1]) > step and torch.load(saved, weights_only=True)["global_step"] == int(found[1])
+    assert shlex.split(found[4]) == ["python", "-m", "vitlab.train", *args, *killer, f"ckpt_path={saved}"]
+    assert exited - float(stamp.read_text()) < 30  # every process gone within seconds
+    return found[4]
+
+
+def resume(command, tmp_path):
+    """The printed resume command, run as typed (in tmp_path, so its run directory is the only one there; the
+    test callback on its command line is found on PYTHONPATH)."""
+    argv = shlex.split(command)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (run_dir,) = (tmp_path / "outputs" / "train" / "runs").iterdir()
+    return run_dir
+
+
+@pytest.mark.parametrize("signum, step, group", [("SIGINT", 4, False), ("SIGTERM", 8, True), ("SIGUSR2", 15, True)])
+def test_one_process_stops_and_resumes_exactly(digits, tmp_path, signum, step, group):
+    command = interrupt(DIGITS, tmp_path, signum, step, group=group)
+    assert_same_run(digits, resume(command, tmp_path))
+
+
+@pytest.mark.parametrize("signum, step", [("SIGINT", 4), ("SIGTERM", 12)])
+def test_group_signal_with_loader_workers_resumes_exactly(folder_one, images, tmp_path, signum, step):
+    command = interrupt(folder(images), tmp_path, signum, step)
+    assert_same_run(folder_one, resume(command, tmp_path))
+
+
+@pytest.mark.parametrize("signum, step", [("SIGINT", 5), ("SIGTERM", 13)])
+def test_two_processes_stop_together_and_resume_exactly(digits_two, tmp_path, signum, step):
+    command = interrupt([*DIGITS, *TWO], tmp_path, signum, step)
+    assert_same_run(digits_two, resume(command, tmp_path))
+
+
+def test_a_signal_to_one_rank_stops_every_rank(digits_two, tmp_path):
+    command = interrupt([*DIGITS, *TWO], tmp_path, "SIGUSR1", 10, group=False, rank=1)
+    assert_same_run(digits_two, resume(command, tmp_path))
+
+
+def test_two_processes_with_loader_workers_resume_exactly(folder_two, images, tmp_path):
+    command = interrupt([*folder(images), *TWO], tmp_path, "SIGTERM", 7)
+    assert_same_run(folder_two, resume(command, tmp_path))
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    killer = extra_callback("kill", "SignalAtStep", step=4, signum="SIGINT", group=True, times=2)
+    r = run_cli("train", *DIGITS, *killer, f"hydra.run.dir={tmp_path / 'r'}", own_group=True)
+    assert r.returncode == -signal.SIGINT  # ended by the signal itself, nothing more run
+    assert "Ctrl-C again stops at once, without saving" in r.stderr
+    assert not (tmp_path / "r" / "checkpoints" / "interrupted.ckpt").exists()
+
+
+def test_loader_workers_leave_group_signals_to_the_main_process_and_end_with_it(tmp_path):
+    script = textwrap.dedent(
+        """
+        import os, signal, subprocess, time
+        import torch
+        from torch.utils.data import DataLoader, Dataset
+        from vitlab.signals import ignore_stop_signals
+
+        class Slow(Dataset):
+            def __len__(self):
+                return 400
+            def __getitem__(self, i):
+                time.sleep(0.005)
+                return i
+
+        loader = DataLoader(Slow(), batch_size=4, num_workers=2, persistent_workers=True,
+                            worker_init_fn=lambda _: ignore_stop_signals())
+        batches = iter(loader)
+        next(batches)
+        for name in ("TERM", "INT", "USR1", "USR2"):  # to the whole group, from another process
+            signal.signal(getattr(signal, "SIG" + name), lambda signum, _: print("main process:", signum))
+            subprocess.run(["kill", "-" + name, "--", f"-{os.getpgid(0)}"], start_new_session=True, check=True)
+        print(sum(len(next(batches)) for _ in range(20)), "images after the signals")
+        # Exiting with the workers alive: Python's exit sends them SIGTERM, which they obey from their parent.
+        """
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines() == [
+        *(f"main process: {signum}" for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)),
+        "80 images after the signals",
+    ]
