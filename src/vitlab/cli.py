@@ -12,6 +12,8 @@ import json
 import logging
 import os
 import secrets
+import shutil
+import subprocess
 import sys
 import warnings
 from collections.abc import Callable
@@ -31,15 +33,22 @@ from vitlab.errors import MissingFileError, UserError
 CONFIG_ERRORS = (UserError, OmegaConfBaseException, HydraException)
 # Keys of the model group that are not ViTConfig fields.
 MODEL_EXTRA_KEYS = ("arch", "variant", "timm_name", "pretrained")
-# Written into every run directory the moment a command claims it (see claim_run_dir).
-CLAIM_FILE = ".vitlab-run"
 
-# Warnings nobody running vitlab can act on: deprecations inside torchdata and Lightning, and the
-# logging-interval notice (vitlab lowers the interval to the epoch length itself, see lit_module).
+# Warnings nobody running vitlab can act on: deprecations inside torchdata and Lightning, the
+# logging-interval notice (vitlab lowers the interval to the epoch length itself, see lit_module),
+# Lightning's hint to start a run with srun wherever Slurm is installed (on Slurm vitlab's launcher starts
+# the processes: hydra/launcher=slurm), DDP's note that the one-channel patch filters' gradient has another
+# memory layout than its bucket (a copy of a few hundred numbers), and, for a run that resumes in its own
+# directory (a requeued Slurm job), the notes that its checkpoint directory is not empty and the CSV logger's
+# claim that it will delete the metrics there (it appends to them).
 QUIET_WARNINGS = (
     r"'set_vital' is deprecated",
     r".*isinstance\(treespec, LeafSpec\)",
     r"The number of training batches \(\d+\) is smaller than the logging interval",
+    r"The `srun` command is available on your system but is not used",
+    r"Grad strides do not match bucket view strides",
+    r"Experiment logs directory .* exists and is not empty",
+    r"Checkpoint directory .* exists and is not empty",
 )
 
 
@@ -71,6 +80,9 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("cwd", os.getcwd)
     if not OmegaConf.has_resolver("class_folders"):
         OmegaConf.register_new_resolver("class_folders", class_folders)
+    for name, resolver in (("slurm_gpus", slurm_gpus), ("slurm_cpus", slurm_cpus)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)
 
 
 def class_folders(data_dir: str) -> int:
@@ -87,96 +99,29 @@ def class_folders(data_dir: str) -> int:
     return sum(1 for entry in os.scandir(train) if entry.is_dir())
 
 
-def is_launcher_child() -> bool:
-    """A process started by Lightning's DDP launcher for ranks > 0 (it sets LOCAL_RANK)."""
-    return int(os.environ.get("LOCAL_RANK", "0")) > 0
+# ---- the resources of a Slurm job (conf/hydra/launcher/slurm.yaml) ----
 
 
-def _override_value(argv: list[str], key: str) -> str | None:
-    """The value the command line gives `key` (as `key=`, `+key=` or `++key=`), or None."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        overrides = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
-    except HydraException:
-        return None  # Hydra reports the malformed override itself
-    found = [o for o in overrides if o.key_or_group == key and not o.is_delete()]
-    return str(found[-1].value()) if found else None
+def _gpus_in_cluster() -> bool:
+    """Whether any node of the cluster has GPUs (sinfo's generic resources), asked from the submitting machine."""
+    if not shutil.which("sinfo"):
+        return False
+    out = subprocess.run(["sinfo", "-h", "-o", "%G"], capture_output=True, text=True, timeout=30).stdout
+    return "gpu" in out
 
 
-def _unwritable(path: Path, what: str, err: OSError) -> UserError:
-    return UserError(
-        f"{what} {str(path)!r} cannot be written ({err.strerror or type(err).__name__}); "
-        "choose a writable hydra.run.dir or paths.log_dir, or start the command in a writable directory"
-    )
+def slurm_gpus(accelerator: str, devices: Any) -> int | None:
+    """`${slurm_gpus:<accelerator>,<devices>}`: the GPUs a job asks for per node. The trainer's devices when it
+    trains on GPUs, none on the CPU (a gres request for GPUs fails on a cluster without them); with `auto`, GPUs
+    when the cluster has any."""
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and _gpus_in_cluster())
+    return devices if on_gpu and isinstance(devices, int) and devices > 0 else None
 
 
-def claim_run_dir(path: Path) -> None:
-    """Make `path` this run's directory, or refuse: Hydra writes into hydra.run.dir before any task code
-    runs, so an earlier run's files are protected here. The claim is an exclusive create, so two
-    commands started at once with the same new directory cannot both get it."""
-    if path.exists() and not path.is_dir():
-        raise UserError(f"hydra.run.dir {str(path)!r} is a file, not a directory; give a new directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path / CLAIM_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        fd = None
-    except OSError as e:
-        raise _unwritable(path, "run directory", e) from e
-    reused = UserError(
-        f"run directory {str(path)!r} already holds files; vitlab never reuses a run directory: "
-        "give a new hydra.run.dir or leave it to the default"
-    )
-    if fd is None:
-        raise reused
-    with os.fdopen(fd, "w") as f:
-        f.write(f"{os.getpid()} {' '.join(sys.argv)}\n")
-    if any(p.name != CLAIM_FILE for p in path.iterdir()):  # an earlier run from before claim files
-        (path / CLAIM_FILE).unlink()
-        raise reused
-
-
-def check_writable(directory: Path) -> None:
-    """Create `directory` (where runs go) and a file in it, or say in one line why not."""
-    import tempfile
-
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as e:
-        raise _unwritable(directory, "output directory", e) from e
-
-
-def prepare(config_name: str, argv: list[str]) -> None:
-    """Before Hydra starts: compose once to report a bad override in one line, then make sure the run
-    directory is new and writable (plain runs; sweeps, Hydra's flags and HYDRA_FULL_ERROR=1 are left to
-    Hydra, which reports them itself)."""
-    if is_launcher_child():
-        return  # Lightning's DDP launcher re-runs the command with rank 0's directory, on purpose
-    run_dir = _override_value(argv, "hydra.run.dir")
-    if os.environ.get("HYDRA_FULL_ERROR") == "1" or any(a.startswith("-") for a in argv):
-        return
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    overrides = [a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
-    try:
-        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-            cfg = compose(config_name, overrides=overrides)
-        log_dir = OmegaConf.select(cfg, "paths.log_dir", throw_on_resolution_failure=False)
-    except CONFIG_ERRORS as e:
-        fail(one_line(user_error(e) or e))
-    finally:
-        GlobalHydra.instance().clear()
-    try:
-        if run_dir is not None and "${" not in run_dir:  # one with interpolations: unique by its own making
-            claim_run_dir(Path(run_dir))
-        elif log_dir:
-            check_writable(Path(log_dir))
-    except UserError as e:
-        fail(one_line(e))
+def slurm_cpus(num_workers: int | None) -> int:
+    """`${slurm_cpus:<data.num_workers>}`: a task's CPUs, its loader workers and itself. Workers left to vitlab
+    (null) take the CPUs the task gets, less one: 8 CPUs then, a usual share of a GPU node per GPU."""
+    return 8 if num_workers is None else int(num_workers) + 1
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -241,7 +186,10 @@ def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Cal
     def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], Any]:
         @functools.wraps(task)
         def guarded(cfg: DictConfig) -> Any:
+            from vitlab.launch import task_started
+
             quiet()
+            task_started()
             try:
                 return task(cfg)
             except (*CONFIG_ERRORS, InstantiationException) as e:
@@ -254,9 +202,11 @@ def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Cal
                 return _record_failed_job(job, one_line(cause))
 
         def main() -> Any:
+            from vitlab.launch import prepare
+
             quiet()
             register_resolvers()
-            prepare(config_name, sys.argv[1:])
+            sys.argv[1:] = prepare(config_name, sys.argv[1:])
             return hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=config_name)(guarded)()
 
         return main

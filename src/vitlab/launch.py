@@ -1,0 +1,198 @@
+"""Which process of a launch this is, and which run directory it writes to, settled before Hydra starts.
+
+One process owns a run's directory (rank 0): a plain command claims a new one, or the explicit hydra.run.dir it
+was given. Every other process of the launch writes into the same directory and claims nothing:
+
+- Lightning's DDP children (LOCAL_RANK > 0; NODE_RANK > 0 on other nodes) are started with rank 0's
+  hydra.run.dir on their command line;
+- torchrun's other processes (RANK > 0, on this node or another) read it from torchrun's own key-value store,
+  where rank 0 puts it as soon as Hydra has made it (`task_started`);
+- processes that Slurm's srun started together (SLURM_PROCID > 0) are given it on the command line; without
+  one the whole step is refused in one line, since the tasks have no way to agree (vitlab's Slurm launcher,
+  hydra/launcher=slurm, gives every task of a job its directory).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+
+from vitlab.cli import CONFIG_ERRORS, config_dir, fail, one_line, user_error
+from vitlab.errors import UserError
+
+# Written into every run directory the moment a command claims it (see claim_run_dir).
+CLAIM_FILE = ".vitlab-run"
+# How long a torchrun process waits for rank 0 to make the run directory.
+RENDEZVOUS_TIMEOUT = timedelta(minutes=30)
+
+
+def process_rank() -> int:
+    """0 for the process that owns the run directory; this process's rank among those of its launch otherwise."""
+    for key in ("RANK", "LOCAL_RANK", "NODE_RANK"):  # torchrun; Lightning's DDP children, here and on other nodes
+        if int(os.environ.get(key) or 0) > 0:
+            return int(os.environ["RANK"]) if os.environ.get("RANK") else int(os.environ[key])
+    if int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1) > 1:  # one of several tasks srun started
+        return int(os.environ.get("SLURM_PROCID") or 0)
+    return 0
+
+
+def _torchrun_store():
+    """torchrun's own key-value store (its agent's), which every process of the launch reaches, or None."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ:
+        return None
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=RENDEZVOUS_TIMEOUT
+    )
+
+
+def _run_dir_key() -> str:
+    return f"vitlab/run_dir/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def task_started() -> None:
+    """In the task, once Hydra has made the run directory. Rank 0 under torchrun puts it where the other processes
+    wait for it. A secondary task of a Slurm job (vitlab's launcher runs each task as the same Hydra job) logs to a
+    file of its own, as Lightning's DDP children do, not into the primary's."""
+    from hydra.core.hydra_config import HydraConfig
+
+    rank = process_rank()
+    if rank == 0 and int(os.environ.get("WORLD_SIZE") or 1) > 1 and (store := _torchrun_store()) is not None:
+        store.set(_run_dir_key(), HydraConfig.get().runtime.output_dir)
+    if rank > 0 and os.environ.get("SUBMITIT_EXECUTOR"):
+        root = logging.getLogger()
+        for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+            path = Path(handler.baseFilename)
+            own = logging.FileHandler(path.with_name(f"{path.stem}_rank{rank}{path.suffix}"))
+            own.setFormatter(handler.formatter)
+            own.setLevel(handler.level)
+            root.removeHandler(handler)
+            handler.close()
+            root.addHandler(own)
+
+
+def _primary_run_dir(rank: int) -> str:
+    """The run directory of rank 0, as torchrun's store has it; refused in one line where there is no way to know."""
+    store = _torchrun_store()
+    if store is not None:
+        try:
+            return store.get(_run_dir_key()).decode()
+        except (RuntimeError, OSError) as e:  # the store went away: rank 0 stopped (its output says why)
+            fail(f"process {rank} of torchrun got no run directory from rank 0, which stopped before making one ({e})")
+    fail(
+        f"this is process {rank} of several started together, which have no way to agree on one run directory: "
+        "give them all the same hydra.run.dir (e.g. hydra.run.dir=outputs/train/runs/$SLURM_JOB_ID), start them "
+        "with torchrun, or on Slurm use vitlab's launcher (python -m vitlab.train -m hydra/launcher=slurm ...)"
+    )
+    raise AssertionError  # fail() has exited
+
+
+def _hydra_quoted(value: str) -> str:
+    """`value` as a quoted Hydra override value: a quote is escaped, and so are the backslashes before a quote or
+    at the end (Hydra keeps any other backslash as it is)."""
+    return "'" + re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + ("\\'" if m[2] else ""), value) + "'"
+
+
+def _override_value(argv: list[str], key: str) -> str | None:
+    """The value the command line gives `key` (as `key=`, `+key=` or `++key=`), or None."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        overrides = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
+    except HydraException:
+        return None  # Hydra reports the malformed override itself
+    found = [o for o in overrides if o.key_or_group == key and not o.is_delete()]
+    return str(found[-1].value()) if found else None
+
+
+def _unwritable(path: Path, what: str, err: OSError) -> UserError:
+    return UserError(
+        f"{what} {str(path)!r} cannot be written ({err.strerror or type(err).__name__}); "
+        "choose a writable hydra.run.dir or paths.log_dir, or start the command in a writable directory"
+    )
+
+
+def claim_run_dir(path: Path) -> None:
+    """Make `path` this run's directory, or refuse: Hydra writes into hydra.run.dir before any task code
+    runs, so an earlier run's files are protected here. The claim is an exclusive create, so two
+    commands started at once with the same new directory cannot both get it."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"hydra.run.dir {str(path)!r} is a file, not a directory; give a new directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path / CLAIM_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        fd = None
+    except OSError as e:
+        raise _unwritable(path, "run directory", e) from e
+    reused = UserError(
+        f"run directory {str(path)!r} already holds files; vitlab never reuses a run directory: "
+        "give a new hydra.run.dir or leave it to the default"
+    )
+    if fd is None:
+        raise reused
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{os.getpid()} {' '.join(sys.argv)}\n")
+    if any(p.name != CLAIM_FILE for p in path.iterdir()):  # an earlier run from before claim files
+        (path / CLAIM_FILE).unlink()
+        raise reused
+
+
+def check_writable(directory: Path) -> None:
+    """Create `directory` (where runs go) and a file in it, or say in one line why not."""
+    import tempfile
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise _unwritable(directory, "output directory", e) from e
+
+
+def prepare(config_name: str, argv: list[str]) -> list[str]:
+    """Before Hydra starts: the command line to run it with. A secondary process gets the primary's run
+    directory, no .hydra/ of its own and a log file named after its rank. The primary composes once to report a
+    bad override in one line, then makes sure its run directory is new and writable (plain runs; sweeps, Hydra's
+    flags and HYDRA_FULL_ERROR=1 are left to Hydra, which reports them itself)."""
+    rank = process_rank()
+    if rank > 0:
+        own = {
+            "hydra.run.dir": lambda: _hydra_quoted(_primary_run_dir(rank)),
+            "hydra.job.name": lambda: f"{config_name}_rank{rank}",
+            "hydra.output_subdir": lambda: "null",
+        }
+        return [*argv, *(f"{key}={value()}" for key, value in own.items() if _override_value(argv, key) is None)]
+    run_dir = _override_value(argv, "hydra.run.dir")
+    if run_dir is None and int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1) > 1 and _torchrun_store() is None:
+        _primary_run_dir(rank)  # srun's task 0: its other tasks cannot follow it anywhere, so none starts
+    if os.environ.get("HYDRA_FULL_ERROR") == "1" or any(a.startswith("-") for a in argv):
+        return argv
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    overrides = [a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            cfg = compose(config_name, overrides=overrides)
+        log_dir = OmegaConf.select(cfg, "paths.log_dir", throw_on_resolution_failure=False)
+    except CONFIG_ERRORS as e:
+        fail(one_line(user_error(e) or e))
+    finally:
+        GlobalHydra.instance().clear()
+    try:
+        if run_dir is not None and "${" not in run_dir:  # one with interpolations: unique by its own making
+            claim_run_dir(Path(run_dir))
+        elif log_dir:
+            check_writable(Path(log_dir))
+    except UserError as e:
+        fail(one_line(e))
+    return argv
