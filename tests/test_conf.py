@@ -131,7 +131,7 @@ def test_callback_configs(compose_cfg, callbacks):
     _, _, cbs, _ = build_everything(cfg)
     names = {type(c).__name__ for c in cbs}
     if callbacks == "ema":
-        assert "EMAWeightAveraging" in names and "ModelCheckpoint" in names
+        assert "EMAWeightAveraging" in names and "BestCheckpoint" in names
 
 
 @pytest.mark.parametrize("logger", options("logger"))
@@ -164,10 +164,21 @@ def test_hparams_search_config(compose_cfg):
     instantiate(cfg.hydra.sweeper.sampler)
 
 
-def test_slurm_launcher_example(compose_cfg):
-    cfg = compose_cfg("train", ["hydra/launcher=slurm", "trainer=ddp"], keep_hydra=True)
-    assert "submitit" in cfg.hydra.launcher._target_
-    assert cfg.hydra.launcher.tasks_per_node == cfg.hydra.launcher.gpus_per_node == 4
+@pytest.mark.parametrize(
+    "overrides, tasks, gpus, cpus",
+    [
+        (["trainer=ddp"], 4, 4, 1),  # digits loads in the main process: 1 CPU a task
+        (["trainer=ddp_cpu"], 2, None, 1),  # no GPU asked for on a CPU run
+        (["trainer=gpu", "data=fake"], 1, 1, 8),  # loader workers left to vitlab: 8 CPUs
+        (["trainer=ddp", "trainer.devices=2", "data=fake", "data.num_workers=5"], 2, 2, 6),
+    ],
+)
+def test_the_slurm_launcher_asks_for_what_the_run_uses(compose_cfg, overrides, tasks, gpus, cpus):
+    cfg = compose_cfg("train", ["hydra/launcher=slurm", *overrides], keep_hydra=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_ == "hydra_plugins.vitlab_slurm.SlurmLauncher"
+    assert (launcher.tasks_per_node, launcher.gpus_per_node, launcher.cpus_per_task) == (tasks, gpus, cpus)
+    assert launcher.signal_delay_s > 0 and launcher.max_num_timeout > 0 and launcher.additional_parameters.requeue
 
 
 @pytest.mark.parametrize("name", ["eval", "predict", "parity", "benchmark", "export"])

@@ -1,0 +1,8 @@
+"""Hydra looks for launchers only in the `hydra_plugins` namespace: vitlab's Slurm launcher (vitlab.slurm) is
+registered here, as `hydra_plugins.vitlab_slurm.SlurmLauncher` (conf/hydra/launcher/slurm.yaml)."""
+
+from vitlab import slurm
+
+
+class SlurmLauncher(slurm.SlurmLauncher):
+    pass

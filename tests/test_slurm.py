@@ -1,0 +1,142 @@
+"""vitlab's Slurm launcher on a real Slurm cluster of one host: Debian's slurmctld, slurmd and munge, started by
+tests/cluster/slurm-localhost.sh. The tests skip, saying why, where that cannot be done (not root, no packages).
+
+The README's sweep runs as typed and each job equals the same command run locally; the request follows the run;
+a job Slurm can never start, and sbatch's refusals, are one line; a job that is requeued or gets its time-limit
+signal checkpoints, comes back and resumes by itself, and ends with the uninterrupted run's metrics."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, assert_same_run, extra_callback, run_cli
+
+pytestmark = pytest.mark.slow
+
+CLUSTER = ROOT / "tests" / "cluster" / "slurm-localhost.sh"
+SHORT = ["trainer.max_epochs=2", "data.batch_size=128", "progress_bar=none", "trainer.deterministic=true"]
+SWEEP = ["-m", "hydra/launcher=slurm", "trainer=ddp_cpu", "trainer.devices=2"]  # the README's, on CPUs
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if os.geteuid() != 0:
+        pytest.skip("starting a Slurm cluster (tests/cluster/slurm-localhost.sh) needs root")
+    if not shutil.which("slurmctld") and not shutil.which("apt-get"):
+        pytest.skip("no Slurm here and no apt-get to install Debian's slurmctld, slurmd and munge")
+    r = subprocess.run(["bash", str(CLUSTER)], capture_output=True, text=True, timeout=900)
+    if r.returncode != 0 or "idle" not in r.stdout:
+        pytest.skip(f"the Slurm cluster did not start: {(r.stderr or r.stdout).strip()[-400:]}")
+    yield
+    for pid_file in Path("/run/slurm").glob("*.pid"):
+        subprocess.run(["kill", pid_file.read_text().strip()], capture_output=True)
+
+
+def _sweep_dir(tmp_path: Path) -> Path:
+    (sweep,) = (tmp_path / "outputs" / "train" / "multiruns").iterdir()
+    return sweep
+
+
+def _squeue(job: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+
+
+def test_the_readmes_sweep_runs_as_typed_and_each_job_equals_the_local_run(cluster, tmp_path):
+    r = run_cli("train", *SWEEP, "optim.lr=1e-3,3e-4", *SHORT, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    sweep = _sweep_dir(tmp_path)
+    assert [row["status"] for row in json.loads((sweep / "summary.json").read_text())] == ["done", "done"]
+    assert "RUNNING" in r.stderr + r.stdout  # the wait is not silent
+    # The request follows the run: two tasks of one CPU each (digits loads in the main process), no GPU.
+    (script,) = (sweep / ".submitit").glob("*/*_submission.sh")
+    flags = {line.split()[1] for line in script.read_text().splitlines() if line.startswith("#SBATCH")}
+    assert {"--ntasks-per-node=2", "--cpus-per-task=1", "--nodes=1", "--signal=USR2@120", "--requeue"} <= flags
+    assert not any("gpu" in flag or "gres" in flag or "mem" in flag for flag in flags), flags
+    for job, lr in (("0", "1e-3"), ("1", "3e-4")):
+        local = tmp_path / f"local{job}"
+        r = run_cli("train", "trainer=ddp_cpu", "trainer.devices=2", f"optim.lr={lr}", *SHORT, f"hydra.run.dir={local}")
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert_same_run(local, sweep / job)
+        assert (sweep / job / "train_rank1.log").is_file()  # the second task logs on its own
+
+
+def test_a_job_slurm_can_never_start_is_named_and_the_sweep_exits_2(cluster, tmp_path):
+    # 3 loader workers + 1: 4 CPUs a task, 8 for the job, on a node of 2
+    r = run_cli("train", *SWEEP, "data=fake", "data.num_workers=3", "optim.lr=1e-3,3e-4", *SHORT, cwd=tmp_path)
+    assert r.returncode == 2
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: Slurm can never start job ") and "(PartitionConfig: " in line, r.stderr[-2000:]
+    assert "hydra.launcher.cpus_per_task=4" in line
+    job = line.split("job ")[1].split(" ")[0].split("_")[0]
+    time.sleep(1)
+    assert _squeue(job) in ("", "CANCELLED")  # cancelled, not left pending
+
+
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        (["hydra.launcher.mem_gb=64"], "Memory specification can not be satisfied"),
+        (["trainer=gpu"], "Invalid generic resource (gres) specification"),  # no GPUs in this cluster
+    ],
+)
+def test_sbatch_refusals_are_one_line(cluster, tmp_path, overrides, said):
+    r = run_cli("train", "-m", "hydra/launcher=slurm", *overrides, "optim.lr=1e-3,3e-4", *SHORT, cwd=tmp_path)
+    assert r.returncode == 2
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("error: sbatch refused the job: ") and said in line, r.stderr
+
+
+def _wait(condition, what: str, timeout: float = 300):
+    end = time.time() + timeout
+    while time.time() < end:
+        if condition():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _requeued(job: str) -> None:
+    """Wait for the job to be back in the queue, then let it start at once (Slurm holds a requeued job a while)."""
+    _wait(lambda: _squeue(job) == "PENDING", f"job {job} to be requeued")
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+
+
+def test_a_requeued_or_timed_out_job_resumes_by_itself_and_equals_the_uninterrupted_run(cluster, tmp_path):
+    run = ["optim.lr=1e-3", "trainer.max_epochs=8", *SHORT[1:], *extra_callback("slow", "SleepPerStep", seconds=0.1)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}  # the job finds the test callback
+    sweep = subprocess.Popen(
+        [sys.executable, "-m", "vitlab.train", *SWEEP, *run],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    _wait(lambda: (tmp_path / "outputs").exists(), "the sweep directory")
+    log = _sweep_dir(tmp_path) / "0" / "train.log"
+    logged = lambda epoch: log.exists() and f"[INFO] - epoch {epoch}/8 " in log.read_text()  # noqa: E731
+    _wait(lambda: logged(2), "two epochs")
+    (job,) = [p.name for p in (_sweep_dir(tmp_path) / ".submitit").iterdir() if p.is_dir()]  # one job: no array
+    # What Slurm sends signal_delay_s before the time limit: the run checkpoints, submitit requeues the job.
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    _requeued(job)
+    _wait(lambda: logged(4), "the resumed run's fourth epoch")
+    subprocess.run(["scontrol", "requeue", job], check=True)  # how a cluster pre-empts a job
+    _requeued(job)
+    output = sweep.communicate(timeout=600)[0]
+    assert sweep.returncode == 0, output[-3000:]
+
+    text = log.read_text()
+    assert text.count("holds a checkpoint of an earlier start") == 2, text[-3000:]
+    assert text.count("[vitlab.callbacks][INFO] - epoch 1/8") == 1  # trained from the start once only
+    assert text.count("[vitlab.callbacks][INFO] - epoch 8/8") == 1
+    local = tmp_path / "local"
+    r = run_cli("train", "trainer=ddp_cpu", "trainer.devices=2", *run, f"hydra.run.dir={local}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_same_run(local, _sweep_dir(tmp_path) / "0")
