@@ -17,6 +17,20 @@ from vitlab.model import ViTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# A short deterministic CPU run to interrupt and resume: 3 epochs x 9 steps (batch 128 of 1,257 digits), with
+# stochastic depth and EMA on, so the random draws and the averaged weights are part of what must resume exactly.
+RESUMABLE = [
+    "trainer.max_epochs=3",
+    "data.batch_size=128",
+    "trainer.deterministic=true",
+    "progress_bar=none",
+    "model.drop_path_rate=0.1",
+    "callbacks=ema",
+    "callbacks.ema.update_starting_at_step=0",
+    "trainer.log_every_n_steps=5",  # 27 steps in all: log the LR (compared after resuming) within them
+    "trainer.accelerator=cpu",  # the CPU's resume, also where a GPU is visible (tests/test_gpu.py resumes on one)
+]
+
 
 def tiny(**overrides) -> ViTConfig:
     """A ViT small enough for CPU tests: 32 px, patch 8 (16 patches), dim 32, depth 2, 4 heads."""

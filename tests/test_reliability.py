@@ -8,25 +8,12 @@ import signal
 import pytest
 import torch
 
-from tests.helpers import earlier_run, extra_callback, image_tree, run_cli
+from tests.helpers import RESUMABLE, earlier_run, extra_callback, image_tree, run_cli
 
 # Command-line runs, for CI; the pieces have fast unit tests (test_callbacks, test_atomic).
 pytestmark = pytest.mark.slow
 
-# Short deterministic CPU run: 3 epochs x 9 steps (batch 128 of 1,257), stochastic depth and EMA on
-# so the RNG and the averaged weights are part of what must resume exactly.
-RUN = [
-    "trainer.max_epochs=3",
-    "data.batch_size=128",
-    "trainer.deterministic=true",
-    "progress_bar=none",
-    "model.drop_path_rate=0.1",
-    "callbacks=ema",
-    "callbacks.ema.update_starting_at_step=0",
-    "trainer.limit_test_batches=1.0",
-    "trainer.log_every_n_steps=5",  # 27 steps in all: log the LR (compared after resuming) within them
-    "trainer.accelerator=cpu",  # the CPU's resume, also where a GPU is visible (tests/test_gpu.py resumes on one)
-]
+RUN = [*RESUMABLE, "trainer.limit_test_batches=1.0"]
 
 
 def _state(ckpt_path):

@@ -15,22 +15,11 @@ import time
 import pytest
 import torch
 
-from tests.helpers import ROOT, assert_same_run, extra_callback, image_tree, run_cli
+from tests.helpers import RESUMABLE, ROOT, assert_same_run, extra_callback, image_tree, run_cli
 
 pytestmark = pytest.mark.slow  # command-line runs
 
-# 3 epochs x 9 steps of 128 digits; stochastic depth and EMA on, so the random draws and the averaged weights
-# are part of what must resume exactly.
-DIGITS = [
-    "trainer.max_epochs=3",
-    "data.batch_size=128",
-    "trainer.deterministic=true",
-    "progress_bar=none",
-    "model.drop_path_rate=0.1",
-    "callbacks=ema",
-    "callbacks.ema.update_starting_at_step=0",
-    "trainer.log_every_n_steps=5",
-]
+DIGITS = RESUMABLE
 TWO = ["trainer=ddp_cpu", "trainer.devices=2"]  # two CPU processes (gloo)
 
 
@@ -47,7 +36,7 @@ def folder(data_dir) -> list[str]:
         "data.train_transform.random_erasing=0.5",
         "mixup.mixup_alpha=0.8",
         "mixup.cutmix_alpha=1.0",
-        *[o for o in DIGITS if not o.startswith(("data.", "callbacks"))],
+        *[o for o in RESUMABLE if not o.startswith(("data.", "callbacks"))],
     ]
 
 

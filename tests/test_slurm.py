@@ -92,6 +92,29 @@ def test_sbatch_refusals_are_one_line(cluster, tmp_path, overrides, said):
     assert line.startswith("error: sbatch refused the job: ") and said in line, r.stderr
 
 
+def test_a_job_cancelled_without_a_result_is_one_line(cluster, tmp_path):
+    slow = extra_callback("slow", "SleepPerStep", seconds=0.2)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the job finds the test callback
+    sweep = subprocess.Popen(
+        [sys.executable, "-m", "vitlab.train", *SWEEP, "optim.lr=1e-3", *SHORT, "trainer.max_epochs=20", *slow],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    log = lambda: _sweep_dir(tmp_path) / "0" / "train.log"  # noqa: E731
+    _wait(
+        lambda: (tmp_path / "outputs").exists() and log().exists() and "- epoch 1/20 " in log().read_text(), "an epoch"
+    )
+    (job,) = [p.name for p in (_sweep_dir(tmp_path) / ".submitit").iterdir() if p.is_dir()]
+    subprocess.run(["scancel", job], check=True)
+    _, err = sweep.communicate(timeout=300)
+    assert sweep.returncode == 2
+    (line,) = err.strip().splitlines()[-1:]
+    assert line.startswith(f"error: Slurm job {job} ended without a result (") and "its log: " in line, err[-2000:]
+
+
 def _wait(condition, what: str, timeout: float = 300):
     end = time.time() + timeout
     while time.time() < end:
