@@ -2,8 +2,8 @@
 exactly as the uninterrupted one would have.
 
 Under DDP every process has random generators of its own (dropout, stochastic depth, MixUp, the on-device
-augmentation of `data.base.ImageDataModule.rng`), its own loader position (its share of the permutation, its
-workers' seeds) and its own running training metrics, while Lightning writes the checkpoint of rank 0 alone. Here
+augmentation of `data.base.ImageDataModule.rng`), its own loader position (in its share of the epoch's
+permutation) and its own running training metrics, while Lightning writes the checkpoint of rank 0 alone. Here
 each process's part is gathered to rank 0 when a checkpoint is written, and on resume each process takes its own
 back: the datamodule's and the loader's before Lightning restores them, the random generators and metrics just
 before the first batch (loaders and validation draw from the generators in between, exactly as the uninterrupted
@@ -49,7 +49,7 @@ def save(trainer: L.Trainer, module: L.LightningModule, checkpoint: dict[str, An
         "rng": _rng_states(),
         "loader": _loader_state(checkpoint),
         "datamodule": checkpoint.get(_datamodule_key(trainer)),
-        "metrics": {k: v.cpu() for k, v in module.state_dict().items() if not k.startswith("model.")},
+        "metrics": _metric_states(module),
     }
     if trainer.world_size == 1 or not dist.is_initialized():
         checkpoint[KEY] = [mine]
@@ -92,6 +92,17 @@ def restore(module: L.LightningModule, mine: dict[str, Any]) -> None:
         torch.set_rng_state(mine["rng"]["torch"])
     if mine.get("metrics"):
         module.load_state_dict(mine["metrics"], strict=False)
+
+
+def _metric_states(module: L.LightningModule) -> dict[str, torch.Tensor]:
+    """The module's state outside the network (its running metrics), without asking the network for its state: a
+    sharded one (FSDP) would gather its weights for that."""
+    return {
+        f"{name}.{key}": value.cpu()
+        for name, child in module.named_children()
+        if name != "model"
+        for key, value in child.state_dict().items()
+    }
 
 
 def _rng_states() -> dict[str, Any]:

@@ -10,12 +10,11 @@ the next: an ordinary step never waits for it and the GPU is never synchronised 
 raises its SIGTERMException on every rank after the same batch (and after the validation due after it, never in its
 middle), and `callbacks.SaveOnInterrupt` writes one checkpoint.
 
-Loader workers ignore these signals (`ignore_stop_signals`, at their start): the main process decides.
+Loader workers leave these signals to the main process (`ignore_stop_signals`, at their start).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import threading
@@ -26,8 +25,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-
-log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
