@@ -71,14 +71,15 @@ def end2end_table(reports: list[dict]) -> None:
 def pipeline_plot(reports: list[dict], out: Path) -> None:
     """Images/s of each loader per pipeline run, with the per-round range."""
     fig, ax = plt.subplots(figsize=(7, 3.2))
-    names = ["ceiling", "vitlab", "float32_workers"]
+    loaders = ("ceiling", "vitlab", "float32_workers", "streaming")
+    names = [n for n in loaders if all(n in r["results"] for r in reports)]
     width = 0.8 / len(names)
     for k, name in enumerate(names):
         rows = [rep["results"][name] for rep in reports]
         values = [r["images_per_s"] for r in rows]
         low = [v - min(r["images_per_s_rounds"]) for v, r in zip(values, rows, strict=True)]
         high = [max(r["images_per_s_rounds"]) - v for v, r in zip(values, rows, strict=True)]
-        xs = [i + (k - 1) * width for i in range(len(reports))]
+        xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(reports))]
         ax.bar(xs, values, width, yerr=[low, high], capsize=3, label=name)
     ax.set(xticks=list(range(len(reports))), ylabel="images/s", title="train loader, 2-core CPU (median; bar: range)")
     ax.set_xticklabels([rep["run"] for rep in reports], fontsize=8)
@@ -131,7 +132,8 @@ def main(root: Path) -> None:
     if pipelines:
         print()
         pipeline_table(pipelines)
-        pipeline_plot(pipelines, Path(__file__).with_name("pipeline.png"))
+        streaming = all("streaming" in r["results"] for r in pipelines)  # with benchmark.pipeline.shards
+        pipeline_plot(pipelines, Path(__file__).with_name("streaming.png" if streaming else "pipeline.png"))
     ends = [r for r in reports if r["task"] == "end2end"]
     if ends:
         print()
