@@ -4,6 +4,8 @@ tests, and test-only Lightning callbacks (loaded into real `python -m vitlab.tra
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -132,6 +134,39 @@ class SleepPerStep(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         time.sleep(self.seconds)
+
+
+def interrupt(args, tmp_path, signum, step, group=True, rank=0) -> str:
+    """`python -m vitlab.train args` stopped by `signum` after optimizer step `step` (SignalAtStep): checks the
+    exit, the checkpoint and the last line, and returns the command that line gives to resume."""
+    stamp = tmp_path / "sent"
+    killer = extra_callback("kill", "SignalAtStep", step=step, signum=signum, group=group, rank=rank, stamp=stamp)
+    killed = tmp_path / "killed"
+    r = run_cli("train", *args, *killer, f"hydra.run.dir={killed}", own_group=True)
+    exited = time.time()
+    saved = killed / "checkpoints" / "interrupted.ckpt"
+    assert r.returncode == 128 + getattr(signal, signum), r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    found = re.fullmatch(
+        rf"interrupted by {signum} at step (\d+) \(epoch (\d+)\): saved (\S+); resume with: (.*)", last
+    )
+    assert found, last
+    assert found[3] == str(saved) and saved.is_file()
+    assert int(found[1]) > step and torch.load(saved, weights_only=True)["global_step"] == int(found[1])
+    assert shlex.split(found[4]) == ["python", "-m", "vitlab.train", *args, *killer, f"ckpt_path={saved}"]
+    assert exited - float(stamp.read_text()) < 30  # every process gone within seconds
+    return found[4]
+
+
+def resume(command, tmp_path) -> Path:
+    """The printed resume command, run as typed (in tmp_path, so its run directory is the only one there; the
+    test callback on its command line is found on PYTHONPATH)."""
+    argv = shlex.split(command)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (run_dir,) = (tmp_path / "outputs" / "train" / "runs").iterdir()
+    return run_dir
 
 
 class NanAtStep(L.Callback):

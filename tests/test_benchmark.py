@@ -182,6 +182,8 @@ def test_pipeline_times_the_train_loader_against_the_old_one_and_a_decode_and_cr
     from tests.helpers import image_tree
 
     image_tree(tmp_path / "photos", per_class=8, size=(30, 40))
+    packed = run_cli("pack", "data=imagefolder", f"data.data_dir={tmp_path / 'photos'}", f"out={tmp_path / 'shards'}")
+    assert packed.returncode == 0, packed.stderr[-2000:]
     run_dir = tmp_path / "run"
     overrides = [
         "data=imagefolder",
@@ -197,6 +199,7 @@ def test_pipeline_times_the_train_loader_against_the_old_one_and_a_decode_and_cr
         "benchmark.pipeline.batches=2",
         "benchmark.pipeline.warmup_batches=1",
         "benchmark.pipeline.rounds=2",
+        f"benchmark.pipeline.shards={tmp_path / 'shards'}",  # the same images packed: a streaming loader too
         "benchmark.train_overrides=[" + ",".join(f'"{o}"' for o in overrides) + "]",
         f"hydra.run.dir={run_dir}",
     )
@@ -211,7 +214,7 @@ def test_pipeline_times_the_train_loader_against_the_old_one_and_a_decode_and_cr
         "batch_shape": [4, 3, 16, 16],
         "train_images": 16,
     }
-    assert set(report["results"]) == {"vitlab", "float32_workers", "ceiling"}
+    assert set(report["results"]) == {"vitlab", "float32_workers", "ceiling", "streaming"}
     for name, row in report["results"].items():
         assert len(row["images_per_s_rounds"]) == 2 and row["images_per_s"] > 0
         if name != "ceiling":

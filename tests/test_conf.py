@@ -55,7 +55,8 @@ def test_the_tests_cover_every_conf_file():
         for o in options(g)
     }
     covered |= {CONF / "model/_base.yaml", CONF / "hydra/default.yaml", CONF / "hydra/launcher/slurm.yaml"}
-    covered |= {CONF / f"{n}.yaml" for n in ("train", "eval", "predict", "parity", "visualize", "benchmark", "export")}
+    commands = ("train", "eval", "predict", "parity", "visualize", "benchmark", "export", "pack")
+    covered |= {CONF / f"{n}.yaml" for n in commands}
     assert every_conf_file() <= covered, every_conf_file() - covered
 
 
@@ -91,10 +92,14 @@ def test_data_configs(compose_cfg, data, tmp_path):
         for cls in ("cat", "dog", "eel"):
             (tmp_path / "tree" / "train" / cls).mkdir(parents=True)
         extra = [f"data.data_dir={tmp_path / 'tree'}"]
+    if data == "streaming":  # and from the description python -m vitlab.pack writes beside the shards
+        (tmp_path / "shards").mkdir()
+        (tmp_path / "shards" / "vitlab-shards.json").write_text('{"class_names": ["cat", "dog", "eel"]}')
+        extra = [f"data.data_dir={tmp_path / 'shards'}"]
     cfg = compose_cfg("train", [f"data={data}", "model=vit_cifar", *extra])
     mc, dm, *_ = build_everything(cfg)
     assert dm.img_size == mc.img_size == 32
-    if data == "imagefolder":
+    if data in ("imagefolder", "streaming"):
         assert dm.num_classes == mc.num_classes == 3
 
 
@@ -181,12 +186,13 @@ def test_the_slurm_launcher_asks_for_what_the_run_uses(compose_cfg, overrides, t
     assert launcher.signal_delay_s > 0 and launcher.max_num_timeout > 0 and launcher.additional_parameters.requeue
 
 
-@pytest.mark.parametrize("name", ["eval", "predict", "parity", "benchmark", "export"])
+@pytest.mark.parametrize("name", ["eval", "predict", "parity", "benchmark", "export", "pack"])
 def test_other_entry_point_configs(compose_cfg, name):
     overrides = {
         "eval": ["ckpt_path=x.ckpt", "data=digits", "data.img_size=8"],
         "predict": ["ckpt_path=x.ckpt", "images=[a.png]"],
         "export": ["ckpt_path=x.ckpt"],
+        "pack": ["data=fake", "out=shards"],
         "parity": [],
         "benchmark": [],
     }[name]

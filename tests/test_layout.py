@@ -14,6 +14,7 @@ COMMANDS = {
     "vitlab.visualize",
     "vitlab.parity",
     "vitlab.export",
+    "vitlab.pack",
     "vitlab.benchmark.__main__",
 }
 

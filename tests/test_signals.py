@@ -3,19 +3,23 @@ rank or to the whole process group (loader workers included). Every rank stops a
 is written, the run exits with 128 + the signal's number naming it and the command that resumes it, and the
 resumed run equals the uninterrupted one bit for bit."""
 
-import os
-import re
-import shlex
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
-import torch
 
-from tests.helpers import RESUMABLE, ROOT, assert_same_run, extra_callback, image_tree, run_cli
+from tests.helpers import (
+    RESUMABLE,
+    ROOT,
+    assert_same_run,
+    extra_callback,
+    image_tree,
+    interrupt,
+    resume,
+    run_cli,
+)
 
 pytestmark = pytest.mark.slow  # command-line runs
 
@@ -70,38 +74,6 @@ def folder_one(tmp_path_factory, images):
 @pytest.fixture(scope="module")
 def folder_two(tmp_path_factory, images):
     return _run(tmp_path_factory, [*folder(images), *TWO])
-
-
-def interrupt(args, tmp_path, signum, step, group=True, rank=0):
-    """The run stopped by `signum` after optimizer step `step`; the checkpoint it saved and its resume command."""
-    stamp = tmp_path / "sent"
-    killer = extra_callback("kill", "SignalAtStep", step=step, signum=signum, group=group, rank=rank, stamp=stamp)
-    killed = tmp_path / "killed"
-    r = run_cli("train", *args, *killer, f"hydra.run.dir={killed}", own_group=True)
-    exited = time.time()
-    saved = killed / "checkpoints" / "interrupted.ckpt"
-    assert r.returncode == 128 + getattr(signal, signum), r.stderr[-3000:]
-    last = r.stderr.strip().splitlines()[-1]
-    found = re.fullmatch(
-        rf"interrupted by {signum} at step (\d+) \(epoch (\d+)\): saved (\S+); resume with: (.*)", last
-    )
-    assert found, last
-    assert found[3] == str(saved) and saved.is_file()
-    assert int(found[1]) > step and torch.load(saved, weights_only=True)["global_step"] == int(found[1])
-    assert shlex.split(found[4]) == ["python", "-m", "vitlab.train", *args, *killer, f"ckpt_path={saved}"]
-    assert exited - float(stamp.read_text()) < 30  # every process gone within seconds
-    return found[4]
-
-
-def resume(command, tmp_path):
-    """The printed resume command, run as typed (in tmp_path, so its run directory is the only one there; the
-    test callback on its command line is found on PYTHONPATH)."""
-    argv = shlex.split(command)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    (run_dir,) = (tmp_path / "outputs" / "train" / "runs").iterdir()
-    return run_dir
 
 
 @pytest.mark.parametrize("signum, step, group", [("SIGINT", 4, False), ("SIGTERM", 8, True), ("SIGUSR2", 15, True)])

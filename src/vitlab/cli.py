@@ -80,9 +80,16 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("cwd", os.getcwd)
     if not OmegaConf.has_resolver("class_folders"):
         OmegaConf.register_new_resolver("class_folders", class_folders)
-    for name, resolver in (("slurm_gpus", slurm_gpus), ("slurm_cpus", slurm_cpus)):
+    for name, resolver in (("slurm_gpus", slurm_gpus), ("slurm_cpus", slurm_cpus), ("shard_classes", shard_classes)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, resolver)
+
+
+def shard_classes(data_dir: str) -> int:
+    """`${shard_classes:<data_dir>}`: the number of classes of the shards `python -m vitlab.pack` wrote there."""
+    from vitlab.data.streaming import shard_classes as count
+
+    return count(data_dir)
 
 
 def class_folders(data_dir: str) -> int:
@@ -132,15 +139,19 @@ def fail(message: str, code: int = 2) -> None:
 def user_error(e: BaseException) -> BaseException | None:
     """The user's mistake behind `e`, or None for a bug. Hydra wraps what a config's constructor raised,
     OmegaConf what a resolver raised: our own UserError inside either is the message to show."""
-    cause = e
+    cause, formatted = e, None
     # OmegaConf re-raises a resolver's error without `from`: follow the implicit context as well
     while isinstance(cause, (InstantiationException, OmegaConfBaseException)):
+        if isinstance(cause, OmegaConfBaseException) and formatted is None:
+            formatted = cause  # the outermost: OmegaConf fills in the key's name there, not in the ones inside
         inner = cause.__cause__ or cause.__context__
         if not isinstance(inner, (InstantiationException, OmegaConfBaseException, UserError)):
             break
         cause = inner
     if isinstance(e, InstantiationException) and cause is e:
         return None  # a constructor failed on something that is not the user's input: a bug
+    if isinstance(cause, OmegaConfBaseException):
+        return formatted
     return cause if isinstance(cause, CONFIG_ERRORS) else None
 
 
@@ -158,6 +169,7 @@ def quiet() -> None:
         warnings.filterwarnings("ignore", message=pattern)
     route_lightning_logs()
     logging.getLogger("alembic").setLevel(logging.WARNING)  # Optuna's storage layer lists its plugins at INFO
+    logging.getLogger("litdata").setLevel(logging.WARNING)  # how it maps each split's chunks, at INFO
     for name in ("onnx_ir", "onnxscript"):  # the ONNX exporter logs each graph rewrite at INFO
         logging.getLogger(name).setLevel(logging.WARNING)
     logging.captureWarnings(True)

@@ -39,6 +39,7 @@ class PipelineConfig:
     batches: int = 12  # timed batches per pass of a loader (with the warm-up: 15 of make_jpegs.py's 16 batches of 64)
     warmup_batches: int = 3  # untimed batches first (worker start-up, the first prefetch)
     rounds: int = 3  # passes of each loader, alternating
+    shards: str | None = None  # the same training images packed by python -m vitlab.pack: adds a `streaming` loader
 
     def __post_init__(self):
         _count("pipeline.batches", self.batches, 1)

@@ -6,7 +6,9 @@ prefetch (vitlab.train's data config):
 - `float32_workers`: the same, plus what the workers did before uint8 batches: ToDtype(float32),
   Normalize and RandomErasing per image (the pipeline this one replaced, kept to measure against);
 - `ceiling`: a bare loader that only decodes (torchvision's libjpeg-turbo for files) and applies the same
-  random-resized-crop (or resize) and flip on uint8: no auto-augment, no checks, no fallbacks.
+  random-resized-crop (or resize) and flip on uint8: no auto-augment, no checks, no fallbacks;
+- `streaming` (with `benchmark.pipeline.shards`): the train loader of data=streaming over the same images
+  packed by `python -m vitlab.pack`, with every other setting of the data config.
 
 Each loader is iterated `rounds` times (alternating order; persistent workers, as in training), the
 first `warmup_batches` of a round untimed. Ratios are each loader's images/s over the ceiling's.
@@ -21,7 +23,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset
 from torchvision.transforms import v2 as T
 
@@ -63,7 +65,7 @@ class Ceiling(Dataset):
         return self.augment(img), label
 
 
-def loaders(dm) -> dict[str, Any]:
+def loaders(dm, data_cfg: DictConfig, shards: str | None = None) -> dict[str, Any]:
     train = dm.train_set
     if not isinstance(train, TransformDataset):
         raise UserError(
@@ -75,11 +77,26 @@ def loaders(dm) -> dict[str, Any]:
     if settings.random_erasing:
         before.append(T.RandomErasing(settings.random_erasing, value=0))
     old = TransformDataset(train.base, T.Compose([dm.train_tf, *before]), train.indices)
-    return {
+    found = {
         "vitlab": dm.train_dataloader(),
         "float32_workers": dm._loader(old, train=True),
         "ceiling": dm._loader(Ceiling(train, dm.img_size, settings), train=True),
     }
+    if shards:
+        streaming = run.build_datamodule(
+            OmegaConf.merge(
+                data_cfg,
+                {"_target_": "vitlab.data.StreamingDataModule", "data_dir": shards, "num_classes": dm.num_classes},
+            )
+        )
+        streaming.setup("fit")
+        if len(streaming.train_set) != len(train):
+            raise UserError(
+                f"benchmark.pipeline.shards {shards!r} hold {len(streaming.train_set)} training images, the data "
+                f"{len(train)}: pack the same images (python -m vitlab.pack with the same data settings)"
+            )
+        found["streaming"] = streaming.train_dataloader()
+    return found
 
 
 def time_loader(loader, warmup: int, batches: int) -> tuple[float, int]:
@@ -97,7 +114,7 @@ def bench_pipeline(train_cfg: DictConfig, b: BenchmarkConfig) -> dict[str, Any]:
     L.seed_everything(train_cfg.seed, workers=True, verbose=False)
     dm = run.build_datamodule(train_cfg.data)
     dm.setup("fit")
-    contenders = loaders(dm)
+    contenders = loaders(dm, train_cfg.data, b.pipeline.shards)
     p = b.pipeline
     need = p.warmup_batches + p.batches
     if len(contenders["vitlab"]) < need:
@@ -131,7 +148,9 @@ def bench_pipeline(train_cfg: DictConfig, b: BenchmarkConfig) -> dict[str, Any]:
         },
         "results": results,
         "ratios": {
-            f"{name}/ceiling": results[name]["images_per_s"] / ceiling for name in ("vitlab", "float32_workers")
+            f"{name}/ceiling": results[name]["images_per_s"] / ceiling
+            for name in ("vitlab", "float32_workers", "streaming")
+            if name in results
         },
     }
 

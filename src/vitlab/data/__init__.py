@@ -4,5 +4,13 @@ from vitlab.data.cifar import CIFAR10DataModule, CIFAR100DataModule
 from vitlab.data.digits import DigitsDataModule
 from vitlab.data.fake import FakeDataModule
 from vitlab.data.imagefolder import ImageFolderDataModule
+from vitlab.data.streaming import StreamingDataModule
 
-__all__ = ["CIFAR10DataModule", "CIFAR100DataModule", "DigitsDataModule", "FakeDataModule", "ImageFolderDataModule"]
+__all__ = [
+    "CIFAR10DataModule",
+    "CIFAR100DataModule",
+    "DigitsDataModule",
+    "FakeDataModule",
+    "ImageFolderDataModule",
+    "StreamingDataModule",
+]

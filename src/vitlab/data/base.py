@@ -18,7 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitlab.data import transforms
@@ -48,13 +48,16 @@ class TransformDataset(Dataset):
             return self.transform(img), label
         seed, i = key
         img, label = self.base[self.indices[i]]
-        python = random.getstate()
-        with torch.random.fork_rng(devices=[]):  # the process's own draws (dropout, with no workers) go on untouched
-            torch.manual_seed(seed)
-            random.seed(seed)
-            img = self.transform(img)
-        random.setstate(python)
-        return img, label
+        # Without loader workers this runs in the training process, whose own draws (dropout, MixUp) go on after it.
+        saved = (torch.default_generator.get_state(), random.getstate()) if get_worker_info() is None else None
+        torch.default_generator.manual_seed(seed)  # (torch.manual_seed would also seed every GPU: 70 us an image)
+        random.seed(seed)
+        try:
+            return self.transform(img), label
+        finally:
+            if saved is not None:
+                torch.default_generator.set_state(saved[0])
+                random.setstate(saved[1])
 
 
 class SeededSampler(DistributedSampler):
@@ -78,7 +81,7 @@ def _mix(*numbers: int) -> int:
     return h >> 1
 
 
-def _worker_init(worker_id: int) -> None:
+def init_worker(worker_id: int) -> None:
     ignore_stop_signals()  # Ctrl-C or a scheduler's SIGTERM to the process group: the main process decides
 
 
@@ -188,7 +191,7 @@ class ImageDataModule(L.LightningDataModule):
         if kwargs["num_workers"] > 0:
             kwargs.setdefault("persistent_workers", self.persistent_workers)
             kwargs.setdefault("prefetch_factor", self.prefetch_factor)
-            kwargs.setdefault("worker_init_fn", _worker_init)
+            kwargs.setdefault("worker_init_fn", init_worker)
         return StatefulDataLoader(dataset, batch_size=self.per_device_batch_size, drop_last=train, **kwargs)
 
     def seed_process(self, seed: int) -> None:

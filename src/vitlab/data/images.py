@@ -16,6 +16,8 @@ falls back to), so a model never sees a file differently at prediction time than
 
 from __future__ import annotations
 
+import io
+import re
 from pathlib import Path
 
 import numpy as np
@@ -29,38 +31,53 @@ JPEG_MAGIC = b"\xff\xd8\xff"
 
 def read_image(path: str | Path, channels: int = 3) -> torch.Tensor:
     """Decode `path` to an upright uint8 (channels, H, W) tensor (1: grayscale, 3: RGB)."""
-    from torchvision.io import ImageReadMode, decode_image
-
     path = Path(path)
-    if channels == 3 and path.is_file():  # (its grayscale is the JPEG's Y channel, not PIL's L: 1-channel uses PIL)
-        data = path.read_bytes()
-        if data.startswith(JPEG_MAGIC):
-            try:
-                return decode_image(
-                    torch.frombuffer(bytearray(data), dtype=torch.uint8), ImageReadMode.RGB, apply_exif_orientation=True
-                )
-            except RuntimeError:  # truncated, corrupt or a JPEG flavour it lacks: PIL decodes it or names the problem
-                pass
-    img = load_image(path, channels)
+    _check_file(path)
+    return decode_image(path.read_bytes(), str(path), channels)
+
+
+def decode_image(data: bytes, name: str, channels: int = 3) -> torch.Tensor:
+    """Decode an image file's bytes (`name` says where they came from, in errors) as `read_image` decodes the file:
+    an upright uint8 (channels, H, W) tensor."""
+    from torchvision.io import ImageReadMode
+    from torchvision.io import decode_image as decode_tensor
+
+    if channels == 3 and data.startswith(JPEG_MAGIC):  # (its grayscale is the JPEG's Y channel, not PIL's L)
+        try:
+            return decode_tensor(
+                torch.frombuffer(bytearray(data), dtype=torch.uint8), ImageReadMode.RGB, apply_exif_orientation=True
+            )
+        except RuntimeError:  # truncated, corrupt or a JPEG flavour it lacks: PIL decodes it or names the problem
+            pass
+    img = _open(io.BytesIO(data), name, channels)
     return torch.from_numpy(np.array(img, dtype=np.uint8)).view(img.height, img.width, -1).permute(2, 0, 1).contiguous()
 
 
 def load_image(path: str | Path, channels: int = 3) -> Image.Image:
     """Decode `path` to an upright 8-bit PIL image with `channels` channels (1: L, 3: RGB)."""
     path = Path(path)
+    _check_file(path)
+    return _open(path, str(path), channels)
+
+
+def _check_file(path: Path) -> None:
     if path.is_dir():
         raise MissingFileError(f"image {str(path)!r} is a directory; give image files (for example {path}/<name>.jpg)")
     if not path.exists():
         raise MissingFileError(f"image file {str(path)!r} does not exist")
+
+
+def _open(source, name: str, channels: int) -> Image.Image:
     try:
-        with Image.open(path) as img:
+        with Image.open(source) as img:
             img = ImageOps.exif_transpose(img)
             return to_channels(to_8bit(img), channels)
     except Image.DecompressionBombError as e:
-        raise UserError(f"image file {str(path)!r} is too large to decode safely ({e}); downscale it first") from e
+        raise UserError(f"image file {name!r} is too large to decode safely ({e}); downscale it first") from e
     except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for truncated, corrupt or non-image files
+        said = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-f]+>", "", str(e))  # bytes, not a file: the name says which
         raise UserError(
-            f"image file {str(path)!r} cannot be decoded ({type(e).__name__}: {e}); remove or replace it"
+            f"image file {name!r} cannot be decoded ({type(e).__name__}: {said}); remove or replace it"
         ) from e
 
 
