@@ -21,6 +21,7 @@ from vitlab.errors import UserError
 def export(cfg: DictConfig) -> dict:
     from vitlab import run
     from vitlab.convert.export import FORMATS, export
+    from vitlab.launch import check_writable
 
     if f".{cfg.format}" not in FORMATS:
         raise UserError(f"format {cfg.format!r} is not one of {sorted(FORMATS.values())}")
@@ -29,6 +30,7 @@ def export(cfg: DictConfig) -> dict:
         raise UserError(f"output {str(out)!r} must end in .{cfg.format} for format={cfg.format}")
     if out.exists() and not cfg.overwrite:
         raise UserError(f"output {str(out)!r} exists; choose another output or set overwrite=true")
+    check_writable(out.parent, "output", out)  # before the minutes of exporting and checking
     module = run.load_for_inference(cfg.ckpt_path)
     model, data = module.model, run.inference_datamodule(module, cfg.ckpt_path)
     preprocessing = {

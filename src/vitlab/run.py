@@ -6,6 +6,7 @@ imports another.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import pickle
@@ -20,11 +21,11 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from vitlab.atomic import remove_stale_temporaries
 from vitlab.callbacks import EpochLog, SaveOnInterrupt
@@ -32,6 +33,7 @@ from vitlab.cli import route_lightning_logs, vit_config
 from vitlab.errors import MissingFileError, UserError
 from vitlab.lit_module import ViTModule
 from vitlab.model.config import DROPOUTS
+from vitlab.settings import check_arguments
 from vitlab.signals import pass_on
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,8 @@ __all__ = [
     "build_module",
     "build_trainer",
     "check_launch",
+    "check_node",
+    "check_settings",
     "check_resumable",
     "earlier_start",
     "describe",
@@ -56,6 +60,33 @@ __all__ = [
     "read_checkpoint",
     "resolve_ckpt_path",
 ]
+
+
+def _train_settings(
+    seed: int,
+    train: bool,
+    test: bool,
+    ckpt_path: str | None,
+    optimized_metric: str | None,
+    compile: bool | str,
+    progress_bar: str,
+    print_config: bool,
+    freeze_backbone: bool,
+    label_smoothing: float,
+    task_name: str,
+    tags: list[str],
+) -> None:
+    """The top-level keys of conf/train.yaml, with their types (check_settings checks them against these)."""
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """The top-level keys, before anything uses them: types (settings.check_arguments), then the seed's range
+    (what Lightning's seed_everything takes)."""
+    values = {k: cfg[k] for k in inspect.signature(_train_settings).parameters}
+    plain = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in values.items()}
+    check_arguments(_train_settings, plain, "")
+    if not 0 <= cfg.seed < 2**32:
+        raise UserError(f"seed {cfg.seed} must be in [0, {2**32 - 1}]")
 
 
 def check_launch(cfg: DictConfig) -> None:
@@ -122,15 +153,36 @@ def _newest(folders) -> str | None:
     return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
 
 
-def check_resumable(ckpt_path: str, module: ViTModule) -> None:
-    """Refuse, in one line, a checkpoint of another architecture or class count before Lightning
-    fails deep inside load_state_dict."""
-    theirs = read_checkpoint(ckpt_path)["hyper_parameters"]["model"]
+def check_resumable(ckpt_path: str, module: ViTModule, trainer_cfg: DictConfig | None = None) -> None:
+    """Refuse, in one line, a checkpoint this run cannot go on from: another architecture or class count (before
+    Lightning fails deep inside load_state_dict), another batch size (its saved position in the epoch and its
+    learning-rate schedule count steps of the batch it had) or, given the run's trainer settings, a run that
+    had already finished (it would train nothing)."""
+    ckpt = read_checkpoint(ckpt_path)
+    theirs = ckpt["hyper_parameters"]["model"]
     ours = module.hparams["model"]
     diff = {k: (theirs.get(k), ours[k]) for k in ours if theirs.get(k) != ours[k] and k not in RESUME_MAY_DIFFER}
     if diff:
         shown = ", ".join(f"{k}={a!r} (this run: {b!r})" for k, (a, b) in list(diff.items())[:4])
         raise UserError(f"ckpt_path {ckpt_path!r} was trained with a different model: {shown}")
+    batch = (
+        (ckpt["hyper_parameters"].get("data") or {}).get("batch_size"),
+        (module.hparams.get("data") or {}).get("batch_size"),
+    )
+    if None not in batch and batch[0] != batch[1]:
+        raise UserError(
+            f"ckpt_path {ckpt_path!r} was trained with data.batch_size={batch[0]} (this run: {batch[1]}): its place "
+            f"in the epoch and its learning-rate schedule count steps of {batch[0]} images; resume with "
+            f"data.batch_size={batch[0]}"
+        )
+    epochs = ckpt.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+    done = max(epochs.get("processed", 0), epochs.get("completed", 0))
+    limit = trainer_cfg.get("max_epochs") if trainer_cfg is not None else None
+    if limit and limit > 0 and done >= limit:
+        raise UserError(
+            f"ckpt_path {ckpt_path!r} is of a run that had finished ({done} of {limit} epochs): nothing is left to "
+            f"train; raise trainer.max_epochs to train on, or test it: python -m vitlab.eval ckpt_path={ckpt_path}"
+        )
 
 
 def apply_pretrained(cfg: DictConfig) -> None:
@@ -187,7 +239,24 @@ def _pretrained_preprocessing(data: DictConfig, pretrained: dict, channels: int)
     return taken
 
 
+def check_node(node: DictConfig, key: str) -> None:
+    """The values of a config node that builds something (`_target_`), and of the nodes in it, have the types
+    their target declares (settings.check_arguments): a wrong type is one line naming the key before anything
+    is built, not a TypeError deep inside (Lightning's Trainer arguments included)."""
+    try:
+        target = get_object(str(node._target_))
+    except Exception:  # an unknown target: instantiate names it
+        return
+    check_arguments(target, OmegaConf.to_container(node, resolve=True), key)
+    for name, value in node.items():
+        inner = value if isinstance(value, ListConfig) else [value]
+        for i, item in enumerate(inner):
+            if isinstance(item, DictConfig) and "_target_" in item:
+                check_node(item, f"{key}.{name}" + (f"[{i}]" if isinstance(value, ListConfig) else ""))
+
+
 def build_datamodule(data_cfg: DictConfig) -> L.LightningDataModule:
+    check_node(data_cfg, "data")
     return instantiate(data_cfg)
 
 
@@ -222,7 +291,10 @@ def instantiate_group(group: DictConfig | None) -> list[Any]:
     """Every entry with a _target_ in a callbacks/logger group, in order."""
     if not group:
         return []
-    return [instantiate(node) for node in group.values() if isinstance(node, DictConfig) and "_target_" in node]
+    nodes = {k: node for k, node in group.items() if isinstance(node, DictConfig) and "_target_" in node}
+    for name, node in nodes.items():
+        check_node(node, f"{group._key()}.{name}")
+    return [instantiate(node) for node in nodes.values()]
 
 
 def build_loggers(group: DictConfig | None) -> list[Any]:
@@ -249,6 +321,8 @@ def _check_wandb_login(node: DictConfig) -> None:
 def build_trainer(trainer_cfg: DictConfig, **kwargs: Any) -> L.Trainer:
     """The Lightning Trainer of the config. Lightning's own refusal of a setting becomes one line: a
     device request this machine cannot serve names what there is; any other names the setting."""
+    check_node(trainer_cfg, "trainer")
+    _check_devices(trainer_cfg)
     try:
         return instantiate(trainer_cfg, **kwargs)
     except InstantiationException as e:
@@ -263,6 +337,19 @@ def build_trainer(trainer_cfg: DictConfig, **kwargs: Any) -> L.Trainer:
                 f"{trainer_cfg.get('devices')!r} cannot run here ({text}); this machine has {have}"
             ) from cause
         raise UserError(f"trainer: {text}") from cause
+
+
+def _check_devices(t: DictConfig) -> None:
+    """Several devices with accelerator=auto on a machine without a GPU would start that many CPU processes, each
+    as slow as the machine is small: say so, and how to ask for CPU processes on purpose."""
+    devices = t.get("devices", 1)
+    many = (isinstance(devices, int) and devices > 1) or (not isinstance(devices, (int, str)) and len(devices) > 1)
+    if t.get("accelerator", "auto") == "auto" and many and not torch.cuda.is_available():
+        raise UserError(
+            f"trainer.devices={devices} asks for {devices} devices and this machine has no GPU: that would train in "
+            f"{devices} CPU processes; ask for them with trainer=ddp_cpu trainer.devices={devices}, or train on the "
+            "CPU in one process with trainer.devices=1"
+        )
 
 
 def _is_device_error(text: str) -> bool:
@@ -315,9 +402,13 @@ def _stopped(trainer: L.Trainer) -> None:
 
 
 def resume_command(ckpt_path: Path) -> str:
-    """This run's command line (its own overrides, as typed) with ckpt_path set to `ckpt_path`."""
-    overrides = [o for o in HydraConfig.get().overrides.task if not o.lstrip("+~").startswith("ckpt_path=")]
-    return shlex.join(["python", "-m", "vitlab.train", *overrides, f"ckpt_path={ckpt_path}"])
+    """This run's command line (its own overrides, as typed) with ckpt_path set to `ckpt_path`. A job of a sweep
+    resumes as a single run: its overrides are its own values, and hydra.mode=RUN keeps a config that asks for
+    a sweep (hparams_search=...) from starting a new one."""
+    hydra_cfg = HydraConfig.get()
+    overrides = [o for o in hydra_cfg.overrides.task if not o.lstrip("+~").startswith(("ckpt_path=", "hydra.mode="))]
+    single = ["hydra.mode=RUN"] if hydra_cfg.mode == RunMode.MULTIRUN else []
+    return shlex.join(["python", "-m", "vitlab.train", *overrides, *single, f"ckpt_path={ckpt_path}"])
 
 
 def describe(cfg: DictConfig, module: ViTModule) -> str:
@@ -345,6 +436,13 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     try:
         ckpt = _load_weights_only(path)
     except pickle.UnpicklingError as e:
+        with open(path, "rb") as f:
+            head = f.read(2)
+        if head not in (b"PK", b"\x80\x02"):  # neither torch.save's zip nor a pickle: an ONNX model, JSON, ...
+            raise UserError(
+                f"ckpt_path {str(path)!r} is not a checkpoint (a .ckpt file vitlab.train writes in "
+                "<run>/checkpoints/); it holds another kind of file"
+            ) from e
         raise UserError(
             f"ckpt_path {str(path)!r} cannot be read safely as a training checkpoint (only tensors "
             f"and plain data are allowed; nothing in it was run): {type(e).__name__}"

@@ -34,6 +34,7 @@ def train(cfg: DictConfig) -> float | None:
     from vitlab.convert.timm import load_timm_weights
 
     started = time.time()
+    run.check_settings(cfg)
     run.check_launch(cfg)
     run.apply_pretrained(cfg)  # model.pretrained=<timm name>: timm's architecture and preprocessing
     out = Path(cfg.paths.output_dir)
@@ -42,8 +43,9 @@ def train(cfg: DictConfig) -> float | None:
     datamodule = run.build_datamodule(cfg.data)
     module = run.build_module(cfg, datamodule)
     ckpt_path = run.resolve_ckpt_path(cfg.ckpt_path, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
-    ckpt_path = ckpt_path or run.earlier_start(out)
-    if ckpt_path:
+    if ckpt_path:  # the user's: refused if it had finished (a job that restarts, below, goes on to test)
+        run.check_resumable(ckpt_path, module, cfg.trainer if cfg.train else None)
+    elif ckpt_path := run.earlier_start(out):
         run.check_resumable(ckpt_path, module)
     elif cfg.model.pretrained:
         load_timm_weights(module.model, cfg.model.pretrained)

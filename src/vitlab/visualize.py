@@ -31,9 +31,9 @@ def main(cfg: DictConfig) -> None:
     written = []
     if cfg.ckpt_path:
         module = run.load_for_inference(cfg.ckpt_path).eval()
+        img = read_image(cfg.image, module.model.cfg.in_chans) if cfg.image else None  # before any figure
         written += plot_embeddings(module.model, out).values()
-        if cfg.image:
-            img = read_image(cfg.image, module.model.cfg.in_chans)
+        if img is not None:
             dm = run.inference_datamodule(module, cfg.ckpt_path)
             x = dm.predict_tensor(img)
             written += plot_attention(module.model, x, dm.mean, dm.std, out).values()
