@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -79,6 +80,36 @@ def task_started() -> None:
             root.addHandler(own)
 
 
+# What a run directory holds before any result: Hydra's, the claim, the logs, config.yaml and the loggers' first files.
+START_FILES = (".hydra", CLAIM_FILE, "config.yaml", "csv", "tensorboard", "wandb", "checkpoints")
+
+
+def _holds_results(out: Path) -> bool:
+    unknown = [p for p in out.iterdir() if p.name not in START_FILES and p.suffix != ".log"]
+    return bool(unknown) or any((out / "checkpoints").glob("*")) or (out / "csv" / "metrics.csv").exists()
+
+
+def discard_if_unused(log_dir: str | None) -> None:
+    """A run stopped by bad input before it had any result (no checkpoint, no metric, no output file) leaves no
+    directory, and no folder above it up to `log_dir` that it left empty. (The error is on stderr.)"""
+    from hydra.core.hydra_config import HydraConfig
+
+    out = Path(HydraConfig.get().runtime.output_dir)
+    if process_rank() > 0 or not out.is_dir() or _holds_results(out):
+        return
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        if Path(handler.baseFilename).parent == out:
+            root.removeHandler(handler)
+            handler.close()
+    shutil.rmtree(out, ignore_errors=True)
+    stop = Path(log_dir).resolve().parent if log_dir else out.parent
+    for parent in out.parents:
+        if parent == stop or not parent.is_dir() or any(parent.iterdir()):
+            break
+        parent.rmdir()
+
+
 def _primary_run_dir(rank: int) -> str:
     """The run directory of rank 0, as torchrun's store has it; refused in one line where there is no way to know."""
     store = _torchrun_store()
@@ -114,10 +145,11 @@ def _override_value(argv: list[str], key: str) -> str | None:
 
 
 def _unwritable(path: Path, what: str, err: OSError) -> UserError:
-    return UserError(
-        f"{what} {str(path)!r} cannot be written ({err.strerror or type(err).__name__}); "
-        "choose a writable hydra.run.dir or paths.log_dir, or start the command in a writable directory"
-    )
+    fix = {
+        "output": "choose another output",
+        "run directory": "choose a writable hydra.run.dir or paths.log_dir",
+    }.get(what, "choose a writable hydra.run.dir or paths.log_dir, or start the command in a writable directory")
+    return UserError(f"{what} {str(path)!r} cannot be written ({err.strerror or type(err).__name__}); {fix}")
 
 
 def claim_run_dir(path: Path) -> None:
@@ -146,8 +178,9 @@ def claim_run_dir(path: Path) -> None:
         raise reused
 
 
-def check_writable(directory: Path) -> None:
-    """Create `directory` (where runs go) and a file in it, or say in one line why not."""
+def check_writable(directory: Path, what: str = "output directory", named: Path | None = None) -> None:
+    """Create `directory` and a file in it, or say in one line why not (naming `named`, what will be written
+    there, when given)."""
     import tempfile
 
     try:
@@ -155,7 +188,49 @@ def check_writable(directory: Path) -> None:
         with tempfile.TemporaryFile(dir=directory):
             pass
     except OSError as e:
-        raise _unwritable(directory, "output directory", e) from e
+        raise _unwritable(named or directory, what, e) from e
+
+
+def _compose(config_name: str, overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            return compose(config_name, overrides=overrides)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _explain(e: Exception, config_name: str, overrides: list[str]) -> str:
+    """Hydra's report of a bad override in one line, in other words where its own would mislead: an unknown key
+    (Hydra's hint, `+key=...`, only leads to a second error) names the keys there are; a value with characters
+    the override grammar does not take unquoted says how to quote it."""
+    from hydra.errors import OverrideParseException
+
+    text = str(e)
+    odd = [o for o in overrides if not o.isascii()]
+    if isinstance(e, OverrideParseException) and odd:
+        key, _, value = odd[0].partition("=")
+        return (
+            f"{odd[0]}: an unquoted value may hold only ASCII characters; quote it for Hydra as well as for the "
+            f"shell: '{key}=\"{value}\"'"
+        )
+    unknown = re.match(r"Could not override '([^']+)'", text)
+    if unknown and "not in struct" in str(e.__cause__):
+        key = unknown[1]
+        parent = key.rpartition(".")[0]
+        rest = [o for o in overrides if _override_value([o], key) is None]
+        try:
+            node = _compose(config_name, rest)
+            there = OmegaConf.select(node, parent) if parent else node
+        except CONFIG_ERRORS:
+            there = None
+        if there is not None:
+            keys = sorted(k for k in there if not str(k).startswith("_"))
+            more = f"; add another argument of its {there._target_} with +{key}=..." if "_target_" in there else ""
+            return f"{key} is not a key of {parent or 'the config'}; its keys: {keys}{more}"
+    return one_line(user_error(e) or e)
 
 
 def prepare(config_name: str, argv: list[str]) -> list[str]:
@@ -176,18 +251,16 @@ def prepare(config_name: str, argv: list[str]) -> list[str]:
         _primary_run_dir(rank)  # srun's task 0: its other tasks cannot follow it anywhere, so none starts
     if os.environ.get("HYDRA_FULL_ERROR") == "1" or any(a.startswith("-") for a in argv):
         return argv
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
 
     overrides = [a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    if _override_value(argv, "model") == "_base":
+        models = sorted(p.stem for p in (config_dir() / "model").glob("*.yaml") if p.stem != "_base")
+        fail(f"model=_base holds the defaults every model builds on, not a model; choose one of {models}")
     try:
-        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-            cfg = compose(config_name, overrides=overrides)
+        cfg = _compose(config_name, overrides)
         log_dir = OmegaConf.select(cfg, "paths.log_dir", throw_on_resolution_failure=False)
     except CONFIG_ERRORS as e:
-        fail(one_line(user_error(e) or e))
-    finally:
-        GlobalHydra.instance().clear()
+        fail(_explain(e, config_name, overrides))
     try:
         if run_dir is not None and "${" not in run_dir:  # one with interpolations: unique by its own making
             claim_run_dir(Path(run_dir))
