@@ -8,13 +8,19 @@ read them.
 
 from __future__ import annotations
 
+import logging
+import os
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from torchvision import datasets
 
 from vitlab.data.base import ImageDataModule, TransformDataset
-from vitlab.data.images import read_image
+from vitlab.data.images import check_image_file, is_image_file, read_image
 from vitlab.errors import MissingFileError, UserError
+
+log = logging.getLogger(__name__)
 
 
 def rgb_loader(path: str):
@@ -29,11 +35,12 @@ class ImageFolderDataModule(ImageDataModule):
     mean = (0.485, 0.456, 0.406)  # ImageNet
     std = (0.229, 0.224, 0.225)
 
-    def __init__(self, data_dir: str, num_classes: int, **kwargs):
+    def __init__(self, data_dir: str, num_classes: int, check_images: bool = True, **kwargs):
         if num_classes < 1:
             raise UserError(f"data.num_classes {num_classes} must be >= 1")
         super().__init__(data_dir=data_dir, num_classes=num_classes, **kwargs)
         self.class_names: list[str] = []
+        self.check_images = check_images
 
     def _split(self, name: str) -> datasets.ImageFolder:
         path = Path(self.data_dir) / name
@@ -43,7 +50,7 @@ class ImageFolderDataModule(ImageDataModule):
                 f"(expected {self.data_dir}/train/<class>/... and {self.data_dir}/val/<class>/...)"
             )
         try:
-            return datasets.ImageFolder(str(path), loader=rgb_loader)
+            return datasets.ImageFolder(str(path), loader=rgb_loader, is_valid_file=is_image_file)
         except FileNotFoundError as e:  # an empty split or class folder
             raise MissingFileError(f"{path}: {e}") from None
 
@@ -63,6 +70,30 @@ class ImageFolderDataModule(ImageDataModule):
             if split.classes != train.classes:
                 raise UserError(f"class folders of {split.root} differ from those of {train.root}")
         self.class_names = list(train.classes)
+        splits = {"train": train, "val": val} | ({"test": test} if test is not val else {})
+        self._check(splits)
         self.train_set = TransformDataset(train, self.train_tf)
         self.val_set = TransformDataset(val, self.eval_tf)
         self.test_set = TransformDataset(test, self.eval_tf)
+
+    def _check(self, splits: dict[str, datasets.ImageFolder]) -> None:
+        """Every image every split will read is checked before the first step (its header, and a PNG's end:
+        `images.check_image_file`), so a bad file in test/ stops the run now, not after training; what the
+        folders hold besides images is counted in the log line, not passed over in silence."""
+        if self.check_images:
+            files = [path for split in splits.values() for path, _ in split.samples]
+            with ThreadPoolExecutor(min(32, 4 * (os.cpu_count() or 1))) as pool:
+                for _ in pool.map(check_image_file, files):
+                    pass
+        found = ", ".join(f"{len(split):,} {name}" for name, split in splits.items())
+        others = Counter(
+            Path(name).suffix.lower() or name
+            for split in splits.values()
+            for folder, _, names in os.walk(split.root)
+            for name in names
+            if not is_image_file(name)
+        )
+        skipped = (
+            f"; skipped, not of a kind read: {', '.join(f'{n} {k}' for k, n in others.most_common())}" if others else ""
+        )
+        log.info("%s: %s images in %d classes%s", self.data_dir, found, len(self.class_names), skipped)

@@ -27,6 +27,9 @@ from PIL import Image, ImageOps
 from vitlab.errors import MissingFileError, UserError
 
 JPEG_MAGIC = b"\xff\xd8\xff"
+# The image formats vitlab reads, everywhere: image folders (files of other kinds there are skipped, and counted),
+# predict and visualize. torchvision's ImageFolder formats, and GIF (its first frame).
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
 
 
 def read_image(path: str | Path, channels: int = 3) -> torch.Tensor:
@@ -34,6 +37,24 @@ def read_image(path: str | Path, channels: int = 3) -> torch.Tensor:
     path = Path(path)
     _check_file(path)
     return decode_image(path.read_bytes(), str(path), channels)
+
+
+def is_image_file(path: str | Path) -> bool:
+    """A file of a kind vitlab reads (IMAGE_EXTENSIONS), by its name."""
+    return Path(path).suffix.lower() in IMAGE_EXTENSIONS
+
+
+def check_image_file(path: str | Path) -> None:
+    """What can be known of `path` without decoding it: the header PIL reads before decoding (format and size),
+    and, for a PNG, its end (IEND). A file that is not an image, or a PNG cut short, is named in one line."""
+    path = Path(path)
+    _check_file(path)
+    _open(path, str(path), None)
+    if path.suffix.lower() == ".png":
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - 64))
+            if b"IEND" not in f.read():
+                raise UserError(f"image file {str(path)!r} is cut short (a PNG without its end); remove or replace it")
 
 
 def decode_image(data: bytes, name: str, channels: int = 3) -> torch.Tensor:
@@ -65,11 +86,18 @@ def _check_file(path: Path) -> None:
         raise MissingFileError(f"image {str(path)!r} is a directory; give image files (for example {path}/<name>.jpg)")
     if not path.exists():
         raise MissingFileError(f"image file {str(path)!r} does not exist")
+    if path.suffix.lower() not in IMAGE_EXTENSIONS:
+        raise UserError(
+            f"image file {str(path)!r} is of a kind vitlab does not read; it reads {' '.join(IMAGE_EXTENSIONS)}"
+        )
 
 
-def _open(source, name: str, channels: int) -> Image.Image:
+def _open(source, name: str, channels: int | None) -> Image.Image:
+    """The upright 8-bit image, or (channels None) just the header read, as a check."""
     try:
         with Image.open(source) as img:
+            if channels is None:
+                return img
             img = ImageOps.exif_transpose(img)
             return to_channels(to_8bit(img), channels)
     except Image.DecompressionBombError as e:
