@@ -13,9 +13,11 @@ import json
 import logging
 import math
 import os
+import socket
 from functools import partial
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 from torch import nn
@@ -144,6 +146,7 @@ def _source_config(name: str) -> tuple[dict, str, dict]:
         if not (Path(where) / "config.json").is_file():
             raise MissingFileError(f"{name!r}: {where}/config.json does not exist (a folder as timm saves a model)")
         return load_model_config_from_path(where)
+    _unless_hub_reachable_read_the_cache()
     try:
         return load_model_config_from_hf(where)
     except Exception as e:
@@ -318,6 +321,8 @@ def create_timm_model(cfg: ViTConfig, name: str | None = None, pretrained: bool 
             raise UserError("pretrained weights need a timm model name")
         return VisionTransformer(**kwargs)
     check_timm_name(name)
+    if pretrained:
+        _unless_hub_reachable_read_the_cache()
     try:
         return timm.create_model(name, pretrained=pretrained, **kwargs)
     except Exception as e:  # huggingface_hub raises many kinds when offline
@@ -378,6 +383,22 @@ def _chain(e: BaseException | None):
         e = e.__cause__ or e.__context__
 
 
+def _unless_hub_reachable_read_the_cache() -> None:
+    """Without a network, huggingface_hub retries each request for about a minute before it gives up (50 s for one
+    timm name, measured): look for the hub once, in 2 s, and if it cannot be reached let huggingface_hub read its
+    cache alone, as HF_HUB_OFFLINE=1 does. (Behind a proxy the look would mislead: it is left to the hub.)"""
+    from huggingface_hub import constants
+
+    proxy = any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
+    if constants.is_offline_mode() or proxy:
+        return
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=2).close()
+    except OSError:
+        constants.HF_HUB_OFFLINE = True
+
+
 def offline_message(name: str) -> str:
     cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
     return (
@@ -392,6 +413,7 @@ def timm_pretrained_state_dict(name: str) -> StateDict:
     import timm
 
     check_timm_name(name)
+    _unless_hub_reachable_read_the_cache()
     try:
         model = timm.create_model(name, pretrained=True)
     except Exception as e:
