@@ -14,6 +14,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from hydra.core.hydra_config import HydraConfig
 
 from vitlab.model import ViTConfig
 
@@ -77,7 +78,8 @@ class SignalAtStep(L.Callback):
     """Send a real signal after optimizer step `step` (mid-epoch when chosen so): to this process, or with
     `group=true` to its whole process group from another process, as Ctrl-C in a terminal, `timeout` or a
     scheduler do (loader workers and the other ranks included); under DDP only from rank `rank`. `times=2` sends
-    it twice in a row. The time it was sent goes to `stamp`, when given."""
+    it twice in a row; in a -m sweep, `job` picks the job that sends it. The time it was sent goes to `stamp`, when
+    given."""
 
     def __init__(
         self,
@@ -87,18 +89,22 @@ class SignalAtStep(L.Callback):
         rank: int = 0,
         times: int = 1,
         stamp: str | None = None,
+        job: int | None = None,
     ):
-        self.step, self.signum, self.group, self.rank, self.times, self.stamp = (
+        self.step, self.signum, self.group, self.rank, self.times, self.stamp, self.job = (
             step,
             getattr(signal, signum),
             group,
             rank,
             times,
             stamp,
+            job,
         )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step != self.step or trainer.global_rank != self.rank:
+            return
+        if self.job is not None and HydraConfig.get().job.num != self.job:
             return
         if self.stamp:
             Path(self.stamp).write_text(str(time.time()))

@@ -1,6 +1,8 @@
 """vitlab.train, eval and predict end to end on the embedded digits data (short runs, CPU)."""
 
 import json
+import shlex
+import signal
 import subprocess
 import sys
 
@@ -227,6 +229,38 @@ def test_optuna_search(tmp_path):
     result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert 0.0 <= result["best_value"] <= 1.0 and set(result["best_params"]) >= {"optim.lr", "model.depth"}
     assert len(json.loads((sweep / "summary.json").read_text())) == 3
+
+
+def test_an_optuna_search_stopped_by_sigterm_keeps_the_results_of_the_trials_that_ended(tmp_path):
+    sweep = tmp_path / "optuna"
+    kill = extra_callback("kill", "SignalAtStep", step=2, job=2, group="true")  # SIGTERM in the third trial
+    args = ["hparams_search=digits_optuna", "hydra.sweeper.n_trials=4", *SHORT, *kill]
+    r = run_cli("train", *args, f"hydra.sweep.dir={sweep}", own_group=True)
+    assert r.returncode == 128 + signal.SIGTERM, r.stderr[-3000:]
+    rows = json.loads((sweep / "summary.json").read_text())
+    assert [row["status"] for row in rows] == ["done", "done", "interrupted"]
+    ended = [json.loads((sweep / str(i) / "metrics.json").read_text())["val/acc_best"] for i in (0, 1)]
+    assert [row["val/acc_best"] for row in rows[:2]] == ended
+    result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    best = ended.index(max(ended))
+    chosen = yaml.safe_load((sweep / str(best) / ".hydra" / "config.yaml").read_text())
+    assert result == {
+        "name": "optuna",
+        "best_params": {
+            "optim.lr": chosen["optim"]["lr"],
+            "optim.weight_decay": chosen["optim"]["weight_decay"],
+            "model.drop_path_rate": chosen["model"]["drop_path_rate"],
+            "model.depth": chosen["model"]["depth"],
+        },
+        "best_value": max(ended),
+        "trials_ended": 2,
+    }
+    # the interrupted trial resumes as a single run, not as a new search
+    command = r.stderr.strip().splitlines()[-1].split("resume with: ")[1]
+    assert shlex.split(command)[-2:] == [
+        "hydra.mode=RUN",
+        f"ckpt_path={sweep / '2' / 'checkpoints' / 'interrupted.ckpt'}",
+    ]
 
 
 @pytest.mark.slow

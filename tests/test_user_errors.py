@@ -1,6 +1,6 @@
-"""Each bad input of issue 10's "Tracebacks" list, through the command a user types: exit 2, one
-line naming the input and what to do, no traceback, and an earlier run's files untouched. And the
-other half of the policy: a bug in our code keeps its traceback and exits 1."""
+"""Each bad input of issue 10's and issue 20's lists, through the command a user types: exit 2, one line naming
+the input and what is allowed, no traceback, an earlier run's files untouched and no new run directory left
+behind. And the other half of the policy: a bug in our code keeps its traceback and exits 1."""
 
 import io
 import os
@@ -12,9 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
-from tests.helpers import earlier_run, run_cli
+from tests.helpers import earlier_run, image_tree, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -75,6 +76,8 @@ def _cases(tmp: Path, ckpt: Path) -> dict:
     trunc_ckpt = tmp / "trunc.ckpt"
     trunc_ckpt.write_bytes(ckpt.read_bytes()[:100_000])
     (tmp / "a_file").write_text("not a directory")
+    (tmp / "model.onnx").write_bytes(b"\x08\x08\x12\x07pytorch\x1a\x052.14.1")  # how an ONNX file begins
+    (tmp / "metrics.json").write_text('{"test/acc": 0.5}')
     return {
         "predict a directory": (
             "predict",
@@ -138,6 +141,65 @@ def _cases(tmp: Path, ckpt: Path) -> dict:
             ["data=cifar10", "data.std=[0,0,0]", "data.download=false"],
             "error: data.std [0, 0, 0] must be positive (images are divided by it), or null",
         ),
+        # issue 20: values checked against the types their config declares, before anything is built
+        "negative seed": ("train", ["seed=-5"], "error: seed -5 must be in [0, 4294967295]"),
+        "nan learning rate": ("train", ["optim.lr=nan"], "error: optim.lr nan must be a number >= 0"),
+        "max_epochs not a number": (
+            "train",
+            ["trainer.max_epochs=abc"],
+            "error: trainer.max_epochs 'abc' must be an integer or null",
+        ),
+        "batch_size not a number": (
+            "train",
+            ["data.batch_size=abc"],
+            "error: data.batch_size 'abc' must be an integer",
+        ),
+        "fractional batch_size": ("train", ["data.batch_size=8.5"], "error: data.batch_size 8.5 must be an integer"),
+        "export to a place nobody may write": (
+            "export",
+            [f"ckpt_path={ckpt}", "output=/sys/model.onnx"],
+            "error: output '/sys/model.onnx' cannot be written (",
+        ),
+        "predict without images": ("predict", [f"ckpt_path={ckpt}"], "error: images must be given: images=..."),
+        "misspelt optimizer key": (
+            "train",
+            ["optim.lrr=1"],
+            "error: optim.lrr is not a key of optim; its keys: ['betas', 'eps', 'fused', 'layer_decay', 'lr',",
+        ),
+        "model=_base": (
+            "train",
+            ["model=_base"],
+            "error: model=_base holds the defaults every model builds on, not a model; choose one of ['vit_b16',",
+        ),
+        "an ONNX model as checkpoint": (
+            "train",
+            ["ckpt_path=model.onnx"],
+            "error: ckpt_path 'model.onnx' is not a checkpoint (a .ckpt file vitlab.train writes in "
+            "<run>/checkpoints/); it holds another kind of file",
+        ),
+        "a JSON file as checkpoint": (
+            "eval",
+            ["ckpt_path=metrics.json"],
+            "error: ckpt_path 'metrics.json' is not a checkpoint",
+        ),
+        "a non-ASCII path": (
+            "train",
+            ["data.data_dir=/data/phötos"],
+            "error: data.data_dir=/data/phötos: an unquoted value may hold only ASCII characters; quote it for "
+            """Hydra as well as for the shell: 'data.data_dir="/data/phötos"'""",
+        ),
+        "resume with another batch size": (
+            "train",
+            [f"ckpt_path={ckpt}"],
+            f"error: ckpt_path '{ckpt}' was trained with data.batch_size=256 (this run: 64): its place in the epoch "
+            "and its learning-rate schedule count steps of 256 images; resume with data.batch_size=256",
+        ),
+        "several devices and no GPU": (
+            "train",
+            ["model=vit_b16", "trainer.devices=4"],
+            "error: trainer.devices=4 asks for 4 devices and this machine has no GPU: that would train in 4 CPU "
+            "processes; ask for them with trainer=ddp_cpu trainer.devices=4",
+        ),
     }
 
 
@@ -154,21 +216,103 @@ CASES = [
     "ckpt_path is a directory",
     "truncated checkpoint",
     "zero std",
+    "negative seed",
+    "nan learning rate",
+    "max_epochs not a number",
+    "batch_size not a number",
+    "fractional batch_size",
+    "export to a place nobody may write",
+    "predict without images",
+    "misspelt optimizer key",
+    "model=_base",
+    "an ONNX model as checkpoint",
+    "a JSON file as checkpoint",
+    "a non-ASCII path",
+    "resume with another batch size",
+    "several devices and no GPU",
 ]
 
 
-def _check(r, message: str, before: dict) -> None:
+def _check(r, message: str, before: dict, outputs: Path | None = None) -> None:
+    """Exit 2, `message` as the one line on stderr, the earlier run's files as they were and, given the outputs
+    folder, nothing in it but them."""
     assert r.returncode == 2, r.stderr[-3000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), r.stderr[-3000:]
     assert {p: p.read_bytes() for p in before} == before
+    if outputs is not None:
+        left = {p for p in outputs.rglob("*") if p.is_file()} if outputs.exists() else set()
+        assert left == set(before), sorted(map(str, left - set(before)))
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input_is_one_line(ckpt, tmp_path, case):
+    if case == "several devices and no GPU" and torch.cuda.is_available():
+        pytest.skip("a machine with a GPU trains on it")
     before = earlier_run(tmp_path)
     module, args, message = _cases(tmp_path, ckpt)[case]
-    _check(run_cli(module, *args, cwd=tmp_path), message, before)
+    _check(run_cli(module, *args, cwd=tmp_path), message, before, tmp_path / "outputs")
+
+
+def test_a_finished_run_is_not_resumed(tmp_path):
+    """`ckpt_path=last` after a run that ended trains nothing: said in one line, not a test of the old weights
+    and a warning that the metric was not logged."""
+    assert run_cli("train", "trainer.max_epochs=1", cwd=tmp_path).returncode == 0
+    before = {p: p.read_bytes() for p in (tmp_path / "outputs").rglob("*") if p.is_file()}
+    (last,) = (tmp_path / "outputs").rglob("last.ckpt")
+    r = run_cli("train", "ckpt_path=last", "trainer.max_epochs=1", cwd=tmp_path)
+    message = f"error: ckpt_path '{last}' is of a run that had finished (1 of 1 epochs): nothing is left to train"
+    _check(r, message, before, tmp_path / "outputs")
+    assert f"python -m vitlab.eval ckpt_path={last}" in r.stderr
+
+
+def test_a_bad_image_in_any_split_stops_the_run_before_the_first_step(tmp_path):
+    image_tree(tmp_path / "photos", splits=("train", "val", "test"))
+    (tmp_path / "photos" / "test" / "b" / "scan.png").write_bytes(b"not an image")
+    before = earlier_run(tmp_path)
+    r = run_cli("train", "data=imagefolder", "data.data_dir=photos", "data.batch_size=2", cwd=tmp_path)
+    message = (
+        "error: image file 'photos/test/b/scan.png' cannot be decoded (UnidentifiedImageError: cannot identify image "
+        "file 'photos/test/b/scan.png'); remove or replace it"
+    )
+    _check(r, message, before, tmp_path / "outputs")
+
+
+def test_every_image_kind_is_read_and_other_files_are_counted(tmp_path):
+    """One list of image kinds (images.IMAGE_EXTENSIONS) for folders and predict alike: a GIF trains, a note
+    beside the images is counted in the log line."""
+    photos = image_tree(tmp_path / "photos", per_class=2)
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(photos / "train" / "a" / "anim.gif")
+    (photos / "train" / "a" / "notes.txt").write_text("shot in May")
+    (photos / "val" / "b" / "README").write_text("")
+    r = run_cli("train", "data=imagefolder", "data.data_dir=photos", "data.batch_size=2", "debug=fdr", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "photos: 5 train, 4 val images in 2 classes; skipped, not of a kind read: 1 .txt, 1 README" in r.stdout
+
+
+def test_parity_with_pretrained_weights_offline_says_so_at_once(tmp_path):
+    """No network (the hub's address refuses): one line naming the weights and the ways out, without
+    huggingface_hub's minute of retries first."""
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}  # conftest sets it for every test
+    env |= {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}
+    r = run_cli("parity", "pretrained=true", cwd=tmp_path, env=env, replace_env=True)
+    message = (
+        "error: cannot fetch timm weights 'vit_base_patch16_224': no network and not in the Hugging Face cache "
+        f"({tmp_path / 'hf'}); run once online, or give a local .safetensors/.pth file"
+    )
+    _check(r, message, {}, tmp_path / "outputs")
+
+
+def test_sweep_jobs_do_not_print_lightnings_srun_hint(tmp_path):
+    """Where Slurm is installed Lightning tells every Trainer to use srun; vitlab's Slurm launcher starts the
+    processes itself (hydra/launcher=slurm), so nobody can act on it."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "srun").write_text("#!/bin/sh\nexit 0\n")
+    (tmp_path / "bin" / "srun").chmod(0o755)
+    env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+    r = run_cli("train", "-m", "debug=fdr", "optim.lr=1e-3,3e-4", cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "srun" not in r.stdout + r.stderr
 
 
 def test_unwritable_run_directory(unwritable, tmp_path):

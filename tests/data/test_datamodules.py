@@ -1,3 +1,4 @@
+import shutil
 import socket
 from types import SimpleNamespace
 
@@ -179,11 +180,28 @@ def test_undecodable_image_stops_naming_the_file(tmp_path, workers):
     _image_tree(tmp_path, modes=("RGB",))
     bad = tmp_path / "val" / "dog" / "broken.png"
     bad.write_bytes((tmp_path / "val" / "dog" / "0.png").read_bytes()[:40])  # truncated
-    dm = ImageFolderDataModule(data_dir=str(tmp_path), num_classes=2, img_size=16, batch_size=4, num_workers=workers)
+    dm = ImageFolderDataModule(
+        data_dir=str(tmp_path), num_classes=2, img_size=16, batch_size=4, num_workers=workers, check_images=False
+    )
     dm.setup()
     with pytest.raises(ValueError) as e:
         list(dm.val_dataloader())
     assert one_line(e.value).startswith(f"image file '{bad}' cannot be decoded")
+
+
+@pytest.mark.parametrize("split", ["train", "val", "test"])
+def test_setup_checks_every_split_before_anything_is_read(tmp_path, split):
+    """check_images (the default): a file that is not an image, or a PNG cut short, in any split the run reads
+    stops setup(), not the epoch (or, in test/, the end of training) that would read it."""
+    from vitlab.errors import UserError
+
+    _image_tree(tmp_path, modes=("RGB",))
+    shutil.copytree(tmp_path / "val", tmp_path / "test")
+    cut = tmp_path / split / "dog" / "cut.png"
+    cut.write_bytes((tmp_path / split / "dog" / "0.png").read_bytes()[:-20])
+    dm = ImageFolderDataModule(data_dir=str(tmp_path), num_classes=2, img_size=16, batch_size=4)
+    with pytest.raises(UserError, match=f"image file '{cut}' is cut short"):
+        dm.setup()
 
 
 def test_empty_class_folder_is_named(tmp_path):

@@ -113,7 +113,7 @@ def test_pack_refuses_a_corrupt_image_in_one_line_and_leaves_nothing(folder, tmp
     assert r.returncode == 2
     (line,) = [line for line in r.stderr.splitlines() if line.strip()]
     assert line.startswith(f"error: image file '{broken / 'train' / 'b' / 'bad.png'}' cannot be decoded"), r.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "outputs"]  # no shards, no temporary folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]  # no shards, no temporary folder, no run directory
 
 
 def test_pack_replaces_an_existing_output_only_when_asked(shards, tmp_path):
