@@ -125,9 +125,18 @@ def _wait(condition, what: str, timeout: float = 300):
 
 
 def _requeued(job: str) -> None:
-    """Wait for the job to be back in the queue, then let it start at once (Slurm holds a requeued job a while)."""
+    """Wait for the job to be back in the queue and let it start at once: Slurm holds a requeued job a while, and
+    sets that hold as the requeue completes, so the release is repeated until the job runs."""
     _wait(lambda: _squeue(job) == "PENDING", f"job {job} to be requeued")
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+
+    def started() -> bool:
+        if _squeue(job) != "PENDING":
+            return True
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+        time.sleep(1.5)
+        return False
+
+    _wait(started, f"job {job} to start again")
 
 
 def test_a_requeued_or_timed_out_job_resumes_by_itself_and_equals_the_uninterrupted_run(cluster, tmp_path):
