@@ -132,6 +132,8 @@ def describe(hint: Any) -> str:
         literals = [a for m in args if typing.get_origin(m) is typing.Literal for a in typing.get_args(m)]
         parts = [describe(typing.Literal[tuple(literals)])] if literals else []
         parts += [describe(m) for m in args if typing.get_origin(m) is not typing.Literal]
+        if "a number" in parts and "an integer" in parts:  # int | float: any number
+            parts.remove("an integer")
         return " or ".join(dict.fromkeys(parts))
     if origin is typing.Literal:
         return "one of " + ", ".join(repr(a) for a in args) if len(args) > 1 else repr(args[0])
