@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from torchvision import datasets
@@ -80,11 +79,10 @@ class ImageFolderDataModule(ImageDataModule):
         """Every image every split will read is checked before the first step (its header, and a PNG's end:
         `images.check_image_file`), so a bad file in test/ stops the run now, not after training; what the
         folders hold besides images is counted in the log line, not passed over in silence."""
-        if self.check_images:
-            files = [path for split in splits.values() for path, _ in split.samples]
-            with ThreadPoolExecutor(min(32, 4 * (os.cpu_count() or 1))) as pool:
-                for _ in pool.map(check_image_file, files):
-                    pass
+        if self.check_images:  # one file after another, in this thread: no thread pool in a process that forks workers
+            for split in splits.values():
+                for path, _ in split.samples:
+                    check_image_file(path)
         found = ", ".join(f"{len(split):,} {name}" for name, split in splits.items())
         others = Counter(
             Path(name).suffix.lower() or name
