@@ -177,7 +177,7 @@ def _bad_inputs(tmp):
     torch.save({"lr": 0.1}, not_a_state_dict)
     folder = ["data=imagefolder", "data.num_classes=2", "data.num_workers=0", "data.batch_size=4"]
     return {
-        "unknown model key": (["model.depht=3"], "Could not override 'model.depht'."),
+        "unknown model key": (["model.depht=3"], "model.depht is not a key of model; its keys: ['act_layer',"),
         "unknown data": (["data=imagenet22k"], "Could not find 'data/imagenet22k' Available options in 'data':"),
         "bad geometry": (["model.img_size=30"], "img_size 30 is not divisible by patch_size 4"),
         "dropout above 1": (["model.drop_rate=1.5"], "drop_rate 1.5 must be in [0, 1)"),

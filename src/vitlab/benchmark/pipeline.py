@@ -83,9 +83,11 @@ def loaders(dm, data_cfg: DictConfig, shards: str | None = None) -> dict[str, An
         "ceiling": dm._loader(Ceiling(train, dm.img_size, settings), train=True),
     }
     if shards:
+        same = OmegaConf.to_container(data_cfg, resolve=True)
+        same.pop("check_images", None)  # a folder's setting: the shards' images were all decoded when packed
         streaming = run.build_datamodule(
             OmegaConf.merge(
-                data_cfg,
+                same,
                 {"_target_": "vitlab.data.StreamingDataModule", "data_dir": shards, "num_classes": dm.num_classes},
             )
         )
