@@ -21,10 +21,14 @@ $(STAMP): pyproject.toml
 train: install            ## train the default (ViT on the embedded digits data, CPU, offline)
 	$(BIN)/python -m vitlab.train $(ARGS)
 
-test: install             ## the whole suite, as CI runs it
-	$(BIN)/python -m pytest $(ARGS)
+# Test files run side by side, each whole in one worker (its module fixtures, such as the Slurm cluster or a trained
+# checkpoint, are built once): on 2 cores the suite takes 13.7 min instead of 17.4.
+PARALLEL ?= -n auto --maxprocesses 4 --dist loadfile
 
-test-fast: install        ## every module, without the slow command-line cases (~1.5 min on 2 cores)
+test: install             ## the whole suite, as CI runs it
+	$(BIN)/python -m pytest $(PARALLEL) $(ARGS)
+
+test-fast: install        ## every module, without the slow command-line cases (~4 min on 2 cores)
 	$(BIN)/python -m pytest -m "not slow" $(ARGS)
 
 lint: install
