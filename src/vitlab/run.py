@@ -6,6 +6,8 @@ imports another.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import inspect
 import logging
 import os
@@ -13,6 +15,7 @@ import pickle
 import shlex
 import signal
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from hydra.types import RunMode
 from hydra.utils import get_object, instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
@@ -46,6 +50,7 @@ RESUME_MAY_DIFFER = set(DROPOUTS)
 __all__ = [
     "apply_pretrained",
     "build_datamodule",
+    "build_fit",
     "build_module",
     "build_trainer",
     "check_launch",
@@ -298,10 +303,12 @@ def instantiate_group(group: DictConfig | None) -> list[Any]:
 
 
 def build_loggers(group: DictConfig | None) -> list[Any]:
-    """The logger group; W&B without an API key (and not offline) is refused before it prompts."""
+    """The logger group, each logger's `LOGGER_LIFECYCLE` check run before any is built (W&B without an API key,
+    and not offline, is refused before it prompts)."""
     for node in (group or {}).values():
-        if isinstance(node, DictConfig) and str(node.get("_target_", "")).endswith("WandbLogger"):
-            _check_wandb_login(node)
+        if isinstance(node, DictConfig) and "_target_" in node:
+            check, _ = _lifecycle(node._target_)
+            check(node)
     return instantiate_group(group)
 
 
@@ -316,6 +323,71 @@ def _check_wandb_login(node: DictConfig) -> None:
             "logger=wandb needs a W&B login: run `wandb login`, set WANDB_API_KEY, or log offline with "
             "logger.wandb.offline=true (or WANDB_MODE=offline; `wandb sync` uploads later)"
         )
+
+
+def _finish_wandb(logger: Any) -> None:
+    import wandb
+
+    wandb.finish()  # one W&B run per job, also in sweeps
+
+
+def _nothing(_: Any) -> None:
+    pass
+
+
+# Logger class -> (check of its config node before anything is built, end of its run after the fit); a logger
+# not listed (or a subclass of none listed) needs neither.
+LOGGER_LIFECYCLE: dict[type, tuple[Any, Any]] = {WandbLogger: (_check_wandb_login, _finish_wandb)}
+
+
+def _lifecycle(target: Any) -> tuple[Any, Any]:
+    cls = get_object(target) if isinstance(target, str) else type(target)
+    for kind, steps in LOGGER_LIFECYCLE.items():
+        if isinstance(cls, type) and issubclass(cls, kind):
+            return steps
+    return _nothing, _nothing
+
+
+@dataclasses.dataclass
+class Fit:
+    """What `vitlab.train` and the benchmarks fit: built by `build_fit`, its loggers ended by `finished`."""
+
+    datamodule: L.LightningDataModule
+    module: ViTModule
+    trainer: L.Trainer
+    loggers: list[Any]
+
+    @contextlib.contextmanager
+    def finished(self) -> Iterator[Fit]:
+        """The fit's block; afterwards (also after an error or a signal) each logger's run is ended."""
+        try:
+            yield self
+        finally:
+            for logger in self.loggers:
+                _lifecycle(logger)[1](logger)
+
+
+def build_fit(
+    cfg: DictConfig,
+    callbacks: Sequence[L.Callback] = (),
+    datamodule: L.LightningDataModule | None = None,
+    **trainer_kwargs: Any,
+) -> Fit:
+    """The one assembly of a fit from a train config: data module (unless one built from it is given), module, the
+    configured callbacks with the progress bar's and `callbacks`, loggers (checked first) and the Trainer
+    (`trainer_kwargs` over its config)."""
+    datamodule = build_datamodule(cfg.data) if datamodule is None else datamodule
+    module = build_module(cfg, datamodule)
+    bars, show_bar = progress_bar(cfg.progress_bar)
+    loggers = build_loggers(cfg.get("logger"))
+    trainer = build_trainer(
+        cfg.trainer,
+        callbacks=instantiate_group(cfg.get("callbacks")) + bars + list(callbacks),
+        logger=loggers or False,
+        enable_progress_bar=show_bar,
+        **trainer_kwargs,
+    )
+    return Fit(datamodule, module, trainer, loggers)
 
 
 def build_trainer(trainer_cfg: DictConfig, **kwargs: Any) -> L.Trainer:

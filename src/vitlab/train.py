@@ -40,8 +40,8 @@ def train(cfg: DictConfig) -> float | None:
     out = Path(cfg.paths.output_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    datamodule = run.build_datamodule(cfg.data)
-    module = run.build_module(cfg, datamodule)
+    fit = run.build_fit(cfg)
+    trainer, module = fit.trainer, fit.module
     ckpt_path = run.resolve_ckpt_path(cfg.ckpt_path, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
     if ckpt_path:  # the user's: refused if it had finished (a job that restarts, below, goes on to test)
         run.check_resumable(ckpt_path, module, cfg.trainer if cfg.train else None)
@@ -50,23 +50,14 @@ def train(cfg: DictConfig) -> float | None:
     elif cfg.model.pretrained:
         load_timm_weights(module.model, cfg.model.pretrained)
 
-    bars, show_bar = run.progress_bar(cfg.progress_bar)
-    callbacks = run.instantiate_group(cfg.get("callbacks")) + bars
-    loggers = run.build_loggers(cfg.get("logger"))
-    trainer = run.build_trainer(cfg.trainer, callbacks=callbacks, logger=loggers or False, enable_progress_bar=show_bar)
     if trainer.is_global_zero:
         save_config(cfg, out / "config.yaml", show=cfg.print_config)
         log.info("%s; run directory %s (config in config.yaml)", run.describe(cfg, module), out)
-    for lg in loggers:
+    for lg in fit.loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
-    try:
-        metrics = run.fit_and_test(cfg, trainer, module, datamodule, ckpt_path)
-    finally:
-        if any(type(lg).__name__ == "WandbLogger" for lg in loggers):
-            import wandb
-
-            wandb.finish()  # one wandb run per job, also in sweeps
+    with fit.finished():  # one W&B run per job, also in sweeps
+        metrics = run.fit_and_test(cfg, trainer, module, fit.datamodule, ckpt_path)
     metrics["wall_time_s"] = round(time.time() - started, 2)
     metrics["run_dir"] = str(out)
     if trainer.is_global_zero:

@@ -90,20 +90,11 @@ def trainer_precision(train_cfg: DictConfig) -> str:
 def train_window(train_cfg: DictConfig, datamodule, e) -> Window:
     """vitlab.train's fit (its callbacks, logger, data) for warmup_steps + steps, timed over the last steps."""
     L.seed_everything(train_cfg.seed, workers=True, verbose=False)
-    module = run.build_module(train_cfg, datamodule)
     window = Window(e.warmup_steps, e.steps)
-    bars, show_bar = run.progress_bar(train_cfg.progress_bar)
-    trainer = run.build_trainer(
-        train_cfg.trainer,
-        callbacks=run.instantiate_group(train_cfg.get("callbacks")) + bars + [window],
-        logger=run.instantiate_group(train_cfg.get("logger")) or False,
-        enable_progress_bar=show_bar,
-        max_epochs=-1,
-        max_steps=e.warmup_steps + e.steps,
-        limit_val_batches=1,
-        num_sanity_val_steps=0,
-    )
-    trainer.fit(module, datamodule=datamodule, weights_only=True)
+    steps = {"max_epochs": -1, "max_steps": e.warmup_steps + e.steps, "limit_val_batches": 1, "num_sanity_val_steps": 0}
+    with run.build_fit(train_cfg, [window], datamodule=datamodule, **steps).finished() as fit:
+        trainer = fit.trainer
+        trainer.fit(fit.module, datamodule=datamodule, weights_only=True)
     if window.t1 is None:  # training stopped early (an interrupt), or Lightning counted steps unlike the window
         raise RuntimeError(f"training stopped after {trainer.global_step} of {e.warmup_steps + e.steps} steps")
     return window

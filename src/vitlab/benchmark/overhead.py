@@ -57,16 +57,9 @@ class LoopTimer(L.Callback):
 def run_lightning(train_cfg: DictConfig, epochs: int) -> LoopTimes:
     """`vitlab.train`'s fit, as it builds it, for `epochs` epochs; progress bar as configured there."""
     L.seed_everything(train_cfg.seed, workers=True, verbose=False)
-    datamodule = run.build_datamodule(train_cfg.data)
-    module = run.build_module(train_cfg, datamodule)
     timer = LoopTimer()
-    bars, show_bar = run.progress_bar(train_cfg.progress_bar)
-    callbacks = run.instantiate_group(train_cfg.get("callbacks")) + bars + [timer]
-    loggers = run.instantiate_group(train_cfg.get("logger"))
-    trainer = run.build_trainer(
-        train_cfg.trainer, callbacks=callbacks, logger=loggers or False, enable_progress_bar=show_bar, max_epochs=epochs
-    )
-    trainer.fit(module, datamodule=datamodule, weights_only=True)
+    with run.build_fit(train_cfg, [timer], max_epochs=epochs).finished() as fit:
+        fit.trainer.fit(fit.module, datamodule=fit.datamodule, weights_only=True)
     return timer.times
 
 
