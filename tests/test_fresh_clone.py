@@ -34,6 +34,10 @@ def sweep_as_typed(where: str, tmp_path: Path, *args: str):
     finally:
         if where == "repo root":
             shutil.rmtree(sweep)
+            for parent in sweep.parents:  # and the folders it made, up to outputs/, where nothing else is
+                if parent == ROOT or any(parent.iterdir()):
+                    break
+                parent.rmdir()
 
 
 @pytest.mark.parametrize("where", ["repo root", "another directory"])

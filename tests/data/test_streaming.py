@@ -37,7 +37,7 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def shards(folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("packed") / "shards"
-    r = run_cli("pack", "data=imagefolder", f"data.data_dir={folder}", f"out={out}", "workers=2")
+    r = run_cli("pack", "data=imagefolder", f"data.data_dir={folder}", f"out={out}", "workers=2", cwd=out.parent)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-2:] == [
         f"packed train 72, val 72, test 72 images of 3 classes into {out}",
