@@ -9,11 +9,13 @@ class count is dropped when asked. Reading files never runs code: safetensors, o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import socket
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -146,13 +148,8 @@ def _source_config(name: str) -> tuple[dict, str, dict]:
         if not (Path(where) / "config.json").is_file():
             raise MissingFileError(f"{name!r}: {where}/config.json does not exist (a folder as timm saves a model)")
         return load_model_config_from_path(where)
-    _unless_hub_reachable_read_the_cache()
-    try:
+    with from_the_hub(name):
         return load_model_config_from_hf(where)
-    except Exception as e:
-        if _looks_offline(e):
-            raise OfflineError(offline_message(name)) from e
-        raise
 
 
 def timm_architecture(name: str) -> str:
@@ -173,12 +170,9 @@ def timm_model_args(name: str, **overrides: Any) -> dict[str, Any]:
     arch = timm_architecture(name)
     names = timm_vit_names()
     if arch not in names:
-        import difflib
-
-        close = difflib.get_close_matches(arch, names, n=3, cutoff=0.6)
         raise UserError(
             f"{arch!r} is not an architecture of timm's vision_transformer module ({len(names)} are)"
-            + (f"; did you mean {close}?" if close else "")
+            + (f"; did you mean {close}?" if (close := close_matches(arch, names)) else "")
         )
     check_timm_name(name)
 
@@ -321,28 +315,22 @@ def create_timm_model(cfg: ViTConfig, name: str | None = None, pretrained: bool 
             raise UserError("pretrained weights need a timm model name")
         return VisionTransformer(**kwargs)
     check_timm_name(name)
-    if pretrained:
-        _unless_hub_reachable_read_the_cache()
-    try:
-        return timm.create_model(name, pretrained=pretrained, **kwargs)
-    except Exception as e:  # huggingface_hub raises many kinds when offline
-        if pretrained and _looks_offline(e):
-            raise OfflineError(offline_message(name)) from e
-        raise
+    if not pretrained:
+        return timm.create_model(name, **kwargs)
+    with from_the_hub(name):
+        return timm.create_model(name, pretrained=True, **kwargs)
 
 
 def check_timm_name(name: str) -> None:
     """A timm model name, optionally with a pretrained tag (`vit_base_patch16_224.augreg_in21k`), that
     timm knows; otherwise a one-line error with the closest names."""
-    import difflib
-
     import timm
 
     if name.startswith(TIMM_SOURCES):
         name = timm_architecture(name)  # a folder without config.json, or an unreachable repository, fails here
     arch, _, tag = name.partition(".")
     if not timm.is_model(arch):
-        close = difflib.get_close_matches(arch, timm.list_models(), n=3, cutoff=0.6)
+        close = close_matches(arch, timm.list_models())
         hint = f"did you mean {close}? " if close else ""
         raise UserError(
             f"{name!r} is neither a weights file nor a timm model name; {hint}"
@@ -350,6 +338,27 @@ def check_timm_name(name: str) -> None:
         )
     if tag and name not in timm.list_pretrained(f"{arch}.*"):
         raise UserError(f"timm has no pretrained weights {name!r}; it has {timm.list_pretrained(f'{arch}.*')[:6]}")
+
+
+def close_matches(word: str, choices: list[str]) -> list[str]:
+    """Up to three of `choices` that look like `word`, for a `did you mean` hint."""
+    import difflib
+
+    return difflib.get_close_matches(word, choices, n=3, cutoff=0.6)
+
+
+@contextlib.contextmanager
+def from_the_hub(name: str) -> Iterator[None]:
+    """The one way vitlab downloads from the Hugging Face hub: looked for first (an unreachable hub reads the
+    cache alone, at once), and an error that says "no network" (huggingface_hub raises many kinds) becomes
+    the one-line OfflineError naming `name` and the ways out."""
+    _unless_hub_reachable_read_the_cache()
+    try:
+        yield
+    except Exception as e:
+        if _looks_offline(e):
+            raise OfflineError(offline_message(name)) from e
+        raise
 
 
 def _offline_errors() -> tuple[type[BaseException], ...]:
@@ -413,13 +422,8 @@ def timm_pretrained_state_dict(name: str) -> StateDict:
     import timm
 
     check_timm_name(name)
-    _unless_hub_reachable_read_the_cache()
-    try:
+    with from_the_hub(name):
         model = timm.create_model(name, pretrained=True)
-    except Exception as e:
-        if _looks_offline(e):
-            raise OfflineError(offline_message(name)) from e
-        raise
     return model.state_dict()
 
 
