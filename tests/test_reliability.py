@@ -137,6 +137,10 @@ def test_crafted_pickle_checkpoint_is_refused(tmp_path):
         )
         assert r.returncode == 2, (module, r.stderr[-2000:])
         assert "cannot be read safely" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    newer = tmp_path / "evil5.ckpt"  # any pickle protocol is a pickle, not "another kind of file"
+    newer.write_bytes(pickle.dumps({"state_dict": {}, "hyper_parameters": _RunsCode()}, protocol=5))
+    r = run_cli("train", f"ckpt_path={newer}", f"hydra.run.dir={tmp_path / 'train5'}", cwd=tmp_path)
+    assert r.returncode == 2 and "cannot be read safely" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "PWNED").exists()
 
 

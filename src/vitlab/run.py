@@ -510,7 +510,7 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     except pickle.UnpicklingError as e:
         with open(path, "rb") as f:
             head = f.read(2)
-        if head not in (b"PK", b"\x80\x02"):  # neither torch.save's zip nor a pickle: an ONNX model, JSON, ...
+        if head != b"PK" and head[:1] != b"\x80":  # neither torch.save's zip nor a pickle: an ONNX model, JSON, ...
             raise UserError(
                 f"ckpt_path {str(path)!r} is not a checkpoint (a .ckpt file vitlab.train writes in "
                 "<run>/checkpoints/); it holds another kind of file"
