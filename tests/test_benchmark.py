@@ -200,7 +200,9 @@ def test_pipeline_times_the_train_loader_against_the_old_one_and_a_decode_and_cr
     from tests.helpers import image_tree
 
     image_tree(tmp_path / "photos", per_class=8, size=(30, 40))
-    packed = run_cli("pack", "data=imagefolder", f"data.data_dir={tmp_path / 'photos'}", f"out={tmp_path / 'shards'}")
+    packed = run_cli(
+        "pack", "data=imagefolder", f"data.data_dir={tmp_path / 'photos'}", f"out={tmp_path / 'shards'}", cwd=tmp_path
+    )
     assert packed.returncode == 0, packed.stderr[-2000:]
     run_dir = tmp_path / "run"
     overrides = [
