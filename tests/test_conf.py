@@ -7,8 +7,9 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from vitlab.cli import config_dir, vit_config
+from vitlab.configs import config_dir
 from vitlab.lit_module import ViTModule
+from vitlab.model.config import vit_config
 
 CONF = config_dir()
 
@@ -63,8 +64,8 @@ def test_the_tests_cover_every_conf_file():
 def test_base_model_fields_are_vitconfig_fields():
     from dataclasses import fields
 
-    from vitlab.cli import MODEL_EXTRA_KEYS
     from vitlab.model import ViTConfig
+    from vitlab.model.config import MODEL_EXTRA_KEYS
 
     base = OmegaConf.load(CONF / "model/_base.yaml")
     assert set(base) == {f.name for f in fields(ViTConfig) if f.init} | set(MODEL_EXTRA_KEYS)

@@ -50,7 +50,7 @@ def test_bf16_autocast_training_step_lowers_the_loss():
     ids=["digits", "fake-uint8-workers"],
 )
 def test_training_steps_never_wait_for_the_gpu(compose_cfg, data):
-    from vitlab.train import train
+    from vitlab.commands.train import train
 
     ForbidSync.guarded = 0
     cfg = compose_cfg(

@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.helpers import tiny
-from vitlab.cli import config_dir
+from vitlab.configs import config_dir
 from vitlab.lit_module import MixupConfig, ViTModule
 from vitlab.model import ViT
 from vitlab.optim import OptimConfig, layer_id, make_optimizer, make_scheduler, param_groups, warmup_cosine

@@ -4,8 +4,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.helpers import ROOT
-from vitlab.cli import vit_config
 from vitlab.convert.compare import compare, passes
+from vitlab.model.config import vit_config
 
 ACCEPTANCE_OVERRIDES = [
     dict(global_pool="avg"),

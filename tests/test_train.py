@@ -13,8 +13,8 @@ from PIL import Image
 from sklearn.datasets import load_digits
 
 from tests.helpers import extra_callback, run_cli
+from vitlab.commands.train import train
 from vitlab.lit_module import ViTModule
-from vitlab.train import train
 
 SHORT = ["debug=limit", "progress_bar=none"]
 METRICS = ["train/loss", "train/acc", "val/loss", "val/acc", "val/acc_best", "test/loss", "test/acc", "test/acc_top5"]

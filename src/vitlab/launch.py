@@ -25,8 +25,8 @@ from pathlib import Path
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from vitlab.cli import CONFIG_ERRORS, config_dir, fail, one_line, user_error
-from vitlab.errors import UserError
+from vitlab.configs import config_dir
+from vitlab.errors import UserError, config_errors, fail, one_line, user_error
 
 # Written into every run directory the moment a command claims it (see claim_run_dir).
 CLAIM_FILE = ".vitlab-run"
@@ -224,7 +224,7 @@ def _explain(e: Exception, config_name: str, overrides: list[str]) -> str:
         try:
             node = _compose(config_name, rest)
             there = OmegaConf.select(node, parent) if parent else node
-        except CONFIG_ERRORS:
+        except config_errors():
             there = None
         if there is not None:
             keys = sorted(k for k in there if not str(k).startswith("_"))
@@ -259,7 +259,7 @@ def prepare(config_name: str, argv: list[str]) -> list[str]:
     try:
         cfg = _compose(config_name, overrides)
         log_dir = OmegaConf.select(cfg, "paths.log_dir", throw_on_resolution_failure=False)
-    except CONFIG_ERRORS as e:
+    except config_errors() as e:
         fail(_explain(e, config_name, overrides))
     try:
         if run_dir is not None and "${" not in run_dir:  # one with interpolations: unique by its own making

@@ -26,7 +26,7 @@ from torchvision.transforms import v2
 
 from vitlab import rank_state
 from vitlab.errors import NonFiniteLossError, UserError
-from vitlab.model import config_class, model_class
+from vitlab.model import ViT, ViTConfig
 from vitlab.optim import OptimConfig, make_optimizer, make_scheduler
 from vitlab.settings import check_at_least, check_range, compile_mode, from_mapping
 
@@ -68,7 +68,7 @@ class MixupConfig:
 class ViTModule(L.LightningModule):
     def __init__(
         self,
-        model: dict[str, Any],
+        model: ViTConfig | dict[str, Any],  # a dict: the plain data a checkpoint carries
         optim: dict[str, Any] | None = None,
         label_smoothing: float = 0.0,
         mixup: dict[str, Any] | None = None,
@@ -76,11 +76,12 @@ class ViTModule(L.LightningModule):
         class_names: list[str] | None = None,
         data: dict[str, Any] | None = None,  # the data config that trained it, for vitlab.eval/predict
         freeze_backbone: bool = False,  # linear probe: train the head (and fc_norm) only
-        arch: str = "vit",  # a key of vitlab.model.ARCHS
     ):
         super().__init__()
+        cfg = model if isinstance(model, ViTConfig) else ViTConfig.from_dict(model)
+        model = cfg.to_dict()  # what save_hyperparameters keeps: a checkpoint carries the config as plain data
         self.save_hyperparameters()
-        self.model = model_class(arch)(config_class(arch).from_dict(model))
+        self.model = ViT(cfg)
         if freeze_backbone:
             for name, p in self.model.named_parameters():
                 p.requires_grad_(name.startswith(("head.", "fc_norm.")))

@@ -33,10 +33,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from vitlab.atomic import remove_stale_temporaries
 from vitlab.callbacks import EpochLog, SaveOnInterrupt
-from vitlab.cli import route_lightning_logs, vit_config
 from vitlab.errors import MissingFileError, UserError
 from vitlab.lit_module import ViTModule
-from vitlab.model.config import DROPOUTS
+from vitlab.logs import route_lightning_logs
+from vitlab.model.config import DROPOUTS, vit_config
 from vitlab.settings import check_arguments
 from vitlab.signals import pass_on
 
@@ -268,7 +268,7 @@ def build_datamodule(data_cfg: DictConfig) -> L.LightningDataModule:
 def build_module(cfg: DictConfig, datamodule: L.LightningDataModule) -> ViTModule:
     """The ViTModule of a train config (random weights; `train` loads pretrained ones)."""
     return ViTModule(
-        model=vit_config(cfg.model).to_dict(),
+        model=vit_config(cfg.model),
         optim=OmegaConf.to_container(cfg.optim, resolve=True),
         label_smoothing=cfg.label_smoothing,
         mixup=OmegaConf.to_container(cfg.mixup, resolve=True),
@@ -276,7 +276,6 @@ def build_module(cfg: DictConfig, datamodule: L.LightningDataModule) -> ViTModul
         class_names=list(getattr(datamodule, "class_names", []) or []),
         data=OmegaConf.to_container(cfg.data, resolve=True),
         freeze_backbone=cfg.freeze_backbone,
-        arch=cfg.model.get("arch") or "vit",
     )
 
 

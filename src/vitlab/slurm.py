@@ -30,7 +30,7 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
 from omegaconf import OmegaConf
 
-from vitlab.cli import fail
+from vitlab.errors import fail
 
 log = logging.getLogger(__name__)
 

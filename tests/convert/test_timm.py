@@ -7,7 +7,6 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.helpers import ROOT, tiny
-from vitlab.cli import vit_config
 from vitlab.convert.timm import (
     config_from_timm,
     create_timm_model,
@@ -21,6 +20,7 @@ from vitlab.convert.timm import (
     vitlab_to_timm,
 )
 from vitlab.model import ViT
+from vitlab.model.config import vit_config
 
 
 def zoo_with_timm():

@@ -175,7 +175,7 @@ def test_cifar_offline_without_a_copy_fails_clearly(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_undecodable_image_stops_naming_the_file(tmp_path, workers):
-    from vitlab.cli import one_line
+    from vitlab.errors import one_line
 
     _image_tree(tmp_path, modes=("RGB",))
     bad = tmp_path / "val" / "dog" / "broken.png"

@@ -26,8 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 from vitlab import run
 from vitlab.benchmark.config import BenchmarkConfig
 from vitlab.benchmark.measure import sync
-from vitlab.cli import vit_config
 from vitlab.errors import UserError
+from vitlab.model.config import vit_config
 from vitlab.optim import OptimConfig
 
 PRECISION_OF_TRAINER = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16"}

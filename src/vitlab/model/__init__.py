@@ -1,46 +1,20 @@
-"""The networks and their configs. `ARCHS` is the one table of architectures: a second one is a new
-module (its config dataclass and its network) plus one line here, selected with `model.arch=<name>`.
-Networks are imported on first use, so reading a config needs no torch (fast `--help` and config
+"""The network and its config: `ViTConfig` (config.py, no torch) and `ViT` (vit.py, its layers in layers.py and
+blocks.py). The network is imported on first use, so reading a config needs no torch (fast `--help` and config
 errors)."""
 
-from importlib import import_module
-
-from vitlab.errors import UserError
-from vitlab.model.config import VARIANTS, ViTConfig, parse_variant
-
-# name -> ("module:ConfigClass", "module:NetworkClass")
-ARCHS: dict[str, tuple[str, str]] = {
-    "vit": ("vitlab.model.config:ViTConfig", "vitlab.model.vit:ViT"),
-}
+from vitlab.model.config import VARIANTS, ViTConfig, parse_variant, vit_config
 
 __all__ = [
-    "ARCHS",
     "VARIANTS",
     "ViT",
     "ViTConfig",
-    "config_class",
-    "model_class",
     "parse_variant",
     "posemb_sincos_1d",
     "posemb_sincos_2d",
     "resample_patch_embed",
     "resample_pos_embed",
+    "vit_config",
 ]
-
-
-def _load(arch: str, which: int) -> type:
-    if arch not in ARCHS:
-        raise UserError(f"model.arch {arch!r} is not one of {sorted(ARCHS)}")
-    module, _, name = ARCHS[arch][which].partition(":")
-    return getattr(import_module(module), name)
-
-
-def config_class(arch: str = "vit") -> type:
-    return _load(arch, 0)
-
-
-def model_class(arch: str = "vit") -> type:
-    return _load(arch, 1)
 
 
 def __getattr__(name: str):

@@ -8,6 +8,7 @@ big_vision does and lets explicit keyword arguments override it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,8 @@ BLOCK_FNS = ("block", "parallel_scaling", "diff_parallel_scaling", "res_post", "
 POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "none")
 WEIGHT_INITS = ("", "jax", "jax_nlhb", "moco", "skip")  # timm's modes
 # The regularisation fields: probabilities in [0, 1), free to change when a run is resumed.
+# Keys of a config's model group that are the commands', not ViTConfig fields.
+MODEL_EXTRA_KEYS = ("variant", "timm_name", "pretrained")
 DROPOUTS = ("drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate")
 
 
@@ -290,3 +293,15 @@ class ViTConfig:
         if self.global_pool == "map":  # attention pool: keys and values of the patches, one query, its MLP
             head += 2 * self.num_patches * 2 * d * d + 4 * self.num_patches * d + 2 * (2 * d * d + 2 * d * hidden)
         return self.depth * per_block + embed + head
+
+
+def vit_config(model: Mapping[str, Any]) -> ViTConfig:
+    """A config's model group (a mapping, YAML's or Hydra's) -> ViTConfig: sizes from `variant`, then the
+    explicit fields; the group's other keys (MODEL_EXTRA_KEYS) are left to the commands."""
+    fields = {k: _plain(v) for k, v in model.items() if k not in MODEL_EXTRA_KEYS}
+    return ViTConfig.from_variant(model.get("variant"), **fields)
+
+
+def _plain(value: Any) -> Any:
+    """A YAML list (OmegaConf's ListConfig is a Sequence, not a list) as a list."""
+    return [_plain(v) for v in value] if isinstance(value, Sequence) and not isinstance(value, str) else value

@@ -1,0 +1,47 @@
+"""python -m vitlab.visualize [ckpt_path=<ckpt>] [image=<file>] [run_dir=<run>]: PNG figures.
+
+- ckpt_path + image: the patch grid over the image, the last block's class-token attention per
+  head, and attention rollout over all blocks (Abnar & Zuidema 2020), overlaid on the image;
+- ckpt_path: the cosine similarity of each patch's position embedding with all others (ViT paper,
+  Figure 7) and the principal components of the patch-embedding filters (Figure 7, left);
+- run_dir: the learning curves (loss, accuracy, learning rate) from the run's CSV log.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from vitlab.app import entry_point
+from vitlab.errors import UserError
+
+
+@entry_point("visualize")
+def main(cfg: DictConfig) -> None:
+    from vitlab import run
+    from vitlab.data.images import read_image
+    from vitlab.figures import plot_attention, plot_embeddings, plot_learning_curves
+
+    if not (cfg.run_dir or cfg.ckpt_path):
+        raise UserError("give ckpt_path=<checkpoint> [image=<file>] and/or run_dir=<training run directory>")
+    if cfg.image and not cfg.ckpt_path:
+        raise UserError("image=... needs ckpt_path=<checkpoint> of the model to look inside")
+    out = Path(cfg.paths.output_dir)
+    written = []
+    if cfg.ckpt_path:
+        module = run.load_for_inference(cfg.ckpt_path).eval()
+        img = read_image(cfg.image, module.model.cfg.in_chans) if cfg.image else None  # before any figure
+        written += plot_embeddings(module.model, out).values()
+        if img is not None:
+            dm = run.inference_datamodule(module, cfg.ckpt_path)
+            x = dm.predict_tensor(img)
+            written += plot_attention(module.model, x, dm.mean, dm.std, out).values()
+    if cfg.run_dir:
+        written.append(plot_learning_curves(cfg.run_dir, out / "learning_curves.png"))
+    for path in written:
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

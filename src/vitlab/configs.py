@@ -1,0 +1,95 @@
+"""The config tree: where conf/ is, and the resolvers its files use (`${run_id:}`, `${cwd:}`,
+`${class_folders:...}`, `${shard_classes:...}`, and the Slurm job's `${slurm_gpus:...}`/`${slurm_cpus:...}`),
+registered before Hydra composes a config."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from vitlab.errors import MissingFileError
+
+
+def config_dir() -> Path:
+    """conf/ at the repository root (editable installs and checkouts), whatever the working
+    directory; VITLAB_CONFIG_DIR points elsewhere."""
+    if os.environ.get("VITLAB_CONFIG_DIR"):
+        return Path(os.environ["VITLAB_CONFIG_DIR"]).resolve()
+    here = Path(__file__).resolve().parents[2] / "conf"
+    if not (here / "train.yaml").is_file() and not (here / "parity.yaml").is_file():
+        raise MissingFileError(
+            f"vitlab configs not found at {here}; install vitlab editable from its "
+            "repository (make install) or set VITLAB_CONFIG_DIR to its conf/ folder"
+        )
+    return here
+
+
+def _new_run_id() -> str:
+    return f"{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def register_resolvers() -> None:
+    """`${run_id:}`: process id + random hex, cached per config (a sweep's jobs share it, as `now`).
+    `${cwd:}`: the directory the command was started in. Hydra's `${hydra:runtime.cwd}` says the same
+    but only inside a job: a sweep resolves hydra.sweep.dir before any job exists."""
+    if not OmegaConf.has_resolver("run_id"):
+        OmegaConf.register_new_resolver("run_id", _new_run_id, use_cache=True)
+    if not OmegaConf.has_resolver("cwd"):
+        OmegaConf.register_new_resolver("cwd", os.getcwd)
+    if not OmegaConf.has_resolver("class_folders"):
+        OmegaConf.register_new_resolver("class_folders", class_folders)
+    for name, resolver in (("slurm_gpus", slurm_gpus), ("slurm_cpus", slurm_cpus), ("shard_classes", shard_classes)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)
+
+
+def shard_classes(data_dir: str) -> int:
+    """`${shard_classes:<data_dir>}`: the number of classes of the shards `python -m vitlab.pack` wrote there."""
+    from vitlab.data.streaming import shard_classes as count
+
+    return count(data_dir)
+
+
+def class_folders(data_dir: str) -> int:
+    """`${class_folders:<data_dir>}`: the number of class folders in data_dir/train, as torchvision's
+    ImageFolder will find them, so the model's head is sized from the data without a count to type."""
+    train = Path(data_dir) / "train"
+    if not Path(data_dir).is_dir():
+        raise MissingFileError(f"data.data_dir {str(data_dir)!r} does not exist")
+    if not train.is_dir():
+        raise MissingFileError(
+            f"image folder split {str(train)!r} does not exist (expected {data_dir}/train/<class>/... "
+            f"and {data_dir}/val/<class>/...)"
+        )
+    return sum(1 for entry in os.scandir(train) if entry.is_dir())
+
+
+# ---- the resources of a Slurm job (conf/hydra/launcher/slurm.yaml) ----
+
+
+def _gpus_in_cluster() -> bool:
+    """Whether any node of the cluster has GPUs (sinfo's generic resources), asked from the submitting machine."""
+    if not shutil.which("sinfo"):
+        return False
+    out = subprocess.run(["sinfo", "-h", "-o", "%G"], capture_output=True, text=True, timeout=30).stdout
+    return "gpu" in out
+
+
+def slurm_gpus(accelerator: str, devices: Any) -> int | None:
+    """`${slurm_gpus:<accelerator>,<devices>}`: the GPUs a job asks for per node. The trainer's devices when it
+    trains on GPUs, none on the CPU (a gres request for GPUs fails on a cluster without them); with `auto`, GPUs
+    when the cluster has any."""
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and _gpus_in_cluster())
+    return devices if on_gpu and isinstance(devices, int) and devices > 0 else None
+
+
+def slurm_cpus(num_workers: int | None) -> int:
+    """`${slurm_cpus:<data.num_workers>}`: a task's CPUs, its loader workers and itself. Workers left to vitlab
+    (null) take the CPUs the task gets, less one: 8 CPUs then, a usual share of a GPU node per GPU."""
+    return 8 if num_workers is None else int(num_workers) + 1

@@ -1,0 +1,58 @@
+"""Where a command's messages go: Lightning's loggers through Hydra's logging (the terminal and the run's log
+file), and the warnings nobody running vitlab can act on dropped. Imports neither torch nor Lightning."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+# Warnings nobody running vitlab can act on: deprecations inside torchdata and Lightning, the
+# logging-interval notice (vitlab lowers the interval to the epoch length itself, see lit_module),
+# Lightning's hint to start a run with srun wherever Slurm is installed (on Slurm vitlab's launcher starts
+# the processes: hydra/launcher=slurm), DDP's note that the one-channel patch filters' gradient has another
+# memory layout than its bucket (a copy of a few hundred numbers), and, for a run that resumes in its own
+# directory (a requeued Slurm job), the notes that its checkpoint directory is not empty and the CSV logger's
+# claim that it will delete the metrics there (it appends to them).
+QUIET_WARNINGS = (
+    r"'set_vital' is deprecated",
+    r".*isinstance\(treespec, LeafSpec\)",
+    r"The number of training batches \(\d+\) is smaller than the logging interval",
+    r"The `srun` command is available on your system but is not used",
+    r"Grad strides do not match bucket view strides",
+    r"Experiment logs directory .* exists and is not empty",
+    r"Checkpoint directory .* exists and is not empty",
+)
+
+
+class _NoTips(logging.Filter):
+    """Lightning's advertisement for its cloud products, printed on every run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Tip:" not in str(record.msg)
+
+
+def quiet() -> None:
+    """Warnings nobody can act on are dropped; the rest, and Lightning's logs, go through Hydra's
+    logging (terminal and the run's log file)."""
+    for pattern in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    route_lightning_logs()
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # Optuna's storage layer lists its plugins at INFO
+    logging.getLogger("litdata").setLevel(logging.WARNING)  # how it maps each split's chunks, at INFO
+    for name in ("onnx_ir", "onnxscript"):  # the ONNX exporter logs each graph rewrite at INFO
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.captureWarnings(True)
+
+
+def route_lightning_logs() -> None:
+    """Lightning gives its loggers a stderr handler of their own on import (every line would show twice,
+    once unformatted); send them through the root logger instead. Called again once Lightning is
+    imported (vitlab.run), since commands import it only when their task runs."""
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoTips) for f in logger.filters):
+            logger.addFilter(_NoTips())

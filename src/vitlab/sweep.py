@@ -1,0 +1,123 @@
+"""The summary of a -m sweep: one row per job (its overrides, status and final metrics), written as each job
+ends, and the table printed when the sweep is over. A Hydra callback, configured in conf/hydra/default.yaml."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from vitlab.errors import fail
+
+# What a finished job of each entry point writes in its directory: train, parity, benchmark.
+RESULT_FILES = ("metrics.json", "parity.json", "benchmark.json")
+
+
+class SweepSummary(Callback):
+    """Hydra callback: one row per job of a -m sweep (its overrides, status and final metrics) in summary.json
+    in the sweep directory, rewritten as each job ends so that a sweep stopped part-way (SIGTERM, a time limit)
+    still has it for the jobs that finished; under the Optuna sweeper also the best trial so far in
+    optimization_results.yaml (the sweeper writes its own at the end). After the sweep the rows are printed as
+    a table. Configured in conf/hydra/default.yaml."""
+
+    def __init__(self, filenames: tuple[str, ...] = RESULT_FILES, columns: list[str] | None = None):
+        self.filenames = filenames
+        self.columns = columns or ["val/acc_best", "test/acc", "test/loss", "wall_time_s"]
+
+    def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
+        from hydra.types import RunMode
+
+        if config.hydra.mode == RunMode.MULTIRUN:  # Hydra calls this after a single run too
+            self.write(config.hydra, config.get("optimized_metric"))
+
+    def write(self, hydra_cfg: DictConfig, metric: str | None) -> list[dict[str, Any]]:
+        """summary.json (and optimization_results.yaml under Optuna) from the job directories as they are now."""
+        from vitlab.atomic import atomic_write
+
+        sweep_dir = Path(hydra_cfg.sweep.dir)
+        rows = [self._row(job) for job in _job_dirs(sweep_dir)]
+        text = json.dumps(rows, indent=2).encode()
+        atomic_write(sweep_dir / "summary.json", lambda f: f.write(text), what="sweep summary")
+        sweeper = hydra_cfg.sweeper
+        if "optuna" in str(sweeper.get("_target_", "")).lower() and isinstance(sweeper.get("direction"), str):
+            best = _best_trial(sweep_dir, metric, sweeper)
+            if best is not None:
+                text = OmegaConf.to_yaml(OmegaConf.create(best)).encode()
+                atomic_write(sweep_dir / "optimization_results.yaml", lambda f: f.write(text), what="sweep results")
+        return rows
+
+    def _row(self, job: Path) -> dict[str, Any]:
+        overrides_file = job / ".hydra" / "overrides.yaml"
+        overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.is_file() else []
+        found = [job / name for name in self.filenames if (job / name).is_file()]
+        metrics = json.loads(found[0].read_text()) if found else {}
+        error = json.loads((job / "error.json").read_text())["error"] if (job / "error.json").is_file() else None
+        if metrics and not error:
+            status = "done"
+        elif error:
+            status = "failed"
+        else:  # still running, stopped on a signal (its checkpoint resumes it) or killed
+            status = "interrupted" if (job / "checkpoints" / "interrupted.ckpt").is_file() else "unfinished"
+        return {
+            "job": int(job.name),
+            "overrides": overrides,
+            "status": status,
+            **{c: metrics.get(c) for c in self.columns},
+            **({"error": error} if error else {}),
+        }
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = self.write(config.hydra, config.get("optimized_metric"))
+        table = Table(title=f"sweep summary ({sweep_dir})")
+        for col in ["job", "overrides", "status", *self.columns]:
+            table.add_column(col)
+        for r in rows:
+            table.add_row(
+                str(r["job"]),
+                " ".join(r["overrides"]),
+                r["status"],
+                *[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in self.columns],
+            )
+        Console(width=None if sys.stdout.isatty() else 160).print(table)
+        failed = [r for r in rows if r["status"] != "done"]
+        if failed:
+            first = failed[0]
+            fail(
+                f"{len(failed)} of {len(rows)} sweep jobs failed (job {first['job']}: "
+                f"{first.get('error') or 'no result file'}); every job is listed in {sweep_dir / 'summary.json'}"
+            )
+        print(f"sweep results: {sweep_dir / 'summary.json'}", flush=True)
+
+
+def _job_dirs(sweep_dir: Path) -> list[Path]:
+    if not sweep_dir.is_dir():
+        return []
+    return sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+
+
+def _best_trial(sweep_dir: Path, metric: str | None, sweeper: DictConfig) -> dict[str, Any] | None:
+    """The finished trial with the best `metric` so far, as the Optuna sweeper writes it at the end: name,
+    best_params (the values it chose, from the trial's config), best_value; and how many trials ended."""
+    params = list((sweeper.get("params") or {}).keys())
+    trials = []
+    for job in _job_dirs(sweep_dir):
+        cfg_file, result = job / ".hydra" / "config.yaml", job / "metrics.json"
+        if metric is None or not (cfg_file.is_file() and result.is_file()):
+            continue
+        value = json.loads(result.read_text()).get(metric)
+        if isinstance(value, (int, float)) and value == value:
+            job_cfg = OmegaConf.load(cfg_file)
+            trials.append((value, {k: OmegaConf.select(job_cfg, k) for k in params}))
+    if not trials:
+        return None
+    pick = max if sweeper.direction == "maximize" else min
+    value, best = pick(trials, key=lambda t: t[0])
+    return {"name": "optuna", "best_params": best, "best_value": value, "trials_ended": len(trials)}
