@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from vitlab.atomic import remove_stale_temporaries
-from vitlab.callbacks import AtomicCheckpointIO
+from vitlab.plugins import AtomicCheckpointIO
 
 
 def test_temporaries_of_killed_saves_are_removed_and_live_ones_kept(tmp_path):

@@ -5,8 +5,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from vitlab.callbacks import AtomicCheckpointIO, LastCheckpoint
+from vitlab.callbacks import LastCheckpoint
 from vitlab.errors import UserError
+from vitlab.plugins import AtomicCheckpointIO
 
 
 def test_atomic_checkpoint_round_trip_and_overwrite(tmp_path):

@@ -13,7 +13,15 @@ FORWARDS = {p for p in SRC.rglob("*.py") if "from vitlab.commands." in p.read_te
 # The floors of the code base, lowest first: a module imports only from its own floor or below.
 FLOORS = [
     # what everything may use: errors, checked settings, atomic files, signals, per-rank state, log routing
-    {"vitlab.errors", "vitlab.settings", "vitlab.atomic", "vitlab.signals", "vitlab.rank_state", "vitlab.logs"},
+    {
+        "vitlab.errors",
+        "vitlab.settings",
+        "vitlab.atomic",
+        "vitlab.signals",
+        "vitlab.rank_state",
+        "vitlab.logs",
+        "vitlab.downloads",
+    },
     # the components, none of them Lightning's or Hydra's: model, data, weight conversion, optimisers, figures
     {
         "vitlab.model",
@@ -25,7 +33,15 @@ FLOORS = [
         "vitlab.benchmark.measure",
     },
     # the assembly layer: the LightningModule, callbacks, config -> fit (run), the benchmarks built on it
-    {"vitlab.lit_module", "vitlab.callbacks", "vitlab.run", "vitlab.benchmark"},
+    {
+        "vitlab.lit_module",
+        "vitlab.callbacks",
+        "vitlab.plugins",
+        "vitlab.run",
+        "vitlab.resume",
+        "vitlab.pretrained",
+        "vitlab.benchmark",
+    },
     # the command line: Hydra's app, the config tree, the run directory, the sweep summary, the Slurm launcher
     {"vitlab.app", "vitlab.configs", "vitlab.launch", "vitlab.sweep", "vitlab.slurm"},
     # the commands and the modules that forward `python -m vitlab.<command>` to them

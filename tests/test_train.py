@@ -402,8 +402,8 @@ def test_any_timm_vit_fine_tunes_from_its_name(compose_cfg, tmp_path, monkeypatc
     load (timm's download replaced by random weights of the same model: no network in tests)."""
     import timm
 
-    import vitlab.convert.timm as ct
-    from vitlab.convert.timm import config_from_timm
+    import vitlab.convert.weights as ct
+    from vitlab.convert.timm_args import config_from_timm
 
     name = "vit_small_patch14_reg4_dinov2.lvd142m"
     weights = timm.create_model(name, pretrained=False, img_size=28, num_classes=0).state_dict()
@@ -430,17 +430,17 @@ def test_any_timm_vit_fine_tunes_from_its_name(compose_cfg, tmp_path, monkeypatc
 
 
 def test_timm_names_that_cannot_be_fine_tuned_are_named(compose_cfg):
-    from vitlab import run
+    from vitlab import pretrained
     from vitlab.errors import UserError
 
     cfg = compose_cfg("train", ["model.pretrained=deit3_small_patch16_224", "model.img_size=32"])
     with pytest.raises(
         UserError, match="'deit3_small_patch16_224' is not an architecture of timm's vision_transformer"
     ):
-        run.apply_pretrained(cfg)
+        pretrained.apply_pretrained(cfg)
     cfg = compose_cfg("train", ["model.pretrained=vit_small_patch14_dinov2.lvd142m"])  # the digits' 8 px
     with pytest.raises(UserError, match=r"model.img_size 8 is not a multiple of the patch size 14 of timm's "):
-        run.apply_pretrained(cfg)
+        pretrained.apply_pretrained(cfg)
 
 
 def test_fine_tunes_from_a_folder_as_timm_saves_one(compose_cfg, tmp_path):
@@ -450,15 +450,16 @@ def test_fine_tunes_from_a_folder_as_timm_saves_one(compose_cfg, tmp_path):
     import timm
     from timm.models._hub import save_for_hf
 
-    from vitlab import run
-    from vitlab.convert.timm import config_from_timm, load_timm_weights
+    from vitlab import pretrained, run
+    from vitlab.convert.timm_args import config_from_timm
+    from vitlab.convert.weights import load_timm_weights
 
     folder = tmp_path / "siglip"
     theirs = timm.create_model("vit_base_patch16_siglip_224", depth=1, embed_dim=64, num_heads=2, img_size=32)
     save_for_hf(theirs, str(folder), safe_serialization=True)
     overrides = [f"model.pretrained=local-dir:{folder}", "model.img_size=32", "data=fake"]
     cfg = compose_cfg("train", overrides)
-    run.apply_pretrained(cfg)
+    pretrained.apply_pretrained(cfg)
     assert cfg.model.timm_name == "vit_base_patch16_siglip_224" and cfg.model.global_pool == "map"
     expected = config_from_timm("vit_base_patch16_siglip_224", depth=1, embed_dim=64, num_heads=2, img_size=32)
     run_fields = ("img_size", "num_classes")  # the run's: 32 px (a list in timm's), the data's 10 classes

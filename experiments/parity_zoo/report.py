@@ -29,7 +29,8 @@ def slips(cfg: ViTConfig) -> dict[str, list[float]]:
     from timm.models.vision_transformer import VisionTransformer
 
     from vitlab.convert.compare import timm_taps
-    from vitlab.convert.timm import timm_kwargs, vitlab_to_timm
+    from vitlab.convert.timm_args import timm_kwargs
+    from vitlab.convert.weights import check_state_dict
 
     torch.manual_seed(0)
     ours = ViT(cfg).eval()
@@ -48,7 +49,7 @@ def slips(cfg: ViTConfig) -> dict[str, list[float]]:
         set_fused_attn(not label.startswith("softmax"))
         theirs = VisionTransformer(**timm_kwargs(cfg), **extra).eval()
         set_fused_attn(True)
-        theirs.load_state_dict(vitlab_to_timm(ours.state_dict(), cfg))
+        theirs.load_state_dict(check_state_dict(ours.state_dict(), cfg))
         taps, _ = timm_taps(theirs)
         with torch.no_grad():
             feats = theirs.forward_features(x)

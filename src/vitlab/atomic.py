@@ -1,6 +1,6 @@
 """Writing a file so that a crash, a `kill -9` or a full disk never leaves half of it where a good one
 was: into a temporary file beside the target, flushed and fsynced, optionally checked, then renamed
-over the target. Checkpoints (callbacks.AtomicCheckpointIO), exported weights (convert.timm) and exported
+over the target. Checkpoints (plugins.AtomicCheckpointIO), exported weights (convert.weights) and exported
 programs (convert.export, through a temporary directory) use it.
 No Lightning or Hydra here."""
 

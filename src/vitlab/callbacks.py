@@ -1,5 +1,5 @@
-"""Lightning pieces that keep runs safe, fast and readable: checkpoints written atomically (the best carried into
-a resumed run's directory, the last one linked to the best when both fall due), a resumable checkpoint when a
+"""Lightning callbacks that keep runs safe, fast and readable: checkpoints (the best carried into a resumed run's
+directory, the last one linked to the best when both fall due), a resumable checkpoint when a
 signal stops the run (vitlab.signals), throughput read without stalling the device, and a log line per epoch
 where no progress bar is shown."""
 
@@ -14,29 +14,14 @@ from weakref import proxy
 
 import lightning as L
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from vitlab.atomic import atomic_link, atomic_write
+from vitlab.atomic import atomic_link
 from vitlab.signals import StopSignals
 
 log = logging.getLogger(__name__)
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """torch.save into a temporary file beside the target, fsync, then rename over the target: a crash or
-    a full disk never leaves a truncated or half-written checkpoint where a good one was. A failed write
-    raises (torch.save and fsync report it), so the file is not read back: for ViT-B/16 with AdamW that
-    would read 1 GB per save."""
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any = None) -> None:
-        protocols = get_filesystem(path).protocol
-        if "file" not in (protocols if isinstance(protocols, tuple) else (protocols,)):
-            return super().save_checkpoint(checkpoint, path, storage_options)  # object stores: their own semantics
-        atomic_write(path, lambda f: torch.save(checkpoint, f), what="checkpoint")
 
 
 class BestCheckpoint(ModelCheckpoint):
@@ -148,8 +133,8 @@ class SaveOnInterrupt(L.Callback):
 
 
 class EpochLog(L.Callback):
-    """A log line per training epoch, for runs without a progress bar (log files, CI, `make train` piped):
-    the epoch's training and validation metrics, its steps and its time. An epoch's line is written
+    """A log line per training epoch, for runs without a progress bar (log files, CI, `make train` piped; silent
+    under one): the epoch's training and validation metrics, its steps and its time. An epoch's line is written
     when the next one starts (the module logs its training metrics after the callbacks' epoch-end
     hooks have run), and the last one when fit ends."""
 
@@ -170,7 +155,7 @@ class EpochLog(L.Callback):
             self._started = None
 
     def _write(self, trainer: L.Trainer, epoch: int) -> None:
-        if not trainer.is_global_zero:
+        if not trainer.is_global_zero or trainer.progress_bar_callback is not None:
             return
         seconds = time.perf_counter() - self._started
         steps = trainer.global_step - self._step

@@ -81,3 +81,10 @@ def one_line(e: BaseException) -> str:
         text = f"{e.full_key} must be given: {e.full_key}=..."
     text = text.split("\nConfig search path")[0]  # Hydra's missing-option message ends with its search path
     return " ".join(text.split())
+
+
+def close_matches(word: str, choices: list[str]) -> list[str]:
+    """Up to three of `choices` that look like `word`, for a `did you mean` hint."""
+    import difflib
+
+    return difflib.get_close_matches(word, choices, n=3, cutoff=0.6)

@@ -11,12 +11,9 @@ import dataclasses
 import inspect
 import logging
 import os
-import pickle
-import shlex
 import signal
 import sys
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -29,14 +26,15 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from vitlab.atomic import remove_stale_temporaries
-from vitlab.callbacks import EpochLog, SaveOnInterrupt
-from vitlab.errors import MissingFileError, UserError
+from vitlab import resume
+from vitlab.callbacks import SaveOnInterrupt
+from vitlab.convert.weights import read_checkpoint
+from vitlab.errors import UserError
 from vitlab.lit_module import ViTModule
 from vitlab.logs import route_lightning_logs
-from vitlab.model.config import DROPOUTS, vit_config
+from vitlab.model.config import vit_config
 from vitlab.settings import check_arguments
 from vitlab.signals import pass_on
 
@@ -44,11 +42,8 @@ log = logging.getLogger(__name__)
 route_lightning_logs()
 
 PROGRESS_BARS = ("auto", "rich", "tqdm", "none")
-# Regularisation may change between a run and its resumption; the architecture may not.
-RESUME_MAY_DIFFER = set(DROPOUTS)
 
 __all__ = [
-    "apply_pretrained",
     "build_datamodule",
     "build_fit",
     "build_module",
@@ -56,14 +51,10 @@ __all__ = [
     "check_launch",
     "check_node",
     "check_settings",
-    "check_resumable",
-    "earlier_start",
     "describe",
     "fit_and_test",
     "inference_datamodule",
     "load_for_inference",
-    "read_checkpoint",
-    "resolve_ckpt_path",
 ]
 
 
@@ -119,131 +110,6 @@ def check_launch(cfg: DictConfig) -> None:
         )
 
 
-def resolve_ckpt_path(ckpt_path: str | None, runs_dir: Path) -> str | None:
-    """The checkpoint to resume from: the file the user named, or for `last` the newest last.ckpt or
-    interrupted.ckpt among this task's earlier runs. Temporaries that a killed save left beside it are
-    removed."""
-    if ckpt_path is None:
-        return None
-    if ckpt_path == "last":
-        ckpt_path = _newest(runs_dir.glob("*/checkpoints"))
-        if ckpt_path is None:
-            raise MissingFileError(f"ckpt_path=last: no last.ckpt or interrupted.ckpt under {runs_dir}/*/checkpoints")
-    if Path(ckpt_path).is_file():  # a missing or wrong path is named by read_checkpoint (check_resumable)
-        remove_stale_temporaries(Path(ckpt_path).parent)
-    return ckpt_path
-
-
-def earlier_start(run_dir: Path) -> str | None:
-    """The checkpoint to go on from when this run directory already holds one: the same job started again (Slurm
-    requeued or pre-empted it, or submitit resubmitted it at its time limit), which resumes where it stopped. A
-    new run never finds one: every command claims a new directory, and Lightning's DDP children start before
-    anything is saved."""
-    found = _newest([run_dir / "checkpoints"])
-    if found:
-        restart = os.environ.get("SLURM_RESTART_COUNT")
-        log.info(
-            "%s holds a checkpoint of an earlier start%s: resuming from %s",
-            run_dir,
-            f" (Slurm restart {restart})" if restart else "",
-            found,
-        )
-        remove_stale_temporaries(Path(found).parent)
-    return found
-
-
-def _newest(folders) -> str | None:
-    """The newest last.ckpt or interrupted.ckpt in `folders`."""
-    found = [p for folder in folders for p in (folder / "last.ckpt", folder / "interrupted.ckpt") if p.is_file()]
-    return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
-
-
-def check_resumable(ckpt_path: str, module: ViTModule, trainer_cfg: DictConfig | None = None) -> None:
-    """Refuse, in one line, a checkpoint this run cannot go on from: another architecture or class count (before
-    Lightning fails deep inside load_state_dict), another batch size (its saved position in the epoch and its
-    learning-rate schedule count steps of the batch it had) or, given the run's trainer settings, a run that
-    had already finished (it would train nothing)."""
-    ckpt = read_checkpoint(ckpt_path)
-    theirs = ckpt["hyper_parameters"]["model"]
-    ours = module.hparams["model"]
-    diff = {k: (theirs.get(k), ours[k]) for k in ours if theirs.get(k) != ours[k] and k not in RESUME_MAY_DIFFER}
-    if diff:
-        shown = ", ".join(f"{k}={a!r} (this run: {b!r})" for k, (a, b) in list(diff.items())[:4])
-        raise UserError(f"ckpt_path {ckpt_path!r} was trained with a different model: {shown}")
-    batch = (
-        (ckpt["hyper_parameters"].get("data") or {}).get("batch_size"),
-        (module.hparams.get("data") or {}).get("batch_size"),
-    )
-    if None not in batch and batch[0] != batch[1]:
-        raise UserError(
-            f"ckpt_path {ckpt_path!r} was trained with data.batch_size={batch[0]} (this run: {batch[1]}): its place "
-            f"in the epoch and its learning-rate schedule count steps of {batch[0]} images; resume with "
-            f"data.batch_size={batch[0]}"
-        )
-    epochs = ckpt.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
-    done = max(epochs.get("processed", 0), epochs.get("completed", 0))
-    limit = trainer_cfg.get("max_epochs") if trainer_cfg is not None else None
-    if limit and limit > 0 and done >= limit:
-        raise UserError(
-            f"ckpt_path {ckpt_path!r} is of a run that had finished ({done} of {limit} epochs): nothing is left to "
-            f"train; raise trainer.max_epochs to train on, or test it: python -m vitlab.eval ckpt_path={ckpt_path}"
-        )
-
-
-def apply_pretrained(cfg: DictConfig) -> None:
-    """`model.pretrained=<timm name>`: the model is that timm architecture (convert.timm.config_from_timm), at this
-    run's img_size, in_chans, num_classes and regularisation (RUN_FIELDS); data.mean/std and the eval crop and
-    interpolation left null become the weights' (timm's pretrained_cfg). Applied to `cfg` before it is saved,
-    so config.yaml and the checkpoints describe what ran. A weights file keeps the model config as it is."""
-    from vitlab.convert.timm import (
-        RUN_FIELDS,
-        config_from_timm,
-        is_weights_file,
-        timm_architecture,
-        timm_model_args,
-        timm_pretrained_cfg,
-    )
-
-    source = cfg.model.get("pretrained")
-    if not source or is_weights_file(source):
-        return
-    run_fields = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k in RUN_FIELDS}
-    pretrained = timm_pretrained_cfg(source)
-    patch, img = timm_model_args(source).get("patch_size", 16), run_fields["img_size"]
-    (ph, pw), (h, w) = (tuple(v) if isinstance(v, (list, tuple)) else (v, v) for v in (patch, img))
-    if h % ph or w % pw:
-        raise UserError(
-            f"model.img_size {img} is not a multiple of the patch size {patch} of timm's {source}; set model.img_size "
-            f"(its weights were trained at {pretrained['input_size'][-1]})"
-        )
-    arch = config_from_timm(source, **run_fields).to_dict()
-    changed = sorted(k for k, v in arch.items() if cfg.model.get(k) != v)
-    with open_dict(cfg):
-        cfg.model.update(arch, variant=None, timm_name=timm_architecture(source))
-        taken = _pretrained_preprocessing(cfg.data, pretrained, arch["in_chans"])
-    log.info(
-        "model.pretrained=%s: timm's architecture%s; preprocessing of %s: %s",
-        source,
-        f" (model.{', model.'.join(changed)} changed)" if changed else "",
-        pretrained["tag"],
-        ", ".join(f"data.{k}={v}" for k, v in taken.items()) or "none taken (set in the data config)",
-    )
-
-
-def _pretrained_preprocessing(data: DictConfig, pretrained: dict, channels: int) -> dict[str, Any]:
-    """Fill the data settings left null with the pretrained weights' (mean/std averaged over channels when the
-    data has another channel count); returns what was filled."""
-    taken: dict[str, Any] = {}
-    for key in ("mean", "std"):
-        if key in data and data[key] is None:
-            values = list(pretrained[key])
-            data[key] = taken[key] = values if len(values) == channels else [sum(values) / len(values)] * channels
-    for key in ("crop_pct", "interpolation"):
-        if "eval_transform" in data and key in data.eval_transform and data.eval_transform[key] is None:
-            data.eval_transform[key] = taken[f"eval_transform.{key}"] = pretrained[key]
-    return taken
-
-
 def check_node(node: DictConfig, key: str) -> None:
     """The values of a config node that builds something (`_target_`), and of the nodes in it, have the types
     their target declares (settings.check_arguments): a wrong type is one line naming the key before anything
@@ -281,13 +147,13 @@ def build_module(cfg: DictConfig, datamodule: L.LightningDataModule) -> ViTModul
 
 def progress_bar(choice: str) -> tuple[list, bool]:
     """The progress-bar callbacks and Trainer flag of `progress_bar=`; without a bar (a log file, CI)
-    an EpochLog line per epoch says how training goes."""
+    the EpochLog callback (conf/callbacks/epoch_log.yaml) writes a line per epoch."""
     if choice not in PROGRESS_BARS:
         raise UserError(f"progress_bar {choice!r} is not one of {list(PROGRESS_BARS)}")
     if choice == "auto":
         choice = "rich" if sys.stdout.isatty() else "none"
     if choice == "none":
-        return [EpochLog()], False
+        return [], False
     return ([RichProgressBar()] if choice == "rich" else []), True
 
 
@@ -464,22 +330,12 @@ def _stopped(trainer: L.Trainer) -> None:
         name, path = signal.Signals(saved["signal"]).name, saved["path"]
         print(
             f"interrupted by {name} at step {saved['step']} (epoch {saved['epoch'] + 1}): saved {path}; resume with: "
-            f"{resume_command(path)}",
+            f"{resume.resume_command(path)}",
             file=sys.stderr,
             flush=True,
         )
     pass_on(saved["signal"])
     raise SystemExit(128 + saved["signal"])
-
-
-def resume_command(ckpt_path: Path) -> str:
-    """This run's command line (its own overrides, as typed) with ckpt_path set to `ckpt_path`. A job of a sweep
-    resumes as a single run: its overrides are its own values, and hydra.mode=RUN keeps a config that asks for
-    a sweep (hparams_search=...) from starting a new one."""
-    hydra_cfg = HydraConfig.get()
-    overrides = [o for o in hydra_cfg.overrides.task if not o.lstrip("+~").startswith(("ckpt_path=", "hydra.mode="))]
-    single = ["hydra.mode=RUN"] if hydra_cfg.mode == RunMode.MULTIRUN else []
-    return shlex.join(["python", "-m", "vitlab.train", *overrides, *single, f"ckpt_path={ckpt_path}"])
 
 
 def describe(cfg: DictConfig, module: ViTModule) -> str:
@@ -495,52 +351,6 @@ def describe(cfg: DictConfig, module: ViTModule) -> str:
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
-
-
-def read_checkpoint(path: str) -> dict[str, Any]:
-    """A vitlab training checkpoint as plain data, read with weights_only=True: a file that would run
-    code when unpickled is refused, never executed; a file cut short is called corrupt."""
-    if Path(path).is_dir():
-        raise MissingFileError(f"ckpt_path {str(path)!r} is a directory; give a checkpoint file (.ckpt) in it")
-    if not Path(path).is_file():
-        raise MissingFileError(f"ckpt_path {str(path)!r} does not exist")
-    try:
-        ckpt = _load_weights_only(path)
-    except pickle.UnpicklingError as e:
-        with open(path, "rb") as f:
-            head = f.read(2)
-        if head != b"PK" and head[:1] != b"\x80":  # neither torch.save's zip nor a pickle: an ONNX model, JSON, ...
-            raise UserError(
-                f"ckpt_path {str(path)!r} is not a checkpoint (a .ckpt file vitlab.train writes in "
-                "<run>/checkpoints/); it holds another kind of file"
-            ) from e
-        raise UserError(
-            f"ckpt_path {str(path)!r} cannot be read safely as a training checkpoint (only tensors "
-            f"and plain data are allowed; nothing in it was run): {type(e).__name__}"
-        ) from e
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise UserError(
-            f"ckpt_path {str(path)!r} is corrupt or incomplete (cut short while copying or saving?): "
-            f"{str(e).splitlines()[0].split('. ')[0]}"
-        ) from e
-    if (
-        not isinstance(ckpt, dict)
-        or "state_dict" not in ckpt
-        or not isinstance((ckpt.get("hyper_parameters") or {}).get("model"), dict)
-    ):
-        raise UserError(f"ckpt_path {str(path)!r} is not a vitlab training checkpoint (it holds no model config)")
-    return ckpt
-
-
-def _load_weights_only(path: str) -> Any:
-    """torch.load(weights_only=True), memory-mapped when the file is a zip checkpoint (every file torch
-    has written since 1.6); older pickle files are read whole."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as e:
-        if "mmap can only be used" not in str(e):
-            raise
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def load_for_inference(ckpt_path: str, map_location: str = "cpu") -> ViTModule:

@@ -7,17 +7,15 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.helpers import ROOT, tiny
-from vitlab.convert.timm import (
-    config_from_timm,
-    create_timm_model,
+from vitlab.convert.timm_args import config_from_timm, create_timm_model, timm_model_args
+from vitlab.convert.timm_hub import timm_pretrained_state_dict
+from vitlab.convert.weights import (
+    check_state_dict,
     expected_shapes,
     export_timm,
+    fit_state_dict,
     load_timm_weights,
     read_state_dict,
-    timm_model_args,
-    timm_pretrained_state_dict,
-    timm_to_vitlab,
-    vitlab_to_timm,
 )
 from vitlab.model import ViT
 from vitlab.model.config import vit_config
@@ -34,7 +32,7 @@ def zoo_with_timm():
 def test_round_trip_is_bit_identical():
     cfg = tiny(reg_tokens=2, qk_norm=True, init_values=1e-4, global_pool="avg", pre_norm=True)
     sd = ViT(cfg).state_dict()
-    back = timm_to_vitlab(vitlab_to_timm(sd, cfg), cfg)
+    back = fit_state_dict(check_state_dict(sd, cfg), cfg)
     assert list(back) == list(sd)
     assert all(torch.equal(back[k], sd[k]) for k in sd)
 
@@ -43,28 +41,28 @@ def test_our_names_are_timms_for_every_parameter_of_every_option():
     cfg = tiny(reg_tokens=2, qk_norm=True, init_values=1e-4, pre_norm=True, global_pool="avg")
     for c in (cfg, tiny(fc_norm=True)):
         timm_sd = create_timm_model(c).state_dict()
-        assert list(vitlab_to_timm(ViT(c).state_dict(), c)) == list(timm_sd)
+        assert list(check_state_dict(ViT(c).state_dict(), c)) == list(timm_sd)
         assert {k: v.shape for k, v in timm_sd.items()} == dict(expected_shapes(c))
 
 
 def test_strict_checks_name_the_offending_keys():
     cfg = tiny()
-    sd = vitlab_to_timm(ViT(cfg).state_dict(), cfg)
+    sd = check_state_dict(ViT(cfg).state_dict(), cfg)
     with pytest.raises(ValueError, match=r"keys this ViT config does not use: \['dist_token'\]"):
-        timm_to_vitlab({**sd, "dist_token": torch.zeros(1, 1, 32)}, cfg)
+        fit_state_dict({**sd, "dist_token": torch.zeros(1, 1, 32)}, cfg)
     with pytest.raises(ValueError, match=r"lacks keys this ViT config needs: \['blocks.1.mlp.fc2.bias'\]"):
-        timm_to_vitlab({k: v for k, v in sd.items() if k != "blocks.1.mlp.fc2.bias"}, cfg)
+        fit_state_dict({k: v for k, v in sd.items() if k != "blocks.1.mlp.fc2.bias"}, cfg)
     with pytest.raises(ValueError, match=r"head.weight \(7, 32\) != \(10, 32\)"):
-        timm_to_vitlab(sd, tiny(num_classes=10))
+        fit_state_dict(sd, tiny(num_classes=10))
     with pytest.raises(ValueError, match="does not use"):  # depth 2 weights into depth 1
-        timm_to_vitlab(sd, tiny(depth=1))
+        fit_state_dict(sd, tiny(depth=1))
 
 
 def test_new_head_and_new_resolution():
     src = tiny(img_size=32)
-    sd = vitlab_to_timm(ViT(src).state_dict(), src)
+    sd = check_state_dict(ViT(src).state_dict(), src)
     dst = tiny(img_size=64, num_classes=3)
-    out = timm_to_vitlab(sd, dst, reset_head=True)
+    out = fit_state_dict(sd, dst, reset_head=True)
     assert "head.weight" not in out and out["pos_embed"].shape == (1, 1 + 64, 32)
     model = ViT(dst)
     head = model.head.weight.clone()
@@ -134,7 +132,7 @@ def test_export_is_timm_loadable_and_atomic(tmp_path: Path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["w.safetensors"]  # no temporary left
     theirs = create_timm_model(cfg)
     exported = read_state_dict(path)
-    expected = vitlab_to_timm(model.state_dict(), cfg)
+    expected = check_state_dict(model.state_dict(), cfg)
     assert exported.keys() == expected.keys() and all(torch.equal(exported[k], expected[k]) for k in expected)
     theirs.load_state_dict(exported)
     x = torch.randn(2, 3, 32, 32)
@@ -188,7 +186,7 @@ def test_config_from_timm_builds_what_timm_builds(name, overrides):
     cfg = config_from_timm(name, **overrides)
     theirs = timm.create_model(name, pretrained=False, **overrides).eval()
     ours = ViT(cfg).eval()
-    ours.load_state_dict(timm_to_vitlab(theirs.state_dict(), cfg))
+    ours.load_state_dict(fit_state_dict(theirs.state_dict(), cfg))
     x = torch.randn(2, cfg.in_chans, *cfg.img_hw)
     with torch.no_grad():
         torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=0)
@@ -207,7 +205,7 @@ def test_pretrained_cfg_follows_the_weights_loaded_by_name(monkeypatch):
     """A model loaded with timm's weights by name carries their pretrained_cfg (what the data transforms use),
     read from timm's registry; a fresh model carries timm's ViT defaults."""
 
-    import vitlab.convert.timm as ct
+    import vitlab.convert.weights as ct
 
     name = "vit_base_patch16_clip_224.openai"
     cfg = config_from_timm(name, depth=1, num_classes=5, img_size=32)

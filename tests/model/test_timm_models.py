@@ -15,7 +15,8 @@ from torchvision.models.feature_extraction import create_feature_extractor, get_
 
 from tests.helpers import tiny
 from vitlab.convert.export import dynamic_shapes
-from vitlab.convert.timm import timm_kwargs, vitlab_to_timm
+from vitlab.convert.timm_args import timm_kwargs
+from vitlab.convert.weights import check_state_dict
 from vitlab.model import ViT
 
 CONFIGS = {
@@ -41,7 +42,7 @@ def pair(name: str, **overrides):
     cfg = tiny(**{**CONFIGS[name], **overrides})
     ours = ViT(cfg).eval()
     theirs = VisionTransformer(**timm_kwargs(cfg)).eval()
-    theirs.load_state_dict(vitlab_to_timm(ours.state_dict(), cfg))
+    theirs.load_state_dict(check_state_dict(ours.state_dict(), cfg))
     return ours, theirs
 
 

@@ -4,7 +4,8 @@ from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
 from tests.helpers import tiny
-from vitlab.convert.timm import timm_kwargs, vitlab_to_timm
+from vitlab.convert.timm_args import timm_kwargs
+from vitlab.convert.weights import check_state_dict
 from vitlab.model import ViT, ViTConfig, posemb_sincos_2d
 
 OPTIONS = {
@@ -91,7 +92,7 @@ OPTIONS = {
 def _pair(cfg: ViTConfig):
     ours = ViT(cfg).eval()
     theirs = VisionTransformer(**timm_kwargs(cfg)).eval()
-    theirs.load_state_dict(vitlab_to_timm(ours.state_dict(), cfg))
+    theirs.load_state_dict(check_state_dict(ours.state_dict(), cfg))
     return ours, theirs
 
 

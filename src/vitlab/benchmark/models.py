@@ -19,7 +19,8 @@ from torch import nn
 
 from vitlab.benchmark.config import PRECISIONS, BenchmarkConfig
 from vitlab.benchmark.measure import MB, peak_matmul_flops, step_peak_bytes, summarise, tensor_bytes, time_once
-from vitlab.convert.timm import create_timm_model, vitlab_to_timm
+from vitlab.convert.timm_args import create_timm_model
+from vitlab.convert.weights import check_state_dict
 from vitlab.model import ViT, ViTConfig
 from vitlab.optim import OptimConfig, make_optimizer
 from vitlab.settings import compile_mode
@@ -79,7 +80,7 @@ def build_contenders(cfg: ViTConfig, b: BenchmarkConfig, optim: OptimConfig, dev
             optimizer = make_optimizer(model, optim)
         else:
             model = create_timm_model(cfg)
-            model.load_state_dict(vitlab_to_timm(base.state_dict(), cfg))
+            model.load_state_dict(check_state_dict(base.state_dict(), cfg))
             model = model.to(device)
             optimizer = timm_optimizer(model, optim, b.timm_optimizer)
         model.set_grad_checkpointing(name.endswith("_ckpt"))

@@ -30,23 +30,23 @@ def train(cfg: DictConfig) -> float | None:
     from hydra.types import RunMode
     from omegaconf import OmegaConf
 
-    from vitlab import run
-    from vitlab.convert.timm import load_timm_weights
+    from vitlab import pretrained, resume, run
+    from vitlab.convert.weights import load_timm_weights
 
     started = time.time()
     run.check_settings(cfg)
     run.check_launch(cfg)
-    run.apply_pretrained(cfg)  # model.pretrained=<timm name>: timm's architecture and preprocessing
+    pretrained.apply_pretrained(cfg)  # model.pretrained=<timm name>: timm's architecture and preprocessing
     out = Path(cfg.paths.output_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     fit = run.build_fit(cfg)
     trainer, module = fit.trainer, fit.module
-    ckpt_path = run.resolve_ckpt_path(cfg.ckpt_path, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
+    ckpt_path = resume.resolve_ckpt_path(cfg.ckpt_path, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
     if ckpt_path:  # the user's: refused if it had finished (a job that restarts, below, goes on to test)
-        run.check_resumable(ckpt_path, module, cfg.trainer if cfg.train else None)
-    elif ckpt_path := run.earlier_start(out):
-        run.check_resumable(ckpt_path, module)
+        resume.check_resumable(ckpt_path, module, cfg.trainer if cfg.train else None)
+    elif ckpt_path := resume.earlier_start(out):
+        resume.check_resumable(ckpt_path, module)
     elif cfg.model.pretrained:
         load_timm_weights(module.model, cfg.model.pretrained)
 

@@ -12,14 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from vitlab.convert.timm import (
-    config_from_timm,
-    create_timm_model,
-    timm_model_args,
-    timm_to_vitlab,
-    timm_vit_names,
-    vitlab_to_timm,
-)
+from vitlab.convert.timm_args import config_from_timm, create_timm_model, timm_model_args
+from vitlab.convert.timm_hub import timm_vit_names
+from vitlab.convert.weights import check_state_dict, fit_state_dict
 from vitlab.errors import OfflineError, UserError
 from vitlab.model import ViT, ViTConfig
 
@@ -55,12 +50,12 @@ def build_pair(cfg: ViTConfig, timm_name: str | None, pretrained: bool) -> tuple
         except OfflineError as e:  # never report a check of weights that were not loaded
             raise OfflineError(f"{e}; or check parity on random weights with pretrained=false") from e
         ours = ViT(cfg)
-        ours.load_state_dict(timm_to_vitlab(theirs.state_dict(), cfg))
+        ours.load_state_dict(fit_state_dict(theirs.state_dict(), cfg))
         weights = f"timm pretrained ({timm_name})"
     else:
         ours = ViT(cfg)
         theirs = create_timm_model(cfg, timm_name)
-        theirs.load_state_dict(vitlab_to_timm(ours.state_dict(), cfg))
+        theirs.load_state_dict(check_state_dict(ours.state_dict(), cfg))
         weights = "random"
     return ours.eval(), theirs.eval(), weights
 
@@ -141,8 +136,8 @@ def compare_timm_arch(name: str, depth_cap: int = 2, batch_size: int = 1, seed: 
     torch.manual_seed(seed)
     theirs = timm.create_model(name, pretrained=False, depth=depth).eval()
     ours = ViT(cfg).eval()
-    ours.load_state_dict(timm_to_vitlab(theirs.state_dict(), cfg))
-    back = vitlab_to_timm(ours.state_dict(), cfg)
+    ours.load_state_dict(fit_state_dict(theirs.state_dict(), cfg))
+    back = check_state_dict(ours.state_dict(), cfg)
     round_trip = back.keys() == theirs.state_dict().keys() and all(
         torch.equal(back[k], v) for k, v in theirs.state_dict().items()
     )

@@ -9,7 +9,7 @@ as the classifier's backbone; its pooler (`pooler.dense`, a dense layer and tanh
 neither timm nor vitlab has) is left out, as transformers itself leaves it out when it loads such a
 checkpoint into ViTForImageClassification. Give it a config with `num_classes=0` (features), or pass
 `reset_head=True` and load into a model with a new head (`load_state_dict(..., strict=False)`).
-The result goes through the strict timm-name checks of `convert.timm` (every key, every shape).
+The result goes through the strict timm-name checks of `convert.weights` (every key, every shape).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from vitlab.convert.timm import StateDict, timm_to_vitlab
+from vitlab.convert.weights import StateDict, fit_state_dict
 from vitlab.errors import UserError
 from vitlab.model import ViTConfig
 
@@ -108,7 +108,7 @@ def hf_to_vitlab(sd: StateDict, cfg: ViTConfig, *, reset_head: bool = False) -> 
         if set(parts) != {"query", "key", "value"}:
             raise UserError(f"HF block {block} has {sorted(parts)} {p} but needs query, key and value")
         timm_sd[f"blocks.{block}.attn.qkv.{p}"] = torch.cat([parts["query"], parts["key"], parts["value"]], dim=0)
-    return timm_to_vitlab(timm_sd, cfg, resample=False, reset_head=reset_head)
+    return fit_state_dict(timm_sd, cfg, resample=False, reset_head=reset_head)
 
 
 def vit_config_from_hf(hf: Any, **overrides: Any) -> ViTConfig:

@@ -10,7 +10,8 @@ import torch
 from torchvision import datasets
 
 from vitlab.data.base import ImageDataModule, TransformDataset
-from vitlab.errors import MissingFileError, OfflineError, UserError
+from vitlab.downloads import downloading
+from vitlab.errors import MissingFileError, UserError
 
 
 class CIFAR10DataModule(ImageDataModule):
@@ -40,14 +41,11 @@ class CIFAR10DataModule(ImageDataModule):
                 raise MissingFileError(
                     f"{self.label} not found under data.data_dir={str(root)!r} and data.download=false"
                 ) from None
-        try:
+        with downloading(
+            f"{self.label} not found under data.data_dir={str(root)!r} and the download failed (no network); "
+            "download it once online or copy the extracted dataset there"
+        ):
             return self.dataset_cls(root, train=train, download=True)
-        except Exception as e:
-            raise OfflineError(
-                f"{self.label} not found under data.data_dir={str(root)!r} and the download "
-                f"failed ({type(e).__name__}: {e}); download it once online or copy the "
-                f"extracted dataset there"
-            ) from e
 
     def prepare_data(self) -> None:  # rank 0 only: download before the other ranks read
         self._open(train=True)

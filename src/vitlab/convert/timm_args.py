@@ -1,0 +1,191 @@
+"""The architecture mapping between timm's VisionTransformer arguments and ViTConfig, both ways, from one table:
+`timm_kwargs(cfg)` builds timm's model for a config (parity tests, benchmarks), `config_from_timm(name)` reads
+the config of any architecture timm registers from timm's own arguments."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from torch import nn
+
+from vitlab.convert.timm_hub import check_timm_name, from_the_hub, timm_architecture, timm_vit_names
+from vitlab.errors import UserError, close_matches
+from vitlab.model import ViTConfig
+from vitlab.model.config import DROPOUTS
+
+
+def timm_components() -> dict[str, dict[str, Any]]:
+    """Per argument, our component name -> what timm's VisionTransformer takes for it (a name timm reads, or its
+    class). `timm_kwargs` reads it forwards; `vitlab_args` backwards, by the class's name (and TIMM_ALIASES)."""
+    import timm.models.vision_transformer as tv
+    from timm.layers import Mlp, RmsNorm, SwiGLU, SwiGLUPacked
+
+    return {
+        "act_layer": {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "quick_gelu": "quick_gelu", "silu": "silu"},
+        "attn_layer": {"attn": "attn", "diff": "diff"},
+        "norm_layer": {"layernorm": nn.LayerNorm, "rmsnorm": RmsNorm},
+        "mlp_layer": {"mlp": Mlp, "swiglu": SwiGLU, "swiglu_packed": SwiGLUPacked},
+        "block_fn": {"block": tv.Block, "parallel_scaling": tv.ParallelScalingBlock, "res_post": tv.ResPostBlock,
+                     "parallel_things": tv.ParallelThingsBlock, "diff_parallel_scaling": tv.DiffParallelScalingBlock},
+    }  # fmt: skip
+
+
+# Other names timm's registered models give the same components (class names, lower case).
+TIMM_ALIASES = {
+    "act_layer": {"gelutanh": "gelu_tanh", "quickgelu": "quick_gelu", "swish": "silu"},
+    "attn_layer": {"attention": "attn", "diffattention": "diff"},
+}
+
+# timm arguments our ViT has no counterpart for, with the value that means "off" (timm's default)
+TIMM_UNSUPPORTED = {
+    "embed_layer": "PatchEmbed",
+}
+
+
+def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
+    """Arguments of timm's VisionTransformer that build the same network as `cfg`. A fixed sin-cos
+    embedding becomes a learned one with the same values (timm has no fixed one)."""
+    d = cfg.to_dict()
+    del d["norm_eps"]
+    d["img_size"], d["patch_size"] = cfg.img_hw, cfg.patch_hw
+    if cfg.pos_embed == "sincos2d":
+        d.update(pos_embed="learn", no_embed_class=True)
+    elif cfg.pos_embed == "sincos1d":  # prefix rows as no_embed_class says
+        d.update(pos_embed="learn")
+    for key, table in timm_components().items():
+        d[key] = table[d[key]]
+    d["norm_layer"] = partial(d["norm_layer"], eps=cfg.norm_eps)
+    d["embed_norm_layer"] = d["norm_layer"] if d.pop("embed_norm") else None
+    return d
+
+
+def timm_model_args(name: str, **overrides: Any) -> dict[str, Any]:
+    """The keyword arguments timm passes to VisionTransformer for `name` (an architecture, optionally with a
+    pretrained tag, or a TIMM_SOURCES folder or repository), `overrides` merged and the pretrained config's
+    defaults (input size, class count) filled in, exactly as `timm.create_model(name, **overrides)` does: it
+    runs, and its call to VisionTransformer is answered with the arguments instead of a model (nothing
+    allocated; nothing downloaded but a hub repository's config.json)."""
+    import timm
+    import timm.models.vision_transformer as tv
+
+    arch = timm_architecture(name)
+    names = timm_vit_names()
+    if arch not in names:
+        raise UserError(
+            f"{arch!r} is not an architecture of timm's vision_transformer module ({len(names)} are)"
+            + (f"; did you mean {close}?" if (close := close_matches(arch, names)) else "")
+        )
+    check_timm_name(name)
+
+    class Captured(Exception):
+        pass
+
+    args: dict[str, Any] = {}
+
+    def capture(**kwargs: Any):
+        args.update(kwargs)
+        raise Captured
+
+    real, tv.VisionTransformer = tv.VisionTransformer, capture
+    try:
+        timm.create_model(name, pretrained=False, **overrides)
+    except Captured:
+        pass
+    finally:
+        tv.VisionTransformer = real
+    return args
+
+
+def _component_name(value: Any) -> str:
+    """A timm component (class, partial, or name) as its class name, lower case."""
+    if isinstance(value, str):
+        return value.lower()
+    value = getattr(value, "func", value)  # functools.partial
+    return getattr(value, "__name__", type(value).__name__).lower()
+
+
+def _norm(value: Any) -> dict[str, Any]:
+    eps = 1e-6 if isinstance(value, str) else getattr(value, "keywords", {}).get("eps", 1e-6)  # timm's default
+    return {"norm_layer": _ours("norm_layer", value), "norm_eps": eps}
+
+
+def _mlp(value: Any) -> str:
+    """timm's packed SwiGLU is GluMlp with SiLU and the gate in the first half (gate_last=False); any other
+    GluMlp is not one of ours."""
+    kind, keywords = _component_name(value), getattr(value, "keywords", {})
+    if kind in ("glumlp", "swiglupacked"):
+        if keywords.get("gate_last", True) is False and _component_name(keywords.get("act_layer", "silu")) == "silu":
+            return "swiglu_packed"
+        raise UserError(f"mlp_layer {kind!r} {keywords or ''}")
+    return _ours("mlp_layer", value)
+
+
+def _ours(key: str, value: Any) -> str:
+    """timm's component for argument `key` (a name, class or partial) as our name, or a UserError naming it."""
+    names = {_component_name(v): ours for ours, v in timm_components()[key].items()} | TIMM_ALIASES.get(key, {})
+    if (ours := names.get(_component_name(value))) is None:
+        raise UserError(f"{key}={_component_name(value)!r}")
+    return ours
+
+
+def vitlab_args(args: dict[str, Any]) -> dict[str, Any]:
+    """timm's VisionTransformer arguments as ViTConfig fields; a UserError names the first one that our ViT
+    cannot express."""
+    out: dict[str, Any] = {}
+    for key, value in args.items():
+        if key in TIMM_UNSUPPORTED:
+            default = TIMM_UNSUPPORTED[key]
+            off = value == default or (isinstance(default, str) and _component_name(value) == default.lower())
+            if not off:
+                raise UserError(f"{key}={_component_name(value) if callable(value) else value!r}")
+        elif key in ("act_layer", "attn_layer", "block_fn"):  # a timm class or name -> ours
+            out[key] = _ours(key, value)
+        elif key == "norm_layer":
+            out.update(_norm(value))
+        elif key == "embed_norm_layer":
+            out["embed_norm"] = value is not None
+        elif key == "mlp_layer":
+            out["mlp_layer"] = _mlp(value)
+        elif key in ("patch_size", "img_size") and isinstance(value, (tuple, list)):
+            out[key] = list(value)  # ViTConfig keeps an int for squares
+        else:
+            out[key] = value
+    if out.get("embed_norm") and _norm(args["embed_norm_layer"]) != _norm(args.get("norm_layer", "layernorm")):
+        raise UserError(f"embed_norm_layer={_component_name(args['embed_norm_layer'])!r} unlike norm_layer")
+    return out
+
+
+def config_from_timm(name: str, **overrides: Any) -> ViTConfig:
+    """The ViTConfig of `name`, an architecture registered in timm's `vision_transformer` module, from the
+    arguments timm registers for it, with timm's keyword `overrides` applied (`depth=2`, `img_size=384`,
+    `num_classes=10`), so that `fit_state_dict(timm.create_model(name, **overrides).state_dict(), cfg)`
+    loads into `ViT(cfg)`. An architecture our ViT cannot express is a UserError saying which argument."""
+    args = timm_model_args(name, **overrides)
+    try:
+        return ViTConfig.from_dict(vitlab_args(args))
+    except UserError as e:
+        raise UserError(f"timm's {timm_architecture(name)} is not expressible by vitlab's ViT: {e}") from None
+
+
+# What a run decides for itself when it starts from a timm architecture (model.pretrained=<timm name>): the size
+# of its images, their channels, its classes and its regularisation; every other field is the architecture's.
+RUN_FIELDS = ("img_size", "in_chans", "num_classes", "dynamic_img_size", "dynamic_img_pad", *DROPOUTS)
+
+
+def create_timm_model(cfg: ViTConfig, name: str | None = None, pretrained: bool = False) -> nn.Module:
+    """timm's model for `cfg`: the registered `name` with cfg's arguments on top, or a bare
+    VisionTransformer. Pretrained weights come through timm's own hub download."""
+    import timm
+    from timm.models.vision_transformer import VisionTransformer
+
+    kwargs = timm_kwargs(cfg)
+    if name is None:
+        if pretrained:
+            raise UserError("pretrained weights need a timm model name")
+        return VisionTransformer(**kwargs)
+    check_timm_name(name)
+    if not pretrained:
+        return timm.create_model(name, **kwargs)
+    with from_the_hub(name):
+        return timm.create_model(name, pretrained=True, **kwargs)

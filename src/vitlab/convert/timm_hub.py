@@ -1,0 +1,132 @@
+"""timm's names and downloads: which names timm knows (an architecture, with a pretrained tag, or a folder or
+Hugging Face repository as timm saves one), what its weights expect of their input, and the weights themselves,
+fetched through the hub the one way vitlab downloads (`vitlab.downloads`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+
+from vitlab.downloads import downloading
+from vitlab.errors import MissingFileError, UserError, close_matches
+
+
+def timm_vit_names() -> list[str]:
+    """Every architecture registered in timm's `vision_transformer` module."""
+    import timm
+
+    return timm.list_models(module="vision_transformer")
+
+
+# Where timm.create_model reads a model from instead of its registry: a folder as timm saves one (config.json
+# with the architecture, its arguments and pretrained_cfg, and the weights), or a Hugging Face repository.
+TIMM_SOURCES = ("local-dir:", "hf-hub:")
+
+
+def _source_config(name: str) -> tuple[dict, str, dict]:
+    """(pretrained_cfg, architecture, model_args) of a `local-dir:` / `hf-hub:` name, read by timm."""
+    from timm.models._hub import load_model_config_from_hf, load_model_config_from_path
+
+    source, _, where = name.partition(":")
+    if source == "local-dir":
+        if not (Path(where) / "config.json").is_file():
+            raise MissingFileError(f"{name!r}: {where}/config.json does not exist (a folder as timm saves a model)")
+        return load_model_config_from_path(where)
+    with from_the_hub(name):
+        return load_model_config_from_hf(where)
+
+
+def timm_architecture(name: str) -> str:
+    """The registered architecture `name` builds: the name without its pretrained tag, or the architecture in
+    the config.json of a `local-dir:` / `hf-hub:` source."""
+    return _source_config(name)[1] if name.startswith(TIMM_SOURCES) else name.partition(".")[0]
+
+
+# What a model's pretrained configuration says of its input (timm's keys): the run's preprocessing.
+PREPROCESSING = ("mean", "std", "crop_pct", "crop_mode", "interpolation", "input_size")
+
+
+def timm_pretrained_cfg(name: str) -> dict[str, Any]:
+    """What timm's weights `name` (an architecture, or with a pretrained tag) expect of their input, from timm's
+    registry (nothing downloaded): mean, std, crop_pct, crop_mode, interpolation, input_size (C, H, W), and
+    the tag (timm's default weights when `name` has none)."""
+    from timm.models import get_pretrained_cfg
+
+    check_timm_name(name)
+    if name.startswith(TIMM_SOURCES):  # the folder's or repository's own config.json
+        cfg = _source_config(name)[0]
+        return {key: cfg[key] for key in PREPROCESSING if key in cfg} | {"tag": name}
+    cfg = get_pretrained_cfg(name)
+    if cfg is None:
+        raise UserError(f"timm has no pretrained configuration for {name!r}")
+    return {key: getattr(cfg, key) for key in PREPROCESSING} | {"tag": f"{name.partition('.')[0]}.{cfg.tag}"}
+
+
+def check_timm_name(name: str) -> None:
+    """A timm model name, optionally with a pretrained tag (`vit_base_patch16_224.augreg_in21k`), that
+    timm knows; otherwise a one-line error with the closest names."""
+    import timm
+
+    if name.startswith(TIMM_SOURCES):
+        name = timm_architecture(name)  # a folder without config.json, or an unreachable repository, fails here
+    arch, _, tag = name.partition(".")
+    if not timm.is_model(arch):
+        close = close_matches(arch, timm.list_models())
+        hint = f"did you mean {close}? " if close else ""
+        raise UserError(
+            f"{name!r} is neither a weights file nor a timm model name; {hint}"
+            "timm.list_models('vit_*') lists timm's ViTs"
+        )
+    if tag and name not in timm.list_pretrained(f"{arch}.*"):
+        raise UserError(f"timm has no pretrained weights {name!r}; it has {timm.list_pretrained(f'{arch}.*')[:6]}")
+
+
+@contextlib.contextmanager
+def from_the_hub(name: str) -> Iterator[None]:
+    """Downloads from the Hugging Face hub: the hub looked for first (an unreachable hub reads the cache alone, at
+    once), and "no network" the one-line OfflineError naming `name` and the ways out."""
+    _unless_hub_reachable_read_the_cache()
+    with downloading(offline_message(name)):
+        yield
+
+
+def _unless_hub_reachable_read_the_cache() -> None:
+    """Without a network, huggingface_hub retries each request for about a minute before it gives up (50 s for one
+    timm name, measured): look for the hub once, in 2 s, and if it cannot be reached let huggingface_hub read its
+    cache alone, as HF_HUB_OFFLINE=1 does. (Behind a proxy the look would mislead: it is left to the hub.)"""
+    from huggingface_hub import constants
+
+    proxy = any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
+    if constants.is_offline_mode() or proxy:
+        return
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=2).close()
+    except OSError:
+        constants.HF_HUB_OFFLINE = True
+
+
+def offline_message(name: str) -> str:
+    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+    return (
+        f"cannot fetch timm weights {name!r}: no network and not in the Hugging Face cache ({cache}); "
+        "run once online, or give a local .safetensors/.pth file or a timm folder (local-dir:<folder>) instead"
+    )
+
+
+def timm_pretrained_state_dict(name: str) -> dict[str, torch.Tensor]:
+    """timm's pretrained weights for a registered name, as timm itself loads them (its checkpoint
+    filter converts original JAX/npz layouts), downloaded through the Hugging Face hub and cached."""
+    import timm
+
+    check_timm_name(name)
+    with from_the_hub(name):
+        model = timm.create_model(name, pretrained=True)
+    return model.state_dict()

@@ -1,0 +1,226 @@
+"""State dicts: checked against a ViT config, read from files, loaded into a model, exported for timm.
+
+vitlab keeps timm's parameter names, so a timm state dict *is* a vitlab one: nothing is renamed. What
+`fit_state_dict` adds is the strict check (every key used, every shape matched, nothing left over) and the real
+exceptions: a pos_embed trained at another resolution is resampled, patch filters for another channel count
+adapted, a head of another class count dropped when asked. Every file is read by one reader that never runs
+code: safetensors, or `torch.load(weights_only=True)`; a training checkpoint (`read_checkpoint`) and a weights
+file (`read_state_dict`) differ only in what they must hold.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vitlab.atomic import atomic_write
+from vitlab.convert.timm_hub import PREPROCESSING, timm_pretrained_cfg, timm_pretrained_state_dict
+from vitlab.errors import MissingFileError, UserError
+from vitlab.model import ViT, ViTConfig, resample_pos_embed
+
+log = logging.getLogger(__name__)
+
+StateDict = dict[str, torch.Tensor]
+
+
+def expected_shapes(cfg: ViTConfig) -> dict[str, torch.Size]:
+    """The state-dict keys and shapes of a vitlab ViT of this config, without allocating it."""
+    with torch.device("meta"):
+        model = ViT(cfg)
+    return {k: v.shape for k, v in model.state_dict().items()}
+
+
+def adapt_in_chans(weight: torch.Tensor, in_chans: int) -> torch.Tensor:
+    """Patch-embedding filters (D, C, P, P) for another channel count, as timm's `adapt_input_conv`:
+    summed over C for one channel; otherwise repeated and scaled by C / in_chans."""
+    c = weight.shape[1]
+    if in_chans == c:
+        return weight
+    w = weight.float()
+    if in_chans == 1:
+        w = w.sum(dim=1, keepdim=True)
+    else:
+        w = w.repeat(1, math.ceil(in_chans / c), 1, 1)[:, :in_chans] * (c / in_chans)
+    return w.to(weight.dtype)
+
+
+def fit_state_dict(
+    sd: StateDict, cfg: ViTConfig, *, resample: bool = True, reset_head: bool = False, src: str = "timm"
+) -> StateDict:
+    """`sd` (timm's keys, which are ours) checked against a ViT of `cfg`: every key used, every shape matched,
+    returned in our key order. `resample` fits a pos_embed of another grid (square source grids, as timm
+    assumes) and patch filters of another channel count; `reset_head` drops the classifier so a new one (another
+    class count) keeps its fresh initialisation. `src` names the state dict's origin in the errors."""
+    want = expected_shapes(cfg)
+    unknown = [key for key in sd if key not in want]
+    out: StateDict = {key: value for key, value in sd.items() if key in want}
+    if unknown:
+        raise UserError(
+            f"{src} state dict has keys this ViT config does not use: {unknown[:8]}{' ...' if len(unknown) > 8 else ''}"
+        )
+    if reset_head:
+        for k in [k for k in out if k.startswith("head.")]:
+            del out[k]
+        want = {k: v for k, v in want.items() if not k.startswith("head.")}
+    if resample and "pos_embed" in out and out["pos_embed"].shape != want.get("pos_embed"):
+        n_prefix = cfg.num_prefix_tokens if cfg.embeds_prefix else 0
+        out["pos_embed"] = resample_pos_embed(out["pos_embed"], cfg.grid_size, None, n_prefix)
+    key = "patch_embed.proj.weight"
+    if resample and key in out and out[key].shape[1] != cfg.in_chans:  # e.g. RGB weights for grayscale data
+        out[key] = adapt_in_chans(out[key], cfg.in_chans)
+    missing = sorted(set(want) - set(out))
+    if missing:
+        raise UserError(f"{src} state dict lacks keys this ViT config needs: {missing[:8]}")
+    bad = [f"{k} {tuple(out[k].shape)} != {tuple(want[k])}" for k in want if out[k].shape != want[k]]
+    if bad:
+        raise UserError(f"{src} state dict does not fit this ViT config: {'; '.join(bad[:4])}")
+    return {k: out[k] for k in want}  # our key order
+
+
+def check_state_dict(sd: StateDict, cfg: ViTConfig, src: str = "vitlab") -> StateDict:
+    """`sd` checked to be exactly a ViT of `cfg`'s (nothing resampled or dropped), in our key order: what timm's
+    VisionTransformer of the same arguments loads."""
+    return fit_state_dict(sd, cfg, resample=False, src=src)
+
+
+# ---- files ----------------------------------------------------------------------------------------
+
+
+def is_weights_file(source: str) -> bool:
+    """A local weights file (by suffix, or an existing path), as opposed to a timm model name."""
+    return Path(source).suffix in (".safetensors", ".pth", ".pt", ".bin", ".ckpt") or Path(source).exists()
+
+
+# How errors name each kind of file read, by the label of its path: (what it is, what it should be, what to give
+# instead of a directory).
+FILE_KINDS = {
+    "ckpt_path": (
+        "training checkpoint",
+        "checkpoint (a .ckpt file vitlab.train writes in <run>/checkpoints/)",
+        "a checkpoint file (.ckpt)",
+    ),
+    "weights file": ("weights file", "weights file (.safetensors, .pth)", "a weights file (.safetensors, .pth)"),
+}
+
+
+def read_file(path: str | os.PathLike, label: str) -> Any:
+    """The one reader: a .safetensors file, or a torch.save file read with weights_only=True (memory-mapped when
+    it is a zip). A file that would run code when unpickled is refused, never executed; one cut short is called
+    corrupt; one that is neither torch's zip nor a pickle is another kind of file. `label` names the path in
+    errors (a key of FILE_KINDS)."""
+    path, (noun, should_be, instead) = Path(path), FILE_KINDS[label]
+    if path.is_dir():
+        raise MissingFileError(f"{label} {str(path)!r} is a directory; give {instead} in it")
+    if not path.is_file():
+        raise MissingFileError(f"{label} {str(path)!r} does not exist")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except Exception as e:
+            raise UserError(f"{label} {str(path)!r} is not a valid safetensors file: {e}") from e
+    try:
+        return _load_weights_only(path)
+    except pickle.UnpicklingError as e:
+        with open(path, "rb") as f:
+            head = f.read(2)
+        if head != b"PK" and head[:1] != b"\x80":  # neither torch.save's zip nor a pickle: an ONNX model, JSON, ...
+            raise UserError(f"{label} {str(path)!r} is not a {should_be}; it holds another kind of file") from e
+        raise UserError(
+            f"{label} {str(path)!r} cannot be read safely as a {noun} (only tensors and plain data are allowed; "
+            f"nothing in it was run): {str(e).splitlines()[0][:200]}"
+        ) from e
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise UserError(
+            f"{label} {str(path)!r} is corrupt or incomplete (cut short while copying or saving?): "
+            f"{str(e).splitlines()[0].split('. ')[0]}"
+        ) from e
+
+
+def _load_weights_only(path: Path) -> Any:
+    """torch.load(weights_only=True), memory-mapped when the file is a zip checkpoint (every file torch
+    has written since 1.6); older pickle files are read whole."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap can only be used" not in str(e):
+            raise
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def read_state_dict(path: str | os.PathLike) -> StateDict:
+    """A weights file: a bare state dict, or one inside 'state_dict' / 'model' / 'state_dict_ema' (Lightning and
+    timm training checkpoints); Lightning's 'model.' prefix is removed."""
+    obj = read_file(path, "weights file")
+    if isinstance(obj, dict):
+        for key in ("state_dict_ema", "state_dict", "model"):
+            if isinstance(obj.get(key), dict):
+                obj = obj[key]
+                break
+    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise UserError(f"weights file {str(path)!r} does not hold a state dict (a mapping of names to tensors)")
+    if all(k.startswith("model.") for k in obj):
+        obj = {k[len("model.") :]: v for k, v in obj.items()}
+    return obj
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """A vitlab training checkpoint (what vitlab.train writes in <run>/checkpoints/) as plain data."""
+    ckpt = read_file(path, "ckpt_path")
+    if (
+        not isinstance(ckpt, dict)
+        or "state_dict" not in ckpt
+        or not isinstance((ckpt.get("hyper_parameters") or {}).get("model"), dict)
+    ):
+        raise UserError(f"ckpt_path {str(path)!r} is not a vitlab training checkpoint (it holds no model config)")
+    return ckpt
+
+
+def load_timm_weights(model: ViT, source: str, *, reset_head: bool | None = None) -> None:
+    """Load timm weights into `model`: `source` is a local file, or a timm model name (downloaded
+    through timm when online). The pos_embed is resampled to the model's img_size. `reset_head`:
+    keep the model's fresh head; None decides by whether the checkpoint's head fits."""
+    if is_weights_file(source):
+        sd = read_state_dict(source)
+    else:
+        sd = timm_pretrained_state_dict(source)
+        pretrained = timm_pretrained_cfg(source)
+        model.pretrained_cfg.update(
+            {k: pretrained[k] for k in PREPROCESSING if k != "input_size"}, tag=pretrained["tag"]
+        )
+    if reset_head is None:
+        head = sd.get("head.weight")
+        reset_head = head is None or not isinstance(model.head, nn.Linear) or head.shape != model.head.weight.shape
+    model.load_state_dict(fit_state_dict(sd, model.cfg, reset_head=reset_head), strict=not reset_head)
+    log.info("loaded timm weights %s%s", source, " (new head)" if reset_head else "")
+
+
+def export_timm(model: ViT, path: str | os.PathLike, timm_name: str | None = None) -> Path:
+    """Write `model` as a timm-loadable .safetensors file (config in its metadata). Written to a
+    temporary file, read back and compared, then renamed into place: a crash leaves no half file."""
+    from safetensors.torch import load_file, save
+
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise UserError(f"export path {str(path)!r} must end in .safetensors")
+    sd = {k: v.detach().cpu().contiguous() for k, v in check_state_dict(model.state_dict(), model.cfg).items()}
+    meta = {"format": "pt", "vitlab_config": json.dumps(model.cfg.to_dict())}
+    if timm_name:
+        meta["timm_name"] = timm_name
+
+    def verify(tmp: Path) -> None:
+        back = load_file(str(tmp))
+        if back.keys() != sd.keys() or any(not torch.equal(back[k], sd[k]) for k in sd):
+            raise OSError(f"verification of {tmp} failed: the file read back differs")
+
+    atomic_write(path, lambda f: f.write(save(sd, metadata=meta)), verify, what="weights file")
+    return path

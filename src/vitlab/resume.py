@@ -1,0 +1,106 @@
+"""Going on from a checkpoint: which one (the user's, `last`, or the one a restarted job left in its own run
+directory), whether this run can go on from it (one-line refusals of another architecture, batch size or a
+finished run), and the command that resumes a run stopped on a signal."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from vitlab.atomic import remove_stale_temporaries
+from vitlab.convert.weights import read_checkpoint
+from vitlab.errors import MissingFileError, UserError
+from vitlab.lit_module import ViTModule
+from vitlab.model.config import DROPOUTS
+
+log = logging.getLogger(__name__)
+
+# Regularisation may change between a run and its resumption; the architecture may not.
+RESUME_MAY_DIFFER = set(DROPOUTS)
+
+
+def resolve_ckpt_path(ckpt_path: str | None, runs_dir: Path) -> str | None:
+    """The checkpoint to resume from: the file the user named, or for `last` the newest last.ckpt or
+    interrupted.ckpt among this task's earlier runs. Temporaries that a killed save left beside it are
+    removed."""
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "last":
+        ckpt_path = _newest(runs_dir.glob("*/checkpoints"))
+        if ckpt_path is None:
+            raise MissingFileError(f"ckpt_path=last: no last.ckpt or interrupted.ckpt under {runs_dir}/*/checkpoints")
+    if Path(ckpt_path).is_file():  # a missing or wrong path is named by read_checkpoint (check_resumable)
+        remove_stale_temporaries(Path(ckpt_path).parent)
+    return ckpt_path
+
+
+def earlier_start(run_dir: Path) -> str | None:
+    """The checkpoint to go on from when this run directory already holds one: the same job started again (Slurm
+    requeued or pre-empted it, or submitit resubmitted it at its time limit), which resumes where it stopped. A
+    new run never finds one: every command claims a new directory, and Lightning's DDP children start before
+    anything is saved."""
+    found = _newest([run_dir / "checkpoints"])
+    if found:
+        restart = os.environ.get("SLURM_RESTART_COUNT")
+        log.info(
+            "%s holds a checkpoint of an earlier start%s: resuming from %s",
+            run_dir,
+            f" (Slurm restart {restart})" if restart else "",
+            found,
+        )
+        remove_stale_temporaries(Path(found).parent)
+    return found
+
+
+def _newest(folders) -> str | None:
+    """The newest last.ckpt or interrupted.ckpt in `folders`."""
+    found = [p for folder in folders for p in (folder / "last.ckpt", folder / "interrupted.ckpt") if p.is_file()]
+    return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
+
+
+def check_resumable(ckpt_path: str, module: ViTModule, trainer_cfg: DictConfig | None = None) -> None:
+    """Refuse, in one line, a checkpoint this run cannot go on from: another architecture or class count (before
+    Lightning fails deep inside load_state_dict), another batch size (its saved position in the epoch and its
+    learning-rate schedule count steps of the batch it had) or, given the run's trainer settings, a run that
+    had already finished (it would train nothing)."""
+    ckpt = read_checkpoint(ckpt_path)
+    theirs = ckpt["hyper_parameters"]["model"]
+    ours = module.hparams["model"]
+    diff = {k: (theirs.get(k), ours[k]) for k in ours if theirs.get(k) != ours[k] and k not in RESUME_MAY_DIFFER}
+    if diff:
+        shown = ", ".join(f"{k}={a!r} (this run: {b!r})" for k, (a, b) in list(diff.items())[:4])
+        raise UserError(f"ckpt_path {ckpt_path!r} was trained with a different model: {shown}")
+    batch = (
+        (ckpt["hyper_parameters"].get("data") or {}).get("batch_size"),
+        (module.hparams.get("data") or {}).get("batch_size"),
+    )
+    if None not in batch and batch[0] != batch[1]:
+        raise UserError(
+            f"ckpt_path {ckpt_path!r} was trained with data.batch_size={batch[0]} (this run: {batch[1]}): its place "
+            f"in the epoch and its learning-rate schedule count steps of {batch[0]} images; resume with "
+            f"data.batch_size={batch[0]}"
+        )
+    epochs = ckpt.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+    done = max(epochs.get("processed", 0), epochs.get("completed", 0))
+    limit = trainer_cfg.get("max_epochs") if trainer_cfg is not None else None
+    if limit and limit > 0 and done >= limit:
+        raise UserError(
+            f"ckpt_path {ckpt_path!r} is of a run that had finished ({done} of {limit} epochs): nothing is left to "
+            f"train; raise trainer.max_epochs to train on, or test it: python -m vitlab.eval ckpt_path={ckpt_path}"
+        )
+
+
+def resume_command(ckpt_path: Path) -> str:
+    """This run's command line (its own overrides, as typed) with ckpt_path set to `ckpt_path`. A job of a sweep
+    resumes as a single run: its overrides are its own values, and hydra.mode=RUN keeps a config that asks for
+    a sweep (hparams_search=...) from starting a new one."""
+    hydra_cfg = HydraConfig.get()
+    overrides = [o for o in hydra_cfg.overrides.task if not o.lstrip("+~").startswith(("ckpt_path=", "hydra.mode="))]
+    single = ["hydra.mode=RUN"] if hydra_cfg.mode == RunMode.MULTIRUN else []
+    return shlex.join(["python", "-m", "vitlab.train", *overrides, *single, f"ckpt_path={ckpt_path}"])
