@@ -304,7 +304,7 @@ def test_bad_values_fail_in_one_line(tmp_path, args, message):
 def test_unknown_key_and_option_are_named_in_one_line(tmp_path):
     r = run_cli("train", "model.depht=3", f"hydra.run.dir={tmp_path / 'r'}")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
-    assert r.stderr.startswith("error: model.depht is not a key of model; its keys: ['act_layer', 'arch',")
+    assert r.stderr.startswith("error: model.depht is not a key of model; its keys: ['act_layer', 'attn_drop_rate',")
     assert "'depth'" in r.stderr  # the key meant is among them (Hydra's hint, +model.depht=3, led to a second error)
     r = run_cli("train", "model=vit_x", f"hydra.run.dir={tmp_path / 'r'}")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1

@@ -2,7 +2,7 @@
 exactly as the uninterrupted one would have.
 
 Under DDP every process has random generators of its own (dropout, stochastic depth, MixUp, the on-device
-augmentation of `data.base.ImageDataModule.rng`), its own loader position (in its share of the epoch's
+augmentation of `data.base.DataModule.rng`), its own loader position (in its share of the epoch's
 permutation) and its own running training metrics, while Lightning writes the checkpoint of rank 0 alone. Here
 each process's part is gathered to rank 0 when a checkpoint is written, and on resume each process takes its own
 back: the datamodule's and the loader's before Lightning restores them, the random generators and metrics just

@@ -218,3 +218,24 @@ def test_pretrained_cfg_follows_the_weights_loaded_by_name(monkeypatch):
     assert model.pretrained_cfg["mean"] == expected.mean and model.pretrained_cfg["std"] == expected.std
     assert model.pretrained_cfg["tag"] == name and model.pretrained_cfg["input_size"] == (3, 32, 32)
     assert ct.timm_pretrained_cfg("vit_base_patch16_224")["tag"] == "vit_base_patch16_224.augreg2_in21k_ft_in1k"
+
+
+def test_every_component_name_of_the_config_has_a_timm_counterpart_and_back():
+    """timm_components is the one table between our component names and timm's: each name the config accepts
+    maps to timm's, and each of timm's maps back to the same name (what config_from_timm reads)."""
+    from vitlab.convert.timm_args import _ours, timm_components
+    from vitlab.model import config
+
+    accepted = {
+        "act_layer": config.ACT_LAYERS,
+        "attn_layer": config.ATTN_LAYERS,
+        "norm_layer": config.NORM_LAYERS,
+        "mlp_layer": config.MLP_LAYERS,
+        "block_fn": config.BLOCK_FNS,
+    }
+    table = timm_components()
+    assert {k: set(v) for k, v in table.items()} == {k: set(v) for k, v in accepted.items()}
+    for key, names in table.items():
+        for ours, theirs in names.items():
+            if (key, ours) != ("mlp_layer", "swiglu_packed"):  # a partial of GluMlp, read by _mlp
+                assert _ours(key, theirs) == ours

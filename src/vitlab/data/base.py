@@ -1,4 +1,5 @@
-"""What every image DataModule shares: global batch size split over processes, loaders, transforms.
+"""What every DataModule shares (`DataModule`: global batch size split over processes, seeded and resumable
+loaders), and what the datasets of images add (`ImageDataModule`: per-image transforms).
 
 `data.batch_size` is the *global* batch: under DDP with N processes each loads batch_size / N
 (it must divide), so changing trainer.devices keeps the optimisation the same.
@@ -85,14 +86,16 @@ def init_worker(worker_id: int) -> None:
     ignore_stop_signals()  # Ctrl-C or a scheduler's SIGTERM to the process group: the main process decides
 
 
-class ImageDataModule(L.LightningDataModule):
+class DataModule(L.LightningDataModule):
+    """A dataset's facts (classes, channels, normalisation), its splits, and their loaders; what its batches become
+    on the device is the subclass's `device_transform`."""
+
     # Per-dataset facts; subclasses set them (ImageFolder/fake take some from the config).
     num_classes: int
     channels: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
     class_names: list[str]
-    eval_crop_pct: float = 0.875  # data.eval_transform.crop_pct when null (and no pretrained weights set it)
 
     def __init__(
         self,
@@ -102,8 +105,6 @@ class ImageDataModule(L.LightningDataModule):
         pin_memory: bool | None = None,  # None: when training on a CUDA device
         persistent_workers: bool = True,  # keep the workers between epochs (validation's too)
         prefetch_factor: int | None = None,  # batches each worker prepares ahead; None: PyTorch's 2
-        train_transform: dict | None = None,
-        eval_transform: dict | None = None,
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
         data_dir: str | None = None,
@@ -138,14 +139,6 @@ class ImageDataModule(L.LightningDataModule):
                 f"data.mean {list(self.mean)} and data.std {list(self.std)} need one value per channel "
                 f"({self.channels})"
             )
-        self.train_tf = transforms.train_transform(self.img_size, **(train_transform or {}))
-        # null eval settings: this dataset's defaults (run.apply_pretrained fills them from pretrained weights first)
-        eval_settings = {"crop_pct": self.eval_crop_pct} | {
-            k: v for k, v in (eval_transform or {}).items() if v is not None
-        }
-        self.eval_tf = transforms.eval_transform(self.img_size, **eval_settings)
-        self.train_settings = from_mapping(transforms.TrainTransform, train_transform or {}, "data.train_transform")
-        self.to_input = transforms.DeviceTransform(self.mean, self.std, self.train_settings.random_erasing)
         # The shuffling seed is the run's, in every process. The on-device augmentation draws from a generator of
         # its own (one per process: rank_state.seed_process), checkpointed: a resumed run augments as it would have.
         self.shuffle_seed = torch.initial_seed()
@@ -243,14 +236,13 @@ class ImageDataModule(L.LightningDataModule):
         return self.device_transform(batch, train=self.trainer is not None and self.trainer.training)
 
     def device_transform(self, batch, train: bool):
-        """A uint8 batch, once on the device, to the model's normalised float32 input (random erasing in
-        training). A plain training loop calls it as Lightning does."""
-        x, y = batch
-        return self.to_input(x, train, self.rng), y
+        """A batch, once on the device, to the model's normalised float32 input. A plain training loop calls it as
+        Lightning does."""
+        raise NotImplementedError
 
     def predict_tensor(self, img) -> torch.Tensor:
-        """One image (PIL or uint8 tensor) -> the (1, C, H, W) float32 batch the eval loader makes of it."""
-        return self.device_transform((self.eval_tf(img).unsqueeze(0), None), train=False)[0]
+        """One image (PIL or tensor) -> the (1, C, H, W) float32 batch the test images are made into."""
+        raise NotImplementedError
 
     def state_dict(self) -> dict:
         return {"augment_rng": self.rng.get_state()}
@@ -258,3 +250,31 @@ class ImageDataModule(L.LightningDataModule):
     def load_state_dict(self, state: dict) -> None:
         if "augment_rng" in state:
             self.rng.set_state(state["augment_rng"])
+
+
+class ImageDataModule(DataModule):
+    """Datasets of images (files, or PIL images): each decoded and augmented on uint8 by the loaders' workers
+    (`train_tf`, `eval_tf`), normalised on the device (`to_input`, with random erasing in training)."""
+
+    eval_crop_pct: float = 0.875  # data.eval_transform.crop_pct when null (and no pretrained weights set it)
+
+    def __init__(self, train_transform: dict | None = None, eval_transform: dict | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.train_tf = transforms.train_transform(self.img_size, **(train_transform or {}))
+        # null eval settings: this dataset's defaults (pretrained.apply_pretrained fills them from the weights first)
+        eval_settings = {"crop_pct": self.eval_crop_pct} | {
+            k: v for k, v in (eval_transform or {}).items() if v is not None
+        }
+        self.eval_tf = transforms.eval_transform(self.img_size, **eval_settings)
+        self.train_settings = from_mapping(transforms.TrainTransform, train_transform or {}, "data.train_transform")
+        self.to_input = transforms.DeviceTransform(self.mean, self.std, self.train_settings.random_erasing)
+
+    def device_transform(self, batch, train: bool):
+        """A uint8 batch, once on the device, to the model's normalised float32 input (random erasing in
+        training)."""
+        x, y = batch
+        return self.to_input(x, train, self.rng), y
+
+    def predict_tensor(self, img) -> torch.Tensor:
+        """One image (PIL or uint8 tensor) -> the (1, C, H, W) float32 batch the eval loader makes of it."""
+        return self.device_transform((self.eval_tf(img).unsqueeze(0), None), train=False)[0]

@@ -16,7 +16,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch.utils.data import Dataset
 
-from vitlab.data.base import ImageDataModule
+from vitlab.data.base import DataModule
 from vitlab.errors import UserError
 
 
@@ -69,7 +69,9 @@ def random_affine(
     return F.grid_sample(x - fill, grid, mode="bilinear", padding_mode="zeros", align_corners=False) + fill
 
 
-class DigitsDataModule(ImageDataModule):
+class DigitsDataModule(DataModule):
+    """The whole set in memory as one normalised tensor, augmented a batch at a time on the device."""
+
     num_classes = 10
     channels = 1
     mean = (0.3053,)  # of the images scaled to [0, 1] (pixel values 0..16)
@@ -84,9 +86,11 @@ class DigitsDataModule(ImageDataModule):
         shift: int = 1,
         rotate: float = 0.0,
         scale: tuple[float, float] = (1.0, 1.0),
+        train_transform: dict | None = None,  # refused: the per-image settings of the other datasets
+        eval_transform: dict | None = None,
         **kwargs,
     ):
-        if kwargs.get("train_transform") or kwargs.get("eval_transform"):
+        if train_transform or eval_transform:
             raise UserError(
                 "digits augments whole batches on the device: use data.shift, data.rotate and "
                 "data.scale instead of data.train_transform / data.eval_transform"
