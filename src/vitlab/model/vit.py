@@ -1,6 +1,6 @@
 """The Vision Transformer of "An Image is Worth 16x16 Words" (Dosovitskiy et al., ICLR 2021).
 
-Reads top to bottom: input helpers -> initialisation -> the model. Its components (the tables a config picks
+Reads top to bottom: input helpers -> the model. Its components (the tables a config picks
 from) live in layers.py and blocks.py. Parameter names are timm's, so timm checkpoints load as they are; the
 computation follows timm's order of operations, so logits agree with timm's bit for bit on CPU in fp32.
 Shapes: B batch, N tokens (prefix + patches), D embed_dim, H heads, Dh head dim, P patch size.
@@ -8,13 +8,13 @@ Shapes: B batch, N tokens (prefix + patches), D embed_dim, H heads, Dh head dim,
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from vitlab.model import init
 from vitlab.model.blocks import BLOCKS
 from vitlab.model.config import ViTConfig
 from vitlab.model.layers import POOLS, AttentionPool, PatchDropout, PatchEmbed, norm
@@ -59,52 +59,6 @@ def _check_input_size(x: torch.Tensor, img_hw, patch_hw, dynamic_size: bool, dyn
         )
 
 
-# ---- initialisation: timm's weight_init modes, per Linear/Conv2d (name is the module's path) ----------
-
-
-def _lecun_normal_(w: torch.Tensor) -> None:
-    """Truncated at 2 std, corrected so the variance is 1/fan_in (JAX's lecun_normal)."""
-    nn.init.trunc_normal_(w, std=1.0, a=-2.0, b=2.0)
-    w.mul_(math.sqrt(1.0 / w[0].numel()) / 0.87962566103423978)
-
-
-def _init_timm(name: str, m: nn.Module, cfg: ViTConfig) -> None:  # '': truncated normal 0.02, zero biases
-    if isinstance(m, nn.Linear):
-        nn.init.trunc_normal_(m.weight, std=0.02)
-        if m.bias is not None:
-            nn.init.zeros_(m.bias)
-
-
-def _init_jax(name: str, m: nn.Module, cfg: ViTConfig) -> None:
-    """big_vision's: Xavier-uniform Linears (MLP biases ~1e-6), LeCun-normal patch conv, zero head whose bias is
-    -log(num_classes) with 'jax_nlhb' (start from uniform class probabilities)."""
-    if isinstance(m, nn.Linear) and name.startswith("head"):
-        nn.init.zeros_(m.weight)
-        nn.init.constant_(m.bias, -math.log(cfg.num_classes) if cfg.weight_init == "jax_nlhb" else 0.0)
-    elif isinstance(m, nn.Linear):
-        nn.init.xavier_uniform_(m.weight)
-        if m.bias is not None:
-            nn.init.normal_(m.bias, std=1e-6) if "mlp" in name else nn.init.zeros_(m.bias)
-    elif isinstance(m, nn.Conv2d):
-        _lecun_normal_(m.weight)
-        if m.bias is not None:
-            nn.init.zeros_(m.bias)
-
-
-def _init_moco(name: str, m: nn.Module, cfg: ViTConfig) -> None:
-    """MoCo v3's: Xavier-uniform Linears, with q, k and v's fan counted separately in the fused qkv."""
-    if isinstance(m, nn.Linear):
-        if "qkv" in name:
-            bound = math.sqrt(6.0 / (m.weight.shape[0] // 3 + m.weight.shape[1]))
-            nn.init.uniform_(m.weight, -bound, bound)
-        else:
-            nn.init.xavier_uniform_(m.weight)
-        if m.bias is not None:
-            nn.init.zeros_(m.bias)
-
-
-WEIGHT_INITS = {"": _init_timm, "jax": _init_jax, "jax_nlhb": _init_jax, "moco": _init_moco}  # 'skip': PyTorch's
-
 # What timm's ViT weights expect of their inputs unless their pretrained config says otherwise (timm's `_cfg`).
 DEFAULT_PRETRAINED_CFG = dict(
     mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), crop_pct=0.9, crop_mode="center", interpolation="bicubic"
@@ -148,8 +102,7 @@ class ViT(nn.Module):
         self.head = nn.Linear(D, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
 
         self.pretrained_cfg = self._default_pretrained_cfg(cfg)  # replaced by the weights' (convert.timm)
-        if cfg.weight_init != "skip":
-            self.init_weights()
+        init.init_weights(self)
         self.register_load_state_dict_pre_hook(_resample_pos_embed_on_load)
 
     @staticmethod
@@ -159,26 +112,9 @@ class ViT(nn.Module):
         rows = (cfg.num_prefix_tokens if cfg.embeds_prefix else 0) + cfg.num_patches
         return posemb_sincos_1d(rows, cfg.embed_dim, device=device)
 
-    # ---- initialisation --------------------------------------------------------------------------
-    @torch.no_grad()
     def init_weights(self) -> None:
-        """timm's schemes by `cfg.weight_init` (WEIGHT_INITS): '' truncated normal 0.02 for every Linear, zero
-        biases, PyTorch's default for the patch conv; 'jax' / 'jax_nlhb' big_vision's; 'moco' MoCo v3's ('skip'
-        keeps PyTorch's own initialisation of each layer and zero tokens and pos_embed)."""
-        if isinstance(self.pos_embed, nn.Parameter):
-            nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        for tok in (self.cls_token, self.reg_token):
-            if tok is not None:
-                nn.init.normal_(tok, std=1e-6)
-        if self.attn_pool is not None:
-            nn.init.trunc_normal_(self.attn_pool.latent, std=self.cfg.embed_dim**-0.5)
-        init = WEIGHT_INITS[self.cfg.weight_init]
-        for name, m in self.named_modules():
-            init(name, m, self.cfg)
-        if self.cfg.fix_init:  # timm's fix_init_weight: deeper blocks write smaller residuals
-            for i, blk in enumerate(self.blocks):
-                blk.attn.proj.weight.div_(math.sqrt(2.0 * (i + 1)))
-                blk.mlp.fc2.weight.div_(math.sqrt(2.0 * (i + 1)))
+        """Re-initialise in place by `cfg.weight_init` (init.py's WEIGHT_INITS), as the constructor does."""
+        init.init_weights(self)
 
     # ---- timm's model API (what timm.optim, timm.data and timm users call) ----------------------
     @property
