@@ -6,7 +6,7 @@ errors)."""
 from importlib import import_module
 
 from vitlab.errors import UserError
-from vitlab.model.config import VARIANTS, ViTConfig, parse_variant
+from vitlab.model.config import VARIANTS, ViTConfig, as_hw, parse_variant
 
 # name -> ("module:ConfigClass", "module:NetworkClass")
 ARCHS: dict[str, tuple[str, str]] = {
@@ -18,6 +18,7 @@ __all__ = [
     "VARIANTS",
     "ViT",
     "ViTConfig",
+    "as_hw",
     "config_class",
     "model_class",
     "parse_variant",

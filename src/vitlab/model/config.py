@@ -35,6 +35,20 @@ WEIGHT_INITS = ("", "jax", "jax_nlhb", "moco", "skip")  # timm's modes
 DROPOUTS = ("drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate")
 
 
+def as_hw(size: Any, name: str = "size") -> tuple[int, int]:
+    """An image or patch size as (height, width): an int n is (n, n), [h, w] or (h, w) is (h, w). Anything else
+    is a UserError naming the value (`name` says which)."""
+    if _is_int(size):
+        return (size, size)
+    if isinstance(size, (list, tuple)) and len(size) == 2 and all(_is_int(n) for n in size):
+        return (size[0], size[1])
+    raise UserError(f"{name} {size!r} must be an int or [height, width]")
+
+
+def _is_int(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool)
+
+
 def parse_variant(variant: str) -> dict[str, int]:
     """'B/16' -> dict(embed_dim=768, depth=12, num_heads=12, patch_size=16)."""
     name, _, patch = variant.partition("/")
@@ -92,15 +106,14 @@ class ViTConfig:
     grid_size: tuple[int, int] = field(init=False)  # derived: patches along H and W
 
     def __post_init__(self) -> None:
-        if isinstance(self.img_size, (list, tuple)):
-            if len(self.img_size) != 2:
-                raise UserError(f"img_size {list(self.img_size)} must be an int or [height, width]")
-            self.img_size = (int(self.img_size[0]), int(self.img_size[1]))
-        if isinstance(self.patch_size, (list, tuple)):
-            if len(self.patch_size) != 2:
-                raise UserError(f"patch_size {list(self.patch_size)} must be an int or [height, width]")
-            ph, pw = self.patch_size  # checked to be ints below
-            self.patch_size = ph if ph == pw else (ph, pw)
+        for name in ("img_size", "patch_size"):  # [h, w] from YAML is a tuple from here on (in messages too)
+            size = getattr(self, name)
+            if isinstance(size, (list, tuple)) and len(size) == 2:
+                setattr(self, name, tuple(size))
+            as_hw(getattr(self, name), name)  # an int or a pair of ints
+        ph, pw = self.patch_hw
+        if ph == pw:
+            self.patch_size = ph  # a square patch is an int (timm's patch_size=16); img_size keeps its pair
         self._check_types()
         for name in ("in_chans", "embed_dim", "depth", "num_heads"):
             if getattr(self, name) < 1:
@@ -203,20 +216,15 @@ class ViTConfig:
                 raise UserError(f"{name} {v!r} must be a number")
         if self.fc_norm is not None and not isinstance(self.fc_norm, bool):
             raise UserError(f"fc_norm {self.fc_norm!r} must be true, false or null")
-        for name in ("img_size", "patch_size"):
-            v = getattr(self, name)
-            parts = v if isinstance(v, tuple) else (v,)
-            if not all(isinstance(p, int) and not isinstance(p, bool) for p in parts):
-                raise UserError(f"{name} {v!r} must be an int or [height, width]")
 
     # ---- derived values -------------------------------------------------------------------------
     @property
     def img_hw(self) -> tuple[int, int]:
-        return (self.img_size, self.img_size) if isinstance(self.img_size, int) else tuple(self.img_size)
+        return as_hw(self.img_size, "img_size")
 
     @property
     def patch_hw(self) -> tuple[int, int]:
-        return (self.patch_size, self.patch_size) if isinstance(self.patch_size, int) else tuple(self.patch_size)
+        return as_hw(self.patch_size, "patch_size")
 
     @property
     def num_patches(self) -> int:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from vitlab.model.config import ViTConfig
+from vitlab.model.config import ViTConfig, as_hw
 from vitlab.model.posemb import resample_patch_embed, resample_pos_embed
 
 Size = int | Sequence[int]  # an int for squares, else (height, width)
@@ -97,12 +97,9 @@ class TimmAPI:
     def set_input_size(self, img_size: Size | None = None, patch_size: Size | None = None):
         """Another input resolution and/or patch size, as timm's: a learned pos_embed is resampled to the new
         grid, a fixed one recomputed; the patch filters are resampled to the new patch size (FlexiViT)."""
-        old, changes = self.cfg, {}
-        if img_size is not None:
-            changes["img_size"] = img_size if isinstance(img_size, int) else list(img_size)
-        if patch_size is not None:
-            changes["patch_size"] = patch_size if isinstance(patch_size, int) else list(patch_size)
-        new = old.replace(**changes)
+        sizes = dict(img_size=img_size, patch_size=patch_size)  # an int stays one in the config, a pair is (h, w)
+        old = self.cfg
+        new = old.replace(**{k: v if isinstance(v, int) else as_hw(v, k) for k, v in sizes.items() if v is not None})
         if new.patch_hw != old.patch_hw:
             conv, P = self.patch_embed.proj, new.patch_hw
             proj = nn.Conv2d(new.in_chans, new.embed_dim, P, P, bias=conv.bias is not None, device=conv.weight.device,

@@ -42,15 +42,15 @@ def _pos_embed_at(pos_embed: torch.Tensor, tokens: torch.Tensor, kind: str, trai
 
 
 @torch.fx.wrap
-def _check_input_size(x: torch.Tensor, img_hw, patch_hw, dynamic_size: bool, dynamic_pad: bool) -> None:
+def _check_input_size(x: torch.Tensor, img_hw: tuple, patch_hw: tuple, dynamic_size: bool, dynamic_pad: bool) -> None:
     H, W = x.shape[-2], x.shape[-1]
-    if not dynamic_size and (H, W) != tuple(img_hw):
+    if not dynamic_size and (H, W) != img_hw:
         raise ValueError(
-            f"input size {H}x{W} does not match img_size {tuple(img_hw)}; "
+            f"input size {H}x{W} does not match img_size {img_hw}; "
             "resize the input or build the model with dynamic_img_size=true"
         )
     if not dynamic_pad and (H % patch_hw[0] or W % patch_hw[1]):  # the strided conv would drop the remainder
-        patch = patch_hw[0] if patch_hw[0] == patch_hw[1] else tuple(patch_hw)
+        patch = patch_hw[0] if patch_hw[0] == patch_hw[1] else patch_hw
         raise ValueError(
             f"input size {H}x{W} is not a multiple of patch_size {patch}; crop or resize it, or build the "
             "model with dynamic_img_pad=true to pad it"
