@@ -23,7 +23,8 @@ VARIANTS: dict[str, dict[str, int]] = {
 }
 
 GLOBAL_POOLS = ("token", "avg", "max", "avgmax", "map", "")
-# Component names, as timm spells them (model/vit.py holds the tables that build them).
+# Component names, as timm spells them. The tables that build them (layers.py, blocks.py, init.py, posemb.py)
+# need torch, which reading a config must not; tests/model/test_layout_components.py ties the two.
 ACT_LAYERS = ("gelu", "gelu_tanh", "quick_gelu", "silu")
 NORM_LAYERS = ("layernorm", "rmsnorm")
 MLP_LAYERS = ("mlp", "swiglu", "swiglu_packed")
@@ -247,6 +248,11 @@ class ViTConfig:
     def embeds_prefix(self) -> bool:
         """Whether pos_embed has rows for the class/register tokens (timm's original layout)."""
         return self.pos_embed in ("learn", "sincos1d") and not self.no_embed_class
+
+    @property
+    def pos_prefix_rows(self) -> int:
+        """pos_embed's rows for the class/register tokens: all of them in timm's original layout, else none."""
+        return self.num_prefix_tokens if self.embeds_prefix else 0
 
     # ---- construction and plain-data round trip -------------------------------------------------
     @classmethod

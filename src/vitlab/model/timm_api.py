@@ -3,7 +3,7 @@ timm users call (pretrained_cfg, feature_info, no_weight_decay, group_matcher, t
 checkpointing, set_input_size, forward_intermediates, ...), plus vitlab's named intermediates.
 
 The mixin reads the core's attributes (cfg, patch_embed, pos_embed, blocks, norm, fc_norm, attn_pool, head) and
-calls its embed, _block and _fixed_pos_embed; none of it is needed to compute logits.
+calls its embed and _block; none of it is needed to compute logits.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from vitlab.model.config import ViTConfig, as_hw
-from vitlab.model.posemb import resample_patch_embed, resample_pos_embed
+from vitlab.model.posemb import POS_EMBEDS, resample_patch_embed, resample_pos_embed
 
 Size = int | Sequence[int]  # an int for squares, else (height, width)
 
@@ -111,11 +111,11 @@ class TimmAPI:
             self.patch_embed.proj, self.patch_embed.patch_size = proj, P
         if self.pos_embed is not None and new.grid_size != old.grid_size:
             if isinstance(self.pos_embed, nn.Parameter):
-                prefix = self.num_prefix_tokens if new.embeds_prefix else 0
-                pe = resample_pos_embed(self.pos_embed.detach(), new.grid_size, old.grid_size, prefix)
+                pe = resample_pos_embed(self.pos_embed.detach(), new.grid_size, old.grid_size, new.pos_prefix_rows)
                 self.pos_embed = nn.Parameter(pe, requires_grad=self.pos_embed.requires_grad)
-            else:
-                self.pos_embed = self._fixed_pos_embed(new, self.pos_embed.device).to(self.pos_embed.dtype)
+            else:  # fixed: recomputed for the new grid
+                pe = POS_EMBEDS[new.pos_embed](new.grid_size, new.pos_prefix_rows, new.embed_dim, self.pos_embed.device)
+                self.pos_embed = pe.to(self.pos_embed.dtype)
         self.cfg = new
         self.pretrained_cfg["input_size"] = (new.in_chans, *new.img_hw)
 

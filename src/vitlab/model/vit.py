@@ -18,12 +18,7 @@ from vitlab.model import init
 from vitlab.model.blocks import BLOCKS
 from vitlab.model.config import ViTConfig
 from vitlab.model.layers import POOLS, AttentionPool, PatchDropout, PatchEmbed, norm
-from vitlab.model.posemb import (
-    posemb_sincos_1d,
-    posemb_sincos_2d,
-    resample_grid,
-    resample_pos_embed,
-)
+from vitlab.model.posemb import POS_EMBEDS, resample_grid, resample_pos_embed
 from vitlab.model.timm_api import TimmAPI
 
 # ---- inputs ----------------------------------------------------------------------------------------
@@ -31,14 +26,12 @@ from vitlab.model.timm_api import TimmAPI
 
 @torch.fx.wrap  # FX records one call: the grid comes from the input's shape
 def _pos_embed_at(pos_embed: torch.Tensor, tokens: torch.Tensor, kind: str, trained_grid, num_prefix: int):
-    """The position embedding for the grid of `tokens` (B, h, w, D) (dynamic_img_size): a fixed table
-    recomputed, a learned one resampled from its trained grid (as timm's resample_abs_pos_embed)."""
+    """The position embedding for the grid of `tokens` (B, h, w, D) (dynamic_img_size): a learned one resampled
+    from its trained grid (as timm's resample_abs_pos_embed), a fixed one recomputed."""
     h, w = tokens.shape[1], tokens.shape[2]
-    if kind == "sincos2d":
-        return posemb_sincos_2d((h, w), pos_embed.shape[-1], device=pos_embed.device).to(pos_embed.dtype)
-    if kind == "sincos1d":
-        return posemb_sincos_1d(num_prefix + h * w, pos_embed.shape[-1], device=pos_embed.device).to(pos_embed.dtype)
-    return resample_grid(pos_embed, (h, w), trained_grid, num_prefix)
+    if kind == "learn":
+        return resample_grid(pos_embed, (h, w), trained_grid, num_prefix)
+    return POS_EMBEDS[kind]((h, w), num_prefix, pos_embed.shape[-1], device=pos_embed.device).to(pos_embed.dtype)
 
 
 @torch.fx.wrap
@@ -72,11 +65,11 @@ class ViT(TimmAPI, nn.Module):
         self.patch_embed = PatchEmbed(cfg)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.class_token else None
         self.reg_token = nn.Parameter(torch.zeros(1, cfg.reg_tokens, D)) if cfg.reg_tokens else None
-        prefix_rows = cfg.num_prefix_tokens if cfg.embeds_prefix else 0
+        pos_embed = POS_EMBEDS[cfg.pos_embed](cfg.grid_size, cfg.pos_prefix_rows, D)  # (1, rows, D) or None
         if cfg.pos_embed == "learn":
-            self.pos_embed = nn.Parameter(torch.zeros(1, prefix_rows + cfg.num_patches, D))
-        elif cfg.pos_embed in ("sincos1d", "sincos2d"):  # fixed: a buffer (nothing to train), under timm's key
-            self.register_buffer("pos_embed", self._fixed_pos_embed(cfg))
+            self.pos_embed = nn.Parameter(pos_embed)
+        elif pos_embed is not None:  # fixed: a buffer (nothing to train), under timm's key
+            self.register_buffer("pos_embed", pos_embed)
         else:
             self.pos_embed = None
         self.pos_drop = nn.Dropout(cfg.pos_drop_rate)
@@ -97,13 +90,6 @@ class ViT(TimmAPI, nn.Module):
         init.init_weights(self)
         self.register_load_state_dict_pre_hook(_resample_pos_embed_on_load)
 
-    @staticmethod
-    def _fixed_pos_embed(cfg: ViTConfig, device=None) -> torch.Tensor:
-        if cfg.pos_embed == "sincos2d":
-            return posemb_sincos_2d(cfg.grid_size, cfg.embed_dim, device=device)
-        rows = (cfg.num_prefix_tokens if cfg.embeds_prefix else 0) + cfg.num_patches
-        return posemb_sincos_1d(rows, cfg.embed_dim, device=device)
-
     def init_weights(self) -> None:
         """Re-initialise in place by `cfg.weight_init` (init.py's WEIGHT_INITS), as the constructor does."""
         init.init_weights(self)
@@ -116,8 +102,7 @@ class ViT(TimmAPI, nn.Module):
         x = self.patch_embed(x)  # (B, h, w, D)
         pos = self.pos_embed
         if pos is not None and cfg.dynamic_img_size:  # this input's grid, from its shape
-            prefix_rows = self.num_prefix_tokens if cfg.embeds_prefix else 0
-            pos = _pos_embed_at(pos, x, cfg.pos_embed, cfg.grid_size, prefix_rows)
+            pos = _pos_embed_at(pos, x, cfg.pos_embed, cfg.grid_size, cfg.pos_prefix_rows)
         x = x.flatten(1, 2)  # (B, h*w, D)
         prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
         if pos is None:
@@ -184,8 +169,7 @@ def _resample_pos_embed_on_load(module: ViT, state_dict: dict, prefix: str, *arg
     theirs, ours = state_dict[key], module.pos_embed
     if theirs.shape == ours.shape or theirs.ndim != 3 or theirs.shape[-1] != ours.shape[-1]:
         return  # same grid, or a mismatch that load_state_dict reports itself
-    if module.cfg.pos_embed in ("sincos1d", "sincos2d"):  # fixed: recomputed, never resampled as a grid
+    if module.cfg.pos_embed != "learn":  # fixed: recomputed, never resampled as a grid
         state_dict[key] = ours.detach().clone()
         return
-    n_prefix = module.num_prefix_tokens if module.cfg.embeds_prefix else 0
-    state_dict[key] = resample_pos_embed(theirs, module.cfg.grid_size, None, n_prefix)
+    state_dict[key] = resample_pos_embed(theirs, module.cfg.grid_size, None, module.cfg.pos_prefix_rows)
