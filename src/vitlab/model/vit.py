@@ -54,6 +54,9 @@ def _check_input_size(x: torch.Tensor, img_hw: tuple, patch_hw: tuple, dynamic_s
 
 
 class ViT(TimmAPI, nn.Module):
+    """Patches (B, C, H, W) -> tokens (B, N, D) with prefix tokens and position embedding -> blocks -> norm ->
+    pooled (B, D) -> logits (B, K). Built from its config alone; timm's model API comes from TimmAPI."""
+
     def __init__(self, cfg: ViTConfig):
         super().__init__()
         self.cfg = cfg
