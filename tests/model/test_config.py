@@ -1,6 +1,9 @@
+import re
+
 import pytest
 
-from vitlab.model import VARIANTS, ViTConfig, parse_variant
+from vitlab.errors import UserError
+from vitlab.model import VARIANTS, ViTConfig, as_hw, parse_variant
 
 
 def test_variant_table_is_the_papers():
@@ -83,3 +86,14 @@ def test_unknown_key_is_named():
         ViTConfig.from_dict({"depht": 3})
     with pytest.raises(ValueError, match="variant 'X/16'"):
         ViTConfig.from_variant("X/16")
+
+
+def test_as_hw_gives_every_size_one_type():
+    assert as_hw(16) == (16, 16) and as_hw([224, 160]) == (224, 160) and as_hw((8, 4)) == (8, 4)
+    for bad in ([1, 2, 3], [8, 4.5], "16", True, None, 16.0):
+        with pytest.raises(UserError, match=rf"size {re.escape(repr(bad))} must be an int or \[height, width\]"):
+            as_hw(bad)
+    with pytest.raises(UserError, match=r"patch_size \[8\] must be"):
+        as_hw([8], "patch_size")
+    cfg = ViTConfig(img_size=[32, 32], patch_size=[8, 8])  # the fields keep their types, the *_hw are pairs
+    assert (cfg.img_size, cfg.patch_size, cfg.img_hw, cfg.patch_hw) == ((32, 32), 8, (32, 32), (8, 8))

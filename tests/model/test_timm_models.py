@@ -1,7 +1,7 @@
 """timm's own model checks (pytorch-image-models tests/test_models.py), ported to our ViT.
 
 Each test names the timm test it ports. timm runs them over its registered names; here they run over a
-set of configurations that between them use every component table of model/vit.py, and where timm's
+set of configurations that between them use every component table of model/, and where timm's
 model can run the same call, ours is held to its output (same weights, both in eval mode).
 """
 

@@ -2,12 +2,13 @@
 blocks.py). The network is imported on first use, so reading a config needs no torch (fast `--help` and config
 errors)."""
 
-from vitlab.model.config import VARIANTS, ViTConfig, parse_variant, vit_config
+from vitlab.model.config import VARIANTS, ViTConfig, as_hw, parse_variant, vit_config
 
 __all__ = [
     "VARIANTS",
     "ViT",
     "ViTConfig",
+    "as_hw",
     "parse_variant",
     "posemb_sincos_1d",
     "posemb_sincos_2d",

@@ -24,7 +24,8 @@ VARIANTS: dict[str, dict[str, int]] = {
 }
 
 GLOBAL_POOLS = ("token", "avg", "max", "avgmax", "map", "")
-# Component names, as timm spells them (model/vit.py holds the tables that build them).
+# Component names, as timm spells them. The tables that build them (layers.py, blocks.py, init.py, posemb.py)
+# need torch, which reading a config must not; tests/model/test_layout_components.py ties the two.
 ACT_LAYERS = ("gelu", "gelu_tanh", "quick_gelu", "silu")
 NORM_LAYERS = ("layernorm", "rmsnorm")
 MLP_LAYERS = ("mlp", "swiglu", "swiglu_packed")
@@ -36,6 +37,20 @@ WEIGHT_INITS = ("", "jax", "jax_nlhb", "moco", "skip")  # timm's modes
 # Keys of a config's model group that are the commands', not ViTConfig fields.
 MODEL_EXTRA_KEYS = ("variant", "timm_name", "pretrained")
 DROPOUTS = ("drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate")
+
+
+def as_hw(size: Any, name: str = "size") -> tuple[int, int]:
+    """An image or patch size as (height, width): an int n is (n, n), [h, w] or (h, w) is (h, w). Anything else
+    is a UserError naming the value (`name` says which)."""
+    if _is_int(size):
+        return (size, size)
+    if isinstance(size, (list, tuple)) and len(size) == 2 and all(_is_int(n) for n in size):
+        return (size[0], size[1])
+    raise UserError(f"{name} {size!r} must be an int or [height, width]")
+
+
+def _is_int(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool)
 
 
 def parse_variant(variant: str) -> dict[str, int]:
@@ -95,15 +110,14 @@ class ViTConfig:
     grid_size: tuple[int, int] = field(init=False)  # derived: patches along H and W
 
     def __post_init__(self) -> None:
-        if isinstance(self.img_size, (list, tuple)):
-            if len(self.img_size) != 2:
-                raise UserError(f"img_size {list(self.img_size)} must be an int or [height, width]")
-            self.img_size = (int(self.img_size[0]), int(self.img_size[1]))
-        if isinstance(self.patch_size, (list, tuple)):
-            if len(self.patch_size) != 2:
-                raise UserError(f"patch_size {list(self.patch_size)} must be an int or [height, width]")
-            ph, pw = self.patch_size  # checked to be ints below
-            self.patch_size = ph if ph == pw else (ph, pw)
+        for name in ("img_size", "patch_size"):  # [h, w] from YAML is a tuple from here on (in messages too)
+            size = getattr(self, name)
+            if isinstance(size, (list, tuple)) and len(size) == 2:
+                setattr(self, name, tuple(size))
+            as_hw(getattr(self, name), name)  # an int or a pair of ints
+        ph, pw = self.patch_hw
+        if ph == pw:
+            self.patch_size = ph  # a square patch is an int (timm's patch_size=16); img_size keeps its pair
         self._check_types()
         for name in ("in_chans", "embed_dim", "depth", "num_heads"):
             if getattr(self, name) < 1:
@@ -206,20 +220,15 @@ class ViTConfig:
                 raise UserError(f"{name} {v!r} must be a number")
         if self.fc_norm is not None and not isinstance(self.fc_norm, bool):
             raise UserError(f"fc_norm {self.fc_norm!r} must be true, false or null")
-        for name in ("img_size", "patch_size"):
-            v = getattr(self, name)
-            parts = v if isinstance(v, tuple) else (v,)
-            if not all(isinstance(p, int) and not isinstance(p, bool) for p in parts):
-                raise UserError(f"{name} {v!r} must be an int or [height, width]")
 
     # ---- derived values -------------------------------------------------------------------------
     @property
     def img_hw(self) -> tuple[int, int]:
-        return (self.img_size, self.img_size) if isinstance(self.img_size, int) else tuple(self.img_size)
+        return as_hw(self.img_size, "img_size")
 
     @property
     def patch_hw(self) -> tuple[int, int]:
-        return (self.patch_size, self.patch_size) if isinstance(self.patch_size, int) else tuple(self.patch_size)
+        return as_hw(self.patch_size, "patch_size")
 
     @property
     def num_patches(self) -> int:
@@ -242,6 +251,11 @@ class ViTConfig:
     def embeds_prefix(self) -> bool:
         """Whether pos_embed has rows for the class/register tokens (timm's original layout)."""
         return self.pos_embed in ("learn", "sincos1d") and not self.no_embed_class
+
+    @property
+    def pos_prefix_rows(self) -> int:
+        """pos_embed's rows for the class/register tokens: all of them in timm's original layout, else none."""
+        return self.num_prefix_tokens if self.embeds_prefix else 0
 
     # ---- construction and plain-data round trip -------------------------------------------------
     @classmethod

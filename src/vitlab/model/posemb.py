@@ -1,4 +1,5 @@
-"""Position embeddings and their resampling, and the patch filters' (FlexiViT): pure functions of tensors.
+"""Position embeddings and their resampling, and the patch filters' (FlexiViT): pure functions of tensors, and
+the table of position embeddings a config picks from (POS_EMBEDS).
 
 Fixed tables (1-D sinusoid, big_vision's 2-D sin-cos) are recomputed at any size; learned ones are resampled
 bicubically on their grid, exactly as timm's `resample_abs_pos_embed`.
@@ -32,6 +33,16 @@ def posemb_sincos_2d(grid_size: tuple[int, int], dim: int, temperature: float = 
     y = y.flatten()[:, None] * omega[None, :]
     x = x.flatten()[:, None] * omega[None, :]
     return torch.cat([x.sin(), x.cos(), y.sin(), y.cos()], dim=1)[None]
+
+
+# config.py's pos_embed -> the table for a (h, w) grid, (1, prefix + h*w, D) with `prefix` rows for the class and
+# register tokens (sincos2d: patches only): zeros that the model learns, a fixed sinusoid, or None ('none').
+POS_EMBEDS = {
+    "learn": lambda grid, prefix, dim, device=None: torch.zeros(1, prefix + grid[0] * grid[1], dim, device=device),
+    "sincos1d": lambda grid, prefix, dim, device=None: posemb_sincos_1d(prefix + grid[0] * grid[1], dim, device=device),
+    "sincos2d": lambda grid, prefix, dim, device=None: posemb_sincos_2d(grid, dim, device=device),
+    "none": lambda grid, prefix, dim, device=None: None,
+}
 
 
 def resample_pos_embed(

@@ -1,596 +1,62 @@
-"""The Vision Transformer of "An Image is Worth 16x16 Words" (Dosovitskiy et al., ICLR 2021).
+"""The Vision Transformer of "An Image is Worth 16x16 Words" (Dosovitskiy et al., ICLR 2021): the core.
 
-Reads top to bottom: input helpers -> the component tables a config picks from
-(ACTIVATIONS, NORMS, POOLS) -> attention (ATTENTIONS) -> MLPs (MLPS) -> blocks (BLOCKS) -> attention pool -> patch
-embedding -> the model. Parameter names are timm's, so timm checkpoints load as they are; the computation
-follows timm's order of operations, so logits agree with timm's bit for bit on CPU in fp32.
+Reads top to bottom: input helpers -> constructor -> embed -> blocks -> forward_features -> forward_head ->
+forward -> attention maps -> position-embedding resampling on load. Its components (the tables a config picks
+from) live in layers.py and blocks.py, the weight-init schemes in init.py, and what is there only for timm's
+model API in timm_api.py (a mixin). Parameter names are timm's, so timm checkpoints load as they are; the
+computation follows timm's order of operations, so logits agree with timm's bit for bit on CPU in fp32.
 Shapes: B batch, N tokens (prefix + patches), D embed_dim, H heads, Dh head dim, P patch size.
 """
 
 from __future__ import annotations
 
-import math
-from collections import OrderedDict
-from collections.abc import Sequence
-from functools import partial
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from vitlab.model import init
+from vitlab.model.blocks import BLOCKS
 from vitlab.model.config import ViTConfig
-from vitlab.model.posemb import (
-    posemb_sincos_1d,
-    posemb_sincos_2d,
-    resample_grid,
-    resample_patch_embed,
-    resample_pos_embed,
-)
-
-Size = int | Sequence[int]  # an int for squares, else (height, width)
+from vitlab.model.layers import POOLS, AttentionPool, PatchDropout, PatchEmbed, norm
+from vitlab.model.posemb import POS_EMBEDS, resample_grid, resample_pos_embed
+from vitlab.model.timm_api import TimmAPI
 
 # ---- inputs ----------------------------------------------------------------------------------------
 
 
 @torch.fx.wrap  # FX records one call: the grid comes from the input's shape
 def _pos_embed_at(pos_embed: torch.Tensor, tokens: torch.Tensor, kind: str, trained_grid, num_prefix: int):
-    """The position embedding for the grid of `tokens` (B, h, w, D) (dynamic_img_size): a fixed table
-    recomputed, a learned one resampled from its trained grid (as timm's resample_abs_pos_embed)."""
+    """The position embedding for the grid of `tokens` (B, h, w, D) (dynamic_img_size): a learned one resampled
+    from its trained grid (as timm's resample_abs_pos_embed), a fixed one recomputed."""
     h, w = tokens.shape[1], tokens.shape[2]
-    if kind == "sincos2d":
-        return posemb_sincos_2d((h, w), pos_embed.shape[-1], device=pos_embed.device).to(pos_embed.dtype)
-    if kind == "sincos1d":
-        return posemb_sincos_1d(num_prefix + h * w, pos_embed.shape[-1], device=pos_embed.device).to(pos_embed.dtype)
-    return resample_grid(pos_embed, (h, w), trained_grid, num_prefix)
+    if kind == "learn":
+        return resample_grid(pos_embed, (h, w), trained_grid, num_prefix)
+    return POS_EMBEDS[kind]((h, w), num_prefix, pos_embed.shape[-1], device=pos_embed.device).to(pos_embed.dtype)
 
 
 @torch.fx.wrap
-def _check_input_size(x: torch.Tensor, img_hw, patch_hw, dynamic_size: bool, dynamic_pad: bool) -> None:
+def _check_input_size(x: torch.Tensor, img_hw: tuple, patch_hw: tuple, dynamic_size: bool, dynamic_pad: bool) -> None:
     H, W = x.shape[-2], x.shape[-1]
-    if not dynamic_size and (H, W) != tuple(img_hw):
+    if not dynamic_size and (H, W) != img_hw:
         raise ValueError(
-            f"input size {H}x{W} does not match img_size {tuple(img_hw)}; "
+            f"input size {H}x{W} does not match img_size {img_hw}; "
             "resize the input or build the model with dynamic_img_size=true"
         )
     if not dynamic_pad and (H % patch_hw[0] or W % patch_hw[1]):  # the strided conv would drop the remainder
-        patch = patch_hw[0] if patch_hw[0] == patch_hw[1] else tuple(patch_hw)
+        patch = patch_hw[0] if patch_hw[0] == patch_hw[1] else patch_hw
         raise ValueError(
             f"input size {H}x{W} is not a multiple of patch_size {patch}; crop or resize it, or build the "
             "model with dynamic_img_pad=true to pad it"
         )
 
 
-# ---- layers ----------------------------------------------------------------------------------------
-
-
-class QuickGELU(nn.Module):
-    """x * sigmoid(1.702 x): OpenAI CLIP's approximation of GELU."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.sigmoid(1.702 * x)
-
-
-# The components a config names (config.py: act_layer, norm_layer), built as timm builds them.
-ACTIVATIONS = {
-    "gelu": nn.GELU,  # exact (erf), as the paper
-    "gelu_tanh": partial(nn.GELU, approximate="tanh"),
-    "quick_gelu": QuickGELU,
-    "silu": nn.SiLU,
-}
-NORMS = {"layernorm": nn.LayerNorm, "rmsnorm": nn.RMSNorm}  # (dim, eps=...); RMSNorm has a weight, no bias
-POOLS = {  # global_pool over tokens (B, N, D) -> (B, D); 'token' and 'map' (AttentionPool) are the model's own
-    "avg": lambda t: t.mean(dim=1),
-    "max": lambda t: t.amax(dim=1),
-    "avgmax": lambda t: 0.5 * (t.amax(dim=1) + t.mean(dim=1)),
-}
-
-
-def norm(cfg: ViTConfig, dim: int) -> nn.Module:
-    return NORMS[cfg.norm_layer](dim, eps=cfg.norm_eps)
-
-
-class DropPath(nn.Module):
-    """Stochastic depth (Huang et al. 2016): drop the whole residual branch per sample."""
-
-    def __init__(self, p: float):
-        super().__init__()
-        self.p = p
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        keep = 1.0 - self.p
-        mask = x.new_empty(x.shape[0], 1, 1).bernoulli_(keep)  # tokens (B, N, D): one draw per sample
-        return x * mask.div_(keep)
-
-
-class PatchDropout(nn.Module):
-    """In training, keep a random max(1, int(L * (1 - p))) of the L patch tokens of each image, prefix tokens
-    always (Li et al. 2023, FLIP; timm's PatchDropout, unordered)."""
-
-    def __init__(self, p: float, num_prefix_tokens: int):
-        super().__init__()
-        self.p, self.num_prefix_tokens = p, num_prefix_tokens
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, prefix + L, D) -> (B, prefix + kept, D)
-        return _drop_patches(x, self.p, self.num_prefix_tokens) if self.training else x
-
-
-@torch.fx.wrap  # the kept count comes from the input's shape
-def _drop_patches(x: torch.Tensor, p: float, num_prefix: int) -> torch.Tensor:
-    prefix, x = x[:, :num_prefix], x[:, num_prefix:]
-    L = x.shape[1]
-    keep = torch.randn(x.shape[0], L, device=x.device).argsort(dim=-1)[:, : max(1, int(L * (1.0 - p)))]
-    x = x.gather(1, keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-    return torch.cat([prefix, x], dim=1)
-
-
-class LayerScale(nn.Module):
-    """Per-channel residual scaling (CaiT, Touvron et al. 2021)."""
-
-    def __init__(self, dim: int, init_values: float):
-        super().__init__()
-        self.gamma = nn.Parameter(torch.full((dim,), float(init_values)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.gamma
-
-
-class Attention(nn.Module):
-    """Multi-head self-attention with one fused qkv projection and SDPA (flash/mem-efficient kernels)."""
-
-    def __init__(self, cfg: ViTConfig, layer: int = 0):  # layer: unused here, as ATTENTIONS builds every kind
-        super().__init__()
-        dim = cfg.embed_dim
-        self.num_heads = cfg.num_heads
-        self.head_dim = dim // cfg.num_heads
-        self.scale = self.head_dim**-0.5  # SDPA's default scale too
-        self.attn_drop = cfg.attn_drop_rate
-        self.qkv = nn.Linear(dim, 3 * dim, bias=cfg.qkv_bias)  # rows ordered q; k; v
-        self.q_norm = norm(cfg, self.head_dim) if cfg.qk_norm else nn.Identity()
-        self.k_norm = norm(cfg, self.head_dim) if cfg.qk_norm else nn.Identity()
-        self.norm = norm(cfg, dim) if cfg.scale_attn_norm else nn.Identity()
-        self.proj = nn.Linear(dim, dim, bias=cfg.proj_bias)
-        self.proj_drop = nn.Dropout(cfg.proj_drop_rate)
-
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)  # each (B, H, N, Dh), views: no copy
-        return self.q_norm(q), self.k_norm(k), v
-
-    def forward(
-        self, x: torch.Tensor, rows: int | None = None, attn_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
-        """With `rows`, only the first `rows` tokens query (every token is still a key and value).
-        `attn_mask`: SDPA's, broadcastable to (B, H, N, N), bool (True attends) or added to the scores."""
-        q, k, v = self._qkv(x)
-        if rows is not None:
-            q, attn_mask = q[:, :, :rows], _query_rows(attn_mask, rows)  # (B, H, rows, Dh)
-        drop = self.attn_drop if self.training else 0.0
-        x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=drop).transpose(1, 2).flatten(2)
-        return self.proj_drop(self.proj(self.norm(x)))
-
-    def attention_map(self, x: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(Dh)): (B, H, N, N), rows summing to 1. For visualisation only; the
-        forward pass never materialises it."""
-        q, k, _ = self._qkv(x)
-        return ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
-
-
-class _Differential:
-    """Differential attention (Ye et al. 2024, "Differential Transformer"; timm's DiffAttention): each head
-    splits q and k in two halves of Dh/2 and attends twice with values of width Dh,
-    softmax(q1 k1^T) v - lambda softmax(q2 k2^T) v, then an RMSNorm per head and a scale of (1 - lambda_init);
-    lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, lambda_init = 0.8 - 0.6 exp(-0.3 layer). Shared by
-    DiffAttention and DiffParallelScalingBlock, its parameters under timm's names."""
-
-    def _differential(self, cfg: ViTConfig, layer: int) -> None:
-        self.num_heads, self.head_dim = cfg.num_heads, cfg.embed_dim // cfg.num_heads // 2  # v keeps 2 * head_dim
-        self.scale = self.head_dim**-0.5
-        self.q_norm = norm(cfg, self.head_dim) if cfg.qk_norm else nn.Identity()
-        self.k_norm = norm(cfg, self.head_dim) if cfg.qk_norm else nn.Identity()
-        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
-            self.register_parameter(name, nn.Parameter(torch.empty(self.head_dim).normal_(std=0.1)))
-        self.sub_norm = nn.RMSNorm(2 * self.head_dim, eps=1e-5)
-        self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer)
-        self.attn_drop = cfg.attn_drop_rate
-
-    def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        halves = (self.num_heads, 2, self.head_dim)
-        q = self.q_norm(q.unflatten(-1, halves).permute(0, 2, 3, 1, 4))  # (B, H, 2, N, Dh/2)
-        k = self.k_norm(k.unflatten(-1, halves).permute(0, 2, 3, 1, 4))
-        return q, k, v.unflatten(-1, (self.num_heads, 2 * self.head_dim)).transpose(1, 2)  # v: (B, H, N, Dh)
-
-    def _lambda(self) -> torch.Tensor:
-        l1, l2 = (self.lambda_q1 * self.lambda_k1).sum(-1), (self.lambda_q2 * self.lambda_k2).sum(-1)
-        return l1.float().exp() - l2.float().exp() + self.lambda_init
-
-    def _attend(
-        self, q, k, v, rows: int | None, attn_mask: torch.Tensor | None
-    ) -> torch.Tensor:  # -> (B, rows or N, D)
-        if rows is not None:
-            q, attn_mask = q[..., :rows, :], _query_rows(attn_mask, rows)
-        drop = self.attn_drop if self.training else 0.0
-        a1, a2 = (F.scaled_dot_product_attention(q[:, :, i], k[:, :, i], v, attn_mask, drop) for i in (0, 1))
-        x = self.sub_norm(a1 - self._lambda().type_as(a1) * a2) * (1 - self.lambda_init)
-        return x.transpose(1, 2).flatten(2)
-
-    def _map(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # the differential map (may be negative)
-        maps = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)  # (B, H, 2, N, N)
-        return maps[:, :, 0] - self._lambda().type_as(maps) * maps[:, :, 1]
-
-
-class DiffAttention(_Differential, Attention):
-    """Attention with the differential attention of `_Differential` in place of softmax attention."""
-
-    def __init__(self, cfg: ViTConfig, layer: int = 0):
-        super().__init__(cfg, layer)
-        self._differential(cfg, layer)
-
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        return self._heads(q, k, v)
-
-    def forward(
-        self, x: torch.Tensor, rows: int | None = None, attn_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
-        return self.proj_drop(self.proj(self.norm(self._attend(*self._qkv(x), rows, attn_mask))))
-
-    def attention_map(self, x: torch.Tensor) -> torch.Tensor:
-        return self._map(*self._qkv(x)[:2])
-
-
-ATTENTIONS = {"attn": Attention, "diff": DiffAttention}  # config.py: attn_layer; built with (cfg, layer index)
-
-
-@torch.fx.wrap  # traced with or without a mask
-def _query_rows(attn_mask: torch.Tensor | None, rows: int) -> torch.Tensor | None:
-    """The mask of the first `rows` queries; None, or a mask with no query axis, as it is."""
-    return attn_mask if attn_mask is None or attn_mask.ndim < 2 else attn_mask[..., :rows, :]
-
-
-class _MlpOutput(nn.Module):
-    """What every MLP ends with: activation, dropout, the optional hidden norm (scale_mlp_norm), fc2, dropout,
-    registered in timm's order (so state-dict keys list as timm's)."""
-
-    def _output_layers(self, cfg: ViTConfig, hidden: int) -> None:
-        self.act = ACTIVATIONS[cfg.act_layer]()
-        self.drop1 = nn.Dropout(cfg.proj_drop_rate)
-        self.norm = norm(cfg, hidden) if cfg.scale_mlp_norm else nn.Identity()
-        self.fc2 = nn.Linear(hidden, cfg.embed_dim, bias=cfg.proj_bias)
-        self.drop2 = nn.Dropout(cfg.proj_drop_rate)
-
-    def _output(self, h: torch.Tensor) -> torch.Tensor:  # hidden features, activated -> (B, N, D)
-        return self.drop2(self.fc2(self.norm(self.drop1(h))))
-
-
-class Mlp(_MlpOutput):
-    """fc1 -> activation -> fc2 (the paper's MLP; GELU unless the config names another)."""
-
-    def __init__(self, cfg: ViTConfig):
-        super().__init__()
-        hidden = int(cfg.embed_dim * cfg.mlp_ratio)
-        self.fc1 = nn.Linear(cfg.embed_dim, hidden, bias=cfg.proj_bias)
-        self._output_layers(cfg, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._output(self.act(self.fc1(x)))
-
-
-class SwiGLU(_MlpOutput):
-    """Gated MLP (Shazeer 2020): act(fc1_g x) * fc1_x x -> fc2, timm's `SwiGLU`."""
-
-    def __init__(self, cfg: ViTConfig):
-        super().__init__()
-        hidden = int(cfg.embed_dim * cfg.mlp_ratio)
-        self.fc1_g = nn.Linear(cfg.embed_dim, hidden, bias=cfg.proj_bias)
-        self.fc1_x = nn.Linear(cfg.embed_dim, hidden, bias=cfg.proj_bias)
-        self._output_layers(cfg, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._output(self.act(self.fc1_g(x)) * self.fc1_x(x))
-
-
-class SwiGLUPacked(_MlpOutput):
-    """The gated MLP with one fc1 whose output halves are (gate, value): act(gate) * value -> fc2 of half
-    the width, timm's `SwiGLUPacked` (DINOv2 giant)."""
-
-    def __init__(self, cfg: ViTConfig):
-        super().__init__()
-        hidden = int(cfg.embed_dim * cfg.mlp_ratio)
-        self.fc1 = nn.Linear(cfg.embed_dim, hidden, bias=cfg.proj_bias)
-        self._output_layers(cfg, hidden // 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, value = self.fc1(x).chunk(2, dim=-1)
-        return self._output(self.act(gate) * value)
-
-
-MLPS = {"mlp": Mlp, "swiglu": SwiGLU, "swiglu_packed": SwiGLUPacked}
-
-
-class Block(nn.Module):
-    """Pre-norm encoder block (paper Eq. 2-3): x + attn(LN(x)), then x + mlp(LN(x))."""
-
-    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0):
-        super().__init__()
-        dim = cfg.embed_dim
-        self.norm1 = norm(cfg, dim)
-        self.attn = ATTENTIONS[cfg.attn_layer](cfg, layer)
-        self.ls1 = LayerScale(dim, cfg.init_values) if cfg.init_values else nn.Identity()
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.norm2 = norm(cfg, dim)
-        self.mlp = MLPS[cfg.mlp_layer](cfg)
-        self.ls2 = LayerScale(dim, cfg.init_values) if cfg.init_values else nn.Identity()
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-
-    def forward(
-        self, x: torch.Tensor, rows: int | None = None, attn_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
-        """With `rows`, only the first `rows` tokens are updated and returned: a class-token head reads
-        one row of the last block, and every other row's attention query, projection and MLP is waste."""
-        shortcut = x if rows is None else x[:, :rows]
-        x = shortcut + self.drop_path1(self.ls1(self.attn(self.norm1(x), rows, attn_mask)))
-        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-        return x
-
-    def attention_map(self, x: torch.Tensor) -> torch.Tensor:
-        return self.attn.attention_map(self.norm1(x))
-
-
-class ParallelScalingBlock(nn.Module):
-    """Attention and MLP in parallel from one norm and one input projection (ViT-22B, Dehghani et al.
-    2023; timm's ParallelScalingBlock): in_proj yields the MLP's hidden features and q, k, v at once, and
-    x + ls(attn_out_proj(attention) + mlp_out_proj(act(hidden))). Without qkv_bias the MLP keeps a bias
-    of its own (mlp_bias)."""
-
-    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0):
-        super().__init__()
-        dim, hidden = cfg.embed_dim, int(cfg.mlp_ratio * cfg.embed_dim)
-        self.num_heads, self.head_dim = cfg.num_heads, dim // cfg.num_heads
-        self.in_norm = norm(cfg, dim)
-        self.in_proj = nn.Linear(dim, hidden + 3 * dim, bias=cfg.qkv_bias)
-        self.in_split = [hidden, dim, dim, dim]
-        self.mlp_bias = None if cfg.qkv_bias else nn.Parameter(torch.zeros(hidden))
-        self.q_norm = norm(cfg, self.head_dim) if cfg.qk_norm else nn.Identity()
-        self.k_norm = norm(cfg, self.head_dim) if cfg.qk_norm else nn.Identity()
-        self.attn_drop = cfg.attn_drop_rate
-        self.mlp_drop = nn.Dropout(cfg.proj_drop_rate)
-        self.mlp_act = ACTIVATIONS[cfg.act_layer]()
-        self.attn_out_proj = nn.Linear(dim, dim, bias=cfg.proj_bias)
-        self.mlp_out_proj = nn.Linear(hidden, dim, bias=cfg.proj_bias)
-        self.ls = LayerScale(dim, cfg.init_values) if cfg.init_values else nn.Identity()
-        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        hidden, q, k, v = torch.split(self.in_proj(self.in_norm(x)), self.in_split, dim=-1)
-        if self.mlp_bias is not None:
-            hidden = hidden + self.mlp_bias
-        heads = (self.num_heads, self.head_dim)
-        q = self.q_norm(q.unflatten(-1, heads)).transpose(1, 2)
-        k = self.k_norm(k.unflatten(-1, heads)).transpose(1, 2)
-        return hidden, q, k, v.unflatten(-1, heads).transpose(1, 2)
-
-    def forward(
-        self, x: torch.Tensor, rows: int | None = None, attn_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
-        hidden, q, k, v = self._project(x)
-        drop = self.attn_drop if self.training else 0.0
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=drop).transpose(1, 2).flatten(2)
-        y = self.attn_out_proj(attn) + self.mlp_out_proj(self.mlp_drop(self.mlp_act(hidden)))
-        x = x + self.drop_path(self.ls(y))
-        return x if rows is None else x[:, :rows]
-
-    def attention_map(self, x: torch.Tensor) -> torch.Tensor:
-        _, q, k, _ = self._project(x)
-        return ((q * self.head_dim**-0.5) @ k.transpose(-2, -1)).softmax(dim=-1)
-
-
-class DiffParallelScalingBlock(_Differential, nn.Module):
-    """The parallel block with differential attention (timm's DiffParallelScalingBlock): one norm and one input
-    projection give the MLP's hidden features and q, k, v; x + ls(out_proj([diff_attention, act(hidden)]))."""
-
-    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0):
-        super().__init__()
-        dim, hidden = cfg.embed_dim, int(cfg.mlp_ratio * cfg.embed_dim)
-        self.in_norm = norm(cfg, dim)
-        self.in_proj = nn.Linear(dim, hidden + 3 * dim, bias=cfg.qkv_bias)
-        self.in_split = [hidden, dim, dim, dim]
-        self.mlp_bias = None if cfg.qkv_bias else nn.Parameter(torch.zeros(hidden))
-        self._differential(cfg, layer)
-        self.mlp_drop = nn.Dropout(cfg.proj_drop_rate)
-        self.mlp_act = ACTIVATIONS[cfg.act_layer]()
-        self.out_proj = nn.Linear(dim + hidden, dim, bias=cfg.proj_bias)
-        self.ls = LayerScale(dim, cfg.init_values) if cfg.init_values is not None else nn.Identity()
-        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        hidden, q, k, v = torch.split(self.in_proj(self.in_norm(x)), self.in_split, dim=-1)
-        if self.mlp_bias is not None:
-            hidden = hidden + self.mlp_bias
-        q, k, v = self._heads(q, k, v)
-        return hidden, q, k, v
-
-    def forward(
-        self, x: torch.Tensor, rows: int | None = None, attn_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
-        hidden, q, k, v = self._project(x)
-        if rows is not None:
-            x, hidden = x[:, :rows], hidden[:, :rows]
-        y = torch.cat([self._attend(q, k, v, rows, attn_mask), self.mlp_drop(self.mlp_act(hidden))], dim=-1)
-        return x + self.drop_path(self.ls(self.out_proj(y)))
-
-    def attention_map(self, x: torch.Tensor) -> torch.Tensor:
-        _, q, k, _ = self._project(x)
-        return self._map(q, k)
-
-
-class ResPostBlock(nn.Module):
-    """Post-norm residuals (Swin V2's res-post-norm; timm's ResPostBlock): x + norm1(attn(x)), then
-    x + norm2(mlp(x)). `init_values` starts the norms' weights (not a LayerScale), as timm's."""
-
-    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0):
-        super().__init__()
-        self.attn = ATTENTIONS[cfg.attn_layer](cfg, layer)
-        self.norm1 = norm(cfg, cfg.embed_dim)
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.mlp = MLPS[cfg.mlp_layer](cfg)
-        self.norm2 = norm(cfg, cfg.embed_dim)
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        if cfg.init_values is not None:
-            nn.init.constant_(self.norm1.weight, cfg.init_values)
-            nn.init.constant_(self.norm2.weight, cfg.init_values)
-
-    def forward(
-        self, x: torch.Tensor, rows: int | None = None, attn_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
-        shortcut = x if rows is None else x[:, :rows]
-        x = shortcut + self.drop_path1(self.norm1(self.attn(x, rows, attn_mask)))
-        return x + self.drop_path2(self.norm2(self.mlp(x)))
-
-    def attention_map(self, x: torch.Tensor) -> torch.Tensor:
-        return self.attn.attention_map(x)
-
-
-class ParallelThingsBlock(nn.Module):
-    """Two attention branches side by side, then two MLP branches ("Three things everyone should know about
-    Vision Transformers", Touvron et al. 2022; timm's ParallelThingsBlock): x + sum_i attn_i(x), then
-    x + sum_i mlp_i(x), each branch norm -> layer -> LayerScale -> stochastic depth."""
-
-    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0, num_parallel: int = 2):
-        super().__init__()
-
-        def branch(name: str, layer: nn.Module) -> nn.Sequential:
-            ls = LayerScale(cfg.embed_dim, cfg.init_values) if cfg.init_values else nn.Identity()
-            dp = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-            return nn.Sequential(OrderedDict(norm=norm(cfg, cfg.embed_dim), **{name: layer}, ls=ls, drop_path=dp))
-
-        self.attns = nn.ModuleList(
-            [branch("attn", ATTENTIONS[cfg.attn_layer](cfg, layer)) for _ in range(num_parallel)]
-        )
-        self.ffns = nn.ModuleList([branch("mlp", MLPS[cfg.mlp_layer](cfg)) for _ in range(num_parallel)])
-
-    def forward(
-        self, x: torch.Tensor, rows: int | None = None, attn_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
-        shortcut = x if rows is None else x[:, :rows]
-        attn = [b.drop_path(b.ls(b.attn(b.norm(x), rows, attn_mask))) for b in self.attns]
-        x = shortcut + torch.stack(attn).sum(dim=0)
-        return x + torch.stack([ffn(x) for ffn in self.ffns]).sum(dim=0)
-
-    def attention_map(self, x: torch.Tensor) -> torch.Tensor:  # the mean of the branches' maps
-        return torch.stack([b.attn.attention_map(b.norm(x)) for b in self.attns]).mean(dim=0)
-
-
-BLOCKS = {
-    "block": Block,
-    "parallel_scaling": ParallelScalingBlock,
-    "diff_parallel_scaling": DiffParallelScalingBlock,
-    "res_post": ResPostBlock,
-    "parallel_things": ParallelThingsBlock,
-}
-
-
-class AttentionPool(nn.Module):
-    """Multi-head attention pooling with one learned query (SigLIP's 'map' head; timm's AttentionPoolLatent):
-    the latent query attends over the patch tokens, then a residual MLP on the pooled token."""
-
-    def __init__(self, cfg: ViTConfig):
-        super().__init__()
-        D = cfg.embed_dim
-        self.num_heads, self.head_dim = cfg.num_heads, D // cfg.num_heads
-        self.latent = nn.Parameter(torch.zeros(1, 1, D))
-        self.q = nn.Linear(D, D)
-        self.kv = nn.Linear(D, 2 * D)
-        self.proj = nn.Linear(D, D)
-        self.norm = norm(cfg, D)
-        self.mlp = Mlp(cfg.replace(proj_bias=True, proj_drop_rate=0.0))  # timm's: biases on, no dropout
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D) -> (B, D)
-        heads = (self.num_heads, self.head_dim)
-        q = self.q(self.latent.expand(x.shape[0], -1, -1)).unflatten(-1, heads).transpose(1, 2)  # (B, H, 1, Dh)
-        k, v = self.kv(x).unflatten(-1, (2, *heads)).permute(2, 0, 3, 1, 4).unbind(0)
-        x = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)  # (B, 1, D)
-        x = self.proj(x)
-        x = x + self.mlp(self.norm(x))
-        return x[:, 0]
-
-
-class PatchEmbed(nn.Module):
-    """Non-overlapping PxP patches, linearly projected (paper Eq. 1) as one strided convolution. With
-    `dynamic_img_pad` an input is first zero-padded on the right and bottom to a multiple of P (timm's)."""
-
-    def __init__(self, cfg: ViTConfig):
-        super().__init__()
-        p = self.patch_size = cfg.patch_hw
-        self.dynamic_img_pad = cfg.dynamic_img_pad
-        self.proj = nn.Conv2d(cfg.in_chans, cfg.embed_dim, kernel_size=p, stride=p, bias=not cfg.pre_norm)
-        self.norm = norm(cfg, cfg.embed_dim) if cfg.embed_norm else nn.Identity()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, ceil(H/P), ceil(W/P), D)
-        if self.dynamic_img_pad:
-            (ph, pw), H, W = self.patch_size, x.shape[-2], x.shape[-1]
-            x = F.pad(x, (0, (pw - W % pw) % pw, 0, (ph - H % ph) % ph))
-        return self.norm(self.proj(x).permute(0, 2, 3, 1))
-
-
-# ---- initialisation: timm's weight_init modes, per Linear/Conv2d (name is the module's path) ----------
-
-
-def _lecun_normal_(w: torch.Tensor) -> None:
-    """Truncated at 2 std, corrected so the variance is 1/fan_in (JAX's lecun_normal)."""
-    nn.init.trunc_normal_(w, std=1.0, a=-2.0, b=2.0)
-    w.mul_(math.sqrt(1.0 / w[0].numel()) / 0.87962566103423978)
-
-
-def _init_timm(name: str, m: nn.Module, cfg: ViTConfig) -> None:  # '': truncated normal 0.02, zero biases
-    if isinstance(m, nn.Linear):
-        nn.init.trunc_normal_(m.weight, std=0.02)
-        if m.bias is not None:
-            nn.init.zeros_(m.bias)
-
-
-def _init_jax(name: str, m: nn.Module, cfg: ViTConfig) -> None:
-    """big_vision's: Xavier-uniform Linears (MLP biases ~1e-6), LeCun-normal patch conv, zero head whose bias is
-    -log(num_classes) with 'jax_nlhb' (start from uniform class probabilities)."""
-    if isinstance(m, nn.Linear) and name.startswith("head"):
-        nn.init.zeros_(m.weight)
-        nn.init.constant_(m.bias, -math.log(cfg.num_classes) if cfg.weight_init == "jax_nlhb" else 0.0)
-    elif isinstance(m, nn.Linear):
-        nn.init.xavier_uniform_(m.weight)
-        if m.bias is not None:
-            nn.init.normal_(m.bias, std=1e-6) if "mlp" in name else nn.init.zeros_(m.bias)
-    elif isinstance(m, nn.Conv2d):
-        _lecun_normal_(m.weight)
-        if m.bias is not None:
-            nn.init.zeros_(m.bias)
-
-
-def _init_moco(name: str, m: nn.Module, cfg: ViTConfig) -> None:
-    """MoCo v3's: Xavier-uniform Linears, with q, k and v's fan counted separately in the fused qkv."""
-    if isinstance(m, nn.Linear):
-        if "qkv" in name:
-            bound = math.sqrt(6.0 / (m.weight.shape[0] // 3 + m.weight.shape[1]))
-            nn.init.uniform_(m.weight, -bound, bound)
-        else:
-            nn.init.xavier_uniform_(m.weight)
-        if m.bias is not None:
-            nn.init.zeros_(m.bias)
-
-
-WEIGHT_INITS = {"": _init_timm, "jax": _init_jax, "jax_nlhb": _init_jax, "moco": _init_moco}  # 'skip': PyTorch's
-
-# What timm's ViT weights expect of their inputs unless their pretrained config says otherwise (timm's `_cfg`).
-DEFAULT_PRETRAINED_CFG = dict(
-    mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), crop_pct=0.9, crop_mode="center", interpolation="bicubic"
-)
-
-
 # ---- the model -------------------------------------------------------------------------------------
 
 
-class ViT(nn.Module):
+class ViT(TimmAPI, nn.Module):
+    """Patches (B, C, H, W) -> tokens (B, N, D) with prefix tokens and position embedding -> blocks -> norm ->
+    pooled (B, D) -> logits (B, K). Built from its config alone; timm's model API comes from TimmAPI."""
+
     def __init__(self, cfg: ViTConfig):
         super().__init__()
         self.cfg = cfg
@@ -602,11 +68,11 @@ class ViT(nn.Module):
         self.patch_embed = PatchEmbed(cfg)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.class_token else None
         self.reg_token = nn.Parameter(torch.zeros(1, cfg.reg_tokens, D)) if cfg.reg_tokens else None
-        prefix_rows = cfg.num_prefix_tokens if cfg.embeds_prefix else 0
+        pos_embed = POS_EMBEDS[cfg.pos_embed](cfg.grid_size, cfg.pos_prefix_rows, D)  # (1, rows, D) or None
         if cfg.pos_embed == "learn":
-            self.pos_embed = nn.Parameter(torch.zeros(1, prefix_rows + cfg.num_patches, D))
-        elif cfg.pos_embed in ("sincos1d", "sincos2d"):  # fixed: a buffer (nothing to train), under timm's key
-            self.register_buffer("pos_embed", self._fixed_pos_embed(cfg))
+            self.pos_embed = nn.Parameter(pos_embed)
+        elif pos_embed is not None:  # fixed: a buffer (nothing to train), under timm's key
+            self.register_buffer("pos_embed", pos_embed)
         else:
             self.pos_embed = None
         self.pos_drop = nn.Dropout(cfg.pos_drop_rate)
@@ -624,133 +90,12 @@ class ViT(nn.Module):
         self.head = nn.Linear(D, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
 
         self.pretrained_cfg = self._default_pretrained_cfg(cfg)  # replaced by the weights' (convert.timm)
-        if cfg.weight_init != "skip":
-            self.init_weights()
+        init.init_weights(self)
         self.register_load_state_dict_pre_hook(_resample_pos_embed_on_load)
 
-    @staticmethod
-    def _fixed_pos_embed(cfg: ViTConfig, device=None) -> torch.Tensor:
-        if cfg.pos_embed == "sincos2d":
-            return posemb_sincos_2d(cfg.grid_size, cfg.embed_dim, device=device)
-        rows = (cfg.num_prefix_tokens if cfg.embeds_prefix else 0) + cfg.num_patches
-        return posemb_sincos_1d(rows, cfg.embed_dim, device=device)
-
-    # ---- initialisation --------------------------------------------------------------------------
-    @torch.no_grad()
     def init_weights(self) -> None:
-        """timm's schemes by `cfg.weight_init` (WEIGHT_INITS): '' truncated normal 0.02 for every Linear, zero
-        biases, PyTorch's default for the patch conv; 'jax' / 'jax_nlhb' big_vision's; 'moco' MoCo v3's ('skip'
-        keeps PyTorch's own initialisation of each layer and zero tokens and pos_embed)."""
-        if isinstance(self.pos_embed, nn.Parameter):
-            nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        for tok in (self.cls_token, self.reg_token):
-            if tok is not None:
-                nn.init.normal_(tok, std=1e-6)
-        if self.attn_pool is not None:
-            nn.init.trunc_normal_(self.attn_pool.latent, std=self.cfg.embed_dim**-0.5)
-        init = WEIGHT_INITS[self.cfg.weight_init]
-        for name, m in self.named_modules():
-            init(name, m, self.cfg)
-        if self.cfg.fix_init:  # timm's fix_init_weight: deeper blocks write smaller residuals
-            for i, blk in enumerate(self.blocks):
-                blk.attn.proj.weight.div_(math.sqrt(2.0 * (i + 1)))
-                blk.mlp.fc2.weight.div_(math.sqrt(2.0 * (i + 1)))
-
-    # ---- timm's model API (what timm.optim, timm.data and timm users call) ----------------------
-    @property
-    def num_classes(self) -> int:
-        return self.cfg.num_classes
-
-    @property
-    def num_features(self) -> int:  # width of forward_features' tokens and of the pooled features
-        return self.cfg.embed_dim
-
-    head_hidden_size = num_features  # no pre-logits layer: the head sees the pooled features
-
-    @staticmethod
-    def _default_pretrained_cfg(cfg: ViTConfig) -> dict:
-        d = dict(DEFAULT_PRETRAINED_CFG, num_classes=cfg.num_classes, input_size=(cfg.in_chans, *cfg.img_hw))
-        if cfg.in_chans != 3:
-            d.update(mean=(0.5,) * cfg.in_chans, std=(0.5,) * cfg.in_chans)
-        return dict(d, pool_size=None, fixed_input_size=not cfg.dynamic_img_size, first_conv="patch_embed.proj",
-                    classifier="head")  # fmt: skip
-
-    @property
-    def default_cfg(self) -> dict:  # timm's older name of pretrained_cfg
-        return self.pretrained_cfg
-
-    @property
-    def feature_info(self) -> list[dict]:
-        """Every block's output as timm describes it: module name, channels, stride in pixels."""
-        return [
-            dict(module=f"blocks.{i}", num_chs=self.cfg.embed_dim, reduction=max(self.cfg.patch_hw))
-            for i in range(len(self.blocks))
-        ]
-
-    def no_weight_decay(self) -> set[str]:
-        return {"pos_embed", "cls_token", "reg_token"}
-
-    def group_matcher(self, coarse: bool = False) -> dict:
-        """Parameter groups by depth, as timm's: the embeddings, then each block, then the rest (timm.optim's
-        layer-wise learning-rate decay reads this)."""
-        return dict(
-            stem=r"^cls_token|pos_embed|patch_embed|reg_token", blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))]
-        )
-
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """A new head for `num_classes` (0: none, forward returns pooled features), and optionally another
-        pooling ('' keeps every token); the attention pool can be removed, not added. The rest of the model is
-        kept, and the config follows, so checkpoints record the change."""
-        changes: dict = {"num_classes": num_classes}
-        if global_pool is not None:
-            if global_pool == "map" and self.attn_pool is None:
-                raise ValueError("reset_classifier cannot add an attention pool ('map'); build a new model")
-            if global_pool != "map":
-                self.attn_pool = None
-            changes["global_pool"] = global_pool
-        self.cfg = self.cfg.replace(**changes, **self._built_norms())
-        device = next(self.parameters()).device
-        self.head = nn.Linear(self.cfg.embed_dim, num_classes, device=device) if num_classes > 0 else nn.Identity()
-
-    def _built_norms(self) -> dict:
-        """The config fields that describe the norms as built (the pooling no longer decides them)."""
-        has_norm, has_fc_norm = not isinstance(self.norm, nn.Identity), not isinstance(self.fc_norm, nn.Identity)
-        return dict(final_norm=has_norm or has_fc_norm, fc_norm=has_fc_norm)
-
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        """Recompute each block's activations in the backward pass instead of storing them."""
-        self.grad_checkpointing = enable
-
-    def set_input_size(self, img_size: Size | None = None, patch_size: Size | None = None):
-        """Another input resolution and/or patch size, as timm's: a learned pos_embed is resampled to the new
-        grid, a fixed one recomputed; the patch filters are resampled to the new patch size (FlexiViT)."""
-        old, changes = self.cfg, {}
-        if img_size is not None:
-            changes["img_size"] = img_size if isinstance(img_size, int) else list(img_size)
-        if patch_size is not None:
-            changes["patch_size"] = patch_size if isinstance(patch_size, int) else list(patch_size)
-        new = old.replace(**changes)
-        if new.patch_hw != old.patch_hw:
-            conv, P = self.patch_embed.proj, new.patch_hw
-            proj = nn.Conv2d(new.in_chans, new.embed_dim, P, P, bias=conv.bias is not None, device=conv.weight.device,
-                             dtype=conv.weight.dtype)  # fmt: skip
-            with torch.no_grad():
-                proj.weight.copy_(resample_patch_embed(conv.weight, P))
-                if conv.bias is not None:
-                    proj.bias.copy_(conv.bias)
-            self.patch_embed.proj, self.patch_embed.patch_size = proj, P
-        if self.pos_embed is not None and new.grid_size != old.grid_size:
-            if isinstance(self.pos_embed, nn.Parameter):
-                prefix = self.num_prefix_tokens if new.embeds_prefix else 0
-                pe = resample_pos_embed(self.pos_embed.detach(), new.grid_size, old.grid_size, prefix)
-                self.pos_embed = nn.Parameter(pe, requires_grad=self.pos_embed.requires_grad)
-            else:
-                self.pos_embed = self._fixed_pos_embed(new, self.pos_embed.device).to(self.pos_embed.dtype)
-        self.cfg = new
-        self.pretrained_cfg["input_size"] = (new.in_chans, *new.img_hw)
+        """Re-initialise in place by `cfg.weight_init` (init.py's WEIGHT_INITS), as the constructor does."""
+        init.init_weights(self)
 
     # ---- forward ---------------------------------------------------------------------------------
     def embed(self, x: torch.Tensor) -> torch.Tensor:
@@ -760,8 +105,7 @@ class ViT(nn.Module):
         x = self.patch_embed(x)  # (B, h, w, D)
         pos = self.pos_embed
         if pos is not None and cfg.dynamic_img_size:  # this input's grid, from its shape
-            prefix_rows = self.num_prefix_tokens if cfg.embeds_prefix else 0
-            pos = _pos_embed_at(pos, x, cfg.pos_embed, cfg.grid_size, prefix_rows)
+            pos = _pos_embed_at(pos, x, cfg.pos_embed, cfg.grid_size, cfg.pos_prefix_rows)
         x = x.flatten(1, 2)  # (B, h*w, D)
         prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
         if pos is None:
@@ -808,82 +152,6 @@ class ViT(nn.Module):
         return self.forward_head(self.forward_features(x, attn_mask, last_rows=rows))
 
     # ---- looking inside --------------------------------------------------------------------------
-    def forward_intermediates(
-        self,
-        x: torch.Tensor,
-        indices: int | Sequence[int] | None = None,
-        return_prefix_tokens: bool = False,
-        norm: bool = False,
-        stop_early: bool = False,
-        output_fmt: str = "NCHW",
-        intermediates_only: bool = False,
-        output_dict: bool = False,
-        attn_mask: torch.Tensor | None = None,
-    ):
-        """timm's contract: block outputs at `indices` (an int n: the last n blocks; a list: those blocks,
-        negative from the end; None: all), patch tokens as (B, D, h, w) ('NCHW') or (B, h*w, D) ('NLC'), with
-        their prefix tokens as (tokens, prefix) pairs when `return_prefix_tokens`, each through the final norm
-        when `norm`. Returns (final features, intermediates), the intermediates alone, or timm's dict.
-        Checkpointed like forward_features when gradient checkpointing is on."""
-        if output_fmt not in ("NCHW", "NLC"):
-            raise ValueError(f"output_fmt {output_fmt!r} is not one of ['NCHW', 'NLC']")
-        take, last = take_indices(len(self.blocks), indices)
-        B, H, W = x.shape[0], x.shape[-2], x.shape[-1]
-        blocks = self.blocks[: last + 1] if stop_early else self.blocks
-        feats, x = [], self.embed(x)
-        for i, blk in enumerate(blocks):
-            x = self._block(blk, x, None, attn_mask)
-            if i in take:
-                feats.append(self.norm(x) if norm else x)
-        n = self.num_prefix_tokens
-        prefix, feats = [y[:, :n] for y in feats], [y[:, n:] for y in feats]
-        if output_fmt == "NCHW":
-            (ph, pw) = self.cfg.patch_hw
-            h, w = (H + ph - 1) // ph, (W + pw - 1) // pw  # the padded grid with dynamic_img_pad
-            feats = [y.reshape(B, h, w, -1).permute(0, 3, 1, 2).contiguous() for y in feats]
-        if output_dict:
-            out = {"image_intermediates": feats}
-            if n and return_prefix_tokens:
-                out["image_intermediates_prefix"] = prefix
-            if not intermediates_only:
-                out["image_features"] = self.norm(x)
-            return out
-        if n and return_prefix_tokens:
-            feats = list(zip(feats, prefix, strict=True))
-        return feats if intermediates_only else (self.norm(x), feats)
-
-    def prune_intermediate_layers(
-        self, indices: int | Sequence[int] = 1, prune_norm: bool = False, prune_head: bool = True
-    ) -> list[int]:
-        """Drop the blocks after the last of `indices` (and the final norm, the head), as timm's: a backbone
-        for forward_intermediates. The config follows. Returns the kept indices."""
-        take, last = take_indices(len(self.blocks), indices)
-        self.blocks = self.blocks[: last + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.fc_norm = nn.Identity()
-            self.reset_classifier(0, "")
-        self.cfg = self.cfg.replace(depth=last + 1, **self._built_norms())
-        return take
-
-    def intermediates_by_name(self, x: torch.Tensor, layers: Sequence[int | str] = (-1,)) -> dict[str, torch.Tensor]:
-        """Named intermediate outputs, for layer-by-layer comparisons (convert/compare.py). `layers` holds block
-        indices (negative count from the end) or names: 'patch_embed' (B, h*w, D) before prefix tokens and
-        position embedding, 'embed' (B, N, D) the blocks' input, 'blocks.<i>', 'norm' (the final features)."""
-        depth = len(self.blocks)
-        valid = {"patch_embed", "embed", "norm"} | {f"blocks.{i}" for i in range(depth)}
-        wanted = [f"blocks.{take_indices(depth, [n])[0][0]}" if isinstance(n, int) else n for n in layers]
-        unknown = [n for n in wanted if n not in valid]
-        if unknown:
-            raise ValueError(f"unknown layer {unknown[0]!r}; use 'patch_embed', 'embed', 'blocks.<i>' or 'norm'")
-        out = {"patch_embed": self.patch_embed(x).flatten(1, 2)} if "patch_embed" in wanted else {}
-        out["embed"] = x = self.embed(x)
-        for i, blk in enumerate(self.blocks):
-            out[f"blocks.{i}"] = x = self._block(blk, x)
-        out["norm"] = self.norm(x)
-        return {name: out[name] for name in wanted}
-
     @torch.no_grad()
     def attention_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every block's attention probabilities, [(B, H, N, N)] * depth (dropout off)."""
@@ -895,23 +163,6 @@ class ViT(nn.Module):
         return maps
 
 
-def take_indices(depth: int, indices: int | Sequence[int] | None) -> tuple[list[int], int]:
-    """timm's `feature_take_indices`: None -> every block, an int n -> the last n, a list -> those (negative
-    from the end); returns the absolute indices and the largest."""
-    if indices is None:
-        indices = depth
-    if isinstance(indices, int):
-        if not 0 < indices <= depth:
-            raise ValueError(f"last-n {indices} is out of range (1 to {depth})")
-        take = list(range(depth - indices, depth))
-    else:
-        take = [depth + i if i < 0 else i for i in indices]
-        bad = [i for i, t in zip(indices, take, strict=True) if not 0 <= t < depth]
-        if bad:
-            raise ValueError(f"block index {bad[0]} out of range for depth {depth}")
-    return take, max(take)
-
-
 def _resample_pos_embed_on_load(module: ViT, state_dict: dict, prefix: str, *args) -> None:
     """Weights trained at another resolution: resample their pos_embed to this model's grid (as
     timm's checkpoint filter does), or take this model's own fixed sin-cos table."""
@@ -921,8 +172,7 @@ def _resample_pos_embed_on_load(module: ViT, state_dict: dict, prefix: str, *arg
     theirs, ours = state_dict[key], module.pos_embed
     if theirs.shape == ours.shape or theirs.ndim != 3 or theirs.shape[-1] != ours.shape[-1]:
         return  # same grid, or a mismatch that load_state_dict reports itself
-    if module.cfg.pos_embed in ("sincos1d", "sincos2d"):  # fixed: recomputed, never resampled as a grid
+    if module.cfg.pos_embed != "learn":  # fixed: recomputed, never resampled as a grid
         state_dict[key] = ours.detach().clone()
         return
-    n_prefix = module.num_prefix_tokens if module.cfg.embeds_prefix else 0
-    state_dict[key] = resample_pos_embed(theirs, module.cfg.grid_size, None, n_prefix)
+    state_dict[key] = resample_pos_embed(theirs, module.cfg.grid_size, None, module.cfg.pos_prefix_rows)

@@ -1,0 +1,196 @@
+"""The encoder blocks, one table (BLOCKS, config.py's block_fn), each built with (cfg, drop_path, layer index).
+
+Every block maps tokens (B, N, D) -> (B, N, D). With `rows` it updates and returns only the first `rows` tokens
+(B, rows, D), every token still a key and value of attention: a class-token head reads one row of the last block
+(ViT.forward), and every other row's query, projection and MLP would be waste. Parameter names are timm's.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from vitlab.model.config import ViTConfig
+from vitlab.model.layers import (
+    ACTIVATIONS,
+    ATTENTIONS,
+    MLPS,
+    _Differential,
+    _Softmax,
+    norm,
+    scale_and_drop,
+    stochastic_depth,
+)
+
+
+class _AttnThenMlp(nn.Module):
+    """x + attention branch, then x + MLP branch: the residual structure of the serial blocks. A subclass gives
+    the two branches; `rows` is handled here (the attention branch returns the first `rows` tokens)."""
+
+    def forward(
+        self, x: torch.Tensor, rows: int | None = None, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
+        shortcut = x if rows is None else x[:, :rows]
+        x = shortcut + self._attn_branch(x, rows, attn_mask)
+        return x + self._mlp_branch(x)
+
+
+class Block(_AttnThenMlp):
+    """Pre-norm encoder block (paper Eq. 2-3): x + attn(LN(x)), then x + mlp(LN(x))."""
+
+    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0):
+        super().__init__()
+        self.norm1 = norm(cfg, cfg.embed_dim)
+        self.attn = ATTENTIONS[cfg.attn_layer](cfg, layer)
+        self.ls1, self.drop_path1 = scale_and_drop(cfg, drop_path)
+        self.norm2 = norm(cfg, cfg.embed_dim)
+        self.mlp = MLPS[cfg.mlp_layer](cfg)
+        self.ls2, self.drop_path2 = scale_and_drop(cfg, drop_path)
+
+    def _attn_branch(self, x: torch.Tensor, rows: int | None, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        return self.drop_path1(self.ls1(self.attn(self.norm1(x), rows, attn_mask)))
+
+    def _mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+    def attention_map(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn.attention_map(self.norm1(x))
+
+
+class ResPostBlock(_AttnThenMlp):
+    """Post-norm residuals (Swin V2's res-post-norm; timm's ResPostBlock): x + norm1(attn(x)), then
+    x + norm2(mlp(x)). `init_values` starts the norms' weights (not a LayerScale), as timm's."""
+
+    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0):
+        super().__init__()
+        self.attn = ATTENTIONS[cfg.attn_layer](cfg, layer)
+        self.norm1 = norm(cfg, cfg.embed_dim)
+        self.drop_path1 = stochastic_depth(drop_path)
+        self.mlp = MLPS[cfg.mlp_layer](cfg)
+        self.norm2 = norm(cfg, cfg.embed_dim)
+        self.drop_path2 = stochastic_depth(drop_path)
+        if cfg.init_values is not None:
+            nn.init.constant_(self.norm1.weight, cfg.init_values)
+            nn.init.constant_(self.norm2.weight, cfg.init_values)
+
+    def _attn_branch(self, x: torch.Tensor, rows: int | None, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        return self.drop_path1(self.norm1(self.attn(x, rows, attn_mask)))
+
+    def _mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop_path2(self.norm2(self.mlp(x)))
+
+    def attention_map(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn.attention_map(x)
+
+
+class ParallelThingsBlock(_AttnThenMlp):
+    """Two attention branches side by side, then two MLP branches ("Three things everyone should know about
+    Vision Transformers", Touvron et al. 2022; timm's ParallelThingsBlock): x + sum_i attn_i(x), then
+    x + sum_i mlp_i(x), each branch norm -> layer -> LayerScale -> stochastic depth."""
+
+    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0, num_parallel: int = 2):
+        super().__init__()
+
+        def branch(name: str, layer: nn.Module) -> nn.Sequential:
+            ls, dp = scale_and_drop(cfg, drop_path)
+            return nn.Sequential(OrderedDict(norm=norm(cfg, cfg.embed_dim), **{name: layer}, ls=ls, drop_path=dp))
+
+        self.attns = nn.ModuleList(
+            [branch("attn", ATTENTIONS[cfg.attn_layer](cfg, layer)) for _ in range(num_parallel)]
+        )
+        self.ffns = nn.ModuleList([branch("mlp", MLPS[cfg.mlp_layer](cfg)) for _ in range(num_parallel)])
+
+    def _attn_branch(self, x: torch.Tensor, rows: int | None, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        return torch.stack([b.drop_path(b.ls(b.attn(b.norm(x), rows, attn_mask))) for b in self.attns]).sum(dim=0)
+
+    def _mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([ffn(x) for ffn in self.ffns]).sum(dim=0)
+
+    def attention_map(self, x: torch.Tensor) -> torch.Tensor:  # the mean of the branches' maps
+        return torch.stack([b.attn.attention_map(b.norm(x)) for b in self.attns]).mean(dim=0)
+
+
+class _ParallelScaling(nn.Module):
+    """Attention and MLP in parallel from one norm and one input projection (ViT-22B, Dehghani et al. 2023):
+    in_proj yields the MLP's hidden features and q, k, v at once; x + ls(out(attention, act(hidden))). Without
+    qkv_bias the MLP keeps a bias of its own (mlp_bias). A subclass adds its attention (`_heads`, `_attend`,
+    `_map`: `_Softmax` or `_Differential`), the MLP's activation and dropout, and its output projection(s)
+    (`_out`)."""
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        dim, hidden = cfg.embed_dim, int(cfg.mlp_ratio * cfg.embed_dim)
+        self.in_norm = norm(cfg, dim)
+        self.in_proj = nn.Linear(dim, hidden + 3 * dim, bias=cfg.qkv_bias)
+        self.in_split = [hidden, dim, dim, dim]
+        self.mlp_bias = None if cfg.qkv_bias else nn.Parameter(torch.zeros(hidden))
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # -> hidden (B, N, Dm), q, k, v in heads
+        hidden, q, k, v = torch.split(self.in_proj(self.in_norm(x)), self.in_split, dim=-1)
+        if self.mlp_bias is not None:
+            hidden = hidden + self.mlp_bias
+        return (hidden, *self._heads(q, k, v))
+
+    def forward(
+        self, x: torch.Tensor, rows: int | None = None, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
+        hidden, q, k, v = self._project(x)
+        if rows is not None:
+            x, hidden = x[:, :rows], hidden[:, :rows]
+        y = self._out(self._attend(q, k, v, rows, attn_mask), self.mlp_drop(self.mlp_act(hidden)))
+        return x + self.drop_path(self.ls(y))
+
+    def attention_map(self, x: torch.Tensor) -> torch.Tensor:
+        _, q, k, _ = self._project(x)
+        return self._map(q, k)
+
+
+class ParallelScalingBlock(_Softmax, _ParallelScaling):
+    """timm's ParallelScalingBlock: softmax attention; x + ls(attn_out_proj(attention) + mlp_out_proj(act(hidden)))."""
+
+    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0):
+        super().__init__(cfg)
+        dim, hidden = cfg.embed_dim, self.in_split[0]  # the MLP's width
+        self._init_heads(cfg, dim // cfg.num_heads)
+        self.mlp_drop = nn.Dropout(cfg.proj_drop_rate)
+        self.mlp_act = ACTIVATIONS[cfg.act_layer]()
+        self.attn_out_proj = nn.Linear(dim, dim, bias=cfg.proj_bias)
+        self.mlp_out_proj = nn.Linear(hidden, dim, bias=cfg.proj_bias)
+        self.ls, self.drop_path = scale_and_drop(cfg, drop_path)
+
+    def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        heads = (self.num_heads, self.head_dim)  # each (B, N, D) -> (B, H, N, Dh)
+        q = self.q_norm(q.unflatten(-1, heads)).transpose(1, 2)
+        k = self.k_norm(k.unflatten(-1, heads)).transpose(1, 2)
+        return q, k, v.unflatten(-1, heads).transpose(1, 2)
+
+    def _out(self, attn: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
+        return self.attn_out_proj(attn) + self.mlp_out_proj(mlp)
+
+
+class DiffParallelScalingBlock(_Differential, _ParallelScaling):
+    """timm's DiffParallelScalingBlock: differential attention; x + ls(out_proj([attention, act(hidden)]))."""
+
+    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0):
+        super().__init__(cfg)
+        dim, hidden = cfg.embed_dim, self.in_split[0]  # the MLP's width
+        self._init_heads(cfg, dim // cfg.num_heads // 2)  # q and k halves; v keeps the full head width
+        self._init_differential(cfg, layer)
+        self.mlp_drop = nn.Dropout(cfg.proj_drop_rate)
+        self.mlp_act = ACTIVATIONS[cfg.act_layer]()
+        self.out_proj = nn.Linear(dim + hidden, dim, bias=cfg.proj_bias)
+        self.ls, self.drop_path = scale_and_drop(cfg, drop_path)
+
+    def _out(self, attn: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.cat([attn, mlp], dim=-1))
+
+
+BLOCKS = {
+    "block": Block,
+    "parallel_scaling": ParallelScalingBlock,
+    "diff_parallel_scaling": DiffParallelScalingBlock,
+    "res_post": ResPostBlock,
+    "parallel_things": ParallelThingsBlock,
+}
