@@ -12,6 +12,7 @@ from vitlab.convert.timm_args import RUN_FIELDS, config_from_timm, timm_model_ar
 from vitlab.convert.timm_hub import timm_architecture, timm_pretrained_cfg
 from vitlab.convert.weights import is_weights_file
 from vitlab.errors import UserError
+from vitlab.model.config import as_hw
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ def apply_pretrained(cfg: DictConfig) -> None:
     run_fields = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k in RUN_FIELDS}
     pretrained = timm_pretrained_cfg(source)
     patch, img = timm_model_args(source).get("patch_size", 16), run_fields["img_size"]
-    (ph, pw), (h, w) = (tuple(v) if isinstance(v, (list, tuple)) else (v, v) for v in (patch, img))
+    (ph, pw), (h, w) = as_hw(patch, "patch_size"), as_hw(img, "model.img_size")
     if h % ph or w % pw:
         raise UserError(
             f"model.img_size {img} is not a multiple of the patch size {patch} of timm's {source}; set model.img_size "

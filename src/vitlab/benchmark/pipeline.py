@@ -30,8 +30,9 @@ from torchvision.transforms import v2 as T
 from vitlab import run
 from vitlab.benchmark.config import BenchmarkConfig
 from vitlab.data.base import TransformDataset
-from vitlab.data.transforms import INTERPOLATIONS, TrainTransform, image_hw
+from vitlab.data.transforms import INTERPOLATIONS, TrainTransform
 from vitlab.errors import UserError
+from vitlab.model.config import as_hw
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class Ceiling(Dataset):
 
     def __init__(self, data: TransformDataset, img_size, settings: TrainTransform):
         self.data, self.samples = data, getattr(data.base, "samples", None)  # ImageFolder: (path, label) pairs
-        hw, mode = image_hw(img_size), INTERPOLATIONS[settings.interpolation]
+        hw, mode = as_hw(img_size, "data.img_size"), INTERPOLATIONS[settings.interpolation]
         crop = (
             T.RandomResizedCrop(hw, scale=settings.random_resized_crop, interpolation=mode, antialias=True)
             if settings.random_resized_crop

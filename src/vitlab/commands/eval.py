@@ -58,7 +58,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     mc = module.model.cfg
     data = data_config(cfg, module.hparams.get("data"), cfg.ckpt_path)
     with open_dict(data):  # images are prepared at the size the checkpoint's model takes
-        data.img_size = list(mc.img_size) if isinstance(mc.img_size, tuple) else mc.img_size
+        data.img_size = mc.to_dict()["img_size"]  # an int, or [height, width]
     datamodule = run.build_datamodule(data)
     if (datamodule.num_classes, datamodule.channels) != (mc.num_classes, mc.in_chans):
         raise UserError(

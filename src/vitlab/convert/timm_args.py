@@ -147,8 +147,6 @@ def vitlab_args(args: dict[str, Any]) -> dict[str, Any]:
             out["embed_norm"] = value is not None
         elif key == "mlp_layer":
             out["mlp_layer"] = _mlp(value)
-        elif key in ("patch_size", "img_size") and isinstance(value, (tuple, list)):
-            out[key] = list(value)  # ViTConfig keeps an int for squares
         else:
             out[key] = value
     if out.get("embed_norm") and _norm(args["embed_norm_layer"]) != _norm(args.get("norm_layer", "layernorm")):

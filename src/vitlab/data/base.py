@@ -24,6 +24,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitlab.data import transforms
 from vitlab.errors import UserError
+from vitlab.model.config import as_hw
 from vitlab.settings import from_mapping
 from vitlab.signals import ignore_stop_signals
 
@@ -126,7 +127,7 @@ class DataModule(L.LightningDataModule):
         if prefetch_factor is not None and prefetch_factor < 1:
             raise UserError(f"data.prefetch_factor {prefetch_factor} must be >= 1, or null")
         self.img_size = list(img_size) if isinstance(img_size, (list, tuple)) else img_size
-        self.img_hw = transforms.image_hw(img_size)
+        self.img_hw = as_hw(img_size, "data.img_size")
         self.batch_size, self.num_workers, self.pin_memory = batch_size, num_workers, pin_memory
         self.persistent_workers, self.prefetch_factor = persistent_workers, prefetch_factor
         self.data_dir = data_dir

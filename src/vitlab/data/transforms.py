@@ -23,6 +23,7 @@ from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2 as T
 
 from vitlab.errors import UserError
+from vitlab.model.config import as_hw
 from vitlab.settings import check_at_least, check_range, from_mapping, is_number
 
 AUTO_AUGMENTS = (None, "randaugment", "trivialaugment")
@@ -31,11 +32,6 @@ INTERPOLATIONS = {
     "bicubic": InterpolationMode.BICUBIC,
     "nearest": InterpolationMode.NEAREST,
 }
-
-
-def image_hw(img_size: int | Sequence[int]) -> tuple[int, int]:
-    """An img_size (int, or [H, W]) as (H, W)."""
-    return (img_size, img_size) if isinstance(img_size, int) else (int(img_size[0]), int(img_size[1]))
 
 
 def _interp(name: str) -> InterpolationMode:
@@ -94,7 +90,7 @@ def train_transform(img_size: int | Sequence[int], **settings) -> T.Compose:
     a uint8 (C, H, W) tensor of img_size out. Normalisation and random erasing follow on the device
     (`DeviceTransform`)."""
     t = from_mapping(TrainTransform, settings, "data.train_transform")
-    hw, mode = image_hw(img_size), _interp(t.interpolation)
+    hw, mode = as_hw(img_size, "data.img_size"), _interp(t.interpolation)
     ops: list = [T.ToImage()]
     if t.shift:
         ops.append(_Shift(t.shift))
@@ -118,7 +114,7 @@ def eval_transform(img_size: int | Sequence[int], **settings) -> T.Compose:
     """The per-image evaluation (and prediction) pipeline of `EvalTransform(**settings)`: uint8 out, as
     `train_transform`."""
     t = from_mapping(EvalTransform, settings, "data.eval_transform")
-    hw, mode = image_hw(img_size), _interp(t.interpolation)
+    hw, mode = as_hw(img_size, "data.img_size"), _interp(t.interpolation)
     ops: list = [T.ToImage()]
     if t.crop_pct < 1.0:
         ops += [T.Resize([int(s / t.crop_pct) for s in hw], interpolation=mode, antialias=True), T.CenterCrop(hw)]

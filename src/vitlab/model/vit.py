@@ -89,7 +89,7 @@ class ViT(TimmAPI, nn.Module):
         self.head_drop = nn.Dropout(cfg.drop_rate)
         self.head = nn.Linear(D, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
 
-        self.pretrained_cfg = self._default_pretrained_cfg(cfg)  # replaced by the weights' (convert.timm)
+        self.pretrained_cfg = self._default_pretrained_cfg(cfg)  # replaced by the weights' (convert.weights)
         init.init_weights(self)
         self.register_load_state_dict_pre_hook(_resample_pos_embed_on_load)
 
