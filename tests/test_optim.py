@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 
 from tests.helpers import tiny
 from vitlab.configs import config_dir
+from vitlab.errors import UserError
 from vitlab.lit_module import MixupConfig, ViTModule
 from vitlab.model import ViT
 from vitlab.optim import OptimConfig, layer_id, make_optimizer, make_scheduler, param_groups, warmup_cosine
@@ -96,7 +97,9 @@ def test_a_module_built_in_python_trains_the_cli_default_recipe(compose_cfg):
         ({"betas": [0.9, 1.5]}, "optim.betas [0.9, 1.5] must be two numbers in [0, 1)"),
         ({"layer_decay": 0}, "optim.layer_decay 0 must be in (0, 1]"),
         ({"warmup_steps": -1}, "optim.warmup_steps -1 must be a number >= 0 or null"),
-        ({"momentum": 0.9}, "unknown optim key(s) ['momentum']; allowed:"),
+        ({"momentun": 0.9}, "unknown optim key(s) ['momentun']; allowed:"),
+        ({"name": "adamww"}, "optim.name 'adamww' is not an optimizer of timm's; did you mean "),
+        ({"lr_base_scale": "log"}, "optim.lr_base_scale 'log' is not one of ['linear', 'sqrt']"),
     ],
 )
 def test_bad_optim_settings_name_the_field(values, message):
@@ -116,3 +119,94 @@ def test_schedule_steps_the_optimizer_lr():
         sched.step()
     assert seen == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4])
     assert torch.is_tensor(model.head.weight)
+
+
+def _optimizer_names() -> list[str]:
+    from timm.optim import list_optimizers
+
+    return list_optimizers()
+
+
+@pytest.mark.parametrize("name", _optimizer_names())
+def test_every_optimizer_of_timm_builds_and_steps_on_the_tiny_model(name):
+    """optim.name: each of timm's optimizers over our parameter groups, two steps that change the weights; those
+    that need a package this machine lacks (bitsandbytes, apex) say which, in one line."""
+    torch.manual_seed(0)
+    model = ViT(tiny())
+    x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    try:
+        opt = make_optimizer(model, OptimConfig(name=name, lr=1e-2))
+    except UserError as e:
+        if "second-order" in str(e):
+            assert name == "adahessian"  # the one in timm's registry
+            return
+        assert str(e).startswith(f"optim.name {name!r} needs a package that is not installed")
+        pytest.skip(str(e))
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(2):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    decay = {g["weight_decay"] for g in opt.param_groups}
+    assert 0.0 in decay and 0.05 in decay  # our groups: no decay on norms, biases, tokens, pos_embed
+
+
+def test_the_default_optimizer_is_todays_adamw_update_for_update():
+    """optim.name=adamw through timm: the same groups and, step for step, the same weights as the AdamW
+    (betas 0.9/0.999, eps 1e-8, fused) vitlab built itself before."""
+    torch.manual_seed(0)
+    ours, before = ViT(tiny()), ViT(tiny())
+    before.load_state_dict(ours.state_dict())
+    o = OptimConfig()
+    new = make_optimizer(ours, o)
+    groups = param_groups(before, o.lr, o.weight_decay)
+    for g in groups:
+        g.pop("names")
+    old = torch.optim.AdamW(groups, lr=o.lr, betas=(0.9, 0.999), eps=1e-8, fused=True)
+    assert type(new) is torch.optim.AdamW
+    assert [{k: v for k, v in g.items() if k != "params"} for g in new.param_groups] == [
+        {k: v for k, v in g.items() if k != "params"} for g in old.param_groups
+    ]
+    x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    for _ in range(3):
+        for model, opt in ((ours, new), (before, old)):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), before.state_dict().values(), strict=True))
+
+
+def test_settings_an_optimizer_does_not_have_are_refused():
+    with pytest.raises(UserError, match="optim.betas is not a setting of optimizer 'sgd'; set it to null"):
+        make_optimizer(ViT(tiny()), OptimConfig(name="sgd", betas=(0.9, 0.99)))
+    with pytest.raises(UserError, match=r"optim.opt_args \{'nesterovv': True\} do not fit optimizer 'sgd'"):
+        make_optimizer(ViT(tiny()), OptimConfig(name="sgd", opt_args={"nesterovv": True}))
+    sgd = make_optimizer(ViT(tiny()), OptimConfig(name="sgd", momentum=0.8))
+    assert type(sgd) is torch.optim.SGD and sgd.defaults["momentum"] == 0.8 and sgd.defaults["nesterov"]
+
+
+@pytest.mark.parametrize("scale, expected", [("linear", 5e-4 * 1024 / 512), ("sqrt", 5e-4 * 2**0.5)])
+def test_lr_base_scales_with_the_global_batch_and_is_saved_in_the_config(compose_cfg, scale, expected, caplog):
+    """DeiT's rule (lr = 5e-4 x batch / 512): the effective LR is logged and written into the config that
+    config.yaml and the checkpoint keep."""
+    from vitlab.run import build_datamodule, build_module
+
+    overrides = ["optim.lr_base=5e-4", "optim.lr_base_size=512", f"optim.lr_base_scale={scale}"]
+    cfg = compose_cfg("train", [*overrides, "data.batch_size=1024"])
+    with caplog.at_level("INFO"):
+        module = build_module(cfg, build_datamodule(cfg.data))
+    assert cfg.optim.lr == pytest.approx(expected) and module.optim.lr == pytest.approx(expected)
+    assert f"optim.lr {expected:.4g}: optim.lr_base 0.0005 x " in caplog.text
+    assert make_optimizer(module.model, module.optim).param_groups[0]["lr"] == pytest.approx(expected)
+
+
+def test_the_optimizer_configs_compose_and_build():
+    for name, kind in (("sgd", torch.optim.SGD), ("lamb", None), ("adamw", torch.optim.AdamW)):
+        values = OmegaConf.to_container(OmegaConf.load(config_dir() / "optim" / f"{name}.yaml"))
+        values.pop("defaults", None)
+        o = OptimConfig.from_dict({**to_dict(OptimConfig()), **values})
+        opt = make_optimizer(ViT(tiny()), o)
+        assert kind is None or type(opt) is kind

@@ -26,7 +26,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from vitlab import resume
 from vitlab.callbacks import SaveOnInterrupt
@@ -35,6 +35,7 @@ from vitlab.errors import UserError
 from vitlab.lit_module import ViTModule
 from vitlab.logs import route_lightning_logs
 from vitlab.model.config import vit_config
+from vitlab.optim import OptimConfig, scaled_lr
 from vitlab.settings import check_arguments
 from vitlab.signals import pass_on
 
@@ -133,6 +134,7 @@ def build_datamodule(data_cfg: DictConfig) -> L.LightningDataModule:
 
 def build_module(cfg: DictConfig, datamodule: L.LightningDataModule) -> ViTModule:
     """The ViTModule of a train config (random weights; `train` loads pretrained ones)."""
+    resolve_lr(cfg)
     return ViTModule(
         model=vit_config(cfg.model),
         optim=OmegaConf.to_container(cfg.optim, resolve=True),
@@ -142,6 +144,25 @@ def build_module(cfg: DictConfig, datamodule: L.LightningDataModule) -> ViTModul
         class_names=list(getattr(datamodule, "class_names", []) or []),
         data=OmegaConf.to_container(cfg.data, resolve=True),
         freeze_backbone=cfg.freeze_backbone,
+    )
+
+
+def resolve_lr(cfg: DictConfig) -> None:
+    """optim.lr_base set: optim.lr becomes lr_base scaled by the global batch (timm's and DeiT's rule), logged and
+    written into the config, so config.yaml and the checkpoints say which learning rate ran."""
+    optim = OptimConfig.from_dict(OmegaConf.to_container(cfg.optim, resolve=True))
+    if optim.lr_base is None:
+        return
+    lr = scaled_lr(optim, cfg.data.batch_size)
+    with open_dict(cfg):
+        cfg.optim.lr = lr
+    log.info(
+        "optim.lr %.4g: optim.lr_base %g x %s(data.batch_size %d / optim.lr_base_size %d)",
+        lr,
+        optim.lr_base,
+        "sqrt" if optim.lr_base_scale == "sqrt" else "",
+        cfg.data.batch_size,
+        optim.lr_base_size,
     )
 
 

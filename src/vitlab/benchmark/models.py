@@ -55,14 +55,15 @@ class Contender:
 
 
 def timm_optimizer(model: nn.Module, optim: OptimConfig, which: str) -> torch.optim.Optimizer:
-    """`timm`: what timm's own train.py builds (create_optimizer_v2: AdamW, no decay on norms and
-    biases, PyTorch's default implementation for the device). `vitlab`: exactly vitlab's optimizer."""
+    """`timm`: what timm's own train.py builds (create_optimizer_v2 from the model: optim.name, no decay on norms
+    and biases, PyTorch's default implementation for the device). `vitlab`: exactly vitlab's optimizer."""
     if which == "vitlab":
         return make_optimizer(model, optim)
     from timm.optim import create_optimizer_v2
 
     o = optim
-    return create_optimizer_v2(model, "adamw", lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps)
+    given = {k: v for k, v in (("betas", o.betas), ("eps", o.eps)) if v is not None}
+    return create_optimizer_v2(model, o.name, lr=o.lr, weight_decay=o.weight_decay, **given)
 
 
 def build_contenders(cfg: ViTConfig, b: BenchmarkConfig, optim: OptimConfig, device: torch.device) -> list[Contender]:
