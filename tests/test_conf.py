@@ -29,6 +29,7 @@ def build_everything(cfg):
     ViTModule(
         model={**mc.to_dict(), "depth": 1},
         optim=OmegaConf.to_container(cfg.optim),
+        scheduler=OmegaConf.to_container(cfg.scheduler),
         mixup=OmegaConf.to_container(cfg.mixup),
     )
     dm = instantiate(cfg.data)
@@ -45,6 +46,7 @@ def test_the_tests_cover_every_conf_file():
             "model",
             "data",
             "optim",
+            "scheduler",
             "trainer",
             "callbacks",
             "logger",
@@ -248,3 +250,26 @@ def test_benchmark_yaml_and_dataclass_are_one_source_of_defaults():
     defaults = to_dict(BenchmarkConfig())
     defaults["train_overrides"] = list(defaults["train_overrides"])
     assert yaml_defaults == defaults
+
+
+@pytest.mark.parametrize("optim", options("optim"))
+@pytest.mark.parametrize("scheduler", options("scheduler"))
+def test_optim_and_scheduler_configs(compose_cfg, optim, scheduler):
+    """Every optimizer and schedule of conf/ builds through the module and steps."""
+    from vitlab.optim import make_optimizer, make_scheduler
+
+    cfg = compose_cfg("train", [f"optim={optim}", f"scheduler={scheduler}"])
+    module = ViTModule(
+        model={**vit_config(cfg.model).to_dict(), "depth": 1},
+        optim=OmegaConf.to_container(cfg.optim),
+        scheduler=OmegaConf.to_container(cfg.scheduler),
+    )
+    assert module.optim.name == cfg.optim.name and module.scheduler_cfg.name == cfg.scheduler.name
+    optimizer = make_optimizer(module.model, module.optim)
+    schedule = make_scheduler(optimizer, module.scheduler_cfg, total_steps=20, epochs=2)
+    optimizer.step()
+    if hasattr(schedule, "step_update"):  # timm's
+        schedule.step_update(num_updates=1)
+    else:
+        schedule.step()
+    assert optimizer.param_groups[0]["lr"] > 0

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.gpu
 
 def test_bf16_autocast_training_step_lowers_the_loss():
     torch.manual_seed(0)
-    module = ViTModule(model=tiny().to_dict(), optim={"warmup_epochs": 0}).cuda()
-    optimizer = make_optimizer(module.model, OptimConfig(lr=3e-3, warmup_epochs=0))
+    module = ViTModule(model=tiny().to_dict(), scheduler={"warmup_epochs": 0}).cuda()
+    optimizer = make_optimizer(module.model, OptimConfig(lr=3e-3))
     x, y = torch.randn(16, 3, 32, 32, device="cuda"), torch.randint(0, 7, (16,), device="cuda")
     losses = []
     for _ in range(20):

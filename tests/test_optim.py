@@ -3,6 +3,7 @@ callers and the command line."""
 
 import math
 
+import lightning as L
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -12,7 +13,16 @@ from vitlab.configs import config_dir
 from vitlab.errors import UserError
 from vitlab.lit_module import MixupConfig, ViTModule
 from vitlab.model import ViT
-from vitlab.optim import OptimConfig, layer_id, make_optimizer, make_scheduler, param_groups, warmup_cosine
+from vitlab.optim import (
+    PLATEAU_MODES,
+    OptimConfig,
+    SchedulerConfig,
+    layer_id,
+    make_optimizer,
+    make_scheduler,
+    param_groups,
+    warmup_cosine,
+)
 from vitlab.settings import to_dict
 
 
@@ -61,6 +71,8 @@ def test_warmup_then_cosine():
 
 def test_optim_yaml_and_dataclass_are_one_source_of_defaults():
     assert OmegaConf.to_container(OmegaConf.load(config_dir() / "optim" / "adamw.yaml")) == to_dict(OptimConfig())
+    scheduler = OmegaConf.to_container(OmegaConf.load(config_dir() / "scheduler" / "warmup_cosine.yaml"))
+    assert scheduler == to_dict(SchedulerConfig())
     assert OmegaConf.to_container(OmegaConf.load(config_dir() / "train.yaml"))["mixup"] == to_dict(MixupConfig())
 
 
@@ -72,10 +84,10 @@ def test_a_module_built_in_python_trains_the_cli_default_recipe(compose_cfg):
     cli = build_module(cfg, build_datamodule(cfg.data))
     plain = ViTModule(model=cli.hparams["model"])  # no optimizer arguments at all
     plain.model.load_state_dict(cli.model.state_dict())
-    assert plain.optim == cli.optim and plain.mixup_cfg == cli.mixup_cfg
+    assert plain.optim == cli.optim and plain.mixup_cfg == cli.mixup_cfg and plain.scheduler_cfg == cli.scheduler_cfg
     total, epochs = 300 * 19, 300  # the default: 300 epochs of 19 steps
     opts = [make_optimizer(m.model, m.optim) for m in (cli, plain)]
-    scheds = [make_scheduler(o, m.optim, total, epochs) for o, m in zip(opts, (cli, plain), strict=True)]
+    scheds = [make_scheduler(o, m.scheduler_cfg, total, epochs) for o, m in zip(opts, (cli, plain), strict=True)]
     for a, b in zip(*(o.param_groups for o in opts), strict=True):
         assert {k: v for k, v in a.items() if k != "params"} == {k: v for k, v in b.items() if k != "params"}
         assert [p.shape for p in a["params"]] == [p.shape for p in b["params"]]
@@ -96,7 +108,6 @@ def test_a_module_built_in_python_trains_the_cli_default_recipe(compose_cfg):
         ({"lr": "fast"}, "optim.lr 'fast' must be a number >= 0"),
         ({"betas": [0.9, 1.5]}, "optim.betas [0.9, 1.5] must be two numbers in [0, 1)"),
         ({"layer_decay": 0}, "optim.layer_decay 0 must be in (0, 1]"),
-        ({"warmup_steps": -1}, "optim.warmup_steps -1 must be a number >= 0 or null"),
         ({"momentun": 0.9}, "unknown optim key(s) ['momentun']; allowed:"),
         ({"name": "adamww"}, "optim.name 'adamww' is not an optimizer of timm's; did you mean "),
         ({"lr_base_scale": "log"}, "optim.lr_base_scale 'log' is not one of ['linear', 'sqrt']"),
@@ -110,8 +121,8 @@ def test_bad_optim_settings_name_the_field(values, message):
 
 def test_schedule_steps_the_optimizer_lr():
     model = ViT(tiny())
-    opt = make_optimizer(model, OptimConfig(warmup_steps=2, min_lr_ratio=0.0, fused=False))
-    sched = make_scheduler(opt, OptimConfig(warmup_steps=2, min_lr_ratio=0.0), total_steps=4, epochs=1)
+    opt = make_optimizer(model, OptimConfig(fused=False))
+    sched = make_scheduler(opt, SchedulerConfig(warmup_steps=2, min_lr_ratio=0.0), total_steps=4, epochs=1)
     seen = []
     for _ in range(4):
         seen.append(opt.param_groups[0]["lr"])
@@ -210,3 +221,99 @@ def test_the_optimizer_configs_compose_and_build():
         o = OptimConfig.from_dict({**to_dict(OptimConfig()), **values})
         opt = make_optimizer(ViT(tiny()), o)
         assert kind is None or type(opt) is kind
+
+
+class _RecordLR(L.Callback):
+    """The learning rate each training step runs with, and val/acc at each epoch's end."""
+
+    def __init__(self, stop_after: int | None = None):
+        self.lrs, self.metrics, self.stop_after = [], {"max": [], "min": []}, stop_after
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_train_epoch_end(self, trainer, pl_module):  # after validation: what a plateau schedule watches
+        for mode, key in PLATEAU_MODES.items():
+            self.metrics[mode].append(trainer.callback_metrics[key].item())
+        if trainer.current_epoch + 1 == self.stop_after:  # an interruption, not the planned end
+            trainer.should_stop = True
+
+
+def _lightning_lrs(scheduler: dict, epochs: int, steps: int, tmp_path, ckpt=None, stop_after=None) -> _RecordLR:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(4 * steps, 3, 32, 32), torch.arange(4 * steps) % 7)
+    module = ViTModule(model=tiny().to_dict(), optim={"name": "sgd", "lr": 0.1}, scheduler=scheduler)
+    record = _RecordLR(stop_after)
+    trainer = L.Trainer(
+        max_epochs=epochs, callbacks=[record], logger=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path, num_sanity_val_steps=0,
+    )  # fmt: skip
+    loader = DataLoader(data, batch_size=4)
+    trainer.fit(module, loader, DataLoader(data, batch_size=8), ckpt_path=ckpt)
+    return record
+
+
+def _timm_lrs(scheduler: dict, epochs: int, steps: int, metrics: list[float]) -> list[float]:
+    """What timm's train.py does with the same scheduler: step_update(num_updates) after every update,
+    step(epoch + 1, metric) after every epoch."""
+    from timm.scheduler import create_scheduler_v2
+
+    s = SchedulerConfig.from_dict(scheduler)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    sched, _ = create_scheduler_v2(
+        opt, sched=s.name, num_epochs=epochs - s.cooldown_epochs, decay_epochs=s.decay_epochs,
+        decay_milestones=list(s.decay_milestones), cooldown_epochs=s.cooldown_epochs, patience_epochs=s.patience_epochs,
+        decay_rate=s.decay_rate, min_lr=s.min_lr, warmup_lr=s.warmup_lr, warmup_epochs=s.warmup_epochs,
+        warmup_prefix=s.warmup_prefix, plateau_mode=s.plateau_mode, step_on_epochs=s.step_on_epochs,
+        updates_per_epoch=steps,
+    )  # fmt: skip
+    lrs, updates = [], 0
+    for epoch in range(epochs):
+        for _ in range(steps):
+            lrs.append(opt.param_groups[0]["lr"])
+            updates += 1
+            sched.step_update(num_updates=updates)
+        sched.step(epoch + 1, metrics[epoch])
+    return lrs
+
+
+TIMM_SCHEDULES = {
+    "cosine per step": dict(name="cosine", warmup_epochs=1, min_lr=1e-3),
+    "cosine per epoch, cooldown (DeiT)": dict(name="cosine", warmup_epochs=1, cooldown_epochs=1, step_on_epochs=True),
+    "tanh, warmup prefix": dict(name="tanh", warmup_epochs=1, warmup_prefix=True),
+    "step": dict(name="step", warmup_epochs=0, decay_epochs=2, decay_rate=0.5),
+    "multistep": dict(name="multistep", warmup_epochs=0, decay_milestones=[1, 3], step_on_epochs=True),
+    "plateau": dict(name="plateau", warmup_epochs=0, patience_epochs=0, decay_rate=0.5, step_on_epochs=True),
+    "poly": dict(name="poly", warmup_epochs=1, decay_rate=2.0),
+}
+
+
+@pytest.mark.parametrize("settings", TIMM_SCHEDULES.values(), ids=TIMM_SCHEDULES.keys())
+def test_timm_schedulers_give_in_lightning_the_learning_rates_of_timms_own_loop(settings, tmp_path):
+    epochs, steps = 5, 3
+    record = _lightning_lrs(settings, epochs, steps, tmp_path)
+    assert len(record.lrs) == epochs * steps and len(set(record.lrs)) > 1
+    metrics = record.metrics[settings.get("plateau_mode", "max")]
+    assert record.lrs == pytest.approx(_timm_lrs(settings, epochs, steps, metrics), rel=1e-12)
+
+
+def test_a_timm_schedule_resumes_exactly(tmp_path):
+    """Stopped after 2 of 5 epochs and resumed from the checkpoint: the learning rates of the remaining steps are
+    those of the uninterrupted run (timm's scheduler state travels in the checkpoint)."""
+    settings = dict(name="cosine", warmup_epochs=1, cooldown_epochs=1, step_on_epochs=True, min_lr=1e-3)
+    full = _lightning_lrs(settings, 5, 3, tmp_path / "full")
+    _lightning_lrs(settings, 5, 3, tmp_path / "first", stop_after=2)
+    (ckpt,) = (tmp_path / "first").rglob("*.ckpt")
+    rest = _lightning_lrs(settings, 5, 3, tmp_path / "rest", ckpt=str(ckpt))
+    assert rest.lrs == full.lrs[2 * 3 :]
+
+
+def test_bad_scheduler_settings_name_the_field():
+    with pytest.raises(UserError, match=r"scheduler.name 'cosin' is not one of \['warmup_cosine', 'cosine', "):
+        SchedulerConfig(name="cosin")
+    with pytest.raises(UserError, match="scheduler.warmup_steps -1 must be a number >= 0 or null"):
+        SchedulerConfig(warmup_steps=-1)
+    with pytest.raises(UserError, match="scheduler.name=plateau changes the LR once per epoch: set scheduler.step_"):
+        SchedulerConfig(name="plateau")

@@ -19,6 +19,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.trainer.states import TrainerFn
+from timm.scheduler.scheduler import Scheduler as TimmScheduler
 from torch import nn
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
@@ -27,7 +28,7 @@ from torchvision.transforms import v2
 from vitlab import rank_state
 from vitlab.errors import NonFiniteLossError, UserError
 from vitlab.model import ViT, ViTConfig
-from vitlab.optim import OptimConfig, make_optimizer, make_scheduler
+from vitlab.optim import PLATEAU_MODES, OptimConfig, SchedulerConfig, make_optimizer, make_scheduler
 from vitlab.settings import check_at_least, check_range, compile_mode, from_mapping
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class ViTModule(L.LightningModule):
         self,
         model: ViTConfig | dict[str, Any],  # a dict: the plain data a checkpoint carries
         optim: dict[str, Any] | None = None,
+        scheduler: dict[str, Any] | None = None,
         label_smoothing: float = 0.0,
         mixup: dict[str, Any] | None = None,
         compile: bool | str = False,  # or a torch.compile mode (COMPILE_MODES)
@@ -86,6 +88,7 @@ class ViTModule(L.LightningModule):
             for name, p in self.model.named_parameters():
                 p.requires_grad_(name.startswith(("head.", "fc_norm.")))
         self.optim = OptimConfig.from_dict(optim)  # omitted keys: the same defaults as conf/optim/adamw.yaml
+        self.scheduler_cfg = SchedulerConfig.from_dict(scheduler)  # conf/scheduler/warmup_cosine.yaml's
         check_range("label_smoothing", label_smoothing, 0, 1, high_open=True)
         self.label_smoothing = label_smoothing
         self.mixup_cfg = MixupConfig.from_dict(mixup)
@@ -227,6 +230,18 @@ class ViTModule(L.LightningModule):
     def on_train_epoch_end(self) -> None:
         self._raise_if_not_finite()
         self._log_epoch("train")
+        scheduler = self.lr_schedulers()
+        if isinstance(scheduler, TimmScheduler):  # timm's epoch step, after validation (a plateau watches it)
+            watched = self.trainer.callback_metrics.get(PLATEAU_MODES[self.scheduler_cfg.plateau_mode])
+            scheduler.step(self.current_epoch + 1, None if watched is None else watched.item())
+
+    def lr_scheduler_step(self, scheduler, metric) -> None:
+        """timm's schedulers take the number of updates so far (Lightning's steps: exact on resume); PyTorch's
+        step as Lightning steps them."""
+        if isinstance(scheduler, TimmScheduler):
+            scheduler.step_update(num_updates=self.trainer.global_step)
+        else:
+            super().lr_scheduler_step(scheduler, metric)
 
     def validation_step(self, batch, batch_idx: int) -> None:
         x, y = batch
@@ -260,5 +275,5 @@ class ViTModule(L.LightningModule):
             # Epochs shorter than the logging interval would log no step at all (no loss or LR curve for a
             # short run): log once per epoch's worth of steps instead.
             self.trainer.log_every_n_steps = total // epochs
-        scheduler = make_scheduler(optimizer, self.optim, total, epochs)
+        scheduler = make_scheduler(optimizer, self.scheduler_cfg, total, epochs)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

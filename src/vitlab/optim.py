@@ -1,9 +1,10 @@
 """The optimisation recipe: any optimizer of timm's registry (`optim.name`, AdamW by default) over vitlab's
 parameter groups (no decay on norms, biases, LayerScale, position embeddings and tokens; optional layer-wise LR
-decay), the learning rate optionally scaled by the batch (`optim.lr_base`, as timm and DeiT), and a per-step
-linear warmup + cosine schedule.
+decay), the learning rate optionally scaled by the batch (`optim.lr_base`, as timm and DeiT), and its schedule:
+vitlab's per-step linear warmup + cosine, or any of timm's schedulers (`scheduler.name`).
 
-`OptimConfig` holds the defaults, the same as conf/optim/adamw.yaml (a test keeps them equal), so a
+`OptimConfig` and `SchedulerConfig` hold the defaults, the same as conf/optim/adamw.yaml and
+conf/scheduler/warmup_cosine.yaml (a test keeps them equal), so a
 ViTModule built from Python trains the recipe the command line trains. No Lightning here.
 """
 
@@ -42,19 +43,15 @@ class OptimConfig:
     betas: tuple[float, ...] | None = None  # null: the optimizer's own (AdamW's: 0.9, 0.999)
     eps: float | None = None  # null: the optimizer's own (AdamW's: 1e-8)
     opt_args: dict[str, Any] = field(default_factory=dict)  # any other argument of the optimizer: {nesterov: true}
-    warmup_epochs: float = 5.0  # may be fractional; converted to steps
-    warmup_steps: int | None = None  # a step count instead of warmup_epochs
-    min_lr_ratio: float = 0.01  # the cosine ends at lr * min_lr_ratio
     layer_decay: float | None = None  # e.g. 0.75: block i's LR scaled by layer_decay ** (depth - i)
     fused: bool | None = True  # one fused kernel for all parameters, where the optimizer has one (torch's)
 
     def __post_init__(self):
-        for key in ("lr", "weight_decay", "momentum", "warmup_epochs"):
+        for key in ("lr", "weight_decay", "momentum"):
             check_at_least(f"optim.{key}", getattr(self, key))
         check_at_least("optim.eps", self.eps, optional=True)
         check_at_least("optim.lr_base", self.lr_base, optional=True)
         check_at_least("optim.lr_base_size", self.lr_base_size, 1)
-        check_at_least("optim.warmup_steps", self.warmup_steps, optional=True)
         if self.lr_base_scale not in LR_BASE_SCALES:
             raise UserError(f"optim.lr_base_scale {self.lr_base_scale!r} is not one of {list(LR_BASE_SCALES)}")
         if self.layer_decay is not None:
@@ -63,7 +60,6 @@ class OptimConfig:
             if len(self.betas) not in (2, 3) or not all(is_number(b) and 0 <= b < 1 for b in self.betas):
                 raise UserError(f"optim.betas {list(self.betas)} must be two numbers in [0, 1) (three for adan)")
             object.__setattr__(self, "betas", tuple(self.betas))
-        check_range("optim.min_lr_ratio", self.min_lr_ratio, 0, 1)
         if self.fused not in (True, False, None):
             raise UserError(f"optim.fused {self.fused!r} must be true, false or null")
         optimizer_info(self.name)  # a name timm has
@@ -110,6 +106,55 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# vitlab's own schedule, then timm's (timm.scheduler.create_scheduler_v2).
+SCHEDULERS = ("warmup_cosine", "cosine", "tanh", "step", "multistep", "plateau", "poly")
+PLATEAU_MODES = {"max": "val/acc", "min": "val/loss"}  # what a plateau schedule watches
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The learning rate over training. `warmup_cosine` (the default) is vitlab's: per step, linear warmup to lr,
+    then cosine to lr * min_lr_ratio. The others are timm's schedulers as timm's train.py builds them: warmup from
+    warmup_lr, min_lr, cooldown, cycles, decay, stepped per step or per epoch (step_on_epochs)."""
+
+    name: str = "warmup_cosine"
+    warmup_epochs: float = 5.0  # may be fractional
+    warmup_steps: int | None = None  # a step count instead of warmup_epochs
+    min_lr_ratio: float = 0.01  # warmup_cosine: it ends at lr * min_lr_ratio
+    # timm's schedulers only
+    warmup_lr: float = 1e-5  # the LR warmup starts from (timm's train.py default)
+    warmup_prefix: bool = False  # the decay starts after the warmup (timm's default: both start at 0)
+    min_lr: float = 0.0  # the LR it decays to (cosine, tanh, poly) or never goes below (step, plateau)
+    step_on_epochs: bool = False  # change the LR once per epoch (timm's train.py, DeiT) rather than every step
+    cooldown_epochs: int = 0  # the last epochs at min_lr (the decay ends that much earlier)
+    decay_epochs: float = 90.0  # step: decay every this many epochs
+    decay_milestones: tuple[int, ...] = (90, 180, 270)  # multistep: decay at these epochs
+    decay_rate: float = 0.1  # step, multistep, plateau: the factor of each decay; poly: its power
+    patience_epochs: int = 10  # plateau: epochs without improvement before a decay
+    plateau_mode: str = "max"  # plateau: watch val/acc (max) or val/loss (min)
+    cycle_mul: float = 1.0
+    cycle_decay: float = 0.1
+    cycle_limit: int = 1
+    k_decay: float = 1.0
+
+    def __post_init__(self):
+        if self.name not in SCHEDULERS:
+            raise UserError(f"scheduler.name {self.name!r} is not one of {list(SCHEDULERS)}")
+        if self.plateau_mode not in PLATEAU_MODES:
+            raise UserError(f"scheduler.plateau_mode {self.plateau_mode!r} is not one of {list(PLATEAU_MODES)}")
+        for key in ("warmup_epochs", "warmup_lr", "min_lr", "cooldown_epochs", "decay_epochs", "patience_epochs"):
+            check_at_least(f"scheduler.{key}", getattr(self, key))
+        check_at_least("scheduler.warmup_steps", self.warmup_steps, optional=True)
+        if self.name == "plateau" and not self.step_on_epochs:
+            raise UserError("scheduler.name=plateau changes the LR once per epoch: set scheduler.step_on_epochs=true")
+        check_range("scheduler.min_lr_ratio", self.min_lr_ratio, 0, 1)
+        object.__setattr__(self, "decay_milestones", tuple(self.decay_milestones))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> SchedulerConfig:
+        return from_mapping(cls, values, "scheduler")
 
 
 def optimizer_info(name: str):
@@ -179,19 +224,44 @@ def make_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
         raise UserError(f"optim.opt_args {o.opt_args} do not fit optimizer {o.name!r}: {e}") from e
 
 
-def make_scheduler(
-    optimizer: torch.optim.Optimizer, o: OptimConfig, total_steps: int, epochs: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """Per-step warmup + cosine (`warmup_cosine`) over `total_steps`; warmup_epochs convert to steps
-    with `epochs` epochs in those steps."""
-    warmup = int(o.warmup_steps) if o.warmup_steps is not None else round(o.warmup_epochs * total_steps / epochs)
+def make_scheduler(optimizer: torch.optim.Optimizer, s: SchedulerConfig, total_steps: int, epochs: int):
+    """The schedule of `s` over a run of `total_steps` steps in `epochs` epochs: vitlab's per-step warmup + cosine
+    (a LambdaLR), or timm's scheduler `s.name` (stepped by ViTModule: step_update after every step, step at each
+    epoch's end)."""
+    per_epoch = max(1, total_steps // max(1, epochs))
+    warmup = int(s.warmup_steps) if s.warmup_steps is not None else round(s.warmup_epochs * per_epoch)
     if warmup > total_steps:
         log.warning(
             "warmup of %d steps is longer than the %d training steps; warming up over all of them "
-            "(set optim.warmup_epochs or optim.warmup_steps lower)",
+            "(set scheduler.warmup_epochs or scheduler.warmup_steps lower)",
             warmup,
             total_steps,
         )
         warmup = total_steps
-    schedule = functools.partial(warmup_cosine, warmup=warmup, total=total_steps, min_ratio=o.min_lr_ratio)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    if s.name == "warmup_cosine":
+        schedule = functools.partial(warmup_cosine, warmup=warmup, total=total_steps, min_ratio=s.min_lr_ratio)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    from timm.scheduler import create_scheduler_v2
+
+    scheduler, _ = create_scheduler_v2(
+        optimizer,
+        sched=s.name,
+        num_epochs=max(1, epochs - s.cooldown_epochs),  # the cooldown is part of the run's epochs
+        decay_epochs=s.decay_epochs,
+        decay_milestones=list(s.decay_milestones),
+        cooldown_epochs=s.cooldown_epochs,
+        patience_epochs=s.patience_epochs,
+        decay_rate=s.decay_rate,
+        min_lr=s.min_lr,
+        warmup_lr=s.warmup_lr,
+        warmup_epochs=warmup / per_epoch,
+        warmup_prefix=s.warmup_prefix,
+        cycle_mul=s.cycle_mul,
+        cycle_decay=s.cycle_decay,
+        cycle_limit=s.cycle_limit,
+        k_decay=s.k_decay,
+        plateau_mode=s.plateau_mode,
+        step_on_epochs=s.step_on_epochs,
+        updates_per_epoch=per_epoch,
+    )
+    return scheduler

@@ -138,6 +138,7 @@ def build_module(cfg: DictConfig, datamodule: L.LightningDataModule) -> ViTModul
     return ViTModule(
         model=vit_config(cfg.model),
         optim=OmegaConf.to_container(cfg.optim, resolve=True),
+        scheduler=OmegaConf.to_container(cfg.scheduler, resolve=True),
         label_smoothing=cfg.label_smoothing,
         mixup=OmegaConf.to_container(cfg.mixup, resolve=True),
         compile=cfg.compile,

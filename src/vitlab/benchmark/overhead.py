@@ -82,7 +82,7 @@ def run_plain(train_cfg: DictConfig, epochs: int) -> LoopTimes:
             ds.images, ds.labels = ds.images.to(device), ds.labels.to(device)
     train_loader, val_loader = datamodule.train_dataloader(), datamodule.val_dataloader()
     optimizer = make_optimizer(model, module.optim)
-    scheduler = make_scheduler(optimizer, module.optim, epochs * len(train_loader), epochs)
+    scheduler = make_scheduler(optimizer, module.scheduler_cfg, epochs * len(train_loader), epochs)
     times = LoopTimes()
     for _ in range(epochs):
         start = last = time.perf_counter()
