@@ -21,8 +21,8 @@ from vitlab.model.config import DROPOUTS
 
 log = logging.getLogger(__name__)
 
-# Regularisation may change between a run and its resumption; the architecture may not.
-RESUME_MAY_DIFFER = set(DROPOUTS)
+# Regularisation (and gradient checkpointing) may change between a run and its resumption; the architecture may not.
+RESUME_MAY_DIFFER = {*DROPOUTS, "grad_checkpointing"}
 
 
 def resolve_ckpt_path(ckpt_path: str | None, runs_dir: Path) -> str | None:

@@ -233,6 +233,28 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(p.grad, ref[n], atol=1e-6, rtol=1e-5)
 
 
+def test_gradient_checkpointing_from_the_config(compose_cfg):
+    """model.grad_checkpointing=true: the model recomputes its blocks in the backward pass (the blocks run again,
+    counted by a hook), with the same gradients; the state dict is unchanged."""
+    from vitlab.model import vit_config
+
+    cfg = vit_config(compose_cfg("train", ["model.grad_checkpointing=true"]).model)
+    assert cfg.grad_checkpointing
+    torch.manual_seed(0)
+    on = ViT(cfg.replace(depth=2))
+    off = ViT(cfg.replace(depth=2, grad_checkpointing=False))
+    off.load_state_dict(on.state_dict())
+    calls = {"on": 0, "off": 0}
+    on.blocks[0].register_forward_pre_hook(lambda *_: calls.__setitem__("on", calls["on"] + 1))
+    off.blocks[0].register_forward_pre_hook(lambda *_: calls.__setitem__("off", calls["off"] + 1))
+    x = torch.randn(2, cfg.in_chans, *cfg.img_hw)
+    for model in (on, off):
+        model(x).sum().backward()
+    assert (calls["on"], calls["off"]) == (2, 1)  # forward, then again in the backward pass
+    for (n, a), b in zip(on.named_parameters(), off.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5, msg=n)
+
+
 def test_class_token_head_computes_only_row_0_of_the_last_block():
     """forward() skips the last block's other rows: same logits and gradients as the full path,
     stochastic depth included (its per-sample draws are the same either way)."""

@@ -47,7 +47,7 @@ def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
     """Arguments of timm's VisionTransformer that build the same network as `cfg`. A fixed sin-cos
     embedding becomes a learned one with the same values (timm has no fixed one)."""
     d = cfg.to_dict()
-    del d["norm_eps"]
+    del d["norm_eps"], d["grad_checkpointing"]  # timm: set_grad_checkpointing(), not an argument
     d["img_size"], d["patch_size"] = cfg.img_hw, cfg.patch_hw
     if cfg.pos_embed == "sincos2d":
         d.update(pos_embed="learn", no_embed_class=True)

@@ -107,6 +107,9 @@ class ViTConfig:
     norm_eps: float = 1e-6
     weight_init: str = ""  # '' (timm's), 'jax', 'jax_nlhb' (head bias -log K), 'moco', 'skip' (PyTorch's own)
     fix_init: bool = False  # divide each block's output projections by sqrt(2 * (layer + 1)) (timm's fix_init)
+    # Recompute each block in the backward pass instead of keeping its activations: less memory (ViT-L/H), more
+    # time; the same numbers. Not part of the architecture: a run may resume with it switched.
+    grad_checkpointing: bool = False
     grid_size: tuple[int, int] = field(init=False)  # derived: patches along H and W
 
     def __post_init__(self) -> None:
@@ -198,6 +201,7 @@ class ViTConfig:
             "pre_norm",
             "dynamic_img_size",
             "dynamic_img_pad",
+            "grad_checkpointing",
             "final_norm",
             "proj_bias",
             "embed_norm",

@@ -62,7 +62,7 @@ class ViT(TimmAPI, nn.Module):
         self.cfg = cfg
         D = cfg.embed_dim
         self.num_prefix_tokens = cfg.num_prefix_tokens
-        self.grad_checkpointing = False
+        self.grad_checkpointing = cfg.grad_checkpointing  # timm's set_grad_checkpointing switches it too
 
         # Registration order matches timm's, so state_dict() lists keys in the same order.
         self.patch_embed = PatchEmbed(cfg)
