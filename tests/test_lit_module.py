@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -7,8 +9,8 @@ from vitlab.optim import param_groups
 
 
 def test_module_rejects_unknown_optim_keys_and_keeps_plain_hparams():
-    with pytest.raises(ValueError, match=r"unknown optim key\(s\) \['momentum'\]"):
-        ViTModule(model=tiny().to_dict(), optim={"momentum": 0.9})
+    with pytest.raises(ValueError, match=r"unknown optim key\(s\) \['momentun'\]"):
+        ViTModule(model=tiny().to_dict(), optim={"momentun": 0.9})
     m = ViTModule(model=tiny().to_dict(), optim={"lr": 3e-4}, mixup={"mixup_alpha": 0.2})
     assert m.hparams["optim"] == {"lr": 3e-4} and m.optim.weight_decay == 0.05
 
@@ -47,3 +49,47 @@ def test_checkpoint_without_metric_states_loads_but_weights_stay_strict(tmp_path
     torch.save(ckpt, tmp_path / "broken.ckpt")
     with pytest.raises(RuntimeError, match="model.head.bias"):
         load_checkpoint(str(tmp_path / "broken.ckpt"))
+
+
+def test_cross_entropy_of_mixed_targets_is_timms_soft_target_cross_entropy():
+    """loss=ce on MixUp/CutMix targets is DeiT's SoftTargetCrossEntropy of timm's smoothed mixed targets."""
+    from timm.loss import SoftTargetCrossEntropy
+
+    torch.manual_seed(0)
+    m = ViTModule(model=tiny().to_dict(), label_smoothing=0.1, mixup={"mixup_alpha": 0.8})
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 7, (4,))
+    torch.manual_seed(1)
+    loss, logits = m.loss(x, y)
+    torch.manual_seed(1)
+    _ = torch.rand(())  # the draw of whether to mix
+    _, soft = m.mixup(x, y)
+    smoothed = soft * 0.9 + 0.1 / 7  # timm's mixup_target with smoothing 0.1
+    torch.testing.assert_close(loss, SoftTargetCrossEntropy()(logits, smoothed))
+
+
+def test_bce_is_timms_binary_cross_entropy_and_starts_the_head_bias_at_minus_log_k():
+    from timm.loss import BinaryCrossEntropy
+
+    torch.manual_seed(0)
+    m = ViTModule(model=tiny().to_dict(), loss="bce", label_smoothing=0.1, bce_target_thresh=0.2)
+    assert torch.allclose(m.model.head.bias, torch.full((7,), -math.log(7)))
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 7, (4,))
+    loss, logits = m.loss(x, y)
+    torch.testing.assert_close(loss, BinaryCrossEntropy(smoothing=0.1, target_threshold=0.2)(logits, y))
+    mixed = ViTModule(model=tiny().to_dict(), loss="bce", label_smoothing=0.1, mixup={"cutmix_alpha": 1.0})
+    torch.manual_seed(1)
+    loss, logits = mixed.loss(x, y)
+    torch.manual_seed(1)
+    _ = torch.rand(())
+    _, soft = mixed.mixup(x, y)
+    torch.testing.assert_close(loss, BinaryCrossEntropy()(logits, soft * 0.9 + 0.1 / 7))
+    with pytest.raises(ValueError, match=r"loss 'hinge' is not one of \['ce', 'bce'\]"):
+        ViTModule(model=tiny().to_dict(), loss="hinge")
+
+
+def test_a_bce_run_trains_from_the_command_line(compose_cfg):
+    from vitlab.run import build_datamodule, build_module
+
+    cfg = compose_cfg("train", ["loss=bce", "bce_target_thresh=0.2", "mixup.cutmix_alpha=1.0"])
+    module = build_module(cfg, build_datamodule(cfg.data))
+    assert module.loss_kind == "bce" and module.hparams["bce_target_thresh"] == 0.2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.trainer.states import TrainerFn
+from timm.loss import BinaryCrossEntropy
 from timm.scheduler.scheduler import Scheduler as TimmScheduler
 from torch import nn
 from torchmetrics import MaxMetric, MeanMetric
@@ -32,6 +34,10 @@ from vitlab.optim import PLATEAU_MODES, OptimConfig, SchedulerConfig, make_optim
 from vitlab.settings import check_at_least, check_range, compile_mode, from_mapping
 
 log = logging.getLogger(__name__)
+
+# The training losses: softmax cross-entropy, or sigmoid binary cross-entropy (validation and test report
+# cross-entropy either way).
+LOSSES = ("ce", "bce")
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,8 @@ class ViTModule(L.LightningModule):
         optim: dict[str, Any] | None = None,
         scheduler: dict[str, Any] | None = None,
         label_smoothing: float = 0.0,
+        loss: str = "ce",  # LOSSES
+        bce_target_thresh: float | None = None,  # bce: targets above it become 1, the rest 0 (DeiT III: 0.2)
         mixup: dict[str, Any] | None = None,
         compile: bool | str = False,  # or a torch.compile mode (COMPILE_MODES)
         class_names: list[str] | None = None,
@@ -91,6 +99,14 @@ class ViTModule(L.LightningModule):
         self.scheduler_cfg = SchedulerConfig.from_dict(scheduler)  # conf/scheduler/warmup_cosine.yaml's
         check_range("label_smoothing", label_smoothing, 0, 1, high_open=True)
         self.label_smoothing = label_smoothing
+        if loss not in LOSSES:
+            raise UserError(f"loss {loss!r} is not one of {list(LOSSES)}")
+        self.bce = BinaryCrossEntropy(smoothing=label_smoothing, target_threshold=bce_target_thresh)
+        self.loss_kind = loss
+        if loss == "bce" and isinstance(self.model.head, nn.Linear):
+            # big_vision's sigmoid head starts at bias -log(K) (head_bias_init=-6.9 for 1,000 classes): every class
+            # improbable, as the targets are, so the first steps do not spend themselves pushing K - 1 logits down.
+            nn.init.constant_(self.model.head.bias, -math.log(self.model.cfg.num_classes))
         self.mixup_cfg = MixupConfig.from_dict(mixup)
         self.mixup = self.mixup_cfg.build(self.model.cfg.num_classes)
         self.compile_mode = compile_mode(compile)
@@ -148,13 +164,19 @@ class ViTModule(L.LightningModule):
         return values
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The training loss of a batch and its logits: MixUp/CutMix (when on), then cross-entropy with
-        label smoothing. A plain training loop calls this too, so both optimise the same objective."""
+        """The training loss of a batch and its logits: MixUp/CutMix (when on), then, with label smoothing,
+        softmax cross-entropy (`ce`: class indices or the mixed targets, the same as timm's SoftTargetCrossEntropy)
+        or sigmoid binary cross-entropy (`bce`: timm's BinaryCrossEntropy, as DeiT III and big_vision train). A
+        plain training loop calls this too, so both optimise the same objective."""
         target = y
         if self.mixup is not None and torch.rand(()) < self.mixup_cfg.prob:
             x, target = self.mixup(x, y)
         logits = self.model(x)
-        return F.cross_entropy(logits, target, label_smoothing=self.label_smoothing), logits
+        if self.loss_kind == "ce":
+            return F.cross_entropy(logits, target, label_smoothing=self.label_smoothing), logits
+        if target.ndim == 2:  # mixed targets, smoothed as timm's Mixup smooths them (its BCE smooths indices only)
+            target = target * (1 - self.label_smoothing) + self.label_smoothing / logits.shape[-1]
+        return self.bce(logits, target), logits
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -70,6 +70,8 @@ def _train_settings(
     print_config: bool,
     freeze_backbone: bool,
     label_smoothing: float,
+    loss: str,
+    bce_target_thresh: float | None,
     task_name: str,
     tags: list[str],
 ) -> None:
@@ -140,6 +142,8 @@ def build_module(cfg: DictConfig, datamodule: L.LightningDataModule) -> ViTModul
         optim=OmegaConf.to_container(cfg.optim, resolve=True),
         scheduler=OmegaConf.to_container(cfg.scheduler, resolve=True),
         label_smoothing=cfg.label_smoothing,
+        loss=cfg.loss,
+        bce_target_thresh=cfg.bce_target_thresh,
         mixup=OmegaConf.to_container(cfg.mixup, resolve=True),
         compile=cfg.compile,
         class_names=list(getattr(datamodule, "class_names", []) or []),
