@@ -28,14 +28,16 @@ TWO = ["trainer=ddp_cpu", "trainer.devices=2"]  # two CPU processes (gloo)
 
 
 def folder(data_dir) -> list[str]:
-    """The uint8 pipeline with loader workers and every random augmentation: RandAugment in the workers, random
-    erasing on the device, MixUp/CutMix in the module. 72 images of 3 classes: 9 steps of 8 per epoch."""
+    """The uint8 pipeline with loader workers and every random augmentation: repeated augmentation (3 copies of
+    each image, on different processes), RandAugment in the workers, random erasing on the device, MixUp/CutMix in
+    the module. 72 images of 3 classes: 9 steps of 8 per epoch."""
     return [
         "data=imagefolder",
         f"data.data_dir={data_dir}",
         "data.batch_size=8",
         "data.num_workers=2",
         "model.img_size=8",
+        "data.repeated_aug=3",
         "data.train_transform.auto_augment=randaugment",
         "data.train_transform.random_erasing=0.5",
         "mixup.mixup_alpha=0.8",

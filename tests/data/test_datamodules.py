@@ -209,3 +209,34 @@ def test_empty_class_folder_is_named(tmp_path):
     (tmp_path / "train" / "eel").mkdir()
     with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'train'}: Found no valid file for the classes eel"):
         ImageFolderDataModule(data_dir=str(tmp_path), num_classes=3, img_size=16).setup()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_repeated_augmentation_covers_the_data_as_timms_sampler_and_augments_every_copy_alike_never(world):
+    """data.repeated_aug=3: each process's training indices are those of timm's RepeatAugSampler (DeiT's) for its
+    rank and the epoch, and no two copies of an image share an augmentation seed."""
+    from types import SimpleNamespace
+
+    from timm.data.distributed_sampler import RepeatAugSampler
+
+    dm = FakeDataModule(img_size=8, num_train=40, num_val=8, num_test=8, batch_size=4 * world, repeated_aug=3)
+    dm.setup()
+    for epoch in (0, 1):
+        seeds, covered = [], []
+        for rank in range(world):
+            dm.trainer = SimpleNamespace(
+                world_size=world, global_rank=rank, num_devices=world,
+                strategy=SimpleNamespace(root_device=torch.device("cpu")),
+                fit_loop=SimpleNamespace(epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=epoch))),
+            )  # fmt: skip
+            sampler = dm.train_dataloader().sampler
+            pairs = list(sampler)
+            timm = RepeatAugSampler(dm.train_set, num_replicas=world, rank=rank, num_repeats=3)
+            timm.set_epoch(epoch)
+            assert [i for _, i in pairs] == list(timm)
+            seeds += [s for s, _ in pairs]
+            covered += [i for _, i in pairs]
+        assert len(set(seeds)) == len(seeds)  # every copy its own augmentation
+        assert max(covered.count(i) for i in set(covered)) == 3  # an image's copies, dealt across the processes
+    with pytest.raises(ValueError, match="data.repeated_aug 1 must be 0 .off. or a number of copies >= 2"):
+        FakeDataModule(img_size=8, repeated_aug=1)

@@ -19,7 +19,8 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import Dataset, DistributedSampler, get_worker_info
+from timm.data.distributed_sampler import RepeatAugSampler
+from torch.utils.data import Dataset, DistributedSampler, Sampler, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitlab.data import transforms
@@ -70,6 +71,21 @@ class SeededSampler(DistributedSampler):
     def __iter__(self):
         for i in super().__iter__():
             yield _mix(self.seed, self.epoch, i), i
+
+
+class RepeatSeededSampler(RepeatAugSampler):
+    """timm's RepeatAugSampler, DeiT's repeated augmentation (each image `num_repeats` times an epoch, its copies
+    dealt to different processes), handing out (seed, index) pairs as SeededSampler does. A copy's seed depends on
+    the run's seed, the epoch, the image and the copy's place in the epoch, so no two copies are augmented alike.
+    Its order is timm's own (a permutation seeded by the epoch), so it covers the data as timm's does."""
+
+    def __init__(self, dataset, num_replicas: int, rank: int, seed: int, num_repeats: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, num_repeats=num_repeats)
+        self.seed = seed
+
+    def __iter__(self):
+        for k, i in enumerate(super().__iter__()):
+            yield _mix(self.seed, self.epoch, i, self.rank + k * self.num_replicas), i
 
 
 def _mix(*numbers: int) -> int:
@@ -178,8 +194,7 @@ class DataModule(L.LightningDataModule):
             # (all of it in one process): a position resumes by its count alone. The epoch is set here as Lightning
             # will set it (epochs processed), before a resumed loader skips to its position: Lightning sets it only
             # after it has made the iterator. Under DDP Lightning leaves a DistributedSampler as it is.
-            kind = SeededSampler if isinstance(dataset, TransformDataset) else DistributedSampler
-            sampler = kind(dataset, num_replicas=world, rank=rank, shuffle=True, seed=self.shuffle_seed)
+            sampler = self._train_sampler(dataset, world, rank)
             sampler.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed if self.trainer is not None else 0)
             kwargs["sampler"] = sampler
         if kwargs["num_workers"] > 0:
@@ -187,6 +202,10 @@ class DataModule(L.LightningDataModule):
             kwargs.setdefault("prefetch_factor", self.prefetch_factor)
             kwargs.setdefault("worker_init_fn", init_worker)
         return StatefulDataLoader(dataset, batch_size=self.per_device_batch_size, drop_last=train, **kwargs)
+
+    def _train_sampler(self, dataset: Dataset, world: int, rank: int) -> Sampler:
+        kind = SeededSampler if isinstance(dataset, TransformDataset) else DistributedSampler
+        return kind(dataset, num_replicas=world, rank=rank, shuffle=True, seed=self.shuffle_seed)
 
     def seed_process(self, seed: int) -> None:
         """This process's own augmentation draws (rank_state.seed_process: one stream per rank)."""
@@ -259,8 +278,17 @@ class ImageDataModule(DataModule):
 
     eval_crop_pct: float = 0.875  # data.eval_transform.crop_pct when null (and no pretrained weights set it)
 
-    def __init__(self, train_transform: dict | None = None, eval_transform: dict | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        train_transform: dict | None = None,
+        eval_transform: dict | None = None,
+        repeated_aug: int = 0,  # copies of each training image an epoch (timm's RepeatAugSampler; DeiT: 3); 0: off
+        **kwargs: Any,
+    ):
         super().__init__(**kwargs)
+        if repeated_aug < 0 or repeated_aug == 1:
+            raise UserError(f"data.repeated_aug {repeated_aug} must be 0 (off) or a number of copies >= 2")
+        self.repeated_aug = repeated_aug
         self.train_tf = transforms.train_transform(self.img_size, **(train_transform or {}))
         # null eval settings: this dataset's defaults (pretrained.apply_pretrained fills them from the weights first)
         eval_settings = {"crop_pct": self.eval_crop_pct} | {
@@ -269,6 +297,11 @@ class ImageDataModule(DataModule):
         self.eval_tf = transforms.eval_transform(self.img_size, **eval_settings)
         self.train_settings = from_mapping(transforms.TrainTransform, train_transform or {}, "data.train_transform")
         self.to_input = transforms.DeviceTransform(self.mean, self.std, self.train_settings.random_erasing)
+
+    def _train_sampler(self, dataset: Dataset, world: int, rank: int) -> Sampler:
+        if self.repeated_aug:
+            return RepeatSeededSampler(dataset, world, rank, self.shuffle_seed, self.repeated_aug)
+        return super()._train_sampler(dataset, world, rank)
 
     def device_transform(self, batch, train: bool):
         """A uint8 batch, once on the device, to the model's normalised float32 input (random erasing in
