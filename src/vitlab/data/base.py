@@ -73,15 +73,19 @@ class SeededSampler(DistributedSampler):
             yield _mix(self.seed, self.epoch, i), i
 
 
-class RepeatSeededSampler(RepeatAugSampler):
+class RepeatSeededSampler(RepeatAugSampler, DistributedSampler):
     """timm's RepeatAugSampler, DeiT's repeated augmentation (each image `num_repeats` times an epoch, its copies
     dealt to different processes), handing out (seed, index) pairs as SeededSampler does. A copy's seed depends on
     the run's seed, the epoch, the image and the copy's place in the epoch, so no two copies are augmented alike.
-    Its order is timm's own (a permutation seeded by the epoch), so it covers the data as timm's does."""
+    Its order is timm's own (a permutation seeded by the epoch), so it covers the data as timm's does. It is also
+    a DistributedSampler (its methods are all RepeatAugSampler's), so that Lightning uses it as it is under DDP
+    instead of sharding its output again."""
 
     def __init__(self, dataset, num_replicas: int, rank: int, seed: int, num_repeats: int):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, num_repeats=num_repeats)
-        self.seed = seed
+        RepeatAugSampler.__init__(
+            self, dataset, num_replicas=num_replicas, rank=rank, shuffle=True, num_repeats=num_repeats
+        )
+        self.seed, self.drop_last = seed, False
 
     def __iter__(self):
         for k, i in enumerate(super().__iter__()):
