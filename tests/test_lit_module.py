@@ -93,3 +93,21 @@ def test_a_bce_run_trains_from_the_command_line(compose_cfg):
     cfg = compose_cfg("train", ["loss=bce", "bce_target_thresh=0.2", "mixup.cutmix_alpha=1.0"])
     module = build_module(cfg, build_datamodule(cfg.data))
     assert module.loss_kind == "bce" and module.hparams["bce_target_thresh"] == 0.2
+
+
+def test_mixing_stops_at_mixup_off_epoch():
+    """mixup.off_epoch=2 (timm's mixup_off_epoch): epochs 0 and 1 mix, epoch 2 on trains on the plain images."""
+    from types import SimpleNamespace
+
+    m = ViTModule(model=tiny().to_dict(), mixup={"mixup_alpha": 0.8, "off_epoch": 2})
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 7, (4,))
+    seen = {}
+    for epoch in (0, 1, 2, 3):
+        m._trainer = SimpleNamespace(current_epoch=epoch)
+        torch.manual_seed(0)
+        loss, logits = m.loss(x, y)
+        seen[epoch] = torch.equal(logits, m.model(x))  # the logits of the unmixed images
+    m._trainer = None
+    assert seen == {0: False, 1: False, 2: True, 3: True}
+    with pytest.raises(ValueError, match=r"mixup.off_epoch -1 must be an epoch number >= 0 \(0: never off\)"):
+        ViTModule(model=tiny().to_dict(), mixup={"mixup_alpha": 0.8, "off_epoch": -1})

@@ -48,12 +48,15 @@ class MixupConfig:
     cutmix_alpha: float = 0.0
     prob: float = 1.0  # chance a batch is mixed
     switch_prob: float = 0.5  # chance of CutMix rather than MixUp when both are on
+    off_epoch: int = 0  # from this epoch on, no mixing (timm's mixup_off_epoch; DeiT III); 0: mix throughout
 
     def __post_init__(self):
         for key in ("mixup_alpha", "cutmix_alpha"):
             check_at_least(f"mixup.{key}", getattr(self, key))
         for key in ("prob", "switch_prob"):
             check_range(f"mixup.{key}", getattr(self, key), 0, 1)
+        if not isinstance(self.off_epoch, int) or isinstance(self.off_epoch, bool) or self.off_epoch < 0:
+            raise UserError(f"mixup.off_epoch {self.off_epoch!r} must be an epoch number >= 0 (0: never off)")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> MixupConfig:
@@ -101,7 +104,9 @@ class ViTModule(L.LightningModule):
         self.label_smoothing = label_smoothing
         if loss not in LOSSES:
             raise UserError(f"loss {loss!r} is not one of {list(LOSSES)}")
-        self.bce = BinaryCrossEntropy(smoothing=label_smoothing, target_threshold=bce_target_thresh)
+        self.bce = (
+            BinaryCrossEntropy(smoothing=label_smoothing, target_threshold=bce_target_thresh) if loss == "bce" else None
+        )
         self.loss_kind = loss
         if loss == "bce" and isinstance(self.model.head, nn.Linear):
             # big_vision's sigmoid head starts at bias -log(K) (head_bias_init=-6.9 for 1,000 classes): every class
@@ -169,7 +174,7 @@ class ViTModule(L.LightningModule):
         or sigmoid binary cross-entropy (`bce`: timm's BinaryCrossEntropy, as DeiT III and big_vision train). A
         plain training loop calls this too, so both optimise the same objective."""
         target = y
-        if self.mixup is not None and torch.rand(()) < self.mixup_cfg.prob:
+        if self.mixup is not None and not self._mixing_off() and torch.rand(()) < self.mixup_cfg.prob:
             x, target = self.mixup(x, y)
         logits = self.model(x)
         if self.loss_kind == "ce":
@@ -177,6 +182,11 @@ class ViTModule(L.LightningModule):
         if target.ndim == 2:  # mixed targets, smoothed as timm's Mixup smooths them (its BCE smooths indices only)
             target = target * (1 - self.label_smoothing) + self.label_smoothing / logits.shape[-1]
         return self.bce(logits, target), logits
+
+    def _mixing_off(self) -> bool:
+        """mixup.off_epoch reached (the epoch Lightning is in; a plain loop without a trainer mixes throughout)."""
+        off = self.mixup_cfg.off_epoch
+        return bool(off) and self._trainer is not None and self.current_epoch >= off
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
