@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from torchvision.transforms import v2
 from vitlab import rank_state
 from vitlab.errors import NonFiniteLossError, UserError
 from vitlab.model import ViT, ViTConfig
+from vitlab.model.init import log_prior_head_bias_
 from vitlab.optim import PLATEAU_MODES, OptimConfig, SchedulerConfig, make_optimizer, make_scheduler
 from vitlab.settings import check_at_least, check_range, compile_mode, from_mapping
 
@@ -104,14 +104,11 @@ class ViTModule(L.LightningModule):
         self.label_smoothing = label_smoothing
         if loss not in LOSSES:
             raise UserError(f"loss {loss!r} is not one of {list(LOSSES)}")
-        self.bce = (
-            BinaryCrossEntropy(smoothing=label_smoothing, target_threshold=bce_target_thresh) if loss == "bce" else None
-        )
-        self.loss_kind = loss
-        if loss == "bce" and isinstance(self.model.head, nn.Linear):
-            # big_vision's sigmoid head starts at bias -log(K) (head_bias_init=-6.9 for 1,000 classes): every class
-            # improbable, as the targets are, so the first steps do not spend themselves pushing K - 1 logits down.
-            nn.init.constant_(self.model.head.bias, -math.log(self.model.cfg.num_classes))
+        self.loss_kind, self.bce = loss, None
+        if loss == "bce":
+            self.bce = BinaryCrossEntropy(smoothing=label_smoothing, target_threshold=bce_target_thresh)
+            if isinstance(self.model.head, nn.Linear):  # sigmoid targets are mostly 0: start every class improbable
+                log_prior_head_bias_(self.model.head, self.model.cfg.num_classes)
         self.mixup_cfg = MixupConfig.from_dict(mixup)
         self.mixup = self.mixup_cfg.build(self.model.cfg.num_classes)
         self.compile_mode = compile_mode(compile)
@@ -184,9 +181,8 @@ class ViTModule(L.LightningModule):
         return self.bce(logits, target), logits
 
     def _mixing_off(self) -> bool:
-        """mixup.off_epoch reached (the epoch Lightning is in; a plain loop without a trainer mixes throughout)."""
-        off = self.mixup_cfg.off_epoch
-        return bool(off) and self._trainer is not None and self.current_epoch >= off
+        """mixup.off_epoch reached (Lightning's epoch; 0 without a trainer, so a plain loop mixes throughout)."""
+        return bool(self.mixup_cfg.off_epoch) and self.current_epoch >= self.mixup_cfg.off_epoch
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -23,6 +23,12 @@ def _lecun_normal_(w: torch.Tensor) -> None:
     w.mul_(math.sqrt(1.0 / w[0].numel()) / 0.87962566103423978)
 
 
+def log_prior_head_bias_(head: nn.Linear, num_classes: int) -> None:
+    """Head bias -log(K): every class starts improbable, each logit's sigmoid at ~1/K ('jax_nlhb' below;
+    big_vision's head_bias_init, -6.9 for 1,000 classes, for a sigmoid loss)."""
+    nn.init.constant_(head.bias, -math.log(num_classes))
+
+
 # ---- the rules, per layer (name is the module's path in the model) -------------------------------------
 
 
@@ -38,7 +44,7 @@ def _jax_rule(name: str, m: nn.Module, cfg: ViTConfig) -> None:
     -log(num_classes) with 'jax_nlhb' (start from uniform class probabilities)."""
     if isinstance(m, nn.Linear) and name.startswith("head"):
         nn.init.zeros_(m.weight)
-        nn.init.constant_(m.bias, -math.log(cfg.num_classes) if cfg.weight_init == "jax_nlhb" else 0.0)
+        log_prior_head_bias_(m, cfg.num_classes) if cfg.weight_init == "jax_nlhb" else nn.init.zeros_(m.bias)
     elif isinstance(m, nn.Linear):
         nn.init.xavier_uniform_(m.weight)
         if m.bias is not None:
