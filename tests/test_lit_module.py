@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,13 +16,26 @@ def test_module_rejects_unknown_optim_keys_and_keeps_plain_hparams():
     assert m.hparams["optim"] == {"lr": 3e-4} and m.optim.weight_decay == 0.05
 
 
-def test_mixup_gives_soft_targets_and_training_step_runs():
+@pytest.mark.parametrize("mode", ["batch", "pair", "elem"])
+def test_mixup_is_timms_in_each_mode(mode):
+    """mixup.mode: timm's Mixup, one draw a batch, a pair or an image; soft targets of the unmixed classes."""
+    from timm.data import Mixup
+
     torch.manual_seed(0)
-    m = ViTModule(model=tiny().to_dict(), mixup={"mixup_alpha": 0.8, "cutmix_alpha": 1.0})
-    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 7, (4,))
-    mixed_x, soft = m.mixup(x, y)
-    assert soft.shape == (4, 7) and torch.allclose(soft.sum(1), torch.ones(4))
+    settings = {"mixup_alpha": 0.8, "cutmix_alpha": 1.0, "mode": mode}
+    m = ViTModule(model=tiny().to_dict(), mixup=settings)
+    x, y = torch.randn(6, 3, 32, 32), torch.randint(0, 7, (6,))
+    np.random.seed(0)
+    mixed_x, soft = m.mixup(x.clone(), y)
+    assert soft.shape == (6, 7) and torch.allclose(soft.sum(1), torch.ones(6))
     assert not torch.equal(mixed_x, x)
+    np.random.seed(0)
+    timm_x, timm_soft = Mixup(0.8, 1.0, mode=mode, label_smoothing=0.0, num_classes=7)(x.clone(), y)
+    assert torch.equal(mixed_x, timm_x) and torch.equal(soft, timm_soft)
+    with pytest.raises(ValueError, match=r"mixup.mode 'row' is not one of \['batch', 'pair', 'elem'\]"):
+        ViTModule(model=tiny().to_dict(), mixup={"mixup_alpha": 0.8, "mode": "row"})
+    with pytest.raises(ValueError, match=r"this process's batch has 5: make data.batch_size / the processes even"):
+        m.loss(x[:5], y[:5])
 
 
 def test_linear_probe_trains_only_the_head():
@@ -58,11 +72,10 @@ def test_cross_entropy_of_mixed_targets_is_timms_soft_target_cross_entropy():
     torch.manual_seed(0)
     m = ViTModule(model=tiny().to_dict(), label_smoothing=0.1, mixup={"mixup_alpha": 0.8})
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 7, (4,))
-    torch.manual_seed(1)
-    loss, logits = m.loss(x, y)
-    torch.manual_seed(1)
-    _ = torch.rand(())  # the draw of whether to mix
-    _, soft = m.mixup(x, y)
+    np.random.seed(1)
+    loss, logits = m.loss(x.clone(), y)
+    np.random.seed(1)
+    _, soft = m.mixup(x.clone(), y)
     smoothed = soft * 0.9 + 0.1 / 7  # timm's mixup_target with smoothing 0.1
     torch.testing.assert_close(loss, SoftTargetCrossEntropy()(logits, smoothed))
 
@@ -77,11 +90,10 @@ def test_bce_is_timms_binary_cross_entropy_and_starts_the_head_bias_at_minus_log
     loss, logits = m.loss(x, y)
     torch.testing.assert_close(loss, BinaryCrossEntropy(smoothing=0.1, target_threshold=0.2)(logits, y))
     mixed = ViTModule(model=tiny().to_dict(), loss="bce", label_smoothing=0.1, mixup={"cutmix_alpha": 1.0})
-    torch.manual_seed(1)
-    loss, logits = mixed.loss(x, y)
-    torch.manual_seed(1)
-    _ = torch.rand(())
-    _, soft = mixed.mixup(x, y)
+    np.random.seed(1)
+    loss, logits = mixed.loss(x.clone(), y)
+    np.random.seed(1)
+    _, soft = mixed.mixup(x.clone(), y)
     torch.testing.assert_close(loss, BinaryCrossEntropy()(logits, soft * 0.9 + 0.1 / 7))
     with pytest.raises(ValueError, match=r"loss 'hinge' is not one of \['ce', 'bce'\]"):
         ViTModule(model=tiny().to_dict(), loss="hinge")
@@ -105,7 +117,7 @@ def test_mixing_stops_at_mixup_off_epoch():
     for epoch in (0, 1, 2, 3):
         m._trainer = SimpleNamespace(current_epoch=epoch)
         torch.manual_seed(0)
-        loss, logits = m.loss(x, y)
+        loss, logits = m.loss(x.clone(), y)
         seen[epoch] = torch.equal(logits, m.model(x))  # the logits of the unmixed images
     m._trainer = None
     assert seen == {0: False, 1: False, 2: True, 3: True}

@@ -19,12 +19,12 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.trainer.states import TrainerFn
+from timm.data import Mixup
 from timm.loss import BinaryCrossEntropy
 from timm.scheduler.scheduler import Scheduler as TimmScheduler
 from torch import nn
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
-from torchvision.transforms import v2
 
 from vitlab import rank_state
 from vitlab.errors import NonFiniteLossError, UserError
@@ -40,14 +40,20 @@ log = logging.getLogger(__name__)
 LOSSES = ("ce", "bce")
 
 
+MIXUP_MODES = ("batch", "pair", "elem")  # timm's: one draw a batch, a pair of images, an image
+
+
 @dataclass(frozen=True)
 class MixupConfig:
-    """torchvision's MixUp/CutMix on each training batch; both alphas 0 = off (conf/train.yaml `mixup`)."""
+    """timm's Mixup (MixUp/CutMix, as DeiT's main.py builds it) on each training batch; both alphas 0 = off
+    (conf/train.yaml `mixup`)."""
 
     mixup_alpha: float = 0.0
     cutmix_alpha: float = 0.0
-    prob: float = 1.0  # chance a batch is mixed
+    cutmix_minmax: tuple[float, float] | None = None  # CutMix box as a fraction of the image, instead of alpha's
+    prob: float = 1.0  # chance a batch (pair, image) is mixed
     switch_prob: float = 0.5  # chance of CutMix rather than MixUp when both are on
+    mode: str = "batch"  # MIXUP_MODES
     off_epoch: int = 0  # from this epoch on, no mixing (timm's mixup_off_epoch; DeiT III); 0: mix throughout
 
     def __post_init__(self):
@@ -55,6 +61,13 @@ class MixupConfig:
             check_at_least(f"mixup.{key}", getattr(self, key))
         for key in ("prob", "switch_prob"):
             check_range(f"mixup.{key}", getattr(self, key), 0, 1)
+        if self.mode not in MIXUP_MODES:
+            raise UserError(f"mixup.mode {self.mode!r} is not one of {list(MIXUP_MODES)}")
+        if self.cutmix_minmax is not None:
+            mm = self.cutmix_minmax
+            if len(mm) != 2 or not 0 < mm[0] <= mm[1] <= 1:
+                raise UserError(f"mixup.cutmix_minmax {list(mm)} must be [min, max] with 0 < min <= max <= 1, or null")
+            object.__setattr__(self, "cutmix_minmax", tuple(mm))
         if not isinstance(self.off_epoch, int) or isinstance(self.off_epoch, bool) or self.off_epoch < 0:
             raise UserError(f"mixup.off_epoch {self.off_epoch!r} must be an epoch number >= 0 (0: never off)")
 
@@ -62,17 +75,20 @@ class MixupConfig:
     def from_dict(cls, values: Mapping[str, Any] | None) -> MixupConfig:
         return from_mapping(cls, values, "mixup")
 
-    def build(self, num_classes: int) -> v2.RandomChoice | None:
-        if not self.mixup_alpha and not self.cutmix_alpha:
+    def build(self, num_classes: int) -> Mixup | None:
+        """timm's Mixup, its targets unsmoothed (the loss smooths them, as it smooths class indices)."""
+        if not self.mixup_alpha and not self.cutmix_alpha and self.cutmix_minmax is None:
             return None
-        ops, p = [], []
-        if self.mixup_alpha:
-            ops.append(v2.MixUp(alpha=self.mixup_alpha, num_classes=num_classes))
-            p.append(1.0 - self.switch_prob if self.cutmix_alpha else 1.0)
-        if self.cutmix_alpha:
-            ops.append(v2.CutMix(alpha=self.cutmix_alpha, num_classes=num_classes))
-            p.append(self.switch_prob if self.mixup_alpha else 1.0)
-        return v2.RandomChoice(ops, p=p)
+        return Mixup(
+            mixup_alpha=self.mixup_alpha,
+            cutmix_alpha=self.cutmix_alpha,
+            cutmix_minmax=self.cutmix_minmax,
+            prob=self.prob,
+            switch_prob=self.switch_prob,
+            mode=self.mode,
+            label_smoothing=0.0,
+            num_classes=num_classes,
+        )
 
 
 class ViTModule(L.LightningModule):
@@ -171,8 +187,13 @@ class ViTModule(L.LightningModule):
         or sigmoid binary cross-entropy (`bce`: timm's BinaryCrossEntropy, as DeiT III and big_vision train). A
         plain training loop calls this too, so both optimise the same objective."""
         target = y
-        if self.mixup is not None and not self._mixing_off() and torch.rand(()) < self.mixup_cfg.prob:
-            x, target = self.mixup(x, y)
+        if self.mixup is not None and not self._mixing_off():
+            if len(x) % 2:
+                raise UserError(
+                    f"mixup pairs the images of a batch, and this process's batch has {len(x)}: make "
+                    "data.batch_size / the processes even"
+                )
+            x, target = self.mixup(x, y)  # prob: timm's draw (numpy's generator, checkpointed with the others)
         logits = self.model(x)
         if self.loss_kind == "ce":
             return F.cross_entropy(logits, target, label_smoothing=self.label_smoothing), logits

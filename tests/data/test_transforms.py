@@ -1,6 +1,9 @@
 """data.transforms: workers hand over uint8 images of the model's size; the device half (float,
 normalisation, random erasing) gives what the old per-image CPU pipeline gave on the same crop."""
 
+import random
+
+import numpy as np
 import pytest
 import torch
 from torchvision.transforms import v2 as T
@@ -18,7 +21,7 @@ def test_workers_return_uint8_images_of_img_size(auto_augment):
     assert out.shape == (3, 32, 32) and out.dtype == torch.uint8
     out = eval_transform([32, 16], crop_pct=0.875)(img)
     assert out.shape == (3, 32, 16) and out.dtype == torch.uint8
-    with pytest.raises(ValueError, match="auto_augment 'autoaug' is not one of"):
+    with pytest.raises(ValueError, match=r"auto_augment 'autoaug' is not one of \['randaugment', 'trivialaugment'\]"):
         train_transform(32, auto_augment="autoaug")
     with pytest.raises(ValueError, match=r"crop_pct 1.5 must be in \(0, 1\]"):
         eval_transform(32, crop_pct=1.5)
@@ -38,9 +41,10 @@ def test_the_device_half_equals_the_cpu_pipeline_it_replaced():
 def test_random_erasing_on_the_batch_equals_torchvisions_erase_per_image():
     crops = torch.randint(0, 256, (64, 3, 24, 20), dtype=torch.uint8)
     boxes = erasing_boxes(64, (24, 20), p=0.5, generator=torch.Generator().manual_seed(0))
+    assert boxes.shape == (64, 1, 4)
     x = DeviceTransform(MEAN, STD)(crops, train=False)
     ours = erase(x, boxes)
-    for img, out, (i, j, h, w) in zip(x, ours, boxes.tolist(), strict=True):
+    for img, out, (i, j, h, w) in zip(x, ours, boxes[:, 0].tolist(), strict=True):
         assert torch.equal(out, TF.erase(img, i, j, h, w, v=torch.tensor(0.0)) if h else img)
     # with the generator's same state, training draws those boxes
     erased = DeviceTransform(MEAN, STD, random_erasing=0.5)(crops, True, torch.Generator().manual_seed(0))
@@ -48,9 +52,9 @@ def test_random_erasing_on_the_batch_equals_torchvisions_erase_per_image():
     assert torch.equal(DeviceTransform(MEAN, STD, random_erasing=0.5)(crops, train=False), x)  # eval: none
 
 
-def test_erasing_boxes_follow_torchvisions_distribution():
+def test_erasing_boxes_follow_timms_distribution():
     boxes = erasing_boxes(4000, (32, 48), p=0.5, generator=torch.Generator().manual_seed(1))
-    top, left, h, w = boxes.T
+    top, left, h, w = boxes[:, 0].T
     erased = h > 0
     assert 0.45 < erased.float().mean() < 0.55
     area = (h * w)[erased].float() / (32 * 48)
@@ -58,4 +62,121 @@ def test_erasing_boxes_follow_torchvisions_distribution():
     assert (top + h <= 32).all() and (left + w <= 48).all() and (top >= 0).all() and (left >= 0).all()
     ratio = (h / w)[erased].float()
     assert ratio.min() > 0.2 and ratio.max() < 4.0  # 0.3-3.3, up to rounding of small boxes
-    assert not erasing_boxes(100, (32, 48), p=0.0)[:, 2].any()
+    assert not erasing_boxes(100, (32, 48), p=0.0)[..., 2].any()
+
+
+def _timm_boxes(n, hw, p, count, seed):
+    """timm's RandomErasing's boxes, read off what it erases: it fills with zeros on a batch of ones."""
+    from timm.data.random_erasing import RandomErasing
+
+    random.seed(seed)
+    x = torch.ones(n, 1, *hw)
+    RandomErasing(p, mode="const", max_count=count, device="cpu")(x)
+    return x
+
+
+def test_erasing_count_shares_the_area_among_1_to_count_boxes_as_timm():
+    """With erasing_count=3 an erased image gets 1-3 boxes (uniformly), whose area is 2-33% of the image over their
+    number, as timm's RandomErasing draws them: the erased fraction of the image agrees with timm's in the mean."""
+    n, hw = 3000, (32, 48)
+    boxes = erasing_boxes(n, hw, p=1.0, generator=torch.Generator().manual_seed(2), count=3)
+    assert boxes.shape == (n, 3, 4)
+    k = (boxes[..., 2] > 0).sum(1)
+    assert set(k.tolist()) == {1, 2, 3} and all(abs((k == i).float().mean() - 1 / 3) < 0.04 for i in (1, 2, 3))
+    ours = erase(torch.ones(n, 1, *hw), boxes)
+    theirs = _timm_boxes(n, hw, 1.0, 3, seed=2)
+    frac_ours, frac_timm = (1 - ours).mean(), (1 - theirs).mean()
+    assert abs(frac_ours - frac_timm) < 0.01, (frac_ours, frac_timm)
+    one = erase(torch.ones(n, 1, *hw), erasing_boxes(n, hw, 1.0, torch.Generator().manual_seed(3)))
+    assert abs((1 - one).mean() - (1 - _timm_boxes(n, hw, 1.0, 1, seed=3)).mean()) < 0.01
+
+
+@pytest.mark.parametrize("mode", ["const", "rand", "pixel"])
+def test_erasing_modes_fill_as_timms(mode):
+    """const: zeros; rand: one standard-normal colour per box and channel; pixel: standard-normal noise. The same
+    generator state gives the same fill (a resumed run erases alike)."""
+    crops = torch.randint(0, 256, (256, 3, 24, 20), dtype=torch.uint8)
+    t = DeviceTransform(MEAN, STD, random_erasing=1.0, mode=mode, count=1)
+    x = DeviceTransform(MEAN, STD)(crops, train=False)
+    out = t(crops, True, torch.Generator().manual_seed(0))
+    assert torch.equal(out, t(crops, True, torch.Generator().manual_seed(0)))
+    boxes = erasing_boxes(256, (24, 20), 1.0, torch.Generator().manual_seed(0))
+    inside = erase(torch.zeros(256, 1, 24, 20), boxes, "const") == 0  # everything: the zeros stay zeros
+    mask = erase(torch.ones(256, 1, 24, 20), boxes, "const") == 0
+    assert inside.all() and mask.any()
+    mask = mask.expand_as(x)
+    assert torch.equal(out[~mask], x[~mask])  # outside the boxes: untouched
+    filled = out[mask]
+    if mode == "const":
+        assert not filled.any()
+    else:
+        assert abs(filled.mean()) < 0.1 and abs(filled.std() - 1) < 0.15
+        values = [out[i, c][mask[i, c]].unique().numel() for i in range(256) for c in range(3) if mask[i, c].any()]
+        if mode == "rand":
+            assert set(values) == {1}  # one colour a box and channel
+        else:
+            assert sum(v > 1 for v in values) > 0.9 * len(values)  # noise
+
+
+def test_erasing_settings_are_checked():
+    with pytest.raises(ValueError, match=r"erasing_mode 'noise' is not one of \['const', 'rand', 'pixel'\]"):
+        train_transform(32, erasing_mode="noise")
+    with pytest.raises(ValueError, match=r"erasing_count 0 must be a number of boxes >= 1"):
+        train_transform(32, erasing_count=0)
+
+
+TIMM_POLICIES = ["rand-m9-mstd0.5-inc1", "rand-m7-n3-mstd0.5", "augmix-m5-w4-d2", "3a", "v0", "original"]
+
+
+@pytest.mark.parametrize("policy", TIMM_POLICIES)
+def test_timm_policies_are_timms_own_transform_on_the_same_seeds(policy):
+    """A timm policy string runs timm's own code in the workers: on the same seeds (torch, Python, numpy, as
+    TransformDataset seeds them) our uint8 output equals what timm's create_transform's policy stage makes of the
+    same image, with the same fill (the data's mean), translation (45% of img_size) and interpolation."""
+    from timm.data import create_transform
+
+    img = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8)
+    ours = train_transform(32, MEAN, random_resized_crop=None, hflip=0.0, auto_augment=policy)
+    _, theirs, _ = create_transform(
+        32, is_training=True, auto_augment=policy, interpolation="bicubic", mean=MEAN, std=STD,
+        color_jitter=None, hflip=0.0, separate=True,
+    )  # fmt: skip
+    for seed in range(8):
+        seed_all(seed)
+        a = ours(img)
+        seed_all(seed)
+        b = theirs(TF.to_pil_image(img))
+        assert a.dtype == torch.uint8 and a.shape == (3, 32, 32)
+        assert torch.equal(a, TF.pil_to_tensor(b)), (policy, seed)
+
+
+def seed_all(seed):
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def test_a_bad_timm_policy_is_one_line():
+    for bad in ("rand-x9", "v9", "augmix-q3", "deit"):
+        with pytest.raises(ValueError, match=rf"auto_augment {bad!r} is not one of .* or a timm policy string"):
+            train_transform(32, auto_augment=bad)
+
+
+def test_colour_grayscale_blur_and_simple_crop_keep_uint8_of_img_size():
+    """DeiT III's pieces: the simple random crop (resize, 4 px reflected crop), 3-Augment with colour jitter, and
+    SimCLR's grayscale and blur probabilities, all on uint8."""
+    img = torch.randint(0, 256, (3, 48, 40), dtype=torch.uint8)
+    t = train_transform(
+        32, MEAN, random_resized_crop=None, simple_crop=True, auto_augment="3a", color_jitter=0.3,
+        grayscale_prob=0.5, gaussian_blur_prob=0.5,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    outs = [t(img) for _ in range(6)]
+    assert all(o.shape == (3, 32, 32) and o.dtype == torch.uint8 for o in outs)
+    assert len({o.sum().item() for o in outs}) > 1  # random
+    gray = train_transform(32, random_resized_crop=None, hflip=0.0, grayscale_prob=1.0)(img)
+    assert torch.equal(gray[0], gray[1]) and torch.equal(gray[1], gray[2])
+    with pytest.raises(ValueError, match=r"simple_crop=true replaces random-resized-crop"):
+        train_transform(32, simple_crop=True)
+    with pytest.raises(ValueError, match=r"color_jitter \[0.1, 0.2\] must be a number >= 0"):
+        train_transform(32, color_jitter=[0.1, 0.2])

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from timm.data.distributed_sampler import RepeatAugSampler
@@ -34,7 +35,7 @@ class TransformDataset(Dataset):
     """(image, label) pairs of `base`, restricted to `indices`, with `transform` applied to the image.
 
     In training it is handed (seed, index) pairs (`SeededSampler`): the image's random transforms then draw from
-    torch's and Python's generators seeded with that number alone. An image is augmented the same way whichever
+    torch's, Python's and numpy's generators seeded with that number alone. An image is augmented the same way whichever
     worker prepares it, however many workers there are and whatever they prepared before, so a resumed run, whose
     workers start anew and whose loader drops what they had prefetched, augments exactly as the uninterrupted one."""
 
@@ -52,15 +53,19 @@ class TransformDataset(Dataset):
         seed, i = key
         img, label = self.base[self.indices[i]]
         # Without loader workers this runs in the training process, whose own draws (dropout, MixUp) go on after it.
-        saved = (torch.default_generator.get_state(), random.getstate()) if get_worker_info() is None else None
+        saved = None
+        if get_worker_info() is None:
+            saved = (torch.default_generator.get_state(), random.getstate(), np.random.get_state())
         torch.default_generator.manual_seed(seed)  # (torch.manual_seed would also seed every GPU: 70 us an image)
         random.seed(seed)
+        np.random.seed(seed % 2**32)  # timm's RandAugment and AugMix draw from numpy too
         try:
             return self.transform(img), label
         finally:
             if saved is not None:
                 torch.default_generator.set_state(saved[0])
                 random.setstate(saved[1])
+                np.random.set_state(saved[2])
 
 
 class SeededSampler(DistributedSampler):
@@ -293,14 +298,17 @@ class ImageDataModule(DataModule):
         if repeated_aug < 0 or repeated_aug == 1:
             raise UserError(f"data.repeated_aug {repeated_aug} must be 0 (off) or a number of copies >= 2")
         self.repeated_aug = repeated_aug
-        self.train_tf = transforms.train_transform(self.img_size, **(train_transform or {}))
+        self.train_tf = transforms.train_transform(self.img_size, self.mean, **(train_transform or {}))
         # null eval settings: this dataset's defaults (pretrained.apply_pretrained fills them from the weights first)
         eval_settings = {"crop_pct": self.eval_crop_pct} | {
             k: v for k, v in (eval_transform or {}).items() if v is not None
         }
         self.eval_tf = transforms.eval_transform(self.img_size, **eval_settings)
         self.train_settings = from_mapping(transforms.TrainTransform, train_transform or {}, "data.train_transform")
-        self.to_input = transforms.DeviceTransform(self.mean, self.std, self.train_settings.random_erasing)
+        s = self.train_settings
+        self.to_input = transforms.DeviceTransform(
+            self.mean, self.std, s.random_erasing, s.erasing_mode, s.erasing_count
+        )
 
     def _train_sampler(self, dataset: Dataset, world: int, rank: int) -> Sampler:
         if self.repeated_aug:

@@ -1,11 +1,14 @@
 """Train and eval transforms, built from plain arguments so configs drive them, in two halves:
 
 - per image, in the loader's workers (torchvision v2): decode has happened; geometry and colour
-  (random-resized-crop, shift, flip, RandAugment, TrivialAugment; eval's resize and center crop) run
-  on uint8 (C, H, W) and the images stay uint8, so a batch crosses to the device at a quarter of
-  float32's bytes and the workers do no float arithmetic;
+  (random-resized-crop or DeiT III's simple crop, shift, flip, an auto-augment policy, colour jitter,
+  grayscale, blur; eval's resize and center crop) run on uint8 (C, H, W) and the images stay uint8, so a
+  batch crosses to the device at a quarter of float32's bytes and the workers do no float arithmetic.
+  timm's auto-augment policies (`rand-m9-mstd0.5-inc1`, `augmix-m5-w4-d2`, `3a`, `v0`, ...) are timm's own
+  code, on the PIL image of the uint8 one (PIL images are uint8 too);
 - per batch, on the device (`DeviceTransform`): uint8 to float32 in [0, 1], normalisation, and
-  random erasing, drawn per image and applied to the whole batch at once.
+  random erasing as timm's (modes const/rand/pixel, up to `count` boxes), drawn per image and applied to
+  the whole batch at once.
 
 Their settings are the dataclasses `TrainTransform` and `EvalTransform` (the `data.train_transform` /
 `data.eval_transform` groups of conf/data/*.yaml; a test keeps the YAML keys and these fields equal).
@@ -26,7 +29,9 @@ from vitlab.errors import UserError
 from vitlab.model.config import as_hw
 from vitlab.settings import check_at_least, check_range, from_mapping, is_number
 
-AUTO_AUGMENTS = (None, "randaugment", "trivialaugment")
+TORCHVISION_AUGMENTS = ("randaugment", "trivialaugment")
+TIMM_POLICIES = ("rand-", "augmix-", "3a", "v0", "original")  # how timm's policy strings start (timm.data.auto_augment)
+ERASING_MODES = ("const", "rand", "pixel")  # timm's RandomErasing: zeros, one normal colour a box, normal noise
 INTERPOLATIONS = {
     "bilinear": InterpolationMode.BILINEAR,
     "bicubic": InterpolationMode.BICUBIC,
@@ -47,19 +52,44 @@ class TrainTransform:
     """`data.train_transform`: the augmentation of training images (defaults: ImageNet's recipe)."""
 
     random_resized_crop: tuple[float, float] | None = (0.08, 1.0)  # area scale range; None: no crop
+    simple_crop: bool = False  # DeiT III's: resize the short side to img_size, random crop with 4 pixels' reflection
     shift: int = 0  # pad by `shift` pixels and crop back at the native size (small images)
     hflip: float = 0.5
-    auto_augment: str | None = None  # 'randaugment' | 'trivialaugment'
-    rand_augment_magnitude: int = 9
-    random_erasing: float = 0.0
+    auto_augment: str | None = None  # torchvision's 'randaugment' | 'trivialaugment', or a timm policy string
+    rand_augment_magnitude: int = 9  # torchvision's RandAugment's (a timm string carries its own: m9)
+    color_jitter: float | tuple[float, ...] | None = None  # brightness, contrast, saturation[, hue]; one number: x3
+    color_jitter_prob: float = 1.0
+    grayscale_prob: float = 0.0
+    gaussian_blur_prob: float = 0.0  # kernel 23, sigma 0.1-2 (timm's)
+    random_erasing: float = 0.0  # chance an image is erased (on the device, after normalisation)
+    erasing_mode: str = "const"  # const | rand | pixel (timm's re_mode; DeiT: pixel)
+    erasing_count: int = 1  # boxes an image: 1 to this many, their area shared (timm's re_count)
     interpolation: str = "bicubic"
 
     def __post_init__(self):
         key = "data.train_transform"
-        if self.auto_augment not in AUTO_AUGMENTS:
-            raise UserError(f"{key}.auto_augment {self.auto_augment!r} is not one of {list(AUTO_AUGMENTS)}")
-        for name in ("hflip", "random_erasing"):
+        aa = self.auto_augment
+        if aa is not None and aa not in TORCHVISION_AUGMENTS:
+            timm_policy(aa, (224, 224), (0.5, 0.5, 0.5), "bilinear")  # a one-line error for a bad string
+        for name in ("hflip", "random_erasing", "color_jitter_prob", "grayscale_prob", "gaussian_blur_prob"):
             check_range(f"{key}.{name}", getattr(self, name), 0, 1)
+        if self.erasing_mode not in ERASING_MODES:
+            raise UserError(f"{key}.erasing_mode {self.erasing_mode!r} is not one of {list(ERASING_MODES)}")
+        if not isinstance(self.erasing_count, int) or self.erasing_count < 1:
+            raise UserError(f"{key}.erasing_count {self.erasing_count!r} must be a number of boxes >= 1")
+        cj = self.color_jitter
+        if cj is not None:
+            cj = tuple(cj) if isinstance(cj, (list, tuple)) else (cj,) * 3
+            if len(cj) not in (3, 4) or not all(is_number(c) and c >= 0 for c in cj):
+                raise UserError(
+                    f"{key}.color_jitter {self.color_jitter!r} must be a number >= 0 (brightness, contrast and "
+                    "saturation) or [brightness, contrast, saturation] or [..., hue], or null"
+                )
+            object.__setattr__(self, "color_jitter", cj)
+        if self.simple_crop and self.random_resized_crop is not None:
+            raise UserError(
+                f"{key}.simple_crop=true replaces random-resized-crop: set {key}.random_resized_crop=null with it"
+            )
         crop = self.random_resized_crop
         if crop is not None:
             if len(crop) != 2 or not all(is_number(c) for c in crop) or not 0.0 < crop[0] <= crop[1] <= 1.0:
@@ -85,10 +115,51 @@ class EvalTransform:
         _interp(self.interpolation)
 
 
-def train_transform(img_size: int | Sequence[int], **settings) -> T.Compose:
+def timm_policy(name: str, img_hw: Sequence[int], mean: Sequence[float], interpolation: str):
+    """timm's auto-augment transform for the policy string `name` (on PIL images), with the settings timm's
+    `transforms_imagenet_train` gives it: translations up to 45% of the image, the data's mean as the fill."""
+    from timm.data.auto_augment import augment_and_mix_transform, auto_augment_transform, rand_augment_transform
+    from timm.data.transforms import str_to_pil_interp
+
+    fill = tuple(min(255, round(255 * m)) for m in mean)
+    hparams = {
+        "translate_const": int(min(img_hw) * 0.45),
+        "img_mean": fill if len(fill) > 1 else fill[0],
+        "interpolation": str_to_pil_interp(interpolation),
+    }
+    try:
+        if not isinstance(name, str) or not name.startswith(TIMM_POLICIES):
+            raise AssertionError
+        if name.startswith("rand"):
+            return rand_augment_transform(name, hparams)
+        if name.startswith("augmix"):
+            return augment_and_mix_transform(name, hparams | {"translate_pct": 0.3})
+        return auto_augment_transform(name, hparams)
+    except (AssertionError, KeyError, ValueError):
+        raise UserError(
+            f"data.train_transform.auto_augment {name!r} is not one of {list(TORCHVISION_AUGMENTS)} (torchvision's) "
+            "or a timm policy string (rand-m9-mstd0.5-inc1, augmix-m5-w4-d2, 3a, v0, original: timm.data.auto_augment)"
+        ) from None
+
+
+class _OnPIL:
+    """A transform of PIL images (timm's policies) on a uint8 (C, H, W) image: through PIL and back, uint8 both."""
+
+    def __init__(self, op):
+        self.op = op
+
+    def __call__(self, img):
+        return T.functional.to_image(self.op(T.functional.to_pil_image(img)))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.op!r})"
+
+
+def train_transform(img_size: int | Sequence[int], mean: Sequence[float] = (0.5, 0.5, 0.5), **settings) -> T.Compose:
     """The per-image training pipeline of `TrainTransform(**settings)`: a PIL image or uint8 tensor in,
-    a uint8 (C, H, W) tensor of img_size out. Normalisation and random erasing follow on the device
-    (`DeviceTransform`)."""
+    a uint8 (C, H, W) tensor of img_size out, in timm's order (crop, flip, policy, colour). Normalisation and
+    random erasing follow on the device (`DeviceTransform`). `mean` (the data's) fills what timm's policies
+    uncover."""
     t = from_mapping(TrainTransform, settings, "data.train_transform")
     hw, mode = as_hw(img_size, "data.img_size"), _interp(t.interpolation)
     ops: list = [T.ToImage()]
@@ -96,6 +167,9 @@ def train_transform(img_size: int | Sequence[int], **settings) -> T.Compose:
         ops.append(_Shift(t.shift))
     if t.random_resized_crop:
         ops.append(T.RandomResizedCrop(hw, scale=t.random_resized_crop, interpolation=mode, antialias=True))
+    elif t.simple_crop:  # DeiT III's augment.py: Resize(img_size), RandomCrop(img_size, padding=4, reflect)
+        ops.append(T.Resize(min(hw), interpolation=mode, antialias=True))
+        ops.append(T.RandomCrop(hw, padding=4, padding_mode="reflect", pad_if_needed=True))
     else:
         ops.append(_ResizeIfNeeded(hw, mode))
     if t.hflip:
@@ -107,6 +181,14 @@ def train_transform(img_size: int | Sequence[int], **settings) -> T.Compose:
         ops.append(T.RandAugment(magnitude=t.rand_augment_magnitude, interpolation=aa_mode))
     elif t.auto_augment == "trivialaugment":
         ops.append(T.TrivialAugmentWide(interpolation=aa_mode))
+    elif t.auto_augment is not None:
+        ops.append(_OnPIL(timm_policy(t.auto_augment, hw, mean, t.interpolation)))
+    if t.color_jitter is not None:  # applied whenever set (timm leaves it out beside a policy other than 3a)
+        ops.append(T.RandomApply([T.ColorJitter(*t.color_jitter)], p=t.color_jitter_prob))
+    if t.grayscale_prob:
+        ops.append(T.RandomGrayscale(t.grayscale_prob))
+    if t.gaussian_blur_prob:
+        ops.append(T.RandomApply([T.GaussianBlur(kernel_size=23)], p=t.gaussian_blur_prob))
     return T.Compose(ops)
 
 
@@ -125,14 +207,23 @@ def eval_transform(img_size: int | Sequence[int], **settings) -> T.Compose:
 
 class DeviceTransform:
     """The per-batch half, where the batch already is (the GPU in training): uint8 (B, C, H, W) to
-    float32 in [0, 1], normalised with `mean`/`std`, then, when training, random erasing with
-    probability `random_erasing` per image (torchvision's RandomErasing: area 2-33%, aspect 0.3-3.3,
-    erased to 0 after normalisation). The same arithmetic as torchvision's ToDtype(scale=True) and
-    Normalize on each image; the erased boxes are drawn on the CPU from `generator`, so a checkpoint
-    that saves its state resumes the same draws."""
+    float32 in [0, 1], normalised with `mean`/`std`, then, when training, random erasing as timm's
+    RandomErasing does it after normalisation: with probability `random_erasing` an image gets 1 to `count`
+    boxes (area 2-33% shared among them, aspect 0.3-3.3), filled by `mode`: `const` zeros, `rand` one normal
+    colour a box, `pixel` normal noise. The same arithmetic as torchvision's ToDtype(scale=True) and Normalize
+    on each image; the boxes and colours are drawn on the CPU from `generator`, and the noise on the device
+    from a seed drawn there, so a checkpoint that saves its state resumes the same draws."""
 
-    def __init__(self, mean: Sequence[float], std: Sequence[float], random_erasing: float = 0.0):
+    def __init__(
+        self,
+        mean: Sequence[float],
+        std: Sequence[float],
+        random_erasing: float = 0.0,
+        mode: str = "const",
+        count: int = 1,
+    ):
         self.mean, self.std, self.random_erasing = list(mean), list(std), random_erasing
+        self.mode, self.count = mode, count
         self._stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, x: torch.Tensor, train: bool, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -144,42 +235,61 @@ class DeviceTransform:
         mean, std = self._stats[x.device]
         x = x.to(torch.float32).div_(255).sub_(mean).div_(std)
         if train and self.random_erasing:
-            boxes = erasing_boxes(len(x), x.shape[-2:], self.random_erasing, generator)
-            x = erase(x, boxes.to(x.device, non_blocking=True))
+            boxes = erasing_boxes(len(x), x.shape[-2:], self.random_erasing, generator, self.count)
+            x = erase(x, boxes.to(x.device, non_blocking=True), self.mode, generator)
         return x
 
 
-ERASE_SCALE, ERASE_RATIO, ERASE_ATTEMPTS = (0.02, 0.33), (0.3, 3.3), 10  # torchvision's RandomErasing
+ERASE_SCALE, ERASE_RATIO, ERASE_ATTEMPTS = (0.02, 1 / 3), (0.3, 1 / 0.3), 10  # timm's (and torchvision's)
 
 
-def erasing_boxes(n: int, hw: Sequence[int], p: float, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(n, 4) int64 boxes (top, left, height, width) as torchvision's RandomErasing draws them, one per
-    image: erased with probability `p`; up to 10 tries for a box of 2-33% of the area and aspect ratio
-    0.3-3.3 that fits; an image without one (or not chosen) gets height and width 0."""
+def erasing_boxes(
+    n: int, hw: Sequence[int], p: float, generator: torch.Generator | None = None, count: int = 1
+) -> torch.Tensor:
+    """(n, count, 4) int64 boxes (top, left, height, width) as timm's RandomErasing draws them: an image is erased
+    with probability `p`, with k boxes (1 to `count`, uniformly); each box has up to 10 tries for an area of
+    2-33% of the image over k and an aspect ratio of 0.3-3.3 that fits; a box not drawn, or without a fit, has
+    height and width 0."""
     H, W = int(hw[0]), int(hw[1])
     chosen = torch.rand(n, generator=generator) < p
-    area = H * W * torch.empty(n, ERASE_ATTEMPTS).uniform_(*ERASE_SCALE, generator=generator)
-    log_ratio = torch.empty(n, ERASE_ATTEMPTS).uniform_(*map(math.log, ERASE_RATIO), generator=generator)
+    k = torch.randint(1, count + 1, (n,), generator=generator) if count > 1 else torch.ones(n, dtype=torch.long)
+    share = H * W / k[:, None, None]  # (n, 1, 1)
+    area = share * torch.empty(n, count, ERASE_ATTEMPTS).uniform_(*ERASE_SCALE, generator=generator)
+    log_ratio = torch.empty(n, count, ERASE_ATTEMPTS).uniform_(*map(math.log, ERASE_RATIO), generator=generator)
     h = torch.sqrt(area * log_ratio.exp()).round().long()
     w = torch.sqrt(area / log_ratio.exp()).round().long()
     fits = (h < H) & (w < W)
-    first = fits.long().argmax(1, keepdim=True)  # the first try that fits (0 when none does)
-    h, w = h.gather(1, first).squeeze(1), w.gather(1, first).squeeze(1)
-    keep = chosen & fits.any(1)
+    first = fits.long().argmax(-1, keepdim=True)  # the first try that fits (0 when none does)
+    h, w = h.gather(-1, first).squeeze(-1), w.gather(-1, first).squeeze(-1)
+    keep = chosen[:, None] & fits.any(-1) & (torch.arange(count) < k[:, None])
     h, w = torch.where(keep, h, 0), torch.where(keep, w, 0)
-    top = (torch.rand(n, generator=generator) * (H - h + 1)).long()
-    left = (torch.rand(n, generator=generator) * (W - w + 1)).long()
-    return torch.stack([top, left, h, w], 1)
+    top = (torch.rand(n, count, generator=generator) * (H - h + 1)).long()
+    left = (torch.rand(n, count, generator=generator) * (W - w + 1)).long()
+    return torch.stack([top, left, h, w], -1)
 
 
-def erase(x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
-    """Zero each image's box ((B, 4) top, left, height, width) of a (B, C, H, W) batch in one pass."""
+def erase(
+    x: torch.Tensor, boxes: torch.Tensor, mode: str = "const", generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Fill each image's boxes ((B, K, 4) top, left, height, width) of a (B, C, H, W) batch, box after box as
+    timm does, with zeros (`const`), one normal colour a box (`rand`) or normal noise (`pixel`); the colours
+    and the noise's seed are drawn from `generator`."""
     rows = torch.arange(x.shape[-2], device=x.device)
     cols = torch.arange(x.shape[-1], device=x.device)
-    top, left, h, w = (boxes[:, k, None] for k in range(4))  # (B, 1) each
-    in_rows = (rows >= top) & (rows < top + h)  # (B, H)
-    in_cols = (cols >= left) & (cols < left + w)  # (B, W)
-    return x.masked_fill(in_rows[:, None, :, None] & in_cols[:, None, None, :], 0.0)
+    top, left, h, w = (boxes[..., k, None] for k in range(4))  # (B, K, 1) each
+    in_rows = (rows >= top) & (rows < top + h)  # (B, K, H)
+    in_cols = (cols >= left) & (cols < left + w)  # (B, K, W)
+    masks = in_rows[..., :, None] & in_cols[..., None, :]  # (B, K, H, W)
+    if mode == "const":
+        return x.masked_fill(masks.any(1, keepdim=True), 0.0)
+    if mode == "pixel":
+        seed = int(torch.randint(2**62, (), generator=generator))
+        noise = torch.randn(x.shape, generator=torch.Generator(x.device).manual_seed(seed), device=x.device)
+        return torch.where(masks.any(1, keepdim=True), noise, x)
+    colours = torch.randn(*boxes.shape[:2], x.shape[1], generator=generator).to(x.device, non_blocking=True)
+    for j in range(boxes.shape[1]):  # later boxes paint over earlier ones
+        x = torch.where(masks[:, j, None], colours[:, j, :, None, None], x)
+    return x
 
 
 class _ResizeIfNeeded(T.Transform):
