@@ -143,3 +143,68 @@ def test_throughput_is_read_once_per_logging_interval(tmp_path, accumulate):
     for r in logged:
         rate = float(r["train/device/samples_per_sec"])
         assert rate > 0 and float(r["train/device/flops_per_sec"]) == pytest.approx(10.0 * rate, rel=1e-6)
+
+
+def test_ema_warmup_decay_is_timms():
+    """callbacks.ema.warmup: the decay of each update is timm's ModelEmaV3.get_decay at the same optimizer step."""
+    from timm.utils.model_ema import ModelEmaV3
+
+    from vitlab.callbacks import EMA
+
+    net = torch.nn.Linear(2, 2)
+    for gamma, power in ((1.0, 2 / 3), (10.0, 0.75)):
+        ours = EMA(decay=0.9999, warmup=True, warmup_gamma=gamma, warmup_power=power)
+        timm = ModelEmaV3(net, decay=0.9999, use_warmup=True, warmup_gamma=gamma, warmup_power=power)
+        for step in (2, 3, 10, 100, 1000, 10**6):
+            assert ours.decay_at(step) == pytest.approx(timm.get_decay(step), abs=1e-12), (gamma, step)
+    assert EMA(decay=0.99).decay_at(5) == 0.99
+    with pytest.raises(UserError, match=r"callbacks.ema.decay 1.5 must be in \[0, 1\]"):
+        EMA(decay=1.5)
+
+
+def test_ema_updates_equal_timms_model_ema(tmp_path):
+    """The average after a few optimizer steps with warm-up equals timm's ModelEmaV3 fed the same weights."""
+    from timm.utils.model_ema import ModelEmaV3
+    from torch.optim.swa_utils import AveragedModel
+
+    from vitlab.callbacks import EMA
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    ema = EMA(decay=0.99, warmup=True)
+    averaged = AveragedModel(net, use_buffers=True, multi_avg_fn=ema._lerp)
+    timm = ModelEmaV3(net, decay=0.99, use_warmup=True)
+    for step in range(1, 8):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn_like(p))
+        ema._step = step
+        averaged.update_parameters(net)
+        timm.update(net, step=step)
+    for a, b in zip(averaged.module.parameters(), timm.module.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("monitor", ["val/acc_ema", "val/acc"])
+def test_ema_is_validated_beside_the_raw_weights_and_the_checkpoint_keeps_the_chosen(compose_cfg, tmp_path, monitor):
+    """Both weights are validated every epoch (val/acc and val/acc_ema); the best checkpoint is chosen by
+    model_checkpoint.monitor and holds those weights, the other set kept for resuming. With decay 0 the average is
+    the raw weights, so both validations agree exactly: the EMA's is measured on the same batches."""
+    import json
+
+    from vitlab.commands.train import train
+
+    base = ["debug=limit", "progress_bar=none", "callbacks=ema", f"callbacks.model_checkpoint.monitor={monitor}"]
+    train(compose_cfg("train", [*base, "callbacks.ema.decay=0.9", "callbacks.ema.warmup=true"]))
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert {"val/acc", "val/acc_ema", "val/loss_ema", "val/acc_top5_ema"} <= metrics.keys()
+    ckpt = torch.load(metrics["tested_checkpoint"], weights_only=True)
+    other = "current_model_state" if monitor == "val/acc_ema" else "average_model_state"
+    assert not torch.equal(ckpt["state_dict"]["model.head.weight"], ckpt[other]["model.head.weight"])
+
+    same = tmp_path / "same"
+    train(compose_cfg("train", [*base, "callbacks.ema.decay=0.0"], output_dir=same))
+    metrics = json.loads((same / "metrics.json").read_text())
+    assert metrics["val/acc_ema"] == metrics["val/acc"] and metrics["val/loss_ema"] == pytest.approx(
+        metrics["val/loss"], abs=1e-6
+    )

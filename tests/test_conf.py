@@ -139,7 +139,7 @@ def test_callback_configs(compose_cfg, callbacks):
     _, _, cbs, _ = build_everything(cfg)
     names = {type(c).__name__ for c in cbs}
     if callbacks == "ema":
-        assert "EMAWeightAveraging" in names and "BestCheckpoint" in names
+        assert "EMA" in names and "BestCheckpoint" in names
 
 
 @pytest.mark.parametrize("logger", options("logger"))

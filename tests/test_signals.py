@@ -29,8 +29,9 @@ TWO = ["trainer=ddp_cpu", "trainer.devices=2"]  # two CPU processes (gloo)
 
 def folder(data_dir) -> list[str]:
     """The uint8 pipeline with loader workers and every random augmentation: repeated augmentation (3 copies of
-    each image, on different processes), RandAugment in the workers, random erasing on the device, MixUp/CutMix in
-    the module. 72 images of 3 classes: 9 steps of 8 per epoch."""
+    each image, on different processes), timm's RandAugment (numpy's draws too), colour jitter and grayscale in the
+    workers, per-pixel random erasing of up to 2 boxes on the device, timm's MixUp/CutMix per image in the module.
+    72 images of 3 classes: 9 steps of 8 per epoch."""
     return [
         "data=imagefolder",
         f"data.data_dir={data_dir}",
@@ -38,10 +39,15 @@ def folder(data_dir) -> list[str]:
         "data.num_workers=2",
         "model.img_size=8",
         "data.repeated_aug=3",
-        "data.train_transform.auto_augment=randaugment",
+        "data.train_transform.auto_augment=rand-m9-mstd0.5-inc1",
+        "data.train_transform.color_jitter=0.3",
+        "data.train_transform.grayscale_prob=0.2",
         "data.train_transform.random_erasing=0.5",
+        "data.train_transform.erasing_mode=pixel",
+        "data.train_transform.erasing_count=2",
         "mixup.mixup_alpha=0.8",
         "mixup.cutmix_alpha=1.0",
+        "mixup.mode=elem",
         *[o for o in RESUMABLE if not o.startswith(("data.", "callbacks"))],
     ]
 
