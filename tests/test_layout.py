@@ -28,6 +28,7 @@ FLOORS = [
         "vitlab.data",
         "vitlab.convert",
         "vitlab.optim",
+        "vitlab.distill",
         "vitlab.figures",
         "vitlab.benchmark.config",
         "vitlab.benchmark.measure",

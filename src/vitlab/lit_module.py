@@ -27,6 +27,7 @@ from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from vitlab import rank_state
+from vitlab.distill import DistillConfig, distillation_loss, load_teacher
 from vitlab.errors import NonFiniteLossError, UserError
 from vitlab.model import ViT, ViTConfig
 from vitlab.model.init import log_prior_head_bias_
@@ -101,6 +102,7 @@ class ViTModule(L.LightningModule):
         loss: str = "ce",  # LOSSES
         bce_target_thresh: float | None = None,  # bce: targets above it become 1, the rest 0 (DeiT III: 0.2)
         mixup: dict[str, Any] | None = None,
+        distill: dict[str, Any] | None = None,  # DeiT's distillation from a teacher (vitlab.distill)
         compile: bool | str = False,  # or a torch.compile mode (COMPILE_MODES)
         class_names: list[str] | None = None,
         data: dict[str, Any] | None = None,  # the data config that trained it, for vitlab.eval/predict
@@ -127,6 +129,11 @@ class ViTModule(L.LightningModule):
                 log_prior_head_bias_(self.model.head, self.model.cfg.num_classes)
         self.mixup_cfg = MixupConfig.from_dict(mixup)
         self.mixup = self.mixup_cfg.build(self.model.cfg.num_classes)
+        self.distill = DistillConfig.from_dict(distill)
+        if self.distill.on and self.model.cfg.distilled:
+            self.model.set_distilled_training(True)  # training returns (class, distillation) logits apart
+        # The teacher: loaded when fitting begins, never saved with the student nor wrapped by DDP (not a submodule).
+        object.__setattr__(self, "teacher", None)
         self.compile_mode = compile_mode(compile)
 
         k = self.model.cfg.num_classes
@@ -153,12 +160,20 @@ class ViTModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         if stage == "fit":
             rank_state.seed_process(self.trainer)
+            if self.distill.on:
+                object.__setattr__(self, "teacher", load_teacher(self.distill, self.model.cfg.num_classes))
         if self.compile_mode and stage == "fit":
             self.model.compile(mode=self.compile_mode)  # in place: state-dict keys stay the same
         # forward + backward ~ 3x forward: callbacks.Throughput reports FLOP/s with it
         self.train_flops_per_image = 3 * self.model.cfg.flops_per_image()
 
     def on_fit_start(self) -> None:
+        if self.teacher is not None:  # on this process's device, with the student's normalisation to undo
+            dm = self.trainer.datamodule
+            self.teacher.to(self.device)
+            self._student_norm = tuple(
+                torch.tensor(v, dtype=torch.float32, device=self.device).view(1, -1, 1, 1) for v in (dm.mean, dm.std)
+            )
         names = getattr(self.trainer.datamodule, "class_names", None)
         if names:  # known once the dataset is read (CIFAR, ImageFolder); saved with the checkpoint
             self.hparams["class_names"] = list(names)
@@ -194,12 +209,21 @@ class ViTModule(L.LightningModule):
                     "data.batch_size / the processes even"
                 )
             x, target = self.mixup(x, y)  # prob: timm's draw (numpy's generator, checkpointed with the others)
-        logits = self.model(x)
+        out = self.model(x)
+        logits, logits_kd = out if isinstance(out, tuple) else (out, out)  # distilled: the class token's, the other's
         if self.loss_kind == "ce":
-            return F.cross_entropy(logits, target, label_smoothing=self.label_smoothing), logits
-        if target.ndim == 2:  # mixed targets, smoothed as timm's Mixup smooths them (its BCE smooths indices only)
-            target = target * (1 - self.label_smoothing) + self.label_smoothing / logits.shape[-1]
-        return self.bce(logits, target), logits
+            loss = F.cross_entropy(logits, target, label_smoothing=self.label_smoothing)
+        else:
+            if target.ndim == 2:  # mixed targets, smoothed as timm's Mixup smooths them (its BCE smooths indices only)
+                target = target * (1 - self.label_smoothing) + self.label_smoothing / logits.shape[-1]
+            loss = self.bce(logits, target)
+        if self.distill.on:  # the teacher sees the images the student saw, mixed as they were
+            if self.teacher is None:
+                raise RuntimeError("distillation needs the teacher: fit the module with a Trainer (setup loads it)")
+            loss = distillation_loss(loss, logits_kd, self.teacher(x, *self._student_norm), self.distill)
+        if isinstance(out, tuple):
+            logits = (out[0] + out[1]) / 2  # the metrics read the two heads' average, as evaluation does
+        return loss, logits
 
     def _mixing_off(self) -> bool:
         """mixup.off_epoch reached (Lightning's epoch; 0 without a trainer, so a plain loop mixes throughout)."""

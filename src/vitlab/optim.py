@@ -72,7 +72,7 @@ class OptimConfig:
 def layer_id(name: str, depth: int) -> int:
     """Depth of a parameter for layer-wise LR decay (BEiT): embeddings 0, block i -> i + 1, the rest
     (final norm, head) depth + 1."""
-    if name.startswith(("cls_token", "reg_token", "pos_embed", "patch_embed", "norm_pre")):
+    if name.startswith(("cls_token", "reg_token", "dist_token", "pos_embed", "patch_embed", "norm_pre")):
         return 0
     if name.startswith("blocks."):
         return int(name.split(".")[1]) + 1

@@ -145,6 +145,7 @@ def build_module(cfg: DictConfig, datamodule: L.LightningDataModule) -> ViTModul
         loss=cfg.loss,
         bce_target_thresh=cfg.bce_target_thresh,
         mixup=OmegaConf.to_container(cfg.mixup, resolve=True),
+        distill=OmegaConf.to_container(cfg.distill, resolve=True) if "distill" in cfg else None,
         compile=cfg.compile,
         class_names=list(getattr(datamodule, "class_names", []) or []),
         data=OmegaConf.to_container(cfg.data, resolve=True),

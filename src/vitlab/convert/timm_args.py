@@ -48,6 +48,7 @@ def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
     embedding becomes a learned one with the same values (timm has no fixed one)."""
     d = cfg.to_dict()
     del d["norm_eps"], d["grad_checkpointing"]  # timm: set_grad_checkpointing(), not an argument
+    del d["distilled"]  # timm: another class (VisionTransformerDistilled, create_timm_model)
     d["img_size"], d["patch_size"] = cfg.img_hw, cfg.patch_hw
     if cfg.pos_embed == "sincos2d":
         d.update(pos_embed="learn", no_embed_class=True)
@@ -67,13 +68,14 @@ def timm_model_args(name: str, **overrides: Any) -> dict[str, Any]:
     runs, and its call to VisionTransformer is answered with the arguments instead of a model (nothing
     allocated; nothing downloaded but a hub repository's config.json)."""
     import timm
+    import timm.models.deit as deit
     import timm.models.vision_transformer as tv
 
     arch = timm_architecture(name)
     names = timm_vit_names()
     if arch not in names:
         raise UserError(
-            f"{arch!r} is not an architecture of timm's vision_transformer module ({len(names)} are)"
+            f"{arch!r} is not an architecture of timm's vision_transformer or deit modules ({len(names)} are)"
             + (f"; did you mean {close}?" if (close := close_matches(arch, names)) else "")
         )
     check_timm_name(name)
@@ -87,13 +89,19 @@ def timm_model_args(name: str, **overrides: Any) -> dict[str, Any]:
         args.update(kwargs)
         raise Captured
 
-    real, tv.VisionTransformer = tv.VisionTransformer, capture
+    # Each module's own name for the class (deit imports VisionTransformer), DeiT's distilled one with its token.
+    classes = [(tv, "VisionTransformer", capture), (deit, "VisionTransformer", capture),
+               (deit, "VisionTransformerDistilled", lambda **kw: capture(**kw, distilled=True))]  # fmt: skip
+    real = [getattr(module, cls) for module, cls, _ in classes]
     try:
+        for module, cls, fake in classes:
+            setattr(module, cls, fake)
         timm.create_model(name, pretrained=False, **overrides)
     except Captured:
         pass
     finally:
-        tv.VisionTransformer = real
+        for (module, cls, _), was in zip(classes, real, strict=True):
+            setattr(module, cls, was)
     return args
 
 
@@ -175,13 +183,14 @@ def create_timm_model(cfg: ViTConfig, name: str | None = None, pretrained: bool 
     """timm's model for `cfg`: the registered `name` with cfg's arguments on top, or a bare
     VisionTransformer. Pretrained weights come through timm's own hub download."""
     import timm
+    from timm.models.deit import VisionTransformerDistilled
     from timm.models.vision_transformer import VisionTransformer
 
     kwargs = timm_kwargs(cfg)
     if name is None:
         if pretrained:
             raise UserError("pretrained weights need a timm model name")
-        return VisionTransformer(**kwargs)
+        return (VisionTransformerDistilled if cfg.distilled else VisionTransformer)(**kwargs)
     check_timm_name(name)
     if not pretrained:
         return timm.create_model(name, **kwargs)

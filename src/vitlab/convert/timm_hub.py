@@ -17,12 +17,15 @@ import torch
 from vitlab.downloads import downloading
 from vitlab.errors import MissingFileError, UserError, close_matches
 
+# timm's modules of plain ViTs: `vision_transformer`, and `deit` (DeiT's, distilled ones included, and DeiT III's)
+TIMM_VIT_MODULES = ("vision_transformer", "deit")
+
 
 def timm_vit_names() -> list[str]:
-    """Every architecture registered in timm's `vision_transformer` module."""
+    """Every architecture registered in timm's plain-ViT modules (TIMM_VIT_MODULES)."""
     import timm
 
-    return timm.list_models(module="vision_transformer")
+    return [name for module in TIMM_VIT_MODULES for name in timm.list_models(module=module)]
 
 
 # Where timm.create_model reads a model from instead of its registry: a folder as timm saves one (config.json

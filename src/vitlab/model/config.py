@@ -76,6 +76,7 @@ class ViTConfig:
     init_values: float | None = None  # LayerScale (CaiT); None switches it off
     class_token: bool = True
     reg_tokens: int = 0  # "Vision Transformers Need Registers"
+    distilled: bool = False  # DeiT's distillation token and second head (head_dist); the logits average both heads
     no_embed_class: bool = False  # position embedding for patches only (DeiT-III, big_vision)
     global_pool: str = "token"  # token | avg | max | avgmax | map (attention pool, SigLIP) | '' (every token)
     fc_norm: bool | None = None  # None: norm after pooling iff global_pool is avg/max/avgmax (as timm)
@@ -183,6 +184,11 @@ class ViTConfig:
             )
         if self.global_pool == "token" and not self.class_token:
             raise UserError("global_pool 'token' needs class_token=true; use global_pool 'avg' without it")
+        if self.distilled and (self.global_pool != "token" or self.reg_tokens):
+            raise UserError(
+                f"distilled=true reads the class and distillation tokens (DeiT): it needs global_pool 'token' (got "
+                f"{self.global_pool!r}) and no reg_tokens (got {self.reg_tokens})"
+            )
         if self.pos_embed not in POS_EMBEDS:
             raise UserError(f"pos_embed {self.pos_embed!r} is not one of {list(POS_EMBEDS)}")
         if self.pos_embed == "sincos2d" and self.embed_dim % 4:
@@ -197,6 +203,7 @@ class ViTConfig:
             "qkv_bias",
             "qk_norm",
             "class_token",
+            "distilled",
             "no_embed_class",
             "pre_norm",
             "dynamic_img_size",
@@ -240,7 +247,7 @@ class ViTConfig:
 
     @property
     def num_prefix_tokens(self) -> int:
-        return int(self.class_token) + self.reg_tokens
+        return int(self.class_token) + int(self.distilled) + self.reg_tokens
 
     @property
     def differential(self) -> bool:

@@ -76,6 +76,8 @@ def _scheme(rule: Callable[[str, nn.Module, ViTConfig], None], model: nn.Module)
     latent query trunc-normal D^-0.5; `rule` for every layer (PyTorch's default for a layer it skips, such as
     the patch conv under ''); with fix_init, deeper blocks write smaller residuals (timm's fix_init_weight)."""
     cfg = model.cfg
+    if model.dist_token is not None:  # first, as timm's VisionTransformerDistilled draws it
+        nn.init.trunc_normal_(model.dist_token, std=0.02)
     if isinstance(model.pos_embed, nn.Parameter):
         nn.init.trunc_normal_(model.pos_embed, std=0.02)
     for tok in (model.cls_token, model.reg_token):

@@ -58,17 +58,22 @@ class TimmAPI:
         ]
 
     def no_weight_decay(self) -> set[str]:
-        return {"pos_embed", "cls_token", "reg_token"}
+        return {"pos_embed", "cls_token", "reg_token", "dist_token"}
 
     def group_matcher(self, coarse: bool = False) -> dict:
         """Parameter groups by depth, as timm's: the embeddings, then each block, then the rest (timm.optim's
         layer-wise learning-rate decay reads this)."""
         return dict(
-            stem=r"^cls_token|pos_embed|patch_embed|reg_token", blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))]
+            stem=r"^cls_token|pos_embed|patch_embed|reg_token|dist_token",
+            blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))],
         )
 
-    def get_classifier(self) -> nn.Module:
-        return self.head
+    def get_classifier(self) -> nn.Module | tuple[nn.Module, nn.Module]:
+        return (self.head, self.head_dist) if self.cfg.distilled else self.head
+
+    def set_distilled_training(self, enable: bool = True) -> None:
+        """distilled: training returns (class, distillation) logits apart (timm's VisionTransformerDistilled)."""
+        self.distilled_training = enable
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """A new head for `num_classes` (0: none, forward returns pooled features), and optionally another
@@ -84,6 +89,8 @@ class TimmAPI:
         self.cfg = self.cfg.replace(**changes, **self._built_norms())
         device = next(self.parameters()).device
         self.head = nn.Linear(self.cfg.embed_dim, num_classes, device=device) if num_classes > 0 else nn.Identity()
+        if self.cfg.distilled:
+            self.head_dist = nn.Linear(self.cfg.embed_dim, num_classes, device=device) if num_classes else nn.Identity()
 
     def _built_norms(self) -> dict:
         """The config fields that describe the norms as built (the pooling no longer decides them)."""

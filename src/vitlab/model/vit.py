@@ -75,6 +75,7 @@ class ViT(TimmAPI, nn.Module):
             self.register_buffer("pos_embed", pos_embed)
         else:
             self.pos_embed = None
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.distilled else None  # DeiT
         self.pos_drop = nn.Dropout(cfg.pos_drop_rate)
         self.patch_drop = (
             PatchDropout(cfg.patch_drop_rate, self.num_prefix_tokens) if cfg.patch_drop_rate else nn.Identity()
@@ -88,6 +89,9 @@ class ViT(TimmAPI, nn.Module):
         self.fc_norm = norm(cfg, D) if cfg.final_norm and cfg.use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(cfg.drop_rate)
         self.head = nn.Linear(D, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
+        if cfg.distilled:  # DeiT's second head, on the distillation token
+            self.head_dist = nn.Linear(D, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
+        self.distilled_training = False  # distilled: training returns both heads' logits (timm's switch)
 
         self.pretrained_cfg = self._default_pretrained_cfg(cfg)  # replaced by the weights' (convert.weights)
         init.init_weights(self)
@@ -107,7 +111,8 @@ class ViT(TimmAPI, nn.Module):
         if pos is not None and cfg.dynamic_img_size:  # this input's grid, from its shape
             pos = _pos_embed_at(pos, x, cfg.pos_embed, cfg.grid_size, cfg.pos_prefix_rows)
         x = x.flatten(1, 2)  # (B, h*w, D)
-        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        tokens = (self.cls_token, self.dist_token, self.reg_token)
+        prefix = [t.expand(x.shape[0], -1, -1) for t in tokens if t is not None]
         if pos is None:
             x = torch.cat(prefix + [x], dim=1) if prefix else x
         elif cfg.embeds_prefix:  # original ViT: rows for the prefix tokens too; concat then add
@@ -136,6 +141,8 @@ class ViT(TimmAPI, nn.Module):
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Tokens (B, N, D) -> logits (B, K); pooled features (B, D) with pre_logits."""
+        if self.cfg.distilled:
+            return self._distilled_head(x, pre_logits)
         pool = self.cfg.global_pool
         if pool == "token":
             x = x[:, 0]
@@ -145,10 +152,21 @@ class ViT(TimmAPI, nn.Module):
         x = self.head_drop(self.fc_norm(x))
         return x if pre_logits else self.head(x)
 
+    def _distilled_head(self, x: torch.Tensor, pre_logits: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """DeiT: the class token's head and the distillation token's, averaged; (class, distillation) logits apart
+        when training with `distilled_training` (the distillation loss reads the second)."""
+        x, x_dist = self.head_drop(x[:, 0]), self.head_drop(x[:, 1])
+        if pre_logits:
+            return (x + x_dist) / 2
+        x, x_dist = self.head(x), self.head_dist(x_dist)
+        if self.distilled_training and self.training:
+            return x, x_dist
+        return (x + x_dist) / 2
+
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        # A class-token head reads row 0 only: the last block skips the other N - 1 rows' work, about
-        # 3/4 of a block (the same logits as timm's to ~1e-6; experiments/throughput).
-        rows = 1 if self.cfg.global_pool == "token" else None
+        # A class-token head reads row 0 only (and DeiT's the distillation token's, row 1): the last block skips the
+        # other rows' work, about 3/4 of a block (the same logits as timm's to ~1e-6; experiments/throughput).
+        rows = 1 + int(self.cfg.distilled) if self.cfg.global_pool == "token" else None
         return self.forward_head(self.forward_features(x, attn_mask, last_rows=rows))
 
     # ---- looking inside --------------------------------------------------------------------------

@@ -1,0 +1,163 @@
+"""Knowledge distillation as DeiT trains it (Touvron et al. 2021; deit's losses.py `DistillationLoss`): a teacher
+in eval mode, without gradients, gives logits for each training batch (the same mixed images the student sees),
+and the student's loss is (1 - alpha) x its label loss + alpha x a distillation term:
+
+- `soft`: KL(student / tau || teacher / tau) x tau^2, summed and divided by the logits' count (DeiT's exactly;
+  timm's TokenDistillationTask divides by the batch alone, K times DeiT's for K classes);
+- `hard`: cross-entropy against the teacher's top class (DeiT's and timm's).
+
+A distilled student (`model.distilled=true`) distils through its distillation token's head, the class token's
+head learning from the labels (DeiT's "hard distillation" with the token); any other student distils through its
+one head (plain logit distillation, Hinton et al. 2015).
+
+The teacher is a vitlab training checkpoint (.ckpt) or a timm model name (its pretrained weights), wrapped in
+timm's DistillationTeacher (eval mode). Its input is made from the student's on the device: renormalised by
+timm's `normalize_input` with the teacher's own mean and std (its pretrained configuration; a checkpoint's data
+settings), resized to the teacher's input size. It is not
+part of the student's checkpoint: a resumed run loads it again from where the config says. Under DDP each process
+runs its own copy on its own shard. No Lightning or Hydra here.
+"""
+
+from __future__ import annotations
+
+import pydoc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vitlab.errors import UserError
+from vitlab.settings import check_range, from_mapping
+
+DISTILL_TYPES = ("none", "soft", "hard")
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """`distill` (conf/train.yaml): DeiT's --distillation-type, --distillation-alpha, --distillation-tau,
+    --teacher-model."""
+
+    type: str = "none"  # DISTILL_TYPES
+    alpha: float = 0.5  # the distillation term's weight; the label loss gets 1 - alpha
+    tau: float = 1.0  # soft: the temperature
+    teacher: str | None = None  # a vitlab checkpoint (.ckpt) or a timm model name
+    teacher_pretrained: bool = True  # a timm name: its pretrained weights (false: random ones, to try the wiring)
+
+    def __post_init__(self):
+        if self.type not in DISTILL_TYPES:
+            raise UserError(f"distill.type {self.type!r} is not one of {list(DISTILL_TYPES)}")
+        check_range("distill.alpha", self.alpha, 0, 1)
+        check_range("distill.tau", self.tau, 0, float("inf"), low_open=True, high_open=True)
+        if self.type != "none" and not self.teacher:
+            raise UserError(
+                f"distill.type={self.type} needs distill.teacher: a vitlab checkpoint (.ckpt) or a timm model name"
+            )
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> DistillConfig:
+        return from_mapping(cls, values, "distill")
+
+    @property
+    def on(self) -> bool:
+        return self.type != "none"
+
+
+def distillation_loss(
+    label_loss: torch.Tensor, student: torch.Tensor, teacher: torch.Tensor, cfg: DistillConfig
+) -> torch.Tensor:
+    """DeiT's DistillationLoss, given the label loss and the logits the distillation term compares."""
+    if cfg.type == "soft":
+        T = cfg.tau
+        kd = (
+            F.kl_div(
+                F.log_softmax(student / T, dim=1), F.log_softmax(teacher / T, dim=1), reduction="sum", log_target=True
+            )
+            * (T * T)
+            / student.numel()
+        )
+    else:
+        kd = F.cross_entropy(student, teacher.argmax(dim=1))
+    return label_loss * (1 - cfg.alpha) + kd * cfg.alpha
+
+
+class Teacher(nn.Module):
+    """timm's DistillationTeacher around a frozen classifier, and the input size it takes: called on the student's
+    normalised batch (and the student's mean and std), it returns its logits."""
+
+    def __init__(self, model: nn.Module, input_hw: Sequence[int]):
+        from timm.task.distillation import DistillationTeacher
+
+        super().__init__()
+        self.kd = DistillationTeacher(model.requires_grad_(False))  # mean and std: the model's pretrained_cfg
+        self.input_hw = tuple(int(s) for s in input_hw)
+
+    def train(self, mode: bool = True) -> Teacher:
+        return super().train(False)  # always in eval mode (dropout, stochastic depth off)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+        channels = self.kd.mean_kd.shape[1]
+        if x.shape[1] != channels:
+            raise UserError(f"distill.teacher takes {channels}-channel images, and the data has {x.shape[1]} channels")
+        x = self.kd.normalize_input(x, mean, std)
+        if tuple(x.shape[-2:]) != self.input_hw:
+            x = F.interpolate(x, size=self.input_hw, mode="bicubic", align_corners=False, antialias=True)
+        return self.kd(x).float()
+
+
+def load_teacher(cfg: DistillConfig, num_classes: int) -> Teacher:
+    """The teacher `cfg.teacher` names, checked to predict the student's `num_classes` classes."""
+    source = str(cfg.teacher)
+    teacher = (
+        _from_checkpoint(source)
+        if source.endswith(".ckpt")
+        else _from_timm(source, cfg.teacher_pretrained, num_classes)
+    )
+    classes = getattr(teacher.kd.model, "num_classes", None)
+    if classes != num_classes:
+        raise UserError(
+            f"distill.teacher {source!r} predicts {classes} classes and the student {num_classes}: a teacher of the "
+            "same classes is needed"
+        )
+    return teacher
+
+
+def _from_checkpoint(path: str) -> Teacher:
+    """A vitlab training checkpoint: its model (the weights the checkpoint holds: the best's, EMA's where chosen)
+    and its data's normalisation (the data module's own when the config left it null)."""
+    from vitlab.convert.weights import read_checkpoint
+    from vitlab.model import ViT, ViTConfig
+
+    ckpt = read_checkpoint(path)
+    hp = ckpt["hyper_parameters"]
+    model = ViT(ViTConfig.from_dict(hp["model"]))
+    weights = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    model.load_state_dict(weights)
+    data = hp.get("data") or {}
+    kind = pydoc.locate(str(data.get("_target_", "")))
+    mean = data.get("mean") or getattr(kind, "mean", None)
+    std = data.get("std") or getattr(kind, "std", None)
+    if mean is None or std is None:
+        raise UserError(f"distill.teacher {path!r}: its checkpoint does not say how its images were normalised")
+    model.pretrained_cfg.update(mean=tuple(mean), std=tuple(std))
+    return Teacher(model, model.cfg.img_hw)
+
+
+def _from_timm(name: str, pretrained: bool, num_classes: int) -> Teacher:
+    """A timm model name: timm's model and weights (fetched through the hub, one-line error offline), its
+    pretrained configuration's mean, std and input size."""
+    import timm
+    from timm.data import resolve_data_config
+
+    from vitlab.convert.timm_hub import check_timm_name, from_the_hub
+
+    check_timm_name(name)
+    if pretrained:  # its own head: the classes it was trained on
+        with from_the_hub(name):
+            model = timm.create_model(name, pretrained=True)
+    else:
+        model = timm.create_model(name, pretrained=False, num_classes=num_classes)
+    return Teacher(model, resolve_data_config({}, model=model)["input_size"][-2:])

@@ -1,0 +1,102 @@
+"""vitlab.distill: DeiT's distillation. The losses against timm's TokenDistillationTask (hard: equal; soft: DeiT
+divides by the logits' count, timm by the batch), the teacher's preprocessing, and distillation from a vitlab
+teacher on digits end to end."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import tiny
+from vitlab.distill import DistillConfig, Teacher, distillation_loss, load_teacher
+from vitlab.errors import UserError
+from vitlab.model import ViT
+
+
+def _pair(distilled=True):
+    torch.manual_seed(0)
+    student = ViT(tiny(distilled=distilled)).train()
+    student.set_distilled_training(distilled)
+    teacher = ViT(tiny(depth=1))
+    teacher.pretrained_cfg.update(mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3))  # renormalised from the student's
+    return student, teacher
+
+
+@pytest.mark.parametrize("kind", ["hard", "soft"])
+def test_token_distillation_is_timms_task(kind):
+    """The student's (class, distillation) heads against timm's TokenDistillationTask with the same teacher:
+    hard distillation gives the same loss; soft is DeiT's, timm's over the class count (DeiT divides the summed KL by
+    the logits' count, timm by the batch)."""
+    from timm.task.token_distillation import TokenDistillationTask
+
+    student, teacher_model = _pair()
+    teacher = Teacher(teacher_model, (32, 32))
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 7, (4,))
+    mean, std = (
+        torch.tensor(v).view(1, -1, 1, 1) for v in (student.pretrained_cfg["mean"], student.pretrained_cfg["std"])
+    )
+    cfg = DistillConfig(type=kind, alpha=0.3, tau=2.0, teacher="teacher.ckpt")
+    torch.manual_seed(1)
+    cls_logits, dist_logits = student(x)
+    label = nn.functional.cross_entropy(cls_logits, y)
+    ours = distillation_loss(label, dist_logits, teacher(x, mean, std), cfg)
+    task = TokenDistillationTask(student, teacher.kd, criterion=nn.CrossEntropyLoss(), distill_type=kind,
+                                 task_loss_weight=0.7, temperature=2.0, verbose=False)  # fmt: skip
+    torch.manual_seed(1)
+    theirs = task(x, y)
+    if kind == "hard":
+        torch.testing.assert_close(ours, theirs["loss"], atol=1e-6, rtol=0)
+    else:
+        kd = (ours - 0.7 * label) / 0.3
+        torch.testing.assert_close(kd * 7, theirs["distill_loss"], atol=1e-6, rtol=1e-5)
+
+
+def test_the_teacher_sees_its_own_normalisation_and_size_without_gradients():
+    """Renormalised from the student's mean/std to the teacher's, resized to its input, in eval mode, no grad."""
+    _, teacher_model = _pair()
+    teacher = Teacher(teacher_model, (32, 32)).train()
+    assert not teacher.training and not teacher.kd.model.training
+    img = torch.rand(2, 3, 32, 32)
+    s_mean, s_std = torch.full((1, 3, 1, 1), 0.45), torch.full((1, 3, 1, 1), 0.22)
+    t_mean, t_std = torch.tensor([0.5, 0.4, 0.3]).view(1, 3, 1, 1), torch.tensor([0.2, 0.25, 0.3]).view(1, 3, 1, 1)
+    out = teacher((img - s_mean) / s_std, s_mean, s_std)
+    torch.testing.assert_close(out, teacher_model.eval()((img - t_mean) / t_std), atol=1e-5, rtol=0)
+    assert not out.requires_grad
+    small = Teacher(ViT(tiny(img_size=16)), (16, 16))
+    assert small(torch.randn(2, 3, 32, 32), s_mean, s_std).shape == (2, 7)  # 32 px resized to its 16
+    with pytest.raises(UserError, match=r"distill.teacher takes 3-channel images, and the data has 1 channels"):
+        small(torch.randn(2, 1, 32, 32), s_mean[:, :1], s_std[:, :1])
+
+
+def test_a_timm_teacher_by_name_and_the_settings_checks():
+    cfg = DistillConfig(type="soft", teacher="vit_tiny_patch16_224", teacher_pretrained=False)
+    teacher = load_teacher(cfg, num_classes=7)
+    assert teacher.input_hw == (224, 224) and teacher.kd.model.num_classes == 7
+    assert teacher(torch.randn(1, 3, 32, 32), torch.zeros(1, 3, 1, 1), torch.ones(1, 3, 1, 1)).shape == (1, 7)
+    with pytest.raises(UserError, match=r"distill.type 'kd' is not one of \['none', 'soft', 'hard'\]"):
+        DistillConfig(type="kd")
+    with pytest.raises(UserError, match=r"distill.type=hard needs distill.teacher: a vitlab checkpoint"):
+        DistillConfig(type="hard")
+    with pytest.raises(UserError, match=r"distill.alpha 1.5 must be in \[0, 1\]"):
+        DistillConfig(alpha=1.5)
+
+
+def test_distillation_from_a_vitlab_teacher_trains_on_digits(compose_cfg, tmp_path):
+    """A teacher trained on digits, then a distilled student (token, hard) and a plain one (logits, soft) learning
+    from its checkpoint; the teacher is not part of the student's checkpoint. A teacher of other classes is refused."""
+    from vitlab.commands.train import train
+
+    base = ["debug=limit", "progress_bar=none", "callbacks=default"]
+    train(compose_cfg("train", base, output_dir=tmp_path / "teacher"))
+    ckpt = json.loads((tmp_path / "teacher" / "metrics.json").read_text())["tested_checkpoint"]
+    for name, extra in (("token", ["model.distilled=true", "distill.type=hard"]), ("logits", ["distill.type=soft"])):
+        out = tmp_path / name
+        acc = train(compose_cfg("train", [*base, *extra, f"distill.teacher={ckpt}"], output_dir=out))
+        assert 0.0 <= acc <= 1.0
+        student = json.loads((out / "metrics.json").read_text())["tested_checkpoint"]
+        keys = torch.load(student, weights_only=True)["state_dict"]
+        assert not any("teacher" in k or k.startswith("kd.") for k in keys)
+    cfg = DistillConfig(type="hard", teacher=ckpt)
+    with pytest.raises(UserError, match=r"predicts 10 classes and the student 3: a teacher of the same classes"):
+        load_teacher(cfg, num_classes=3)
