@@ -220,6 +220,7 @@ def test_pipeline_times_the_train_loader_against_the_old_one_and_a_decode_and_cr
         "benchmark.pipeline.warmup_batches=1",
         "benchmark.pipeline.rounds=2",
         f"benchmark.pipeline.shards={tmp_path / 'shards'}",  # the same images packed: a streaming loader too
+        "benchmark.pipeline.policies=[rand-m9-mstd0.5-inc1,3a]",  # a loader per augmentation policy
         "benchmark.train_overrides=[" + ",".join(f'"{o}"' for o in overrides) + "]",
         f"hydra.run.dir={run_dir}",
     )
@@ -234,7 +235,9 @@ def test_pipeline_times_the_train_loader_against_the_old_one_and_a_decode_and_cr
         "batch_shape": [4, 3, 16, 16],
         "train_images": 16,
     }
-    assert set(report["results"]) == {"vitlab", "float32_workers", "ceiling", "streaming"}
+    assert set(report["results"]) == {
+        "vitlab", "float32_workers", "ceiling", "streaming", "vitlab[rand-m9-mstd0.5-inc1]", "vitlab[3a]"
+    }  # fmt: skip
     for name, row in report["results"].items():
         assert len(row["images_per_s_rounds"]) == 2 and row["images_per_s"] > 0
         if name != "ceiling":

@@ -40,11 +40,14 @@ class PipelineConfig:
     warmup_batches: int = 3  # untimed batches first (worker start-up, the first prefetch)
     rounds: int = 3  # passes of each loader, alternating
     shards: str | None = None  # the same training images packed by python -m vitlab.pack: adds a `streaming` loader
+    # data.train_transform.auto_augment values: a `vitlab[<policy>]` loader each, the data config otherwise the same
+    policies: tuple[str, ...] = ()
 
     def __post_init__(self):
         _count("pipeline.batches", self.batches, 1)
         _count("pipeline.warmup_batches", self.warmup_batches, 0)
         _count("pipeline.rounds", self.rounds, 1)
+        object.__setattr__(self, "policies", tuple(self.policies or ()))
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,10 @@ prefetch (vitlab.train's data config):
 - `ceiling`: a bare loader that only decodes (torchvision's libjpeg-turbo for files) and applies the same
   random-resized-crop (or resize) and flip on uint8: no auto-augment, no checks, no fallbacks;
 - `streaming` (with `benchmark.pipeline.shards`): the train loader of data=streaming over the same images
-  packed by `python -m vitlab.pack`, with every other setting of the data config.
+  packed by `python -m vitlab.pack`, with every other setting of the data config;
+- `vitlab[<policy>]` (with `benchmark.pipeline.policies`): the datamodule's train loader with
+  `data.train_transform.auto_augment=<policy>` (timm's policy strings, torchvision's randaugment/trivialaugment),
+  every other setting the same: what each augmentation policy costs the workers.
 
 Each loader is iterated `rounds` times (alternating order; persistent workers, as in training), the
 first `warmup_batches` of a round untimed. Ratios are each loader's images/s over the ceiling's.
@@ -66,7 +69,7 @@ class Ceiling(Dataset):
         return self.augment(img), label
 
 
-def loaders(dm, data_cfg: DictConfig, shards: str | None = None) -> dict[str, Any]:
+def loaders(dm, data_cfg: DictConfig, shards: str | None = None, policies: tuple[str, ...] = ()) -> dict[str, Any]:
     train = dm.train_set
     if not isinstance(train, TransformDataset):
         raise UserError(
@@ -99,6 +102,10 @@ def loaders(dm, data_cfg: DictConfig, shards: str | None = None) -> dict[str, An
                 f"{len(train)}: pack the same images (python -m vitlab.pack with the same data settings)"
             )
         found["streaming"] = streaming.train_dataloader()
+    for policy in policies:
+        other = run.build_datamodule(OmegaConf.merge(data_cfg, {"train_transform": {"auto_augment": policy}}))
+        other.setup("fit")
+        found[f"vitlab[{policy}]"] = other.train_dataloader()
     return found
 
 
@@ -117,7 +124,7 @@ def bench_pipeline(train_cfg: DictConfig, b: BenchmarkConfig) -> dict[str, Any]:
     L.seed_everything(train_cfg.seed, workers=True, verbose=False)
     dm = run.build_datamodule(train_cfg.data)
     dm.setup("fit")
-    contenders = loaders(dm, train_cfg.data, b.pipeline.shards)
+    contenders = loaders(dm, train_cfg.data, b.pipeline.shards, b.pipeline.policies)
     p = b.pipeline
     need = p.warmup_batches + p.batches
     if len(contenders["vitlab"]) < need:
@@ -151,9 +158,7 @@ def bench_pipeline(train_cfg: DictConfig, b: BenchmarkConfig) -> dict[str, Any]:
         },
         "results": results,
         "ratios": {
-            f"{name}/ceiling": results[name]["images_per_s"] / ceiling
-            for name in ("vitlab", "float32_workers", "streaming")
-            if name in results
+            f"{name}/ceiling": results[name]["images_per_s"] / ceiling for name in results if name != "ceiling"
         },
     }
 
