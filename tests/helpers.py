@@ -125,7 +125,8 @@ def assert_same_run(a: Path, b: Path) -> None:
     assert not differ, f"metrics of {a} and {b} differ: {differ}"
     ca, cb = (torch.load(d / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu") for d in (a, b))
     assert ca["global_step"] == cb["global_step"]
-    for key in ("state_dict", "current_model_state"):  # the EMA weights (with callbacks=ema) and the raw ones
+    # the checkpoint's weights, and with callbacks=ema the other set: raw (EMA kept) or average (raw kept)
+    for key in ("state_dict", "current_model_state", "average_model_state"):
         if key in ca:
             assert ca[key].keys() == cb[key].keys()
             differ = [k for k in ca[key] if not torch.equal(ca[key][k], cb[key][k])]

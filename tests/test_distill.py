@@ -100,3 +100,29 @@ def test_distillation_from_a_vitlab_teacher_trains_on_digits(compose_cfg, tmp_pa
     cfg = DistillConfig(type="hard", teacher=ckpt)
     with pytest.raises(UserError, match=r"predicts 10 classes and the student 3: a teacher of the same classes"):
         load_teacher(cfg, num_classes=3)
+
+
+def test_a_distilled_run_with_ema_warmup_resumes_exactly(tmp_path):
+    """Token distillation (soft) from a vitlab teacher, EMA with warm-up, the raw weights chosen: stopped mid-epoch
+    by SIGTERM and resumed as the printed command says, it ends as the uninterrupted run (weights, both EMA and raw,
+    and every logged value). The teacher is loaded again from its checkpoint, not saved with the student."""
+    from tests.helpers import RESUMABLE, assert_same_run, interrupt, resume, run_cli
+
+    r = run_cli("train", "debug=limit", "progress_bar=none", f"hydra.run.dir={tmp_path / 'teacher'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpt = json.loads((tmp_path / "teacher" / "metrics.json").read_text())["tested_checkpoint"]
+    args = [
+        *RESUMABLE,
+        "trainer.max_epochs=2",
+        "model.distilled=true",
+        "distill.type=soft",
+        "distill.tau=2.0",
+        f"distill.teacher={ckpt}",
+        "callbacks.ema.warmup=true",
+        "callbacks.model_checkpoint.monitor=val/acc",
+    ]
+    full = tmp_path / "full"
+    r = run_cli("train", *args, f"hydra.run.dir={full}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    command = interrupt(args, tmp_path, "SIGTERM", 11)
+    assert_same_run(full, resume(command, tmp_path))

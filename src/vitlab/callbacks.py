@@ -299,8 +299,9 @@ class EMA(EMAWeightAveraging):
             return
         x, y = batch
         average = self._average_model.module
-        logits = average.model(x)
-        average._update("val", F.cross_entropy(logits, y), logits, y)
+        with trainer.precision_plugin.forward_context():  # the autocast validation_step runs in (bf16-mixed)
+            logits = average.model(x)
+            average._update("val", F.cross_entropy(logits, y), logits, y)
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._average_model is None:

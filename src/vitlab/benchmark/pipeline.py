@@ -157,9 +157,7 @@ def bench_pipeline(train_cfg: DictConfig, b: BenchmarkConfig) -> dict[str, Any]:
             "train_images": len(dm.train_set),
         },
         "results": results,
-        "ratios": {
-            f"{name}/ceiling": results[name]["images_per_s"] / ceiling for name in results if name != "ceiling"
-        },
+        "ratios": {f"{name}/ceiling": results[name]["images_per_s"] / ceiling for name in results if name != "ceiling"},
     }
 
 

@@ -3,7 +3,7 @@
 logits or gradients differ beyond tolerance.
 
 python -m vitlab.parity timm_zoo=all (or a pattern, 'vit_base*'): every architecture registered in timm's
-vision_transformer module, as timm registers it with depth capped at 2, converted both ways and compared;
+vision_transformer and deit modules, as timm registers it with depth capped at 2, converted both ways and compared;
 writes timm_zoo.json and the table timm_zoo.md, and exits 1 when an expressible one differs."""
 
 from __future__ import annotations

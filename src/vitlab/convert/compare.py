@@ -122,7 +122,7 @@ def passes(report: dict[str, Any], atol: float, grad_rtol: float) -> bool:
 
 
 def compare_timm_arch(name: str, depth_cap: int = 2, batch_size: int = 1, seed: int = 0) -> dict[str, Any]:
-    """One architecture of timm's vision_transformer module as timm registers it (depth capped at
+    """One architecture of timm's vision_transformer and deit modules as timm registers it (depth capped at
     `depth_cap`), against our ViT of `config_from_timm`: expressible or why not, the weights converted
     timm -> vitlab -> timm (bit-identical?), the logits' and the gradients' largest difference."""
     import timm
@@ -160,14 +160,14 @@ def compare_timm_arch(name: str, depth_cap: int = 2, batch_size: int = 1, seed: 
 def timm_zoo(
     pattern: str, depth_cap: int = 2, batch_size: int = 1, seed: int = 0, atol: float = 1e-5, grad_rtol: float = 1e-4
 ) -> list[dict[str, Any]]:
-    """`compare_timm_arch` for every architecture of timm's vision_transformer module matching `pattern`
+    """`compare_timm_arch` for every architecture of timm's vision_transformer and deit modules matching `pattern`
     ('all', or a glob), each row marked `passed` (expressible, round trip exact, within both tolerances);
     prints a line per architecture as it goes."""
     import fnmatch
 
     names = [n for n in timm_vit_names() if pattern == "all" or fnmatch.fnmatch(n, pattern)]
     if not names:
-        raise UserError(f"timm_zoo {pattern!r} matches no architecture of timm's vision_transformer module")
+        raise UserError(f"timm_zoo {pattern!r} matches no architecture of timm's vision_transformer and deit modules")
     rows = []
     for i, name in enumerate(names):
         row = compare_timm_arch(name, depth_cap, batch_size, seed)

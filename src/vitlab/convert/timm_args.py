@@ -163,7 +163,7 @@ def vitlab_args(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_from_timm(name: str, **overrides: Any) -> ViTConfig:
-    """The ViTConfig of `name`, an architecture registered in timm's `vision_transformer` module, from the
+    """The ViTConfig of `name`, an architecture registered in timm's `vision_transformer` or `deit` module, from the
     arguments timm registers for it, with timm's keyword `overrides` applied (`depth=2`, `img_size=384`,
     `num_classes=10`), so that `fit_state_dict(timm.create_model(name, **overrides).state_dict(), cfg)`
     loads into `ViT(cfg)`. An architecture our ViT cannot express is a UserError saying which argument."""
