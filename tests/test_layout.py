@@ -39,6 +39,7 @@ FLOORS = [
         "vitlab.callbacks",
         "vitlab.plugins",
         "vitlab.run",
+        "vitlab.hardware",
         "vitlab.resume",
         "vitlab.pretrained",
         "vitlab.benchmark",

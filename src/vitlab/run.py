@@ -23,6 +23,7 @@ from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import get_object, instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -32,6 +33,7 @@ from vitlab import resume
 from vitlab.callbacks import SaveOnInterrupt
 from vitlab.convert.weights import read_checkpoint
 from vitlab.errors import UserError
+from vitlab.hardware import resolve_trainer
 from vitlab.lit_module import ViTModule
 from vitlab.logs import route_lightning_logs
 from vitlab.model.config import vit_config
@@ -285,8 +287,10 @@ def build_fit(
 def build_trainer(trainer_cfg: DictConfig, **kwargs: Any) -> L.Trainer:
     """The Lightning Trainer of the config. Lightning's own refusal of a setting becomes one line: a
     device request this machine cannot serve names what there is; any other names the setting."""
-    check_node(trainer_cfg, "trainer")
     _check_devices(trainer_cfg)
+    if (chosen := resolve_trainer(trainer_cfg)) and rank_zero_only.rank == 0:  # 'auto' is ours: Lightning's next
+        log.info(chosen)
+    check_node(trainer_cfg, "trainer")
     try:
         return instantiate(trainer_cfg, **kwargs)
     except InstantiationException as e:

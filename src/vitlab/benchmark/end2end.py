@@ -27,6 +27,7 @@ from vitlab import run
 from vitlab.benchmark.config import BenchmarkConfig
 from vitlab.benchmark.measure import sync
 from vitlab.errors import UserError
+from vitlab.hardware import resolve_trainer
 from vitlab.model.config import vit_config
 from vitlab.optim import OptimConfig
 
@@ -73,7 +74,9 @@ class Window(L.Callback):
 
 
 def trainer_precision(train_cfg: DictConfig) -> str:
-    """The task=models precision of vitlab.train's trainer config (one device only)."""
+    """The task=models precision of vitlab.train's trainer config (one device only; `auto` resolved as the run
+    resolves it)."""
+    resolve_trainer(train_cfg.trainer)
     precision = PRECISION_OF_TRAINER.get(str(train_cfg.trainer.get("precision", "32-true")))
     if precision is None:
         raise UserError(

@@ -163,6 +163,7 @@ def bench_pipeline(train_cfg: DictConfig, b: BenchmarkConfig) -> dict[str, Any]:
 
 def print_report(report: dict[str, Any]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console(width=140)
@@ -174,5 +175,7 @@ def print_report(report: dict[str, Any]) -> None:
         table.add_column(col)
     for name, r in report["results"].items():
         ratio = report["ratios"].get(f"{name}/ceiling")
-        table.add_row(name, f"{r['images_per_s']:.1f}", str(r["images_per_s_rounds"]), f"{ratio:.3f}" if ratio else "")
+        table.add_row(
+            escape(name), f"{r['images_per_s']:.1f}", str(r["images_per_s_rounds"]), f"{ratio:.3f}" if ratio else ""
+        )
     console.print(table)

@@ -1,0 +1,72 @@
+"""The trainer settings a machine decides: `trainer.precision: auto` and `trainer.strategy: auto` resolved before
+Lightning sees them, so the mission's command as typed (`python -m vitlab.train model=vit_b16 trainer.devices=4`)
+trains as `trainer=ddp` does on a GPU machine: bf16 autocast where every GPU in use has bf16, one DDP process per
+GPU. An explicit value always wins. The choice is logged in one line and written into the config (config.yaml).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, open_dict
+
+log = logging.getLogger(__name__)
+
+GPU_ACCELERATORS = ("auto", "gpu", "cuda")
+
+
+def cuda_devices() -> list[tuple[str, bool]]:
+    """(name, has bf16) of each visible CUDA GPU: bf16 from compute capability 8.0 on (Ampere)."""
+    if not torch.cuda.is_available():
+        return []
+    return [
+        (torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i) >= (8, 0))
+        for i in range(torch.cuda.device_count())
+    ]
+
+
+def _in_use(devices: Any, gpus: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+    """The GPUs `trainer.devices` picks: a count (the first ones; -1 or 'auto': all), a list of indices, or a
+    comma-separated string of them."""
+    if devices in (-1, "-1", "auto", None):
+        return gpus
+    try:
+        if isinstance(devices, str):
+            devices = [int(d) for d in devices.split(",") if d.strip()] if "," in devices else int(devices)
+        if isinstance(devices, int):
+            return gpus[:devices]
+        return [gpus[int(i)] for i in devices if 0 <= int(i) < len(gpus)]
+    except (TypeError, ValueError):
+        return []  # not a device request: the trainer's own check names it
+
+
+def resolve_trainer(t: DictConfig) -> str | None:
+    """Resolve `precision: auto` and `strategy: auto` in the trainer config `t`, in place; the line that says what
+    was chosen (None when nothing was left to choose)."""
+    precision, strategy = str(t.get("precision", "32-true")), str(t.get("strategy", "auto"))
+    if precision != "auto" and strategy != "auto":
+        return None
+    accelerator = str(t.get("accelerator", "auto"))
+    gpus = _in_use(t.get("devices", 1), cuda_devices()) if accelerator in GPU_ACCELERATORS else []
+    why = ""
+    if precision == "auto":
+        if gpus and all(bf16 for _, bf16 in gpus):
+            precision, why = "bf16-mixed", "every GPU in use has bf16"
+        elif gpus:
+            old = sorted({name for name, bf16 in gpus if not bf16})
+            precision, why = "32-true", f"{', '.join(old)} has no bf16 (compute capability < 8.0)"
+        else:
+            precision, why = "32-true", "no GPU in use"
+    processes = max(1, len(gpus)) * int(t.get("num_nodes", 1) or 1)
+    with open_dict(t):
+        t.precision = precision
+        if strategy == "auto" and gpus and processes > 1:
+            strategy = t.strategy = "ddp"  # as trainer=ddp: one process per GPU, Lightning re-running the command
+    if gpus:
+        where = f"{len(gpus)} CUDA GPU(s) ({', '.join(sorted({n for n, _ in gpus}))}), {processes} process(es)"
+        where += f" ({strategy})" if strategy != "auto" else ""
+    else:
+        where = "CPU" if accelerator in ("auto", "cpu") else accelerator
+    return f"trainer: {where}, precision {precision}" + (f" (auto: {why})" if why else "")
