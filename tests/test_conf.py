@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from vitlab.configs import config_dir
 from vitlab.lit_module import ViTModule
 from vitlab.model.config import vit_config
+from vitlab.run import build_trainer
 
 CONF = config_dir()
 
@@ -127,9 +128,9 @@ def test_trainer_configs(compose_cfg, trainer):
         overrides = dict(accelerator="cpu", precision="32-true")
         if not isinstance(strategy, str):
             overrides["strategy"] = "ddp"
-        trainer_obj = instantiate(cfg.trainer, **overrides, logger=False)
+        trainer_obj = build_trainer(cfg.trainer, **overrides, logger=False)
     else:
-        trainer_obj = instantiate(cfg.trainer, logger=False)
+        trainer_obj = build_trainer(cfg.trainer, logger=False)  # precision/strategy auto resolved as a run does
     assert trainer_obj.max_epochs == cfg.trainer.max_epochs
 
 
@@ -155,7 +156,7 @@ def test_debug_configs(compose_cfg, debug):
     cfg = compose_cfg("train", [f"debug={debug}"])
     assert cfg.task_name == "debug"
     build_everything(cfg)
-    instantiate(cfg.trainer, logger=False)
+    build_trainer(cfg.trainer, logger=False)
 
 
 @pytest.mark.parametrize("experiment", options("experiment"))
@@ -203,7 +204,7 @@ def test_other_entry_point_configs(compose_cfg, name):
     assert cfg.task_name == name
     if name == "eval":
         instantiate(cfg.data)
-        instantiate(cfg.trainer, logger=False)
+        build_trainer(cfg.trainer, logger=False)
     if name == "benchmark":
         from vitlab.benchmark.config import BenchmarkConfig
 

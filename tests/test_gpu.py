@@ -93,3 +93,17 @@ def test_resume_on_the_gpu_is_exact(tmp_path):
     m_a, m_b = (json.loads((d / "metrics.json").read_text()) for d in (full, resumed))
     for key in ("val/acc", "val/loss", "test/acc", "test/loss"):
         assert m_b[key] == pytest.approx(m_a[key], abs=1e-6), key
+
+
+def test_the_mission_command_as_typed_trains_in_bf16_on_a_bf16_gpu(tmp_path):
+    """`python -m vitlab.train model=vit_b16 trainer.devices=1 trainer.max_steps=50`, nothing else: precision auto
+    resolves to bf16-mixed on a GPU with bf16 (the start-up line and config.yaml say so)."""
+    import yaml
+
+    if torch.cuda.get_device_capability(0) < (8, 0):
+        pytest.skip("this GPU has no bf16")
+    run_dir = tmp_path / "run"
+    r = run_cli("train", "model=vit_b16", "trainer.devices=1", "trainer.max_steps=50", f"hydra.run.dir={run_dir}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "precision bf16-mixed (auto: every GPU in use has bf16)" in r.stderr + r.stdout
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["precision"] == "bf16-mixed"

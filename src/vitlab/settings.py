@@ -146,8 +146,14 @@ def describe(hint: Any) -> str:
 
 
 def to_dict(obj: Any) -> dict[str, Any]:
-    """A config dataclass as plain data (tuples as lists), for checkpoints and YAML."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(obj).items()}
+    """A config dataclass as plain data (tuples as lists, nested ones too), for checkpoints and YAML."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, (tuple, list)):
+            return [plain(x) for x in v]
+        return {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else v
+
+    return {k: plain(v) for k, v in dataclasses.asdict(obj).items()}
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
