@@ -54,7 +54,6 @@ __all__ = [
     "check_launch",
     "check_node",
     "check_settings",
-    "describe",
     "fit_and_test",
     "inference_datamodule",
     "load_for_inference",
@@ -330,16 +329,23 @@ def _is_device_error(text: str) -> bool:
 def fit_and_test(
     cfg: DictConfig, trainer: L.Trainer, module: ViTModule, datamodule: L.LightningDataModule, ckpt_path: str | None
 ) -> dict[str, Any]:
-    """Fit (resuming from `ckpt_path`), then test the best checkpoint; the final metrics."""
+    """Fit (resuming from `ckpt_path`), then test the best checkpoint (data with a test split); the final metrics,
+    with the best checkpoint and what each split is."""
     metrics: dict[str, Any] = {}
+    best = ""
     if cfg.train:
         try:
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
         except SIGTERMException:
             _stopped(trainer)
         metrics.update({k: v.item() for k, v in trainer.callback_metrics.items()})
-    if cfg.test:
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+        metrics["best_checkpoint"] = best or None
+    datamodule.setup("test")  # (done already when it trained)
+    metrics["splits"] = dict(getattr(datamodule, "splits", {}))
+    if cfg.test and getattr(datamodule, "test_set", True) is None:
+        log.info("not tested: the data has no test split (its val/ chose the checkpoint); the result is val/acc_best")
+    elif cfg.test:
         if cfg.train and not best:
             log.warning("no best checkpoint was saved; testing the final weights")
         ckpt = best or (None if cfg.train else ckpt_path)
@@ -367,18 +373,6 @@ def _stopped(trainer: L.Trainer) -> None:
         )
     pass_on(saved["signal"])
     raise SystemExit(128 + saved["signal"])
-
-
-def describe(cfg: DictConfig, module: ViTModule) -> str:
-    """One line on what is about to train (the whole config is in the run directory)."""
-    m = module.model.cfg
-    params = sum(p.numel() for p in module.model.parameters())
-    data = str(cfg.data.get("_target_", "")).rsplit(".", 1)[-1].removesuffix("DataModule").lower()
-    return (
-        f"training ViT (dim {m.embed_dim}, depth {m.depth}, heads {m.num_heads}, patch {m.patch_size}, "
-        f"img {m.img_size}, {params / 1e6:.2f}M params) on {data}, batch {cfg.data.batch_size}, "
-        f"up to {cfg.trainer.max_epochs} epochs"
-    )
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------

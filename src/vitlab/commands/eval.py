@@ -1,5 +1,5 @@
 """python -m vitlab.eval ckpt_path=<file.ckpt> [data=<name>] [data.data_dir=<moved data>]: test a
-checkpoint, write metrics.json.
+checkpoint, write metrics.json (on the validation split, its metrics named val/, where the data has no test split).
 
 The model comes from the checkpoint's stored config; the data from `data=...` or, by default, the
 data config the checkpoint was trained with (same split, same transforms), with any `data.<key>=`
@@ -71,7 +71,11 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     trainer = run.build_trainer(
         cfg.trainer, logger=False, callbacks=bars, enable_progress_bar=show_bar, enable_checkpointing=False
     )
-    (metrics,) = trainer.test(module, datamodule=datamodule)
+    if getattr(datamodule, "test_set", True) is None:  # no test split: the validation split, named so
+        print("the data has no test split: evaluating on its validation split (val/ metrics)", flush=True)
+        (metrics,) = trainer.validate(module, datamodule=datamodule)
+    else:
+        (metrics,) = trainer.test(module, datamodule=datamodule)
     metrics = {k: float(v) for k, v in metrics.items()} | {"ckpt_path": str(cfg.ckpt_path)}
     out = Path(cfg.paths.output_dir) / "metrics.json"
     out.write_text(json.dumps(metrics, indent=2))

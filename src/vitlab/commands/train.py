@@ -52,7 +52,7 @@ def train(cfg: DictConfig) -> float | None:
 
     if trainer.is_global_zero:
         save_config(cfg, out / "config.yaml", show=cfg.print_config)
-        log.info("%s; run directory %s (config in config.yaml)", run.describe(cfg, module), out)
+        log.info("%s; run directory %s (config in config.yaml)", describe(cfg, module), out)
     for lg in fit.loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
@@ -75,9 +75,26 @@ def train(cfg: DictConfig) -> float | None:
     return metrics[cfg.optimized_metric]
 
 
+def describe(cfg: DictConfig, module: Any) -> str:
+    """One line on what is about to train (the whole config is in the run directory)."""
+    m = module.model.cfg
+    params = sum(p.numel() for p in module.model.parameters())
+    data = str(cfg.data.get("_target_", "")).rsplit(".", 1)[-1].removesuffix("DataModule").lower()
+    return (
+        f"training ViT (dim {m.embed_dim}, depth {m.depth}, heads {m.num_heads}, patch {m.patch_size}, "
+        f"img {m.img_size}, {params / 1e6:.2f}M params) on {data}, batch {cfg.data.batch_size}, "
+        f"up to {cfg.trainer.max_epochs} epochs"
+    )
+
+
 def report(metrics: dict[str, Any], trainer, out: Path) -> None:
     """The last lines of a run: its results and where they are."""
-    shown = ", ".join(f"{k} {metrics[k]:.4f}" for k in ("val/acc_best", "test/acc") if k in metrics)
+    splits = metrics.get("splits") or {}
+    shown = ", ".join(
+        f"{k} {metrics[k]:.4f}" + (f" ({splits[split]})" if split in splits else "")
+        for k, split in (("val/acc_best", "val"), ("test/acc", "test"))
+        if k in metrics
+    )
     best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
     log.info("done in %.1f s%s", metrics["wall_time_s"], f": {shown}" if shown else "")
     print(f"run directory: {out}", flush=True)

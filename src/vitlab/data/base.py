@@ -171,7 +171,8 @@ class DataModule(L.LightningDataModule):
         self.rng = torch.Generator().manual_seed(self.shuffle_seed + 1)
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
-        self.test_set: Dataset | None = None
+        self.test_set: Dataset | None = None  # None after setup: the data has no test split (nothing is tested)
+        self.splits: dict[str, str] = {}  # what each split is, where a dataset's layout leaves it open
 
     @property
     def per_device_batch_size(self) -> int:
@@ -281,6 +282,27 @@ class DataModule(L.LightningDataModule):
             self.rng.set_state(state["augment_rng"])
 
 
+def describe_splits(splits: dict[str, str]) -> str:
+    """One line on which images validate and which test (the run's log)."""
+    if "test" not in splits:
+        return (
+            f"validation (selects the best checkpoint): {splits['val']}; no test split, so the result is val/acc "
+            "on that split (data.val_fraction holds a validation slice out of train and tests on val/)"
+        )
+    return f"validation (selects the best checkpoint): {splits['val']}; test: {splits['test']}"
+
+
+def held_out(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Indices (kept, held out) of n images, round(fraction x n) held out at random, fixed by `seed` (big_vision's
+    minival: a slice of train that selects the checkpoint, so the given validation split can be the test)."""
+    held = round(fraction * n)
+    if not 0 < held < n:
+        raise UserError(f"data.val_fraction {fraction} of {n} training images holds out {held}: nothing to validate on "
+                        "or nothing left to train on")  # fmt: skip
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(order[held:]), sorted(order[:held])
+
+
 class ImageDataModule(DataModule):
     """Datasets of images (files, or PIL images): each decoded and augmented on uint8 by the loaders' workers
     (`train_tf`, `eval_tf`), normalised on the device (`to_input`, with random erasing in training)."""
@@ -309,6 +331,30 @@ class ImageDataModule(DataModule):
         self.to_input = transforms.DeviceTransform(
             self.mean, self.std, s.random_erasing, s.erasing_mode, s.erasing_count
         )
+
+    def _assign_splits(self, train: Any, val: Any, test: Any | None, val_fraction: float, split_seed: int) -> None:
+        """The three splits of a dataset given as train, val and (maybe) test: with `val_fraction`, a held-out slice
+        of train validates (selects the checkpoint) and val, where there is no test, is the test; without it, val
+        validates and a dataset without a test split has none (nothing is tested on the split that selected).
+        `self.splits` says which is which (the log, metrics.json)."""
+        if not 0.0 <= val_fraction < 1.0:
+            raise UserError(f"data.val_fraction {val_fraction} must be in [0, 1): the share of train held out")
+        if val_fraction:
+            kept, held = held_out(len(train), val_fraction, split_seed)
+            self.train_set = TransformDataset(train, self.train_tf, kept)
+            self.val_set = TransformDataset(train, self.eval_tf, held)
+            self.test_set = TransformDataset(test if test is not None else val, self.eval_tf)
+            self.splits = {
+                "train": f"train/ less the held-out {val_fraction:g}",
+                "val": f"{len(held):,} images of train/ held out (data.val_fraction {val_fraction:g}, split_seed "
+                f"{split_seed})",
+                "test": "test/" if test is not None else "val/",
+            }
+            return
+        self.train_set = TransformDataset(train, self.train_tf)
+        self.val_set = TransformDataset(val, self.eval_tf)
+        self.test_set = TransformDataset(test, self.eval_tf) if test is not None else None
+        self.splits = {"train": "train/", "val": "val/"} | ({"test": "test/"} if test is not None else {})
 
     def _train_sampler(self, dataset: Dataset, world: int, rank: int) -> Sampler:
         if self.repeated_aug:

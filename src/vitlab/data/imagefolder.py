@@ -1,5 +1,7 @@
 """Any tree of images in class folders: data_dir/train/<class>/*.jpg and data_dir/val/<class>/*
-(ImageNet's layout). data_dir/test/ is used for testing when present, else val/.
+(ImageNet's layout), and data_dir/test/ when there is one. val/ validates (selects the best checkpoint) and test/
+tests; without test/, nothing is tested and the result is named val, or, with `data.val_fraction`, a held-out slice
+of train validates and val/ is the test (big_vision's minival; `ImageDataModule._assign_splits`).
 
 Every image is decoded by `data.images.read_image` to an upright uint8 RGB tensor, so grayscale,
 palette, RGBA, CMYK, 16-bit and EXIF-rotated files mix with RGB ones, exactly as `vitlab.predict` will
@@ -15,7 +17,7 @@ from pathlib import Path
 
 from torchvision import datasets
 
-from vitlab.data.base import ImageDataModule, TransformDataset
+from vitlab.data.base import ImageDataModule, describe_splits
 from vitlab.data.images import check_image_file, is_image_file, read_image
 from vitlab.errors import MissingFileError, UserError
 
@@ -34,12 +36,20 @@ class ImageFolderDataModule(ImageDataModule):
     mean = (0.485, 0.456, 0.406)  # ImageNet
     std = (0.229, 0.224, 0.225)
 
-    def __init__(self, data_dir: str, num_classes: int, check_images: bool = True, **kwargs):
+    def __init__(
+        self,
+        data_dir: str,
+        num_classes: int,
+        check_images: bool = True,
+        val_fraction: float = 0.0,  # > 0: this share of train/ validates, and val/ tests when there is no test/
+        split_seed: int = 0,
+        **kwargs,
+    ):
         if num_classes < 1:
             raise UserError(f"data.num_classes {num_classes} must be >= 1")
         super().__init__(data_dir=data_dir, num_classes=num_classes, **kwargs)
         self.class_names: list[str] = []
-        self.check_images = check_images
+        self.check_images, self.val_fraction, self.split_seed = check_images, val_fraction, split_seed
 
     def _split(self, name: str) -> datasets.ImageFolder:
         path = Path(self.data_dir) / name
@@ -59,21 +69,18 @@ class ImageFolderDataModule(ImageDataModule):
         if not Path(self.data_dir).is_dir():
             raise MissingFileError(f"data.data_dir {str(self.data_dir)!r} does not exist")
         train, val = self._split("train"), self._split("val")
-        test = self._split("test") if (Path(self.data_dir) / "test").is_dir() else val
+        test = self._split("test") if (Path(self.data_dir) / "test").is_dir() else None
         if len(train.classes) != self.num_classes:
             raise UserError(
                 f"data.num_classes {self.num_classes} does not match the {len(train.classes)} class "
                 f"folders in {self.data_dir}/train"
             )
         for split in (val, test):
-            if split.classes != train.classes:
+            if split is not None and split.classes != train.classes:
                 raise UserError(f"class folders of {split.root} differ from those of {train.root}")
         self.class_names = list(train.classes)
-        splits = {"train": train, "val": val} | ({"test": test} if test is not val else {})
-        self._check(splits)
-        self.train_set = TransformDataset(train, self.train_tf)
-        self.val_set = TransformDataset(val, self.eval_tf)
-        self.test_set = TransformDataset(test, self.eval_tf)
+        self._assign_splits(train, val, test, self.val_fraction, self.split_seed)
+        self._check({"train": train, "val": val} | ({"test": test} if test is not None else {}))
 
     def _check(self, splits: dict[str, datasets.ImageFolder]) -> None:
         """Every image every split will read is checked before the first step (its header, and a PNG's end:
@@ -95,3 +102,4 @@ class ImageFolderDataModule(ImageDataModule):
             f"; skipped, not of a kind read: {', '.join(f'{n} {k}' for k, n in others.most_common())}" if others else ""
         )
         log.info("%s: %s images in %d classes%s", self.data_dir, found, len(self.class_names), skipped)
+        log.info("%s", describe_splits(self.splits))

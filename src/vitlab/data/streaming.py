@@ -16,15 +16,18 @@ the same model evaluates identically on a folder and on its shards.
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from torch.utils.data import Dataset
 
-from vitlab.data.base import ImageDataModule, TransformDataset
+from vitlab.data.base import ImageDataModule, describe_splits
 from vitlab.data.images import decode_image
 from vitlab.errors import MissingFileError, UserError
+
+log = logging.getLogger(__name__)
 
 INFO = "vitlab-shards.json"  # beside the splits: class names, channels, split sizes
 
@@ -89,10 +92,13 @@ class StreamingDataModule(ImageDataModule):
         num_classes: int,
         cache_dir: str | None = None,
         max_cache_size: str = "50GB",
+        val_fraction: float = 0.0,  # > 0: this share of train validates, and val tests when there is no test split
+        split_seed: int = 0,
         **kwargs,
     ):
         super().__init__(data_dir=data_dir, num_classes=num_classes, **kwargs)
         self.cache_dir, self.max_cache_size = cache_dir, max_cache_size
+        self.val_fraction, self.split_seed = val_fraction, split_seed
         self.class_names: list[str] = []
 
     def setup(self, stage: str | None = None) -> None:
@@ -106,9 +112,8 @@ class StreamingDataModule(ImageDataModule):
             )
         self.class_names = list(info["class_names"])
         split = {name: self._split(name, size) for name, size in info["splits"].items()}
-        self.train_set = TransformDataset(split["train"], self.train_tf)
-        self.val_set = TransformDataset(split["val"], self.eval_tf)
-        self.test_set = TransformDataset(split.get("test", split["val"]), self.eval_tf)
+        self._assign_splits(split["train"], split["val"], split.get("test"), self.val_fraction, self.split_seed)
+        log.info("%s", describe_splits(self.splits))
 
     def _split(self, name: str, size: int) -> ShardImages:
         url = f"{str(self.data_dir).rstrip('/')}/{name}"
