@@ -51,7 +51,7 @@ def main(out: Path) -> None:
         ax.scatter([i] * len(accs), accs, color="k", zorder=3, s=12)
     ax.axhline(teacher["test/acc"], color="C3", linestyle="--", label=f"teacher {teacher['test/acc']:.3f}")
     ax.set(xticks=range(len(results)), ylabel="test accuracy", ylim=(0.85, 1.0),
-           title="digits: student (dim 32, depth 2), 100 epochs, 3 seeds")  # fmt: skip
+           title=f"digits: student (dim 32, depth 2), 100 epochs, {len(accs)} seeds")  # fmt: skip
     ax.set_xticklabels(list(results), fontsize=8)
     ax.legend(loc="lower right")
     ax.grid(axis="y", alpha=0.3)
