@@ -89,7 +89,7 @@ def test_a_small_image_folder_is_refused_not_trained_on_nothing(tmp_path):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = json.loads((tmp_path / "ok" / "metrics.json").read_text())
-    assert metrics["tested_checkpoint"].endswith(".ckpt")
+    assert metrics["best_checkpoint"].endswith(".ckpt") and "test/acc" not in metrics  # no test/: val/ selected
     ckpt = torch.load(tmp_path / "ok" / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 6 and ckpt["hyper_parameters"]["model"]["num_classes"] == 3
     assert ckpt["hyper_parameters"]["class_names"] == ["cat", "dog", "eel"]
@@ -119,7 +119,7 @@ def folder_run(tmp_path_factory):
         "trainer.max_epochs=1", f"hydra.run.dir={tmp / 'run'}", cwd=tmp,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    return tree, json.loads((tmp / "run" / "metrics.json").read_text())["tested_checkpoint"]
+    return tree, json.loads((tmp / "run" / "metrics.json").read_text())["best_checkpoint"]
 
 
 @pytest.mark.parametrize("kind", ["16-bit", "EXIF-rotated"])
@@ -134,9 +134,9 @@ def test_predict_sees_the_image_training_and_eval_see(folder_run, tmp_path, kind
     dm = inference_datamodule(module, ckpt)
     dm.data_dir = str(tree)
     dm.setup("test")
-    (index,) = [i for i, (path, _) in enumerate(dm.test_set.base.samples) if path.endswith(photo.name)]
+    (index,) = [i for i, (path, _) in enumerate(dm.val_set.base.samples) if path.endswith(photo.name)]
     x_eval, _ = dm.device_transform(
-        (dm.test_set[index][0][None], None), train=False
+        (dm.val_set[index][0][None], None), train=False
     )  # the loader's uint8, then the device's half
     with torch.no_grad():
         expected = module(x_eval).softmax(-1)[0]

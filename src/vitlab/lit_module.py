@@ -170,6 +170,8 @@ class ViTModule(L.LightningModule):
     def on_fit_start(self) -> None:
         if self.teacher is not None:  # on this process's device, with the student's normalisation to undo
             dm = self.trainer.datamodule
+            if len(dm.mean) != (channels := self.teacher.kd.mean_kd.shape[1]):
+                raise UserError(f"distill.teacher takes {channels}-channel images, and the data has {len(dm.mean)}")
             self.teacher.to(self.device)
             self._student_norm = tuple(
                 torch.tensor(v, dtype=torch.float32, device=self.device).view(1, -1, 1, 1) for v in (dm.mean, dm.std)

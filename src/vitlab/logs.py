@@ -56,3 +56,15 @@ def route_lightning_logs() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _NoTips) for f in logger.filters):
             logger.addFilter(_NoTips())
+
+
+def describe_run(cfg, module) -> str:
+    """One line on what is about to train (the whole config is in the run directory)."""
+    m = module.model.cfg
+    params = sum(p.numel() for p in module.model.parameters())
+    data = str(cfg.data.get("_target_", "")).rsplit(".", 1)[-1].removesuffix("DataModule").lower()
+    return (
+        f"training ViT (dim {m.embed_dim}, depth {m.depth}, heads {m.num_heads}, patch {m.patch_size}, "
+        f"img {m.img_size}, {params / 1e6:.2f}M params) on {data}, batch {cfg.data.batch_size}, "
+        f"up to {cfg.trainer.max_epochs} epochs"
+    )

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from vitlab.app import entry_point, save_config
 from vitlab.errors import UserError
+from vitlab.logs import describe_run
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def train(cfg: DictConfig) -> float | None:
 
     if trainer.is_global_zero:
         save_config(cfg, out / "config.yaml", show=cfg.print_config)
-        log.info("%s; run directory %s (config in config.yaml)", describe(cfg, module), out)
+        log.info("%s; run directory %s (config in config.yaml)", describe_run(cfg, module), out)
     for lg in fit.loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
@@ -73,18 +74,6 @@ def train(cfg: DictConfig) -> float | None:
         log.warning(message)  # e.g. training stopped by max_steps before the first validation
         return None
     return metrics[cfg.optimized_metric]
-
-
-def describe(cfg: DictConfig, module: Any) -> str:
-    """One line on what is about to train (the whole config is in the run directory)."""
-    m = module.model.cfg
-    params = sum(p.numel() for p in module.model.parameters())
-    data = str(cfg.data.get("_target_", "")).rsplit(".", 1)[-1].removesuffix("DataModule").lower()
-    return (
-        f"training ViT (dim {m.embed_dim}, depth {m.depth}, heads {m.num_heads}, patch {m.patch_size}, "
-        f"img {m.img_size}, {params / 1e6:.2f}M params) on {data}, batch {cfg.data.batch_size}, "
-        f"up to {cfg.trainer.max_epochs} epochs"
-    )
 
 
 def report(metrics: dict[str, Any], trainer, out: Path) -> None:

@@ -35,14 +35,12 @@ def pack(datamodule, out: Path, overwrite: bool = False, workers: int | None = N
     if out.exists() and not overwrite:
         raise UserError(f"out {str(out)!r} already exists; give a new folder, or overwrite=true to replace it")
     splits = {"train": datamodule.train_set, "val": datamodule.val_set, "test": datamodule.test_set}
+    splits = {name: split for name, split in splits.items() if split is not None}  # (a folder without test/)
     if not all(isinstance(split, TransformDataset) for split in splits.values()):
         raise UserError(
             f"{type(datamodule).__name__} keeps its images in memory as normalised tensors, not as image files or "
             "images: nothing to pack (pack an image folder, CIFAR or fake data)"
         )
-    test, val = splits["test"], splits["val"]
-    if test.base is val.base and test.indices == val.indices:  # no test split of its own: val's images again
-        del splits["test"]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
