@@ -103,11 +103,38 @@ def test_features_are_cached_once_resumed_and_reused(digits_ckpt, tmp_path):
     assert sum(calls) == n  # other weights: extracted anew
 
 
-@pytest.mark.parametrize("task", ["knn", "fewshot"])
-def test_eval_knn_and_fewshot_on_a_checkpoint(digits_ckpt, compose_cfg, tmp_path, task):
+@pytest.mark.parametrize("task", ["knn", "fewshot", "linear"])
+def test_eval_knn_linear_and_fewshot_on_a_checkpoint(digits_ckpt, compose_cfg, tmp_path, task):
     from vitlab.commands.eval import evaluate
 
     metrics = evaluate(compose_cfg("eval", [f"ckpt_path={digits_ckpt}", f"task={task}"]))
-    names = ["knn/top1_k10", "knn/top1_k200"] if task == "knn" else ["fewshot/1shot", "fewshot/25shot"]
+    names = {"knn": ["knn/top1_k10", "knn/top1_k200"], "fewshot": ["fewshot/1shot", "fewshot/25shot"],
+             "linear": ["linear/top1", "linear/val_top1"]}[task]  # fmt: skip
     assert all(0.0 <= metrics[n] <= 1.0 for n in names) and metrics["split"] == "test"
     assert json.loads((tmp_path / "metrics.json").read_text())[names[0]] == metrics[names[0]]
+
+
+def test_the_linear_probe_picks_its_learning_rate_on_validation_never_on_test():
+    """Validation features that agree with training, test features whose labels are permuted: the chosen learning
+    rate is the best on validation, and the reported test accuracy is that one head's, whatever test would prefer."""
+    from vitlab.probes import linear_probe
+
+    g = torch.Generator().manual_seed(3)
+    centers = torch.randn(4, 12, generator=g) * 3
+    y = torch.arange(4).repeat(64)
+    train = centers[y] + torch.randn(256, 12, generator=g)
+    val_y = torch.arange(4).repeat(16)
+    val = centers[val_y] + torch.randn(64, 12, generator=g)
+    test_y = (val_y + 1) % 4  # the same images, labelled otherwise: test would pick the worst head
+    lrs = (1e-5, 1e-3, 0.1)
+    out = linear_probe(train, y, val, val_y, val.clone(), test_y, 4, lrs=lrs, epochs=5, batch_size=32)
+    per_lr = out["val_acc_per_lr"]
+    assert out["lr"] == max(lrs, key=lambda lr: (per_lr[lr], -lr)) and out["val_acc"] == per_lr[out["lr"]] > 0.9
+    assert out["test_acc"] < 0.2  # scored, not chosen, on test
+    with pytest.raises(Exception, match="needs a test split besides it"):
+        from types import SimpleNamespace
+
+        from vitlab.commands.eval import probe
+
+        probe(SimpleNamespace(task="linear", ckpt_path="x.ckpt", features_dir="/tmp/f"), None,
+              SimpleNamespace(test_set=None))  # fmt: skip

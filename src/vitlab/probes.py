@@ -3,6 +3,8 @@
 - `knn_accuracy`: DINO's and DINOv2's weighted k-NN classifier (dinov2/eval/knn.py): L2-normalised features,
   cosine similarity to every training feature, the k most similar vote for their class with weight
   exp(similarity / T) (T = 0.07); ties go to the lowest class index (torch.argmax's first maximum);
+- `linear_probe`: DINOv2's linear evaluation: a grid of learning rates, each a linear classifier trained on the
+  frozen training features, the best chosen on the validation split and only it scored on the test split;
 - `fewshot_accuracy`: big_vision's `fewshot_lsr` (evaluators/fewshot_lsr.py): per shot count, that many training
   images per class drawn with a seeded generator, features whitened on them, a constant bias feature of 100,
   targets one-hot in {-1, 1}, L2-regularised least squares in closed form (l2_reg 2^10), argmax.
@@ -87,3 +89,40 @@ def fewshot_accuracy(
         w, mean, std = lsr_fit(train[idx].cpu(), train_labels[idx].cpu(), num_classes, l2_reg)
         results[s] = (lsr_predict(test.cpu(), w, mean, std) == test_labels.cpu()).double().mean().item()
     return results
+
+
+LINEAR_LRS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1)  # DINOv2's grid
+
+
+def linear_probe(
+    train, train_labels, val, val_labels, test, test_labels, num_classes,
+    lrs=LINEAR_LRS, epochs: int = 10, batch_size: int = 256, seed: int = 0,
+) -> dict:  # fmt: skip
+    """DINOv2's linear evaluation on frozen features (eval/linear.py): one linear classifier per learning rate of the
+    grid (SGD, momentum 0.9, no weight decay, lr scaled by batch / 256, cosine to 0), all trained on the same
+    shuffles; the learning rate with the best validation accuracy is chosen, and only its test accuracy reported
+    (the test split never takes part in the choice)."""
+    g = torch.Generator().manual_seed(seed)
+    heads = torch.nn.ModuleList(torch.nn.Linear(train.shape[1], num_classes) for _ in lrs)
+    for h in heads:
+        torch.nn.init.normal_(h.weight, std=0.01, generator=g), torch.nn.init.zeros_(h.bias)
+    groups = [{"params": h.parameters(), "lr": lr * batch_size / 256} for h, lr in zip(heads, lrs, strict=True)]
+    opt = torch.optim.SGD(groups, momentum=0.9, weight_decay=0.0)
+    steps = epochs * max(1, len(train) // batch_size)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    train, val, test = train.float(), val.float(), test.float()
+    for _ in range(epochs):
+        order = torch.randperm(len(train), generator=g)
+        for i in range(0, len(train) - batch_size + 1 if len(train) >= batch_size else 1, batch_size):
+            idx = order[i : i + batch_size]
+            loss = sum(F.cross_entropy(h(train[idx]), train_labels[idx]) for h in heads)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+    with torch.no_grad():
+        val_acc = [(h(val).argmax(1) == val_labels).float().mean().item() for h in heads]
+        best = int(np.argmax(val_acc))  # the first of equal bests: the smallest learning rate
+        test_acc = (heads[best](test).argmax(1) == test_labels).float().mean().item()
+    per_lr = dict(zip(lrs, val_acc, strict=True))
+    return {"lr": lrs[best], "val_acc": val_acc[best], "test_acc": test_acc, "val_acc_per_lr": per_lr}
