@@ -29,6 +29,8 @@ FLOORS = [
         "vitlab.convert",
         "vitlab.optim",
         "vitlab.distill",
+        "vitlab.probes",
+        "vitlab.features",
         "vitlab.figures",
         "vitlab.benchmark.config",
         "vitlab.benchmark.measure",

@@ -274,6 +274,14 @@ class DataModule(L.LightningDataModule):
         """One image (PIL or tensor) -> the (1, C, H, W) float32 batch the test images are made into."""
         raise NotImplementedError
 
+    def eval_view(self, split: str) -> Dataset:
+        """`split`'s images as evaluation sees them (no augmentation; the training split's too): frozen-feature
+        evaluations read the training split this way. Here the in-memory datasets, augmented on the device only."""
+        dataset = getattr(self, f"{split}_set")
+        if dataset is None:
+            raise UserError(f"the data has no {split} split")
+        return dataset
+
     def state_dict(self) -> dict:
         return {"augment_rng": self.rng.get_state()}
 
@@ -366,6 +374,10 @@ class ImageDataModule(DataModule):
         training)."""
         x, y = batch
         return self.to_input(x, train, self.rng), y
+
+    def eval_view(self, split: str) -> Dataset:
+        dataset = super().eval_view(split)
+        return TransformDataset(dataset.base, self.eval_tf, dataset.indices)
 
     def predict_tensor(self, img) -> torch.Tensor:
         """One image (PIL or uint8 tensor) -> the (1, C, H, W) float32 batch the eval loader makes of it."""
