@@ -62,7 +62,8 @@ def split_features(
         if cache is not None:
             feats.flush(), labels.flush()
             _write_meta(cache, split, {**meta, "dim": f.shape[1], "done": row})
-    log.info("%s features: %d x %d%s", split, n, feats.shape[1], f", cached in {cache}" if cache else "")
+    if cache is not None:
+        log.info("%s features: %d x %d, cached in %s", split, n, feats.shape[1], cache)
     return torch.from_numpy(np.array(feats)), torch.from_numpy(np.array(labels))
 
 
