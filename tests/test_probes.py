@@ -135,7 +135,7 @@ def test_the_linear_probe_picks_its_learning_rate_on_validation_never_on_test():
     with pytest.raises(Exception, match="needs a test split besides it"):
         from types import SimpleNamespace
 
-        from vitlab.commands.eval import probe
+        from vitlab.features import probe
 
         probe(SimpleNamespace(task="linear", ckpt_path="x.ckpt", features_dir="/tmp/f"), None,
               SimpleNamespace(test_set=None))  # fmt: skip
