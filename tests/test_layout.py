@@ -42,6 +42,7 @@ FLOORS = [
         "vitlab.plugins",
         "vitlab.run",
         "vitlab.hardware",
+        "vitlab.representation",
         "vitlab.resume",
         "vitlab.pretrained",
         "vitlab.benchmark",

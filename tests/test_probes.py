@@ -55,13 +55,19 @@ def test_least_squares_is_the_closed_form_ridge_solution(n, d):
     assert lsr_predict(x, w, mean, std).tolist() == (xs @ ridge).argmax(1).tolist()
 
 
+def clusters(classes: int, dim: int, per_class: tuple[int, ...], seed: int, spread: float):
+    """Features around one random centre per class (`spread` apart, unit noise): a (features, labels) pair per count."""
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(classes, dim, generator=g) * spread
+    out = []
+    for n in per_class:
+        labels = torch.arange(classes).repeat(n)
+        out += [centers[labels] + torch.randn(len(labels), dim, generator=g), labels]
+    return out
+
+
 def test_fewshot_draws_shots_per_class_and_scores_the_test_split():
-    g = torch.Generator().manual_seed(2)
-    centers = torch.randn(3, 16, generator=g) * 5
-    labels = torch.arange(3).repeat(20)
-    train = centers[labels] + torch.randn(60, 16, generator=g)
-    test_labels = torch.arange(3).repeat(10)
-    test = centers[test_labels] + torch.randn(30, 16, generator=g)
+    train, labels, test, test_labels = clusters(3, 16, (20, 10), seed=2, spread=5)
     acc = fewshot_accuracy(train, labels, test, test_labels, 3, shots=(1, 5), seed=0)
     assert set(acc) == {1, 5} and acc[5] == 1.0  # well-separated classes
     assert acc == fewshot_accuracy(train, labels, test, test_labels, 3, shots=(1, 5), seed=0)  # seeded
@@ -119,12 +125,7 @@ def test_the_linear_probe_picks_its_learning_rate_on_validation_never_on_test():
     rate is the best on validation, and the reported test accuracy is that one head's, whatever test would prefer."""
     from vitlab.probes import linear_probe
 
-    g = torch.Generator().manual_seed(3)
-    centers = torch.randn(4, 12, generator=g) * 3
-    y = torch.arange(4).repeat(64)
-    train = centers[y] + torch.randn(256, 12, generator=g)
-    val_y = torch.arange(4).repeat(16)
-    val = centers[val_y] + torch.randn(64, 12, generator=g)
+    train, y, val, val_y = clusters(4, 12, (64, 16), seed=3, spread=3)
     test_y = (val_y + 1) % 4  # the same images, labelled otherwise: test would pick the worst head
     lrs = (1e-5, 1e-3, 0.1)
     out = linear_probe(train, y, val, val_y, val.clone(), test_y, 4, lrs=lrs, epochs=5, batch_size=32)
@@ -134,7 +135,7 @@ def test_the_linear_probe_picks_its_learning_rate_on_validation_never_on_test():
     with pytest.raises(Exception, match="needs a test split besides it"):
         from types import SimpleNamespace
 
-        from vitlab.commands.eval import probe
+        from vitlab.features import probe
 
         probe(SimpleNamespace(task="linear", ckpt_path="x.ckpt", features_dir="/tmp/f"), None,
               SimpleNamespace(test_set=None))  # fmt: skip

@@ -6,7 +6,8 @@ included) and the model's pooled pre-logits features (`forward_head(..., pre_log
 pooled tokens after the final norm). The cache is `<dir>/<split>.npy` (float32, memory-mapped) and
 `<split>.labels.npy`, with `<split>.json` naming what they hold (the checkpoint's path, size and time, the split's
 size, the width) and how many rows are written: an extraction that stopped goes on from there, and a second task
-reads the file instead of running the model. No Lightning, no Hydra.
+reads the file instead of running the model. `probe` runs vitlab.eval's task=knn|linear|fewshot on them. No
+Lightning, no Hydra.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from vitlab.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +65,8 @@ def split_features(
         if cache is not None:
             feats.flush(), labels.flush()
             _write_meta(cache, split, {**meta, "dim": f.shape[1], "done": row})
-    log.info("%s features: %d x %d%s", split, n, feats.shape[1], f", cached in {cache}" if cache else "")
+    if cache is not None:
+        log.info("%s features: %d x %d, cached in %s", split, n, feats.shape[1], cache)
     return torch.from_numpy(np.array(feats)), torch.from_numpy(np.array(labels))
 
 
@@ -95,3 +99,44 @@ def _write_meta(cache: Path, split: str, meta: dict) -> None:
     tmp = cache / f".{split}.json.tmp"
     tmp.write_text(json.dumps(meta))
     os.replace(tmp, cache / f"{split}.json")
+
+
+TASKS = ("test", "knn", "fewshot", "linear")
+
+
+def probe(cfg, model, datamodule) -> dict:
+    """vitlab.eval's task=knn|linear|fewshot (`cfg`: eval's config) on the frozen features of the training split
+    and the test split (the validation split where the data has none), extracted once into the features cache and
+    read from there by later tasks."""
+    from vitlab.probes import fewshot_accuracy, knn_accuracy, linear_probe
+
+    if cfg.task not in TASKS:
+        raise UserError(f"task {cfg.task!r} is not one of {list(TASKS)}")
+    ckpt = Path(cfg.ckpt_path)
+    cache = Path(cfg.features_dir) if cfg.features_dir else ckpt.resolve().parent.parent / "features" / ckpt.stem
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    split = "test" if getattr(datamodule, "test_set", None) is not None else "val"
+    if cfg.task == "linear" and split == "val":
+        raise UserError(
+            "task=linear picks its learning rate on the validation split and needs a test split besides it: this data "
+            "has none (for an image folder, data.val_fraction=0.01 validates on a slice of train and tests on val/)"
+        )
+    args = (model, datamodule)
+    train, train_y = split_features(*args, "train", device, cache, source_id(cfg.ckpt_path))
+    test, test_y = split_features(*args, split, device, cache, source_id(cfg.ckpt_path))
+    k = datamodule.num_classes
+    if cfg.task == "linear":
+        val, val_y = split_features(*args, "val", device, cache, source_id(cfg.ckpt_path))
+        lp = cfg.linear
+        found = linear_probe(train, train_y, val, val_y, test, test_y, k, tuple(lp.lrs), lp.epochs, lp.batch_size,
+                             lp.seed)  # fmt: skip
+        metrics = {"linear/top1": found["test_acc"], "linear/val_top1": found["val_acc"], "linear/lr": found["lr"]}
+    elif cfg.task == "knn":
+        found = knn_accuracy(train, train_y, test, test_y, k, tuple(cfg.knn.k), cfg.knn.temperature)
+        metrics = {f"knn/top1_k{n}": acc for n, acc in found.items()}
+    else:
+        f = cfg.fewshot
+        found = fewshot_accuracy(train, train_y, test, test_y, k, tuple(f.shots), f.l2_reg, f.seed)
+        metrics = {f"fewshot/{n}shot": acc for n, acc in found.items()}
+    print(", ".join(f"{name} {v:.4f}" for name, v in metrics.items()) + f" (on the {split} split)", flush=True)
+    return metrics | {"split": split, "features": str(cache)}

@@ -71,6 +71,8 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     datamodule.setup("test")
     check_classes(module.hparams.get("class_names") or [], getattr(datamodule, "class_names", []), cfg.ckpt_path)
     if cfg.task != "test":
+        from vitlab.features import probe
+
         return write_metrics(cfg, probe(cfg, module.model, datamodule))
     bars, show_bar = run.progress_bar(cfg.progress_bar)
     trainer = run.build_trainer(
@@ -90,49 +92,6 @@ def write_metrics(cfg: DictConfig, metrics: dict) -> dict:
     out.write_text(json.dumps(metrics, indent=2))
     print(f"wrote {out}", flush=True)
     return metrics
-
-
-TASKS = ("test", "knn", "fewshot", "linear")
-
-
-def probe(cfg: DictConfig, model, datamodule) -> dict:
-    """task=knn|fewshot on the frozen features of the training split and the test split (the validation split where
-    the data has none), extracted once into the features cache and read from there by later tasks."""
-    import torch
-
-    from vitlab.features import source_id, split_features
-    from vitlab.probes import fewshot_accuracy, knn_accuracy, linear_probe
-
-    if cfg.task not in TASKS:
-        raise UserError(f"task {cfg.task!r} is not one of {list(TASKS)}")
-    ckpt = Path(cfg.ckpt_path)
-    cache = Path(cfg.features_dir) if cfg.features_dir else ckpt.resolve().parent.parent / "features" / ckpt.stem
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    split = "test" if getattr(datamodule, "test_set", None) is not None else "val"
-    if cfg.task == "linear" and split == "val":
-        raise UserError(
-            "task=linear picks its learning rate on the validation split and needs a test split besides it: this data "
-            "has none (for an image folder, data.val_fraction=0.01 validates on a slice of train and tests on val/)"
-        )
-    args = (model, datamodule)
-    train, train_y = split_features(*args, "train", device, cache, source_id(cfg.ckpt_path))
-    test, test_y = split_features(*args, split, device, cache, source_id(cfg.ckpt_path))
-    k = datamodule.num_classes
-    if cfg.task == "linear":
-        val, val_y = split_features(*args, "val", device, cache, source_id(cfg.ckpt_path))
-        lp = cfg.linear
-        found = linear_probe(train, train_y, val, val_y, test, test_y, k, tuple(lp.lrs), lp.epochs, lp.batch_size,
-                             lp.seed)  # fmt: skip
-        metrics = {"linear/top1": found["test_acc"], "linear/val_top1": found["val_acc"], "linear/lr": found["lr"]}
-    elif cfg.task == "knn":
-        found = knn_accuracy(train, train_y, test, test_y, k, tuple(cfg.knn.k), cfg.knn.temperature)
-        metrics = {f"knn/top1_k{n}": acc for n, acc in found.items()}
-    else:
-        f = cfg.fewshot
-        found = fewshot_accuracy(train, train_y, test, test_y, k, tuple(f.shots), f.l2_reg, f.seed)
-        metrics = {f"fewshot/{n}shot": acc for n, acc in found.items()}
-    print(", ".join(f"{name} {v:.4f}" for name, v in metrics.items()) + f" (on the {split} split)", flush=True)
-    return metrics | {"split": split, "features": str(cache)}
 
 
 @entry_point("eval")

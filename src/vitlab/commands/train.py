@@ -80,7 +80,7 @@ def report(metrics: dict[str, Any], trainer, out: Path) -> None:
     """The last lines of a run: its results and where they are."""
     splits = metrics.get("splits") or {}
     shown = ", ".join(
-        f"{k} {metrics[k]:.4f}" + (f" ({splits[split]})" if split in splits else "")
+        f"{k} {metrics[k]:.4f}" + (f" on {splits[split]}" if split in splits else "")
         for k, split in (("val/acc_best", "val"), ("test/acc", "test"))
         if k in metrics
     )

@@ -59,6 +59,11 @@ class CIFAR10DataModule(ImageDataModule):
         order = torch.randperm(len(train_full), generator=torch.Generator().manual_seed(self.split_seed)).tolist()
         self.train_set = TransformDataset(train_full, self.train_tf, sorted(order[self.val_size :]))
         self.val_set = TransformDataset(train_full, self.eval_tf, sorted(order[: self.val_size]))
+        self.splits = {
+            "train": f"the training set less {self.val_size:,} images",
+            "val": f"{self.val_size:,} images of the training set held out (split_seed {self.split_seed})",
+            "test": f"{self.label}'s test set",
+        }
         self.test_set = TransformDataset(test, self.eval_tf)
 
 

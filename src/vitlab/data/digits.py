@@ -139,6 +139,12 @@ class DigitsDataModule(DataModule):
         for name, part in (("train_set", train), ("val_set", val), ("test_set", test)):
             part = torch.tensor(sorted(part), device=device)
             setattr(self, name, TensorImages(images[part], labels[part]))
+        how = f"stratified, split_seed {self.split_seed}"
+        self.splits = {
+            "train": f"{len(train):,} digits",
+            "val": f"{len(val):,} digits ({self.val_fraction:g}, {how})",
+            "test": f"{len(test):,} digits ({self.test_fraction:g}, {how})",
+        }
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.mean[0]) / self.std[0]

@@ -1,0 +1,72 @@
+"""The representation measured while it trains: k-NN and few-shot accuracy of the frozen features of the model
+being trained, every few epochs, logged beside val/acc (`knn/top1`, `fewshot/<n>shot`), so a run (a pretraining run
+above all) shows its features improving. The same classifiers as `vitlab.eval task=knn|fewshot` (vitlab.probes);
+the features are those of the training split (evaluation transforms, at most `max_train_images` of it) and of the
+validation split, extracted anew each time from the weights as they are. Every process extracts and scores the same
+images (the same numbers on every rank, nothing to gather), so the cost grows with the images, not the processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import lightning as L
+import torch
+
+from vitlab.data.base import TransformDataset
+from vitlab.features import split_features
+from vitlab.probes import fewshot_accuracy, knn_accuracy
+from vitlab.settings import check_at_least
+
+
+class RepresentationProbe(L.Callback):
+    def __init__(
+        self,
+        every_n_epochs: int = 5,
+        knn_k: Sequence[int] = (20,),
+        temperature: float = 0.07,
+        shots: Sequence[int] = (10,),
+        l2_reg: float = 2.0**10,
+        seed: int = 0,
+        max_train_images: int | None = 10_000,
+    ):
+        check_at_least("callbacks.representation.every_n_epochs", every_n_epochs, 1)
+        self.every, self.knn_k, self.temperature = every_n_epochs, tuple(knn_k), temperature
+        self.shots, self.l2_reg, self.seed, self.max_train = tuple(shots), l2_reg, seed, max_train_images
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or (trainer.current_epoch + 1) % self.every:
+            return
+        dm, model, device = trainer.datamodule, pl_module.model, pl_module.device
+        train, train_y = split_features(model, _Limited(dm, self.max_train, self.seed), "train", device, None, {})
+        val, val_y = split_features(model, dm, "val", device, None, {})
+        k = dm.num_classes
+        metrics = {}
+        if self.knn_k:
+            knn = knn_accuracy(train, train_y, val, val_y, k, self.knn_k, self.temperature)
+            metrics |= {"knn/top1": knn[self.knn_k[0]]} | {f"knn/top1_k{n}": acc for n, acc in knn.items()}
+        if self.shots:
+            few = fewshot_accuracy(train, train_y, val, val_y, k, self.shots, self.l2_reg, self.seed)
+            metrics |= {f"fewshot/{n}shot": acc for n, acc in few.items()}
+        pl_module.log_dict({name: torch.tensor(v) for name, v in metrics.items()}, sync_dist=False)
+
+
+class _Limited:
+    """The data module, its training split's evaluation view cut to a seeded `limit` images (k-NN on 10,000 of
+    ImageNet's 1.28M is DINO's cheap proxy; every image of a small set)."""
+
+    def __init__(self, dm, limit: int | None, seed: int):
+        self.dm, self.limit, self.seed = dm, limit, seed
+
+    def __getattr__(self, name):
+        return getattr(self.dm, name)
+
+    def eval_view(self, split: str):
+        dataset = self.dm.eval_view(split)
+        if self.limit is None or len(dataset) <= self.limit:
+            return dataset
+        keep = sorted(torch.randperm(len(dataset), generator=torch.Generator().manual_seed(self.seed))[: self.limit])
+        if isinstance(dataset, TransformDataset):  # files: the same images, fewer indices
+            return TransformDataset(dataset.base, dataset.transform, [dataset.indices[i] for i in keep])
+        idx = torch.tensor(keep, device=dataset.labels.device)  # tensors in memory (digits)
+        return type(dataset)(dataset.images[idx], dataset.labels[idx])
