@@ -100,6 +100,8 @@ def test_distillation_from_a_vitlab_teacher_trains_on_digits(compose_cfg, tmp_pa
     cfg = DistillConfig(type="hard", teacher=ckpt)
     with pytest.raises(UserError, match=r"predicts 10 classes and the student 3: a teacher of the same classes"):
         load_teacher(cfg, num_classes=3)
+    with pytest.raises(UserError, match=r"distill.teacher 'gone.ckpt' does not exist: a vitlab checkpoint"):
+        load_teacher(DistillConfig(type="hard", teacher="gone.ckpt"), num_classes=10)
 
 
 def test_a_distilled_run_with_ema_warmup_resumes_exactly(tmp_path):

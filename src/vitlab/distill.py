@@ -23,13 +23,14 @@ from __future__ import annotations
 import pydoc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitlab.errors import UserError
+from vitlab.errors import MissingFileError, UserError
 from vitlab.settings import check_range, from_mapping
 
 DISTILL_TYPES = ("none", "soft", "hard")
@@ -131,6 +132,8 @@ def _from_checkpoint(path: str) -> Teacher:
     from vitlab.convert.weights import read_checkpoint
     from vitlab.model import ViT, ViTConfig
 
+    if not Path(path).is_file():  # (read_checkpoint's own message would name ckpt_path)
+        raise MissingFileError(f"distill.teacher {path!r} does not exist: a vitlab checkpoint (.ckpt) or a timm name")
     ckpt = read_checkpoint(path)
     hp = ckpt["hyper_parameters"]
     model = ViT(ViTConfig.from_dict(hp["model"]))
