@@ -59,7 +59,7 @@ def split_features(
         x, y = datamodule.device_transform(datamodule.transfer_batch_to_device(batch, device, 0), train=False)
         f = model.forward_head(model.forward_features(x), pre_logits=True).float().cpu().numpy()
         if feats is None:
-            feats, labels = _open(cache, split, n, f.shape[1], meta, resume=done > 0)
+            feats, labels = found[:2] if found is not None and done else _open(cache, split, n, f.shape[1], meta)
         feats[row : row + b], labels[row : row + b] = f, y.cpu().numpy()
         row += b
         if cache is not None:
@@ -82,12 +82,9 @@ def _read(cache: Path, split: str, meta: dict) -> tuple[np.ndarray, np.ndarray, 
     return feats, labels, int(saved["done"])
 
 
-def _open(cache: Path | None, split: str, n: int, dim: int, meta: dict, resume: bool):
+def _open(cache: Path | None, split: str, n: int, dim: int, meta: dict):
     if cache is None:
         return np.empty((n, dim), np.float32), np.empty(n, np.int64)
-    if resume:
-        found = _read(cache, split, meta)
-        return found[0], found[1]
     cache.mkdir(parents=True, exist_ok=True)
     _write_meta(cache, split, {**meta, "dim": dim, "done": 0})
     feats = np.lib.format.open_memmap(cache / f"{split}.npy", mode="w+", dtype=np.float32, shape=(n, dim))

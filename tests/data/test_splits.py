@@ -38,7 +38,7 @@ def test_val_fraction_holds_a_seeded_slice_of_train_out_and_tests_on_val(folder)
     assert d.val_set.indices == dm(folder, val_fraction=0.25, split_seed=3).val_set.indices  # fixed by the seed
     assert d.val_set.indices != dm(folder, val_fraction=0.25, split_seed=4).val_set.indices
     assert d.splits["test"] == "val/" and "6 images of train/ held out" in d.splits["val"]
-    assert held_out(100, 0.01, 0)[1] == held_out(100, 0.01, 0)[1] and len(held_out(100, 0.01, 0)[1]) == 1
+    assert held_out(100, 1, 0)[1] == held_out(100, 1, 0)[1] and len(held_out(100, 1, 0)[1]) == 1
     with pytest.raises(UserError, match=r"data.val_fraction 1.5 must be in \[0, 1\)"):
         dm(folder, val_fraction=1.5)
     with pytest.raises(UserError, match=r"data.val_fraction 0.001 of 24 training images holds out 0"):

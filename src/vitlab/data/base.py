@@ -300,13 +300,9 @@ def describe_splits(splits: dict[str, str]) -> str:
     return f"validation (selects the best checkpoint): {splits['val']}; test: {splits['test']}"
 
 
-def held_out(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Indices (kept, held out) of n images, round(fraction x n) held out at random, fixed by `seed` (big_vision's
-    minival: a slice of train that selects the checkpoint, so the given validation split can be the test)."""
-    held = round(fraction * n)
-    if not 0 < held < n:
-        raise UserError(f"data.val_fraction {fraction} of {n} training images holds out {held}: nothing to validate on "
-                        "or nothing left to train on")  # fmt: skip
+def held_out(n: int, held: int, seed: int) -> tuple[list[int], list[int]]:
+    """Indices (kept, held out) of n images, `held` of them held out at random, fixed by `seed` (big_vision's
+    minival, CIFAR's validation images: a slice of train that selects the checkpoint)."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     return sorted(order[held:]), sorted(order[:held])
 
@@ -348,7 +344,12 @@ class ImageDataModule(DataModule):
         if not 0.0 <= val_fraction < 1.0:
             raise UserError(f"data.val_fraction {val_fraction} must be in [0, 1): the share of train held out")
         if val_fraction:
-            kept, held = held_out(len(train), val_fraction, split_seed)
+            if not 0 < (count := round(val_fraction * len(train))) < len(train):
+                raise UserError(
+                    f"data.val_fraction {val_fraction} of {len(train)} training images holds out {count}: nothing to "
+                    "validate on or nothing left to train on"
+                )
+            kept, held = held_out(len(train), count, split_seed)
             self.train_set = TransformDataset(train, self.train_tf, kept)
             self.val_set = TransformDataset(train, self.eval_tf, held)
             self.test_set = TransformDataset(test if test is not None else val, self.eval_tf)

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from torchvision import datasets
 
-from vitlab.data.base import ImageDataModule, TransformDataset
+from vitlab.data.base import ImageDataModule, TransformDataset, held_out
 from vitlab.downloads import downloading
 from vitlab.errors import MissingFileError, UserError
 
@@ -56,9 +55,9 @@ class CIFAR10DataModule(ImageDataModule):
             return
         train_full, test = self._open(train=True), self._open(train=False)
         self.class_names = list(train_full.classes)
-        order = torch.randperm(len(train_full), generator=torch.Generator().manual_seed(self.split_seed)).tolist()
-        self.train_set = TransformDataset(train_full, self.train_tf, sorted(order[self.val_size :]))
-        self.val_set = TransformDataset(train_full, self.eval_tf, sorted(order[: self.val_size]))
+        kept, held = held_out(len(train_full), self.val_size, self.split_seed)
+        self.train_set = TransformDataset(train_full, self.train_tf, kept)
+        self.val_set = TransformDataset(train_full, self.eval_tf, held)
         self.splits = {
             "train": f"the training set less {self.val_size:,} images",
             "val": f"{self.val_size:,} images of the training set held out (split_seed {self.split_seed})",
