@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from torchmetrics import MeanMetric
 
 from vitlab import rank_state
 
@@ -40,6 +41,21 @@ def test_every_generator_round_trips_through_a_weights_only_checkpoint():
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
     assert np.random.rand() == expected[2]
     assert loaded["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"_num_yielded": 4}]
+
+
+def test_running_metrics_go_back_to_the_device_their_module_is_on():
+    """They are saved on the CPU; torchmetrics keeps whatever tensor it is given, so a run resumed on a GPU
+    crashed at its first update ("Encountered different devices in metric calculation") until each state was
+    put where the module's own one is. `meta` stands in for the GPU here."""
+    module, checkpoint = _Module(), _checkpoint()
+    module.metric = MeanMetric()  # a child beside the network, as the LightningModule's metrics are
+    module.metric.persistent(True)
+    module.metric.update(torch.tensor(5.0))
+    rank_state.save(_trainer(), module, checkpoint)
+    assert checkpoint[rank_state.KEY][0]["metrics"]["metric.mean_value"].device.type == "cpu"
+    module.metric.to("meta")
+    rank_state.restore(module, rank_state.take(_trainer(), checkpoint))
+    assert {getattr(module.metric, k).device.type for k in ("mean_value", "weight")} == {"meta"}
 
 
 def test_each_process_takes_its_own_part():

@@ -90,15 +90,18 @@ def restore(module: L.LightningModule, mine: dict[str, Any]) -> None:
         _set_rng_states(_from_tensors(mine["rng"]))
     else:  # an older checkpoint: torch's generator only
         torch.set_rng_state(mine["rng"]["torch"])
-    if mine.get("metrics"):
-        module.load_state_dict(mine["metrics"], strict=False)
+    if mine.get(
+        "metrics"
+    ):  # saved on the CPU; torchmetrics keeps a loaded state as it is, so each goes where its own is
+        here = {k: v.device for k, v in _metric_states(module, cpu=False).items()}
+        module.load_state_dict({k: v.to(here.get(k, v.device)) for k, v in mine["metrics"].items()}, strict=False)
 
 
-def _metric_states(module: L.LightningModule) -> dict[str, torch.Tensor]:
+def _metric_states(module: L.LightningModule, cpu: bool = True) -> dict[str, torch.Tensor]:
     """The module's state outside the network (its running metrics), without asking the network for its state: a
     sharded one (FSDP) would gather its weights for that."""
     return {
-        f"{name}.{key}": value.cpu()
+        f"{name}.{key}": value.cpu() if cpu else value
         for name, child in module.named_children()
         if name != "model"
         for key, value in child.state_dict().items()

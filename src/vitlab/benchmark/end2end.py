@@ -5,8 +5,8 @@ model, per-device batch, precision and compile setting, in one process:
   window of steady-state training steps. The device is synchronised only at the window's two ends (and
   at epoch boundaries inside it), so the timer adds no wait of its own to a step; steps before the
   window (start-up, compilation, the first batches) are untimed. A window may span epochs: the time
-  between one training epoch's end and the next one's start (validation, checkpoints) is left out, the
-  next epoch's first batches (the loader restarting) are counted.
+  from one training epoch's last step to the next one's start (validation and its first compilation,
+  checkpoints) is left out, the next epoch's first batches (the loader restarting) are counted.
 - `bare_step`: `task=models`' training step of the same model on one synthetic batch already on the
   device (forward, backward, AdamW).
 
@@ -58,13 +58,28 @@ class Window(L.Callback):
                 self.t1 = time.perf_counter()
                 trainer.should_stop = True
 
+    # Lightning validates after an epoch's last batch and before on_train_epoch_end: the pause starts at
+    # whichever comes first and ends when training goes on (the next epoch's start, or its next batch after a
+    # validation inside the epoch), so validation, its first compilation and checkpoints stay out of the window.
+    def on_validation_start(self, trainer, module) -> None:
+        self._pause(module)
+
     def on_train_epoch_end(self, trainer, module) -> None:
-        if self._active():
+        self._pause(module)
+
+    def on_train_epoch_start(self, trainer, module) -> None:
+        self._resume()
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self._resume()
+
+    def _pause(self, module) -> None:
+        if self._active() and self._paused_at is None:
             sync(module.device)
             self._paused_at = time.perf_counter()
 
-    def on_train_epoch_start(self, trainer, module) -> None:
-        if self._active() and self._paused_at is not None:
+    def _resume(self) -> None:
+        if self._paused_at is not None:
             self.paused += time.perf_counter() - self._paused_at
             self._paused_at = None
 
