@@ -1,16 +1,24 @@
-"""Tables and plot for experiments/throughput from the benchmark.json files of its runs.
+"""Tables and plots for experiments/throughput from the benchmark.json files of its runs.
 
-python experiments/throughput/report.py outputs/throughput
+python experiments/throughput/report.py outputs/throughput [--suffix _h100]
+
+The plots (ratios, pipeline or streaming, end2end) are written beside this file, their names ending in the
+suffix (runs on another machine keep their own plots); their titles name the machine the runs were on.
 """
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+
+def machine(reports: list[dict]) -> str:
+    gpus = sorted({r["environment"]["gpu"] for r in reports if r["environment"].get("gpu")})
+    return " / ".join(gpus) or f"{reports[0]['environment']['threads']}-thread CPU"
 
 
 def models_table(reports: list[dict]) -> None:
@@ -81,8 +89,31 @@ def pipeline_plot(reports: list[dict], out: Path) -> None:
         high = [max(r["images_per_s_rounds"]) - v for v, r in zip(values, rows, strict=True)]
         xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(reports))]
         ax.bar(xs, values, width, yerr=[low, high], capsize=3, label=name)
-    ax.set(xticks=list(range(len(reports))), ylabel="images/s", title="train loader, 2-core CPU (median; bar: range)")
+    ax.set(
+        xticks=list(range(len(reports))),
+        ylabel="images/s",
+        title=f"train loader, {machine(reports)} (median; bar: range)",
+    )
     ax.set_xticklabels([rep["run"] for rep in reports], fontsize=8)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+
+
+def end2end_plot(reports: list[dict], out: Path) -> None:
+    """vitlab.train's images/s beside the bare step's, per end2end run, with their ratio written above."""
+    fig, ax = plt.subplots(figsize=(11, 4))
+    xs = range(len(reports))
+    train = [rep["train"]["images_per_s"] for rep in reports]
+    bare = [rep["bare_step"]["images_per_s"] for rep in reports]
+    ax.bar([x - 0.2 for x in xs], bare, 0.4, label="bare step", color="tab:gray")
+    ax.bar([x + 0.2 for x in xs], train, 0.4, label="vitlab.train", color="tab:blue")
+    for x, t, b in zip(xs, train, bare, strict=True):
+        ax.text(x, max(t, b), f"{t / b:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.set(xticks=list(xs), ylabel="images/s", title=f"vitlab.train end to end, {machine(reports)}")
+    labels = [f"{rep['run']}\n{rep['device']} b{rep['batch_size']} {rep['precision']}" for rep in reports]
+    ax.set_xticklabels(labels, fontsize=7)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -96,7 +127,8 @@ def plot(reports: list[dict], out: Path) -> None:
         for mode, ratios in rep["ratios"].items():
             if "vitlab/timm" in ratios:
                 r = ratios["vitlab/timm"]
-                bars.append((f"{rep['model']} b{rep['benchmark']['batch_size']}\n{mode}", r))
+                compiled = " compiled" if rep["benchmark"].get("compile") else ""
+                bars.append((f"{rep['model']} b{rep['benchmark']['batch_size']}\n{mode}{compiled}", r))
     fig, ax = plt.subplots(figsize=(9, 3.5))
     xs = range(len(bars))
     values = [r["throughput"] for _, r in bars]
@@ -104,7 +136,9 @@ def plot(reports: list[dict], out: Path) -> None:
     high = [r["throughput_paired_max"] - v for v, (_, r) in zip(values, bars, strict=True)]
     ax.bar(xs, values, yerr=[low, high], capsize=3, color="tab:blue")
     ax.axhline(1.0, color="k", lw=1)
-    ax.set(xticks=list(xs), ylabel="vitlab / timm throughput", title="CPU fp32, 2 cores (median; bar: per-round range)")
+    precisions = sorted({rep["benchmark"]["precision"] for rep in reports})
+    title = f"{machine(reports)}, {'/'.join(precisions)} (median; bar: per-round range)"
+    ax.set(xticks=list(xs), ylabel="vitlab / timm throughput", title=title)
     ax.set_xticklabels([label for label, _ in bars], fontsize=8)
     ax.set_ylim(0.8, max(v + h for v, h in zip(values, high, strict=True)) + 0.05)
     ax.grid(axis="y", alpha=0.3)
@@ -112,7 +146,8 @@ def plot(reports: list[dict], out: Path) -> None:
     fig.savefig(out, dpi=100)
 
 
-def main(root: Path) -> None:
+def main(root: Path, suffix: str = "") -> None:
+    here = Path(__file__).parent
     reports = [{**json.loads(p.read_text()), "run": p.parent.name} for p in sorted(root.glob("*/benchmark.json"))]
     models = [r for r in reports if r["task"] == "models"]
     order = {"vit_digits": 0, "vit_ti16": 1, "vit_s16": 2, "vit_b16": 3}
@@ -133,15 +168,20 @@ def main(root: Path) -> None:
         print()
         pipeline_table(pipelines)
         streaming = all("streaming" in r["results"] for r in pipelines)  # with benchmark.pipeline.shards
-        pipeline_plot(pipelines, Path(__file__).with_name("streaming.png" if streaming else "pipeline.png"))
+        pipeline_plot(pipelines, here / f"{'streaming' if streaming else 'pipeline'}{suffix}.png")
     ends = [r for r in reports if r["task"] == "end2end"]
     if ends:
         print()
         end2end_table(ends)
+        end2end_plot(ends, here / f"end2end{suffix}.png")
     if models:
-        plot([r for r in models if "timm" in next(iter(r["results"].values()))], Path(__file__).with_name("ratios.png"))
-        print(f"\nwrote {Path(__file__).with_name('ratios.png')}")
+        plot([r for r in models if "timm" in next(iter(r["results"].values()))], here / f"ratios{suffix}.png")
+        print(f"\nwrote {here / f'ratios{suffix}.png'}")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("root", type=Path, help="the folder whose */benchmark.json are read")
+    parser.add_argument("--suffix", default="", help="ends the plots' names, e.g. _h100")
+    args = parser.parse_args()
+    main(args.root, args.suffix)
