@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 
 from vitlab.configs import config_dir
 from vitlab.lit_module import ViTModule
+from vitlab.mae import MAEModule
 from vitlab.model.config import vit_config
 from vitlab.run import build_trainer
 
@@ -27,14 +28,16 @@ def build_everything(cfg):
     """What vitlab.train builds before fitting: model, data, module, callbacks, loggers, trainer."""
     mc = vit_config(cfg.model)
     # One block is enough to check the module's arguments; every full model is built in test_model_configs.
-    ViTModule(
+    mae = cfg.get("objective") == "mae"  # an encoder without a head, and its decoder
+    (MAEModule if mae else ViTModule)(
         model={**mc.to_dict(), "depth": 1},
         optim=OmegaConf.to_container(cfg.optim),
         scheduler=OmegaConf.to_container(cfg.scheduler),
         mixup=OmegaConf.to_container(cfg.mixup),
+        **({"mae": OmegaConf.to_container(cfg.mae)} if mae else {}),
     )
     dm = instantiate(cfg.data)
-    assert (dm.num_classes, dm.channels) == (mc.num_classes, mc.in_chans)
+    assert (0 if mae else dm.num_classes, dm.channels) == (mc.num_classes, mc.in_chans)
     callbacks = [instantiate(c) for c in cfg.callbacks.values() if c and "_target_" in c]
     loggers = [instantiate(c) for c in (cfg.logger or {}).values() if c and "_target_" in c]
     return mc, dm, callbacks, loggers
@@ -163,7 +166,7 @@ def test_debug_configs(compose_cfg, debug):
 def test_experiment_configs(compose_cfg, experiment):
     cfg = compose_cfg("train", [f"experiment={experiment}"])
     mc, dm, *_ = build_everything(cfg)
-    assert cfg.tags and mc.num_classes == dm.num_classes
+    assert cfg.tags and mc.num_classes == (0 if cfg.get("objective") == "mae" else dm.num_classes)
 
 
 def test_hparams_search_config(compose_cfg):

@@ -38,6 +38,7 @@ FLOORS = [
     # the assembly layer: the LightningModule, callbacks, config -> fit (run), the benchmarks built on it
     {
         "vitlab.lit_module",
+        "vitlab.mae",
         "vitlab.callbacks",
         "vitlab.plugins",
         "vitlab.run",

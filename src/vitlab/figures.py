@@ -181,3 +181,48 @@ def plot_learning_curves(run_dir: str | Path, out: str | Path) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+@torch.no_grad()
+def plot_reconstructions(module, images: torch.Tensor, mean, std, out: Path, seed: int = 0) -> Path:
+    """MAE's figure: for each image (normalised, (B, C, H, W)) the original, what the encoder saw (masked patches
+    grey), the decoder's prediction of every patch, and the prediction with the visible patches pasted back. With
+    norm_pix_loss the decoder predicts each patch normalised by its own mean and variance: those two statistics are
+    taken from the original patch to show it (as MAE's visualisations do)."""
+    from vitlab.model.mae import patchify, unpatchify
+
+    plt = _pyplot()
+    cfg = module.model.cfg
+    torch.manual_seed(seed)
+    _, pred, mask = module.reconstruct(images)
+    target = patchify(images, cfg.patch_hw)
+    if module.mae_cfg.norm_pix_loss:
+        mu, var = target.mean(dim=-1, keepdim=True), target.var(dim=-1, keepdim=True)
+        pred = pred * (var + 1.0e-6) ** 0.5 + mu
+    shape = (cfg.patch_hw, cfg.grid_size, cfg.in_chans)
+    m = mask.unsqueeze(-1)
+    panels = {
+        "original": images,
+        "masked": unpatchify(target * (1 - m), *shape),
+        "prediction": unpatchify(pred, *shape),
+        "prediction + visible": unpatchify(pred * m + target * (1 - m), *shape),
+    }
+    mean_t, std_t = (torch.tensor(v, dtype=images.dtype).view(1, -1, 1, 1) for v in (mean, std))
+    n = images.shape[0]
+    fig, axes = plt.subplots(n, len(panels), figsize=(1.6 * len(panels), 1.6 * n), squeeze=False)
+    for j, (title, x) in enumerate(panels.items()):
+        x = (x * std_t + mean_t).clamp(0, 1)
+        if title == "masked":  # removed patches grey
+            grey = unpatchify(m.expand_as(target) * 0.5, *shape)
+            x = x + grey
+        for i in range(n):
+            ax = axes[i][j]
+            img = x[i].permute(1, 2, 0).numpy()
+            ax.imshow(
+                img[..., 0] if cfg.in_chans == 1 else img, cmap="gray" if cfg.in_chans == 1 else None, vmin=0, vmax=1
+            )
+            ax.set(xticks=[], yticks=[])
+            if i == 0:
+                ax.set_title(title, fontsize=8)
+    fig.suptitle(f"MAE reconstructions (mask ratio {module.mae_cfg.mask_ratio})", fontsize=9)
+    return _save(fig, out)

@@ -135,7 +135,9 @@ class ViTModule(L.LightningModule):
         # The teacher: loaded when fitting begins, never saved with the student nor wrapped by DDP (not a submodule).
         object.__setattr__(self, "teacher", None)
         self.compile_mode = compile_mode(compile)
+        self._make_metrics()
 
+    def _make_metrics(self) -> None:
         k = self.model.cfg.num_classes
         if k < 2:
             raise UserError(f"model.num_classes {k} must be >= 2 to train a classifier")

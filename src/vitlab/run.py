@@ -36,6 +36,7 @@ from vitlab.errors import UserError
 from vitlab.hardware import resolve_trainer
 from vitlab.lit_module import ViTModule
 from vitlab.logs import route_lightning_logs
+from vitlab.mae import MAEModule, objective_module
 from vitlab.model.config import vit_config
 from vitlab.optim import OptimConfig, scaled_lr
 from vitlab.settings import check_arguments
@@ -136,9 +137,13 @@ def build_datamodule(data_cfg: DictConfig) -> L.LightningDataModule:
 
 
 def build_module(cfg: DictConfig, datamodule: L.LightningDataModule) -> ViTModule:
-    """The ViTModule of a train config (random weights; `train` loads pretrained ones)."""
+    """The ViTModule of a train config, or with `objective=mae` the MAEModule (random weights; `train` loads
+    pretrained ones)."""
     resolve_lr(cfg)
-    return ViTModule(
+    mae = OmegaConf.to_container(cfg.mae, resolve=True) if "mae" in cfg else None
+    kind, extra = objective_module(cfg.get("objective", "classify"), bool(cfg.data.get("unlabeled")), mae)
+    return kind(
+        **extra,
         model=vit_config(cfg.model),
         optim=OmegaConf.to_container(cfg.optim, resolve=True),
         scheduler=OmegaConf.to_container(cfg.scheduler, resolve=True),
@@ -381,8 +386,9 @@ def _stopped(trainer: L.Trainer) -> None:
 def load_for_inference(ckpt_path: str, map_location: str = "cpu") -> ViTModule:
     """A trained ViTModule from a checkpoint file, rebuilt from the config stored in it (no Hydra), for
     eval, predict and visualize."""
-    read_checkpoint(ckpt_path)  # names a missing, corrupt or unsafe file in one line
-    return ViTModule.load_from_checkpoint(ckpt_path, map_location=map_location, weights_only=True)
+    ckpt = read_checkpoint(ckpt_path)  # names a missing, corrupt or unsafe file in one line
+    kind = MAEModule if "mae" in ckpt["hyper_parameters"] else ViTModule  # objective=mae's: the encoder and decoder
+    return kind.load_from_checkpoint(ckpt_path, map_location=map_location, weights_only=True)
 
 
 def inference_datamodule(module: ViTModule, ckpt_path: str) -> L.LightningDataModule:

@@ -63,7 +63,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     with open_dict(data):  # images are prepared at the size the checkpoint's model takes
         data.img_size = mc.to_dict()["img_size"]  # an int, or [height, width]
     datamodule = run.build_datamodule(data)
-    if (datamodule.num_classes, datamodule.channels) != (mc.num_classes, mc.in_chans):
+    if mc.in_chans != datamodule.channels or mc.num_classes not in (0, datamodule.num_classes):  # 0: an encoder
         raise UserError(
             f"checkpoint expects {mc.num_classes} classes and {mc.in_chans} channels, but the data has "
             f"{datamodule.num_classes} classes and {datamodule.channels} channels"

@@ -76,12 +76,16 @@ def train(cfg: DictConfig) -> float | None:
     return metrics[cfg.optimized_metric]
 
 
+# The results a run's last line shows: a classifier's accuracies, or (objective=mae) its reconstruction losses.
+KEYS = ((("val/acc_best", "val"), ("test/acc", "test")), (("val/loss_best", "val"), ("test/loss", "test")))
+
+
 def report(metrics: dict[str, Any], trainer, out: Path) -> None:
     """The last lines of a run: its results and where they are."""
     splits = metrics.get("splits") or {}
     shown = ", ".join(
         f"{k} {metrics[k]:.4f}" + (f" on {splits[split]}" if split in splits else "")
-        for k, split in (("val/acc_best", "val"), ("test/acc", "test"))
+        for k, split in KEYS["val/acc_best" not in metrics and "val/loss_best" in metrics]
         if k in metrics
     )
     best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""

@@ -53,12 +53,19 @@ def adapt_in_chans(weight: torch.Tensor, in_chans: int) -> torch.Tensor:
 
 
 def fit_state_dict(
-    sd: StateDict, cfg: ViTConfig, *, resample: bool = True, reset_head: bool = False, src: str = "timm"
+    sd: StateDict,
+    cfg: ViTConfig,
+    *,
+    resample: bool = True,
+    reset_head: bool = False,
+    fresh: tuple[str, ...] = (),
+    src: str = "timm",
 ) -> StateDict:
     """`sd` (timm's keys, which are ours) checked against a ViT of `cfg`: every key used, every shape matched,
     returned in our key order. `resample` fits a pos_embed of another grid (square source grids, as timm
     assumes) and patch filters of another channel count; `reset_head` drops the classifier so a new one (another
-    class count) keeps its fresh initialisation. `src` names the state dict's origin in the errors."""
+    class count) keeps its fresh initialisation, as do the `fresh` prefixes. `src` names the state dict's origin in the
+    errors."""
     want = expected_shapes(cfg)
     unknown = [key for key in sd if key not in want]
     out: StateDict = {key: value for key, value in sd.items() if key in want}
@@ -66,10 +73,11 @@ def fit_state_dict(
         raise UserError(
             f"{src} state dict has keys this ViT config does not use: {unknown[:8]}{' ...' if len(unknown) > 8 else ''}"
         )
-    if reset_head:
-        for k in [k for k in out if k.startswith("head.")]:
+    drop = ("head.",) * reset_head + tuple(fresh)
+    if drop:
+        for k in [k for k in out if k.startswith(drop)]:
             del out[k]
-        want = {k: v for k, v in want.items() if not k.startswith("head.")}
+        want = {k: v for k, v in want.items() if not k.startswith(drop)}
     if resample and "pos_embed" in out and out["pos_embed"].shape != want.get("pos_embed"):
         n_prefix = cfg.num_prefix_tokens if cfg.embeds_prefix else 0
         out["pos_embed"] = resample_pos_embed(out["pos_embed"], cfg.grid_size, None, n_prefix)
@@ -168,8 +176,11 @@ def read_state_dict(path: str | os.PathLike) -> StateDict:
                 break
     if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise UserError(f"weights file {str(path)!r} does not hold a state dict (a mapping of names to tensors)")
-    if all(k.startswith("model.") for k in obj):
-        obj = {k[len("model.") :]: v for k, v in obj.items()}
+    if any(k.startswith("model.") for k in obj):  # a vitlab training checkpoint: its network, without the rest
+        left = sorted({k.split(".")[0] for k in obj if not k.startswith("model.")})
+        if left:
+            log.info("%s: took its network (model.*); left out %s", path, ", ".join(f"{k}.*" for k in left))
+        obj = {k[len("model.") :]: v for k, v in obj.items() if k.startswith("model.")}
     return obj
 
 
@@ -200,8 +211,20 @@ def load_timm_weights(model: ViT, source: str, *, reset_head: bool | None = None
     if reset_head is None:
         head = sd.get("head.weight")
         reset_head = head is None or not isinstance(model.head, nn.Linear) or head.shape != model.head.weight.shape
-    model.load_state_dict(fit_state_dict(sd, model.cfg, reset_head=reset_head), strict=not reset_head)
-    log.info("loaded timm weights %s%s", source, " (new head)" if reset_head else "")
+    fresh: tuple[str, ...] = ()
+    if "norm.weight" in sd and isinstance(model.norm, nn.Identity) and "fc_norm.weight" not in sd:
+        # A token-pooled encoder (MAE's) fine-tuned with average pooling: its final norm is dropped and fc_norm
+        # starts fresh, as MAE's main_finetune.py does.
+        sd, fresh = {k: v for k, v in sd.items() if not k.startswith("norm.")}, ("fc_norm.",)
+    model.load_state_dict(
+        fit_state_dict(sd, model.cfg, reset_head=reset_head, fresh=fresh), strict=not (reset_head or fresh)
+    )
+    log.info(
+        "loaded weights %s%s%s",
+        source,
+        " (new head)" if reset_head else "",
+        " (final norm dropped, new fc_norm)" * bool(fresh),
+    )
 
 
 def export_timm(model: ViT, path: str | os.PathLike, timm_name: str | None = None) -> Path:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from timm.data.distributed_sampler import RepeatAugSampler
-from torch.utils.data import Dataset, DistributedSampler, Sampler, get_worker_info
+from torch.utils.data import Dataset, DistributedSampler, Sampler, Subset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitlab.data import transforms
@@ -273,6 +273,13 @@ class DataModule(L.LightningDataModule):
     def predict_tensor(self, img) -> torch.Tensor:
         """One image (PIL or tensor) -> the (1, C, H, W) float32 batch the test images are made into."""
         raise NotImplementedError
+
+    def first_images(self, split: str, n: int) -> torch.Tensor:
+        """The first `n` images of `split` as the model takes them at evaluation (B, C, H, W), on the CPU."""
+        self.setup("test")
+        dataset = self.eval_view(split)
+        batch = next(iter(self._loader(Subset(dataset, range(min(n, len(dataset)))), train=False)))
+        return self.device_transform(batch, train=False)[0]
 
     def eval_view(self, split: str) -> Dataset:
         """`split`'s images as evaluation sees them (no augmentation; the training split's too): frozen-feature

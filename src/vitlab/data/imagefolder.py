@@ -31,6 +31,14 @@ def rgb_loader(path: str):
     return read_image(path, channels=3)
 
 
+class UnlabeledFolder(datasets.ImageFolder):
+    """Every image under a folder, at any depth, all with label 0: one class named '' (the folder itself), which
+    torchvision's walk of a class folder then covers whole."""
+
+    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+        return [""], {"": 0}
+
+
 class ImageFolderDataModule(ImageDataModule):
     channels = 3
     mean = (0.485, 0.456, 0.406)  # ImageNet
@@ -43,13 +51,15 @@ class ImageFolderDataModule(ImageDataModule):
         check_images: bool = True,
         val_fraction: float = 0.0,  # > 0: this share of train/ validates, and val/ tests when there is no test/
         split_seed: int = 0,
+        unlabeled: bool = False,  # every image under train/ (val/, test/) at any depth, no classes: objective=mae
         **kwargs,
     ):
-        if num_classes < 1:
+        if num_classes < 1 and not unlabeled:
             raise UserError(f"data.num_classes {num_classes} must be >= 1")
         super().__init__(data_dir=data_dir, num_classes=num_classes, **kwargs)
         self.class_names: list[str] = []
         self.check_images, self.val_fraction, self.split_seed = check_images, val_fraction, split_seed
+        self.unlabeled = unlabeled
 
     def _split(self, name: str) -> datasets.ImageFolder:
         path = Path(self.data_dir) / name
@@ -59,7 +69,8 @@ class ImageFolderDataModule(ImageDataModule):
                 f"(expected {self.data_dir}/train/<class>/... and {self.data_dir}/val/<class>/...)"
             )
         try:
-            return datasets.ImageFolder(str(path), loader=rgb_loader, is_valid_file=is_image_file)
+            kind = UnlabeledFolder if self.unlabeled else datasets.ImageFolder
+            return kind(str(path), loader=rgb_loader, is_valid_file=is_image_file)
         except FileNotFoundError as e:  # an empty split or class folder
             raise MissingFileError(f"{path}: {e}") from None
 
@@ -70,7 +81,7 @@ class ImageFolderDataModule(ImageDataModule):
             raise MissingFileError(f"data.data_dir {str(self.data_dir)!r} does not exist")
         train, val = self._split("train"), self._split("val")
         test = self._split("test") if (Path(self.data_dir) / "test").is_dir() else None
-        if len(train.classes) != self.num_classes:
+        if not self.unlabeled and len(train.classes) != self.num_classes:
             raise UserError(
                 f"data.num_classes {self.num_classes} does not match the {len(train.classes)} class "
                 f"folders in {self.data_dir}/train"
@@ -78,7 +89,7 @@ class ImageFolderDataModule(ImageDataModule):
         for split in (val, test):
             if split is not None and split.classes != train.classes:
                 raise UserError(f"class folders of {split.root} differ from those of {train.root}")
-        self.class_names = list(train.classes)
+        self.class_names = [] if self.unlabeled else list(train.classes)
         self._assign_splits(train, val, test, self.val_fraction, self.split_seed)
         self._check({"train": train, "val": val} | ({"test": test} if test is not None else {}))
 
@@ -101,5 +112,6 @@ class ImageFolderDataModule(ImageDataModule):
         skipped = (
             f"; skipped, not of a kind read: {', '.join(f'{n} {k}' for k, n in others.most_common())}" if others else ""
         )
-        log.info("%s: %s images in %d classes%s", self.data_dir, found, len(self.class_names), skipped)
+        classes = "unlabeled" if self.unlabeled else f"in {len(self.class_names)} classes"
+        log.info("%s: %s images %s%s", self.data_dir, found, classes, skipped)
         log.info("%s", describe_splits(self.splits))

@@ -85,11 +85,16 @@ class PatchDropout(nn.Module):
         return _drop_patches(x, self.p, self.num_prefix_tokens) if self.training else x
 
 
+def random_order(n: int, length: int, device=None) -> torch.Tensor:
+    """A random permutation of range(length) per row (n, length), from torch's generator (as timm draws it)."""
+    return torch.randn(n, length, device=device).argsort(dim=-1)
+
+
 @torch.fx.wrap  # the kept count comes from the input's shape
 def _drop_patches(x: torch.Tensor, p: float, num_prefix: int) -> torch.Tensor:
     prefix, x = x[:, :num_prefix], x[:, num_prefix:]
     L = x.shape[1]
-    keep = torch.randn(x.shape[0], L, device=x.device).argsort(dim=-1)[:, : max(1, int(L * (1.0 - p)))]
+    keep = random_order(x.shape[0], L, x.device)[:, : max(1, int(L * (1.0 - p)))]
     x = x.gather(1, keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
     return torch.cat([prefix, x], dim=1)
 

@@ -1,0 +1,203 @@
+"""Masked autoencoding (He et al. 2021, "Masked Autoencoders Are Scalable Vision Learners";
+facebookresearch/mae `models_mae.py`) around our ViT: the encoder sees a random quarter of each image's patches,
+a light decoder fills the rest in with a shared mask token and its own fixed position embedding, and the loss is
+the (per-patch normalised) pixel error on the masked patches only.
+
+The encoder is the ViT itself (its patch embedding, prefix tokens, position embedding, blocks and final norm: its
+checkpoint is a ViT checkpoint plus `decoder.*`); masking drops patch tokens as `patch_drop` does, but keeps the
+order that puts them back. No Lightning, no Hydra.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from vitlab.errors import UserError
+from vitlab.model.blocks import Block
+from vitlab.model.config import ViTConfig
+from vitlab.model.layers import random_order
+from vitlab.model.posemb import posemb_sincos_2d
+from vitlab.model.vit import ViT
+
+
+@dataclass(frozen=True)
+class MAEConfig:
+    """conf/train.yaml `mae` (objective=mae); MAE's ViT-B recipe: mask 0.75, decoder 512 wide, 8 deep, 16 heads."""
+
+    mask_ratio: float = 0.75
+    norm_pix_loss: bool = True  # the target: each patch's pixels normalised by their own mean and variance
+    decoder_embed_dim: int = 512
+    decoder_depth: int = 8
+    decoder_num_heads: int = 16
+
+    def __post_init__(self):
+        if not 0 < self.mask_ratio < 1:
+            raise UserError(f"mae.mask_ratio {self.mask_ratio} must be between 0 and 1 (exclusive)")
+        for key in ("decoder_embed_dim", "decoder_depth", "decoder_num_heads"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"mae.{key} {value!r} must be a whole number >= 1")
+        if self.decoder_embed_dim % self.decoder_num_heads:
+            raise UserError(
+                f"mae.decoder_embed_dim {self.decoder_embed_dim} is not divisible by mae.decoder_num_heads "
+                f"{self.decoder_num_heads}"
+            )
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> MAEConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values or {}) - names)
+        if unknown:
+            raise UserError(f"mae.{unknown[0]} is not a setting; the settings are {sorted(names)}")
+        return cls(**dict(values or {}))
+
+    def kept(self, num_patches: int) -> int:
+        """How many patches the encoder sees: round((1 - mask_ratio) * N), at least one."""
+        return max(1, round((1 - self.mask_ratio) * num_patches))
+
+
+# ---- masking and targets ---------------------------------------------------------------------------
+def random_masking(n: int, num_patches: int, keep: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-image random masking: (the kept patches' indices (n, keep), the order that puts the shuffled patches
+    back (n, num_patches)). Drawn from torch's generator, so a resumed run masks as the uninterrupted one."""
+    shuffle = random_order(n, num_patches, device)
+    return shuffle[:, :keep], shuffle.argsort(dim=1)
+
+
+def patchify(images: torch.Tensor, patch_hw: tuple[int, int]) -> torch.Tensor:
+    """(B, C, H, W) -> (B, N, ph * pw * C), patches in row-major order, pixels as MAE's `patchify` orders them."""
+    b, c, h, w = images.shape
+    ph, pw = patch_hw
+    x = images.reshape(b, c, h // ph, ph, w // pw, pw)
+    return torch.einsum("nchpwq->nhwpqc", x).reshape(b, (h // ph) * (w // pw), ph * pw * c)
+
+
+def unpatchify(patches: torch.Tensor, patch_hw: tuple[int, int], grid: tuple[int, int], chans: int) -> torch.Tensor:
+    """The inverse of `patchify`: (B, N, ph * pw * C) -> (B, C, H, W)."""
+    (ph, pw), (gh, gw) = patch_hw, grid
+    x = patches.reshape(patches.shape[0], gh, gw, ph, pw, chans)
+    return torch.einsum("nhwpqc->nchpwq", x).reshape(patches.shape[0], chans, gh * ph, gw * pw)
+
+
+def pixel_target(images: torch.Tensor, patch_hw: tuple[int, int], norm_pix: bool) -> torch.Tensor:
+    target = patchify(images, patch_hw)
+    if norm_pix:  # MAE's norm_pix_loss: unbiased variance, eps 1e-6
+        mean, var = target.mean(dim=-1, keepdim=True), target.var(dim=-1, keepdim=True)
+        target = (target - mean) / (var + 1.0e-6) ** 0.5
+    return target
+
+
+def masked_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean squared error per patch, averaged over the masked patches only (mask: 1 = removed)."""
+    per_patch = (pred.float() - target.float()).pow(2).mean(dim=-1)
+    return (per_patch * mask).sum() / mask.sum()
+
+
+# ---- encoder and decoder ---------------------------------------------------------------------------
+def encode_visible(vit: ViT, images: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ViT on `keep` random patches of each image (and its prefix tokens): (latent (B, prefix + keep, D) after
+    the final norm, mask (B, N) with 1 on the removed patches, restore (B, N))."""
+    x = vit.embed(images)  # patch_drop must be off: this masking takes its place
+    prefix, patches = x[:, : vit.num_prefix_tokens], x[:, vit.num_prefix_tokens :]
+    n, num_patches = patches.shape[:2]
+    kept, restore = random_masking(n, num_patches, keep, patches.device)
+    x = torch.cat([prefix, patches.gather(1, kept.unsqueeze(-1).expand(-1, -1, patches.shape[-1]))], dim=1)
+    for blk in vit.blocks:
+        x = vit._block(blk, x)
+    mask = torch.ones(n, num_patches, device=images.device)
+    mask[:, :keep] = 0
+    return vit.norm(x), mask.gather(1, restore), restore
+
+
+class MAEDecoder(nn.Module):
+    """MAE's decoder: the encoder's tokens projected to its width, a mask token in every removed place, a fixed
+    2-D sin-cos position embedding (zeros for the prefix tokens), pre-norm blocks, and a linear prediction of
+    each patch's pixels. Its parameter names are MAE's (`decoder_embed`, `mask_token`, `decoder_blocks`, ...)."""
+
+    def __init__(self, encoder: ViTConfig, cfg: MAEConfig):
+        super().__init__()
+        self.num_prefix_tokens = encoder.num_prefix_tokens
+        block_cfg = dataclasses.replace(
+            encoder,
+            embed_dim=cfg.decoder_embed_dim,
+            depth=cfg.decoder_depth,
+            num_heads=cfg.decoder_num_heads,
+            drop_path_rate=0.0,
+            proj_drop_rate=0.0,
+            attn_drop_rate=0.0,
+            init_values=None,
+            mlp_ratio=4.0,
+            mlp_layer="mlp",
+        )
+        self.decoder_embed = nn.Linear(encoder.embed_dim, cfg.decoder_embed_dim)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, cfg.decoder_embed_dim))
+        pos = posemb_sincos_2d(encoder.grid_size, cfg.decoder_embed_dim)
+        prefix = torch.zeros(1, self.num_prefix_tokens, cfg.decoder_embed_dim)
+        self.register_buffer("decoder_pos_embed", torch.cat([prefix, pos], dim=1), persistent=False)
+        self.decoder_blocks = nn.ModuleList(Block(block_cfg, 0.0) for _ in range(cfg.decoder_depth))
+        self.decoder_norm = nn.LayerNorm(cfg.decoder_embed_dim, eps=1e-6)
+        ph, pw = encoder.patch_hw
+        self.decoder_pred = nn.Linear(cfg.decoder_embed_dim, ph * pw * encoder.in_chans)
+        self._init_weights()
+
+    def _init_weights(self) -> None:  # MAE's: xavier-uniform linears, zero biases, N(0, 0.02) mask token
+        nn.init.normal_(self.mask_token, std=0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, latent: torch.Tensor, restore: torch.Tensor) -> torch.Tensor:
+        """(B, prefix + kept, D) encoder tokens -> (B, N, ph * pw * C) predicted pixels of every patch."""
+        x = self.decoder_embed(latent)
+        p = self.num_prefix_tokens
+        n, num_patches = restore.shape
+        masked = self.mask_token.to(x.dtype).expand(n, num_patches - (x.shape[1] - p), -1)
+        patches = torch.cat([x[:, p:], masked], dim=1)
+        patches = patches.gather(1, restore.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # back in image order
+        x = torch.cat([x[:, :p], patches], dim=1) + self.decoder_pos_embed.to(x.dtype)
+        for blk in self.decoder_blocks:
+            x = blk(x)
+        return self.decoder_pred(self.decoder_norm(x))[:, p:]
+
+
+def flops_per_image(encoder: ViTConfig, cfg: MAEConfig) -> int:
+    """Forward FLOPs of one image (multiply-add = 2; as ViTConfig.flops_per_image counts a standard block): the
+    patch embedding of every patch, the encoder's blocks on the prefix and kept tokens, the decoder's blocks on
+    every token, its projection in and its pixel prediction out."""
+
+    def blocks(depth: int, n: int, d: int, hidden: int) -> int:
+        return depth * (2 * n * (4 * d * d + 2 * d * hidden) + 4 * n * n * d)
+
+    d, dd, patches = encoder.embed_dim, cfg.decoder_embed_dim, encoder.num_patches
+    ph, pw = encoder.patch_hw
+    n_enc, n_dec = encoder.num_prefix_tokens + cfg.kept(patches), encoder.num_tokens()
+    embed = 2 * patches * ph * pw * encoder.in_chans * d
+    enc = blocks(encoder.depth, n_enc, d, int(d * encoder.mlp_ratio))
+    dec = (
+        blocks(cfg.decoder_depth, n_dec, dd, 4 * dd)
+        + 2 * n_enc * d * dd
+        + 2 * patches * dd * ph * pw * encoder.in_chans
+    )
+    return embed + enc + dec
+
+
+def mae_forward(
+    vit: ViT, decoder: MAEDecoder, images: torch.Tensor, cfg: MAEConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, predicted pixels (B, N, ph * pw * C), mask (B, N)) of a batch, as MAE's `forward`."""
+    num_patches = math.prod(vit.cfg.grid_size)
+    latent, mask, restore = encode_visible(vit, images, cfg.kept(num_patches))
+    pred = decoder(latent, restore)
+    return masked_mse(pred, pixel_target(images, vit.cfg.patch_hw, cfg.norm_pix_loss), mask), pred, mask

@@ -1,0 +1,115 @@
+"""MAE's pieces (vitlab.model.mae): the masking keeps exactly round((1 - ratio) * N) patches of each image and can
+put them back, the loss is the direct formula on the masked patches only (with and without per-patch pixel
+normalisation), patchify is MAE's pixel order, the decoder's names are MAE's."""
+
+import pytest
+import torch
+
+from vitlab.errors import UserError
+from vitlab.model import ViT, ViTConfig
+from vitlab.model.mae import (
+    MAEConfig,
+    MAEDecoder,
+    encode_visible,
+    mae_forward,
+    patchify,
+    random_masking,
+    unpatchify,
+)
+
+
+def _vit(**kw) -> ViT:
+    base = dict(img_size=8, patch_size=2, in_chans=3, num_classes=0, embed_dim=16, depth=2, num_heads=2)
+    return ViT(ViTConfig(**(base | kw))).eval()
+
+
+@pytest.mark.parametrize("ratio,n", [(0.75, 16), (0.75, 196), (0.5, 9), (0.9, 49), (0.6, 10)])
+def test_masking_keeps_round_one_minus_ratio_patches_of_each_image(ratio, n):
+    keep = MAEConfig(mask_ratio=ratio, decoder_embed_dim=8, decoder_num_heads=2).kept(n)
+    assert keep == round((1 - ratio) * n)
+    torch.manual_seed(0)
+    kept, restore = random_masking(5, n, keep)
+    assert kept.shape == (5, keep) and all(len(set(row.tolist())) == keep for row in kept)
+    assert len({tuple(row.tolist()) for row in kept}) == 5  # each image its own draw
+    # as the decoder does: the kept tokens, then mask tokens (-1), put back in image order by `restore`
+    placed = torch.cat([kept, torch.full((5, n - keep), -1)], dim=1).gather(1, restore)
+    for b in range(5):
+        assert torch.equal(placed[b, kept[b]], kept[b])  # every kept patch lands on its own place
+    assert ((placed == -1).sum(1) == n - keep).all()
+
+
+def test_the_encoder_sees_the_kept_patches_and_the_mask_marks_the_rest():
+    vit = _vit()
+    x = torch.randn(3, 3, 8, 8)
+    torch.manual_seed(1)
+    latent, mask, restore = encode_visible(vit, x, keep=4)
+    assert latent.shape == (3, 1 + 4, 16) and mask.shape == (3, 16)
+    assert mask.sum(1).tolist() == [12.0] * 3
+    torch.manual_seed(1)
+    kept, _ = random_masking(3, 16, 4)
+    for b in range(3):
+        assert mask[b, kept[b]].sum() == 0  # the kept patches are the unmasked ones
+
+
+def _direct_loss(pred, images, mask, p, norm_pix):
+    """The loss patch by patch, with the pixels cut out of the image by hand."""
+    b, c, h, w = images.shape
+    total, count = 0.0, 0
+    for i in range(b):
+        for r in range(h // p):
+            for s in range(w // p):
+                k = r * (w // p) + s
+                if mask[i, k] == 0:
+                    continue
+                target = images[i, :, r * p : (r + 1) * p, s * p : (s + 1) * p].permute(1, 2, 0).reshape(-1)
+                if norm_pix:
+                    target = (target - target.mean()) / (target.var(unbiased=True) + 1e-6) ** 0.5
+                total += ((pred[i, k] - target) ** 2).mean().item()
+                count += 1
+    return total / count
+
+
+@pytest.mark.parametrize("norm_pix", [False, True])
+def test_the_loss_is_the_direct_formula_on_the_masked_patches_only(norm_pix):
+    vit = _vit()
+    cfg = MAEConfig(mask_ratio=0.75, norm_pix_loss=norm_pix, decoder_embed_dim=8, decoder_depth=1, decoder_num_heads=2)
+    decoder = MAEDecoder(vit.cfg, cfg).eval()
+    images = torch.randn(2, 3, 8, 8)
+    torch.manual_seed(3)
+    loss, pred, mask = mae_forward(vit, decoder, images, cfg)
+    assert loss.item() == pytest.approx(_direct_loss(pred, images, mask, 2, norm_pix), rel=1e-5)
+    # the visible patches' predictions do not count
+    from vitlab.model.mae import masked_mse, pixel_target
+
+    changed = pred + 100.0 * (1 - mask).unsqueeze(-1)
+    assert masked_mse(changed, pixel_target(images, (2, 2), norm_pix), mask).item() == pytest.approx(loss.item())
+
+
+def test_patchify_is_maes_pixel_order_and_unpatchify_inverts_it():
+    images = torch.randn(2, 3, 8, 12)
+    p = patchify(images, (4, 4))
+    assert p.shape == (2, 6, 48)
+    # patch (row 1, column 2), pixel (y 3, x 0), channel 2: MAE's 'nhwpqc' order
+    assert p[1, 1 * 3 + 2, (3 * 4 + 0) * 3 + 2] == images[1, 2, 4 + 3, 8 + 0]
+    assert torch.equal(unpatchify(p, (4, 4), (2, 3), 3), images)
+
+
+def test_the_decoder_has_maes_parameter_names():
+    names = set(
+        MAEDecoder(_vit().cfg, MAEConfig(decoder_embed_dim=8, decoder_depth=1, decoder_num_heads=2)).state_dict()
+    )
+    assert {"mask_token", "decoder_embed.weight", "decoder_norm.weight", "decoder_pred.weight"} <= names
+    assert "decoder_blocks.0.attn.qkv.weight" in names and "decoder_pos_embed" not in names  # fixed: not saved
+
+
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        ({"mask_ratio": 1.0}, "mae.mask_ratio 1.0 must be between 0 and 1"),
+        ({"decoder_embed_dim": 10, "decoder_num_heads": 4}, "mae.decoder_embed_dim 10 is not divisible"),
+        ({"decoder_depht": 2}, "mae.decoder_depht is not a setting"),
+    ],
+)
+def test_bad_settings_are_one_line(values, message):
+    with pytest.raises(UserError, match=message):
+        MAEConfig.from_dict(values)
