@@ -143,7 +143,16 @@ class EpochLog(L.Callback):
     when the next one starts (the module logs its training metrics after the callbacks' epoch-end
     hooks have run), and the last one when fit ends."""
 
-    KEYS = ("train/loss", "train/acc", "val/loss", "val/acc", "val/acc_best", "val/loss_best")
+    KEYS = (
+        "train/loss",
+        "train/acc",
+        "val/loss",
+        "val/acc",
+        "val/acc_best",
+        "val/loss_best",
+        "knn/top1",
+        "fewshot/10shot",
+    )
 
     def __init__(self):
         self._started: float | None = None
