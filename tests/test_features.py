@@ -60,7 +60,9 @@ def test_layers_that_do_not_exist_are_named():
     with pytest.raises(UserError, match=r"linear.n_last_blocks=\[1, 4\] must list block counts from 1 to 2"):
         linear_views(cfg, model)
     cfg.linear.n_last_blocks = None  # the features `layers` picks, one configuration
-    assert linear_views(cfg, model) == (POOLED, {"layers": slice(None)})
+    assert linear_views(cfg, model) == (POOLED, {"pooled": slice(None)})
+    cfg.layers, cfg.linear = -1, SimpleNamespace(n_last_blocks=2, avgpool=True)  # a bare value is a list of one
+    assert linear_views(cfg, model)[1] == {"last2+avgpool": slice(0, 3 * 32)}
 
 
 @pytest.fixture(scope="module")

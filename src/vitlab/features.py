@@ -244,9 +244,10 @@ def linear_views(cfg, model) -> tuple[Layers, dict]:
     set of features `layers` picks. Returns (what to extract, {name: the columns of each configuration})."""
     lp = cfg.linear
     if lp.n_last_blocks is None:
-        return layers_of(model, cfg.layers), {"layers": slice(None)}
+        layers = layers_of(model, cfg.layers)
+        return layers, {layers.name or "pooled": slice(None)}
     depth, width = len(model.blocks), model.num_features
-    ns, pools = list(lp.n_last_blocks), list(lp.avgpool)
+    ns, pools = ([v] if isinstance(v, (bool, int, str)) else list(v) for v in (lp.n_last_blocks, lp.avgpool))
     if not ns or any(not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= depth for n in ns):
         raise UserError(
             f"linear.n_last_blocks={ns} must list block counts from 1 to {depth} (the model's depth), or be null to "
