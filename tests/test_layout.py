@@ -46,6 +46,7 @@ FLOORS = [
         "vitlab.representation",
         "vitlab.resume",
         "vitlab.pretrained",
+        "vitlab.feature_eval",
         "vitlab.benchmark",
     },
     # the command line: Hydra's app, the config tree, the run directory, the sweep summary, the Slurm launcher

@@ -137,5 +137,20 @@ def test_the_linear_probe_picks_its_learning_rate_on_validation_never_on_test():
 
         from vitlab.features import probe
 
-        probe(SimpleNamespace(task="linear", ckpt_path="x.ckpt", features_dir="/tmp/f"), None,
-              SimpleNamespace(test_set=None))  # fmt: skip
+        probe(SimpleNamespace(task="linear"), None, SimpleNamespace(test_set=None), {}, None, torch.device("cpu"))
+
+
+def test_the_linear_grid_chooses_features_and_learning_rate_on_validation():
+    """Two feature configurations, one of them noise: the (configuration, learning rate) best on validation is
+    chosen, and its test accuracy reported, also where test would have preferred the other."""
+    from vitlab.probes import linear_grid, linear_probe
+
+    train, y, val, val_y = clusters(4, 12, (64, 16), seed=4, spread=3)
+    g = torch.Generator().manual_seed(5)
+    noise = [torch.randn(len(t), 12, generator=g) for t in (train, val, val)]
+    test_y = (val_y + 1) % 4  # the clusters' test labels permuted: on test, noise would do better
+    views = {"noise": tuple(noise), "clusters": (train, val, val.clone())}
+    out = linear_grid(views, y, val_y, test_y, 4, lrs=(1e-3, 0.1), epochs=3, batch_size=32)
+    assert out["features"] == "clusters" and out["val_acc"] > 0.9 > out["val_acc_per_features"]["noise"]
+    alone = linear_probe(train, y, val, val_y, val.clone(), test_y, 4, lrs=(1e-3, 0.1), epochs=3, batch_size=32)
+    assert (out["lr"], out["test_acc"]) == (alone["lr"], alone["test_acc"]) and out["test_acc"] < 0.2

@@ -2,7 +2,9 @@
 equal to what vitlab.probes computes on the same features."""
 
 import json
+from pathlib import Path
 
+import lightning as L
 import torch
 
 from vitlab.representation import RepresentationProbe
@@ -35,3 +37,30 @@ def test_the_training_split_is_cut_to_a_seeded_subset():
     assert len(a) == 100 and torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
     assert len(_Limited(dm, None, seed=0).eval_view("train")) == len(dm.train_set)
     assert RepresentationProbe(every_n_epochs=2).every == 2
+
+
+def test_a_ddp_run_gathers_its_features_and_every_rank_logs_rank_0s_numbers(tmp_path):
+    """trainer=ddp_cpu: each process extracts half of the images, rank 0 scores and hands the numbers on (a rank
+    that missed the gather would stall the run; one that logged others would show in its own metrics)."""
+    from tests.helpers import run_cli
+
+    probe = ["every_n_epochs=1", "max_train_images=301", "knn_k=[5]", "shots=[2]"]
+    r = run_cli(
+        "train", "trainer=ddp_cpu", "debug=limit", "progress_bar=none", "callbacks=representation",
+        *[f"callbacks.representation.{o}" for o in probe], f"hydra.run.dir={tmp_path}",
+        "+callbacks.ranks._target_=tests.test_representation.LoggedPerRank",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert 0.0 <= metrics["knn/top1"] <= 1.0 and 0.0 <= metrics["fewshot/2shot"] <= 1.0
+    per_rank = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("representation_rank*.json"))]
+    assert len(per_rank) == 2 and per_rank[0] == per_rank[1] and per_rank[0]["knn/top1"] == metrics["knn/top1"]
+
+
+class LoggedPerRank(L.Callback):
+    """Writes what this rank logged of the representation at the end of training (representation_rank<r>.json)."""
+
+    def on_train_end(self, trainer, pl_module):
+        logged = {k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith(("knn/", "fewshot/"))}
+        out = Path(trainer.default_root_dir) / f"representation_rank{trainer.global_rank}.json"
+        out.write_text(json.dumps(logged))

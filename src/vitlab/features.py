@@ -1,12 +1,18 @@
 """Frozen features of a split, extracted once and cached on disk for every evaluation that reads them (k-NN,
-few-shot: `vitlab.probes`).
+few-shot, linear: `vitlab.probes`).
 
 A split's images pass through the data module's evaluation transforms (no augmentation, the training split
-included) and the model's pooled pre-logits features (`forward_head(..., pre_logits=True)`: the class token or the
-pooled tokens after the final norm). The cache is `<dir>/<split>.npy` (float32, memory-mapped) and
-`<split>.labels.npy`, with `<split>.json` naming what they hold (the checkpoint's path, size and time, the split's
-size, the width) and how many rows are written: an extraction that stopped goes on from there, and a second task
-reads the file instead of running the model. `probe` runs vitlab.eval's task=knn|linear|fewshot on them. No
+included) and the model: by default its pooled pre-logits features (`forward_head(..., pre_logits=True)`: the class
+token or the pooled tokens after the final norm), or (`Layers`, through `forward_intermediates`) the class tokens of
+chosen blocks after the final norm, with or without the average patch token (DINOv2's linear-probe features). The
+cache is `<dir>/<split>.npy` (float32, memory-mapped; `<split>.<layers>.npy` for other layers) and
+`<split>.labels.npy`, with `<split>.json` naming what they hold (the weights, the split's size, the layers, the
+width) and how many rows are written: an extraction that stopped goes on from there, and a second task reads the
+file instead of running the model.
+
+Under torch.distributed (the processes Lightning starts: vitlab.eval with trainer=ddp_cpu, or a DDP training run)
+each process extracts every world-th image and rank 0 gathers them batch by batch into the original order: the same
+rows as one process, written once, by rank 0. `probe` runs vitlab.eval's task=knn|linear|fewshot on them. No
 Lightning, no Hydra.
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,42 +39,146 @@ def source_id(ckpt_path: str) -> dict[str, Any]:
     return {"ckpt": str(Path(ckpt_path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
+@dataclass(frozen=True)
+class Layers:
+    """Which features of an image: the pooled pre-logits features the head reads (`blocks` empty), or, through
+    `forward_intermediates`, the class tokens of `blocks` (absolute indices, ascending) after the final norm,
+    concatenated, then with `avgpool` the mean of the last of them's patch tokens (DINOv2's create_linear_input:
+    (B, len(blocks) * D [+ D]))."""
+
+    blocks: tuple[int, ...] = ()
+    avgpool: bool = False
+
+    @property
+    def name(self) -> str:
+        """The cache's name for them: '' for the pooled features (the split's own file), else 'blocks8-11+avgpool'."""
+        if not self.blocks:
+            return ""
+        b = self.blocks
+        run = len(b) > 1 and b == tuple(range(b[0], b[-1] + 1))
+        return "blocks" + (f"{b[0]}-{b[-1]}" if run else "_".join(map(str, b))) + ("+avgpool" if self.avgpool else "")
+
+    def dim(self, model) -> int:
+        return model.num_features * (max(1, len(self.blocks)) + int(self.avgpool))
+
+    def extract(self, model, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) images -> (B, dim) features."""
+        if not self.blocks:
+            return model.forward_head(model.forward_features(x), pre_logits=True)
+        out = model.forward_intermediates(x, list(self.blocks), return_prefix_tokens=True, norm=True, stop_early=True,
+                                          output_fmt="NLC", intermediates_only=True)  # fmt: skip
+        feats = [prefix[:, 0] for _, prefix in out]  # each block's class token, (B, D)
+        if self.avgpool:
+            feats.append(out[-1][0].mean(1))  # the last block's patch tokens (registers left out), averaged
+        return torch.cat(feats, dim=1)
+
+
+POOLED = Layers()
+
+
+def layers_of(model, blocks, avgpool: bool = False) -> Layers:
+    """`blocks` as the user gives them (None: the pooled features; an int or a list of block indices, negative from
+    the end) -> Layers, or a one-line UserError naming eval's `layers`."""
+    if blocks is None:
+        return POOLED
+    given, depth = blocks, len(model.blocks)
+    blocks = [blocks] if isinstance(blocks, int) else list(blocks)
+    bad = [b for b in blocks if not isinstance(b, int) or isinstance(b, bool) or not -depth <= b < depth]
+    if bad or not blocks:
+        raise UserError(f"layers={given} must be block indices from {-depth} to {depth - 1} (the model has {depth})")
+    if not model.cfg.class_token:
+        raise UserError(
+            f"layers={given} reads class tokens and the model has none (class_token=false); set layers=null"
+        )
+    return Layers(tuple(sorted({b % depth for b in blocks})), avgpool)
+
+
+def _world() -> tuple[int, int]:
+    """(rank, number of processes): those of torch.distributed's default group, where Lightning set one up."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
 @torch.no_grad()
 def split_features(
-    model: torch.nn.Module, datamodule, split: str, device: torch.device, cache: Path | None, source: dict
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(features (N, D) float32, labels (N,) int64) of `split`, from the cache where it holds them."""
+    model: torch.nn.Module,
+    datamodule,
+    split: str,
+    device: torch.device,
+    cache: Path | None,
+    source: dict,
+    layers: Layers = POOLED,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """(features (N, D) float32, labels (N,) int64) of `split`, from the cache where it holds them; in rank 0 only
+    where several processes share the work (every process of torch.distributed's group must call it; the others
+    get (None, None)). Rank 0 alone reads and writes the cache."""
     dataset = datamodule.eval_view(split)
-    n = len(dataset)
-    meta = {**source, "split": split, "n": n}
-    found = None
-    if cache is not None:
-        found = _read(cache, split, meta)
-        if found is not None and found[2] == n:
-            log.info("%s features: read from %s", split, cache)
+    n, (rank, world) = len(dataset), _world()
+    stem = f"{split}.{layers.name}" if layers.name else split
+    meta = {**source, "split": split, "n": n} | ({"layers": layers.name} if layers.name else {})
+    found = _read(cache, stem, meta) if cache is not None and rank == 0 else None
+    done = _from_rank0(found[2] if found is not None else 0, device, world)
+    if done == n:
+        if rank == 0:
+            log.info("%s features: read from %s", stem, cache)
             return torch.from_numpy(np.array(found[0])), torch.from_numpy(np.array(found[1]))
+        return None, None
     model.eval().to(device)
-    loader = datamodule._loader(dataset, train=False)
+    dim = layers.dim(model)
     feats = labels = None
-    done = found[2] if found is not None else 0
-    row = 0
-    for batch in loader:
-        b = len(batch[1])
-        if row + b <= done:  # written before the extraction stopped
-            row += b
+    if rank == 0:
+        feats, labels = found[:2] if found is not None and done else _open(cache, stem, n, dim, meta)
+    # Rank r takes rows done + r, done + r + world, ...: its i-th batch and the others' i-th make rows
+    # [start, start + batch * world) together, gathered and written in order by rank 0 (resumable there).
+    loader = datamodule._loader(dataset, train=False, sampler=range(done + rank, n, world))
+    batches, step = iter(loader), loader.batch_size * world
+    for start in range(done, n, step):
+        stop = min(n, start + step)
+        batch = next(batches, None)
+        if batch is None:  # this rank's share ended a batch before the others'
+            f, y = torch.zeros(0, dim, device=device), torch.zeros(0, dtype=torch.long, device=device)
+        else:
+            x, y = datamodule.device_transform(datamodule.transfer_batch_to_device(batch, device, 0), train=False)
+            f = layers.extract(model, x).float()
+        parts = _gather_to_rank0(f, y.to(device).long(), loader.batch_size, world)
+        if rank > 0:
             continue
-        x, y = datamodule.device_transform(datamodule.transfer_batch_to_device(batch, device, 0), train=False)
-        f = model.forward_head(model.forward_features(x), pre_logits=True).float().cpu().numpy()
-        if feats is None:
-            feats, labels = found[:2] if found is not None and done else _open(cache, split, n, f.shape[1], meta)
-        feats[row : row + b], labels[row : row + b] = f, y.cpu().numpy()
-        row += b
+        for r, (pf, py) in enumerate(parts):
+            count = len(range(start + r, stop, world))
+            feats[start + r : stop : world], labels[start + r : stop : world] = pf[:count], py[:count]
         if cache is not None:
             feats.flush(), labels.flush()
-            _write_meta(cache, split, {**meta, "dim": f.shape[1], "done": row})
+            _write_meta(cache, stem, {**meta, "dim": dim, "done": stop})
+    if rank > 0:
+        return None, None
     if cache is not None:
-        log.info("%s features: %d x %d, cached in %s", split, n, feats.shape[1], cache)
+        log.info("%s features: %d x %d, cached in %s", stem, n, dim, cache)
     return torch.from_numpy(np.array(feats)), torch.from_numpy(np.array(labels))
+
+
+def _from_rank0(value: int, device: torch.device, world: int) -> int:
+    """Rank 0's `value`, in every process."""
+    if world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    torch.distributed.broadcast(t, src=0)
+    return int(t.item())
+
+
+def _gather_to_rank0(f: torch.Tensor, y: torch.Tensor, batch: int, world: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every process's (features, labels) of a round, in rank 0, as numpy arrays (padded to `batch` rows on the
+    way: torch.distributed gathers equal shapes; the callers know each share's length); [] elsewhere."""
+    if world == 1:
+        return [(f.cpu().numpy(), y.cpu().numpy())]
+    rank = torch.distributed.get_rank()
+    pf, py = f.new_zeros(batch, f.shape[1]), y.new_zeros(batch)
+    pf[: len(f)], py[: len(y)] = f, y
+    out_f = [torch.empty_like(pf) for _ in range(world)] if rank == 0 else None
+    out_y = [torch.empty_like(py) for _ in range(world)] if rank == 0 else None
+    torch.distributed.gather(pf, out_f, dst=0)
+    torch.distributed.gather(py, out_y, dst=0)
+    return [(a.cpu().numpy(), b.cpu().numpy()) for a, b in zip(out_f, out_y, strict=True)] if rank == 0 else []
 
 
 def _read(cache: Path, split: str, meta: dict) -> tuple[np.ndarray, np.ndarray, int] | None:
@@ -101,39 +212,74 @@ def _write_meta(cache: Path, split: str, meta: dict) -> None:
 TASKS = ("test", "knn", "fewshot", "linear")
 
 
-def probe(cfg, model, datamodule) -> dict:
+def probe(cfg, model, datamodule, source: dict, cache: Path | None, device: torch.device) -> dict | None:
     """vitlab.eval's task=knn|linear|fewshot (`cfg`: eval's config) on the frozen features of the training split
-    and the test split (the validation split where the data has none), extracted once into the features cache and
-    read from there by later tasks."""
-    from vitlab.probes import fewshot_accuracy, knn_accuracy, linear_probe
-
+    and the test split (the validation split where the data has none), extracted once into the features cache `cache`
+    (None: none) and read from there by later tasks; `source` names the weights. Under several processes each
+    extracts its share, and rank 0 alone scores: the metrics there, None elsewhere."""
     if cfg.task not in TASKS:
         raise UserError(f"task {cfg.task!r} is not one of {list(TASKS)}")
-    ckpt = Path(cfg.ckpt_path)
-    cache = Path(cfg.features_dir) if cfg.features_dir else ckpt.resolve().parent.parent / "features" / ckpt.stem
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     split = "test" if getattr(datamodule, "test_set", None) is not None else "val"
     if cfg.task == "linear" and split == "val":
         raise UserError(
             "task=linear picks its learning rate on the validation split and needs a test split besides it: this data "
             "has none (for an image folder, data.val_fraction=0.01 validates on a slice of train and tests on val/)"
         )
-    args = (model, datamodule)
-    train, train_y = split_features(*args, "train", device, cache, source_id(cfg.ckpt_path))
-    test, test_y = split_features(*args, split, device, cache, source_id(cfg.ckpt_path))
-    k = datamodule.num_classes
-    if cfg.task == "linear":
-        val, val_y = split_features(*args, "val", device, cache, source_id(cfg.ckpt_path))
-        lp = cfg.linear
-        found = linear_probe(train, train_y, val, val_y, test, test_y, k, tuple(lp.lrs), lp.epochs, lp.batch_size,
-                             lp.seed)  # fmt: skip
-        metrics = {"linear/top1": found["test_acc"], "linear/val_top1": found["val_acc"], "linear/lr": found["lr"]}
-    elif cfg.task == "knn":
-        found = knn_accuracy(train, train_y, test, test_y, k, tuple(cfg.knn.k), cfg.knn.temperature)
-        metrics = {f"knn/top1_k{n}": acc for n, acc in found.items()}
-    else:
-        f = cfg.fewshot
-        found = fewshot_accuracy(train, train_y, test, test_y, k, tuple(f.shots), f.l2_reg, f.seed)
-        metrics = {f"fewshot/{n}shot": acc for n, acc in found.items()}
-    print(", ".join(f"{name} {v:.4f}" for name, v in metrics.items()) + f" (on the {split} split)", flush=True)
+    linear = cfg.task == "linear"
+    layers, views = linear_views(cfg, model) if linear else (layers_of(model, cfg.layers), None)
+    splits = ["train", "val", split] if linear else ["train", split]
+    feats = {s: split_features(model, datamodule, s, device, cache, source, layers) for s in splits}
+    if feats["train"][0] is None:  # not rank 0
+        return None
+    metrics = _score(cfg, feats, split, datamodule.num_classes, views)
+    shown = ", ".join(f"{name} {v:.4f}" if isinstance(v, float) else f"{name} {v}" for name, v in metrics.items())
+    print(f"{shown} (on the {split} split)", flush=True)
     return metrics | {"split": split, "features": str(cache)}
+
+
+def linear_views(cfg, model) -> tuple[Layers, dict]:
+    """task=linear's features: DINOv2's grid (linear.n_last_blocks x linear.avgpool: the class tokens of the last n
+    blocks, with or without the last block's average patch token), each a slice of one extraction (the class
+    tokens of the last max(n) blocks, then the average patch token); or, with linear.n_last_blocks=null, the one
+    set of features `layers` picks. Returns (what to extract, {name: the columns of each configuration})."""
+    lp = cfg.linear
+    if lp.n_last_blocks is None:
+        layers = layers_of(model, cfg.layers)
+        return layers, {layers.name or "pooled": slice(None)}
+    depth, width = len(model.blocks), model.num_features
+    ns, pools = ([v] if isinstance(v, (bool, int, str)) else list(v) for v in (lp.n_last_blocks, lp.avgpool))
+    if not ns or any(not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= depth for n in ns):
+        raise UserError(
+            f"linear.n_last_blocks={ns} must list block counts from 1 to {depth} (the model's depth), or be null to "
+            "probe the features `layers` picks"
+        )
+    if not pools or any(not isinstance(a, bool) for a in pools):
+        raise UserError(f"linear.avgpool={pools} must list true and/or false")
+    if not model.cfg.class_token:
+        raise UserError(
+            f"linear.n_last_blocks={ns} concatenates class tokens and the model has none (class_token=false); set "
+            "linear.n_last_blocks=null to probe its pooled features"
+        )
+    most = max(ns)
+    layers = layers_of(model, list(range(depth - most, depth)), any(pools))
+    views = {f"last{n}" + ("+avgpool" if a else ""): slice((most - n) * width, (most + a) * width)
+             for n in ns for a in pools}  # fmt: skip
+    return layers, views
+
+
+def _score(cfg, feats: dict, split: str, k: int, views: dict | None) -> dict:
+    from vitlab.probes import fewshot_accuracy, knn_accuracy, linear_grid
+
+    (train, train_y), (test, test_y) = feats["train"], feats[split]
+    if cfg.task == "linear":
+        (val, val_y), lp = feats["val"], cfg.linear
+        grid = {name: (train[:, cols], val[:, cols], test[:, cols]) for name, cols in views.items()}
+        found = linear_grid(grid, train_y, val_y, test_y, k, tuple(lp.lrs), lp.epochs, lp.batch_size, lp.seed)
+        return {"linear/top1": found["test_acc"], "linear/val_top1": found["val_acc"], "linear/lr": found["lr"],
+                "linear/features": found["features"]}  # fmt: skip
+    if cfg.task == "knn":
+        found = knn_accuracy(train, train_y, test, test_y, k, tuple(cfg.knn.k), cfg.knn.temperature)
+        return {f"knn/top1_k{n}": acc for n, acc in found.items()}
+    f = cfg.fewshot
+    found = fewshot_accuracy(train, train_y, test, test_y, k, tuple(f.shots), f.l2_reg, f.seed)
+    return {f"fewshot/{n}shot": acc for n, acc in found.items()}

@@ -126,3 +126,18 @@ def linear_probe(
         test_acc = (heads[best](test).argmax(1) == test_labels).float().mean().item()
     per_lr = dict(zip(lrs, val_acc, strict=True))
     return {"lr": lrs[best], "val_acc": val_acc[best], "test_acc": test_acc, "val_acc_per_lr": per_lr}
+
+
+def linear_grid(
+    views: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    train_labels, val_labels, test_labels, num_classes,
+    lrs=LINEAR_LRS, epochs: int = 10, batch_size: int = 256, seed: int = 0,
+) -> dict:  # fmt: skip
+    """DINOv2's grid over feature configurations x learning rates (eval/linear.py: n_last_blocks x avgpool x lr):
+    `views` maps a configuration's name to its (train, val, test) features; a linear_probe each, on the same
+    shuffles; the (configuration, learning rate) with the best validation accuracy is chosen (the first of equals,
+    in `views`' order), and only its test accuracy reported."""
+    found = {name: linear_probe(tr, train_labels, va, val_labels, te, test_labels, num_classes, lrs, epochs,
+                                batch_size, seed) for name, (tr, va, te) in views.items()}  # fmt: skip
+    best = max(found, key=lambda name: found[name]["val_acc"])
+    return found[best] | {"features": best, "val_acc_per_features": {k: v["val_acc"] for k, v in found.items()}}

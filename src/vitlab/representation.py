@@ -2,8 +2,9 @@
 being trained, every few epochs, logged beside val/acc (`knn/top1`, `fewshot/<n>shot`), so a run (a pretraining run
 above all) shows its features improving. The same classifiers as `vitlab.eval task=knn|fewshot` (vitlab.probes);
 the features are those of the training split (evaluation transforms, at most `max_train_images` of it) and of the
-validation split, extracted anew each time from the weights as they are. Every process extracts and scores the same
-images (the same numbers on every rank, nothing to gather), so the cost grows with the images, not the processes.
+validation split, extracted anew each time from the weights as they are. Under DDP every process extracts its share
+of the images and rank 0 gathers them (vitlab.features), scores, and hands the numbers to the others, so every rank
+logs the same values (a checkpoint or early stopping may monitor them).
 """
 
 from __future__ import annotations
@@ -40,7 +41,11 @@ class RepresentationProbe(L.Callback):
         dm, model, device = trainer.datamodule, pl_module.model, pl_module.device
         train, train_y = split_features(model, _Limited(dm, self.max_train, self.seed), "train", device, None, {})
         val, val_y = split_features(model, dm, "val", device, None, {})
-        k = dm.num_classes
+        metrics = None if train is None else self.score(train, train_y, val, val_y, dm.num_classes)  # rank 0's
+        metrics = trainer.strategy.broadcast(metrics, src=0)
+        pl_module.log_dict({name: torch.tensor(v) for name, v in metrics.items()}, sync_dist=False)
+
+    def score(self, train, train_y, val, val_y, k: int) -> dict[str, float]:
         metrics = {}
         if self.knn_k:
             knn = knn_accuracy(train, train_y, val, val_y, k, self.knn_k, self.temperature)
@@ -48,7 +53,7 @@ class RepresentationProbe(L.Callback):
         if self.shots:
             few = fewshot_accuracy(train, train_y, val, val_y, k, self.shots, self.l2_reg, self.seed)
             metrics |= {f"fewshot/{n}shot": acc for n, acc in few.items()}
-        pl_module.log_dict({name: torch.tensor(v) for name, v in metrics.items()}, sync_dist=False)
+        return metrics
 
 
 class _Limited:

@@ -291,7 +291,7 @@ def build_fit(
 def build_trainer(trainer_cfg: DictConfig, **kwargs: Any) -> L.Trainer:
     """The Lightning Trainer of the config. Lightning's own refusal of a setting becomes one line: a
     device request this machine cannot serve names what there is; any other names the setting."""
-    _check_devices(trainer_cfg)
+    check_devices(trainer_cfg)
     if (chosen := resolve_trainer(trainer_cfg)) and rank_zero_only.rank == 0:  # 'auto' is ours: Lightning's next
         log.info(chosen)
     check_node(trainer_cfg, "trainer")
@@ -311,7 +311,7 @@ def build_trainer(trainer_cfg: DictConfig, **kwargs: Any) -> L.Trainer:
         raise UserError(f"trainer: {text}") from cause
 
 
-def _check_devices(t: DictConfig) -> None:
+def check_devices(t: DictConfig) -> None:
     """Several devices with accelerator=auto on a machine without a GPU would start that many CPU processes, each
     as slow as the machine is small: say so, and how to ask for CPU processes on purpose."""
     devices = t.get("devices", 1)

@@ -1,8 +1,10 @@
 """python -m vitlab.eval ckpt_path=<file.ckpt> [data=<name>] [data.data_dir=<moved data>] [task=...]: test a
 checkpoint, write metrics.json (on the validation split, its metrics named val/, where the data has no test split).
-task=knn (DINOv2's weighted k-NN), task=linear (DINOv2's linear probe over a grid of learning rates, chosen on the
-validation split) and task=fewshot (big_vision's few-shot least squares) evaluate the frozen features instead
-(vitlab.probes), cached beside the checkpoint's run (<run>/features/<checkpoint>/).
+task=knn (DINOv2's weighted k-NN), task=linear (DINOv2's linear probe over a grid of feature configurations and
+learning rates, chosen on the validation split) and task=fewshot (big_vision's few-shot least squares) evaluate the
+frozen features instead (vitlab.probes), cached beside the checkpoint's run (<run>/features/<checkpoint>/), in the
+processes trainer=... asks for (trainer=ddp_cpu: 2). Without ckpt_path, model=<name> model.pretrained=<timm name>
+data=<name> evaluates timm's pretrained weights (vitlab/feature_eval.py).
 
 The model comes from the checkpoint's stored config; the data from `data=...` or, by default, the
 data config the checkpoint was trained with (same split, same transforms), with any `data.<key>=`
@@ -55,8 +57,10 @@ def check_classes(trained: list[str], data: list[str], ckpt_path: str) -> None:
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
-    from vitlab import run
+    from vitlab import feature_eval, run
 
+    if cfg.ckpt_path is None:  # model.pretrained=<timm name>: timm's weights, frozen features only
+        return write_metrics(cfg, feature_eval.probe_pretrained(cfg))
     module = run.load_for_inference(cfg.ckpt_path)
     mc = module.model.cfg
     data = data_config(cfg, module.hparams.get("data"), cfg.ckpt_path)
@@ -71,9 +75,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     datamodule.setup("test")
     check_classes(module.hparams.get("class_names") or [], getattr(datamodule, "class_names", []), cfg.ckpt_path)
     if cfg.task != "test":
-        from vitlab.features import probe
-
-        return write_metrics(cfg, probe(cfg, module.model, datamodule))
+        return write_metrics(cfg, feature_eval.probe_checkpoint(cfg, module.model, datamodule))
     bars, show_bar = run.progress_bar(cfg.progress_bar)
     trainer = run.build_trainer(
         cfg.trainer, logger=False, callbacks=bars, enable_progress_bar=show_bar, enable_checkpointing=False
@@ -86,8 +88,11 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     return write_metrics(cfg, {k: float(v) for k, v in metrics.items()})
 
 
-def write_metrics(cfg: DictConfig, metrics: dict) -> dict:
-    metrics = metrics | {"ckpt_path": str(cfg.ckpt_path)}
+def write_metrics(cfg: DictConfig, metrics: dict | None) -> dict:
+    if metrics is None:  # a process other than rank 0 of a frozen-feature task: rank 0 reports
+        return {}
+    weights = {"ckpt_path": str(cfg.ckpt_path)} if cfg.ckpt_path else {"pretrained": cfg.model.pretrained}
+    metrics = metrics | weights
     out = Path(cfg.paths.output_dir) / "metrics.json"
     out.write_text(json.dumps(metrics, indent=2))
     print(f"wrote {out}", flush=True)

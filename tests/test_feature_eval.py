@@ -1,0 +1,62 @@
+"""vitlab.eval's frozen-feature tasks on timm's pretrained weights, without a checkpoint (issue 23, point 2):
+`model.pretrained=<timm name>` ported into our ViT, its features cached under the name; offline, one line."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import run_cli
+from vitlab.errors import UserError
+
+NAME = "vit_tiny_patch16_224.augreg_in21k"
+ARGS = ["task=knn", "knn.k=[5]", "model=vit_ti16", f"model.pretrained={NAME}", "data=digits", "model.img_size=16"]
+
+
+def test_timm_pretrained_weights_are_evaluated_without_a_checkpoint(compose_cfg, tmp_path, monkeypatch):
+    """timm's download replaced by random weights of the same model (no network in tests): the cached features
+    are those timm's own model computes with them."""
+    import timm
+
+    import vitlab.convert.weights as cw
+    from vitlab import run
+    from vitlab.commands.eval import evaluate
+
+    reference = timm.create_model(NAME, pretrained=False, img_size=16, in_chans=1, num_classes=0).eval()
+    monkeypatch.setattr(cw, "timm_pretrained_state_dict", lambda source: reference.state_dict())
+    cfg = compose_cfg("eval", ARGS)
+    metrics = evaluate(cfg)
+    assert metrics["pretrained"] == NAME and 0.0 <= metrics["knn/top1_k5"] <= 1.0
+    cache = tmp_path / "outputs" / "features" / NAME  # <paths.log_dir>/features/<name>/
+    meta = json.loads((cache / "train.json").read_text())
+    assert meta["pretrained"] == NAME and meta["model"]["embed_dim"] == 192 and meta["data"]["mean"] == [0.5]
+    dm = run.build_datamodule(cfg.data)  # the data as evaluated: the weights' mean and std filled in
+    dm.setup("test")
+    x, _ = dm.device_transform(next(iter(dm._loader(dm.eval_view("train"), train=False))), train=False)
+    with torch.no_grad():
+        expected = reference.forward_head(reference.forward_features(x), pre_logits=True)
+    np.testing.assert_allclose(np.load(cache / "train.npy")[: len(x)], expected.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_pretrained_weights_offline_are_one_line_naming_them(tmp_path):
+    r = run_cli("eval", *ARGS, cwd=tmp_path, env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        f"error: cannot fetch timm weights '{NAME}': no network and not in the Hugging Face cache ({tmp_path / 'hf'}); "
+        "run once online, or give a local .safetensors/.pth file or a timm folder (local-dir:<folder>) instead"
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["task=knn"], "ckpt_path must be given: ckpt_path=<file.ckpt>, or timm's weights with model=<name>"),
+        (["task=test", "model=vit_ti16", f"model.pretrained={NAME}", "data=digits"], "task=test scores a checkpoint"),
+        (["task=knn", "model=vit_ti16", f"model.pretrained={NAME}"], "needs the data to evaluate on: data=<name>"),
+    ],
+)
+def test_what_pretrained_evaluation_needs_is_named(compose_cfg, overrides, message):
+    from vitlab.commands.eval import evaluate
+
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        evaluate(compose_cfg("eval", overrides))
