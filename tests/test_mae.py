@@ -96,6 +96,17 @@ def test_labels_are_never_read():
         )
 
 
+def test_compile_compiles_the_blocks_the_pretraining_step_runs():
+    tiny = ViTConfig(img_size=8, patch_size=2, in_chans=1, num_classes=0, embed_dim=16, depth=2, num_heads=2)
+    module = MAEModule(
+        model=tiny, compile=True, mae={"decoder_embed_dim": 8, "decoder_depth": 1, "decoder_num_heads": 2}
+    )
+    module.compile_blocks()
+    blocks = [*module.model.blocks, *module.decoder.decoder_blocks]
+    assert len(blocks) == 3 and all(b._compiled_call_impl is not None for b in blocks)
+    assert set(module.state_dict()) == set(MAEModule(model=tiny, mae=module.mae_cfg.__dict__).state_dict())
+
+
 def test_an_unlabeled_folder_pretrains_and_is_refused_for_classification(tmp_path):
     from PIL import Image
 

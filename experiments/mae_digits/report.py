@@ -29,6 +29,34 @@ def mean_sd(values: list[float]) -> str:
     return f"{statistics.mean(values):.4f} ({statistics.stdev(values):.4f})" if len(values) > 1 else f"{values[0]:.4f}"
 
 
+def curve(csv_path: Path, out: Path) -> None:
+    """k-NN and 10-shot accuracy on the validation split (callbacks=representation) and the validation loss, by
+    epoch of one pretraining run."""
+    import csv
+
+    rows = list(csv.DictReader(csv_path.open()))
+    probes = [
+        (int(r["epoch"]) + 1, float(r["knn/top1"]), float(r["fewshot/10shot"])) for r in rows if r.get("knn/top1")
+    ]
+    losses = [(int(r["epoch"]) + 1, float(r["val/loss"])) for r in rows if r.get("val/loss")]
+    print("\n| epoch | val/loss | knn/top1 (k 20, val) | fewshot/10shot (val) |\n|---|---|---|---|")
+    by_epoch = dict(losses)
+    for epoch, knn, few in probes:
+        print(f"| {epoch} | {by_epoch.get(epoch, float('nan')):.4f} | {knn:.4f} | {few:.4f} |")
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.plot([e for e, *_ in probes], [k for _, k, _ in probes], "o-", label="k-NN top-1 (val)")
+    ax.plot([e for e, *_ in probes], [f for *_, f in probes], "s-", label="10-shot (val)")
+    ax.set(xlabel="pretraining epoch", ylabel="accuracy", ylim=(0, 1), title="seed 1 while MAE pretrains")
+    ax2 = ax.twinx()
+    ax2.plot([e for e, _ in losses], [v for _, v in losses], color="tab:gray", lw=1, label="val/loss")
+    ax2.set_ylabel("reconstruction loss (val)")
+    ax.legend(fontsize=8, loc="center right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    print(f"wrote {out}")
+
+
 def main(root: Path) -> None:
     seeds = sorted(root.glob("seed*"), key=lambda p: int(p.name[4:]))
     probes = {(e, t): [read(s / f"{e}_{t}")[PROBES[t][0]] for s in seeds] for e in ENCODERS for t in PROBES}
@@ -87,6 +115,8 @@ def main(root: Path) -> None:
     out = Path(__file__).with_name("mae_digits.png")
     fig.savefig(out, dpi=100)
     print(f"\nwrote {out}")
+    if found := sorted(root.glob("curve/csv/metrics.csv")):
+        curve(found[0], Path(__file__).with_name("representation.png"))
 
 
 if __name__ == "__main__":

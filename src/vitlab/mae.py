@@ -61,7 +61,15 @@ class MAEModule(ViTModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
+        if self.compile_mode and stage == "fit":
+            self.compile_blocks()
         self.train_flops_per_image = 3 * flops_per_image(self.model.cfg, self.mae_cfg)  # forward + backward
+
+    def compile_blocks(self) -> None:
+        """compile=true: the pretraining step never calls the ViT's forward (which the classifier compiles), so each
+        encoder and decoder block is compiled in place instead (the repeated region; state-dict keys unchanged)."""
+        for block in [*self.model.blocks, *self.decoder.decoder_blocks]:
+            block.compile(mode=self.compile_mode)
 
     def reconstruct(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, predicted pixels (B, N, ph * pw * C), mask (B, N), 1 = removed) of a batch."""
