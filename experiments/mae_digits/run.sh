@@ -20,10 +20,15 @@ for s in $SEEDS; do
   [ -f $D/finetune/metrics.json ] || $PY -m vitlab.train $CLASSIFY seed=$s model.pretrained=$MAE hydra.run.dir=$D/finetune
   for enc in mae random scratch; do
     for task in knn linear fewshot; do
-      [ -f $D/${enc}_$task/metrics.json ] || $PY -m vitlab.eval ckpt_path=$(best $D/$enc) task=$task hydra.run.dir=$D/${enc}_$task
+      # linear: 300 passes over the 1,257 training digits (1,500 steps of 256; eval.yaml's 10 suit ImageNet's size)
+      [ -f $D/${enc}_$task/metrics.json ] || $PY -m vitlab.eval ckpt_path=$(best $D/$enc) task=$task linear.epochs=300 \
+        hydra.run.dir=$D/${enc}_$task
     done
   done
 done
-$PY -m vitlab.visualize ckpt_path=$(best $OUT/seed1/mae) num_images=8 hydra.run.dir=$OUT/visualize
+# Seed 1's pretraining again, its representation measured on the validation split every 10 epochs.
+[ -f $OUT/curve/metrics.json ] || $PY -m vitlab.train experiment=mae_pretrain_digits seed=1 progress_bar=none \
+  callbacks=representation callbacks.representation.every_n_epochs=10 hydra.run.dir=$OUT/curve
+[ -d $OUT/visualize ] || $PY -m vitlab.visualize ckpt_path=$(best $OUT/seed1/mae) num_images=8 hydra.run.dir=$OUT/visualize
 cp $OUT/visualize/mae_reconstructions.png experiments/mae_digits/reconstructions.png
 $PY experiments/mae_digits/report.py $OUT
