@@ -88,7 +88,8 @@ def loaders(dm, data_cfg: DictConfig, shards: str | None = None, policies: tuple
     }
     if shards:
         same = OmegaConf.to_container(data_cfg, resolve=True)
-        same.pop("check_images", None)  # a folder's setting: the shards' images were all decoded when packed
+        same.pop("check_images", None)  # a folder's settings: the shards' images were all decoded when packed,
+        same.pop("unlabeled", None)  # and labelled by their class folders
         streaming = run.build_datamodule(
             OmegaConf.merge(
                 same,
