@@ -340,8 +340,12 @@ class ViTModule(L.LightningModule):
         self._log_epoch("test")
 
     # ---- optimisation ----------------------------------------------------------------------------
+    def optimized(self) -> nn.Module:
+        """What the optimizer's groups are built over (the network; MAE adds its decoder)."""
+        return self.model
+
     def configure_optimizers(self):
-        optimizer = make_optimizer(self.model, self.optim)
+        optimizer = make_optimizer(self.optimized(), self.optim)
         total = max(1, int(self.trainer.estimated_stepping_batches))
         # Counting the steps builds the train loader before a checkpoint's loader position is restored,
         # and fit then never applies that position (Lightning-AI/pytorch-lightning#20550, open): drop the

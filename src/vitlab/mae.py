@@ -75,22 +75,15 @@ class MAEModule(ViTModule):
         """(loss, predicted pixels (B, N, ph * pw * C), mask (B, N), 1 = removed) of a batch."""
         return mae_forward(self.model, self.decoder, images, self.mae_cfg)
 
-    def _step(self, stage: str, batch) -> torch.Tensor:
-        loss = self.reconstruct(batch[0])[0]
-        m = getattr(self, f"{stage}_metrics")["loss"]
-        m.update(loss.detach(), weight=torch.full((), len(batch[0]), dtype=loss.dtype, device=loss.device))
-        return loss
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        loss = self._step("train", batch)
-        log_step = (self.global_step + 1) % self.trainer.log_every_n_steps == 0
-        self._check_finite(loss, now=log_step)
-        if log_step:
-            self.log("train/loss_step", loss.detach().float().cpu(), prog_bar=True)
-        return loss
+    # The classifier's training step runs as it is (the finite-loss check, the running mean, the step's log) with
+    # this loss in place of the labels'; validation and testing measure the same loss.
+    def loss(self, x: torch.Tensor, y: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        """The batch's reconstruction loss (labels unread; no logits)."""
+        return self.reconstruct(x)[0], None
 
     def validation_step(self, batch, batch_idx: int) -> None:
-        self._step("val", batch)
+        x, y = batch
+        self._update("val", self.loss(x)[0], None, y)
 
     def on_validation_epoch_end(self) -> None:
         values = self._log_epoch("val")
@@ -99,17 +92,13 @@ class MAEModule(ViTModule):
             self.log("val/loss_best", self.val_loss_best.compute(), prog_bar=True, sync_dist=True)
 
     def test_step(self, batch, batch_idx: int) -> None:
-        self._step("test", batch)
+        x, y = batch
+        self._update("test", self.loss(x)[0], None, y)
 
-    def configure_optimizers(self):
-        # The decoder trains with the encoder: the optimizer's groups are built over both (no weight decay on
-        # norms, biases, tokens, position embeddings), as MAE's param_groups_weight_decay does.
-        joint = _Joint(self.model, self.decoder)
-        original, self.model = self.model, joint
-        try:
-            return super().configure_optimizers()
-        finally:
-            self.model = original
+    def optimized(self) -> nn.Module:
+        """The decoder trains with the encoder: the optimizer's groups are built over both (no weight decay on
+        norms, biases, tokens, position embeddings), as MAE's param_groups_weight_decay does."""
+        return _Joint(self.model, self.decoder)
 
 
 class _Joint(nn.Module):

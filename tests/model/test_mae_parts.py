@@ -105,9 +105,9 @@ def test_the_decoder_has_maes_parameter_names():
 @pytest.mark.parametrize(
     "values,message",
     [
-        ({"mask_ratio": 1.0}, "mae.mask_ratio 1.0 must be between 0 and 1"),
+        ({"mask_ratio": 1.0}, r"mae.mask_ratio 1.0 must be in \(0, 1\)"),
         ({"decoder_embed_dim": 10, "decoder_num_heads": 4}, "mae.decoder_embed_dim 10 is not divisible"),
-        ({"decoder_depht": 2}, "mae.decoder_depht is not a setting"),
+        ({"decoder_depht": 2}, r"unknown mae key\(s\) \['decoder_depht'\]"),
     ],
 )
 def test_bad_settings_are_one_line(values, message):

@@ -25,6 +25,7 @@ from vitlab.model.config import ViTConfig
 from vitlab.model.layers import random_order
 from vitlab.model.posemb import posemb_sincos_2d
 from vitlab.model.vit import ViT
+from vitlab.settings import check_range, from_mapping
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,7 @@ class MAEConfig:
     decoder_num_heads: int = 16
 
     def __post_init__(self):
-        if not 0 < self.mask_ratio < 1:
-            raise UserError(f"mae.mask_ratio {self.mask_ratio} must be between 0 and 1 (exclusive)")
+        check_range("mae.mask_ratio", self.mask_ratio, 0, 1, low_open=True, high_open=True)
         for key in ("decoder_embed_dim", "decoder_depth", "decoder_num_heads"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -52,11 +52,7 @@ class MAEConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> MAEConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values or {}) - names)
-        if unknown:
-            raise UserError(f"mae.{unknown[0]} is not a setting; the settings are {sorted(names)}")
-        return cls(**dict(values or {}))
+        return from_mapping(cls, values, "mae")
 
     def kept(self, num_patches: int) -> int:
         """How many patches the encoder sees: round((1 - mask_ratio) * N), at least one."""
