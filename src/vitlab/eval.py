@@ -1,6 +1,108 @@
-"""`python -m vitlab.eval`, as it is typed: the command is vitlab/commands/eval.py."""
+"""python -m vitlab.eval ckpt_path=<file.ckpt> [data=<name>] [data.data_dir=<moved data>] [task=...]: test a
+checkpoint, write metrics.json (on the validation split, its metrics named val/, where the data has no test split).
+task=knn (DINOv2's weighted k-NN), task=linear (DINOv2's linear probe over a grid of feature configurations and
+learning rates, chosen on the validation split) and task=fewshot (big_vision's few-shot least squares) evaluate the
+frozen features instead (vitlab.probes), cached beside the checkpoint's run (<run>/features/<checkpoint>/), in the
+processes trainer=... asks for (trainer=ddp_cpu: 2). Without ckpt_path, model=<name> model.pretrained=<timm name>
+data=<name> evaluates timm's pretrained weights (vitlab/feature_eval.py).
 
-from vitlab.commands.eval import main
+The model comes from the checkpoint's stored config; the data from `data=...` or, by default, the
+data config the checkpoint was trained with (same split, same transforms), with any `data.<key>=`
+given on the command line on top (data that moved: `data.data_dir=...`). The class names the
+checkpoint was trained on must be the data's, in the same order.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from vitlab.app import entry_point
+from vitlab.errors import UserError
+
+
+def data_config(cfg: DictConfig, stored: dict | None, ckpt_path: str) -> DictConfig:
+    """The data group to test on: a chosen `data=<name>`, or the checkpoint's own with the non-null
+    `data.<key>` overrides of the command line applied."""
+    if "_target_" in cfg.data:
+        return cfg.data
+    if not stored or "_target_" not in stored:
+        raise UserError(f"checkpoint {ckpt_path!r} stores no data config; choose one with data=<name>")
+    overrides = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if v is not None}
+    unknown = sorted(set(overrides) - set(stored))
+    if unknown:
+        raise UserError(
+            f"data.{unknown[0]} is not a setting of the checkpoint's data ({stored['_target_']}); "
+            f"its settings: {sorted(k for k in stored if not k.startswith('_'))}"
+        )
+    return OmegaConf.create({**stored, **overrides})
+
+
+def check_classes(trained: list[str], data: list[str], ckpt_path: str) -> None:
+    """Labels are indices: a folder whose classes are named or ordered differently would be scored
+    against the wrong classes."""
+    if trained and data and list(trained) != list(data):
+        diff = (
+            next(i for i, (a, b) in enumerate(zip(trained, data, strict=False)) if a != b)
+            if (len(trained) == len(data))
+            else min(len(trained), len(data))
+        )
+        raise UserError(
+            f"the data's classes {data[:5]}{'...' if len(data) > 5 else ''} are not the {len(trained)} classes "
+            f"checkpoint {ckpt_path!r} was trained on {trained[:5]}{'...' if len(trained) > 5 else ''} "
+            f"(first difference at index {diff}); evaluate on data with the same class folders"
+        )
+
+
+def evaluate(cfg: DictConfig) -> dict[str, float]:
+    from vitlab import feature_eval, run
+
+    if cfg.ckpt_path is None:  # model.pretrained=<timm name>: timm's weights, frozen features only
+        return write_metrics(cfg, feature_eval.probe_pretrained(cfg))
+    module = run.load_for_inference(cfg.ckpt_path)
+    mc = module.model.cfg
+    data = data_config(cfg, module.hparams.get("data"), cfg.ckpt_path)
+    with open_dict(data):  # images are prepared at the size the checkpoint's model takes
+        data.img_size = mc.to_dict()["img_size"]  # an int, or [height, width]
+    datamodule = run.build_datamodule(data)
+    if mc.in_chans != datamodule.channels or mc.num_classes not in (0, datamodule.num_classes):  # 0: an encoder
+        raise UserError(
+            f"checkpoint expects {mc.num_classes} classes and {mc.in_chans} channels, but the data has "
+            f"{datamodule.num_classes} classes and {datamodule.channels} channels"
+        )
+    datamodule.setup("test")
+    check_classes(module.hparams.get("class_names") or [], getattr(datamodule, "class_names", []), cfg.ckpt_path)
+    if cfg.task != "test":
+        return write_metrics(cfg, feature_eval.probe_checkpoint(cfg, module.model, datamodule))
+    bars, show_bar = run.progress_bar(cfg.progress_bar)
+    trainer = run.build_trainer(
+        cfg.trainer, logger=False, callbacks=bars, enable_progress_bar=show_bar, enable_checkpointing=False
+    )
+    if getattr(datamodule, "test_set", True) is None:  # no test split: the validation split, named so
+        print("the data has no test split: evaluating on its validation split (val/ metrics)", flush=True)
+        (metrics,) = trainer.validate(module, datamodule=datamodule)
+    else:
+        (metrics,) = trainer.test(module, datamodule=datamodule)
+    return write_metrics(cfg, {k: float(v) for k, v in metrics.items()})
+
+
+def write_metrics(cfg: DictConfig, metrics: dict | None) -> dict:
+    if metrics is None:  # a process other than rank 0 of a frozen-feature task: rank 0 reports
+        return {}
+    weights = {"ckpt_path": str(cfg.ckpt_path)} if cfg.ckpt_path else {"pretrained": cfg.model.pretrained}
+    metrics = metrics | weights
+    out = Path(cfg.paths.output_dir) / "metrics.json"
+    out.write_text(json.dumps(metrics, indent=2))
+    print(f"wrote {out}", flush=True)
+    return metrics
+
+
+@entry_point("eval")
+def main(cfg: DictConfig) -> dict[str, float]:
+    return evaluate(cfg)
+
 
 if __name__ == "__main__":
     main()

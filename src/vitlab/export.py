@@ -1,6 +1,58 @@
-"""`python -m vitlab.export`, as it is typed: the command is vitlab/commands/export.py."""
+"""python -m vitlab.export ckpt_path=<file.ckpt> [format=onnx|pt2] [output=<file>]: a checkpoint's model as
+an ONNX file (for onnxruntime, TensorRT, ...) or a torch.export program (.pt2), with a dynamic batch, and a
+dynamic height and width when the model was built with dynamic_img_size.
 
-from vitlab.commands.export import main
+The file is checked before it is put in place: run by onnxruntime (or reloaded) and compared with the
+PyTorch model on several input shapes; over `atol` it is refused and nothing is written. What the model
+expects of its input (size, mean, std, eval crop) and the class names go into the file's metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from vitlab.app import entry_point
+from vitlab.errors import UserError
+
+
+def export(cfg: DictConfig) -> dict:
+    from vitlab import run
+    from vitlab.convert.export import FORMATS, export
+    from vitlab.launch import check_writable
+
+    if f".{cfg.format}" not in FORMATS:
+        raise UserError(f"format {cfg.format!r} is not one of {sorted(FORMATS.values())}")
+    out = Path(cfg.output) if cfg.output else Path(cfg.paths.output_dir) / f"model.{cfg.format}"
+    if out.suffix != f".{cfg.format}":
+        raise UserError(f"output {str(out)!r} must end in .{cfg.format} for format={cfg.format}")
+    if out.exists() and not cfg.overwrite:
+        raise UserError(f"output {str(out)!r} exists; choose another output or set overwrite=true")
+    check_writable(out.parent, "output", out)  # before the minutes of exporting and checking
+    module = run.load_for_inference(cfg.ckpt_path)
+    model, data = module.model, run.inference_datamodule(module, cfg.ckpt_path)
+    preprocessing = {
+        "input_size": [model.cfg.in_chans, *model.cfg.img_hw],
+        "mean": list(data.mean),
+        "std": list(data.std),
+        "eval_transform": module.hparams["data"].get("eval_transform"),
+        "dynamic_img_size": model.cfg.dynamic_img_size,
+    }
+    metadata = {"preprocessing": preprocessing, "class_names": module.hparams.get("class_names")}
+    report = export(model.float(), out, atol=cfg.atol, metadata=metadata)
+    report["ckpt_path"] = str(cfg.ckpt_path)
+    (Path(cfg.paths.output_dir) / "export.json").write_text(json.dumps(report, indent=2))
+    shapes = ", ".join("x".join(map(str, c["input_shape"])) for c in report["checks"])
+    print(f"wrote {out} ({cfg.format}); checked on inputs {shapes}: max |diff| {report['max_abs_diff']:.2g}")
+    return report
+
+
+@entry_point("export")
+def main(cfg: DictConfig) -> dict:
+    return export(cfg)
+
 
 if __name__ == "__main__":
     main()

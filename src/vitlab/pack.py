@@ -1,6 +1,31 @@
-"""`python -m vitlab.pack`, as it is typed: the command is vitlab/commands/pack.py."""
+"""python -m vitlab.pack data=<name> data.data_dir=<where> out=<folder>: every split of a dataset as LitData
+shards (data/pack.py), which `data=streaming data.data_dir=<folder or s3://...>` trains on. The image files' bytes
+are kept as they are, the labels and class names come along; a file that cannot be decoded is named in one line
+and nothing is left behind; an existing `out` is replaced only with overwrite=true."""
 
-from vitlab.commands.pack import main
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from vitlab.app import entry_point
+
+
+@entry_point("pack")
+def main(cfg: DictConfig) -> dict:
+    from vitlab import run
+    from vitlab.data.pack import pack
+
+    datamodule = run.build_datamodule(cfg.data)
+    datamodule.setup("fit")
+    out = Path(cfg.out).absolute()
+    info = pack(datamodule, out, overwrite=cfg.overwrite, workers=cfg.workers, chunk_bytes=cfg.chunk_bytes)
+    sizes = ", ".join(f"{name} {n:,}" for name, n in info["splits"].items())
+    print(f"packed {sizes} images of {len(info['class_names'])} classes into {out}", flush=True)
+    print(f"train on them: python -m vitlab.train data=streaming data.data_dir={out}", flush=True)
+    return info
+
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,54 @@
-"""`python -m vitlab.visualize`, as it is typed: the command is vitlab/commands/visualize.py."""
+"""python -m vitlab.visualize [ckpt_path=<ckpt>] [image=<file>] [run_dir=<run>]: PNG figures.
 
-from vitlab.commands.visualize import main
+- ckpt_path + image: the patch grid over the image, the last block's class-token attention per
+  head, and attention rollout over all blocks (Abnar & Zuidema 2020), overlaid on the image;
+- ckpt_path: the cosine similarity of each patch's position embedding with all others (ViT paper,
+  Figure 7) and the principal components of the patch-embedding filters (Figure 7, left);
+- ckpt_path of an MAE pretraining run (objective=mae): its reconstructions of `num_images` test images (original,
+  masked input, prediction, prediction with the visible patches);
+- run_dir: the learning curves (loss, accuracy, learning rate) from the run's CSV log.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from vitlab.app import entry_point
+from vitlab.errors import UserError
+
+
+@entry_point("visualize")
+def main(cfg: DictConfig) -> None:
+    from vitlab import run
+    from vitlab.data.images import read_image
+    from vitlab.figures import plot_attention, plot_embeddings, plot_learning_curves, plot_reconstructions
+    from vitlab.mae import MAEModule
+
+    if not (cfg.run_dir or cfg.ckpt_path):
+        raise UserError("give ckpt_path=<checkpoint> [image=<file>] and/or run_dir=<training run directory>")
+    if cfg.image and not cfg.ckpt_path:
+        raise UserError("image=... needs ckpt_path=<checkpoint> of the model to look inside")
+    out = Path(cfg.paths.output_dir)
+    written = []
+    if cfg.ckpt_path:
+        module = run.load_for_inference(cfg.ckpt_path).eval()
+        img = read_image(cfg.image, module.model.cfg.in_chans) if cfg.image else None  # before any figure
+        written += plot_embeddings(module.model, out).values()
+        if img is not None:
+            dm = run.inference_datamodule(module, cfg.ckpt_path)
+            x = dm.predict_tensor(img)
+            written += plot_attention(module.model, x, dm.mean, dm.std, out).values()
+        if isinstance(module, MAEModule):
+            dm = run.inference_datamodule(module, cfg.ckpt_path)
+            x = dm.first_images("test", cfg.num_images)
+            written.append(plot_reconstructions(module, x, dm.mean, dm.std, out / "mae_reconstructions.png"))
+    if cfg.run_dir:
+        written.append(plot_learning_curves(cfg.run_dir, out / "learning_curves.png"))
+    for path in written:
+        print(f"wrote {path}")
+
 
 if __name__ == "__main__":
     main()
