@@ -38,7 +38,7 @@ def compose_cfg(tmp_path):
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    from vitlab.configs import config_dir, register_resolvers
+    from vitlab.cli.config_tree import config_dir, register_resolvers
 
     register_resolvers()
 

@@ -1,11 +1,11 @@
-"""vitlab.atomic: what a killed or failed write leaves behind."""
+"""vitlab.utils.atomic: what a killed or failed write leaves behind."""
 
 import os
 import subprocess
 import sys
 
-from vitlab.atomic import remove_stale_temporaries
-from vitlab.plugins import AtomicCheckpointIO
+from vitlab.utils.atomic import remove_stale_temporaries
+from vitlab.training.checkpoint_io import AtomicCheckpointIO
 
 
 def test_temporaries_of_killed_saves_are_removed_and_live_ones_kept(tmp_path):

@@ -12,7 +12,7 @@ from tests.helpers import run_cli, tiny
 from vitlab.benchmark.config import BenchmarkConfig
 from vitlab.benchmark.measure import MB, peak_matmul_flops, step_peak_bytes, tensor_bytes
 from vitlab.benchmark.models import Contender, build_contenders
-from vitlab.optim import OptimConfig
+from vitlab.training.optim import OptimConfig
 
 # A 32-px ViT with 4 blocks: 16 patches + class token.
 TINY = [

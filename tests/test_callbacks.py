@@ -5,9 +5,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from vitlab.callbacks import LastCheckpoint
-from vitlab.errors import UserError
-from vitlab.plugins import AtomicCheckpointIO
+from vitlab.training.callbacks import LastCheckpoint
+from vitlab.utils.errors import UserError
+from vitlab.training.checkpoint_io import AtomicCheckpointIO
 
 
 def test_atomic_checkpoint_round_trip_and_overwrite(tmp_path):
@@ -115,7 +115,7 @@ def test_throughput_is_read_once_per_logging_interval(tmp_path, accumulate):
     from lightning.pytorch.loggers import CSVLogger
     from torch.utils.data import DataLoader, TensorDataset
 
-    from vitlab.callbacks import Throughput
+    from vitlab.training.callbacks import Throughput
 
     data = DataLoader(TensorDataset(torch.randn(24, 2), torch.zeros(24)), batch_size=2)  # 12 batches an epoch
     module = _Scored([0.1, 0.2])
@@ -149,7 +149,7 @@ def test_ema_warmup_decay_is_timms():
     """callbacks.ema.warmup: the decay of each update is timm's ModelEmaV3.get_decay at the same optimizer step."""
     from timm.utils.model_ema import ModelEmaV3
 
-    from vitlab.callbacks import EMA
+    from vitlab.training.callbacks import EMA
 
     net = torch.nn.Linear(2, 2)
     for gamma, power in ((1.0, 2 / 3), (10.0, 0.75)):
@@ -167,7 +167,7 @@ def test_ema_updates_equal_timms_model_ema(tmp_path):
     from timm.utils.model_ema import ModelEmaV3
     from torch.optim.swa_utils import AveragedModel
 
-    from vitlab.callbacks import EMA
+    from vitlab.training.callbacks import EMA
 
     torch.manual_seed(0)
     net = torch.nn.Linear(4, 3)
@@ -192,7 +192,7 @@ def test_ema_is_validated_beside_the_raw_weights_and_the_checkpoint_keeps_the_ch
     the raw weights, so both validations agree exactly: the EMA's is measured on the same batches."""
     import json
 
-    from vitlab.commands.train import train
+    from vitlab.train import train
 
     base = ["debug=limit", "progress_bar=none", "callbacks=ema", f"callbacks.model_checkpoint.monitor={monitor}"]
     train(compose_cfg("train", [*base, "callbacks.ema.decay=0.9", "callbacks.ema.warmup=true"]))

@@ -7,11 +7,11 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from vitlab.configs import config_dir
-from vitlab.lit_module import ViTModule
-from vitlab.mae import MAEModule
+from vitlab.cli.config_tree import config_dir
+from vitlab.training.module import ViTModule
+from vitlab.training.mae import MAEModule
 from vitlab.model.config import vit_config
-from vitlab.run import build_trainer
+from vitlab.training.build import build_trainer
 
 CONF = config_dir()
 
@@ -248,7 +248,7 @@ def test_data_transform_settings_are_the_dataclass_fields(data):
 
 def test_benchmark_yaml_and_dataclass_are_one_source_of_defaults():
     from vitlab.benchmark.config import BenchmarkConfig
-    from vitlab.settings import to_dict
+    from vitlab.utils.checks import to_dict
 
     yaml_defaults = OmegaConf.to_container(OmegaConf.load(CONF / "benchmark.yaml"))["benchmark"]
     defaults = to_dict(BenchmarkConfig())
@@ -260,7 +260,7 @@ def test_benchmark_yaml_and_dataclass_are_one_source_of_defaults():
 @pytest.mark.parametrize("scheduler", options("scheduler"))
 def test_optim_and_scheduler_configs(compose_cfg, optim, scheduler):
     """Every optimizer and schedule of conf/ builds through the module and steps."""
-    from vitlab.optim import make_optimizer, make_scheduler
+    from vitlab.training.optim import make_optimizer, make_scheduler
 
     cfg = compose_cfg("train", [f"optim={optim}", f"scheduler={scheduler}"])
     module = ViTModule(

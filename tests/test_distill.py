@@ -1,4 +1,4 @@
-"""vitlab.distill: DeiT's distillation. The losses against timm's TokenDistillationTask (hard: equal; soft: DeiT
+"""vitlab.training.distillation: DeiT's distillation. The losses against timm's TokenDistillationTask (hard: equal; soft: DeiT
 divides by the logits' count, timm by the batch), the teacher's preprocessing, and distillation from a vitlab
 teacher on digits end to end."""
 
@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from tests.helpers import tiny
-from vitlab.distill import DistillConfig, Teacher, distillation_loss, load_teacher
-from vitlab.errors import UserError
+from vitlab.training.distillation import DistillConfig, Teacher, distillation_loss, load_teacher
+from vitlab.utils.errors import UserError
 from vitlab.model import ViT
 
 
@@ -85,7 +85,7 @@ def test_a_timm_teacher_by_name_and_the_settings_checks():
 def test_distillation_from_a_vitlab_teacher_trains_on_digits(compose_cfg, tmp_path):
     """A teacher trained on digits, then a distilled student (token, hard) and a plain one (logits, soft) learning
     from its checkpoint; the teacher is not part of the student's checkpoint. A teacher of other classes is refused."""
-    from vitlab.commands.train import train
+    from vitlab.train import train
 
     base = ["debug=limit", "progress_bar=none", "callbacks=default"]
     train(compose_cfg("train", base, output_dir=tmp_path / "teacher"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import run_cli
-from vitlab.errors import UserError
+from vitlab.utils.errors import UserError
 
 NAME = "vit_tiny_patch16_224.augreg_in21k"
 ARGS = ["task=knn", "knn.k=[5]", "model=vit_ti16", f"model.pretrained={NAME}", "data=digits", "model.img_size=16"]
@@ -20,8 +20,8 @@ def test_timm_pretrained_weights_are_evaluated_without_a_checkpoint(compose_cfg,
     import timm
 
     import vitlab.convert.weights as cw
-    from vitlab import run
-    from vitlab.commands.eval import evaluate
+    from vitlab.training import build
+    from vitlab.eval import evaluate
 
     reference = timm.create_model(NAME, pretrained=False, img_size=16, in_chans=1, num_classes=0).eval()
     monkeypatch.setattr(cw, "timm_pretrained_state_dict", lambda source: reference.state_dict())
@@ -31,7 +31,7 @@ def test_timm_pretrained_weights_are_evaluated_without_a_checkpoint(compose_cfg,
     cache = tmp_path / "outputs" / "features" / NAME  # <paths.log_dir>/features/<name>/
     meta = json.loads((cache / "train.json").read_text())
     assert meta["pretrained"] == NAME and meta["model"]["embed_dim"] == 192 and meta["data"]["mean"] == [0.5]
-    dm = run.build_datamodule(cfg.data)  # the data as evaluated: the weights' mean and std filled in
+    dm = build.build_datamodule(cfg.data)  # the data as evaluated: the weights' mean and std filled in
     dm.setup("test")
     x, _ = dm.device_transform(next(iter(dm._loader(dm.eval_view("train"), train=False))), train=False)
     with torch.no_grad():
@@ -56,7 +56,7 @@ def test_pretrained_weights_offline_are_one_line_naming_them(tmp_path):
     ],
 )
 def test_what_pretrained_evaluation_needs_is_named(compose_cfg, overrides, message):
-    from vitlab.commands.eval import evaluate
+    from vitlab.eval import evaluate
 
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         evaluate(compose_cfg("eval", overrides))

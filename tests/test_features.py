@@ -1,4 +1,4 @@
-"""vitlab.features (issue 23, point 2): any block's features through forward_intermediates, DINOv2's linear-probe
+"""vitlab.evaluation.features (issue 23, point 2): any block's features through forward_intermediates, DINOv2's linear-probe
 inputs, and the features of a split extracted by several DDP processes: the rows one process extracts, in the same
 order, written once by rank 0."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.helpers import run_cli, tiny
-from vitlab.errors import UserError
-from vitlab.features import POOLED, Layers, layers_of, linear_views
+from vitlab.utils.errors import UserError
+from vitlab.evaluation.features import POOLED, Layers, layers_of, linear_views
 from vitlab.model import ViT
 
 
@@ -87,7 +87,7 @@ def test_features_are_the_same_with_one_and_two_ddp_processes(digits_ckpt, compo
     pooled features' two processes go on from a cache one process left after 100 rows (the rest zeroed)."""
     import shutil
 
-    from vitlab.commands.eval import evaluate
+    from vitlab.eval import evaluate
 
     args = [f"ckpt_path={digits_ckpt}", f"task={task}", "data.batch_size=157", "linear.epochs=1", "linear.lrs=[0.01]"]
     one = evaluate(compose_cfg("eval", [*args, f"features_dir={tmp_path / 'one'}"]))

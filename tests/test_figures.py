@@ -3,7 +3,7 @@ import torch
 from PIL import Image
 
 from tests.helpers import tiny
-from vitlab.figures import attention_rollout, plot_attention, plot_embeddings
+from vitlab.evaluation.figures import attention_rollout, plot_attention, plot_embeddings
 from vitlab.model import ViT
 
 

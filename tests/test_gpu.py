@@ -8,8 +8,8 @@ import torch
 
 from tests.helpers import ForbidSync, extra_callback, run_cli, tiny
 from tests.test_reliability import GPU_RUN
-from vitlab.lit_module import ViTModule
-from vitlab.optim import OptimConfig, make_optimizer
+from vitlab.training.module import ViTModule
+from vitlab.training.optim import OptimConfig, make_optimizer
 
 pytestmark = pytest.mark.gpu
 
@@ -50,7 +50,7 @@ def test_bf16_autocast_training_step_lowers_the_loss():
     ids=["digits", "fake-uint8-workers"],
 )
 def test_training_steps_never_wait_for_the_gpu(compose_cfg, data):
-    from vitlab.commands.train import train
+    from vitlab.train import train
 
     ForbidSync.guarded = 0
     cfg = compose_cfg(

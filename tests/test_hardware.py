@@ -1,11 +1,11 @@
-"""trainer.precision / trainer.strategy `auto` (vitlab.hardware), with the CUDA query replaced (no GPU here): the
+"""trainer.precision / trainer.strategy `auto` (vitlab.training.hardware), with the CUDA query replaced (no GPU here): the
 mission's command as typed trains in bf16 with DDP on bf16 GPUs, in fp32 elsewhere, an explicit value kept."""
 
 import logging
 
 import pytest
 
-from vitlab import hardware
+from vitlab.training import hardware
 
 H100, V100 = ("NVIDIA H100 80GB HBM3", True), ("Tesla V100-SXM2-16GB", False)
 
@@ -61,9 +61,9 @@ def test_the_command_as_typed_on_this_cpu_records_its_choice(compose_cfg, tmp_pa
     """No GPU here: the default trainer resolves to fp32 on the CPU; the line is logged and config.yaml has it."""
     import yaml
 
-    from vitlab.commands.train import train
+    from vitlab.train import train
 
-    with caplog.at_level(logging.INFO, logger="vitlab.run"):
+    with caplog.at_level(logging.INFO, logger="vitlab.training.build"):
         train(compose_cfg("train", ["debug=limit", "progress_bar=none"]))
     assert "trainer: CPU, precision 32-true (auto: no GPU in use)" in caplog.messages
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.helpers import assert_same_run, run_cli
-from vitlab import launch
+from vitlab.cli import rundir
 
 SHORT = ["trainer.max_epochs=2", "data.batch_size=128", "progress_bar=none", "trainer.deterministic=true"]
 LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
@@ -35,7 +35,7 @@ def test_process_rank_is_read_from_every_launcher(monkeypatch, env, rank):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    assert launch.process_rank() == rank
+    assert rundir.process_rank() == rank
 
 
 def test_a_secondary_process_joins_the_given_run_directory_without_claiming_it(monkeypatch, tmp_path):
@@ -43,7 +43,7 @@ def test_a_secondary_process_joins_the_given_run_directory_without_claiming_it(m
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("RANK", "1")
     run_dir = tmp_path / "rank0"
-    argv = launch.prepare("train", ["trainer=ddp_cpu", f"hydra.run.dir={run_dir}"])
+    argv = rundir.prepare("train", ["trainer=ddp_cpu", f"hydra.run.dir={run_dir}"])
     assert argv == [
         "trainer=ddp_cpu",
         f"hydra.run.dir={run_dir}",
@@ -53,14 +53,14 @@ def test_a_secondary_process_joins_the_given_run_directory_without_claiming_it(m
     assert not run_dir.exists()  # rank 0 claims it; a secondary never refuses it for holding files
     # Lightning's children come with all three already
     given = ["hydra.run.dir=/r", "hydra.job.name=train_ddp_process_1", "hydra.output_subdir=null"]
-    assert launch.prepare("train", given) == given
+    assert rundir.prepare("train", given) == given
 
 
 def test_a_run_directory_from_torchrun_keeps_any_character_through_hydra():
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     for odd in ("/data/it's (a, b) [c] {d}=e \\f", "/x\\'y\\", "/plain"):
-        (override,) = OverridesParser.create().parse_overrides([f"hydra.run.dir={launch._hydra_quoted(odd)}"])
+        (override,) = OverridesParser.create().parse_overrides([f"hydra.run.dir={rundir._hydra_quoted(odd)}"])
         assert override.value() == odd
 
 

@@ -1,70 +1,28 @@
-"""The shape of the code base (issue 11): commands are leaves, and functions stay short enough to read."""
+"""The shape of the code base (issues 11 and 31): the tree is the floors, commands are leaves at the top of the
+package, and functions stay short enough to read."""
 
 import ast
+import pkgutil
 from pathlib import Path
 
 import vitlab
 
 SRC = Path(vitlab.__file__).parent
-# A command is a module of vitlab/commands/; `python -m vitlab.<command>` reaches it through a forwarding module.
-COMMANDS = {f"vitlab.commands.{p.stem}" for p in (SRC / "commands").glob("*.py") if p.stem != "__init__"}
-FORWARDS = {p for p in SRC.rglob("*.py") if "from vitlab.commands." in p.read_text() and p.parent.name != "commands"}
 
-# The floors of the code base, lowest first: a module imports only from its own floor or below.
+# The floors of the code base, lowest first, read from the package prefixes: a module imports only from its own floor
+# or below. The commands are what is left at the top: vitlab's own modules (vitlab/train.py is the train command) and
+# the benchmark package's __main__.
 FLOORS = [
-    # what everything may use: errors, checked settings, atomic files, signals, per-rank state, log routing
-    {
-        "vitlab.errors",
-        "vitlab.settings",
-        "vitlab.atomic",
-        "vitlab.signals",
-        "vitlab.rank_state",
-        "vitlab.logs",
-        "vitlab.downloads",
-    },
-    # the components, none of them Lightning's or Hydra's: model, data, weight conversion, optimisers, figures
-    {
-        "vitlab.model",
-        "vitlab.data",
-        "vitlab.convert",
-        "vitlab.optim",
-        "vitlab.distill",
-        "vitlab.probes",
-        "vitlab.features",
-        "vitlab.figures",
-        "vitlab.benchmark.config",
-        "vitlab.benchmark.measure",
-    },
-    # the assembly layer: the LightningModule, callbacks, config -> fit (run), the benchmarks built on it
-    {
-        "vitlab.lit_module",
-        "vitlab.mae",
-        "vitlab.callbacks",
-        "vitlab.plugins",
-        "vitlab.run",
-        "vitlab.hardware",
-        "vitlab.representation",
-        "vitlab.resume",
-        "vitlab.pretrained",
-        "vitlab.feature_eval",
-        "vitlab.benchmark",
-    },
-    # the command line: Hydra's app, the config tree, the run directory, the sweep summary, the Slurm launcher
-    {"vitlab.app", "vitlab.configs", "vitlab.launch", "vitlab.sweep", "vitlab.slurm"},
-    # the commands and the modules that forward `python -m vitlab.<command>` to them
-    {
-        "vitlab.commands",
-        "vitlab.__main__",
-        "vitlab.train",
-        "vitlab.eval",
-        "vitlab.predict",
-        "vitlab.visualize",
-        "vitlab.parity",
-        "vitlab.export",
-        "vitlab.pack",
-        "vitlab.benchmark.__main__",
-    },
+    {"vitlab.utils"},  # what everything may use: errors, value checks, atomic files, downloads, logs, signals
+    {"vitlab.model", "vitlab.data", "vitlab.convert"},  # the components, none of them Lightning's or Hydra's
+    {"vitlab.training"},  # the LightningModule, objectives, optim, callbacks, checkpoint IO, the fit build
+    {"vitlab.evaluation", "vitlab.benchmark"},  # frozen-feature evaluation, the benchmarks: built on training
+    {"vitlab.cli"},  # the command line: entry decorator, run directory, config tree, sweep summary, Slurm launcher
 ]
+PACKAGES = {m.name for m in pkgutil.iter_modules(vitlab.__path__) if m.ispkg}
+COMMANDS = {f"vitlab.{m.name}" for m in pkgutil.iter_modules(vitlab.__path__) if not m.ispkg and m.name != "__main__"}
+COMMANDS |= {f"vitlab.{p}.__main__" for p in PACKAGES if (SRC / p / "__main__.py").is_file()}
+FLOORS.append(COMMANDS | {"vitlab.__main__"})
 
 
 def _module_name(path: Path) -> str:
@@ -77,7 +35,7 @@ SOURCES = {_module_name(p): p for p in SRC.rglob("*.py")}
 
 def _imports(path: Path) -> set[str]:
     """Every vitlab module `path` imports, at module level or inside functions ("from vitlab import run"
-    counts as vitlab.run, "from vitlab.data import transforms" as vitlab.data.transforms only)."""
+    counts as vitlab.training.build, "from vitlab.data import transforms" as vitlab.data.transforms only)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -135,19 +93,28 @@ def test_no_import_cycles_between_modules():
     assert cycles == []
 
 
-def test_commands_are_found_by_their_folder_and_every_python_m_name_forwards_to_one():
-    assert {"vitlab.commands.train", "vitlab.commands.eval", "vitlab.commands.benchmark"} <= COMMANDS
-    for path in FORWARDS:  # vitlab/train.py, vitlab/benchmark/__main__.py, vitlab/__main__.py
-        assert _code_lines(path) <= 15, f"{path} does more than forward to a command"
-    forwarded = {_module_name(p).removesuffix(".__main__").rpartition(".")[2] for p in FORWARDS}
-    assert {c.rpartition(".")[2] for c in COMMANDS} <= forwarded  # every command keeps `python -m vitlab.<name>`
+def test_the_top_of_the_package_is_the_commands_and_the_role_packages():
+    """`python -m vitlab.<command>` runs the command's own module: no forwarders, no folder of commands."""
+    assert {m.rpartition(".")[2] for m in COMMANDS} >= {"train", "eval", "predict", "visualize", "parity", "export"}
+    assert PACKAGES == {"cli", "convert", "data", "evaluation", "model", "training", "utils", "benchmark"}
+    for name in COMMANDS:
+        assert "@entry_point(" in SOURCES[name].read_text(), f"{name} is at the top and is no command"
+
+
+def test_no_two_modules_share_a_name_without_the_package_saying_why():
+    """Names say what a file holds: a name appears twice only where the packages make the difference plain."""
+    from collections import Counter
+
+    stems = Counter(p.stem for p in SRC.rglob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert {s for s, n in stems.items() if n > 1} <= {"config", "mae"}  # model/config.py, benchmark/config.py; model/mae.py
+    # (MAE's network), training/mae.py (its objective)
 
 
 def test_no_module_imports_a_command():
     offenders = {
         name: sorted(_imports(path) & COMMANDS)
         for name, path in SOURCES.items()
-        if _imports(path) & COMMANDS and path not in FORWARDS
+        if _imports(path) & COMMANDS and name not in ("vitlab.__main__",)
     }
     assert offenders == {}
 

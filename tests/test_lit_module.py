@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from tests.helpers import tiny
-from vitlab.lit_module import ViTModule
-from vitlab.optim import param_groups
+from vitlab.training.module import ViTModule
+from vitlab.training.optim import param_groups
 
 
 def test_module_rejects_unknown_optim_keys_and_keeps_plain_hparams():
@@ -47,7 +47,7 @@ def test_linear_probe_trains_only_the_head():
 def test_checkpoint_without_metric_states_loads_but_weights_stay_strict(tmp_path):
     import lightning
 
-    from vitlab.run import load_for_inference as load_checkpoint
+    from vitlab.training.build import load_for_inference as load_checkpoint
 
     m = ViTModule(model=tiny().to_dict())
     weights = {k: v for k, v in m.state_dict().items() if k.startswith("model.")}
@@ -100,7 +100,7 @@ def test_bce_is_timms_binary_cross_entropy_and_starts_the_head_bias_at_minus_log
 
 
 def test_a_bce_run_trains_from_the_command_line(compose_cfg):
-    from vitlab.run import build_datamodule, build_module
+    from vitlab.training.build import build_datamodule, build_module
 
     cfg = compose_cfg("train", ["loss=bce", "bce_target_thresh=0.2", "mixup.cutmix_alpha=1.0"])
     module = build_module(cfg, build_datamodule(cfg.data))

@@ -1,4 +1,4 @@
-"""objective=mae (vitlab.mae): pretraining runs from the command line and resumes exactly, its checkpoint's encoder
+"""objective=mae (vitlab.training.mae): pretraining runs from the command line and resumes exactly, its checkpoint's encoder
 loads into model.pretrained with only the decoder left out, labels are never read (an unlabeled folder trains),
 and vitlab.visualize draws its reconstructions."""
 
@@ -9,8 +9,8 @@ import torch
 
 from tests.helpers import assert_same_run, interrupt, resume, run_cli
 from vitlab.convert.weights import load_timm_weights
-from vitlab.errors import UserError
-from vitlab.mae import MAEModule
+from vitlab.utils.errors import UserError
+from vitlab.training.mae import MAEModule
 from vitlab.model import ViT, ViTConfig
 
 PRETRAIN = [

@@ -1,4 +1,4 @@
-"""vitlab.optim: parameter groups, layer decay, the warmup-cosine schedule, and one recipe for Python
+"""vitlab.training.optim: parameter groups, layer decay, the warmup-cosine schedule, and one recipe for Python
 callers and the command line."""
 
 import math
@@ -9,11 +9,11 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.helpers import tiny
-from vitlab.configs import config_dir
-from vitlab.errors import UserError
-from vitlab.lit_module import MixupConfig, ViTModule
+from vitlab.cli.config_tree import config_dir
+from vitlab.utils.errors import UserError
+from vitlab.training.module import MixupConfig, ViTModule
 from vitlab.model import ViT
-from vitlab.optim import (
+from vitlab.training.optim import (
     PLATEAU_MODES,
     OptimConfig,
     SchedulerConfig,
@@ -23,7 +23,7 @@ from vitlab.optim import (
     param_groups,
     warmup_cosine,
 )
-from vitlab.settings import to_dict
+from vitlab.utils.checks import to_dict
 
 
 def test_no_weight_decay_on_norms_biases_layerscale_pos_embed_and_tokens():
@@ -78,7 +78,7 @@ def test_optim_yaml_and_dataclass_are_one_source_of_defaults():
 
 @pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)` before")
 def test_a_module_built_in_python_trains_the_cli_default_recipe(compose_cfg):
-    from vitlab.run import build_datamodule, build_module
+    from vitlab.training.build import build_datamodule, build_module
 
     cfg = compose_cfg("train", [])
     cli = build_module(cfg, build_datamodule(cfg.data))
@@ -203,7 +203,7 @@ def test_settings_an_optimizer_does_not_have_are_refused():
 def test_lr_base_scales_with_the_global_batch_and_is_saved_in_the_config(compose_cfg, scale, expected, caplog):
     """DeiT's rule (lr = 5e-4 x batch / 512): the effective LR is logged and written into the config that
     config.yaml and the checkpoint keep."""
-    from vitlab.run import build_datamodule, build_module
+    from vitlab.training.build import build_datamodule, build_module
 
     overrides = ["optim.lr_base=5e-4", "optim.lr_base_size=512", f"optim.lr_base_scale={scale}"]
     cfg = compose_cfg("train", [*overrides, "data.batch_size=1024"])

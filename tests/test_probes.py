@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from vitlab.probes import fewshot_accuracy, knn_predict, lsr_fit, lsr_predict
+from vitlab.evaluation.probes import fewshot_accuracy, knn_predict, lsr_fit, lsr_predict
 
 
 def direct_knn(train, train_labels, test, num_classes, k, T):
@@ -84,11 +84,11 @@ def digits_ckpt(tmp_path_factory):
 
 
 def test_features_are_cached_once_resumed_and_reused(digits_ckpt, tmp_path):
-    from vitlab import run
-    from vitlab.features import source_id, split_features
+    from vitlab.training import build
+    from vitlab.evaluation.features import source_id, split_features
 
-    module = run.load_for_inference(digits_ckpt)
-    dm = run.inference_datamodule(module, digits_ckpt)
+    module = build.load_for_inference(digits_ckpt)
+    dm = build.inference_datamodule(module, digits_ckpt)
     dm.setup("test")
     calls = []
     real = module.model.forward_features
@@ -111,7 +111,7 @@ def test_features_are_cached_once_resumed_and_reused(digits_ckpt, tmp_path):
 
 @pytest.mark.parametrize("task", ["knn", "fewshot", "linear"])
 def test_eval_knn_linear_and_fewshot_on_a_checkpoint(digits_ckpt, compose_cfg, tmp_path, task):
-    from vitlab.commands.eval import evaluate
+    from vitlab.eval import evaluate
 
     metrics = evaluate(compose_cfg("eval", [f"ckpt_path={digits_ckpt}", f"task={task}"]))
     names = {"knn": ["knn/top1_k10", "knn/top1_k200"], "fewshot": ["fewshot/1shot", "fewshot/25shot"],
@@ -123,7 +123,7 @@ def test_eval_knn_linear_and_fewshot_on_a_checkpoint(digits_ckpt, compose_cfg, t
 def test_the_linear_probe_picks_its_learning_rate_on_validation_never_on_test():
     """Validation features that agree with training, test features whose labels are permuted: the chosen learning
     rate is the best on validation, and the reported test accuracy is that one head's, whatever test would prefer."""
-    from vitlab.probes import linear_probe
+    from vitlab.evaluation.probes import linear_probe
 
     train, y, val, val_y = clusters(4, 12, (64, 16), seed=3, spread=3)
     test_y = (val_y + 1) % 4  # the same images, labelled otherwise: test would pick the worst head
@@ -135,7 +135,7 @@ def test_the_linear_probe_picks_its_learning_rate_on_validation_never_on_test():
     with pytest.raises(Exception, match="needs a test split besides it"):
         from types import SimpleNamespace
 
-        from vitlab.features import probe
+        from vitlab.evaluation.features import probe
 
         probe(SimpleNamespace(task="linear"), None, SimpleNamespace(test_set=None), {}, None, torch.device("cpu"))
 
@@ -143,7 +143,7 @@ def test_the_linear_probe_picks_its_learning_rate_on_validation_never_on_test():
 def test_the_linear_grid_chooses_features_and_learning_rate_on_validation():
     """Two feature configurations, one of them noise: the (configuration, learning rate) best on validation is
     chosen, and its test accuracy reported, also where test would have preferred the other."""
-    from vitlab.probes import linear_grid, linear_probe
+    from vitlab.evaluation.probes import linear_grid, linear_probe
 
     train, y, val, val_y = clusters(4, 12, (64, 16), seed=4, spread=3)
     g = torch.Generator().manual_seed(5)

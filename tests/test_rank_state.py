@@ -1,4 +1,4 @@
-"""Each process's part of a checkpoint (vitlab.rank_state): what it holds, that it loads with weights_only, and
+"""Each process's part of a checkpoint (vitlab.training.rank_state): what it holds, that it loads with weights_only, and
 which part each process takes back. The command-line runs that resume exactly are in test_signals.py."""
 
 import io
@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torchmetrics import MeanMetric
 
-from vitlab import rank_state
+from vitlab.training import rank_state
 
 
 def _trainer(rank=0, world=1, datamodule=None):

@@ -74,8 +74,8 @@ def tree(tmp_path_factory):
 def test_each_recipe_builds_and_takes_a_step(compose_cfg, recipe, tree):
     """The recipe's pipeline on a small tree (its network shrunk, no download): each optimizer group and the
     schedule, the workers' augmentation, the device half, MixUp, the loss, one optimizer step."""
-    from vitlab.optim import make_optimizer, make_scheduler
-    from vitlab.run import build_datamodule, build_module
+    from vitlab.training.optim import make_optimizer, make_scheduler
+    from vitlab.training.build import build_datamodule, build_module
 
     small = ["model.embed_dim=32", "model.depth=2", "model.num_heads=2", "model.pretrained=null"]
     data = [f"data.data_dir={tree}", "data.num_classes=3", "data.batch_size=4", "data.num_workers=0"]

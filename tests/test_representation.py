@@ -1,5 +1,5 @@
 """callbacks=representation: k-NN and few-shot accuracy of the features being trained, logged every few epochs and
-equal to what vitlab.probes computes on the same features."""
+equal to what vitlab.evaluation.probes computes on the same features."""
 
 import json
 from pathlib import Path
@@ -7,11 +7,11 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from vitlab.representation import RepresentationProbe
+from vitlab.evaluation.representation import RepresentationProbe
 
 
 def test_a_run_logs_knn_and_fewshot_of_its_features(compose_cfg, tmp_path):
-    from vitlab.commands.train import train
+    from vitlab.train import train
 
     probe = ["every_n_epochs=1", "max_train_images=500", "knn_k=[20,5]"]
     cfg = compose_cfg(
@@ -28,7 +28,7 @@ def test_a_run_logs_knn_and_fewshot_of_its_features(compose_cfg, tmp_path):
 
 def test_the_training_split_is_cut_to_a_seeded_subset():
     from vitlab.data.digits import DigitsDataModule
-    from vitlab.representation import _Limited
+    from vitlab.evaluation.representation import _Limited
 
     dm = DigitsDataModule(img_size=8, batch_size=64)
     dm.setup("fit")

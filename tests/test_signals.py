@@ -126,7 +126,7 @@ def test_loader_workers_leave_group_signals_to_the_main_process_and_end_with_it(
         import os, signal, subprocess, time
         import torch
         from torch.utils.data import DataLoader, Dataset
-        from vitlab.signals import ignore_stop_signals
+        from vitlab.utils.signals import ignore_stop_signals
 
         class Slow(Dataset):
             def __len__(self):

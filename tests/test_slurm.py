@@ -166,8 +166,8 @@ def test_a_requeued_or_timed_out_job_resumes_by_itself_and_equals_the_uninterrup
 
     text = log.read_text()
     assert text.count("holds a checkpoint of an earlier start") == 2, text[-3000:]
-    assert text.count("[vitlab.callbacks][INFO] - epoch 1/8") == 1  # trained from the start once only
-    assert text.count("[vitlab.callbacks][INFO] - epoch 8/8") == 1
+    assert text.count("[vitlab.training.callbacks][INFO] - epoch 1/8") == 1  # trained from the start once only
+    assert text.count("[vitlab.training.callbacks][INFO] - epoch 8/8") == 1
     local = tmp_path / "local"
     r = run_cli("train", "trainer=ddp_cpu", "trainer.devices=2", *run, f"hydra.run.dir={local}")
     assert r.returncode == 0, r.stderr[-3000:]

@@ -13,8 +13,8 @@ from PIL import Image
 from sklearn.datasets import load_digits
 
 from tests.helpers import extra_callback, run_cli
-from vitlab.commands.train import train
-from vitlab.lit_module import ViTModule
+from vitlab.train import train
+from vitlab.training.module import ViTModule
 
 SHORT = ["debug=limit", "progress_bar=none"]
 METRICS = ["train/loss", "train/acc", "val/loss", "val/acc", "val/acc_best", "test/loss", "test/acc", "test/acc_top5"]
@@ -50,7 +50,7 @@ def test_train_writes_config_metrics_checkpoints_and_logs(trained):
 def test_a_log_file_shows_each_epoch_and_ends_with_where_the_results_are(trained):
     run_dir, metrics, output = trained
     lines = output.strip().splitlines()
-    epochs = [line for line in lines if "[vitlab.callbacks][INFO] - epoch " in line]
+    epochs = [line for line in lines if "[vitlab.training.callbacks][INFO] - epoch " in line]
     assert [line.split(" - ")[1].split(" (")[0] for line in epochs] == ["epoch 1/3", "epoch 2/3", "epoch 3/3"]
     assert all("val/acc " in line and "train/loss " in line for line in epochs)
     assert lines[-2:] == [f"run directory: {run_dir}", f"best checkpoint: {metrics['tested_checkpoint']}"]
@@ -111,7 +111,7 @@ def test_export_onnx_as_typed_predicts_as_the_checkpoint(trained, tmp_path):
     second export to the same file is refused."""
     import onnxruntime
 
-    from vitlab import run
+    from vitlab.training import build
 
     _, metrics, _ = trained
     r = run_cli("export", f"ckpt_path={metrics['tested_checkpoint']}", cwd=tmp_path)
@@ -119,8 +119,8 @@ def test_export_onnx_as_typed_predicts_as_the_checkpoint(trained, tmp_path):
     (path,) = tmp_path.glob("outputs/export/runs/*/model.onnx")
     assert f"wrote {path} (onnx); checked on inputs 2x1x8x8, 1x1x8x8: max |diff|" in r.stdout
     assert "WARN" not in r.stdout + r.stderr and "INFO" not in r.stdout + r.stderr
-    module = run.load_for_inference(metrics["tested_checkpoint"]).eval()
-    data = run.inference_datamodule(module, metrics["tested_checkpoint"])
+    module = build.load_for_inference(metrics["tested_checkpoint"]).eval()
+    data = build.inference_datamodule(module, metrics["tested_checkpoint"])
     images = torch.from_numpy(load_digits().images[:3] * 255 / 16).to(torch.uint8)[:, None]
     x = torch.cat([data.predict_tensor(img) for img in images])
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -430,8 +430,8 @@ def test_any_timm_vit_fine_tunes_from_its_name(compose_cfg, tmp_path, monkeypatc
 
 
 def test_timm_names_that_cannot_be_fine_tuned_are_named(compose_cfg):
-    from vitlab import pretrained
-    from vitlab.errors import UserError
+    from vitlab.training import pretrained
+    from vitlab.utils.errors import UserError
 
     cfg = compose_cfg("train", ["model.pretrained=resnet18", "model.img_size=32"])
     with pytest.raises(UserError, match="'resnet18' is not an architecture of timm's vision_transformer or deit"):
@@ -448,7 +448,8 @@ def test_fine_tunes_from_a_folder_as_timm_saves_one(compose_cfg, tmp_path):
     import timm
     from timm.models._hub import save_for_hf
 
-    from vitlab import pretrained, run
+    from vitlab.training import pretrained
+    from vitlab.training import build
     from vitlab.convert.timm_args import config_from_timm
     from vitlab.convert.weights import load_timm_weights
 
@@ -465,7 +466,7 @@ def test_fine_tunes_from_a_folder_as_timm_saves_one(compose_cfg, tmp_path):
         k: v for k, v in expected.to_dict().items() if k not in run_fields
     }
     assert cfg.data.mean == [0.5, 0.5, 0.5] and cfg.data.eval_transform.crop_pct == 0.9
-    model = run.build_module(cfg, run.build_datamodule(cfg.data)).model
+    model = build.build_module(cfg, build.build_datamodule(cfg.data)).model
     load_timm_weights(model, cfg.model.pretrained)
     body = {k: v for k, v in model.state_dict().items() if not k.startswith("head.")}  # a new 10-class head
     assert body and all(torch.equal(v, theirs.state_dict()[k]) for k, v in body.items())

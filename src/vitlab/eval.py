@@ -2,9 +2,9 @@
 checkpoint, write metrics.json (on the validation split, its metrics named val/, where the data has no test split).
 task=knn (DINOv2's weighted k-NN), task=linear (DINOv2's linear probe over a grid of feature configurations and
 learning rates, chosen on the validation split) and task=fewshot (big_vision's few-shot least squares) evaluate the
-frozen features instead (vitlab.probes), cached beside the checkpoint's run (<run>/features/<checkpoint>/), in the
+frozen features instead (vitlab.evaluation.probes), cached beside the checkpoint's run (<run>/features/<checkpoint>/), in the
 processes trainer=... asks for (trainer=ddp_cpu: 2). Without ckpt_path, model=<name> model.pretrained=<timm name>
-data=<name> evaluates timm's pretrained weights (vitlab/feature_eval.py).
+data=<name> evaluates timm's pretrained weights (vitlab/evaluation/tasks.py).
 
 The model comes from the checkpoint's stored config; the data from `data=...` or, by default, the
 data config the checkpoint was trained with (same split, same transforms), with any `data.<key>=`
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from vitlab.app import entry_point
-from vitlab.errors import UserError
+from vitlab.cli.entry import entry_point
+from vitlab.utils.errors import UserError
 
 
 def data_config(cfg: DictConfig, stored: dict | None, ckpt_path: str) -> DictConfig:
@@ -57,16 +57,17 @@ def check_classes(trained: list[str], data: list[str], ckpt_path: str) -> None:
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
-    from vitlab import feature_eval, run
+    from vitlab.evaluation import tasks
+    from vitlab.training import build
 
     if cfg.ckpt_path is None:  # model.pretrained=<timm name>: timm's weights, frozen features only
-        return write_metrics(cfg, feature_eval.probe_pretrained(cfg))
-    module = run.load_for_inference(cfg.ckpt_path)
+        return write_metrics(cfg, tasks.probe_pretrained(cfg))
+    module = build.load_for_inference(cfg.ckpt_path)
     mc = module.model.cfg
     data = data_config(cfg, module.hparams.get("data"), cfg.ckpt_path)
     with open_dict(data):  # images are prepared at the size the checkpoint's model takes
         data.img_size = mc.to_dict()["img_size"]  # an int, or [height, width]
-    datamodule = run.build_datamodule(data)
+    datamodule = build.build_datamodule(data)
     if mc.in_chans != datamodule.channels or mc.num_classes not in (0, datamodule.num_classes):  # 0: an encoder
         raise UserError(
             f"checkpoint expects {mc.num_classes} classes and {mc.in_chans} channels, but the data has "
@@ -75,9 +76,9 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     datamodule.setup("test")
     check_classes(module.hparams.get("class_names") or [], getattr(datamodule, "class_names", []), cfg.ckpt_path)
     if cfg.task != "test":
-        return write_metrics(cfg, feature_eval.probe_checkpoint(cfg, module.model, datamodule))
-    bars, show_bar = run.progress_bar(cfg.progress_bar)
-    trainer = run.build_trainer(
+        return write_metrics(cfg, tasks.probe_checkpoint(cfg, module.model, datamodule))
+    bars, show_bar = build.progress_bar(cfg.progress_bar)
+    trainer = build.build_trainer(
         cfg.trainer, logger=False, callbacks=bars, enable_progress_bar=show_bar, enable_checkpointing=False
     )
     if getattr(datamodule, "test_set", True) is None:  # no test split: the validation split, named so

@@ -14,14 +14,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from vitlab.app import entry_point
-from vitlab.errors import UserError
+from vitlab.cli.entry import entry_point
+from vitlab.utils.errors import UserError
 
 
 def export(cfg: DictConfig) -> dict:
-    from vitlab import run
-    from vitlab.convert.export import FORMATS, export
-    from vitlab.launch import check_writable
+    from vitlab.training import build
+    from vitlab.convert.programs import FORMATS, export
+    from vitlab.cli.rundir import check_writable
 
     if f".{cfg.format}" not in FORMATS:
         raise UserError(f"format {cfg.format!r} is not one of {sorted(FORMATS.values())}")
@@ -31,8 +31,8 @@ def export(cfg: DictConfig) -> dict:
     if out.exists() and not cfg.overwrite:
         raise UserError(f"output {str(out)!r} exists; choose another output or set overwrite=true")
     check_writable(out.parent, "output", out)  # before the minutes of exporting and checking
-    module = run.load_for_inference(cfg.ckpt_path)
-    model, data = module.model, run.inference_datamodule(module, cfg.ckpt_path)
+    module = build.load_for_inference(cfg.ckpt_path)
+    model, data = module.model, build.inference_datamodule(module, cfg.ckpt_path)
     preprocessing = {
         "input_size": [model.cfg.in_chans, *model.cfg.img_hw],
         "mean": list(data.mean),

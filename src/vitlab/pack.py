@@ -9,15 +9,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from vitlab.app import entry_point
+from vitlab.cli.entry import entry_point
 
 
 @entry_point("pack")
 def main(cfg: DictConfig) -> dict:
-    from vitlab import run
-    from vitlab.data.pack import pack
+    from vitlab.training import build
+    from vitlab.data.shards import pack
 
-    datamodule = run.build_datamodule(cfg.data)
+    datamodule = build.build_datamodule(cfg.data)
     datamodule.setup("fit")
     out = Path(cfg.out).absolute()
     info = pack(datamodule, out, overwrite=cfg.overwrite, workers=cfg.workers, chunk_bytes=cfg.chunk_bytes)

@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from vitlab.app import entry_point
+from vitlab.cli.entry import entry_point
 from vitlab.model.config import vit_config
 
 

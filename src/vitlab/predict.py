@@ -9,20 +9,20 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from vitlab.app import entry_point
-from vitlab.errors import UserError
+from vitlab.cli.entry import entry_point
+from vitlab.utils.errors import UserError
 
 
 def predict(cfg: DictConfig) -> list[dict]:
     import torch
 
-    from vitlab import run
+    from vitlab.training import build
     from vitlab.data.images import read_image
 
     if cfg.top_k < 1:
         raise UserError(f"top_k {cfg.top_k} must be >= 1")
-    module = run.load_for_inference(cfg.ckpt_path, map_location=cfg.device).eval()
-    datamodule = run.inference_datamodule(module, cfg.ckpt_path)
+    module = build.load_for_inference(cfg.ckpt_path, map_location=cfg.device).eval()
+    datamodule = build.inference_datamodule(module, cfg.ckpt_path)
     names = module.hparams.get("class_names") or [str(i) for i in range(module.model.cfg.num_classes)]
     images = [cfg.images] if isinstance(cfg.images, str) else list(cfg.images)
     pixels = [read_image(path, module.model.cfg.in_chans) for path in images]  # every file checked first

@@ -18,11 +18,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from vitlab.app import entry_point, save_config
-from vitlab.errors import UserError
-from vitlab.logs import describe_run
+from vitlab.cli.entry import entry_point, save_config
+from vitlab.utils.errors import UserError
+from vitlab.utils.logs import describe_run
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vitlab.train")  # not __main__: the name the log lines show
 
 
 def train(cfg: DictConfig) -> float | None:
@@ -31,17 +31,19 @@ def train(cfg: DictConfig) -> float | None:
     from hydra.types import RunMode
     from omegaconf import OmegaConf
 
-    from vitlab import pretrained, resume, run
+    from vitlab.training import pretrained
+    from vitlab.training import resume
+    from vitlab.training import build
     from vitlab.convert.weights import load_timm_weights
 
     started = time.time()
-    run.check_settings(cfg)
-    run.check_launch(cfg)
+    build.check_settings(cfg)
+    build.check_launch(cfg)
     pretrained.apply_pretrained(cfg)  # model.pretrained=<timm name>: timm's architecture and preprocessing
     out = Path(cfg.paths.output_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    fit = run.build_fit(cfg)
+    fit = build.build_fit(cfg)
     trainer, module = fit.trainer, fit.module
     ckpt_path = resume.resolve_ckpt_path(cfg.ckpt_path, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
     if ckpt_path:  # the user's: refused if it had finished (a job that restarts, below, goes on to test)
@@ -58,7 +60,7 @@ def train(cfg: DictConfig) -> float | None:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
     with fit.finished():  # one W&B run per job, also in sweeps
-        metrics = run.fit_and_test(cfg, trainer, module, fit.datamodule, ckpt_path)
+        metrics = build.fit_and_test(cfg, trainer, module, fit.datamodule, ckpt_path)
     metrics["wall_time_s"] = round(time.time() - started, 2)
     metrics["run_dir"] = str(out)
     if trainer.is_global_zero:

@@ -15,16 +15,16 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from vitlab.app import entry_point
-from vitlab.errors import UserError
+from vitlab.cli.entry import entry_point
+from vitlab.utils.errors import UserError
 
 
 @entry_point("visualize")
 def main(cfg: DictConfig) -> None:
-    from vitlab import run
+    from vitlab.training import build
     from vitlab.data.images import read_image
-    from vitlab.figures import plot_attention, plot_embeddings, plot_learning_curves, plot_reconstructions
-    from vitlab.mae import MAEModule
+    from vitlab.evaluation.figures import plot_attention, plot_embeddings, plot_learning_curves, plot_reconstructions
+    from vitlab.training.mae import MAEModule
 
     if not (cfg.run_dir or cfg.ckpt_path):
         raise UserError("give ckpt_path=<checkpoint> [image=<file>] and/or run_dir=<training run directory>")
@@ -33,15 +33,15 @@ def main(cfg: DictConfig) -> None:
     out = Path(cfg.paths.output_dir)
     written = []
     if cfg.ckpt_path:
-        module = run.load_for_inference(cfg.ckpt_path).eval()
+        module = build.load_for_inference(cfg.ckpt_path).eval()
         img = read_image(cfg.image, module.model.cfg.in_chans) if cfg.image else None  # before any figure
         written += plot_embeddings(module.model, out).values()
         if img is not None:
-            dm = run.inference_datamodule(module, cfg.ckpt_path)
+            dm = build.inference_datamodule(module, cfg.ckpt_path)
             x = dm.predict_tensor(img)
             written += plot_attention(module.model, x, dm.mean, dm.std, out).values()
         if isinstance(module, MAEModule):
-            dm = run.inference_datamodule(module, cfg.ckpt_path)
+            dm = build.inference_datamodule(module, cfg.ckpt_path)
             x = dm.first_images("test", cfg.num_images)
             written.append(plot_reconstructions(module, x, dm.mean, dm.std, out / "mae_reconstructions.png"))
     if cfg.run_dir:

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from tests.helpers import tiny
-from vitlab.convert import export as export_module
-from vitlab.convert.export import check_shapes, export
-from vitlab.errors import UserError
+from vitlab.convert import programs as export_module
+from vitlab.convert.programs import check_shapes, export
+from vitlab.utils.errors import UserError
 from vitlab.model import ViT
 
 

@@ -175,7 +175,7 @@ def test_cifar_offline_without_a_copy_fails_clearly(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_undecodable_image_stops_naming_the_file(tmp_path, workers):
-    from vitlab.errors import one_line
+    from vitlab.utils.errors import one_line
 
     _image_tree(tmp_path, modes=("RGB",))
     bad = tmp_path / "val" / "dog" / "broken.png"
@@ -193,7 +193,7 @@ def test_undecodable_image_stops_naming_the_file(tmp_path, workers):
 def test_setup_checks_every_split_before_anything_is_read(tmp_path, split):
     """check_images (the default): a file that is not an image, or a PNG cut short, in any split the run reads
     stops setup(), not the epoch (or, in test/, the end of training) that would read it."""
-    from vitlab.errors import UserError
+    from vitlab.utils.errors import UserError
 
     _image_tree(tmp_path, modes=("RGB",))
     shutil.copytree(tmp_path / "val", tmp_path / "test")

@@ -8,7 +8,7 @@ from PIL import Image
 
 from vitlab.data import images
 from vitlab.data.images import load_image, read_image
-from vitlab.errors import MissingFileError, UserError
+from vitlab.utils.errors import MissingFileError, UserError
 
 RNG = np.random.default_rng(0)
 RGB = RNG.integers(0, 255, (6, 10, 3), dtype=np.uint8)

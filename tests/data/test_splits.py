@@ -9,7 +9,7 @@ import pytest
 from tests.helpers import image_tree
 from vitlab.data import ImageFolderDataModule
 from vitlab.data.base import held_out
-from vitlab.errors import UserError
+from vitlab.utils.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,8 @@ def test_a_run_reports_each_number_on_its_split(compose_cfg, tmp_path, folder, c
     checkpoint measures the same split its run reported (val/ metrics where there is no test split)."""
     import logging
 
-    from vitlab.commands.eval import evaluate
-    from vitlab.commands.train import train
+    from vitlab.eval import evaluate
+    from vitlab.train import train
 
     data = ["data=imagefolder", f"data.data_dir={folder}", "data.batch_size=4", "data.num_workers=0",
             "model.img_size=8", f"data.val_fraction={val_fraction}"]  # fmt: skip

@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from vitlab.errors import UserError
+from vitlab.utils.errors import UserError
 from vitlab.model import VARIANTS, ViTConfig, as_hw, parse_variant
 
 

@@ -7,7 +7,7 @@ import timm
 import torch
 
 from vitlab.convert.timm_args import config_from_timm, create_timm_model
-from vitlab.errors import UserError
+from vitlab.utils.errors import UserError
 from vitlab.model import ViT, ViTConfig
 
 

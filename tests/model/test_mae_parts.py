@@ -5,7 +5,7 @@ normalisation), patchify is MAE's pixel order, the decoder's names are MAE's."""
 import pytest
 import torch
 
-from vitlab.errors import UserError
+from vitlab.utils.errors import UserError
 from vitlab.model import ViT, ViTConfig
 from vitlab.model.mae import (
     MAEConfig,

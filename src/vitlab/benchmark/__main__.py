@@ -16,8 +16,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from vitlab.app import entry_point
-from vitlab.errors import UserError
+from vitlab.cli.entry import entry_point
+from vitlab.utils.errors import UserError
 from vitlab.model.config import vit_config
 
 
@@ -73,7 +73,7 @@ def models(cfg: DictConfig, b, report: dict[str, Any]) -> None:
 
     from vitlab.benchmark import models as task
     from vitlab.benchmark.measure import environment, pick_device
-    from vitlab.optim import OptimConfig
+    from vitlab.training.optim import OptimConfig
 
     device = pick_device(b.device)
     model_cfg = vit_config(cfg.model)

@@ -23,13 +23,13 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from vitlab import run
+from vitlab.training import build
 from vitlab.benchmark.config import BenchmarkConfig
 from vitlab.benchmark.measure import sync
-from vitlab.errors import UserError
-from vitlab.hardware import resolve_trainer
+from vitlab.utils.errors import UserError
+from vitlab.training.hardware import resolve_trainer
 from vitlab.model.config import vit_config
-from vitlab.optim import OptimConfig
+from vitlab.training.optim import OptimConfig
 
 PRECISION_OF_TRAINER = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16"}
 
@@ -110,7 +110,7 @@ def train_window(train_cfg: DictConfig, datamodule, e) -> Window:
     L.seed_everything(train_cfg.seed, workers=True, verbose=False)
     window = Window(e.warmup_steps, e.steps)
     steps = {"max_epochs": -1, "max_steps": e.warmup_steps + e.steps, "limit_val_batches": 1, "num_sanity_val_steps": 0}
-    with run.build_fit(train_cfg, [window], datamodule=datamodule, **steps).finished() as fit:
+    with build.build_fit(train_cfg, [window], datamodule=datamodule, **steps).finished() as fit:
         trainer = fit.trainer
         trainer.fit(fit.module, datamodule=datamodule, weights_only=True)
     if window.t1 is None:  # training stopped early (an interrupt), or Lightning counted steps unlike the window
@@ -122,7 +122,7 @@ def bench_end2end(train_cfg: DictConfig, b: BenchmarkConfig, device: torch.devic
     from vitlab.benchmark.models import bench_models
 
     precision = trainer_precision(train_cfg)
-    datamodule = run.build_datamodule(train_cfg.data)
+    datamodule = build.build_datamodule(train_cfg.data)
     per_device = datamodule.per_device_batch_size
     # The bare step first, in a fresh process (after a fit, its loader workers and allocations linger).
     bare = dataclasses.replace(

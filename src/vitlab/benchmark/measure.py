@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vitlab.errors import UserError
+from vitlab.utils.errors import UserError
 
 MB = 2**20
 

@@ -22,8 +22,8 @@ from vitlab.benchmark.measure import MB, peak_matmul_flops, step_peak_bytes, sum
 from vitlab.convert.timm_args import create_timm_model
 from vitlab.convert.weights import check_state_dict
 from vitlab.model import ViT, ViTConfig
-from vitlab.optim import OptimConfig, make_optimizer
-from vitlab.settings import compile_mode
+from vitlab.training.optim import OptimConfig, make_optimizer
+from vitlab.utils.checks import compile_mode
 
 
 class Contender:

@@ -15,11 +15,11 @@ import lightning as L
 import torch
 from omegaconf import DictConfig
 
-from vitlab import run
+from vitlab.training import build
 from vitlab.benchmark.config import BenchmarkConfig
 from vitlab.benchmark.measure import pick_device, summarise, sync
 from vitlab.data.digits import TensorImages
-from vitlab.optim import make_optimizer, make_scheduler
+from vitlab.training.optim import make_optimizer, make_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def run_lightning(train_cfg: DictConfig, epochs: int) -> LoopTimes:
     """`vitlab.train`'s fit, as it builds it, for `epochs` epochs; progress bar as configured there."""
     L.seed_everything(train_cfg.seed, workers=True, verbose=False)
     timer = LoopTimer()
-    with run.build_fit(train_cfg, [timer], max_epochs=epochs).finished() as fit:
+    with build.build_fit(train_cfg, [timer], max_epochs=epochs).finished() as fit:
         fit.trainer.fit(fit.module, datamodule=fit.datamodule, weights_only=True)
     return timer.times
 
@@ -68,10 +68,10 @@ def run_plain(train_cfg: DictConfig, epochs: int) -> LoopTimes:
     augmentation), model, AdamW groups, per-step schedule and loss; running training loss and accuracy
     kept on the device; a validation pass per epoch."""
     L.seed_everything(train_cfg.seed, workers=True, verbose=False)
-    datamodule = run.build_datamodule(train_cfg.data)
+    datamodule = build.build_datamodule(train_cfg.data)
     on_cpu = train_cfg.trainer.get("accelerator", "auto") == "cpu"
     device = torch.device("cpu") if on_cpu else pick_device("auto")
-    module = run.build_module(train_cfg, datamodule)
+    module = build.build_module(train_cfg, datamodule)
     module.to(device)
     model = module.model
     if module.compile_mode:

@@ -30,11 +30,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset
 from torchvision.transforms import v2 as T
 
-from vitlab import run
+from vitlab.training import build
 from vitlab.benchmark.config import BenchmarkConfig
 from vitlab.data.base import TransformDataset
 from vitlab.data.transforms import INTERPOLATIONS, TrainTransform
-from vitlab.errors import UserError
+from vitlab.utils.errors import UserError
 from vitlab.model.config import as_hw
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def loaders(dm, data_cfg: DictConfig, shards: str | None = None, policies: tuple
         same = OmegaConf.to_container(data_cfg, resolve=True)
         same.pop("check_images", None)  # a folder's settings: the shards' images were all decoded when packed,
         same.pop("unlabeled", None)  # and labelled by their class folders
-        streaming = run.build_datamodule(
+        streaming = build.build_datamodule(
             OmegaConf.merge(
                 same,
                 {"_target_": "vitlab.data.StreamingDataModule", "data_dir": shards, "num_classes": dm.num_classes},
@@ -104,7 +104,7 @@ def loaders(dm, data_cfg: DictConfig, shards: str | None = None, policies: tuple
             )
         found["streaming"] = streaming.train_dataloader()
     for policy in policies:
-        other = run.build_datamodule(OmegaConf.merge(data_cfg, {"train_transform": {"auto_augment": policy}}))
+        other = build.build_datamodule(OmegaConf.merge(data_cfg, {"train_transform": {"auto_augment": policy}}))
         other.setup("fit")
         found[f"vitlab[{policy}]"] = other.train_dataloader()
     return found
@@ -123,7 +123,7 @@ def time_loader(loader, warmup: int, batches: int) -> tuple[float, int]:
 
 def bench_pipeline(train_cfg: DictConfig, b: BenchmarkConfig) -> dict[str, Any]:
     L.seed_everything(train_cfg.seed, workers=True, verbose=False)
-    dm = run.build_datamodule(train_cfg.data)
+    dm = build.build_datamodule(train_cfg.data)
     dm.setup("fit")
     contenders = loaders(dm, train_cfg.data, b.pipeline.shards, b.pipeline.policies)
     p = b.pipeline

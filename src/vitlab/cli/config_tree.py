@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from vitlab.errors import MissingFileError
+from vitlab.utils.errors import MissingFileError
 
 
 def config_dir() -> Path:
@@ -21,7 +21,7 @@ def config_dir() -> Path:
     directory; VITLAB_CONFIG_DIR points elsewhere."""
     if os.environ.get("VITLAB_CONFIG_DIR"):
         return Path(os.environ["VITLAB_CONFIG_DIR"]).resolve()
-    here = Path(__file__).resolve().parents[2] / "conf"
+    here = Path(__file__).resolve().parents[3] / "conf"
     if not (here / "train.yaml").is_file() and not (here / "parity.yaml").is_file():
         raise MissingFileError(
             f"vitlab configs not found at {here}; install vitlab editable from its "

@@ -1,6 +1,6 @@
 """What makes a function a `python -m vitlab.<command>` command line (`@entry_point`): the config tree and its
-resolvers (vitlab.configs), the run directory (vitlab.launch), one-line errors for bad input (vitlab.errors), the
-log routing (vitlab.logs), a sweep job's failure recorded for the summary (vitlab.sweep), and the run's config
+resolvers (vitlab.cli.config_tree), the run directory (vitlab.cli.rundir), one-line errors for bad input (vitlab.utils.errors), the
+log routing (vitlab.utils.logs), a sweep job's failure recorded for the summary (vitlab.cli.sweep), and the run's config
 saved in its directory.
 
 It imports no torch, Lightning or timm at module level: `--help` and config errors answer at once.
@@ -20,9 +20,9 @@ import hydra
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
-from vitlab.configs import config_dir, register_resolvers
-from vitlab.errors import config_errors, fail, one_line, user_error
-from vitlab.logs import quiet
+from vitlab.cli.config_tree import config_dir, register_resolvers
+from vitlab.utils.errors import config_errors, fail, one_line, user_error
+from vitlab.utils.logs import quiet
 
 
 def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Callable[[], Any]]:
@@ -34,7 +34,7 @@ def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Cal
     def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], Any]:
         @functools.wraps(task)
         def guarded(cfg: DictConfig) -> Any:
-            from vitlab.launch import discard_if_unused, task_started
+            from vitlab.cli.rundir import discard_if_unused, task_started
 
             quiet()
             task_started()
@@ -54,7 +54,7 @@ def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Cal
                 return _record_failed_job(job, one_line(cause))
 
         def main() -> Any:
-            from vitlab.launch import prepare
+            from vitlab.cli.rundir import prepare
 
             quiet()
             register_resolvers()
@@ -81,7 +81,7 @@ def _summarize_sweep(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_class
 
-    from vitlab.sweep import SweepSummary
+    from vitlab.cli.sweep import SweepSummary
 
     if _sweep_job_dir() is None:
         return

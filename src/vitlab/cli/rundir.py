@@ -25,8 +25,8 @@ from pathlib import Path
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from vitlab.configs import config_dir
-from vitlab.errors import UserError, config_errors, fail, one_line, user_error
+from vitlab.cli.config_tree import config_dir
+from vitlab.utils.errors import UserError, config_errors, fail, one_line, user_error
 
 # Written into every run directory the moment a command claims it (see claim_run_dir).
 CLAIM_FILE = ".vitlab-run"

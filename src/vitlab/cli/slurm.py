@@ -9,7 +9,7 @@ happens to them:
 - a job that ends without a result (cancelled, killed) is named in one line with its log.
 
 A job that is pre-empted, requeued (`scontrol requeue`) or reaches its time limit (Slurm sends USR2
-`signal_delay_s` before it) checkpoints (vitlab.signals), comes back, and resumes from its own checkpoint: its
+`signal_delay_s` before it) checkpoints (vitlab.utils.signals), comes back, and resumes from its own checkpoint: its
 run directory is the same, and `vitlab.train` resumes a directory that already holds one. On its time-limit
 signal submitit requeues the job (up to `max_num_timeout` times); Slurm itself requeues a pre-empted one.
 """
@@ -30,7 +30,7 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
 from omegaconf import OmegaConf
 
-from vitlab.errors import fail
+from vitlab.utils.errors import fail
 
 log = logging.getLogger(__name__)
 

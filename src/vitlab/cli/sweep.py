@@ -11,7 +11,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from vitlab.errors import fail
+from vitlab.utils.errors import fail
 
 # What a finished job of each entry point writes in its directory: train, parity, benchmark.
 RESULT_FILES = ("metrics.json", "parity.json", "benchmark.json")
@@ -36,7 +36,7 @@ class SweepSummary(Callback):
 
     def write(self, hydra_cfg: DictConfig, metric: str | None) -> list[dict[str, Any]]:
         """summary.json (and optimization_results.yaml under Optuna) from the job directories as they are now."""
-        from vitlab.atomic import atomic_write
+        from vitlab.utils.atomic import atomic_write
 
         sweep_dir = Path(hydra_cfg.sweep.dir)
         rows = [self._row(job) for job in _job_dirs(sweep_dir)]

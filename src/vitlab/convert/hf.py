@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from vitlab.convert.weights import StateDict, fit_state_dict
-from vitlab.errors import UserError
+from vitlab.utils.errors import UserError
 from vitlab.model import ViTConfig
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from vitlab.atomic import atomic_files
-from vitlab.errors import UserError
+from vitlab.utils.atomic import atomic_files
+from vitlab.utils.errors import UserError
 from vitlab.model import ViT
 
 FORMATS = {".onnx": "onnx", ".pt2": "pt2"}

@@ -1,6 +1,6 @@
 """timm's names and downloads: which names timm knows (an architecture, with a pretrained tag, or a folder or
 Hugging Face repository as timm saves one), what its weights expect of their input, and the weights themselves,
-fetched through the hub the one way vitlab downloads (`vitlab.downloads`)."""
+fetched through the hub the one way vitlab downloads (`vitlab.utils.downloads`)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from urllib.parse import urlparse
 
 import torch
 
-from vitlab.downloads import downloading
-from vitlab.errors import MissingFileError, UserError, close_matches
+from vitlab.utils.downloads import downloading
+from vitlab.utils.errors import MissingFileError, UserError, close_matches
 
 # timm's modules of plain ViTs: `vision_transformer`, and `deit` (DeiT's, distilled ones included, and DeiT III's)
 TIMM_VIT_MODULES = ("vision_transformer", "deit")

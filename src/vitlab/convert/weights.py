@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from vitlab.atomic import atomic_write
+from vitlab.utils.atomic import atomic_write
 from vitlab.convert.timm_hub import PREPROCESSING, timm_pretrained_cfg, timm_pretrained_state_dict
-from vitlab.errors import MissingFileError, UserError
+from vitlab.utils.errors import MissingFileError, UserError
 from vitlab.model import ViT, ViTConfig, resample_pos_embed
 
 log = logging.getLogger(__name__)

@@ -25,10 +25,10 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler, Subset, get_w
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitlab.data import transforms
-from vitlab.errors import UserError
+from vitlab.utils.errors import UserError
 from vitlab.model.config import as_hw
-from vitlab.settings import from_mapping
-from vitlab.signals import ignore_stop_signals
+from vitlab.utils.checks import from_mapping
+from vitlab.utils.signals import ignore_stop_signals
 
 
 class TransformDataset(Dataset):

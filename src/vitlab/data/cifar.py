@@ -9,8 +9,8 @@ from pathlib import Path
 from torchvision import datasets
 
 from vitlab.data.base import ImageDataModule, TransformDataset, held_out
-from vitlab.downloads import downloading
-from vitlab.errors import MissingFileError, UserError
+from vitlab.utils.downloads import downloading
+from vitlab.utils.errors import MissingFileError, UserError
 
 
 class CIFAR10DataModule(ImageDataModule):

@@ -17,7 +17,7 @@ from sklearn.model_selection import train_test_split
 from torch.utils.data import Dataset
 
 from vitlab.data.base import DataModule
-from vitlab.errors import UserError
+from vitlab.utils.errors import UserError
 
 
 class TensorImages(Dataset):

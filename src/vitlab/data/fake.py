@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import Dataset
 
 from vitlab.data.base import ImageDataModule, TransformDataset
-from vitlab.errors import UserError
+from vitlab.utils.errors import UserError
 
 
 class RandomImages(Dataset):

@@ -19,7 +19,7 @@ from torchvision import datasets
 
 from vitlab.data.base import ImageDataModule, describe_splits
 from vitlab.data.images import check_image_file, is_image_file, read_image
-from vitlab.errors import MissingFileError, UserError
+from vitlab.utils.errors import MissingFileError, UserError
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from vitlab.errors import MissingFileError, UserError
+from vitlab.utils.errors import MissingFileError, UserError
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 # The image formats vitlab reads, everywhere: image folders (files of other kinds there are skipped, and counted),

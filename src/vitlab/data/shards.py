@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 from vitlab.data.base import TransformDataset, init_worker
 from vitlab.data.images import decode_image
 from vitlab.data.streaming import INFO
-from vitlab.errors import UserError
+from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 
 from vitlab.data.base import ImageDataModule, describe_splits
 from vitlab.data.images import decode_image
-from vitlab.errors import MissingFileError, UserError
+from vitlab.utils.errors import MissingFileError, UserError
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Frozen features of a split, extracted once and cached on disk for every evaluation that reads them (k-NN,
-few-shot, linear: `vitlab.probes`).
+few-shot, linear: `vitlab.evaluation.probes`).
 
 A split's images pass through the data module's evaluation transforms (no augmentation, the training split
 included) and the model: by default its pooled pre-logits features (`forward_head(..., pre_logits=True)`: the class
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vitlab.errors import UserError
+from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ def linear_views(cfg, model) -> tuple[Layers, dict]:
 
 
 def _score(cfg, feats: dict, split: str, k: int, views: dict | None) -> dict:
-    from vitlab.probes import fewshot_accuracy, knn_accuracy, linear_grid
+    from vitlab.evaluation.probes import fewshot_accuracy, knn_accuracy, linear_grid
 
     (train, train_y), (test, test_y) = feats["train"], feats[split]
     if cfg.task == "linear":

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from vitlab.errors import MissingFileError
+from vitlab.utils.errors import MissingFileError
 from vitlab.model import ViT
 
 

@@ -9,7 +9,7 @@
   images per class drawn with a seeded generator, features whitened on them, a constant bias feature of 100,
   targets one-hot in {-1, 1}, L2-regularised least squares in closed form (l2_reg 2^10), argmax.
 
-Plain torch on tensors (features from `vitlab.features`); no Lightning, no Hydra.
+Plain torch on tensors (features from `vitlab.evaluation.features`); no Lightning, no Hydra.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vitlab.errors import UserError
+from vitlab.utils.errors import UserError
 
 KNN_KS = (10, 20, 100, 200)  # DINOv2's nb_knn
 FEWSHOT_SHOTS = (1, 5, 10, 25)  # big_vision's common_fewshot

@@ -1,6 +1,6 @@
 """vitlab.eval's frozen-feature tasks (task=knn|linear|fewshot), in the processes the trainer config asks for:
 Lightning Fabric starts them as the Trainer does (a DDP launch re-runs the command once per further device) and
-sets up torch.distributed's group; each process then extracts its share of every split (vitlab.features) and
+sets up torch.distributed's group; each process then extracts its share of every split (vitlab.evaluation.features) and
 rank 0 gathers, caches and scores. The weights are a checkpoint's, or timm's pretrained weights ported into our
 ViT (`model.pretrained=<timm name>` and no ckpt_path)."""
 
@@ -11,13 +11,13 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from vitlab import run
+from vitlab.training import build
 from vitlab.convert.weights import is_weights_file, load_timm_weights
-from vitlab.errors import UserError
-from vitlab.features import probe, source_id
+from vitlab.utils.errors import UserError
+from vitlab.evaluation.features import probe, source_id
 from vitlab.model import ViT
 from vitlab.model.config import vit_config
-from vitlab.pretrained import apply_pretrained
+from vitlab.training.pretrained import apply_pretrained
 
 # Data settings that change how images are loaded, not which: left out of what identifies cached features.
 LOADER_KEYS = ("batch_size", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
@@ -28,7 +28,7 @@ def launch(trainer_cfg: DictConfig) -> torch.device:
     this process's device."""
     from lightning.fabric import Fabric
 
-    run.check_devices(trainer_cfg)
+    build.check_devices(trainer_cfg)
     strategy = trainer_cfg.get("strategy", "auto")
     if not isinstance(strategy, str):
         raise UserError(
@@ -69,7 +69,7 @@ def probe_pretrained(cfg: DictConfig) -> dict | None:
     with open_dict(cfg):  # the model takes the data's channels (its classes: a head the features never reach)
         cfg.model.in_chans, cfg.model.num_classes = cfg.data.get("channels", 3), cfg.data.num_classes
     apply_pretrained(cfg)  # timm's architecture, and the data's mean/std/crop left null become the weights'
-    datamodule = run.build_datamodule(cfg.data)
+    datamodule = build.build_datamodule(cfg.data)
     datamodule.setup("test")
     model = ViT(vit_config(cfg.model))
     load_timm_weights(model, source, reset_head=True)

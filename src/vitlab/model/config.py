@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vitlab.errors import UserError
+from vitlab.utils.errors import UserError
 
 # width, depth, heads; MLP ratio 4 throughout (ViT paper Table 1; Ti from DeiT Table 1).
 VARIANTS: dict[str, dict[str, int]] = {

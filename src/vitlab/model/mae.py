@@ -19,13 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from vitlab.errors import UserError
+from vitlab.utils.errors import UserError
 from vitlab.model.blocks import Block
 from vitlab.model.config import ViTConfig
 from vitlab.model.layers import random_order
 from vitlab.model.posemb import posemb_sincos_2d
 from vitlab.model.vit import ViT
-from vitlab.settings import check_range, from_mapping
+from vitlab.utils.checks import check_range, from_mapping
 
 
 @dataclass(frozen=True)

@@ -29,18 +29,18 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from vitlab import resume
-from vitlab.callbacks import SaveOnInterrupt
+from vitlab.training import resume
+from vitlab.training.callbacks import SaveOnInterrupt
 from vitlab.convert.weights import read_checkpoint
-from vitlab.errors import UserError
-from vitlab.hardware import resolve_trainer
-from vitlab.lit_module import ViTModule
-from vitlab.logs import route_lightning_logs
-from vitlab.mae import MAEModule, objective_module
+from vitlab.utils.errors import UserError
+from vitlab.training.hardware import resolve_trainer
+from vitlab.training.module import ViTModule
+from vitlab.utils.logs import route_lightning_logs
+from vitlab.training.mae import MAEModule, objective_module
 from vitlab.model.config import vit_config
-from vitlab.optim import OptimConfig, scaled_lr
-from vitlab.settings import check_arguments
-from vitlab.signals import pass_on
+from vitlab.training.optim import OptimConfig, scaled_lr
+from vitlab.utils.checks import check_arguments
+from vitlab.utils.signals import pass_on
 
 log = logging.getLogger(__name__)
 route_lightning_logs()

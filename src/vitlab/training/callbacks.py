@@ -1,7 +1,7 @@
 """Lightning callbacks that keep runs safe, fast and readable, and the weights' moving average (EMA) as timm
 validates it: checkpoints (the best carried into a resumed run's
 directory, the last one linked to the best when both fall due), a resumable checkpoint when a
-signal stops the run (vitlab.signals), throughput read without stalling the device, and a log line per epoch
+signal stops the run (vitlab.utils.signals), throughput read without stalling the device, and a log line per epoch
 where no progress bar is shown."""
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from lightning.pytorch.callbacks.weight_averaging import WeightAveraging
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from vitlab.atomic import atomic_link
-from vitlab.settings import check_range
-from vitlab.signals import StopSignals
+from vitlab.utils.atomic import atomic_link
+from vitlab.utils.checks import check_range
+from vitlab.utils.signals import StopSignals
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
-from vitlab.atomic import atomic_write
+from vitlab.utils.atomic import atomic_write
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

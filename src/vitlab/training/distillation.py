@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitlab.errors import MissingFileError, UserError
-from vitlab.settings import check_range, from_mapping
+from vitlab.utils.errors import MissingFileError, UserError
+from vitlab.utils.checks import check_range, from_mapping
 
 DISTILL_TYPES = ("none", "soft", "hard")
 

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torchmetrics import MeanMetric, MinMetric
 
-from vitlab.errors import UserError
-from vitlab.lit_module import ViTModule
+from vitlab.utils.errors import UserError
+from vitlab.training.module import ViTModule
 from vitlab.model import ViTConfig
 from vitlab.model.mae import MAEConfig, MAEDecoder, flops_per_image, mae_forward
 

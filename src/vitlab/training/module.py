@@ -1,5 +1,5 @@
 """ViTModule: the LightningModule around our ViT: loss (with MixUp/CutMix and label smoothing),
-metrics, and the optimisation recipe of vitlab.optim wired into Lightning.
+metrics, and the optimisation recipe of vitlab.training.optim wired into Lightning.
 
 Its constructor takes plain data only (dicts, lists, numbers), saved as the checkpoint's
 hyper-parameters, so `ViTModule.load_from_checkpoint(path)` rebuilds the model without Hydra and
@@ -26,13 +26,13 @@ from torch import nn
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from vitlab import rank_state
-from vitlab.distill import DistillConfig, distillation_loss, load_teacher
-from vitlab.errors import NonFiniteLossError, UserError
+from vitlab.training import rank_state
+from vitlab.training.distillation import DistillConfig, distillation_loss, load_teacher
+from vitlab.utils.errors import NonFiniteLossError, UserError
 from vitlab.model import ViT, ViTConfig
 from vitlab.model.init import log_prior_head_bias_
-from vitlab.optim import PLATEAU_MODES, OptimConfig, SchedulerConfig, make_optimizer, make_scheduler
-from vitlab.settings import check_at_least, check_range, compile_mode, from_mapping
+from vitlab.training.optim import PLATEAU_MODES, OptimConfig, SchedulerConfig, make_optimizer, make_scheduler
+from vitlab.utils.checks import check_at_least, check_range, compile_mode, from_mapping
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class ViTModule(L.LightningModule):
         loss: str = "ce",  # LOSSES
         bce_target_thresh: float | None = None,  # bce: targets above it become 1, the rest 0 (DeiT III: 0.2)
         mixup: dict[str, Any] | None = None,
-        distill: dict[str, Any] | None = None,  # DeiT's distillation from a teacher (vitlab.distill)
+        distill: dict[str, Any] | None = None,  # DeiT's distillation from a teacher (vitlab.training.distillation)
         compile: bool | str = False,  # or a torch.compile mode (COMPILE_MODES)
         class_names: list[str] | None = None,
         data: dict[str, Any] | None = None,  # the data config that trained it, for vitlab.eval/predict
@@ -283,7 +283,7 @@ class ViTModule(L.LightningModule):
         return f"training loss became {value} at step {step} (epoch {self.current_epoch}); {stopped}; {where}"
 
     # Each process's random generators (dropout, stochastic depth, MixUp), loader position, augmentation generator
-    # and running metrics travel with checkpoints (vitlab.rank_state), so a resumed run, with one process or
+    # and running metrics travel with checkpoints (vitlab.training.rank_state), so a resumed run, with one process or
     # many, draws and sees exactly what the uninterrupted run would have.
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._raise_if_not_finite()  # before anything is written

@@ -13,10 +13,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from vitlab.atomic import remove_stale_temporaries
+from vitlab.utils.atomic import remove_stale_temporaries
 from vitlab.convert.weights import read_checkpoint
-from vitlab.errors import MissingFileError, UserError
-from vitlab.lit_module import ViTModule
+from vitlab.utils.errors import MissingFileError, UserError
+from vitlab.training.module import ViTModule
 from vitlab.model.config import DROPOUTS
 
 log = logging.getLogger(__name__)

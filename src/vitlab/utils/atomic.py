@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from vitlab.errors import UserError
+from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 

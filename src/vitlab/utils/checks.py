@@ -15,7 +15,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from vitlab.errors import UserError
+from vitlab.utils.errors import UserError
 
 T = TypeVar("T")
 

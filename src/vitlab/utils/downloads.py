@@ -8,7 +8,7 @@ import contextlib
 import socket
 from collections.abc import Iterator
 
-from vitlab.errors import OfflineError
+from vitlab.utils.errors import OfflineError
 
 
 @contextlib.contextmanager
