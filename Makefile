@@ -28,8 +28,8 @@ PARALLEL ?= -n auto --maxprocesses 4 --dist loadfile
 test: install             ## the whole suite, as CI runs it
 	$(BIN)/python -m pytest $(PARALLEL) $(ARGS)
 
-test-fast: install        ## every module, without the slow command-line cases (~4 min on 2 cores)
-	$(BIN)/python -m pytest -m "not slow" $(ARGS)
+test-fast: install        ## every unit folder, without tests/end_to_end/'s command-line suites (~7 min on 2 cores)
+	$(BIN)/python -m pytest $(PARALLEL) --ignore=tests/end_to_end $(ARGS)
 
 lint: install
 	$(BIN)/ruff check src tests

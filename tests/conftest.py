@@ -10,13 +10,18 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.helpers import run_cli  # noqa: E402
+from tests.helpers import image_tree, run_cli  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests run where a CUDA device is visible and are skipped, saying so, elsewhere (CI)."""
+    """The suites of tests/end_to_end/ are the `slow` ones (make test-fast leaves that folder out). `gpu` tests run
+    where a CUDA device is visible and are skipped, saying so, elsewhere (CI)."""
+    end_to_end = Path(__file__).parent / "end_to_end"
+    for item in items:
+        if end_to_end in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -60,3 +65,23 @@ def compose_cfg(tmp_path):
 
     yield _compose
     GlobalHydra.instance().clear()
+
+
+# An image folder and its LitData shards (python -m vitlab.pack), for tests/data/test_streaming.py and
+# tests/end_to_end/test_streaming_runs.py.
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("folder")
+    return image_tree(root, classes=("a", "b", "c"), per_class=24, size=(12, 12), splits=("train", "val", "test"))
+
+
+@pytest.fixture(scope="module")
+def shards(folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("packed") / "shards"
+    r = run_cli("pack", "data=imagefolder", f"data.data_dir={folder}", f"out={out}", "workers=2", cwd=out.parent)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-2:] == [
+        f"packed train 72, val 72, test 72 images of 3 classes into {out}",
+        f"train on them: python -m vitlab.train data=streaming data.data_dir={out}",
+    ]
+    return out

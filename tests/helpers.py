@@ -31,7 +31,8 @@ RESUMABLE = [
     "callbacks=ema",
     "callbacks.ema.update_starting_at_step=0",
     "trainer.log_every_n_steps=5",  # 27 steps in all: log the LR (compared after resuming) within them
-    "trainer.accelerator=cpu",  # the CPU's resume, also where a GPU is visible (tests/test_gpu.py resumes on one)
+    # the CPU's resume, also where a GPU is visible (tests/end_to_end/test_gpu.py resumes on one)
+    "trainer.accelerator=cpu",
 ]
 
 

@@ -8,10 +8,9 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from vitlab.cli.config_tree import config_dir
-from vitlab.training.module import ViTModule
-from vitlab.training.mae import MAEModule
 from vitlab.model.config import vit_config
 from vitlab.training.build import build_trainer
+from vitlab.training.module import ViTModule
 
 CONF = config_dir()
 
@@ -28,13 +27,12 @@ def build_everything(cfg):
     """What vitlab.train builds before fitting: model, data, module, callbacks, loggers, trainer."""
     mc = vit_config(cfg.model)
     # One block is enough to check the module's arguments; every full model is built in test_model_configs.
-    mae = cfg.get("objective") == "mae"  # an encoder without a head, and its decoder
-    (MAEModule if mae else ViTModule)(
+    mae = cfg.objective.name == "mae"  # an encoder without a head, and its decoder
+    ViTModule(
         model={**mc.to_dict(), "depth": 1},
+        objective=OmegaConf.to_container(cfg.objective),
         optim=OmegaConf.to_container(cfg.optim),
         scheduler=OmegaConf.to_container(cfg.scheduler),
-        mixup=OmegaConf.to_container(cfg.mixup),
-        **({"mae": OmegaConf.to_container(cfg.mae)} if mae else {}),
     )
     dm = instantiate(cfg.data)
     assert (0 if mae else dm.num_classes, dm.channels) == (mc.num_classes, mc.in_chans)
@@ -48,6 +46,7 @@ def test_the_tests_cover_every_conf_file():
         CONF / f"{g}/{o}.yaml"
         for g in (
             "model",
+            "objective",
             "data",
             "optim",
             "scheduler",
@@ -166,7 +165,7 @@ def test_debug_configs(compose_cfg, debug):
 def test_experiment_configs(compose_cfg, experiment):
     cfg = compose_cfg("train", [f"experiment={experiment}"])
     mc, dm, *_ = build_everything(cfg)
-    assert cfg.tags and mc.num_classes == (0 if cfg.get("objective") == "mae" else dm.num_classes)
+    assert cfg.tags and mc.num_classes == (0 if cfg.objective.name == "mae" else dm.num_classes)
 
 
 def test_hparams_search_config(compose_cfg):

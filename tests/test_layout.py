@@ -106,8 +106,8 @@ def test_no_two_modules_share_a_name_without_the_package_saying_why():
     from collections import Counter
 
     stems = Counter(p.stem for p in SRC.rglob("*.py") if p.stem not in ("__init__", "__main__"))
-    assert {s for s, n in stems.items() if n > 1} <= {"config", "mae"}  # model/config.py, benchmark/config.py; model/mae.py
-    # (MAE's network), training/mae.py (its objective)
+    # model/config.py and benchmark/config.py; model/mae.py (MAE's network) and training/mae.py (its objective)
+    assert {s for s, n in stems.items() if n > 1} <= {"config", "mae"}
 
 
 def test_no_module_imports_a_command():
@@ -164,3 +164,25 @@ def test_reading_a_config_needs_neither_torch_nor_lightning():
 def test_no_file_over_400_lines():
     long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
     assert long == {}
+
+
+def test_the_train_command_shows_its_steps_and_calls_fit_and_test_itself():
+    """python -m vitlab.train -> entry_point's main (Hydra composes, the run directory is claimed) -> its guard ->
+    train(cfg) -> trainer.fit: the command's own function builds each part and calls fit and test (issue 31)."""
+    tree = ast.parse((SRC / "train.py").read_text())
+    (train,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train"]
+    called = {
+        f"{ast.unparse(c.func.value)}.{c.func.attr}"
+        for c in ast.walk(train)
+        if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+    }
+    steps = ["build_datamodule", "build_module", "build_callbacks", "build_loggers", "build_trainer"]
+    assert {f"build.{s}" for s in steps} | {"trainer.fit", "trainer.test"} <= called
+
+
+def test_the_module_never_branches_on_which_objective_it_trains():
+    """ViTModule calls its objective for the loss, metrics and extra networks: no objective's name or class appears in
+    it beyond the table that maps `objective.name` to the class."""
+    text = (SRC / "training" / "module.py").read_text()
+    body = text[text.index("class ViTModule") :]
+    assert not [w for w in ("Classification", "Distillation", "MAE", '"mae"', '"classify"', '"distill"') if w in body]

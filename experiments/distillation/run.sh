@@ -12,8 +12,8 @@ TEACHER=$($PY -c "import json; print(json.load(open('$OUT/teacher/metrics.json')
 SEEDS=1,2,3,4,5,6,7,8
 STUDENT="experiment=digits progress_bar=none trainer.max_epochs=100 model.embed_dim=32 model.depth=2 model.num_heads=2"
 $PY -m vitlab.train -m $STUDENT seed=$SEEDS hydra.sweep.dir=$OUT/none
-$PY -m vitlab.train -m $STUDENT seed=$SEEDS model.distilled=true distill.type=hard distill.teacher=$TEACHER \
+$PY -m vitlab.train -m $STUDENT seed=$SEEDS model.distilled=true objective=distill objective.type=hard objective.teacher=$TEACHER \
   hydra.sweep.dir=$OUT/token_hard
-$PY -m vitlab.train -m $STUDENT seed=$SEEDS distill.type=soft distill.tau=2.0 distill.teacher=$TEACHER \
+$PY -m vitlab.train -m $STUDENT seed=$SEEDS objective=distill objective.type=soft objective.tau=2.0 objective.teacher=$TEACHER \
   hydra.sweep.dir=$OUT/logits_soft
 $PY experiments/distillation/report.py $OUT

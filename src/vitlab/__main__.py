@@ -11,7 +11,8 @@ import vitlab
 COMMANDS = sorted(
     m.name
     for m in pkgutil.iter_modules(vitlab.__path__)
-    if (not m.ispkg and not m.name.startswith("_")) or (m.ispkg and (Path(vitlab.__path__[0]) / m.name / "__main__.py").is_file())
+    if (not m.ispkg and not m.name.startswith("_"))
+    or (m.ispkg and (Path(vitlab.__path__[0]) / m.name / "__main__.py").is_file())
 )
 
 if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:

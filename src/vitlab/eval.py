@@ -1,15 +1,14 @@
-"""python -m vitlab.eval ckpt_path=<file.ckpt> [data=<name>] [data.data_dir=<moved data>] [task=...]: test a
-checkpoint, write metrics.json (on the validation split, its metrics named val/, where the data has no test split).
-task=knn (DINOv2's weighted k-NN), task=linear (DINOv2's linear probe over a grid of feature configurations and
-learning rates, chosen on the validation split) and task=fewshot (big_vision's few-shot least squares) evaluate the
-frozen features instead (vitlab.evaluation.probes), cached beside the checkpoint's run (<run>/features/<checkpoint>/), in the
-processes trainer=... asks for (trainer=ddp_cpu: 2). Without ckpt_path, model=<name> model.pretrained=<timm name>
-data=<name> evaluates timm's pretrained weights (vitlab/evaluation/tasks.py).
+"""python -m vitlab.eval ckpt_path=<file.ckpt> [data=<name>] [data.data_dir=<moved data>] [task=...]: test a checkpoint,
+write metrics.json (on the validation split, its metrics named val/, where the data has no test split). task=knn
+(DINOv2's weighted k-NN), task=linear (DINOv2's linear probe over a grid of feature configurations and learning rates,
+chosen on the validation split) and task=fewshot (big_vision's few-shot least squares) evaluate the frozen features
+instead (vitlab.evaluation.probes), cached beside the checkpoint's run (<run>/features/<checkpoint>/), in the processes
+trainer=... asks for (trainer=ddp_cpu: 2). Without ckpt_path, model=<name> model.pretrained=<timm name> data=<name>
+evaluates timm's pretrained weights (vitlab/evaluation/tasks.py).
 
-The model comes from the checkpoint's stored config; the data from `data=...` or, by default, the
-data config the checkpoint was trained with (same split, same transforms), with any `data.<key>=`
-given on the command line on top (data that moved: `data.data_dir=...`). The class names the
-checkpoint was trained on must be the data's, in the same order.
+The model comes from the checkpoint's stored config; the data from `data=...` or, by default, the data config the
+checkpoint was trained with (same split, same transforms), with any `data.<key>=` given on the command line on top (data
+that moved: `data.data_dir=...`). The class names the checkpoint was trained on must be the data's, in the same order.
 """
 
 from __future__ import annotations

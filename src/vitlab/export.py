@@ -19,9 +19,9 @@ from vitlab.utils.errors import UserError
 
 
 def export(cfg: DictConfig) -> dict:
-    from vitlab.training import build
-    from vitlab.convert.programs import FORMATS, export
     from vitlab.cli.rundir import check_writable
+    from vitlab.convert.programs import FORMATS, export
+    from vitlab.training import build
 
     if f".{cfg.format}" not in FORMATS:
         raise UserError(f"format {cfg.format!r} is not one of {sorted(FORMATS.values())}")

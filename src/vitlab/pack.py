@@ -14,8 +14,8 @@ from vitlab.cli.entry import entry_point
 
 @entry_point("pack")
 def main(cfg: DictConfig) -> dict:
-    from vitlab.training import build
     from vitlab.data.shards import pack
+    from vitlab.training import build
 
     datamodule = build.build_datamodule(cfg.data)
     datamodule.setup("fit")

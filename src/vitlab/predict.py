@@ -16,8 +16,8 @@ from vitlab.utils.errors import UserError
 def predict(cfg: DictConfig) -> list[dict]:
     import torch
 
-    from vitlab.training import build
     from vitlab.data.images import read_image
+    from vitlab.training import build
 
     if cfg.top_k < 1:
         raise UserError(f"top_k {cfg.top_k} must be >= 1")

@@ -21,10 +21,10 @@ from vitlab.utils.errors import UserError
 
 @entry_point("visualize")
 def main(cfg: DictConfig) -> None:
-    from vitlab.training import build
     from vitlab.data.images import read_image
     from vitlab.evaluation.figures import plot_attention, plot_embeddings, plot_learning_curves, plot_reconstructions
-    from vitlab.training.mae import MAEModule
+    from vitlab.training import build
+    from vitlab.training.mae import MAE
 
     if not (cfg.run_dir or cfg.ckpt_path):
         raise UserError("give ckpt_path=<checkpoint> [image=<file>] and/or run_dir=<training run directory>")
@@ -40,10 +40,14 @@ def main(cfg: DictConfig) -> None:
             dm = build.inference_datamodule(module, cfg.ckpt_path)
             x = dm.predict_tensor(img)
             written += plot_attention(module.model, x, dm.mean, dm.std, out).values()
-        if isinstance(module, MAEModule):
+        if isinstance(module.objective, MAE):  # an MAE pretraining run's checkpoint
             dm = build.inference_datamodule(module, cfg.ckpt_path)
             x = dm.first_images("test", cfg.num_images)
-            written.append(plot_reconstructions(module, x, dm.mean, dm.std, out / "mae_reconstructions.png"))
+            written.append(
+                plot_reconstructions(
+                    module.model, module.objective, x, dm.mean, dm.std, out / "mae_reconstructions.png"
+                )
+            )
     if cfg.run_dir:
         written.append(plot_learning_curves(cfg.run_dir, out / "learning_curves.png"))
     for path in written:

@@ -7,8 +7,8 @@ import torch
 from tests.helpers import tiny
 from vitlab.convert import programs as export_module
 from vitlab.convert.programs import check_shapes, export
-from vitlab.utils.errors import UserError
 from vitlab.model import ViT
+from vitlab.utils.errors import UserError
 
 
 @pytest.mark.parametrize("suffix", [".onnx", ".pt2"])

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.helpers import assert_same_run, image_tree, interrupt, resume, run_cli
+from tests.helpers import assert_same_run, image_tree, run_cli
 from vitlab.data.streaming import INFO, StreamingDataModule
 
 # 3 classes x 24 images of 12 px in train, val and test: 9 steps of 8 an epoch
@@ -26,24 +26,6 @@ RUN = [
     "trainer.log_every_n_steps=5",
 ]
 TWO = ["trainer=ddp_cpu", "trainer.devices=2"]
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    root = tmp_path_factory.mktemp("folder")
-    return image_tree(root, classes=("a", "b", "c"), per_class=24, size=(12, 12), splits=("train", "val", "test"))
-
-
-@pytest.fixture(scope="module")
-def shards(folder, tmp_path_factory):
-    out = tmp_path_factory.mktemp("packed") / "shards"
-    r = run_cli("pack", "data=imagefolder", f"data.data_dir={folder}", f"out={out}", "workers=2", cwd=out.parent)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip().splitlines()[-2:] == [
-        f"packed train 72, val 72, test 72 images of 3 classes into {out}",
-        f"train on them: python -m vitlab.train data=streaming data.data_dir={out}",
-    ]
-    return out
 
 
 def _module(shards, rank=0, world=1, **settings) -> StreamingDataModule:
@@ -93,17 +75,6 @@ def test_training_on_the_shards_equals_training_on_the_folder_and_eval_too(folde
         assert r.returncode == 0, r.stderr[-3000:]
         evaluated.append(json.loads((out / "metrics.json").read_text()))
     assert evaluated[0] == evaluated[1]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("processes", [1, 2])
-def test_a_run_on_shards_interrupted_mid_epoch_resumes_exactly(shards, tmp_path, processes):
-    args = ["data=streaming", f"data.data_dir={shards}", *RUN, *(TWO if processes == 2 else [])]
-    full = tmp_path / "full"
-    r = run_cli("train", *args, f"hydra.run.dir={full}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    command = interrupt(args, tmp_path, "SIGTERM", 12)
-    assert_same_run(full, resume(command, tmp_path))
 
 
 def test_pack_refuses_a_corrupt_image_in_one_line_and_leaves_nothing(folder, tmp_path):

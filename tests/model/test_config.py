@@ -2,8 +2,8 @@ import re
 
 import pytest
 
-from vitlab.utils.errors import UserError
 from vitlab.model import VARIANTS, ViTConfig, as_hw, parse_variant
+from vitlab.utils.errors import UserError
 
 
 def test_variant_table_is_the_papers():

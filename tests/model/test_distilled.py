@@ -7,8 +7,8 @@ import timm
 import torch
 
 from vitlab.convert.timm_args import config_from_timm, create_timm_model
-from vitlab.utils.errors import UserError
 from vitlab.model import ViT, ViTConfig
+from vitlab.utils.errors import UserError
 
 
 def test_distilled_vit_equals_timms_deit_tiny_distilled():

@@ -5,7 +5,6 @@ normalisation), patchify is MAE's pixel order, the decoder's names are MAE's."""
 import pytest
 import torch
 
-from vitlab.utils.errors import UserError
 from vitlab.model import ViT, ViTConfig
 from vitlab.model.mae import (
     MAEConfig,
@@ -16,6 +15,7 @@ from vitlab.model.mae import (
     random_masking,
     unpatchify,
 )
+from vitlab.utils.errors import UserError
 
 
 def _vit(**kw) -> ViT:
@@ -105,9 +105,9 @@ def test_the_decoder_has_maes_parameter_names():
 @pytest.mark.parametrize(
     "values,message",
     [
-        ({"mask_ratio": 1.0}, r"mae.mask_ratio 1.0 must be in \(0, 1\)"),
-        ({"decoder_embed_dim": 10, "decoder_num_heads": 4}, "mae.decoder_embed_dim 10 is not divisible"),
-        ({"decoder_depht": 2}, r"unknown mae key\(s\) \['decoder_depht'\]"),
+        ({"mask_ratio": 1.0}, r"objective.mask_ratio 1.0 must be in \(0, 1\)"),
+        ({"decoder_embed_dim": 10, "decoder_num_heads": 4}, "objective.decoder_embed_dim 10 is not divisible"),
+        ({"decoder_depht": 2}, r"unknown objective=mae key\(s\) \['decoder_depht'\]; allowed: \['decoder_depth'"),
     ],
 )
 def test_bad_settings_are_one_line(values, message):

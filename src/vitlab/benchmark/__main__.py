@@ -17,8 +17,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from vitlab.cli.entry import entry_point
-from vitlab.utils.errors import UserError
 from vitlab.model.config import vit_config
+from vitlab.utils.errors import UserError
 
 
 def train_config(cfg: DictConfig, b, report: dict[str, Any]) -> DictConfig:

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from vitlab.utils.errors import UserError
 from vitlab.utils.checks import compile_mode, from_mapping
+from vitlab.utils.errors import UserError
 
 TASKS = ("models", "overhead", "pipeline", "end2end")
 CONTENDERS = ("vitlab", "timm", "vitlab_ckpt", "timm_ckpt")

@@ -23,13 +23,13 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from vitlab.training import build
 from vitlab.benchmark.config import BenchmarkConfig
 from vitlab.benchmark.measure import sync
-from vitlab.utils.errors import UserError
-from vitlab.training.hardware import resolve_trainer
 from vitlab.model.config import vit_config
+from vitlab.training import build
+from vitlab.training.hardware import resolve_trainer
 from vitlab.training.optim import OptimConfig
+from vitlab.utils.errors import UserError
 
 PRECISION_OF_TRAINER = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16"}
 

@@ -15,10 +15,10 @@ import lightning as L
 import torch
 from omegaconf import DictConfig
 
-from vitlab.training import build
 from vitlab.benchmark.config import BenchmarkConfig
 from vitlab.benchmark.measure import pick_device, summarise, sync
 from vitlab.data.digits import TensorImages
+from vitlab.training import build
 from vitlab.training.optim import make_optimizer, make_scheduler
 
 log = logging.getLogger(__name__)

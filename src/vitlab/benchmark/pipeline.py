@@ -30,12 +30,12 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset
 from torchvision.transforms import v2 as T
 
-from vitlab.training import build
 from vitlab.benchmark.config import BenchmarkConfig
 from vitlab.data.base import TransformDataset
 from vitlab.data.transforms import INTERPOLATIONS, TrainTransform
-from vitlab.utils.errors import UserError
 from vitlab.model.config import as_hw
+from vitlab.training import build
+from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 

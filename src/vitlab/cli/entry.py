@@ -1,7 +1,7 @@
 """What makes a function a `python -m vitlab.<command>` command line (`@entry_point`): the config tree and its
-resolvers (vitlab.cli.config_tree), the run directory (vitlab.cli.rundir), one-line errors for bad input (vitlab.utils.errors), the
-log routing (vitlab.utils.logs), a sweep job's failure recorded for the summary (vitlab.cli.sweep), and the run's config
-saved in its directory.
+resolvers (vitlab.cli.config_tree), the run directory (vitlab.cli.rundir), one-line errors for bad input
+(vitlab.utils.errors), the log routing (vitlab.utils.logs), a sweep job's failure recorded for the summary
+(vitlab.cli.sweep), and the run's config saved in its directory.
 
 It imports no torch, Lightning or timm at module level: `--help` and config errors answer at once.
 """

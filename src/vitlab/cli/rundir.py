@@ -226,11 +226,41 @@ def _explain(e: Exception, config_name: str, overrides: list[str]) -> str:
             there = OmegaConf.select(node, parent) if parent else node
         except config_errors():
             there = None
+        if (elsewhere := _objective_option(key, config_name, rest)) is not None:
+            return elsewhere
         if there is not None:
             keys = sorted(k for k in there if not str(k).startswith("_"))
             more = f"; add another argument of its {there._target_} with +{key}=..." if "_target_" in there else ""
             return f"{key} is not a key of {parent or 'the config'}; its keys: {keys}{more}"
     return one_line(user_error(e) or e)
+
+
+def _objective_option(key: str, config_name: str, overrides: list[str]) -> str | None:
+    """An unknown key that is an option of another objective (conf/objective/), or an objective's option given at the
+    top level as before objectives were a config group (`label_smoothing`, `mixup.*`, `distill.*`, `mae.*`): say
+    which objective has it and how to give it."""
+    if config_name != "train":
+        return None
+    head, _, rest = key.partition(".")
+    option = rest if head in ("objective", "distill", "mae") else key
+    others = [o for o in overrides if not o.lstrip("+~").startswith("objective=")]
+    try:
+        current = _compose(config_name, overrides).objective.name
+        for name in sorted(p.stem for p in (config_dir() / "objective").glob("*.yaml")):
+            node = _compose(config_name, [*others, f"objective={name}"]).objective
+            if OmegaConf.select(node, option, default=_NONE) is not _NONE:
+                if name == current:
+                    return f"{key} is an option of the objective (objective={name}): give it as objective.{option}=..."
+                return (
+                    f"{key} is an option of objective={name}, and this run's objective is {current}: give it as "
+                    f"objective={name} objective.{option}=..."
+                )
+    except config_errors():
+        return None
+    return None
+
+
+_NONE = object()
 
 
 def prepare(config_name: str, argv: list[str]) -> list[str]:

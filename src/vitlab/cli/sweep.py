@@ -4,6 +4,7 @@ ends, and the table printed when the sweep is over. A Hydra callback, configured
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from vitlab.utils.errors import fail
+from vitlab.utils.errors import UserError, fail
 
 # What a finished job of each entry point writes in its directory: train, parity, benchmark.
 RESULT_FILES = ("metrics.json", "parity.json", "benchmark.json")
@@ -121,3 +122,20 @@ def _best_trial(sweep_dir: Path, metric: str | None, sweeper: DictConfig) -> dic
     pick = max if sweeper.direction == "maximize" else min
     value, best = pick(trials, key=lambda t: t[0])
     return {"name": "optuna", "best_params": best, "best_value": value, "trials_ended": len(trials)}
+
+
+def optimized_value(key: str | None, metrics: dict[str, Any]) -> float | None:
+    """The value of `optimized_metric` a job returns to its sweeper; one a sweep needs and the run did not log is an
+    error (the job is recorded as failed), a single run only warns."""
+    if key is None:
+        return None
+    if key not in metrics:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        message = f"optimized_metric {key!r} was not logged; logged: {sorted(metrics)}"
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # a sweeper needs the value
+            raise UserError(message)
+        logging.getLogger("vitlab.train").warning(message)  # e.g. stopped by max_steps before the first validation
+        return None
+    return metrics[key]

@@ -15,8 +15,8 @@ from torch import nn
 from vitlab.convert.timm_args import config_from_timm, create_timm_model, timm_model_args
 from vitlab.convert.timm_hub import timm_vit_names
 from vitlab.convert.weights import check_state_dict, fit_state_dict
-from vitlab.utils.errors import OfflineError, UserError
 from vitlab.model import ViT, ViTConfig
+from vitlab.utils.errors import OfflineError, UserError
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:

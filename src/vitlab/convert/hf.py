@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from vitlab.convert.weights import StateDict, fit_state_dict
-from vitlab.utils.errors import UserError
 from vitlab.model import ViTConfig
+from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from vitlab.model import ViT
 from vitlab.utils.atomic import atomic_files
 from vitlab.utils.errors import UserError
-from vitlab.model import ViT
 
 FORMATS = {".onnx": "onnx", ".pt2": "pt2"}
 

@@ -10,9 +10,9 @@ from typing import Any
 from torch import nn
 
 from vitlab.convert.timm_hub import check_timm_name, from_the_hub, timm_architecture, timm_vit_names
-from vitlab.utils.errors import UserError, close_matches
 from vitlab.model import ViTConfig
 from vitlab.model.config import DROPOUTS
+from vitlab.utils.errors import UserError, close_matches
 
 
 def timm_components() -> dict[str, dict[str, Any]]:

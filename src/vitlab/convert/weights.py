@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from vitlab.utils.atomic import atomic_write
 from vitlab.convert.timm_hub import PREPROCESSING, timm_pretrained_cfg, timm_pretrained_state_dict
-from vitlab.utils.errors import MissingFileError, UserError
 from vitlab.model import ViT, ViTConfig, resample_pos_embed
+from vitlab.utils.atomic import atomic_write
+from vitlab.utils.errors import MissingFileError, UserError
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler, Subset, get_w
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitlab.data import transforms
-from vitlab.utils.errors import UserError
 from vitlab.model.config import as_hw
 from vitlab.utils.checks import from_mapping
+from vitlab.utils.errors import UserError
 from vitlab.utils.signals import ignore_stop_signals
 
 

@@ -25,9 +25,9 @@ import torch
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2 as T
 
-from vitlab.utils.errors import UserError
 from vitlab.model.config import as_hw
 from vitlab.utils.checks import check_at_least, check_range, from_mapping, is_number
+from vitlab.utils.errors import UserError
 
 TORCHVISION_AUGMENTS = ("randaugment", "trivialaugment")
 TIMM_POLICIES = ("rand-", "augmix-", "3a", "v0", "original")  # how timm's policy strings start (timm.data.auto_augment)

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from vitlab.utils.errors import MissingFileError
 from vitlab.model import ViT
+from vitlab.utils.errors import MissingFileError
 
 
 def _pyplot():
@@ -184,7 +184,7 @@ def plot_learning_curves(run_dir: str | Path, out: str | Path) -> Path:
 
 
 @torch.no_grad()
-def plot_reconstructions(module, images: torch.Tensor, mean, std, out: Path, seed: int = 0) -> Path:
+def plot_reconstructions(model, mae, images: torch.Tensor, mean, std, out: Path, seed: int = 0) -> Path:
     """MAE's figure: for each image (normalised, (B, C, H, W)) the original, what the encoder saw (masked patches
     grey), the decoder's prediction of every patch, and the prediction with the visible patches pasted back. With
     norm_pix_loss the decoder predicts each patch normalised by its own mean and variance: those two statistics are
@@ -192,11 +192,11 @@ def plot_reconstructions(module, images: torch.Tensor, mean, std, out: Path, see
     from vitlab.model.mae import patchify, unpatchify
 
     plt = _pyplot()
-    cfg = module.model.cfg
+    cfg = model.cfg
     torch.manual_seed(seed)
-    _, pred, mask = module.reconstruct(images)
+    _, pred, mask = mae.reconstruct(model, images)
     target = patchify(images, cfg.patch_hw)
-    if module.mae_cfg.norm_pix_loss:
+    if mae.cfg.norm_pix_loss:
         mu, var = target.mean(dim=-1, keepdim=True), target.var(dim=-1, keepdim=True)
         pred = pred * (var + 1.0e-6) ** 0.5 + mu
     shape = (cfg.patch_hw, cfg.grid_size, cfg.in_chans)
@@ -224,5 +224,5 @@ def plot_reconstructions(module, images: torch.Tensor, mean, std, out: Path, see
             ax.set(xticks=[], yticks=[])
             if i == 0:
                 ax.set_title(title, fontsize=8)
-    fig.suptitle(f"MAE reconstructions (mask ratio {module.mae_cfg.mask_ratio})", fontsize=9)
+    fig.suptitle(f"MAE reconstructions (mask ratio {mae.cfg.mask_ratio})", fontsize=9)
     return _save(fig, out)

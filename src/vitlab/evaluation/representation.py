@@ -1,10 +1,10 @@
-"""The representation measured while it trains: k-NN and few-shot accuracy of the frozen features of the model
-being trained, every few epochs, logged beside val/acc (`knn/top1`, `fewshot/<n>shot`), so a run (a pretraining run
-above all) shows its features improving. The same classifiers as `vitlab.eval task=knn|fewshot` (vitlab.evaluation.probes);
-the features are those of the training split (evaluation transforms, at most `max_train_images` of it) and of the
-validation split, extracted anew each time from the weights as they are. Under DDP every process extracts its share
-of the images and rank 0 gathers them (vitlab.evaluation.features), scores, and hands the numbers to the others, so every rank
-logs the same values (a checkpoint or early stopping may monitor them).
+"""The representation measured while it trains: k-NN and few-shot accuracy of the frozen features of the model being
+trained, every few epochs, logged beside val/acc (`knn/top1`, `fewshot/<n>shot`), so a run (a pretraining run above all)
+shows its features improving. The same classifiers as `vitlab.eval task=knn|fewshot` (vitlab.evaluation.probes); the
+features are those of the training split (evaluation transforms, at most `max_train_images` of it) and of the validation
+split, extracted anew each time from the weights as they are. Under DDP every process extracts its share of the images
+and rank 0 gathers them (vitlab.evaluation.features), scores, and hands the numbers to the others, so every rank logs
+the same values (a checkpoint or early stopping may monitor them).
 """
 
 from __future__ import annotations

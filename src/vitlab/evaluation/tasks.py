@@ -11,13 +11,13 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from vitlab.training import build
 from vitlab.convert.weights import is_weights_file, load_timm_weights
-from vitlab.utils.errors import UserError
 from vitlab.evaluation.features import probe, source_id
 from vitlab.model import ViT
 from vitlab.model.config import vit_config
+from vitlab.training import build
 from vitlab.training.pretrained import apply_pretrained
+from vitlab.utils.errors import UserError
 
 # Data settings that change how images are loaded, not which: left out of what identifies cached features.
 LOADER_KEYS = ("batch_size", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor")

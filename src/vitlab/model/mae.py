@@ -19,18 +19,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from vitlab.utils.errors import UserError
 from vitlab.model.blocks import Block
 from vitlab.model.config import ViTConfig
 from vitlab.model.layers import random_order
 from vitlab.model.posemb import posemb_sincos_2d
 from vitlab.model.vit import ViT
 from vitlab.utils.checks import check_range, from_mapping
+from vitlab.utils.errors import UserError
 
 
 @dataclass(frozen=True)
 class MAEConfig:
-    """conf/train.yaml `mae` (objective=mae); MAE's ViT-B recipe: mask 0.75, decoder 512 wide, 8 deep, 16 heads."""
+    """conf/objective/mae.yaml (objective=mae); MAE's ViT-B recipe: mask 0.75, decoder 512 wide, 8 deep, 16 heads."""
 
     mask_ratio: float = 0.75
     norm_pix_loss: bool = True  # the target: each patch's pixels normalised by their own mean and variance
@@ -39,20 +39,20 @@ class MAEConfig:
     decoder_num_heads: int = 16
 
     def __post_init__(self):
-        check_range("mae.mask_ratio", self.mask_ratio, 0, 1, low_open=True, high_open=True)
+        check_range("objective.mask_ratio", self.mask_ratio, 0, 1, low_open=True, high_open=True)
         for key in ("decoder_embed_dim", "decoder_depth", "decoder_num_heads"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UserError(f"mae.{key} {value!r} must be a whole number >= 1")
+                raise UserError(f"objective.{key} {value!r} must be a whole number >= 1")
         if self.decoder_embed_dim % self.decoder_num_heads:
             raise UserError(
-                f"mae.decoder_embed_dim {self.decoder_embed_dim} is not divisible by mae.decoder_num_heads "
+                f"objective.decoder_embed_dim {self.decoder_embed_dim} is not divisible by objective.decoder_num_heads "
                 f"{self.decoder_num_heads}"
             )
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> MAEConfig:
-        return from_mapping(cls, values, "mae")
+        return from_mapping(cls, values, "objective=mae")
 
     def kept(self, num_patches: int) -> int:
         """How many patches the encoder sees: round((1 - mask_ratio) * N), at least one."""

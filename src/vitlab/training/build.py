@@ -11,7 +11,6 @@ import dataclasses
 import inspect
 import logging
 import os
-import signal
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -26,21 +25,19 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from vitlab.training import resume
-from vitlab.training.callbacks import SaveOnInterrupt
 from vitlab.convert.weights import read_checkpoint
-from vitlab.utils.errors import UserError
+from vitlab.model.config import vit_config
+from vitlab.training.callbacks import NonFiniteLoss
+from vitlab.training.checkpoint_io import upgrade_hparams
 from vitlab.training.hardware import resolve_trainer
 from vitlab.training.module import ViTModule
-from vitlab.utils.logs import route_lightning_logs
-from vitlab.training.mae import MAEModule, objective_module
-from vitlab.model.config import vit_config
 from vitlab.training.optim import OptimConfig, scaled_lr
+from vitlab.training.rank_state import RankState
 from vitlab.utils.checks import check_arguments
-from vitlab.utils.signals import pass_on
+from vitlab.utils.errors import UserError
+from vitlab.utils.logs import route_lightning_logs
 
 log = logging.getLogger(__name__)
 route_lightning_logs()
@@ -55,7 +52,8 @@ __all__ = [
     "check_launch",
     "check_node",
     "check_settings",
-    "fit_and_test",
+    "build_callbacks",
+    "loggers_finished",
     "inference_datamodule",
     "load_for_inference",
 ]
@@ -71,9 +69,6 @@ def _train_settings(
     progress_bar: str,
     print_config: bool,
     freeze_backbone: bool,
-    label_smoothing: float,
-    loss: str,
-    bce_target_thresh: float | None,
     task_name: str,
     tags: list[str],
 ) -> None:
@@ -137,21 +132,13 @@ def build_datamodule(data_cfg: DictConfig) -> L.LightningDataModule:
 
 
 def build_module(cfg: DictConfig, datamodule: L.LightningDataModule) -> ViTModule:
-    """The ViTModule of a train config, or with `objective=mae` the MAEModule (random weights; `train` loads
-    pretrained ones)."""
+    """The ViTModule of a train config, training `cfg.objective` (random weights; `train` loads pretrained ones)."""
     resolve_lr(cfg)
-    mae = OmegaConf.to_container(cfg.mae, resolve=True) if "mae" in cfg else None
-    kind, extra = objective_module(cfg.get("objective", "classify"), bool(cfg.data.get("unlabeled")), mae)
-    return kind(
-        **extra,
+    return ViTModule(
         model=vit_config(cfg.model),
+        objective=OmegaConf.to_container(cfg.objective, resolve=True, throw_on_missing=True),  # a `???` named
         optim=OmegaConf.to_container(cfg.optim, resolve=True),
         scheduler=OmegaConf.to_container(cfg.scheduler, resolve=True),
-        label_smoothing=cfg.label_smoothing,
-        loss=cfg.loss,
-        bce_target_thresh=cfg.bce_target_thresh,
-        mixup=OmegaConf.to_container(cfg.mixup, resolve=True),
-        distill=OmegaConf.to_container(cfg.distill, resolve=True) if "distill" in cfg else None,
         compile=cfg.compile,
         class_names=list(getattr(datamodule, "class_names", []) or []),
         data=OmegaConf.to_container(cfg.data, resolve=True),
@@ -246,9 +233,26 @@ def _lifecycle(target: Any) -> tuple[Any, Any]:
     return _nothing, _nothing
 
 
+def build_callbacks(cfg: DictConfig, extra: Sequence[L.Callback] = ()) -> tuple[list[L.Callback], bool]:
+    """The configured callbacks (conf/callbacks), the progress bar's and `extra`; and whether a bar is shown."""
+    bars, show_bar = progress_bar(cfg.progress_bar)
+    return instantiate_group(cfg.get("callbacks")) + bars + list(extra), show_bar
+
+
+@contextlib.contextmanager
+def loggers_finished(loggers: list[Any]) -> Iterator[None]:
+    """A fit's block; afterwards (also after an error or a signal) each logger's run is ended (LOGGER_LIFECYCLE)."""
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            _lifecycle(logger)[1](logger)
+
+
 @dataclasses.dataclass
 class Fit:
-    """What `vitlab.train` and the benchmarks fit: built by `build_fit`, its loggers ended by `finished`."""
+    """What the benchmarks fit, assembled as `vitlab.train` assembles it: built by `build_fit`, its loggers ended by
+    `finished`."""
 
     datamodule: L.LightningDataModule
     module: ViTModule
@@ -257,12 +261,8 @@ class Fit:
 
     @contextlib.contextmanager
     def finished(self) -> Iterator[Fit]:
-        """The fit's block; afterwards (also after an error or a signal) each logger's run is ended."""
-        try:
+        with loggers_finished(self.loggers):
             yield self
-        finally:
-            for logger in self.loggers:
-                _lifecycle(logger)[1](logger)
 
 
 def build_fit(
@@ -271,19 +271,14 @@ def build_fit(
     datamodule: L.LightningDataModule | None = None,
     **trainer_kwargs: Any,
 ) -> Fit:
-    """The one assembly of a fit from a train config: data module (unless one built from it is given), module, the
-    configured callbacks with the progress bar's and `callbacks`, loggers (checked first) and the Trainer
-    (`trainer_kwargs` over its config)."""
+    """vitlab.train's steps from data to Trainer (a data module built from `cfg.data` may be given), with `callbacks`
+    added and `trainer_kwargs` over the trainer config."""
     datamodule = build_datamodule(cfg.data) if datamodule is None else datamodule
     module = build_module(cfg, datamodule)
-    bars, show_bar = progress_bar(cfg.progress_bar)
+    all_callbacks, show_bar = build_callbacks(cfg, callbacks)
     loggers = build_loggers(cfg.get("logger"))
     trainer = build_trainer(
-        cfg.trainer,
-        callbacks=instantiate_group(cfg.get("callbacks")) + bars + list(callbacks),
-        logger=loggers or False,
-        enable_progress_bar=show_bar,
-        **trainer_kwargs,
+        cfg.trainer, callbacks=all_callbacks, logger=loggers or False, enable_progress_bar=show_bar, **trainer_kwargs
     )
     return Fit(datamodule, module, trainer, loggers)
 
@@ -295,6 +290,9 @@ def build_trainer(trainer_cfg: DictConfig, **kwargs: Any) -> L.Trainer:
     if (chosen := resolve_trainer(trainer_cfg)) and rank_zero_only.rank == 0:  # 'auto' is ours: Lightning's next
         log.info(chosen)
     check_node(trainer_cfg, "trainer")
+    # What every run needs, whatever its callbacks group says: the non-finite-loss stop, each process's state in
+    # its checkpoints, and the Lightning workarounds below.
+    kwargs["callbacks"] = [*kwargs.get("callbacks", []), NonFiniteLoss(), RankState(), LightningWorkarounds()]
     try:
         return instantiate(trainer_cfg, **kwargs)
     except InstantiationException as e:
@@ -309,6 +307,24 @@ def build_trainer(trainer_cfg: DictConfig, **kwargs: Any) -> L.Trainer:
                 f"{trainer_cfg.get('devices')!r} cannot run here ({text}); this machine has {have}"
             ) from cause
         raise UserError(f"trainer: {text}") from cause
+
+
+class LightningWorkarounds(L.Callback):
+    """What Lightning's Trainer gets wrong for us, set right where the Trainer is built, once the optimizer and its
+    schedule have counted the steps (which builds the train loader) and before a checkpoint's loops are restored."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        total = max(1, int(trainer.estimated_stepping_batches))
+        # Counting the steps (here and in configure_optimizers) built the train loader before a checkpoint's loader
+        # position is restored, and fit then never applies that position (Lightning-AI/pytorch-lightning#20550,
+        # open): drop the early loader, after the last count, so fit builds it again after the restore.
+        # tests/end_to_end/test_reliability.py guards this.
+        trainer.fit_loop._combined_loader = None
+        epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else 1
+        if 0 < total // epochs < trainer.log_every_n_steps:
+            # Epochs shorter than the logging interval would log no step at all (no loss or LR curve for a short
+            # run): log once per epoch's worth of steps instead.
+            trainer.log_every_n_steps = total // epochs
 
 
 def check_devices(t: DictConfig) -> None:
@@ -328,58 +344,6 @@ def _is_device_error(text: str) -> bool:
     return any(word in text.lower() for word in ("device", "accelerator", "gpu", "cuda", "mps", "tpu"))
 
 
-# ---- training --------------------------------------------------------------------------------------
-
-
-def fit_and_test(
-    cfg: DictConfig, trainer: L.Trainer, module: ViTModule, datamodule: L.LightningDataModule, ckpt_path: str | None
-) -> dict[str, Any]:
-    """Fit (resuming from `ckpt_path`), then test the best checkpoint (data with a test split); the final metrics,
-    with the best checkpoint and what each split is."""
-    metrics: dict[str, Any] = {}
-    best = ""
-    if cfg.train:
-        try:
-            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
-        except SIGTERMException:
-            _stopped(trainer)
-        metrics.update({k: v.item() for k, v in trainer.callback_metrics.items()})
-        best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
-        metrics["best_checkpoint"] = best or None
-    datamodule.setup("test")  # (done already when it trained)
-    metrics["splits"] = dict(getattr(datamodule, "splits", {}))
-    if cfg.test and getattr(datamodule, "test_set", True) is None:
-        log.info("not tested: the data has no test split (its val/ chose the checkpoint); the result is val/acc_best")
-    elif cfg.test:
-        if cfg.train and not best:
-            log.warning("no best checkpoint was saved; testing the final weights")
-        ckpt = best or (None if cfg.train else ckpt_path)
-        trainer.test(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=True if ckpt else None)
-        metrics.update({k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
-        metrics["tested_checkpoint"] = ckpt or "final weights"
-    return metrics
-
-
-def _stopped(trainer: L.Trainer) -> None:
-    """Training stopped on a signal: say what was saved and the command that resumes it, pass the signal on to the
-    handler that was there before (submitit's requeues a Slurm job) and exit with 128 + the signal's number."""
-    saved = next((cb.saved for cb in trainer.callbacks if isinstance(cb, SaveOnInterrupt) and cb.saved), None)
-    if saved is None:  # callbacks without save_on_interrupt: Lightning's own SIGTERM handling
-        if trainer.is_global_zero:
-            print("stopped by SIGTERM; no checkpoint saved (callbacks without save_on_interrupt)", file=sys.stderr)
-        raise SystemExit(128 + signal.SIGTERM)
-    if trainer.is_global_zero:
-        name, path = signal.Signals(saved["signal"]).name, saved["path"]
-        print(
-            f"interrupted by {name} at step {saved['step']} (epoch {saved['epoch'] + 1}): saved {path}; resume with: "
-            f"{resume.resume_command(path)}",
-            file=sys.stderr,
-            flush=True,
-        )
-    pass_on(saved["signal"])
-    raise SystemExit(128 + saved["signal"])
-
-
 # ---- checkpoints ---------------------------------------------------------------------------------
 
 
@@ -387,8 +351,8 @@ def load_for_inference(ckpt_path: str, map_location: str = "cpu") -> ViTModule:
     """A trained ViTModule from a checkpoint file, rebuilt from the config stored in it (no Hydra), for
     eval, predict and visualize."""
     ckpt = read_checkpoint(ckpt_path)  # names a missing, corrupt or unsafe file in one line
-    kind = MAEModule if "mae" in ckpt["hyper_parameters"] else ViTModule  # objective=mae's: the encoder and decoder
-    return kind.load_from_checkpoint(ckpt_path, map_location=map_location, weights_only=True)
+    upgraded = upgrade_hparams(ckpt["hyper_parameters"])  # written before objectives were objects: the same module
+    return ViTModule.load_from_checkpoint(ckpt_path, map_location=map_location, weights_only=True, **upgraded)
 
 
 def inference_datamodule(module: ViTModule, ckpt_path: str) -> L.LightningDataModule:

@@ -1,13 +1,11 @@
-"""Lightning callbacks that keep runs safe, fast and readable, and the weights' moving average (EMA) as timm
-validates it: checkpoints (the best carried into a resumed run's
-directory, the last one linked to the best when both fall due), a resumable checkpoint when a
-signal stops the run (vitlab.utils.signals), throughput read without stalling the device, and a log line per epoch
-where no progress bar is shown."""
+"""Lightning callbacks that keep runs safe, fast and readable: checkpoints (the best carried into a resumed run's
+directory, the last one linked to the best when both fall due), a resumable checkpoint when a signal stops the run
+(vitlab.utils.signals), throughput read without stalling the device, a log line per epoch where no progress bar is
+shown, and the stop on a non-finite loss. The weights' moving average is training/ema.py."""
 
 from __future__ import annotations
 
 import logging
-import math
 import signal
 import time
 from pathlib import Path
@@ -16,14 +14,12 @@ from weakref import proxy
 
 import lightning as L
 import torch
-import torch.nn.functional as F
-from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
-from lightning.pytorch.callbacks.weight_averaging import WeightAveraging
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vitlab.utils.atomic import atomic_link
-from vitlab.utils.checks import check_range
+from vitlab.utils.errors import NonFiniteLossError
 from vitlab.utils.signals import StopSignals
 
 log = logging.getLogger(__name__)
@@ -237,104 +233,52 @@ class Throughput(L.Callback):
             self._val_start = None
 
 
-class EMA(EMAWeightAveraging):
-    """Lightning's EMA of the weights, validated as timm's train.py validates it: the raw weights give `val/acc`
-    and `val/loss`, the average `val/acc_ema` and `val/loss_ema`, every validation. The best checkpoint is chosen
-    by the metric `model_checkpoint.monitor` names, and every checkpoint holds those weights as its weights (tested
-    after training, evaluated, exported): the average's when it is an `_ema` metric, else the raw ones; the other
-    set travels along for resuming. `warmup`: timm's EMA warm-up, decay min(decay, 1 - (1 + step / gamma) ** -power)
-    from optimizer step `step`, so the average follows the fast-moving early weights instead of keeping the initial
-    ones for thousands of steps."""
+class NonFiniteLoss(L.Callback):
+    """A non-finite training loss stops the run, and no checkpoint ever holds the weights it produced. On the CPU the
+    loss is read every step and the run stops before the update. On a GPU reading it would make the host wait for
+    every step: the first bad step is recorded on the device and read at logging steps, at the end of each epoch and
+    before every checkpoint is written. Every fit has it (training.build)."""
 
-    def __init__(
-        self,
-        decay: float = 0.999,
-        warmup: bool = False,
-        warmup_gamma: float = 1.0,
-        warmup_power: float = 2 / 3,
-        update_every_n_steps: int = 1,
-        update_starting_at_step: int | None = None,
-        **kwargs: Any,
-    ):
-        check_range("callbacks.ema.decay", decay, 0, 1)
-        for key, value in (("warmup_gamma", warmup_gamma), ("warmup_power", warmup_power)):
-            check_range(f"callbacks.ema.{key}", value, 0, math.inf, low_open=True, high_open=True)
-        self.decay, self.warmup, self.warmup_gamma, self.warmup_power = decay, warmup, warmup_gamma, warmup_power
-        # EMAWeightAveraging's schedule of updates, with an average of our own (the warm-up's decay)
-        WeightAveraging.__init__(self, use_buffers=True, multi_avg_fn=self._lerp, **kwargs)
-        self.update_every_n_steps, self.update_starting_at_step = update_every_n_steps, update_starting_at_step
-        self.update_starting_at_epoch = None
-        self._step, self.keep_average = 0, True
+    def __init__(self) -> None:
+        self._bad: torch.Tensor | None = None  # (first bad step, its loss) on the device; -1 while none
+        self._read_at = -1
 
-    def decay_at(self, step: int) -> float:
-        """The decay of the update after optimizer step `step` (1, 2, ...), as timm's ModelEmaV3.get_decay: the first
-        update copies the weights, warm-up counts from the second."""
-        if not self.warmup:
-            return self.decay
-        since = step - 1
-        if since <= 0:
-            return 0.0
-        return min(self.decay, max(0.0, 1 - (1 + since / self.warmup_gamma) ** -self.warmup_power))
-
-    def _lerp(self, averaged: list[torch.Tensor], current: list[torch.Tensor], num_averaged) -> None:
-        weight = 1.0 - self.decay_at(self._step)  # a Python number: no device read per step
-        floats = [(a, c) for a, c in zip(averaged, current, strict=True) if a.is_floating_point()]
-        if floats:
-            torch._foreach_lerp_([a for a, _ in floats], [c for _, c in floats], weight)
-        for a, c in zip(averaged, current, strict=True):
-            if not a.is_floating_point():
-                a.copy_(c)
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        best = [c for c in trainer.checkpoint_callbacks if isinstance(c, BestCheckpoint)]
-        self.keep_average = not best or str(best[0].monitor).endswith("_ema")
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        if loss.device.type == "cpu":
+            if not torch.isfinite(loss):
+                raise NonFiniteLossError(
+                    _message(trainer, loss.item(), trainer.global_step, "stopped before the update")
+                )
+            return
+        if self._bad is None or self._bad.device != loss.device:
+            self._bad = torch.full((2,), -1.0, device=loss.device)
+        first = ~torch.isfinite(loss.detach()) & (self._bad[0] < 0)
+        step = torch.full((), float(trainer.global_step), device=loss.device)  # a fill on the device, not a copy
+        self._bad.copy_(torch.where(first, torch.stack([step, loss.detach().float()]), self._bad))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
-        self._step = trainer.global_step
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        step = trainer.global_step
+        if step % trainer.log_every_n_steps == 0 and step != self._read_at:  # a step Lightning writes logs at
+            self._read_at = step
+            self.check(trainer)
 
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.keep_average:  # the module ends with the weights the checkpoints hold
-            super().on_train_end(trainer, pl_module)
-
-    # Validation: both weights, side by side (Lightning's callback would swap the average in instead).
-    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._average_model is not None:
-            self._average_model.module.eval()
-
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        if self._average_model is None:
-            return
-        x, y = batch
-        average = self._average_model.module
-        with trainer.precision_plugin.forward_context():  # the autocast validation_step runs in (bf16-mixed)
-            logits = average.model(x)
-            average._update("val", F.cross_entropy(logits, y), logits, y)
-
-    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._average_model is None:
-            return
-        average = self._average_model.module
-        values = {}
-        for name in ("loss", "acc", "acc_top5"):
-            metric = average.val_metrics[name]
-            values[f"val/{name}_ema"] = metric.compute()
-            metric.reset()
-        pl_module.log_dict(values, prog_bar=False, sync_dist=True)
-        average.train()
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.check(trainer)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        if self.keep_average or self._average_model is None:
-            super().on_save_checkpoint(trainer, pl_module, checkpoint)
-            return
-        state = self._average_model.state_dict()
-        checkpoint["average_model_state"] = {k[7:]: v for k, v in state.items() if k.startswith("module.")}
-        checkpoint["averaging_state"] = {k: v for k, v in state.items() if not k.startswith("module.")}
+        self.check(trainer)  # before anything is written
 
-    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        if self._average_model is not None and "average_model_state" in checkpoint:  # saved with the raw weights kept
-            state = {"module." + k: v for k, v in checkpoint["average_model_state"].items()}
-            self._average_model.load_state_dict(state | checkpoint["averaging_state"])
-            return
-        super().on_load_checkpoint(trainer, pl_module, checkpoint)
+    def check(self, trainer: L.Trainer) -> None:
+        if self._bad is not None and self._bad[0].item() >= 0:
+            step, value = int(self._bad[0].item()), self._bad[1].item()
+            stopped = f"the weights from then on (step {trainer.global_step}) were not saved"
+            raise NonFiniteLossError(_message(trainer, value, step, stopped))
+
+
+def _message(trainer: L.Trainer, value: float, step: int, stopped: str) -> str:
+    saved = [Path(p) for cb in trainer.checkpoint_callbacks for p in (cb.last_model_path, cb.best_model_path)]
+    saved = [p for p in saved if str(p) not in ("", ".") and p.is_file()]
+    # the newest; of one file under two names (last.ckpt linked to the best), the one saved later
+    last = max(reversed(saved), key=lambda p: p.stat().st_mtime_ns) if saved else None
+    where = f"the last good checkpoint is {last}" if last else "no checkpoint was saved yet"
+    return f"training loss became {value} at step {step} (epoch {trainer.current_epoch}); {stopped}; {where}"

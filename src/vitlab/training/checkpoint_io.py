@@ -1,4 +1,5 @@
-"""Trainer plugins (conf/trainer/default.yaml: trainer.plugins): checkpoints written atomically."""
+"""Checkpoint IO: every checkpoint written atomically (a Trainer plugin, conf/trainer/default.yaml: trainer.plugins),
+and the hyper-parameters of checkpoints written before objectives were objects, read as today's."""
 
 from __future__ import annotations
 
@@ -22,3 +23,22 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if "file" not in (protocols if isinstance(protocols, tuple) else (protocols,)):
             return super().save_checkpoint(checkpoint, path, storage_options)  # object stores: their own semantics
         atomic_write(path, lambda f: torch.save(checkpoint, f), what="checkpoint")
+
+
+# The hyper-parameters a checkpoint carried before objectives were objects (up to 23cbadb): the objective's options
+# sat beside the model's, MAE's under `mae`, distillation's under `distill` (its type `none` when off).
+LEGACY_CLASSIFY = ("label_smoothing", "loss", "bce_target_thresh", "mixup")
+
+
+def upgrade_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
+    """The `objective` a checkpoint of the old layout trained (nothing for one of today's), to pass to
+    ViTModule.load_from_checkpoint beside its stored hyper-parameters (which drop the old keys)."""
+    if "objective" in hparams:
+        return {}
+    if hparams.get("mae") is not None:
+        return {"objective": {"name": "mae", **hparams["mae"]}}
+    objective = {"name": "classify", **{k: hparams[k] for k in LEGACY_CLASSIFY if k in hparams}}
+    distill = hparams.get("distill") or {}
+    if distill.get("type", "none") != "none":
+        objective |= {**distill, "name": "distill"}
+    return {"objective": objective}

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from vitlab.utils.errors import UserError, close_matches
 from vitlab.utils.checks import check_at_least, check_range, from_mapping, is_number
+from vitlab.utils.errors import UserError, close_matches
 
 log = logging.getLogger(__name__)
 

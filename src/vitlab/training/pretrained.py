@@ -11,8 +11,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from vitlab.convert.timm_args import RUN_FIELDS, config_from_timm, timm_model_args
 from vitlab.convert.timm_hub import timm_architecture, timm_pretrained_cfg
 from vitlab.convert.weights import is_weights_file
-from vitlab.utils.errors import UserError
 from vitlab.model.config import as_hw
+from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 

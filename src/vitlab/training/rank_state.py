@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.trainer.states import TrainerFn
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,9 @@ def save(trainer: L.Trainer, module: L.LightningModule, checkpoint: dict[str, An
 
 
 def take(trainer: L.Trainer, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
-    """This process's part of a loaded checkpoint: its datamodule and loader states are put where Lightning
-    restores them from; the random generators and metrics are returned, for `restore` before the first batch."""
+    """This process's part of a loaded checkpoint: its datamodule state is loaded and its loader state put where
+    Lightning restores it from; the random generators and metrics are returned, for `restore` before the first
+    batch."""
     parts = checkpoint.get(KEY)
     if not parts:  # written before per-process states: rank 0's generator only
         return {"rng": {"torch": checkpoint["rng_states"]["torch"]}} if "rng_states" in checkpoint else None
@@ -75,8 +77,9 @@ def take(trainer: L.Trainer, checkpoint: dict[str, Any]) -> dict[str, Any] | Non
         )
         rank, parts[0]["loader"] = 0, None  # another number of processes shares the data out differently
     mine = parts[rank]
-    if mine["datamodule"] is not None:
+    if mine["datamodule"] is not None:  # (Lightning has restored rank 0's before the callbacks see the checkpoint)
         checkpoint[_datamodule_key(trainer)] = mine["datamodule"]
+        trainer.datamodule.load_state_dict(mine["datamodule"])
     if mine["loader"] is not None:
         checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = mine["loader"]
     else:
@@ -133,3 +136,29 @@ def _loader_state(checkpoint: dict[str, Any]) -> Any:
 
 def _datamodule_key(trainer: L.Trainer) -> str | None:
     return type(trainer.datamodule).__qualname__ if trainer.datamodule is not None else None
+
+
+class RankState(L.Callback):
+    """The per-process state above, carried by every checkpoint of a fit (training.build adds this callback to every
+    Trainer it builds): each process reseeded once DDP is set up, its part gathered when a checkpoint is written, and
+    on resume taken back (datamodule and loader before Lightning restores them, the generators and metrics just
+    before the first batch)."""
+
+    def __init__(self) -> None:
+        self._mine: dict[str, Any] | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            seed_process(trainer)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        save(trainer, pl_module, checkpoint)
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:  # (Lightning calls it before testing from a checkpoint too)
+            self._mine = take(trainer, checkpoint)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if self._mine:
+            restore(pl_module, self._mine)
+            self._mine = None

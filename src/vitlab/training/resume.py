@@ -1,28 +1,47 @@
 """Going on from a checkpoint: which one (the user's, `last`, or the one a restarted job left in its own run
 directory), whether this run can go on from it (one-line refusals of another architecture, batch size or a
-finished run), and the command that resumes a run stopped on a signal."""
+finished run), and, for a run stopped on a signal, what was saved and the command that resumes it."""
 
 from __future__ import annotations
 
 import logging
 import os
 import shlex
+import signal
+import sys
 from pathlib import Path
+from typing import NoReturn
 
+import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from vitlab.utils.atomic import remove_stale_temporaries
-from vitlab.convert.weights import read_checkpoint
-from vitlab.utils.errors import MissingFileError, UserError
-from vitlab.training.module import ViTModule
+from vitlab.convert.weights import load_timm_weights, read_checkpoint
 from vitlab.model.config import DROPOUTS
+from vitlab.training.callbacks import SaveOnInterrupt
+from vitlab.training.module import ViTModule
+from vitlab.utils.atomic import remove_stale_temporaries
+from vitlab.utils.errors import MissingFileError, UserError
+from vitlab.utils.signals import pass_on
 
 log = logging.getLogger(__name__)
 
 # Regularisation (and gradient checkpointing) may change between a run and its resumption; the architecture may not.
 RESUME_MAY_DIFFER = {*DROPOUTS, "grad_checkpointing"}
+
+
+def starting_point(cfg: DictConfig, module: ViTModule) -> str | None:
+    """The checkpoint `vitlab.train` goes on from (the user's `ckpt_path`, refused if its run had finished; a restarted
+    job's own), or None after loading `model.pretrained`'s weights, if any, into the new module."""
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
+    if ckpt_path:  # a job that restarts, below, goes on to test even when it had finished
+        check_resumable(ckpt_path, module, cfg.trainer if cfg.train else None)
+    elif ckpt_path := earlier_start(Path(cfg.paths.output_dir)):
+        check_resumable(ckpt_path, module)
+    elif cfg.model.pretrained:
+        load_timm_weights(module.model, cfg.model.pretrained)
+    return ckpt_path
 
 
 def resolve_ckpt_path(ckpt_path: str | None, runs_dir: Path) -> str | None:
@@ -104,3 +123,23 @@ def resume_command(ckpt_path: Path) -> str:
     overrides = [o for o in hydra_cfg.overrides.task if not o.lstrip("+~").startswith(("ckpt_path=", "hydra.mode="))]
     single = ["hydra.mode=RUN"] if hydra_cfg.mode == RunMode.MULTIRUN else []
     return shlex.join(["python", "-m", "vitlab.train", *overrides, *single, f"ckpt_path={ckpt_path}"])
+
+
+def stopped(trainer: L.Trainer) -> NoReturn:
+    """Training stopped on a signal: say what was saved and the command that resumes it, pass the signal on to the
+    handler that was there before (submitit's requeues a Slurm job) and exit with 128 + the signal's number."""
+    saved = next((cb.saved for cb in trainer.callbacks if isinstance(cb, SaveOnInterrupt) and cb.saved), None)
+    if saved is None:  # callbacks without save_on_interrupt: Lightning's own SIGTERM handling
+        if trainer.is_global_zero:
+            print("stopped by SIGTERM; no checkpoint saved (callbacks without save_on_interrupt)", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGTERM)
+    if trainer.is_global_zero:
+        name, path = signal.Signals(saved["signal"]).name, saved["path"]
+        print(
+            f"interrupted by {name} at step {saved['step']} (epoch {saved['epoch'] + 1}): saved {path}; resume with: "
+            f"{resume_command(path)}",
+            file=sys.stderr,
+            flush=True,
+        )
+    pass_on(saved["signal"])
+    raise SystemExit(128 + saved["signal"])

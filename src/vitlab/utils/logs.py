@@ -68,3 +68,21 @@ def describe_run(cfg, module) -> str:
         f"img {m.img_size}, {params / 1e6:.2f}M params) on {data}, batch {cfg.data.batch_size}, "
         f"up to {cfg.trainer.max_epochs} epochs"
     )
+
+
+# The results a run's last line shows: a classifier's accuracies, or (objective=mae) its reconstruction losses.
+RESULTS = ((("val/acc_best", "val"), ("test/acc", "test")), (("val/loss_best", "val"), ("test/loss", "test")))
+
+
+def summarize(metrics: dict, best_checkpoint: str, run_dir) -> None:
+    """The last lines of a run: its results and where they are."""
+    splits = metrics.get("splits") or {}
+    shown = ", ".join(
+        f"{k} {metrics[k]:.4f}" + (f" on {splits[split]}" if split in splits else "")
+        for k, split in RESULTS["val/acc_best" not in metrics and "val/loss_best" in metrics]
+        if k in metrics
+    )
+    logging.getLogger("vitlab.train").info("done in %.1f s%s", metrics["wall_time_s"], f": {shown}" if shown else "")
+    print(f"run directory: {run_dir}", flush=True)
+    if best_checkpoint:
+        print(f"best checkpoint: {best_checkpoint}", flush=True)

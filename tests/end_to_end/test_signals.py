@@ -21,8 +21,6 @@ from tests.helpers import (
     run_cli,
 )
 
-pytestmark = pytest.mark.slow  # command-line runs
-
 DIGITS = RESUMABLE
 TWO = ["trainer=ddp_cpu", "trainer.devices=2"]  # two CPU processes (gloo)
 
@@ -45,9 +43,9 @@ def folder(data_dir) -> list[str]:
         "data.train_transform.random_erasing=0.5",
         "data.train_transform.erasing_mode=pixel",
         "data.train_transform.erasing_count=2",
-        "mixup.mixup_alpha=0.8",
-        "mixup.cutmix_alpha=1.0",
-        "mixup.mode=elem",
+        "objective.mixup.mixup_alpha=0.8",
+        "objective.mixup.cutmix_alpha=1.0",
+        "objective.mixup.mode=elem",
         *[o for o in RESUMABLE if not o.startswith(("data.", "callbacks"))],
     ]
 

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
+from tests.end_to_end.test_reliability import GPU_RUN
 from tests.helpers import ForbidSync, extra_callback, run_cli, tiny
-from tests.test_reliability import GPU_RUN
 from vitlab.training.module import ViTModule
 from vitlab.training.optim import OptimConfig, make_optimizer
 
@@ -41,8 +41,8 @@ def test_bf16_autocast_training_step_lowers_the_loss():
             "data.num_train=512",
             "data.batch_size=32",
             "++data.train_transform.random_erasing=0.5",
-            "mixup.mixup_alpha=0.2",
-            "mixup.cutmix_alpha=1.0",
+            "objective.mixup.mixup_alpha=0.2",
+            "objective.mixup.cutmix_alpha=1.0",
             "model.img_size=32",
             "model.patch_size=8",
         ],

@@ -17,8 +17,6 @@ import pytest
 
 from tests.helpers import ROOT, assert_same_run, extra_callback, run_cli
 
-pytestmark = pytest.mark.slow
-
 CLUSTER = ROOT / "tests" / "cluster" / "slurm-localhost.sh"
 SHORT = ["trainer.max_epochs=2", "data.batch_size=128", "progress_bar=none", "trainer.deterministic=true"]
 SWEEP = ["-m", "hydra/launcher=slurm", "trainer=ddp_cpu", "trainer.devices=2"]  # the README's, on CPUs

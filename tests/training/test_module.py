@@ -1,3 +1,6 @@
+"""ViTModule and objective=classify: the module keeps plain hyper-parameters, calls its objective for the loss, and the
+classifier's loss is timm's (Mixup in every mode, SoftTargetCrossEntropy, BinaryCrossEntropy)."""
+
 import math
 
 import numpy as np
@@ -9,31 +12,36 @@ from vitlab.training.module import ViTModule
 from vitlab.training.optim import param_groups
 
 
+def classify(**options) -> dict:
+    return {"name": "classify", **options}
+
+
 def test_module_rejects_unknown_optim_keys_and_keeps_plain_hparams():
     with pytest.raises(ValueError, match=r"unknown optim key\(s\) \['momentun'\]"):
         ViTModule(model=tiny().to_dict(), optim={"momentun": 0.9})
-    m = ViTModule(model=tiny().to_dict(), optim={"lr": 3e-4}, mixup={"mixup_alpha": 0.2})
+    m = ViTModule(model=tiny().to_dict(), optim={"lr": 3e-4}, objective=classify(mixup={"mixup_alpha": 0.2}))
     assert m.hparams["optim"] == {"lr": 3e-4} and m.optim.weight_decay == 0.05
+    assert m.hparams["objective"] == {"name": "classify", "mixup": {"mixup_alpha": 0.2}}
 
 
 @pytest.mark.parametrize("mode", ["batch", "pair", "elem"])
 def test_mixup_is_timms_in_each_mode(mode):
-    """mixup.mode: timm's Mixup, one draw a batch, a pair or an image; soft targets of the unmixed classes."""
+    """objective.mixup.mode: timm's Mixup, one draw a batch, a pair or an image; soft targets of the unmixed classes."""
     from timm.data import Mixup
 
     torch.manual_seed(0)
     settings = {"mixup_alpha": 0.8, "cutmix_alpha": 1.0, "mode": mode}
-    m = ViTModule(model=tiny().to_dict(), mixup=settings)
+    m = ViTModule(model=tiny().to_dict(), objective=classify(mixup=settings))
     x, y = torch.randn(6, 3, 32, 32), torch.randint(0, 7, (6,))
     np.random.seed(0)
-    mixed_x, soft = m.mixup(x.clone(), y)
+    mixed_x, soft = m.objective.mixup(x.clone(), y)
     assert soft.shape == (6, 7) and torch.allclose(soft.sum(1), torch.ones(6))
     assert not torch.equal(mixed_x, x)
     np.random.seed(0)
     timm_x, timm_soft = Mixup(0.8, 1.0, mode=mode, label_smoothing=0.0, num_classes=7)(x.clone(), y)
     assert torch.equal(mixed_x, timm_x) and torch.equal(soft, timm_soft)
-    with pytest.raises(ValueError, match=r"mixup.mode 'row' is not one of \['batch', 'pair', 'elem'\]"):
-        ViTModule(model=tiny().to_dict(), mixup={"mixup_alpha": 0.8, "mode": "row"})
+    with pytest.raises(ValueError, match=r"objective.mixup.mode 'row' is not one of \['batch', 'pair', 'elem'\]"):
+        ViTModule(model=tiny().to_dict(), objective=classify(mixup={"mixup_alpha": 0.8, "mode": "row"}))
     with pytest.raises(ValueError, match=r"this process's batch has 5: make data.batch_size / the processes even"):
         m.loss(x[:5], y[:5])
 
@@ -66,16 +74,16 @@ def test_checkpoint_without_metric_states_loads_but_weights_stay_strict(tmp_path
 
 
 def test_cross_entropy_of_mixed_targets_is_timms_soft_target_cross_entropy():
-    """loss=ce on MixUp/CutMix targets is DeiT's SoftTargetCrossEntropy of timm's smoothed mixed targets."""
+    """objective.loss=ce on MixUp/CutMix targets is DeiT's SoftTargetCrossEntropy of timm's smoothed mixed targets."""
     from timm.loss import SoftTargetCrossEntropy
 
     torch.manual_seed(0)
-    m = ViTModule(model=tiny().to_dict(), label_smoothing=0.1, mixup={"mixup_alpha": 0.8})
+    m = ViTModule(model=tiny().to_dict(), objective=classify(label_smoothing=0.1, mixup={"mixup_alpha": 0.8}))
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 7, (4,))
     np.random.seed(1)
     loss, logits = m.loss(x.clone(), y)
     np.random.seed(1)
-    _, soft = m.mixup(x.clone(), y)
+    _, soft = m.objective.mixup(x.clone(), y)
     smoothed = soft * 0.9 + 0.1 / 7  # timm's mixup_target with smoothing 0.1
     torch.testing.assert_close(loss, SoftTargetCrossEntropy()(logits, smoothed))
 
@@ -84,34 +92,39 @@ def test_bce_is_timms_binary_cross_entropy_and_starts_the_head_bias_at_minus_log
     from timm.loss import BinaryCrossEntropy
 
     torch.manual_seed(0)
-    m = ViTModule(model=tiny().to_dict(), loss="bce", label_smoothing=0.1, bce_target_thresh=0.2)
+    m = ViTModule(model=tiny().to_dict(), objective=classify(loss="bce", label_smoothing=0.1, bce_target_thresh=0.2))
     assert torch.allclose(m.model.head.bias, torch.full((7,), -math.log(7)))
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 7, (4,))
     loss, logits = m.loss(x, y)
     torch.testing.assert_close(loss, BinaryCrossEntropy(smoothing=0.1, target_threshold=0.2)(logits, y))
-    mixed = ViTModule(model=tiny().to_dict(), loss="bce", label_smoothing=0.1, mixup={"cutmix_alpha": 1.0})
+    mixed = ViTModule(
+        model=tiny().to_dict(), objective=classify(loss="bce", label_smoothing=0.1, mixup={"cutmix_alpha": 1.0})
+    )
     np.random.seed(1)
     loss, logits = mixed.loss(x.clone(), y)
     np.random.seed(1)
-    _, soft = mixed.mixup(x.clone(), y)
+    _, soft = mixed.objective.mixup(x.clone(), y)
     torch.testing.assert_close(loss, BinaryCrossEntropy()(logits, soft * 0.9 + 0.1 / 7))
-    with pytest.raises(ValueError, match=r"loss 'hinge' is not one of \['ce', 'bce'\]"):
-        ViTModule(model=tiny().to_dict(), loss="hinge")
+    with pytest.raises(ValueError, match=r"objective.loss 'hinge' is not one of \['ce', 'bce'\]"):
+        ViTModule(model=tiny().to_dict(), objective=classify(loss="hinge"))
 
 
 def test_a_bce_run_trains_from_the_command_line(compose_cfg):
     from vitlab.training.build import build_datamodule, build_module
 
-    cfg = compose_cfg("train", ["loss=bce", "bce_target_thresh=0.2", "mixup.cutmix_alpha=1.0"])
+    cfg = compose_cfg(
+        "train", ["objective.loss=bce", "objective.bce_target_thresh=0.2", "objective.mixup.cutmix_alpha=1.0"]
+    )
     module = build_module(cfg, build_datamodule(cfg.data))
-    assert module.loss_kind == "bce" and module.hparams["bce_target_thresh"] == 0.2
+    assert module.objective.bce is not None and module.hparams["objective"]["bce_target_thresh"] == 0.2
 
 
 def test_mixing_stops_at_mixup_off_epoch():
-    """mixup.off_epoch=2 (timm's mixup_off_epoch): epochs 0 and 1 mix, epoch 2 on trains on the plain images."""
+    """objective.mixup.off_epoch=2 (timm's mixup_off_epoch): epochs 0 and 1 mix, epoch 2 on trains on the plain
+    images."""
     from types import SimpleNamespace
 
-    m = ViTModule(model=tiny().to_dict(), mixup={"mixup_alpha": 0.8, "off_epoch": 2})
+    m = ViTModule(model=tiny().to_dict(), objective=classify(mixup={"mixup_alpha": 0.8, "off_epoch": 2}))
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 7, (4,))
     seen = {}
     for epoch in (0, 1, 2, 3):
@@ -121,5 +134,5 @@ def test_mixing_stops_at_mixup_off_epoch():
         seen[epoch] = torch.equal(logits, m.model(x))  # the logits of the unmixed images
     m._trainer = None
     assert seen == {0: False, 1: False, 2: True, 3: True}
-    with pytest.raises(ValueError, match=r"mixup.off_epoch -1 must be an epoch number >= 0 \(0: never off\)"):
-        ViTModule(model=tiny().to_dict(), mixup={"mixup_alpha": 0.8, "off_epoch": -1})
+    with pytest.raises(ValueError, match=r"objective.mixup.off_epoch -1 must be an epoch number >= 0 \(0: never off\)"):
+        ViTModule(model=tiny().to_dict(), objective=classify(mixup={"mixup_alpha": 0.8, "off_epoch": -1}))

@@ -1,5 +1,5 @@
-"""trainer.precision / trainer.strategy `auto` (vitlab.training.hardware), with the CUDA query replaced (no GPU here): the
-mission's command as typed trains in bf16 with DDP on bf16 GPUs, in fp32 elsewhere, an explicit value kept."""
+"""trainer.precision / trainer.strategy `auto` (vitlab.training.hardware), with the CUDA query replaced (no GPU here):
+the mission's command as typed trains in bf16 with DDP on bf16 GPUs, in fp32 elsewhere, an explicit value kept."""
 
 import logging
 

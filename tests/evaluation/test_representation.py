@@ -48,7 +48,7 @@ def test_a_ddp_run_gathers_its_features_and_every_rank_logs_rank_0s_numbers(tmp_
     r = run_cli(
         "train", "trainer=ddp_cpu", "debug=limit", "progress_bar=none", "callbacks=representation",
         *[f"callbacks.representation.{o}" for o in probe], f"hydra.run.dir={tmp_path}",
-        "+callbacks.ranks._target_=tests.test_representation.LoggedPerRank",
+        "+callbacks.ranks._target_=tests.evaluation.test_representation.LoggedPerRank",
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())

@@ -11,7 +11,7 @@ import torch
 from tests.helpers import RESUMABLE, earlier_run, extra_callback, image_tree, run_cli
 
 # Command-line runs, for CI; the pieces have fast unit tests (test_callbacks, test_atomic).
-pytestmark = pytest.mark.slow
+
 
 RUN = [*RESUMABLE, "trainer.limit_test_batches=1.0"]
 

@@ -1,5 +1,5 @@
-"""objective=mae (vitlab.training.mae): pretraining runs from the command line and resumes exactly, its checkpoint's encoder
-loads into model.pretrained with only the decoder left out, labels are never read (an unlabeled folder trains),
+"""objective=mae (vitlab.training.mae): pretraining runs from the command line and resumes exactly, its checkpoint's
+encoder loads into model.pretrained with only the decoder left out, labels are never read (an unlabeled folder trains),
 and vitlab.visualize draws its reconstructions."""
 
 import json
@@ -9,13 +9,14 @@ import torch
 
 from tests.helpers import assert_same_run, interrupt, resume, run_cli
 from vitlab.convert.weights import load_timm_weights
-from vitlab.utils.errors import UserError
-from vitlab.training.mae import MAEModule
 from vitlab.model import ViT, ViTConfig
+from vitlab.training.mae import MAE
+from vitlab.training.module import ViTModule
+from vitlab.utils.errors import UserError
 
 PRETRAIN = [
     "experiment=mae_pretrain_digits",
-    "mae.decoder_depth=1",
+    "objective.decoder_depth=1",
     "trainer.max_epochs=2",
     "data.batch_size=128",
     "trainer.deterministic=true",
@@ -39,7 +40,7 @@ def test_pretraining_logs_reconstruction_losses_and_keeps_the_best(pretrained):
     assert not any(k.endswith("acc") for k in metrics)
     assert metrics["val/loss_best"] <= metrics["val/loss"] + 1e-9
     ckpt = torch.load(metrics["best_checkpoint"], weights_only=True, map_location="cpu")
-    assert ckpt["hyper_parameters"]["mae"]["decoder_depth"] == 1
+    assert ckpt["hyper_parameters"]["objective"]["decoder_depth"] == 1
     assert any(k.startswith("decoder.decoder_blocks.0.") for k in ckpt["state_dict"])
 
 
@@ -52,7 +53,7 @@ def test_the_encoder_loads_into_model_pretrained_with_only_the_decoder_left_out(
     best = json.loads((pretrained / "metrics.json").read_text())["best_checkpoint"]
     sd = torch.load(best, weights_only=True, map_location="cpu")["state_dict"]
     encoder = {k.removeprefix("model."): v for k, v in sd.items() if k.startswith("model.")}
-    module = MAEModule.load_from_checkpoint(best, weights_only=True)
+    module = ViTModule.load_from_checkpoint(best, weights_only=True)
     network = {f"{p}.{k}" for p, m in (("model", module.model), ("decoder", module.decoder)) for k in m.state_dict()}
     left_out_weights = sorted({k for k in sd if k in network and not k.startswith("model.")})
     assert left_out_weights and all(k.startswith("decoder.") for k in left_out_weights)
@@ -69,7 +70,7 @@ def test_the_encoder_loads_into_model_pretrained_with_only_the_decoder_left_out(
 
 def test_a_token_pooled_encoder_fine_tunes_with_average_pooling_as_mae_does(pretrained):
     best = json.loads((pretrained / "metrics.json").read_text())["best_checkpoint"]
-    module = MAEModule.load_from_checkpoint(best, weights_only=True)
+    module = ViTModule.load_from_checkpoint(best, weights_only=True)
     cfg = ViTConfig.from_dict(module.model.cfg.to_dict() | {"num_classes": 10, "global_pool": "avg", "fc_norm": True})
     model = ViT(cfg)
     fresh = model.fc_norm.weight.clone()
@@ -79,9 +80,9 @@ def test_a_token_pooled_encoder_fine_tunes_with_average_pooling_as_mae_does(pret
 
 
 def test_labels_are_never_read():
-    module = MAEModule(
+    module = ViTModule(
         model=ViTConfig(img_size=8, patch_size=2, in_chans=1, num_classes=0, embed_dim=16, depth=1, num_heads=2),
-        mae={"decoder_embed_dim": 8, "decoder_depth": 1, "decoder_num_heads": 2},
+        objective={"name": "mae", "decoder_embed_dim": 8, "decoder_depth": 1, "decoder_num_heads": 2},
     )
     x = torch.randn(4, 1, 8, 8)
     losses = []
@@ -90,20 +91,21 @@ def test_labels_are_never_read():
         losses.append(module.loss(x, labels)[0].item())
     assert losses[0] == losses[1]
     with pytest.raises(UserError, match="model.num_classes is 10"):
-        MAEModule(
-            model=ViTConfig(img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=16, depth=1, num_heads=2)
+        ViTModule(
+            model=ViTConfig(img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=16, depth=1, num_heads=2),
+            objective={"name": "mae"},
         )
 
 
 def test_compile_compiles_the_blocks_the_pretraining_step_runs():
     tiny = ViTConfig(img_size=8, patch_size=2, in_chans=1, num_classes=0, embed_dim=16, depth=2, num_heads=2)
-    module = MAEModule(
-        model=tiny, compile=True, mae={"decoder_embed_dim": 8, "decoder_depth": 1, "decoder_num_heads": 2}
-    )
-    module.compile_blocks()
+    mae = {"name": "mae", "decoder_embed_dim": 8, "decoder_depth": 1, "decoder_num_heads": 2}
+    module = ViTModule(model=tiny, compile=True, objective=mae)
+    assert isinstance(module.objective, MAE)
+    module.objective.compile(module.model, module.compile_mode)
     blocks = [*module.model.blocks, *module.decoder.decoder_blocks]
     assert len(blocks) == 3 and all(b._compiled_call_impl is not None for b in blocks)
-    assert set(module.state_dict()) == set(MAEModule(model=tiny, mae=module.mae_cfg.__dict__).state_dict())
+    assert set(module.state_dict()) == set(ViTModule(model=tiny, objective=mae).state_dict())
 
 
 def test_an_unlabeled_folder_pretrains_and_is_refused_for_classification(tmp_path):

@@ -61,14 +61,12 @@ def test_timm_zoo_sweeps_timms_own_architectures(cli, tmp_path):
     assert none.returncode == 2 and "timm_zoo 'resnet*' matches no architecture" in none.stderr
 
 
-@pytest.mark.slow
 def test_parity_fails_with_exit_code_above_tolerance(cli, tmp_path):
     r = cli("parity", "model=vit_digits", "atol=-1.0", f"hydra.run.dir={tmp_path / 'run'}")
     assert r.returncode == 1 and "FAIL" in r.stdout
     assert json.loads((tmp_path / "run" / "parity.json").read_text())["passed"] is False
 
 
-@pytest.mark.slow
 def test_configs_found_from_any_directory_and_run_dirs_never_reused(cli, tmp_path):
     r = cli("parity", "model=vit_digits", "model.reg_tokens=2", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -83,9 +81,8 @@ def test_configs_found_from_any_directory_and_run_dirs_never_reused(cli, tmp_pat
     assert (run_dir / "parity.json").read_text() == before
 
 
-@pytest.mark.slow
 def test_pretrained_offline_is_an_error_never_a_check_of_random_weights(cli, tmp_path):
-    # (issue 10: it used to fall back to random weights and print PASS; tests/test_fresh_clone.py too)
+    # (issue 10: it used to fall back to random weights and print PASS; tests/end_to_end/test_fresh_clone.py too)
     r = cli("parity", "model=vit_ti16", "pretrained=true", "batch_size=1", f"hydra.run.dir={tmp_path / 'a'}")
     assert r.returncode == 2 and "PASS" not in r.stdout
     assert r.stderr.startswith("error: cannot fetch timm weights 'vit_tiny_patch16_224'")
@@ -94,7 +91,6 @@ def test_pretrained_offline_is_an_error_never_a_check_of_random_weights(cli, tmp
     assert r.stderr.strip() == "error: pretrained=true needs a model with a timm counterpart (model.timm_name)"
 
 
-@pytest.mark.slow
 def test_bad_model_value_is_one_line(cli, tmp_path):
     r = cli("parity", "model=vit_digits", "model.img_size=10", f"hydra.run.dir={tmp_path / 'r'}")
     assert r.returncode == 2
@@ -109,7 +105,6 @@ def test_acceptance_overrides_on_vit_ti16(override):
     assert passes(report, atol=1e-5, grad_rtol=1e-4), report["layers"]["logits"]
 
 
-@pytest.mark.slow
 def test_full_size_vit_b16_parity():
     node = zoo_node("vit_b16")
     report = compare(vit_config(node), node.timm_name, batch_size=2)

@@ -17,8 +17,6 @@ from PIL import Image
 
 from tests.helpers import earlier_run, image_tree, run_cli
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:

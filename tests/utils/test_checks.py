@@ -7,9 +7,9 @@ from typing import Literal
 import pytest
 
 from tests.helpers import tiny
-from vitlab.utils.errors import UserError
 from vitlab.training.module import ViTModule
 from vitlab.utils.checks import check_arguments, compile_mode, is_number
+from vitlab.utils.errors import UserError
 
 
 def test_compile_accepts_a_bool_or_a_torch_compile_mode():

@@ -60,11 +60,12 @@ def test_running_metrics_go_back_to_the_device_their_module_is_on():
 
 def test_each_process_takes_its_own_part():
     parts = [{"rng": {}, "loader": [{"rank": r}], "datamodule": {"augment_rng": r}, "metrics": {}} for r in range(2)]
-    dm = SimpleNamespace()
+    loaded = []
+    dm = SimpleNamespace(load_state_dict=loaded.append)  # Lightning has loaded rank 0's state into it already
     checkpoint = {**_checkpoint([{"rank": 0}]), rank_state.KEY: parts, "SimpleNamespace": {"augment_rng": 0}}
     rank_state.take(_trainer(rank=1, world=2, datamodule=dm), checkpoint)
     assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"rank": 1}]
-    assert checkpoint["SimpleNamespace"] == {"augment_rng": 1}
+    assert checkpoint["SimpleNamespace"] == {"augment_rng": 1} and loaded == [{"augment_rng": 1}]
 
 
 def test_another_number_of_processes_resumes_with_a_warning_and_without_the_loader_position(caplog):

@@ -15,8 +15,6 @@ from PIL import Image
 
 from tests.helpers import ROOT, earlier_run, image_tree, run_cli
 
-pytestmark = pytest.mark.slow
-
 
 @contextlib.contextmanager
 def sweep_as_typed(where: str, tmp_path: Path, *args: str):

@@ -84,8 +84,8 @@ def digits_ckpt(tmp_path_factory):
 
 
 def test_features_are_cached_once_resumed_and_reused(digits_ckpt, tmp_path):
-    from vitlab.training import build
     from vitlab.evaluation.features import source_id, split_features
+    from vitlab.training import build
 
     module = build.load_for_inference(digits_ckpt)
     dm = build.inference_datamodule(module, digits_ckpt)

@@ -4,8 +4,8 @@ import os
 import subprocess
 import sys
 
-from vitlab.utils.atomic import remove_stale_temporaries
 from vitlab.training.checkpoint_io import AtomicCheckpointIO
+from vitlab.utils.atomic import remove_stale_temporaries
 
 
 def test_temporaries_of_killed_saves_are_removed_and_live_ones_kept(tmp_path):

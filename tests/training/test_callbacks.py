@@ -6,8 +6,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from vitlab.training.callbacks import LastCheckpoint
-from vitlab.utils.errors import UserError
 from vitlab.training.checkpoint_io import AtomicCheckpointIO
+from vitlab.utils.errors import UserError
 
 
 def test_atomic_checkpoint_round_trip_and_overwrite(tmp_path):
@@ -149,7 +149,7 @@ def test_ema_warmup_decay_is_timms():
     """callbacks.ema.warmup: the decay of each update is timm's ModelEmaV3.get_decay at the same optimizer step."""
     from timm.utils.model_ema import ModelEmaV3
 
-    from vitlab.training.callbacks import EMA
+    from vitlab.training.ema import EMA
 
     net = torch.nn.Linear(2, 2)
     for gamma, power in ((1.0, 2 / 3), (10.0, 0.75)):
@@ -167,7 +167,7 @@ def test_ema_updates_equal_timms_model_ema(tmp_path):
     from timm.utils.model_ema import ModelEmaV3
     from torch.optim.swa_utils import AveragedModel
 
-    from vitlab.training.callbacks import EMA
+    from vitlab.training.ema import EMA
 
     torch.manual_seed(0)
     net = torch.nn.Linear(4, 3)

@@ -1,6 +1,6 @@
-"""vitlab.evaluation.features (issue 23, point 2): any block's features through forward_intermediates, DINOv2's linear-probe
-inputs, and the features of a split extracted by several DDP processes: the rows one process extracts, in the same
-order, written once by rank 0."""
+"""vitlab.evaluation.features (issue 23, point 2): any block's features through forward_intermediates, DINOv2's
+linear-probe inputs, and the features of a split extracted by several DDP processes: the rows one process extracts, in
+the same order, written once by rank 0."""
 
 import json
 from types import SimpleNamespace
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tests.helpers import run_cli, tiny
-from vitlab.utils.errors import UserError
 from vitlab.evaluation.features import POOLED, Layers, layers_of, linear_views
 from vitlab.model import ViT
+from vitlab.utils.errors import UserError
 
 
 def dinov2_linear_input(model, x, n, avgpool):

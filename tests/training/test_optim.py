@@ -10,9 +10,9 @@ from omegaconf import OmegaConf
 
 from tests.helpers import tiny
 from vitlab.cli.config_tree import config_dir
-from vitlab.utils.errors import UserError
-from vitlab.training.module import MixupConfig, ViTModule
 from vitlab.model import ViT
+from vitlab.training.classification import ClassifyConfig
+from vitlab.training.module import ViTModule
 from vitlab.training.optim import (
     PLATEAU_MODES,
     OptimConfig,
@@ -24,6 +24,7 @@ from vitlab.training.optim import (
     warmup_cosine,
 )
 from vitlab.utils.checks import to_dict
+from vitlab.utils.errors import UserError
 
 
 def test_no_weight_decay_on_norms_biases_layerscale_pos_embed_and_tokens():
@@ -73,7 +74,10 @@ def test_optim_yaml_and_dataclass_are_one_source_of_defaults():
     assert OmegaConf.to_container(OmegaConf.load(config_dir() / "optim" / "adamw.yaml")) == to_dict(OptimConfig())
     scheduler = OmegaConf.to_container(OmegaConf.load(config_dir() / "scheduler" / "warmup_cosine.yaml"))
     assert scheduler == to_dict(SchedulerConfig())
-    assert OmegaConf.to_container(OmegaConf.load(config_dir() / "train.yaml"))["mixup"] == to_dict(MixupConfig())
+    classify = OmegaConf.to_container(OmegaConf.load(config_dir() / "objective" / "classify.yaml"))
+    assert {k: v for k, v in classify.items() if k not in ("name", "label_smoothing")} == {
+        k: v for k, v in to_dict(ClassifyConfig()).items() if k != "label_smoothing"
+    }  # the command line's default smooths labels by 0.1, a module built in Python does not
 
 
 @pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)` before")
@@ -84,7 +88,8 @@ def test_a_module_built_in_python_trains_the_cli_default_recipe(compose_cfg):
     cli = build_module(cfg, build_datamodule(cfg.data))
     plain = ViTModule(model=cli.hparams["model"])  # no optimizer arguments at all
     plain.model.load_state_dict(cli.model.state_dict())
-    assert plain.optim == cli.optim and plain.mixup_cfg == cli.mixup_cfg and plain.scheduler_cfg == cli.scheduler_cfg
+    assert plain.optim == cli.optim and plain.objective.cfg.mixup == cli.objective.cfg.mixup
+    assert plain.scheduler_cfg == cli.scheduler_cfg
     total, epochs = 300 * 19, 300  # the default: 300 epochs of 19 steps
     opts = [make_optimizer(m.model, m.optim) for m in (cli, plain)]
     scheds = [make_scheduler(o, m.scheduler_cfg, total, epochs) for o, m in zip(opts, (cli, plain), strict=True)]

@@ -1,5 +1,5 @@
-"""vitlab.training.distillation: DeiT's distillation. The losses against timm's TokenDistillationTask (hard: equal; soft: DeiT
-divides by the logits' count, timm by the batch), the teacher's preprocessing, and distillation from a vitlab
+"""vitlab.training.distillation: DeiT's distillation. The losses against timm's TokenDistillationTask (hard: equal;
+soft: DeiT divides by the logits' count, timm by the batch), the teacher's preprocessing, and distillation from a vitlab
 teacher on digits end to end."""
 
 import json
@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from tests.helpers import tiny
+from vitlab.model import ViT
 from vitlab.training.distillation import DistillConfig, Teacher, distillation_loss, load_teacher
 from vitlab.utils.errors import UserError
-from vitlab.model import ViT
 
 
 def _pair(distilled=True):
@@ -65,7 +65,7 @@ def test_the_teacher_sees_its_own_normalisation_and_size_without_gradients():
     assert not out.requires_grad
     small = Teacher(ViT(tiny(img_size=16)), (16, 16))
     assert small(torch.randn(2, 3, 32, 32), s_mean, s_std).shape == (2, 7)  # 32 px resized to its 16
-    with pytest.raises(UserError, match=r"distill.teacher takes 3-channel images, and the data has 1 channels"):
+    with pytest.raises(UserError, match=r"objective.teacher takes 3-channel images, and the data has 1 channels"):
         small(torch.randn(2, 1, 32, 32), s_mean[:, :1], s_std[:, :1])
 
 
@@ -74,12 +74,14 @@ def test_a_timm_teacher_by_name_and_the_settings_checks():
     teacher = load_teacher(cfg, num_classes=7)
     assert teacher.input_hw == (224, 224) and teacher.kd.model.num_classes == 7
     assert teacher(torch.randn(1, 3, 32, 32), torch.zeros(1, 3, 1, 1), torch.ones(1, 3, 1, 1)).shape == (1, 7)
-    with pytest.raises(UserError, match=r"distill.type 'kd' is not one of \['none', 'soft', 'hard'\]"):
-        DistillConfig(type="kd")
-    with pytest.raises(UserError, match=r"distill.type=hard needs distill.teacher: a vitlab checkpoint"):
+    with pytest.raises(UserError, match=r"objective.type 'kd' is not one of \['soft', 'hard'\]"):
+        DistillConfig(type="kd", teacher="t.ckpt")
+    with pytest.raises(UserError, match=r"objective=distill needs objective.teacher: a vitlab checkpoint"):
         DistillConfig(type="hard")
-    with pytest.raises(UserError, match=r"distill.alpha 1.5 must be in \[0, 1\]"):
-        DistillConfig(alpha=1.5)
+    with pytest.raises(UserError, match=r"objective.alpha 1.5 must be in \[0, 1\]"):
+        DistillConfig(alpha=1.5, teacher="t.ckpt")
+    with pytest.raises(UserError, match=r"objective.label_smoothing 1.0 must be in \[0, 1\)"):
+        DistillConfig(label_smoothing=1.0, teacher="t.ckpt")  # the label loss's options: objective=classify's
 
 
 def test_distillation_from_a_vitlab_teacher_trains_on_digits(compose_cfg, tmp_path):
@@ -90,9 +92,14 @@ def test_distillation_from_a_vitlab_teacher_trains_on_digits(compose_cfg, tmp_pa
     base = ["debug=limit", "progress_bar=none", "callbacks=default"]
     train(compose_cfg("train", base, output_dir=tmp_path / "teacher"))
     ckpt = json.loads((tmp_path / "teacher" / "metrics.json").read_text())["tested_checkpoint"]
-    for name, extra in (("token", ["model.distilled=true", "distill.type=hard"]), ("logits", ["distill.type=soft"])):
+    for name, extra in (
+        ("token", ["model.distilled=true", "objective.type=hard"]),
+        ("logits", ["objective.type=soft"]),
+    ):
         out = tmp_path / name
-        acc = train(compose_cfg("train", [*base, *extra, f"distill.teacher={ckpt}"], output_dir=out))
+        acc = train(
+            compose_cfg("train", [*base, "objective=distill", *extra, f"objective.teacher={ckpt}"], output_dir=out)
+        )
         assert 0.0 <= acc <= 1.0
         student = json.loads((out / "metrics.json").read_text())["tested_checkpoint"]
         keys = torch.load(student, weights_only=True)["state_dict"]
@@ -100,7 +107,7 @@ def test_distillation_from_a_vitlab_teacher_trains_on_digits(compose_cfg, tmp_pa
     cfg = DistillConfig(type="hard", teacher=ckpt)
     with pytest.raises(UserError, match=r"predicts 10 classes and the student 3: a teacher of the same classes"):
         load_teacher(cfg, num_classes=3)
-    with pytest.raises(UserError, match=r"distill.teacher 'gone.ckpt' does not exist: a vitlab checkpoint"):
+    with pytest.raises(UserError, match=r"objective.teacher 'gone.ckpt' does not exist: a vitlab checkpoint"):
         load_teacher(DistillConfig(type="hard", teacher="gone.ckpt"), num_classes=10)
 
 
@@ -117,9 +124,10 @@ def test_a_distilled_run_with_ema_warmup_resumes_exactly(tmp_path):
         *RESUMABLE,
         "trainer.max_epochs=2",
         "model.distilled=true",
-        "distill.type=soft",
-        "distill.tau=2.0",
-        f"distill.teacher={ckpt}",
+        "objective=distill",
+        "objective.type=soft",
+        "objective.tau=2.0",
+        f"objective.teacher={ckpt}",
         "callbacks.ema.warmup=true",
         "callbacks.model_checkpoint.monitor=val/acc",
     ]

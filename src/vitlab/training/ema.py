@@ -1,0 +1,114 @@
+"""The weights' moving average (EMA) as timm validates it: Lightning's EMA callback, the raw and the averaged weights
+validated side by side, the checkpoint holding the set its monitor chooses, and timm's warm-up of the decay."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import EMAWeightAveraging
+from lightning.pytorch.callbacks.weight_averaging import WeightAveraging
+
+from vitlab.training.callbacks import BestCheckpoint
+from vitlab.utils.checks import check_range
+
+
+class EMA(EMAWeightAveraging):
+    """Lightning's EMA of the weights, validated as timm's train.py validates it: the raw weights give `val/acc`
+    and `val/loss`, the average `val/acc_ema` and `val/loss_ema`, every validation. The best checkpoint is chosen
+    by the metric `model_checkpoint.monitor` names, and every checkpoint holds those weights as its weights (tested
+    after training, evaluated, exported): the average's when it is an `_ema` metric, else the raw ones; the other
+    set travels along for resuming. `warmup`: timm's EMA warm-up, decay min(decay, 1 - (1 + step / gamma) ** -power)
+    from optimizer step `step`, so the average follows the fast-moving early weights instead of keeping the initial
+    ones for thousands of steps."""
+
+    def __init__(
+        self,
+        decay: float = 0.999,
+        warmup: bool = False,
+        warmup_gamma: float = 1.0,
+        warmup_power: float = 2 / 3,
+        update_every_n_steps: int = 1,
+        update_starting_at_step: int | None = None,
+        **kwargs: Any,
+    ):
+        check_range("callbacks.ema.decay", decay, 0, 1)
+        for key, value in (("warmup_gamma", warmup_gamma), ("warmup_power", warmup_power)):
+            check_range(f"callbacks.ema.{key}", value, 0, math.inf, low_open=True, high_open=True)
+        self.decay, self.warmup, self.warmup_gamma, self.warmup_power = decay, warmup, warmup_gamma, warmup_power
+        # EMAWeightAveraging's schedule of updates, with an average of our own (the warm-up's decay)
+        WeightAveraging.__init__(self, use_buffers=True, multi_avg_fn=self._lerp, **kwargs)
+        self.update_every_n_steps, self.update_starting_at_step = update_every_n_steps, update_starting_at_step
+        self.update_starting_at_epoch = None
+        self._step, self.keep_average = 0, True
+
+    def decay_at(self, step: int) -> float:
+        """The decay of the update after optimizer step `step` (1, 2, ...), as timm's ModelEmaV3.get_decay: the first
+        update copies the weights, warm-up counts from the second."""
+        if not self.warmup:
+            return self.decay
+        since = step - 1
+        if since <= 0:
+            return 0.0
+        return min(self.decay, max(0.0, 1 - (1 + since / self.warmup_gamma) ** -self.warmup_power))
+
+    def _lerp(self, averaged: list[torch.Tensor], current: list[torch.Tensor], num_averaged) -> None:
+        weight = 1.0 - self.decay_at(self._step)  # a Python number: no device read per step
+        floats = [(a, c) for a, c in zip(averaged, current, strict=True) if a.is_floating_point()]
+        if floats:
+            torch._foreach_lerp_([a for a, _ in floats], [c for _, c in floats], weight)
+        for a, c in zip(averaged, current, strict=True):
+            if not a.is_floating_point():
+                a.copy_(c)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        best = [c for c in trainer.checkpoint_callbacks if isinstance(c, BestCheckpoint)]
+        self.keep_average = not best or str(best[0].monitor).endswith("_ema")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        self._step = trainer.global_step
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.keep_average:  # the module ends with the weights the checkpoints hold
+            super().on_train_end(trainer, pl_module)
+
+    # Validation: both weights, side by side (Lightning's callback would swap the average in instead).
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._average_model is not None:
+            self._average_model.module.eval()
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if self._average_model is None:
+            return
+        with trainer.precision_plugin.forward_context():  # the autocast validation_step runs in (bf16-mixed)
+            self._average_model.module.evaluate("val", batch)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._average_model is None:
+            return
+        average = self._average_model.module
+        values = {}
+        for name, metric in average.val_metrics.items():
+            values[f"val/{name}_ema"] = metric.compute()
+            metric.reset()
+        pl_module.log_dict(values, prog_bar=False, sync_dist=True)
+        average.train()
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self.keep_average or self._average_model is None:
+            super().on_save_checkpoint(trainer, pl_module, checkpoint)
+            return
+        state = self._average_model.state_dict()
+        checkpoint["average_model_state"] = {k[7:]: v for k, v in state.items() if k.startswith("module.")}
+        checkpoint["averaging_state"] = {k: v for k, v in state.items() if not k.startswith("module.")}
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self._average_model is not None and "average_model_state" in checkpoint:  # saved with the raw weights kept
+            state = {"module." + k: v for k, v in checkpoint["average_model_state"].items()}
+            self._average_model.load_state_dict(state | checkpoint["averaging_state"])
+            return
+        super().on_load_checkpoint(trainer, pl_module, checkpoint)

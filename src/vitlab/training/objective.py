@@ -1,0 +1,73 @@
+"""What the LightningModule asks of an objective (timm's `timm/task/`: the objective is an object the training loop
+calls): the loss of a training batch, the loss and metrics of an evaluation batch, the metric whose best value
+chooses the checkpoint, the networks it trains beside the ViT (MAE's decoder), and what it needs once fitting begins
+(the distillation teacher). Each objective's options are its config dataclass (conf/objective/<name>.yaml):
+`objective.name` picks the class, and only that objective's keys are accepted. No Lightning or Hydra here.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from torchmetrics import Metric
+from torchmetrics.classification import MulticlassAccuracy
+
+from vitlab.model import ViT, ViTConfig
+
+
+class Objective:
+    """The classifier's defaults; classification, distillation and MAE override what differs."""
+
+    name = ""
+    uses_labels = True  # false: pretraining reads images only (data.unlabeled=true allowed)
+    best = ("acc", "max")  # val/<metric>_best (max or min so far) chooses the checkpoint
+
+    def check(self, model: ViTConfig, optim: Any) -> None:
+        """Refuse, in one line, model or optimizer settings this objective cannot train with."""
+
+    def prepare(self, model: ViT) -> None:
+        """Set the network up for this objective, once, when the module is built."""
+
+    def extra_modules(self) -> dict[str, nn.Module]:
+        """Networks trained beside the ViT, registered on the module under these names (checkpoint keys
+        `<name>.*`) and optimised with it."""
+        return {}
+
+    def metrics(self, stage: str, num_classes: int) -> dict[str, Metric]:
+        """The metrics of `stage` (train, val, test) besides the loss, updated with (logits, labels)."""
+        acc = functools.partial(MulticlassAccuracy, num_classes, average="micro", validate_args=False)
+        if stage == "train":
+            return {"acc": acc(top_k=1)}
+        return {"acc": acc(top_k=1), "acc_top5": acc(top_k=min(5, num_classes))}
+
+    def setup_fit(self, num_classes: int) -> None:
+        """Fitting is being set up (each process, before the optimizer): load what the loss needs."""
+
+    def fit_start(self, datamodule: Any, device: torch.device) -> None:
+        """Fitting begins on `device` with `datamodule`'s data."""
+
+    def compile(self, model: ViT, mode: str) -> None:
+        """compile=true: what the training step runs, compiled in place (state-dict keys unchanged)."""
+        model.compile(mode=mode)
+
+    def training_loss(
+        self, model: ViT, x: torch.Tensor, y: torch.Tensor | None, epoch: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(loss, logits the metrics read, or None) of a training batch."""
+        raise NotImplementedError
+
+    def evaluation_loss(self, model: ViT, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(loss, logits) of a validation or test batch: cross-entropy of the network's logits."""
+        logits = model(x)
+        return torch.nn.functional.cross_entropy(logits, y), logits
+
+    def train_flops_per_image(self, model: ViTConfig) -> float:
+        """Forward + backward ~ 3x forward (callbacks.Throughput reports FLOP/s with it)."""
+        return 3 * model.flops_per_image()
+
+    def optimized(self, model: ViT) -> nn.Module:
+        """What the optimizer's parameter groups are built over."""
+        return model

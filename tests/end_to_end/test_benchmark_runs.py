@@ -1,0 +1,61 @@
+"""python -m vitlab.benchmark as typed, the longer runs: the benchmarks' fit checks the W&B login as train does."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_cli
+
+# A 32-px ViT with 4 blocks: 16 patches + class token.
+TINY = [
+    "model.img_size=32",
+    "model.patch_size=8",
+    "model.embed_dim=32",
+    "model.depth=4",
+    "model.num_heads=4",
+    "model.in_chans=3",
+    "model.num_classes=7",
+]
+ROW_KEYS = {
+    "median_ms",
+    "times_ms",
+    "images_per_s",
+    "achieved_flops_per_s",
+    "mfu",
+    "state_memory_mb",
+    "step_memory_mb",
+    "peak_memory_mb",
+}
+RATIO_KEYS = {"throughput", "throughput_paired_min", "throughput_paired_max", "peak_memory", "step_memory"}
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("benchmark.precision=fp16", "benchmark.precision 'fp16' is not one of ['fp32', 'bf16']"),
+        ("benchmark.contenders=[vitlab,jax]", "benchmark.contenders ['vitlab', 'jax'] must be distinct values"),
+        ("benchmark.repeats=0", "benchmark.repeats 0 must be an integer >= 1"),
+        ("benchmark.device=tpu", "benchmark.device 'tpu' is not one of auto, cpu, cuda"),
+    ],
+)
+def test_bad_settings_fail_in_one_line(override, message, tmp_path: Path):
+    r = run_cli("benchmark", *TINY, override, f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("task", ["overhead", "end2end"])
+def test_the_benchmarks_fit_checks_the_wandb_login_as_train_does(task, tmp_path: Path):
+    """run.build_fit is the one assembly of a fit: a benchmark of the training loop with logger=wandb and no login
+    stops in one line before anything runs (it used to build the logger unchecked, and W&B then prompts)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {"HOME": str(tmp_path)}
+    r = run_cli(
+        "benchmark", f"benchmark.task={task}", 'benchmark.train_overrides=["logger=wandb"]', cwd=tmp_path, env=env,
+        replace_env=True,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [
+        "error: logger=wandb needs a W&B login: run `wandb login`, set WANDB_API_KEY, or log offline with "
+        "logger.wandb.offline=true (or WANDB_MODE=offline; `wandb sync` uploads later)"
+    ]

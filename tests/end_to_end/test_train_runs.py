@@ -1,0 +1,161 @@
+"""python -m vitlab.train as typed, the longer runs: DDP on two CPU processes, -m sweeps and Optuna, runs started
+together, unknown keys, fine-tuning timm's ViT-B/16 at 384, compile=true (tests/test_train.py has the quick ones)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from tests.helpers import extra_callback, run_cli
+
+SHORT = ["debug=limit", "progress_bar=none"]
+METRICS = ["train/loss", "train/acc", "val/loss", "val/acc", "val/acc_best", "test/loss", "test/acc", "test/acc_top5"]
+
+
+def test_ddp_on_two_cpu_processes_shares_one_run_dir_and_syncs_metrics(tmp_path):
+    run_dir = tmp_path / "run"
+    r = run_cli(
+        "train",
+        "trainer=ddp_cpu",
+        "trainer.devices=2",
+        *SHORT,
+        "trainer.limit_test_batches=1.0",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "sync_dist" not in r.stderr  # no advice to sync values torchmetrics has already synced
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # rank 1 wrote into rank 0's directory, no other
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    # Each rank tested half of the test set; the synced accuracy equals one process testing all of it.
+    r = run_cli(
+        "eval", f"ckpt_path={metrics['tested_checkpoint']}", "progress_bar=none", f"hydra.run.dir={tmp_path / 'e'}"
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    single = json.loads((tmp_path / "e" / "metrics.json").read_text())
+    assert metrics["test/acc"] == pytest.approx(single["test/acc"], abs=1e-6)
+
+
+def test_grid_sweep_gives_each_job_a_directory_and_a_summary(tmp_path):
+    sweep = tmp_path / "sweep"
+    r = run_cli("train", "-m", "optim.lr=1e-3,3e-3", "model.drop_path_rate=0,0.1", *SHORT, f"hydra.sweep.dir={sweep}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert jobs == ["0", "1", "2", "3"]
+    assert all((sweep / j / "metrics.json").is_file() for j in jobs)
+    summary = json.loads((sweep / "summary.json").read_text())
+    assert [s["status"] for s in summary] == ["done"] * 4
+    assert summary[3]["overrides"][:2] == ["optim.lr=0.003", "model.drop_path_rate=0.1"]
+    assert "sweep summary" in r.stdout
+
+
+def test_optuna_search(tmp_path):
+    sweep = tmp_path / "optuna"
+    r = run_cli("train", "hparams_search=digits_optuna", "hydra.sweeper.n_trials=3", *SHORT, f"hydra.sweep.dir={sweep}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert 0.0 <= result["best_value"] <= 1.0 and set(result["best_params"]) >= {"optim.lr", "model.depth"}
+    assert len(json.loads((sweep / "summary.json").read_text())) == 3
+
+
+def test_multirun_with_multi_process_ddp_stops_at_once(tmp_path):
+    r = run_cli("train", "-m", "trainer=ddp_cpu", "optim.lr=1e-3,3e-3", *SHORT, f"hydra.sweep.dir={tmp_path / 's'}")
+    assert r.returncode == 2
+    (line,) = r.stderr.strip().splitlines()[-1:]
+    assert line.startswith("error: 2 of 2 sweep jobs failed (job 0: -m sweeps run each job in this process")
+    assert "trainer.devices=2" in line
+    assert not list((tmp_path / "s").glob("*/metrics.json"))
+
+
+def test_runs_started_together_get_their_own_directories(tmp_path):
+    cmd = [sys.executable, "-m", "vitlab.train", "debug=fdr", "progress_bar=none"]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(2)]
+    assert all(p.wait(timeout=300) == 0 for p in procs)
+    runs = list((tmp_path / "outputs" / "debug" / "runs").iterdir())
+    assert len(runs) == 2 and all((r / "config.yaml").is_file() for r in runs)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["model.depth=three"], "error: depth 'three' must be an integer"),
+        (["model.drop_path_rate=1.5"], "error: drop_path_rate 1.5 must be in [0, 1)"),
+        (["data.batch_size=0"], "data.batch_size 0 must be >= 1"),
+        (["progress_bar=fancy"], "error: progress_bar 'fancy' is not one of ['auto', 'rich', 'tqdm', 'none']"),
+        (["optim.layer_decay=2"], "error: optim.layer_decay 2 must be in (0, 1]"),
+    ],
+)
+def test_bad_values_fail_in_one_line(tmp_path, args, message):
+    r = run_cli("train", *args, "debug=fdr", f"hydra.run.dir={tmp_path / 'r'}")
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_unknown_key_and_option_are_named_in_one_line(tmp_path):
+    r = run_cli("train", "model.depht=3", f"hydra.run.dir={tmp_path / 'r'}")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.startswith("error: model.depht is not a key of model; its keys: ['act_layer', 'attn_drop_rate',")
+    assert "'depth'" in r.stderr  # the key meant is among them (Hydra's hint, +model.depht=3, led to a second error)
+    r = run_cli("train", "model=vit_x", f"hydra.run.dir={tmp_path / 'r'}")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "Could not find 'model/vit_x'" in r.stderr and "vit_b16" in r.stderr  # names what is allowed
+    assert "search path" not in r.stderr
+    assert not (tmp_path / "r").exists()  # nothing was written
+
+
+def test_finetune_random_timm_vit_b16_from_224_to_384_on_digits(tmp_path):
+    import timm
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    source = timm.create_model("vit_base_patch16_224", pretrained=False)
+    weights = tmp_path / "vit_b16_224.safetensors"
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(weights))
+    run = tmp_path / "run"
+    # One step at lr 0 runs the whole pipeline and leaves the loaded weights as they were loaded.
+    r = run_cli(
+        "train",
+        "experiment=digits_finetune_timm_384",
+        f"model.pretrained={weights}",
+        "optim.lr=0.0",
+        "trainer.max_steps=1",
+        "data.batch_size=2",
+        "trainer.limit_val_batches=1",
+        "trainer.limit_test_batches=1",
+        "trainer.num_sanity_val_steps=0",
+        "progress_bar=none",
+        f"hydra.run.dir={run}",
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    ours = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, mmap=True, map_location="cpu")["state_dict"]
+    # timm's own loader, same file, same target: 384 px, one channel, ten classes.
+    theirs = timm.create_model(
+        "vit_base_patch16_224",
+        pretrained=True,
+        pretrained_cfg_overlay=dict(file=str(weights)),
+        img_size=384,
+        in_chans=1,
+        num_classes=10,
+    )
+    assert ours["model.pos_embed"].shape == (1, 1 + 24 * 24, 768)
+    torch.testing.assert_close(ours["model.pos_embed"], theirs.pos_embed.detach(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours["model.patch_embed.proj.weight"], theirs.patch_embed.proj.weight.detach())
+    torch.testing.assert_close(ours["model.blocks.7.attn.qkv.weight"], source.blocks[7].attn.qkv.weight.detach())
+    assert ours["model.head.weight"].shape == (10, 768)
+
+
+def test_compile_option_trains_a_compiled_model(tmp_path):
+    r = run_cli(
+        "train",
+        "compile=true",
+        *SHORT,
+        *extra_callback("compiled", "AssertCompiled"),
+        f"hydra.run.dir={tmp_path / 'r'}",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert 0.0 <= json.loads((tmp_path / "r" / "metrics.json").read_text())["test/acc"] <= 1.0
