@@ -68,9 +68,10 @@ def run_cli(
 
 
 def extra_callback(name: str, target: str, **params) -> list[str]:
-    """Overrides that add callbacks.<name>: the class `target` of this module, built with `params`."""
+    """Overrides that add callbacks.<name>: the class `target` of this module (or a dotted path), built with
+    `params`."""
     return [
-        f"+callbacks.{name}._target_=tests.helpers.{target}",
+        f"+callbacks.{name}._target_={target if '.' in target else f'tests.helpers.{target}'}",
         *(f"+callbacks.{name}.{k}={v}" for k, v in params.items()),
     ]
 

@@ -123,14 +123,11 @@ def test_trainer_configs(compose_cfg, trainer):
     cfg = compose_cfg("train", [f"trainer={trainer}"])
     strategy = cfg.trainer.get("strategy")
     if isinstance(strategy, dict) or OmegaConf.is_dict(strategy):
-        strategy = instantiate(strategy)  # FSDP: the strategy object, with the block wrap policy
-        assert type(strategy).__name__ == "FSDPStrategy"
+        strategy = instantiate(strategy)  # FSDP: vitlab's FSDP2 strategy object (training/sharding.py)
+        assert type(strategy).__name__ == "FSDP2Strategy"
     if cfg.trainer.accelerator == "gpu" and torch.cuda.device_count() < cfg.trainer.devices:
         # Fewer GPUs here than it asks for: build the same trainer on CPU processes to check every other argument.
-        overrides = dict(accelerator="cpu", precision="32-true")
-        if not isinstance(strategy, str):
-            overrides["strategy"] = "ddp"
-        trainer_obj = build_trainer(cfg.trainer, **overrides, logger=False)
+        trainer_obj = build_trainer(cfg.trainer, accelerator="cpu", precision="32-true", logger=False)
     else:
         trainer_obj = build_trainer(cfg.trainer, logger=False)  # precision/strategy auto resolved as a run does
     assert trainer_obj.max_epochs == cfg.trainer.max_epochs

@@ -20,7 +20,9 @@ from vitlab.training.optim import (
     layer_id,
     make_optimizer,
     make_scheduler,
+    name_parameters,
     param_groups,
+    states_by_name,
     warmup_cosine,
 )
 from vitlab.utils.checks import to_dict
@@ -322,3 +324,42 @@ def test_bad_scheduler_settings_name_the_field():
         SchedulerConfig(warmup_steps=-1)
     with pytest.raises(UserError, match="scheduler.name=plateau changes the LR once per epoch: set scheduler.step_"):
         SchedulerConfig(name="plateau")
+
+
+def _layer_decayed(order):
+    """AdamW over a tiny ViT with layer decay: each block's norms in a group of their own, equal in shape across
+    blocks (where a state given by position would silently go to the wrong parameter). `order` reorders the groups."""
+    from torch.optim import AdamW
+
+    from tests.helpers import tiny
+
+    model = ViT(tiny(depth=3))
+    groups = param_groups(model, 1e-3, 0.05, layer_decay=0.75)
+    optimizer = AdamW([{k: v for k, v in groups[i].items() if k != "names"} for i in order])
+    name_parameters(optimizer, {id(p): n for n, p in model.named_parameters()})
+    return model, optimizer
+
+
+def test_an_optimizer_state_loads_by_parameter_name_whatever_the_group_order():
+    model, saved = _layer_decayed(order=range(8))
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    saved.step()
+    state = saved.state_dict()
+    assert all("param_names" in g for g in state["param_groups"])
+    by_name = {n: s["exp_avg"] for n, s in states_by_name(state).items()}
+    _, loaded = _layer_decayed(order=reversed(range(8)))  # the same groups, numbered the other way round
+    loaded.load_state_dict(state)
+    for group in loaded.param_groups:
+        for p, name in zip(group["params"], group["param_names"], strict=True):
+            assert torch.equal(loaded.state[p]["exp_avg"], by_name[name]), name
+    blocks = [n for g in loaded.param_groups for n in g["param_names"] if n.endswith("norm1.weight")]
+    assert len(blocks) == 3  # equal shapes in three different groups: each got its own
+
+
+def test_a_state_for_other_parameters_is_one_line():
+    _, saved = _layer_decayed(order=range(8))
+    state = saved.state_dict()
+    state["param_groups"][0]["param_names"] = ["not.a.parameter"] + state["param_groups"][0]["param_names"][1:]
+    _, loaded = _layer_decayed(order=range(8))
+    with pytest.raises(UserError, match=r"optimizer state is for other parameters \(not saved: \['"):
+        loaded.load_state_dict(state)

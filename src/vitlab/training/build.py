@@ -35,6 +35,7 @@ from vitlab.training.hardware import resolve_trainer
 from vitlab.training.module import ViTModule
 from vitlab.training.optim import OptimConfig, scaled_lr
 from vitlab.training.rank_state import RankState
+from vitlab.training.sharding import check_request
 from vitlab.utils.checks import check_arguments
 from vitlab.utils.errors import UserError
 from vitlab.utils.logs import route_lightning_logs
@@ -89,6 +90,8 @@ def check_launch(cfg: DictConfig) -> None:
     """Lightning's DDP launcher re-runs this command for every rank; under a -m sweep on a launcher that runs
     jobs in this process (the basic one) or as one process each (submitit_local), every child would re-run the
     whole sweep. Stop before anything starts; the Slurm launcher starts one task per device itself."""
+    if said := check_request(cfg.trainer, cfg.get("callbacks")):  # trainer=fsdp: what cannot shard, in one line
+        log.info(said)
     hc = HydraConfig.get()
     launcher = str(hc.launcher.get("_target_", ""))
     if hc.mode != RunMode.MULTIRUN or launcher.endswith("SlurmLauncher"):

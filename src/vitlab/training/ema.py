@@ -4,14 +4,18 @@ validated side by side, the checkpoint holding the set its monitor chooses, and 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from lightning.pytorch.callbacks.weight_averaging import WeightAveraging
+from torch import nn
+from torch.optim.swa_utils import AveragedModel
 
 from vitlab.training.callbacks import BestCheckpoint
+from vitlab.training.sharding import is_sharded, load_full_module_state
 from vitlab.utils.checks import check_range
 
 
@@ -64,9 +68,18 @@ class EMA(EMAWeightAveraging):
                 a.copy_(c)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
+        # Lightning's setup would call configure_model (which shards under trainer=fsdp) and deep-copy the module; a
+        # sharded module cannot be copied, so its average is built once it is sharded (on_fit_start).
+        if stage == "fit" and not is_sharded(trainer):
+            self._average_model = AveragedModel(
+                pl_module, device=self._device or pl_module.device, use_buffers=self._use_buffers, **self._kwargs
+            )
         best = [c for c in trainer.checkpoint_callbacks if isinstance(c, BestCheckpoint)]
         self.keep_average = not best or str(best[0].monitor).endswith("_ema")
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if is_sharded(trainer):  # before a checkpoint is restored: it loads into the average too
+            self._average_model = ShardedAverage(pl_module, trainer.strategy, self._lerp)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         self._step = trainer.global_step
@@ -111,4 +124,49 @@ class EMA(EMAWeightAveraging):
             state = {"module." + k: v for k, v in checkpoint["average_model_state"].items()}
             self._average_model.load_state_dict(state | checkpoint["averaging_state"])
             return
+        if isinstance(self._average_model, ShardedAverage) and "current_model_state" in checkpoint:
+            # The file's weights (the average) went into the module when the strategy loaded it: the average takes
+            # them, the module its own (every process reads the whole file and keeps its shard).
+            state = {"module." + k: v for k, v in checkpoint["state_dict"].items()}
+            self._average_model.load_state_dict(state | checkpoint["averaging_state"])
+            load_full_module_state(pl_module, checkpoint["current_model_state"])
+            return
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
+
+
+class ShardedAverage(nn.Module):
+    """The average of a sharded module (trainer=fsdp), sharded as the module is: a second module built from the same
+    hyper-parameters and sharded over the same processes, each process averaging its own shards (no communication
+    per step). Its state dict, as AveragedModel's (`module.*`, `n_averaged`), is gathered whole on rank 0 for a
+    checkpoint and taken apart again on loading."""
+
+    def __init__(self, pl_module: L.LightningModule, strategy: Any, lerp: Callable):
+        super().__init__()
+        module = type(pl_module)(**pl_module.hparams).to(pl_module.device)
+        strategy.shard(module.objective.network(module.model))
+        with torch.no_grad():
+            for mine, theirs in zip(_tensors(module), _tensors(pl_module), strict=True):
+                mine.copy_(theirs)
+        self.module = module.requires_grad_(False)
+        self.register_buffer("n_averaged", torch.tensor(0, dtype=torch.long, device=pl_module.device))
+        self._lerp = lerp
+
+    @torch.no_grad()
+    def update_parameters(self, model: L.LightningModule) -> None:
+        self._lerp(_tensors(self.module), _tensors(model), self.n_averaged)
+        self.n_averaged += 1
+
+    def state_dict(self, *args, **kwargs) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {f"module.{k}": v for k, v in full.items()} | {"n_averaged": self.n_averaged.cpu()}
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        load_full_module_state(self.module, {k[7:]: v for k, v in state.items() if k.startswith("module.")})
+        self.n_averaged.fill_(int(state["n_averaged"]))
+
+
+def _tensors(module: nn.Module) -> list[torch.Tensor]:
+    """This process's part of each parameter and buffer (a DTensor's local shard), in the module's order."""
+    return [getattr(t, "_local_tensor", t) for t in (*module.parameters(), *module.buffers())]

@@ -30,6 +30,7 @@ class MAE(Objective):
     def __init__(self, options: Mapping[str, Any], model: ViTConfig):
         self.cfg = from_mapping(MAEConfig, options, "objective=mae")
         self.decoder = MAEDecoder(model, self.cfg)
+        self.joint: _Joint | None = None  # the encoder and decoder as one network (built with the encoder's first use)
 
     def check(self, model: ViTConfig, optim: Any) -> None:
         if model.num_classes:
@@ -46,6 +47,11 @@ class MAE(Objective):
     def extra_modules(self) -> dict[str, nn.Module]:
         return {"decoder": self.decoder}
 
+    def network(self, model: ViT) -> nn.Module:
+        """Encoder and decoder together, MAE's forward theirs: what a sharded strategy shards (the ViT's forward
+        never runs in pretraining)."""
+        return self._joint(model)
+
     def metrics(self, stage: str, num_classes: int) -> dict[str, Metric]:
         return {}  # the loss alone
 
@@ -58,7 +64,12 @@ class MAE(Objective):
 
     def reconstruct(self, model: ViT, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, predicted pixels (B, N, ph * pw * C), mask (B, N), 1 = removed) of a batch."""
-        return mae_forward(model, self.decoder, images, self.cfg)
+        return self._joint(model)(images)
+
+    def _joint(self, model: ViT) -> _Joint:
+        if self.joint is None or self.joint.model is not model:
+            self.joint = _Joint(model, self.decoder, self.cfg)
+        return self.joint
 
     def training_loss(
         self, model: ViT, x: torch.Tensor, y: torch.Tensor | None, epoch: int
@@ -74,15 +85,19 @@ class MAE(Objective):
     def optimized(self, model: ViT) -> nn.Module:
         """The decoder trains with the encoder: the optimizer's groups are built over both (no weight decay on
         norms, biases, tokens, position embeddings), as MAE's param_groups_weight_decay does."""
-        return _Joint(model, self.decoder)
+        return self._joint(model)
 
 
 class _Joint(nn.Module):
-    """The encoder and decoder as one module for the optimizer's groups (names `model.*`, `decoder.*`)."""
+    """The encoder and decoder as one module (names `model.*`, `decoder.*`, as the LightningModule's): its forward is
+    MAE's; the optimizer's groups are built over it."""
 
-    def __init__(self, model: nn.Module, decoder: nn.Module):
+    def __init__(self, model: ViT, decoder: MAEDecoder, cfg: MAEConfig):
         super().__init__()
-        self.model, self.decoder = model, decoder
+        self.model, self.decoder, self.cfg = model, decoder, cfg
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return mae_forward(self.model, self.decoder, images, self.cfg)
 
     @property
     def blocks(self) -> nn.ModuleList:  # param_groups counts the encoder's depth

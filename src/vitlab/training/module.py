@@ -25,7 +25,14 @@ from vitlab.training.classification import Classification
 from vitlab.training.distillation import Distillation
 from vitlab.training.mae import MAE
 from vitlab.training.objective import Objective
-from vitlab.training.optim import PLATEAU_MODES, OptimConfig, SchedulerConfig, make_optimizer, make_scheduler
+from vitlab.training.optim import (
+    PLATEAU_MODES,
+    OptimConfig,
+    SchedulerConfig,
+    make_optimizer,
+    make_scheduler,
+    name_parameters,
+)
 from vitlab.utils.checks import compile_mode
 from vitlab.utils.errors import UserError
 
@@ -102,6 +109,18 @@ class ViTModule(L.LightningModule):
         too, so both optimise the same objective)."""
         return self.objective.training_loss(self.model, x, y, self.current_epoch)
 
+    @property
+    def network_prefixes(self) -> tuple[str, ...]:
+        """The state-dict prefixes of the networks (strictly checked on load); the rest is metric bookkeeping."""
+        return ("model.", *(f"{name}." for name in self.objective.extra_modules()))
+
+    def configure_model(self) -> None:
+        """A sharded strategy (trainer=fsdp: training.sharding) shards the network the steps call, once. (Lightning
+        calls this without a Trainer too, loading a checkpoint for inference: nothing to shard then.)"""
+        shard = getattr(self._trainer.strategy, "shard", None) if self._trainer is not None else None
+        if shard is not None:
+            shard(self.objective.network(self.model))
+
     def setup(self, stage: str) -> None:
         if stage == "fit":
             self.objective.setup_fit(self.model.cfg.num_classes)
@@ -174,15 +193,17 @@ class ViTModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Metric states are bookkeeping, not weights: a checkpoint without them (older, or written elsewhere) starts
         # them fresh; the networks' own keys stay strictly checked.
-        state = checkpoint.get("state_dict", {})
-        networks = ("model.", *(f"{name}." for name in self.objective.extra_modules()))
+        if "state_dict" not in checkpoint:  # a sharded strategy has loaded it already (training.sharding)
+            return
+        state = checkpoint["state_dict"]
         for key, value in self.state_dict().items():
-            if not key.startswith(networks) and key not in state:
+            if not key.startswith(self.network_prefixes) and key not in state:
                 state[key] = value
 
     # ---- optimisation ----------------------------------------------------------------------------
     def configure_optimizers(self):
         optimizer = make_optimizer(self.objective.optimized(self.model), self.optim)
+        name_parameters(optimizer, {id(p): name for name, p in self.named_parameters()})  # its state, by name
         total = max(1, int(self.trainer.estimated_stepping_batches))
         epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
         scheduler = make_scheduler(optimizer, self.scheduler_cfg, total, epochs)

@@ -68,6 +68,10 @@ class Objective:
         """Forward + backward ~ 3x forward (callbacks.Throughput reports FLOP/s with it)."""
         return 3 * model.flops_per_image()
 
+    def network(self, model: ViT) -> nn.Module:
+        """The network whose forward the training and evaluation steps call (a sharded strategy shards it)."""
+        return model
+
     def optimized(self, model: ViT) -> nn.Module:
         """What the optimizer's parameter groups are built over."""
         return model

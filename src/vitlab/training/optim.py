@@ -224,6 +224,46 @@ def make_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
         raise UserError(f"optim.opt_args {o.opt_args} do not fit optimizer {o.name!r}: {e}") from e
 
 
+def name_parameters(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> None:
+    """Each group of `optimizer` gets its parameters' names (`param_names`, torch's own key: `names` maps id(p) to
+    the module's name of p), and loading a state matches parameters by those names: a checkpoint from another
+    strategy, or with its groups in another order, gives each parameter its own state, never its neighbour's. A
+    state written before names were kept loads by position, as it was saved."""
+    for group in optimizer.param_groups:
+        group["param_names"] = [names[id(p)] for p in group["params"]]
+    optimizer.register_load_state_dict_pre_hook(_match_by_name)
+
+
+def states_by_name(state: Mapping[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict's per-parameter states, keyed by the names its groups carry."""
+    return {
+        n: state["state"][i]
+        for g in state["param_groups"]
+        for i, n in zip(g["params"], g["param_names"], strict=True)
+        if i in state["state"]
+    }
+
+
+def _match_by_name(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any] | None:
+    saved = state["param_groups"]
+    if not all("param_names" in g for g in saved):
+        return None
+    number = {n: i for g in saved for n, i in zip(g["param_names"], g["params"], strict=True)}
+    group_of = {n: g for g in saved for n in g["param_names"]}
+    live = [n for g in optimizer.param_groups for n in g["param_names"]]
+    if set(live) != set(number):
+        missing, extra = sorted(set(live) - set(number)), sorted(set(number) - set(live))
+        raise UserError(
+            f"the checkpoint's optimizer state is for other parameters (not saved: {missing[:3]}, not trained here: "
+            f"{extra[:3]}): resume with the parameters it trained (model, objective, freeze_backbone)"
+        )
+    groups = [
+        {**group_of[names[0]], "params": [number[n] for n in names], "param_names": names}
+        for names in (g["param_names"] for g in optimizer.param_groups)
+    ]
+    return {**state, "param_groups": groups}
+
+
 def make_scheduler(optimizer: torch.optim.Optimizer, s: SchedulerConfig, total_steps: int, epochs: int):
     """The schedule of `s` over a run of `total_steps` steps in `epochs` epochs: vitlab's per-step warmup + cosine
     (a LambdaLR), or timm's scheduler `s.name` (stepped by ViTModule: step_update after every step, step at each

@@ -1,0 +1,283 @@
+"""Sharded training (`trainer=fsdp`, `trainer=fsdp_cpu`): PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`) under
+Lightning's ModelParallelStrategy. Each transformer block (the encoder's and, for MAE, the decoder's) is its own
+FSDP unit and the network the training step calls is the root: every parameter is a DTensor split on dim 0 across
+the data-parallel processes, gathered for a block's forward and backward and freed after, its gradient
+reduce-scattered; each process keeps 1/world of the parameters, gradients and optimizer state (ZeRO-3).
+
+Checkpoints are one file by default (gathered on rank 0 and written through the Trainer's CheckpointIO plugin, so
+atomically, and readable by every vitlab tool as a DDP checkpoint is), or with `save_distributed_checkpoint=true` a
+directory of shards (torch.distributed.checkpoint) written beside the target and renamed into place; vitlab.export
+format=ckpt consolidates one into a file. The optimizer state of every checkpoint names its parameters
+(`param_names` in each group, training.optim.key_by_name), and is loaded by those names here, whatever strategy and
+group order wrote it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+from vitlab.model.blocks import Block
+from vitlab.utils.errors import UserError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BF16_PRECISIONS = ("bf16-mixed", "bf16-true", "bf16")
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy with the mesh vitlab trains on (every process data-parallel:
+    data_parallel_size = nodes x devices, no tensor parallelism; Lightning's default would make it (dp=1, tp=all)
+    and feed every process the same batches) and FSDP2's options:
+
+    - reshard_after_forward: free a block's gathered parameters after its forward (gather again for backward),
+      ZeRO-3; false keeps them until backward (ZeRO-2 style: more memory, one gather less);
+    - param_dtype / reduce_dtype: FSDP2's MixedPrecisionPolicy; `auto` gathers and computes in bf16 where the
+      Trainer's precision is bf16 (bf16-mixed on a bf16 GPU), else fp32; gradients reduce in fp32;
+    - cpu_offload: parameters, gradients and optimizer state live in host memory between uses (GPU only);
+    - save_distributed_checkpoint: a directory of shards instead of one gathered file.
+    """
+
+    def __init__(
+        self,
+        data_parallel_size: int | str = "auto",
+        reshard_after_forward: bool = True,
+        param_dtype: str = "auto",
+        reduce_dtype: str = "float32",
+        cpu_offload: bool = False,
+        save_distributed_checkpoint: bool = False,
+        **kwargs: Any,
+    ):
+        for key, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            if value not in (*DTYPES, "auto"):
+                raise UserError(f"trainer.strategy.{key} {value!r} is not one of {['auto', *DTYPES]}")
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            **kwargs,
+        )
+        self.reshard_after_forward, self.cpu_offload = reshard_after_forward, cpu_offload
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    # ---- sharding ------------------------------------------------------------------------------------------
+    def policy(self) -> dict[str, Any]:
+        """fully_shard's keyword arguments for this run (mesh excepted)."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+        param = self.param_dtype
+        if param == "auto":
+            bf16 = str(self.precision_plugin.precision) in BF16_PRECISIONS and self.root_device.type == "cuda"
+            param = "bfloat16" if bf16 else "float32"
+        kwargs: dict[str, Any] = {"reshard_after_forward": self.reshard_after_forward}
+        if param != "float32" or self.reduce_dtype != "float32":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=DTYPES[param], reduce_dtype=DTYPES[self.reduce_dtype], output_dtype=torch.float32
+            )
+        if self.cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        return kwargs
+
+    def shard(self, root: nn.Module) -> None:
+        """Shard `root` (the network a training step calls) over the data-parallel processes: each Block inside it,
+        then the root itself (what is left: embeddings, tokens, norms, head). Once: Lightning calls configure_model
+        again on every fit and test."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(root, FSDPModule):
+            return
+        mesh, kwargs = self.device_mesh["data_parallel"], self.policy()
+        for module in root.modules():
+            if isinstance(module, Block):
+                fully_shard(module, mesh=mesh, **kwargs)
+        fully_shard(root, mesh=mesh, **kwargs)
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The full optimizer state (rank 0; empty elsewhere) in the form a one-process optimizer writes: states
+        numbered in group order, each group with its `param_names`; a directory checkpoint keeps torch's sharded
+        form."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+        full = not self._save_distributed_checkpoint
+        state = get_optimizer_state_dict(
+            self.model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=True)
+        )
+        if not full or self.global_rank != 0:
+            return state
+        return numbered_by_group(state, optimizer)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if path.is_dir():
+            return super().load_checkpoint(path, weights_only=weights_only)
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+        load_full_state(self.model, self.optimizers, checkpoint, strict=self.lightning_module.strict_loading)
+        return checkpoint
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        # A directory of shards: written beside the target, then renamed into place by rank 0, so a crash mid-save
+        # never leaves a half-written checkpoint where a good one was.
+        target = Path(self.broadcast(str(filepath)))
+        temporary = target.with_name(f".{target.name}.{self.broadcast(uuid.uuid4().hex[:8])}.tmp")
+        super().save_checkpoint(checkpoint, temporary, storage_options)
+        self.barrier("sharded_checkpoint_written")
+        if self.global_rank == 0:
+            replace_directory(temporary, target)
+        self.barrier("sharded_checkpoint_renamed")
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.global_rank == 0:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+
+def check_request(trainer: Mapping[str, Any], callbacks: Mapping[str, Any] | None) -> str | None:
+    """A sharded run's trainer and callbacks config, checked before any process starts: a one-line UserError for
+    what cannot shard; the line to log when it runs on one process (nothing to shard across; CPU offload is what
+    helps there)."""
+    strategy = trainer.get("strategy")
+    if not (isinstance(strategy, Mapping) and str(strategy.get("_target_", "")).endswith("FSDP2Strategy")):
+        return None
+    devices, nodes = trainer.get("devices", 1), int(trainer.get("num_nodes", 1) or 1)
+    processes = nodes * (devices if isinstance(devices, int) and devices > 0 else len(devices or []) or 1)
+    size = strategy.get("data_parallel_size", "auto")
+    if size not in ("auto", processes):
+        raise UserError(
+            f"trainer.strategy.data_parallel_size {size} must be auto or the number of processes, {processes} "
+            f"(trainer.devices x trainer.num_nodes): FSDP shards over every process"
+        )
+    if strategy.get("cpu_offload") and trainer.get("accelerator") == "cpu":
+        raise UserError("trainer.strategy.cpu_offload=true moves GPU memory to the host; a CPU run has none to move")
+    for name in callbacks or {}:
+        node = callbacks[name]
+        if isinstance(node, Mapping) and str(node.get("_target_", "")).endswith(UNSHARDABLE):
+            raise UserError(
+                f"callbacks.{name} reads the whole network on every process, which trainer=fsdp does not hold: "
+                "leave it out and evaluate the checkpoints with vitlab.eval (task=knn|linear|fewshot), or train "
+                "with trainer=ddp"
+            )
+    if processes == 1:
+        return (
+            "trainer=fsdp on one process: nothing is sharded across processes (trainer.devices=N shards over N); "
+            "with trainer.strategy.cpu_offload=true the weights, gradients and optimizer state wait in host memory"
+        )
+    return None
+
+
+# Callbacks that read the whole network in every process (feature extraction of the representation probes).
+UNSHARDABLE = ("RepresentationProbe",)
+
+
+def replace_directory(new: Path, target: Path) -> None:
+    """Put directory `new` where `target` is (a file, a directory or nothing), never leaving neither."""
+    old = target.with_name(f".{target.name}.old")
+    if target.exists() or target.is_symlink():
+        os.replace(target, old) if target.is_dir() and not target.is_symlink() else target.unlink()
+    os.replace(new, target)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def numbered_by_group(state: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """torch's full optimizer state keyed by parameter name -> the one-process form: states numbered in the
+    optimizer's group order, each group's `params` those numbers and `param_names` their names."""
+    names_of = [g.get("param_names") for g in optimizer.param_groups]
+    if any(n is None for n in names_of):
+        raise RuntimeError("the optimizer's groups carry no param_names (training.optim.make_optimizer adds them)")
+    by_name, groups, index = state["state"], [], 0
+    for saved, names in zip(state["param_groups"], names_of, strict=True):
+        ids = list(range(index, index + len(names)))
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids, "param_names": names})
+        index += len(names)
+    numbered = {
+        i: by_name[n] for g in groups for i, n in zip(g["params"], g["param_names"], strict=True) if n in by_name
+    }
+    return {"state": numbered, "param_groups": groups}
+
+
+def keyed_by_name(state: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The inverse: a one-process optimizer state (numbered; with `param_names`, or written before them, in the
+    optimizer's own group order) -> torch's form keyed by parameter name, for set_optimizer_state_dict."""
+    groups = []
+    for saved, live in zip(state["param_groups"], optimizer.param_groups, strict=True):
+        names = saved.get("param_names") or live["param_names"]
+        groups.append({**{k: v for k, v in saved.items() if k not in ("params", "param_names")}, "params": names})
+    ids = [i for g in state["param_groups"] for i in g["params"]]
+    names = [n for g in groups for n in g["params"]]
+    by_name = {n: state["state"][i] for i, n in zip(ids, names, strict=True) if i in state["state"]}
+    return {"state": by_name, "param_groups": groups}
+
+
+def load_full_state(
+    module: nn.Module, optimizers: list[torch.optim.Optimizer], checkpoint: dict[str, Any], strict: bool = True
+) -> None:
+    """A one-file checkpoint (any strategy's) into a sharded module and its optimizers, in place: every process
+    takes its shard of each tensor (each has the file mapped), the optimizer state by parameter name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    load_full_module_state(module, checkpoint["state_dict"], strict)
+    for optimizer, saved in zip(optimizers, checkpoint.get("optimizer_states", []), strict=False):
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        set_optimizer_state_dict(
+            module, optimizer, keyed_by_name(saved, optimizer), options=StateDictOptions(full_state_dict=True)
+        )
+
+
+def load_full_module_state(module: nn.Module, state: Mapping[str, Any], strict: bool = True) -> None:
+    """A whole state dict into a sharded module: each process keeps its shard of every tensor. Bookkeeping outside
+    the networks (metric states) that an older file lacks starts fresh, as ViTModule.on_load_checkpoint does."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    here = module.state_dict()
+    state = dict(state) | {k: v for k, v in here.items() if k not in state and not is_network_key(module, k)}
+    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def is_network_key(module: nn.Module, key: str) -> bool:
+    """Whether `key` of the module's state dict is a network's (weights strictly checked) or bookkeeping."""
+    networks = getattr(module, "network_prefixes", ("model.",))
+    return key.startswith(tuple(networks))
+
+
+@contextmanager
+def gathered(root: nn.Module) -> Iterator[None]:
+    """The root's own parameters (embeddings, norms, head) gathered for a call that is not its forward, under
+    no_grad (feature extraction); the blocks gather themselves in their forward. A no-op when nothing is sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(root, FSDPModule):
+        yield
+        return
+    root.unshard()
+    try:
+        yield
+    finally:
+        root.reshard()
+
+
+def is_sharded(trainer: L.Trainer | None) -> bool:
+    return trainer is not None and isinstance(trainer.strategy, FSDP2Strategy)

@@ -1,0 +1,89 @@
+"""vitlab.training.sharding without processes: the request checks made before any process starts, the optimizer
+state's two forms (one process's, numbered in group order with names; torch's, keyed by name), and the directory
+swap that puts a sharded checkpoint in place."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.helpers import tiny
+from vitlab.model import ViT
+from vitlab.training.optim import name_parameters, param_groups, states_by_name
+from vitlab.training.sharding import check_request, keyed_by_name, numbered_by_group, replace_directory
+from vitlab.utils.errors import UserError
+
+
+def _trainer(compose_cfg, *overrides):
+    cfg = compose_cfg("train", ["trainer=fsdp_cpu", *overrides])
+    return cfg.trainer, cfg.get("callbacks")
+
+
+def test_two_processes_shard_without_a_word(compose_cfg):
+    assert check_request(*_trainer(compose_cfg)) is None
+    assert check_request(*_trainer(compose_cfg, "trainer=ddp_cpu")) is None  # not sharded: nothing to check
+
+
+def test_one_process_runs_and_says_nothing_is_sharded(compose_cfg):
+    said = check_request(*_trainer(compose_cfg, "trainer.devices=1"))
+    assert said.startswith("trainer=fsdp on one process: nothing is sharded across processes")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.strategy.data_parallel_size=3"], "data_parallel_size 3 must be auto or the number of processes, 2"),
+        (["trainer.strategy.cpu_offload=true"], "cpu_offload=true moves GPU memory to the host; a CPU run has none"),
+        (["callbacks=representation"], "callbacks.representation reads the whole network on every process"),
+    ],
+)
+def test_what_cannot_shard_is_one_line(compose_cfg, overrides, message):
+    with pytest.raises(UserError, match=message):
+        check_request(*_trainer(compose_cfg, *overrides))
+
+
+def _optimizer(order):
+    model = ViT(tiny(depth=2))
+    groups = param_groups(model, 1e-3, 0.05, layer_decay=0.75)
+    optimizer = torch.optim.AdamW([{k: v for k, v in groups[i].items() if k != "names"} for i in order])
+    name_parameters(optimizer, {id(p): f"model.{n}" for n, p in model.named_parameters()})
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    optimizer.step()
+    return optimizer
+
+
+def test_the_two_forms_of_an_optimizer_state_name_the_same_moments():
+    optimizer = _optimizer(range(6))
+    numbered = optimizer.state_dict()
+    by_name = keyed_by_name(numbered, optimizer)  # what set_optimizer_state_dict takes under FSDP
+    assert set(by_name["state"]) == set(states_by_name(numbered))
+    assert [g["params"] for g in by_name["param_groups"]] == [g["param_names"] for g in numbered["param_groups"]]
+    back = numbered_by_group(by_name, optimizer)  # what an FSDP checkpoint holds: the one-process form
+    assert [g["params"] for g in back["param_groups"]] == [g["params"] for g in numbered["param_groups"]]
+    for name, state in states_by_name(back).items():
+        assert torch.equal(state["exp_avg"], states_by_name(numbered)[name]["exp_avg"])
+    # written before groups carried names: numbered in this optimizer's own group order
+    unnamed = {
+        **numbered,
+        "param_groups": [{k: v for k, v in g.items() if k != "param_names"} for g in numbered["param_groups"]],
+    }
+    assert keyed_by_name(unnamed, optimizer)["state"].keys() == by_name["state"].keys()
+
+
+def test_a_sharded_checkpoint_replaces_the_old_one_whole(tmp_path):
+    target, new = tmp_path / "last.ckpt", tmp_path / ".last.ckpt.1.tmp"
+    target.write_bytes(b"a one-file checkpoint")
+    new.mkdir()
+    (new / ".metadata").write_text("shards")
+    replace_directory(new, target)
+    assert (target / ".metadata").read_text() == "shards" and not new.exists()
+    newer = tmp_path / ".last.ckpt.2.tmp"
+    newer.mkdir()
+    (newer / ".metadata").write_text("newer")
+    replace_directory(newer, target)
+    assert (target / ".metadata").read_text() == "newer" and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_every_preset_composes(compose_cfg):
+    for preset in ("fsdp", "fsdp_cpu"):
+        strategy = OmegaConf.to_container(compose_cfg("train", [f"trainer={preset}"]).trainer.strategy)
+        assert strategy["_target_"] == "vitlab.training.sharding.FSDP2Strategy"
