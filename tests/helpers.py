@@ -16,6 +16,7 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 
+from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
 from vitlab.model import ViTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,7 +126,7 @@ def assert_same_run(a: Path, b: Path) -> None:
     keys = [k for k in ma if k.startswith(("train/", "val/", "test/", "lr-")) and "per_sec" not in k]
     differ = {k: (ma[k], mb.get(k)) for k in keys if ma[k] != mb.get(k)}
     assert not differ, f"metrics of {a} and {b} differ: {differ}"
-    ca, cb = (torch.load(d / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu") for d in (a, b))
+    ca, cb = (read_checkpoint(d / "checkpoints" / "last.ckpt") for d in (a, b))  # a file, or a directory of shards
     assert ca["global_step"] == cb["global_step"]
     # the checkpoint's weights, and with callbacks=ema the other set: raw (EMA kept) or average (raw kept)
     for key in ("state_dict", "current_model_state", "average_model_state"):
@@ -160,8 +161,8 @@ def interrupt(args, tmp_path, signum, step, group=True, rank=0) -> str:
         rf"interrupted by {signum} at step (\d+) \(epoch (\d+)\): saved (\S+); resume with: (.*)", last
     )
     assert found, last
-    assert found[3] == str(saved) and saved.is_file()
-    assert int(found[1]) > step and torch.load(saved, weights_only=True)["global_step"] == int(found[1])
+    assert found[3] == str(saved) and (saved.is_file() or is_sharded_checkpoint(saved))  # a file, or shards
+    assert int(found[1]) > step and read_checkpoint(saved, weights=False)["global_step"] == int(found[1])
     assert shlex.split(found[4]) == ["python", "-m", "vitlab.train", *args, *killer, f"ckpt_path={saved}"]
     assert exited - float(stamp.read_text()) < 30  # every process gone within seconds
     return found[4]

@@ -1,6 +1,7 @@
-"""python -m vitlab.export ckpt_path=<file.ckpt> [format=onnx|pt2] [output=<file>]: a checkpoint's model as
+"""python -m vitlab.export ckpt_path=<file.ckpt> [format=onnx|pt2|ckpt] [output=<file>]: a checkpoint's model as
 an ONNX file (for onnxruntime, TensorRT, ...) or a torch.export program (.pt2), with a dynamic batch, and a
-dynamic height and width when the model was built with dynamic_img_size.
+dynamic height and width when the model was built with dynamic_img_size. format=ckpt makes one checkpoint file of
+a directory of shards (trainer=fsdp's save_distributed_checkpoint=true), which every strategy and tool reads.
 
 The file is checked before it is put in place: run by onnxruntime (or reloaded) and compared with the
 PyTorch model on several input shapes; over `atol` it is refused and nothing is written. What the model
@@ -23,14 +24,16 @@ def export(cfg: DictConfig) -> dict:
     from vitlab.convert.programs import FORMATS, export
     from vitlab.training import build
 
-    if f".{cfg.format}" not in FORMATS:
-        raise UserError(f"format {cfg.format!r} is not one of {sorted(FORMATS.values())}")
+    if f".{cfg.format}" not in FORMATS and cfg.format != "ckpt":
+        raise UserError(f"format {cfg.format!r} is not one of {sorted(FORMATS.values()) + ['ckpt']}")
     out = Path(cfg.output) if cfg.output else Path(cfg.paths.output_dir) / f"model.{cfg.format}"
     if out.suffix != f".{cfg.format}":
         raise UserError(f"output {str(out)!r} must end in .{cfg.format} for format={cfg.format}")
     if out.exists() and not cfg.overwrite:
         raise UserError(f"output {str(out)!r} exists; choose another output or set overwrite=true")
     check_writable(out.parent, "output", out)  # before the minutes of exporting and checking
+    if cfg.format == "ckpt":
+        return consolidate(cfg.ckpt_path, out)
     module = build.load_for_inference(cfg.ckpt_path)
     model, data = module.model, build.inference_datamodule(module, cfg.ckpt_path)
     preprocessing = {
@@ -47,6 +50,22 @@ def export(cfg: DictConfig) -> dict:
     shapes = ", ".join("x".join(map(str, c["input_shape"])) for c in report["checks"])
     print(f"wrote {out} ({cfg.format}); checked on inputs {shapes}: max |diff| {report['max_abs_diff']:.2g}")
     return report
+
+
+def consolidate(ckpt_path: str, out: Path) -> dict:
+    """One checkpoint file of a directory of shards (every tensor gathered in this host's memory), written
+    atomically; its optimizer state keyed by parameter name as any vitlab checkpoint's."""
+    import torch
+
+    from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
+    from vitlab.utils.atomic import atomic_write
+
+    if not is_sharded_checkpoint(ckpt_path):
+        raise UserError(f"format=ckpt consolidates a directory of shards; ckpt_path {ckpt_path!r} is not one")
+    checkpoint = read_checkpoint(ckpt_path)
+    atomic_write(out, lambda f: torch.save(checkpoint, f), what="checkpoint")
+    print(f"wrote {out} (one file of {ckpt_path}'s shards)")
+    return {"ckpt_path": str(ckpt_path), "output": str(out)}
 
 
 @entry_point("export")

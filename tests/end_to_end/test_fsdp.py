@@ -164,3 +164,46 @@ def test_what_cannot_shard_is_one_line_before_any_process_starts(tmp_path):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
     assert r.stderr.startswith("error: callbacks.representation reads the whole network on every process")
     assert not (tmp_path / "outputs").exists()  # no run directory left behind
+
+
+SHARDED = [*FSDP, "trainer.strategy.save_distributed_checkpoint=true"]
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    return _run(tmp_path_factory, "sharded", [*SHARDED, *EQUAL])
+
+
+def test_a_directory_of_shards_trains_the_same_resumes_and_becomes_one_file(fsdp, sharded, tmp_path):
+    """save_distributed_checkpoint=true: each checkpoint a directory (every process writes its shards); the run is
+    the one-file run; vitlab.export format=ckpt makes the one-file checkpoint of it, tensor for tensor; the tools
+    read the directory itself; a strategy that cannot load shards is told how to get one file."""
+    last = sharded / "checkpoints" / "last.ckpt"
+    assert last.is_dir() and (last / ".metadata").is_file()
+    assert_same_run_metrics(fsdp, sharded)
+    one = tmp_path / "one.ckpt"
+    r = run_cli("export", f"ckpt_path={last}", "format=ckpt", f"output={one}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    a, b = (torch.load(p, weights_only=True) for p in (one, fsdp / "checkpoints" / "last.ckpt"))
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
+    sa, sb = (states_by_name(c["optimizer_states"][0]) for c in (a, b))
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[n]["exp_avg"], sb[n]["exp_avg"]) for n in sa)
+    r = run_cli("eval", f"ckpt_path={last}", f"hydra.run.dir={tmp_path / 'eval'}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_cli("train", f"ckpt_path={last}", "trainer.max_epochs=3", cwd=tmp_path)
+    assert r.returncode == 2 and "is a directory of shards: go on from it with trainer=fsdp" in r.stderr
+
+
+def test_a_run_saving_shards_resumes_from_its_directory_bit_for_bit(tmp_path_factory, tmp_path):
+    args = [*RESUMABLE, *SHARDED]
+    args = [a for a in args if not a.startswith("callbacks")]  # EMA's second set needs one file (refused with shards)
+    full = _run(tmp_path_factory, "sharded_full", args)
+    command = interrupt(args, tmp_path, "SIGTERM", 13)
+    assert_same_run(full, resume(command, tmp_path))
+
+
+def assert_same_run_metrics(a, b):
+    ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (a, b))
+    keys = [k for k in ma if k.startswith(("train/", "val/", "test/")) and "per_sec" not in k]
+    assert {k: ma[k] for k in keys} == {k: mb.get(k) for k in keys}

@@ -7,9 +7,10 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.helpers import tiny
+from vitlab.convert.weights import numbered_optimizer_state
 from vitlab.model import ViT
 from vitlab.training.optim import name_parameters, param_groups, states_by_name
-from vitlab.training.sharding import check_request, keyed_by_name, numbered_by_group, replace_directory
+from vitlab.training.sharding import check_request, keyed_by_name, replace_directory
 from vitlab.utils.errors import UserError
 
 
@@ -57,7 +58,7 @@ def test_the_two_forms_of_an_optimizer_state_name_the_same_moments():
     by_name = keyed_by_name(numbered, optimizer)  # what set_optimizer_state_dict takes under FSDP
     assert set(by_name["state"]) == set(states_by_name(numbered))
     assert [g["params"] for g in by_name["param_groups"]] == [g["param_names"] for g in numbered["param_groups"]]
-    back = numbered_by_group(by_name, optimizer)  # what an FSDP checkpoint holds: the one-process form
+    back = numbered_optimizer_state(by_name)  # what an FSDP checkpoint holds: the one-process form
     assert [g["params"] for g in back["param_groups"]] == [g["params"] for g in numbered["param_groups"]]
     for name, state in states_by_name(back).items():
         assert torch.equal(state["exp_avg"], states_by_name(numbered)[name]["exp_avg"])

@@ -125,6 +125,8 @@ def read_file(path: str | os.PathLike, label: str) -> Any:
     corrupt; one that is neither torch's zip nor a pickle is another kind of file. `label` names the path in
     errors (a key of FILE_KINDS)."""
     path, (noun, should_be, instead) = Path(path), FILE_KINDS[label]
+    if is_sharded_checkpoint(path):
+        return read_sharded_checkpoint(path)
     if path.is_dir():
         raise MissingFileError(f"{label} {str(path)!r} is a directory; give {instead} in it")
     if not path.is_file():
@@ -152,6 +154,50 @@ def read_file(path: str | os.PathLike, label: str) -> Any:
             f"{label} {str(path)!r} is corrupt or incomplete (cut short while copying or saving?): "
             f"{str(e).splitlines()[0].split('. ')[0]}"
         ) from e
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    """A checkpoint directory of shards (trainer=fsdp with save_distributed_checkpoint=true): torch.distributed.
+    checkpoint's `.metadata` and shard files, and Lightning's meta.pt with everything else."""
+    path = Path(path)
+    return path.is_dir() and (path / ".metadata").is_file() and (path / SHARDED_META).is_file()
+
+
+SHARDED_META = "meta.pt"
+
+
+def read_sharded_checkpoint(path: str | os.PathLike, weights: bool = True) -> dict[str, Any]:
+    """A directory of shards as the one-file checkpoint it stands for: meta.pt (loops, callbacks, hyper-parameters)
+    and, with `weights`, the weights and optimizer states gathered whole in memory (torch's no-process-group load;
+    the whole model must fit in this host's memory) with the optimizer states in the one-file form."""
+    # What torch's format_utils.dcp_to_torch_save does, into memory instead of a file.
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    path = Path(path)
+    ckpt = read_file(path / SHARDED_META, "ckpt_path")
+    if weights:
+        state: dict[str, Any] = {}
+        _load_state_dict(state, FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        ckpt["state_dict"] = state.pop("state_dict")
+        count = sum(1 for k in state if k.startswith("optimizer_"))
+        ckpt["optimizer_states"] = [numbered_optimizer_state(state[f"optimizer_{i}"]) for i in range(count)]
+    return ckpt
+
+
+def numbered_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
+    """torch's optimizer state keyed by parameter name (torch.distributed.checkpoint.state_dict's form: each group's
+    `params` their names) -> the form one process writes: states numbered in group order, each group's
+    `param_names` beside the numbers. vitlab's optimizers load either by those names (training.optim)."""
+    groups, index, numbered = [], 0, {}
+    for group in state["param_groups"]:
+        names = list(group["params"])
+        ids = list(range(index, index + len(names)))
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids, "param_names": names})
+        numbered |= {i: state["state"][n] for i, n in zip(ids, names, strict=True) if n in state["state"]}
+        index += len(names)
+    return {"state": numbered, "param_groups": groups}
 
 
 def _load_weights_only(path: Path) -> Any:
@@ -184,12 +230,14 @@ def read_state_dict(path: str | os.PathLike) -> StateDict:
     return obj
 
 
-def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """A vitlab training checkpoint (what vitlab.train writes in <run>/checkpoints/) as plain data."""
-    ckpt = read_file(path, "ckpt_path")
+def read_checkpoint(path: str | os.PathLike, weights: bool = True) -> dict[str, Any]:
+    """A vitlab training checkpoint (what vitlab.train writes in <run>/checkpoints/: a file, or a directory of
+    shards) as plain data; without `weights`, a directory's metadata only (its hyper-parameters, loops)."""
+    sharded = not weights and is_sharded_checkpoint(path)
+    ckpt = read_sharded_checkpoint(path, weights=False) if sharded else read_file(path, "ckpt_path")
     if (
         not isinstance(ckpt, dict)
-        or "state_dict" not in ckpt
+        or ("state_dict" not in ckpt and not sharded)
         or not isinstance((ckpt.get("hyper_parameters") or {}).get("model"), dict)
     ):
         raise UserError(f"ckpt_path {str(path)!r} is not a vitlab training checkpoint (it holds no model config)")

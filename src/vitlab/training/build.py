@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from vitlab.convert.weights import read_checkpoint
+from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
 from vitlab.model.config import vit_config
 from vitlab.training.callbacks import NonFiniteLoss
 from vitlab.training.checkpoint_io import upgrade_hparams
@@ -355,7 +355,14 @@ def load_for_inference(ckpt_path: str, map_location: str = "cpu") -> ViTModule:
     eval, predict and visualize."""
     ckpt = read_checkpoint(ckpt_path)  # names a missing, corrupt or unsafe file in one line
     upgraded = upgrade_hparams(ckpt["hyper_parameters"])  # written before objectives were objects: the same module
-    return ViTModule.load_from_checkpoint(ckpt_path, map_location=map_location, weights_only=True, **upgraded)
+    if not is_sharded_checkpoint(ckpt_path):
+        return ViTModule.load_from_checkpoint(ckpt_path, map_location=map_location, weights_only=True, **upgraded)
+    # A directory of shards, gathered in memory: the module built from it as load_from_checkpoint builds one.
+    takes = inspect.signature(ViTModule.__init__).parameters
+    module = ViTModule(**{k: v for k, v in ckpt["hyper_parameters"].items() if k in takes} | upgraded)
+    module.on_load_checkpoint(ckpt)
+    module.load_state_dict(ckpt["state_dict"])
+    return module.to(map_location)
 
 
 def inference_datamodule(module: ViTModule, ckpt_path: str) -> L.LightningDataModule:

@@ -175,9 +175,9 @@ def load_teacher(cfg: DistillConfig, num_classes: int) -> Teacher:
 def _from_checkpoint(path: str) -> Teacher:
     """A vitlab training checkpoint: its model (the weights the checkpoint holds: the best's, EMA's where chosen)
     and its data's normalisation (the data module's own when the config left it null)."""
-    from vitlab.convert.weights import read_checkpoint
+    from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
 
-    if not Path(path).is_file():  # (read_checkpoint's own message would name ckpt_path)
+    if not Path(path).is_file() and not is_sharded_checkpoint(path):  # (read_checkpoint's message names ckpt_path)
         raise MissingFileError(f"objective.teacher {path!r} does not exist: a vitlab checkpoint (.ckpt) or a timm name")
     ckpt = read_checkpoint(path)
     hp = ckpt["hyper_parameters"]

@@ -17,10 +17,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from vitlab.convert.weights import load_timm_weights, read_checkpoint
+from vitlab.convert.weights import is_sharded_checkpoint, load_timm_weights, read_checkpoint
 from vitlab.model.config import DROPOUTS
 from vitlab.training.callbacks import SaveOnInterrupt
 from vitlab.training.module import ViTModule
+from vitlab.training.sharding import requests_fsdp
 from vitlab.utils.atomic import remove_stale_temporaries
 from vitlab.utils.errors import MissingFileError, UserError
 from vitlab.utils.signals import pass_on
@@ -35,6 +36,11 @@ def starting_point(cfg: DictConfig, module: ViTModule) -> str | None:
     """The checkpoint `vitlab.train` goes on from (the user's `ckpt_path`, refused if its run had finished; a restarted
     job's own), or None after loading `model.pretrained`'s weights, if any, into the new module."""
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
+    if ckpt_path and is_sharded_checkpoint(ckpt_path) and not requests_fsdp(cfg.trainer):
+        raise UserError(
+            f"ckpt_path {ckpt_path!r} is a directory of shards: go on from it with trainer=fsdp, or make one file of "
+            f"it first (python -m vitlab.export ckpt_path={ckpt_path} format=ckpt), which any strategy reads"
+        )
     if ckpt_path:  # a job that restarts, below, goes on to test even when it had finished
         check_resumable(ckpt_path, module, cfg.trainer if cfg.train else None)
     elif ckpt_path := earlier_start(Path(cfg.paths.output_dir)):
@@ -54,7 +60,7 @@ def resolve_ckpt_path(ckpt_path: str | None, runs_dir: Path) -> str | None:
         ckpt_path = _newest(runs_dir.glob("*/checkpoints"))
         if ckpt_path is None:
             raise MissingFileError(f"ckpt_path=last: no last.ckpt or interrupted.ckpt under {runs_dir}/*/checkpoints")
-    if Path(ckpt_path).is_file():  # a missing or wrong path is named by read_checkpoint (check_resumable)
+    if Path(ckpt_path).is_file() or is_sharded_checkpoint(ckpt_path):  # others: read_checkpoint names them
         remove_stale_temporaries(Path(ckpt_path).parent)
     return ckpt_path
 
@@ -79,7 +85,12 @@ def earlier_start(run_dir: Path) -> str | None:
 
 def _newest(folders) -> str | None:
     """The newest last.ckpt or interrupted.ckpt in `folders`."""
-    found = [p for folder in folders for p in (folder / "last.ckpt", folder / "interrupted.ckpt") if p.is_file()]
+    found = [
+        p
+        for folder in folders
+        for p in (folder / "last.ckpt", folder / "interrupted.ckpt")
+        if p.is_file() or is_sharded_checkpoint(p)
+    ]
     return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
 
 
@@ -88,7 +99,7 @@ def check_resumable(ckpt_path: str, module: ViTModule, trainer_cfg: DictConfig |
     Lightning fails deep inside load_state_dict), another batch size (its saved position in the epoch and its
     learning-rate schedule count steps of the batch it had) or, given the run's trainer settings, a run that
     had already finished (it would train nothing)."""
-    ckpt = read_checkpoint(ckpt_path)
+    ckpt = read_checkpoint(ckpt_path, weights=False)  # a directory of shards: its metadata only
     theirs = ckpt["hyper_parameters"]["model"]
     ours = module.hparams["model"]
     diff = {k: (theirs.get(k), ours[k]) for k in ours if theirs.get(k) != ours[k] and k not in RESUME_MAY_DIFFER}

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from vitlab.convert.weights import numbered_optimizer_state
 from vitlab.model.blocks import Block
 from vitlab.utils.errors import UserError
 
@@ -112,8 +112,8 @@ class FSDP2Strategy(ModelParallelStrategy):
     # ---- checkpoints ---------------------------------------------------------------------------------------
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The full optimizer state (rank 0; empty elsewhere) in the form a one-process optimizer writes: states
-        numbered in group order, each group with its `param_names`; a directory checkpoint keeps torch's sharded
-        form."""
+        numbered in group order, each group with its `param_names` (Lightning would renumber them in the module's
+        parameter order); a directory checkpoint keeps torch's sharded form, keyed by name."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
@@ -123,7 +123,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         )
         if not full or self.global_rank != 0:
             return state
-        return numbered_by_group(state, optimizer)
+        return numbered_optimizer_state(state)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
@@ -139,7 +139,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         # A directory of shards: written beside the target, then renamed into place by rank 0, so a crash mid-save
         # never leaves a half-written checkpoint where a good one was.
         target = Path(self.broadcast(str(filepath)))
-        temporary = target.with_name(f".{target.name}.{self.broadcast(uuid.uuid4().hex[:8])}.tmp")
+        # named as every atomic write's temporary (utils.atomic): a killed save's is removed on the next start
+        temporary = target.with_name(f".{target.name}.tmp-{self.broadcast(os.getpid())}")
         super().save_checkpoint(checkpoint, temporary, storage_options)
         self.barrier("sharded_checkpoint_written")
         if self.global_rank == 0:
@@ -155,13 +156,19 @@ class FSDP2Strategy(ModelParallelStrategy):
                 path.unlink()
 
 
+def requests_fsdp(trainer: Mapping[str, Any]) -> bool:
+    """Whether the trainer config asks for this strategy (trainer=fsdp, fsdp_cpu)."""
+    strategy = trainer.get("strategy")
+    return isinstance(strategy, Mapping) and str(strategy.get("_target_", "")).endswith("FSDP2Strategy")
+
+
 def check_request(trainer: Mapping[str, Any], callbacks: Mapping[str, Any] | None) -> str | None:
     """A sharded run's trainer and callbacks config, checked before any process starts: a one-line UserError for
     what cannot shard; the line to log when it runs on one process (nothing to shard across; CPU offload is what
     helps there)."""
-    strategy = trainer.get("strategy")
-    if not (isinstance(strategy, Mapping) and str(strategy.get("_target_", "")).endswith("FSDP2Strategy")):
+    if not requests_fsdp(trainer):
         return None
+    strategy = trainer["strategy"]
     devices, nodes = trainer.get("devices", 1), int(trainer.get("num_nodes", 1) or 1)
     processes = nodes * (devices if isinstance(devices, int) and devices > 0 else len(devices or []) or 1)
     size = strategy.get("data_parallel_size", "auto")
@@ -172,13 +179,18 @@ def check_request(trainer: Mapping[str, Any], callbacks: Mapping[str, Any] | Non
         )
     if strategy.get("cpu_offload") and trainer.get("accelerator") == "cpu":
         raise UserError("trainer.strategy.cpu_offload=true moves GPU memory to the host; a CPU run has none to move")
-    for name in callbacks or {}:
-        node = callbacks[name]
-        if isinstance(node, Mapping) and str(node.get("_target_", "")).endswith(UNSHARDABLE):
+    for name, node in (callbacks or {}).items():
+        target = str(node.get("_target_", "")) if isinstance(node, Mapping) else ""
+        if target.endswith(UNSHARDABLE):
             raise UserError(
                 f"callbacks.{name} reads the whole network on every process, which trainer=fsdp does not hold: "
                 "leave it out and evaluate the checkpoints with vitlab.eval (task=knn|linear|fewshot), or train "
                 "with trainer=ddp"
+            )
+        if target.endswith(".EMA") and strategy.get("save_distributed_checkpoint"):
+            raise UserError(
+                f"callbacks.{name} keeps a second set of weights that a directory of shards does not hold yet: "
+                "with it, leave trainer.strategy.save_distributed_checkpoint=false (one file)"
             )
     if processes == 1:
         return (
@@ -200,23 +212,6 @@ def replace_directory(new: Path, target: Path) -> None:
     os.replace(new, target)
     if old.exists():
         shutil.rmtree(old)
-
-
-def numbered_by_group(state: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """torch's full optimizer state keyed by parameter name -> the one-process form: states numbered in the
-    optimizer's group order, each group's `params` those numbers and `param_names` their names."""
-    names_of = [g.get("param_names") for g in optimizer.param_groups]
-    if any(n is None for n in names_of):
-        raise RuntimeError("the optimizer's groups carry no param_names (training.optim.make_optimizer adds them)")
-    by_name, groups, index = state["state"], [], 0
-    for saved, names in zip(state["param_groups"], names_of, strict=True):
-        ids = list(range(index, index + len(names)))
-        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids, "param_names": names})
-        index += len(names)
-    numbered = {
-        i: by_name[n] for g in groups for i, n in zip(g["params"], g["param_names"], strict=True) if n in by_name
-    }
-    return {"state": numbered, "param_groups": groups}
 
 
 def keyed_by_name(state: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
