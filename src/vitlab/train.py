@@ -30,7 +30,7 @@ def train(cfg: DictConfig) -> float | None:
     import lightning as L
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from vitlab.training import build, pretrained, resume
+    from vitlab.training import build, memory, pretrained, resume
 
     started, out = time.time(), Path(cfg.paths.output_dir)
     build.check_settings(cfg)
@@ -50,6 +50,7 @@ def train(cfg: DictConfig) -> float | None:
     if trainer.is_global_zero:
         save_config(cfg, out / "config.yaml", show=cfg.print_config)
         log.info("%s; run directory %s (config in config.yaml)", describe_run(cfg, module), out)
+        log.info(memory.for_run(module, trainer, cfg.optim.name, cfg.data.batch_size).line())
     for logger in loggers:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 

@@ -1,21 +1,51 @@
 import re
 
 import pytest
+import torch
 
 from vitlab.model import VARIANTS, ViTConfig, as_hw, parse_variant
 from vitlab.utils.errors import UserError
 
 
 def test_variant_table_is_the_papers():
-    # ViT paper Table 1 (Ti from DeiT): width, depth, heads
-    assert {k: (v["embed_dim"], v["depth"], v["num_heads"]) for k, v in VARIANTS.items()} == {
-        "Ti": (192, 12, 3),
-        "S": (384, 12, 6),
-        "B": (768, 12, 12),
-        "L": (1024, 24, 16),
-        "H": (1280, 32, 16),
+    # ViT paper Table 1 (Ti from DeiT); g and G from "Scaling Vision Transformers" Table 2: width, depth, heads, MLP
+    widths = {
+        k: (v["embed_dim"], v["depth"], v["num_heads"], round(v["embed_dim"] * v.get("mlp_ratio", 4)))
+        for k, v in VARIANTS.items()
+    }
+    assert widths == {
+        "Ti": (192, 12, 3, 768),
+        "S": (384, 12, 6, 1536),
+        "B": (768, 12, 12, 3072),
+        "L": (1024, 24, 16, 4096),
+        "H": (1280, 32, 16, 5120),
+        "g": (1408, 40, 16, 6144),
+        "G": (1664, 48, 16, 8192),
     }
     assert parse_variant("L/14") == dict(embed_dim=1024, depth=24, num_heads=16, patch_size=14)
+
+
+@pytest.mark.parametrize(
+    "model, timm_name, params",
+    [
+        ("vit_g14", "vit_giant_patch14_224", 1_012_611_432),
+        ("vit_gigantic14", "vit_gigantic_patch14_224", 1_844_440_680),
+    ],
+)
+def test_the_giant_models_are_timms_parameter_for_parameter(compose_cfg, model, timm_name, params):
+    """Built on the meta device (no memory): the same state-dict keys and shapes as timm's, and its parameter count."""
+    import timm
+
+    from vitlab.model import ViT
+    from vitlab.model.config import vit_config
+
+    cfg = compose_cfg("train", [f"model={model}", "trainer=fsdp", "model.num_classes=1000", "model.in_chans=3"])
+    with torch.device("meta"):
+        ours, theirs = ViT(vit_config(cfg.model)), timm.create_model(timm_name, pretrained=False)
+    assert cfg.model.timm_name == timm_name
+    shapes = {k: v.shape for k, v in ours.state_dict().items()}
+    assert shapes == {k: v.shape for k, v in theirs.state_dict().items()}
+    assert sum(p.numel() for p in ours.parameters()) == params
 
 
 def test_from_variant_explicit_overrides_win_and_none_defers():

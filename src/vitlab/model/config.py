@@ -14,13 +14,17 @@ from typing import Any
 
 from vitlab.utils.errors import UserError
 
-# width, depth, heads; MLP ratio 4 throughout (ViT paper Table 1; Ti from DeiT Table 1).
-VARIANTS: dict[str, dict[str, int]] = {
+# width, depth, heads; MLP ratio 4 (ViT paper Table 1; Ti from DeiT Table 1), except giant and gigantic: their MLP
+# widths 6144 and 8192 (Zhai et al. 2022, "Scaling Vision Transformers", Table 2; timm's vit_giant_patch14_224 and
+# vit_gigantic_patch14_224).
+VARIANTS: dict[str, dict[str, float]] = {
     "Ti": dict(embed_dim=192, depth=12, num_heads=3),
     "S": dict(embed_dim=384, depth=12, num_heads=6),
     "B": dict(embed_dim=768, depth=12, num_heads=12),
     "L": dict(embed_dim=1024, depth=24, num_heads=16),
     "H": dict(embed_dim=1280, depth=32, num_heads=16),
+    "g": dict(embed_dim=1408, depth=40, num_heads=16, mlp_ratio=48 / 11),
+    "G": dict(embed_dim=1664, depth=48, num_heads=16, mlp_ratio=64 / 13),
 }
 
 GLOBAL_POOLS = ("token", "avg", "max", "avgmax", "map", "")
@@ -53,7 +57,7 @@ def _is_int(n: Any) -> bool:
     return isinstance(n, int) and not isinstance(n, bool)
 
 
-def parse_variant(variant: str) -> dict[str, int]:
+def parse_variant(variant: str) -> dict[str, float]:
     """'B/16' -> dict(embed_dim=768, depth=12, num_heads=12, patch_size=16)."""
     name, _, patch = variant.partition("/")
     if name not in VARIANTS or not patch.isdigit():
@@ -272,11 +276,13 @@ class ViTConfig:
     @classmethod
     def from_variant(cls, variant: str | None = None, **overrides: Any) -> ViTConfig:
         """Sizes from `VARIANTS` (e.g. 'S/16'), then explicit overrides; None overrides are ignored
-        for the fields the variant sets, so a config file can leave them open."""
+        for the fields the variant sets, so a config file can leave them open (mlp_ratio None: 4 without one)."""
         kwargs: dict[str, Any] = {}
         if variant:
             kwargs.update(parse_variant(variant))
             overrides = {k: v for k, v in overrides.items() if not (k in kwargs and v is None)}
+        if overrides.get("mlp_ratio", 0) is None:
+            overrides = {k: v for k, v in overrides.items() if k != "mlp_ratio"}
         kwargs.update(overrides)
         return cls.from_dict(kwargs)
 

@@ -47,6 +47,16 @@ class MAE(Objective):
     def extra_modules(self) -> dict[str, nn.Module]:
         return {"decoder": self.decoder}
 
+    def activation_shapes(self, model: ViTConfig) -> list[tuple[int, int, int, float]]:
+        """The encoder on the prefix tokens and the kept patches, the decoder on every patch; and around them, every
+        patch embedded before masking, and the decoder's input and prediction."""
+        tokens, c, full = model.num_prefix_tokens + model.num_patches, self.cfg, 8 + 2 * model.mlp_ratio
+        encoder = (model.num_prefix_tokens + c.kept(model.num_patches), model.embed_dim, model.depth, full)
+        pixels = model.in_chans * model.patch_hw[0] * model.patch_hw[1]
+        around = [(tokens, model.embed_dim, 1, 2), (tokens, c.decoder_embed_dim, 1, 2), (tokens, pixels, 1, 3)]
+        image = (model.img_hw[0] * model.img_hw[1], model.in_chans, 1, 1)
+        return [encoder, (tokens, c.decoder_embed_dim, c.decoder_depth, full), *around, image]
+
     def network(self, model: ViT) -> nn.Module:
         """Encoder and decoder together, MAE's forward theirs: what a sharded strategy shards (the ViT's forward
         never runs in pretraining)."""

@@ -68,6 +68,17 @@ class Objective:
         """Forward + backward ~ 3x forward (callbacks.Throughput reports FLOP/s with it)."""
         return 3 * model.flops_per_image()
 
+    def activation_shapes(self, model: ViTConfig) -> list[tuple[int, int, int, float]]:
+        """(tokens, width, blocks, values kept per token and width) of the blocks a training step runs, for
+        training.memory's estimate: 8 + 2 x mlp_ratio for a block; a class-token head's last block computes the
+        class rows only and keeps its input, normed input and keys/values of every token (5); and the image, which the
+        patch embedding keeps (its pixels as tokens of width in_chans)."""
+        tokens, full = model.num_prefix_tokens + model.num_patches, 8 + 2 * model.mlp_ratio
+        image = (model.img_hw[0] * model.img_hw[1], model.in_chans, 1, 1)
+        if model.global_pool != "token":
+            return [(tokens, model.embed_dim, model.depth, full), image]
+        return [(tokens, model.embed_dim, model.depth - 1, full), (tokens, model.embed_dim, 1, 5), image]
+
     def network(self, model: ViT) -> nn.Module:
         """The network whose forward the training and evaluation steps call (a sharded strategy shards it)."""
         return model

@@ -1,0 +1,127 @@
+"""How much memory a training process needs, estimated before it starts (vitlab.train logs it; the README's table of
+which model fits how many GPUs under DDP and FSDP comes from it):
+
+- weights, gradients and optimizer state: counted from the module and the optimizer (fp32 master weights; the
+  optimizer's state per parameter found by stepping it once on a small tensor: AdamW 2, SGD with momentum 1, ...);
+  under DDP every process holds all of them, plus DDP's gradient buckets (one more copy of the gradients); under
+  FSDP each holds 1/world, plus the units gathered in flight: the root's own parameters (embeddings, norms, head)
+  and two blocks (the one computing and the one prefetched), and their unsharded gradients;
+- activations: what autograd saves for backward, per image, dominated by the blocks: (8 + 2 x mlp_ratio) x width
+  values per token per block, measured on this CPU with saved-tensor hooks for fp32 (4 bytes each) and for bf16
+  autocast (4.5 bytes on average: autocast saves some tensors in both precisions); with gradient checkpointing a
+  block keeps only its input (one value per token per width), and one block is recomputed at a time. MAE's encoder
+  sees its kept patches only and its decoder all of them (Objective.activation_shapes).
+
+Left out: the allocator's fragmentation and caching, CUDA's context (~0.5 GB), temporary buffers inside a kernel,
+the data loader. tests/training/test_memory.py checks the activation term against autograd's saved tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from vitlab.model.blocks import Block
+
+# Bytes per saved activation value, by the Trainer's precision (measured: tests/training/test_memory.py).
+ACTIVATION_BYTES = {"32-true": 4.0, "32": 4.0, "64-true": 8.0, "bf16-mixed": 4.5, "16-mixed": 4.5, "bf16-true": 2.0}
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """Bytes per process."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    in_flight: float  # DDP's gradient buckets, or FSDP's gathered units and their gradients
+    activations: float
+    batch: int  # images per process
+    strategy: str  # e.g. "ddp over 4 processes", "fsdp over 8 processes"
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.in_flight + self.activations
+
+    def line(self) -> str:
+        extra = "DDP's gradient buckets" if self.strategy.startswith("ddp") else "gathered blocks"
+        parts = [
+            f"weights {size(self.weights)}",
+            f"gradients {size(self.gradients)}",
+            f"optimizer state {size(self.optimizer)}",
+            *([f"{extra} {size(self.in_flight)}"] if self.in_flight else []),
+            f"activations {size(self.activations)} ({self.batch} images)",
+        ]
+        return f"memory per process, estimated for {self.strategy}: {', '.join(parts)}: {size(self.total)}"
+
+
+def size(n: float) -> str:
+    return f"{n / GB:.1f} GB" if n >= 0.1 * GB else f"{n / 1e6:.1f} MB"
+
+
+@functools.cache
+def optimizer_states(name: str) -> float:
+    """Values of optimizer state per trainable parameter value (AdamW 2, SGD with momentum 1, Lion 1, ...): timm's
+    optimizer `name` stepped once on a small tensor."""
+    from timm.optim import create_optimizer_v2
+
+    p = nn.Parameter(torch.zeros(64, 64))
+    p.grad = torch.ones_like(p)
+    optimizer = create_optimizer_v2([p], name, lr=1e-3)
+    optimizer.step()
+    values = sum(v.numel() for v in optimizer.state[p].values() if torch.is_tensor(v) and v.ndim)
+    return values / p.numel()
+
+
+def activations_per_image(shapes: list[tuple[int, int, int, float]], precision: str, checkpointing: bool) -> float:
+    """Bytes autograd keeps per image for blocks of (tokens, width, blocks, values per token and width)."""
+    per_value = ACTIVATION_BYTES.get(str(precision), 4.0)
+    block = [tokens * width * values * per_value for tokens, width, _, values in shapes]
+    if not checkpointing:
+        return sum(b * n for b, (_, _, n, _) in zip(block, shapes, strict=True))
+    inputs = sum(tokens * width * 4 * n for tokens, width, n, _ in shapes)  # each block's (fp32) input
+    return inputs + recomputed(shapes, precision)
+
+
+def recomputed(shapes: list[tuple[int, int, int, float]], precision: str) -> float:
+    """Bytes per image of the one block that gradient checkpointing recomputes at a time, in the backward pass."""
+    return max(tokens * width * values for tokens, width, _, values in shapes) * ACTIVATION_BYTES.get(precision, 4.0)
+
+
+def for_run(module: Any, trainer: Any, optimizer: str, batch: int) -> Estimate:
+    """The estimate for a run about to start: `trainer`'s processes, precision and strategy, the global `batch`
+    (data.batch_size) split over the processes."""
+    from vitlab.training.sharding import is_sharded
+
+    processes = max(1, trainer.num_devices * trainer.num_nodes)
+    return estimate(
+        module, optimizer, max(1, batch // processes), processes, str(trainer.precision), is_sharded(trainer)
+    )
+
+
+def estimate(module: Any, optimizer: str, batch: int, processes: int, precision: str, sharded: bool) -> Estimate:
+    """The memory of one process training `module` (a ViTModule) with `optimizer` (timm's name) on `batch` images
+    per process, over `processes` processes, sharded (FSDP) or not (DDP, or one process)."""
+    params = [p for name, p in module.named_parameters() if name.startswith(module.network_prefixes)]
+    total = sum(p.numel() for p in params) * 4
+    trainable = sum(p.numel() for p in params if p.requires_grad) * 4
+    states = trainable * optimizer_states(optimizer)
+    shapes = module.objective.activation_shapes(module.model.cfg)
+    activations = batch * activations_per_image(shapes, precision, module.model.cfg.grad_checkpointing)
+    if not sharded:
+        in_flight = trainable if processes > 1 else 0
+        kind = f"ddp over {processes} processes" if processes > 1 else "one process"
+        return Estimate(total, trainable, states, in_flight, activations, batch, kind)
+    blocks = [b for b in module.modules() if isinstance(b, Block)]
+    block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0) * 4
+    root = total - sum(sum(p.numel() for p in b.parameters()) * 4 for b in blocks)
+    gathered = root + 2 * block  # weights gathered whole (fp32 here; bf16 halves it) and their gradients
+    kind = f"fsdp over {processes} processes"
+    return Estimate(
+        total / processes, trainable / processes, states / processes, 2 * gathered, activations, batch, kind
+    )

@@ -1,0 +1,70 @@
+"""vitlab.training.memory: the estimate's activation term against what autograd really keeps (saved-tensor hooks,
+each storage counted once, parameters left out), its state terms against the tensors, and its split by strategy."""
+
+import pytest
+import torch
+
+from tests.helpers import tiny
+from vitlab.training import memory
+from vitlab.training.module import ViTModule
+
+
+def saved_bytes(module: ViTModule, x: torch.Tensor, autocast: bool = False) -> int:
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", enabled=autocast):
+        module.loss(x, torch.zeros(len(x), dtype=torch.long))
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize(
+    "model, objective, precision",
+    [
+        (dict(), {}, "32-true"),
+        (dict(global_pool="avg", fc_norm=True), {}, "32-true"),  # every block whole: no class-row shortcut
+        (dict(mlp_ratio=48 / 11, embed_dim=44, num_heads=4), {}, "32-true"),  # giant's MLP ratio
+        (dict(), {}, "bf16-mixed"),
+        (dict(grad_checkpointing=True, depth=6), {}, "32-true"),
+        (  # MAE's proportions: a quarter of 256 patches in the encoder, a narrower decoder on all of them
+            dict(num_classes=0, img_size=64, patch_size=4, embed_dim=96, depth=6),
+            {"name": "mae", "decoder_embed_dim": 64, "decoder_depth": 4, "decoder_num_heads": 4},
+            "32-true",
+        ),
+    ],
+)
+def test_the_activation_estimate_is_what_autograd_keeps(model, objective, precision):
+    """Within 15% at batch 4 (what it leaves out: the head, the loss, norms' statistics)."""
+    module = ViTModule(model=tiny(**{"depth": 4, "embed_dim": 64, **model}).to_dict(), objective=objective or None)
+    module.train()
+    x = torch.randn(4, 3, *module.model.cfg.img_hw)
+    measured = saved_bytes(module, x, autocast=precision == "bf16-mixed")
+    shapes, checkpointing = module.objective.activation_shapes(module.model.cfg), module.model.cfg.grad_checkpointing
+    estimated = 4 * memory.activations_per_image(shapes, precision, checkpointing)
+    if checkpointing:  # the forward pass keeps each block's input; the recomputed block lives in the backward pass
+        estimated -= 4 * memory.recomputed(shapes, precision)
+    assert estimated == pytest.approx(measured, rel=0.15), (measured, estimated)
+
+
+def test_the_states_are_counted_from_the_tensors_and_fsdp_divides_them():
+    module = ViTModule(model=tiny(depth=4).to_dict())
+    n = sum(p.numel() for p in module.model.parameters())
+    ddp = memory.estimate(module, "adamw", batch=8, processes=4, precision="32-true", sharded=False)
+    assert (ddp.weights, ddp.gradients, ddp.optimizer, ddp.in_flight) == (4 * n, 4 * n, 8 * n, 4 * n)
+    fsdp = memory.estimate(module, "adamw", batch=8, processes=4, precision="32-true", sharded=True)
+    assert (fsdp.weights, fsdp.gradients, fsdp.optimizer) == (n, n, 2 * n)
+    block = sum(p.numel() for p in module.model.blocks[0].parameters())
+    assert fsdp.in_flight == 2 * 4 * ((n - 4 * block) + 2 * block)  # root + two blocks, weights and gradients
+    assert fsdp.activations == ddp.activations  # the same images per process
+    assert fsdp.line().startswith("memory per process, estimated for fsdp over 4 processes: weights 0.1 MB, gradients")
+
+
+@pytest.mark.parametrize("name, states", [("adamw", 2), ("sgd", 1), ("lion", 1), ("lamb", 2)])
+def test_the_optimizer_state_per_parameter_is_found_by_stepping_it(name, states):
+    assert memory.optimizer_states(name) == states
