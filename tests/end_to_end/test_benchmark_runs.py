@@ -59,3 +59,19 @@ def test_the_benchmarks_fit_checks_the_wandb_login_as_train_does(task, tmp_path:
         "error: logger=wandb needs a W&B login: run `wandb login`, set WANDB_API_KEY, or log offline with "
         "logger.wandb.offline=true (or WANDB_MODE=offline; `wandb sync` uploads later)"
     ]
+
+
+def test_the_strategies_task_measures_ddp_against_fsdp_as_users_run_them(tmp_path: Path):
+    """Each preset trained by vitlab.train on two CPU processes; the state each process holds is counted from its
+    tensors: FSDP's is half of DDP's (up to the tokens, whole on rank 0)."""
+    import json
+
+    steps = ["benchmark.strategies.warmup_steps=2", "benchmark.strategies.steps=3"]
+    r = run_cli("benchmark", "benchmark.task=strategies", *steps, f"hydra.run.dir={tmp_path / 'b'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((tmp_path / "b" / "benchmark.json").read_text())
+    ddp, fsdp = (report["results"][name] for name in ("ddp_cpu", "fsdp_cpu"))
+    assert [len(x["ranks"]) for x in (ddp, fsdp)] == [2, 2] and all(x["step_ms"] > 0 for x in (ddp, fsdp))
+    assert 0.45 < fsdp["state_mb_per_process"] / ddp["state_mb_per_process"] < 0.55
+    assert fsdp["estimate_mb_per_process"] < ddp["estimate_mb_per_process"]
+    assert "fsdp_cpu" in r.stdout and "state MB/process" in r.stdout

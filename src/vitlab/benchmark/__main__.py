@@ -3,7 +3,8 @@
 `benchmark.task=models` (default) times vitlab's ViT against timm's on one batch (benchmark/models.py);
 `benchmark.task=overhead` times vitlab.train's Lightning loop against a plain loop (benchmark/overhead.py);
 `benchmark.task=pipeline` times the train loader against a decode-and-crop ceiling (benchmark/pipeline.py);
-`benchmark.task=end2end` divides vitlab.train's steady-state images/s by the bare step's (benchmark/end2end.py).
+`benchmark.task=end2end` divides vitlab.train's steady-state images/s by the bare step's (benchmark/end2end.py);
+`benchmark.task=strategies` measures memory and step time per process under DDP and FSDP (benchmark/strategies.py).
 Each prints a table and writes `benchmark.json` in its run directory. Speed goals are checked here,
 never in timed tests (README: Benchmarks; experiments/throughput).
 """
@@ -68,6 +69,14 @@ def end2end(cfg: DictConfig, b, report: dict[str, Any]) -> None:
     task.print_report(report)
 
 
+def strategies(cfg: DictConfig, b, report: dict[str, Any]) -> None:
+    from vitlab.benchmark import strategies as task
+
+    report["train_overrides"] = list(b.train_overrides)
+    report.update(task.bench_strategies(b, Path(cfg.paths.output_dir)))
+    task.print_report(report)
+
+
 def models(cfg: DictConfig, b, report: dict[str, Any]) -> None:
     from hydra.core.hydra_config import HydraConfig
 
@@ -95,7 +104,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     torch.set_float32_matmul_precision("high")  # as vitlab.train: TF32 matmuls on GPUs that have them
     b = BenchmarkConfig.from_dict(OmegaConf.to_container(cfg.benchmark, resolve=True))
     report: dict[str, Any] = {"task": b.task, "benchmark": OmegaConf.to_container(cfg.benchmark, resolve=True)}
-    {"models": models, "overhead": overhead, "pipeline": pipeline, "end2end": end2end}[b.task](cfg, b, report)
+    tasks = {"models": models, "overhead": overhead, "pipeline": pipeline, "end2end": end2end, "strategies": strategies}
+    tasks[b.task](cfg, b, report)
     out = Path(cfg.paths.output_dir) / "benchmark.json"
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")

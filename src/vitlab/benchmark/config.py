@@ -12,7 +12,7 @@ import torch
 from vitlab.utils.checks import compile_mode, from_mapping
 from vitlab.utils.errors import UserError
 
-TASKS = ("models", "overhead", "pipeline", "end2end")
+TASKS = ("models", "overhead", "pipeline", "end2end", "strategies")
 CONTENDERS = ("vitlab", "timm", "vitlab_ckpt", "timm_ckpt")
 MODES = ("train", "fwd_bwd", "infer")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -61,6 +61,22 @@ class EndToEndConfig:
 
 
 @dataclass(frozen=True)
+class StrategiesConfig:
+    names: tuple[str, ...] = ("ddp_cpu", "fsdp_cpu")  # trainer presets (conf/trainer/), each run in turn
+    devices: int = 2  # processes per run
+    warmup_steps: int = 5  # untimed training steps
+    steps: int = 20  # timed training steps
+
+    def __post_init__(self):
+        _count("strategies.devices", self.devices, 1)
+        _count("strategies.warmup_steps", self.warmup_steps, 1)
+        _count("strategies.steps", self.steps, 1)
+        if not self.names or len(set(self.names)) != len(self.names):
+            raise UserError(f"benchmark.strategies.names {list(self.names)} must be distinct trainer presets")
+        object.__setattr__(self, "names", tuple(self.names))
+
+
+@dataclass(frozen=True)
 class BenchmarkConfig:
     task: str = "models"
     contenders: tuple[str, ...] = ("vitlab", "timm")
@@ -81,6 +97,7 @@ class BenchmarkConfig:
     overhead: OverheadConfig = field(default_factory=OverheadConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     end2end: EndToEndConfig = field(default_factory=EndToEndConfig)
+    strategies: StrategiesConfig = field(default_factory=StrategiesConfig)
 
     def __post_init__(self):
         for key, allowed in (("task", TASKS), ("precision", PRECISIONS), ("timm_optimizer", TIMM_OPTIMIZERS)):
@@ -98,7 +115,12 @@ class BenchmarkConfig:
         if self.peak_matmul_size is not None:
             _count("peak_matmul_size", self.peak_matmul_size, 1)
         object.__setattr__(self, "train_overrides", tuple(self.train_overrides))
-        for key, cls in (("overhead", OverheadConfig), ("pipeline", PipelineConfig), ("end2end", EndToEndConfig)):
+        for key, cls in (
+            ("overhead", OverheadConfig),
+            ("pipeline", PipelineConfig),
+            ("end2end", EndToEndConfig),
+            ("strategies", StrategiesConfig),
+        ):
             if isinstance(getattr(self, key), Mapping):
                 object.__setattr__(self, key, from_mapping(cls, getattr(self, key), f"benchmark.{key}"))
 
