@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import assert_same_run, run_cli
 
 SHORT = ["trainer.max_epochs=2", "data.batch_size=128", "progress_bar=none", "trainer.deterministic=true"]
@@ -18,7 +20,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_torchrun_on_two_nodes_gives_one_run_directory_and_the_metrics_of_one_node(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp_cpu", "fsdp_cpu"])
+def test_torchrun_on_two_nodes_gives_one_run_directory_and_the_metrics_of_one_node(tmp_path, strategy):
+    """FSDP's mesh follows the launch: data-parallel over nodes x devices, the shards as on one node of two."""
     # The same threads per process in both (torchrun sets none for one process a node, Lightning one for two).
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     port = _free_port()
@@ -27,7 +31,7 @@ def test_torchrun_on_two_nodes_gives_one_run_directory_and_the_metrics_of_one_no
             [
                 *(sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}"),
                 *("--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}"),
-                *("-m", "vitlab.train", "trainer=ddp_cpu", "trainer.devices=1", "trainer.num_nodes=2", *SHORT),
+                *("-m", "vitlab.train", f"trainer={strategy}", "trainer.devices=1", "trainer.num_nodes=2", *SHORT),
             ],
             cwd=tmp_path,
             env=env,
@@ -43,7 +47,7 @@ def test_torchrun_on_two_nodes_gives_one_run_directory_and_the_metrics_of_one_no
     assert (run_dir / "train_rank1.log").is_file() and not (run_dir / ".hydra" / "train_rank1.log").exists()
 
     one_node = tmp_path / "one_node"
-    r = run_cli("train", "trainer=ddp_cpu", "trainer.devices=2", *SHORT, f"hydra.run.dir={one_node}", env=env)
+    r = run_cli("train", f"trainer={strategy}", "trainer.devices=2", *SHORT, f"hydra.run.dir={one_node}", env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_run(one_node, run_dir)
 

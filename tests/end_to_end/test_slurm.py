@@ -64,6 +64,25 @@ def test_the_readmes_sweep_runs_as_typed_and_each_job_equals_the_local_run(clust
         assert (sweep / job / "train_rank1.log").is_file()  # the second task logs on its own
 
 
+def test_a_sweep_of_sharded_runs_requests_one_task_per_device_and_each_job_trains(cluster, tmp_path):
+    """trainer=fsdp_cpu under hydra/launcher=slurm: the request follows the run as for DDP (two tasks, no GPU), each
+    job shards over its two tasks, and each ends with the metrics of the same command run locally (measured: the
+    training's equal, validation losses within 3e-7: the Slurm tasks compute with one thread each)."""
+    sweep_args = ["-m", "hydra/launcher=slurm", "trainer=fsdp_cpu"]
+    r = run_cli("train", *sweep_args, "optim.lr=1e-3,3e-4", *SHORT, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    sweep = _sweep_dir(tmp_path)
+    assert [row["status"] for row in json.loads((sweep / "summary.json").read_text())] == ["done", "done"]
+    (script,) = (sweep / ".submitit").glob("*/*_submission.sh")
+    assert "#SBATCH --ntasks-per-node=2" in script.read_text() and "gres" not in script.read_text()
+    local = tmp_path / "local"
+    r = run_cli("train", "trainer=fsdp_cpu", "optim.lr=3e-4", *SHORT, f"hydra.run.dir={local}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ours, theirs = (json.loads((d / "metrics.json").read_text()) for d in (local, sweep / "1"))
+    keys = [k for k in ours if k.startswith(("train/", "val/", "test/")) and "per_sec" not in k]
+    assert {k: theirs[k] for k in keys} == pytest.approx({k: ours[k] for k in keys}, rel=1e-6, abs=1e-6)
+
+
 def test_a_job_slurm_can_never_start_is_named_and_the_sweep_exits_2(cluster, tmp_path):
     # 3 loader workers + 1: 4 CPUs a task, 8 for the job, on a node of 2
     r = run_cli("train", *SWEEP, "data=fake", "data.num_workers=3", "optim.lr=1e-3,3e-4", *SHORT, cwd=tmp_path)

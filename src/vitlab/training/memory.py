@@ -7,10 +7,11 @@ which model fits how many GPUs under DDP and FSDP comes from it):
   FSDP each holds 1/world, plus the units gathered in flight: the root's own parameters (embeddings, norms, head)
   and two blocks (the one computing and the one prefetched), and their unsharded gradients;
 - activations: what autograd saves for backward, per image, dominated by the blocks: (8 + 2 x mlp_ratio) x width
-  values per token per block, measured on this CPU with saved-tensor hooks for fp32 (4 bytes each) and for bf16
-  autocast (4.5 bytes on average: autocast saves some tensors in both precisions); with gradient checkpointing a
-  block keeps only its input (one value per token per width), and one block is recomputed at a time. MAE's encoder
-  sees its kept patches only and its decoder all of them (Objective.activation_shapes).
+  values per token per block (measured on this CPU with saved-tensor hooks), 4 bytes each in fp32; under bf16
+  autocast 4.5 bytes on a CPU (measured: CPU autocast keeps some tensors in both precisions) and 2.2 on a GPU
+  (from the H100's measured peak: ViT-B/16, batch 256, bf16, 16.7 GB; experiments/throughput); with gradient
+  checkpointing a block keeps only its input (one value per token per width), and one block is recomputed at a
+  time. MAE's encoder sees its kept patches only and its decoder all of them (Objective.activation_shapes).
 
 Left out: the allocator's fragmentation and caching, CUDA's context (~0.5 GB), temporary buffers inside a kernel,
 the data loader. tests/training/test_memory.py checks the activation term against autograd's saved tensors.
@@ -27,8 +28,12 @@ from torch import nn
 
 from vitlab.model.blocks import Block
 
-# Bytes per saved activation value, by the Trainer's precision (measured: tests/training/test_memory.py).
-ACTIVATION_BYTES = {"32-true": 4.0, "32": 4.0, "64-true": 8.0, "bf16-mixed": 4.5, "16-mixed": 4.5, "bf16-true": 2.0}
+# Bytes per saved activation value, by the Trainer's precision, on a CPU (measured: tests/training/test_memory.py)
+# and on a GPU (half-precision autocast: from the H100's measured peak, experiments/throughput).
+ACTIVATION_BYTES = {
+    "cpu": {"32-true": 4.0, "64-true": 8.0, "bf16-mixed": 4.5, "16-mixed": 4.5, "bf16-true": 2.0},
+    "cuda": {"32-true": 4.0, "64-true": 8.0, "bf16-mixed": 2.2, "16-mixed": 2.2, "bf16-true": 2.0},
+}
 GB = 1e9
 
 
@@ -78,19 +83,26 @@ def optimizer_states(name: str) -> float:
     return values / p.numel()
 
 
-def activations_per_image(shapes: list[tuple[int, int, int, float]], precision: str, checkpointing: bool) -> float:
+def activation_bytes(precision: str, device: str = "cpu") -> float:
+    """Bytes per saved activation value under the Trainer's `precision` on `device` (cpu, cuda)."""
+    return ACTIVATION_BYTES["cuda" if device == "cuda" else "cpu"].get(str(precision), 4.0)
+
+
+def activations_per_image(
+    shapes: list[tuple[int, int, int, float]], precision: str, checkpointing: bool, device: str = "cpu"
+) -> float:
     """Bytes autograd keeps per image for blocks of (tokens, width, blocks, values per token and width)."""
-    per_value = ACTIVATION_BYTES.get(str(precision), 4.0)
+    per_value = activation_bytes(precision, device)
     block = [tokens * width * values * per_value for tokens, width, _, values in shapes]
     if not checkpointing:
         return sum(b * n for b, (_, _, n, _) in zip(block, shapes, strict=True))
     inputs = sum(tokens * width * 4 * n for tokens, width, n, _ in shapes)  # each block's (fp32) input
-    return inputs + recomputed(shapes, precision)
+    return inputs + recomputed(shapes, precision, device)
 
 
-def recomputed(shapes: list[tuple[int, int, int, float]], precision: str) -> float:
+def recomputed(shapes: list[tuple[int, int, int, float]], precision: str, device: str = "cpu") -> float:
     """Bytes per image of the one block that gradient checkpointing recomputes at a time, in the backward pass."""
-    return max(tokens * width * values for tokens, width, _, values in shapes) * ACTIVATION_BYTES.get(precision, 4.0)
+    return max(tokens * width * values for tokens, width, _, values in shapes) * activation_bytes(precision, device)
 
 
 def for_run(module: Any, trainer: Any, optimizer: str, batch: int) -> Estimate:
@@ -99,20 +111,22 @@ def for_run(module: Any, trainer: Any, optimizer: str, batch: int) -> Estimate:
     from vitlab.training.sharding import is_sharded
 
     processes = max(1, trainer.num_devices * trainer.num_nodes)
-    return estimate(
-        module, optimizer, max(1, batch // processes), processes, str(trainer.precision), is_sharded(trainer)
-    )
+    per_process = max(1, batch // processes)
+    device = "cuda" if type(trainer.accelerator).__name__ == "CUDAAccelerator" else "cpu"
+    return estimate(module, optimizer, per_process, processes, str(trainer.precision), is_sharded(trainer), device)
 
 
-def estimate(module: Any, optimizer: str, batch: int, processes: int, precision: str, sharded: bool) -> Estimate:
+def estimate(
+    module: Any, optimizer: str, batch: int, processes: int, precision: str, sharded: bool, device: str = "cpu"
+) -> Estimate:
     """The memory of one process training `module` (a ViTModule) with `optimizer` (timm's name) on `batch` images
-    per process, over `processes` processes, sharded (FSDP) or not (DDP, or one process)."""
+    per process, over `processes` processes, sharded (FSDP) or not (DDP, or one process), on `device` (cpu, cuda)."""
     params = [p for name, p in module.named_parameters() if name.startswith(module.network_prefixes)]
     total = sum(p.numel() for p in params) * 4
     trainable = sum(p.numel() for p in params if p.requires_grad) * 4
     states = trainable * optimizer_states(optimizer)
     shapes = module.objective.activation_shapes(module.model.cfg)
-    activations = batch * activations_per_image(shapes, precision, module.model.cfg.grad_checkpointing)
+    activations = batch * activations_per_image(shapes, precision, module.model.cfg.grad_checkpointing, device)
     if not sharded:
         in_flight = trainable if processes > 1 else 0
         kind = f"ddp over {processes} processes" if processes > 1 else "one process"
