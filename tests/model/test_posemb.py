@@ -1,12 +1,12 @@
 """model/posemb.py: position-embedding and patch-filter resampling, against timm's; MAE's fixed table against MAE's
 code."""
 
-import numpy as np
 import pytest
 import torch
 from timm.layers import resample_abs_pos_embed
 from timm.layers import resample_patch_embed as timm_resample_patch_embed
 
+from tests.helpers import mae_get_2d_sincos_pos_embed
 from vitlab.model.posemb import (
     grid_like,
     posemb_sincos_2d,
@@ -48,30 +48,11 @@ def test_resample_patch_embed_is_flexivits():
     )
 
 
-def _mae_get_2d_sincos_pos_embed(embed_dim: int, grid_size: int) -> np.ndarray:
-    """facebookresearch/mae util/pos_embed.py get_2d_sincos_pos_embed(embed_dim, grid_size, cls_token=True), line by
-    line (np.float for np.float64)."""
-    grid_h = np.arange(grid_size, dtype=np.float32)
-    grid_w = np.arange(grid_size, dtype=np.float32)
-    grid = np.meshgrid(grid_w, grid_h)  # here w goes first
-    grid = np.stack(grid, axis=0).reshape([2, 1, grid_size, grid_size])
-
-    def get_1d(embed_dim, pos):
-        omega = np.arange(embed_dim // 2, dtype=np.float64)
-        omega /= embed_dim / 2.0
-        omega = 1.0 / 10000**omega
-        out = np.einsum("m,d->md", pos.reshape(-1), omega)
-        return np.concatenate([np.sin(out), np.cos(out)], axis=1)
-
-    emb = np.concatenate([get_1d(embed_dim // 2, grid[0]), get_1d(embed_dim // 2, grid[1])], axis=1)
-    return np.concatenate([np.zeros([1, embed_dim]), emb], axis=0)
-
-
 @pytest.mark.parametrize("dim, grid", [(768, 14), (512, 14), (1024, 16), (1280, 16), (32, 4)])
 def test_sincos2d_mae_is_maes_table_at_every_position(dim, grid):
     """MAE's encoder and decoder tables (ViT-B 768 and its decoder 512 at 14x14, L, H), as models_mae.py copies them:
     torch.from_numpy(...).float(). Every value equal; big_vision's frequencies (over D/4 - 1) differ."""
-    mae = torch.from_numpy(_mae_get_2d_sincos_pos_embed(dim, grid)).float()[None]
+    mae = torch.from_numpy(mae_get_2d_sincos_pos_embed(dim, grid)).float()[None]
     ours = posemb_sincos_2d_mae((grid, grid), dim, prefix=1)
     assert ours.dtype == torch.float32 and torch.equal(ours, mae)
     big_vision = (posemb_sincos_2d((grid, grid), dim) - mae[:, 1:]).abs().max().item()

@@ -248,6 +248,15 @@ def test_decay_tokens_is_maes_pretraining_rule():
     mae_rule = {n for n, p in model.named_parameters() if not (p.ndim == 1 or n.endswith(".bias"))}
     assert decayed == mae_rule and {"cls_token", "reg_token", "patch_embed.proj.weight"} <= decayed
     assert "pos_embed" not in {n for g in groups for n in g["names"]}
+    mae = {"name": "mae", "decoder_embed_dim": 8, "decoder_depth": 1, "decoder_num_heads": 2}
+    module = ViTModule(model=tiny(num_classes=0, pos_embed="sincos2d_mae"), objective=mae)
+    joint = module.objective.optimized(module.model)  # encoder and decoder, as objective=mae optimises them
+    groups = param_groups(joint, lr=1e-3, weight_decay=0.05, decay_tokens=True)
+    decayed = {n for g in groups if g["weight_decay"] for n in g["names"]}
+    assert decayed == {n for n, p in joint.named_parameters() if p.ndim > 1}
+    assert {"decoder.mask_token", "model.cls_token"} <= decayed
+    plain = param_groups(joint, lr=1e-3, weight_decay=0.05)  # without it: timm's rule, tokens not decayed
+    assert {"decoder.mask_token", "model.cls_token"} <= {n for g in plain if not g["weight_decay"] for n in g["names"]}
 
 
 def test_the_optimizer_configs_compose_and_build():

@@ -35,7 +35,7 @@ POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "sincos2d_mae", "none")
 WEIGHT_INITS = ("", "jax", "jax_nlhb", "moco", "mae", "skip")  # timm's modes and MAE's
 # The regularisation fields: probabilities in [0, 1), free to change when a run is resumed.
 # Keys of a config's model group that are the commands', not ViTConfig fields.
-MODEL_EXTRA_KEYS = ("variant", "timm_name", "pretrained")
+MODEL_EXTRA_KEYS = ("variant", "timm_name", "pretrained", "resample_patch")
 DROPOUTS = ("drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate")
 
 

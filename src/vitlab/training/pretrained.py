@@ -1,5 +1,7 @@
 """`model.pretrained=<timm name>`: the run's model becomes that timm architecture at the run's own size, channels,
-classes and regularisation, and the data takes the weights' preprocessing where its config leaves it open."""
+classes and regularisation, and the data takes the weights' preprocessing where its config leaves it open.
+`load_pretrained` then loads the weights (a timm name or a file: vitlab's, timm's, MAE's), the MAE decoder too when
+the run pretrains with objective=mae."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitlab.convert.timm_args import RUN_FIELDS, config_from_timm, timm_model_args
 from vitlab.convert.timm_hub import timm_architecture, timm_pretrained_cfg
-from vitlab.convert.weights import is_weights_file
+from vitlab.convert.weights import is_weights_file, load_timm_weights
 from vitlab.model.config import as_hw
 from vitlab.utils.errors import UserError
 
@@ -45,6 +47,17 @@ def apply_pretrained(cfg: DictConfig) -> None:
         f" (model.{', model.'.join(changed)} changed)" if changed else "",
         pretrained["tag"],
         ", ".join(f"data.{k}={v}" for k, v in taken.items()) or "none taken (set in the data config)",
+    )
+
+
+def load_pretrained(module: Any, model_cfg: DictConfig) -> None:
+    """`model.pretrained`'s weights into a new ViTModule: the encoder, and objective=mae's decoder from a file that
+    holds one (MAE's released or training checkpoints, a vitlab MAE checkpoint), so pretraining goes on."""
+    load_timm_weights(
+        module.model,
+        model_cfg.pretrained,
+        decoder=module.objective.extra_modules().get("decoder"),
+        resample_patch=bool(model_cfg.get("resample_patch")),
     )
 
 
