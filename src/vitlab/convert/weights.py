@@ -272,7 +272,7 @@ def load_timm_weights(
     log.info(
         "loaded %s%s%s%s%s",
         src,
-        " (new head)" if reset_head else "",
+        " (new head)" if reset_head and isinstance(model.head, nn.Linear) else "",
         " (final norm dropped, new fc_norm)" * bool(fresh),
         took,
         f" ({describe_decoder(mae_decoder)})" if mae_decoder else "",
