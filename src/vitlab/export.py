@@ -1,7 +1,9 @@
-"""python -m vitlab.export ckpt_path=<file.ckpt> [format=onnx|pt2|ckpt] [output=<file>]: a checkpoint's model as
-an ONNX file (for onnxruntime, TensorRT, ...) or a torch.export program (.pt2), with a dynamic batch, and a
-dynamic height and width when the model was built with dynamic_img_size. format=ckpt makes one checkpoint file of
-a directory of shards (trainer=fsdp's save_distributed_checkpoint=true), which every strategy and tool reads.
+"""python -m vitlab.export ckpt_path=<file.ckpt> [format=onnx|pt2|mae|ckpt] [output=<file>]: a checkpoint's model
+as an ONNX file (for onnxruntime, TensorRT, ...) or a torch.export program (.pt2), with a dynamic batch, and a
+dynamic height and width when the model was built with dynamic_img_size; an objective=mae checkpoint as MAE's own
+`{'model': ...}` .pth (format=mae: MAE's key names, encoder and decoder; vitlab.convert.mae); format=ckpt makes one
+checkpoint file of a directory of shards (trainer=fsdp's save_distributed_checkpoint=true), which every strategy and
+tool reads.
 
 The file is checked before it is put in place: run by onnxruntime (or reloaded) and compared with the
 PyTorch model on several input shapes; over `atol` it is refused and nothing is written. What the model
@@ -24,8 +26,10 @@ def export(cfg: DictConfig) -> dict:
     from vitlab.convert.programs import FORMATS, export
     from vitlab.training import build
 
+    if cfg.format == "mae":
+        return export_mae(cfg)
     if f".{cfg.format}" not in FORMATS and cfg.format != "ckpt":
-        raise UserError(f"format {cfg.format!r} is not one of {sorted(FORMATS.values()) + ['ckpt']}")
+        raise UserError(f"format {cfg.format!r} is not one of {sorted(FORMATS.values()) + ['mae', 'ckpt']}")
     out = Path(cfg.output) if cfg.output else Path(cfg.paths.output_dir) / f"model.{cfg.format}"
     if out.suffix != f".{cfg.format}":
         raise UserError(f"output {str(out)!r} must end in .{cfg.format} for format={cfg.format}")
@@ -66,6 +70,23 @@ def consolidate(ckpt_path: str, out: Path) -> dict:
     atomic_write(out, lambda f: torch.save(checkpoint, f), what="checkpoint")
     print(f"wrote {out} (one file of {ckpt_path}'s shards)")
     return {"ckpt_path": str(ckpt_path), "output": str(out)}
+
+
+def export_mae(cfg: DictConfig) -> dict:
+    """format=mae: the encoder and decoder of an objective=mae checkpoint in MAE's names, read back and compared."""
+    from vitlab.convert.mae import export_mae as write_mae
+    from vitlab.training import build
+
+    out = Path(cfg.output) if cfg.output else Path(cfg.paths.output_dir) / "mae_checkpoint.pth"
+    if out.exists() and not cfg.overwrite:
+        raise UserError(f"output {str(out)!r} exists; choose another output or set overwrite=true")
+    module = build.load_for_inference(cfg.ckpt_path)
+    decoder = module.objective.extra_modules().get("decoder")
+    if decoder is None:
+        raise UserError(f"format=mae writes an MAE encoder and decoder; ckpt_path {cfg.ckpt_path!r} has no decoder")
+    write_mae(module.model, decoder, out)
+    print(f"wrote {out} (MAE's {{'model': ...}} format: encoder and decoder, MAE's key names)")
+    return {"output": str(out), "ckpt_path": str(cfg.ckpt_path), "format": "mae"}
 
 
 @entry_point("export")

@@ -162,7 +162,7 @@ def _cases(tmp: Path, ckpt: Path) -> dict:
         "misspelt optimizer key": (
             "train",
             ["optim.lrr=1"],
-            "error: optim.lrr is not a key of optim; its keys: ['betas', 'eps', 'fused', 'layer_decay', 'lr',",
+            "error: optim.lrr is not a key of optim; its keys: ['betas', 'decay_tokens', 'eps', 'fused',",
         ),
         "model=_base": (
             "train",

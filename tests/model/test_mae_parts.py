@@ -1,6 +1,8 @@
-"""MAE's pieces (vitlab.model.mae): the masking keeps exactly round((1 - ratio) * N) patches of each image and can
-put them back, the loss is the direct formula on the masked patches only (with and without per-patch pixel
-normalisation), patchify is MAE's pixel order, the decoder's names are MAE's."""
+"""MAE's pieces (vitlab.model.mae): the masking keeps exactly int(N * (1 - ratio)) patches of each image (MAE's
+random_masking) and can put them back, the loss is the direct formula on the masked patches only (with and without
+per-patch pixel normalisation), patchify is MAE's pixel order, the decoder's names are MAE's; with
+pos_embed=sincos2d_mae and weight_init=mae the encoder is built as MAE builds it (fixed tables, parameter count,
+initialisation)."""
 
 import pytest
 import torch
@@ -23,10 +25,11 @@ def _vit(**kw) -> ViT:
     return ViT(ViTConfig(**(base | kw))).eval()
 
 
-@pytest.mark.parametrize("ratio,n", [(0.75, 16), (0.75, 196), (0.5, 9), (0.9, 49), (0.6, 10)])
-def test_masking_keeps_round_one_minus_ratio_patches_of_each_image(ratio, n):
+@pytest.mark.parametrize("ratio,n", [(0.75, 16), (0.75, 196), (0.9, 196), (0.5, 9), (0.9, 49), (0.6, 10)])
+def test_masking_keeps_int_n_times_one_minus_ratio_patches_of_each_image(ratio, n):
     keep = MAEConfig(mask_ratio=ratio, decoder_embed_dim=8, decoder_num_heads=2).kept(n)
-    assert keep == round((1 - ratio) * n)
+    assert keep == int(n * (1 - ratio))  # models_mae.py random_masking: len_keep = int(L * (1 - mask_ratio))
+    assert (ratio, n, keep) != (0.9, 196, 20)  # round() would keep 20 of 196 at 0.9; MAE keeps 19
     torch.manual_seed(0)
     kept, restore = random_masking(5, n, keep)
     assert kept.shape == (5, keep) and all(len(set(row.tolist())) == keep for row in kept)
@@ -113,3 +116,43 @@ def test_the_decoder_has_maes_parameter_names():
 def test_bad_settings_are_one_line(values, message):
     with pytest.raises(UserError, match=message):
         MAEConfig.from_dict(values)
+
+
+def test_maes_vit_b_encoder_and_decoder_have_its_parameter_count_and_fixed_tables():
+    """mae_vit_base_patch16_dec512d8b: 111,655,680 trainable parameters (MAE's two position tables are parameters
+    with requires_grad=False; here buffers), its tables MAE's sin-cos (zero class row) for encoder and decoder."""
+    from vitlab.model.posemb import posemb_sincos_2d_mae
+
+    cfg = ViTConfig.from_variant("B/16", num_classes=0, pos_embed="sincos2d_mae", weight_init="mae")
+    with torch.device("meta"):
+        vit, decoder = ViT(cfg), MAEDecoder(cfg, MAEConfig())
+    assert sum(p.numel() for m in (vit, decoder) for p in m.parameters()) == 111_655_680
+    assert sum(p.numel() for p in vit.parameters()) == 85_798_656 - 197 * 768  # timm's B/16 encoder less pos_embed
+    small = _vit(pos_embed="sincos2d_mae")
+    decoder = MAEDecoder(small.cfg, MAEConfig(decoder_embed_dim=8, decoder_depth=1, decoder_num_heads=2))
+    assert "pos_embed" in dict(small.named_buffers()) and "pos_embed" in small.state_dict()
+    assert torch.equal(small.pos_embed, posemb_sincos_2d_mae((4, 4), 16, prefix=1))  # (1, 1 + 16, 16), row 0 zero
+    assert torch.equal(decoder.decoder_pos_embed, posemb_sincos_2d_mae((4, 4), 8, prefix=1))
+
+
+def test_maes_initialisation():
+    """models_mae.py initialize_weights: Xavier-uniform Linears (qkv as one (3D, D) matrix: std sqrt(2 / 4D)),
+    the patch projection Xavier on its flattened (D, C*P*P) weight, zero biases, cls and mask tokens N(0, 0.02)."""
+    torch.manual_seed(0)
+    cfg = ViTConfig.from_variant("B/16", depth=1, num_classes=0, pos_embed="sincos2d_mae", weight_init="mae")
+    vit, decoder = ViT(cfg), MAEDecoder(cfg, MAEConfig(decoder_depth=1))
+    blk = vit.blocks[0]
+    stds = {
+        "qkv": (blk.attn.qkv.weight, (2 / (768 + 3 * 768)) ** 0.5),  # 0.02552
+        "fc1": (blk.mlp.fc1.weight, (2 / (768 + 3072)) ** 0.5),
+        "patch projection": (vit.patch_embed.proj.weight, (2 / (768 + 3 * 16 * 16)) ** 0.5),  # 0.03608
+        "decoder qkv": (decoder.decoder_blocks[0].attn.qkv.weight, (2 / (512 + 3 * 512)) ** 0.5),
+    }
+    for name, (w, std) in stds.items():
+        assert w.std().item() == pytest.approx(std, rel=0.01), name
+        assert w.abs().max().item() <= std * 3**0.5 + 1e-7, name  # uniform: bound sqrt(3) std
+    for name, tok in (("cls_token", vit.cls_token), ("mask_token", decoder.mask_token)):
+        assert tok.std().item() == pytest.approx(0.02, rel=0.1), name  # 768 and 512 draws
+    assert torch.count_nonzero(blk.attn.qkv.bias) == 0 and torch.equal(blk.norm1.weight, torch.ones(768))
+    head = ViT(cfg.replace(num_classes=10)).head  # main_finetune.py: trunc_normal_(head.weight, std=2e-5)
+    assert head.weight.std().item() == pytest.approx(2e-5, rel=0.1) and torch.count_nonzero(head.bias) == 0

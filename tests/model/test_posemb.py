@@ -1,11 +1,19 @@
-"""model/posemb.py: position-embedding and patch-filter resampling, against timm's."""
+"""model/posemb.py: position-embedding and patch-filter resampling, against timm's; MAE's fixed table against MAE's
+code."""
 
 import pytest
 import torch
 from timm.layers import resample_abs_pos_embed
 from timm.layers import resample_patch_embed as timm_resample_patch_embed
 
-from vitlab.model.posemb import grid_like, resample_patch_embed, resample_pos_embed
+from tests.helpers import mae_get_2d_sincos_pos_embed
+from vitlab.model.posemb import (
+    grid_like,
+    posemb_sincos_2d,
+    posemb_sincos_2d_mae,
+    resample_patch_embed,
+    resample_pos_embed,
+)
 
 
 def test_resample_pos_embed_matches_timm_non_square_and_prefix():
@@ -38,3 +46,14 @@ def test_resample_patch_embed_is_flexivits():
     torch.testing.assert_close(
         torch.einsum("bchw,dchw->bd", up, w16), torch.einsum("bchw,dchw->bd", x, w8), atol=1e-3, rtol=1e-3
     )
+
+
+@pytest.mark.parametrize("dim, grid", [(768, 14), (512, 14), (1024, 16), (1280, 16), (32, 4)])
+def test_sincos2d_mae_is_maes_table_at_every_position(dim, grid):
+    """MAE's encoder and decoder tables (ViT-B 768 and its decoder 512 at 14x14, L, H), as models_mae.py copies them:
+    torch.from_numpy(...).float(). Every value equal; big_vision's frequencies (over D/4 - 1) differ."""
+    mae = torch.from_numpy(mae_get_2d_sincos_pos_embed(dim, grid)).float()[None]
+    ours = posemb_sincos_2d_mae((grid, grid), dim, prefix=1)
+    assert ours.dtype == torch.float32 and torch.equal(ours, mae)
+    big_vision = (posemb_sincos_2d((grid, grid), dim) - mae[:, 1:]).abs().max().item()
+    assert big_vision > 0.01  # 0.025 at D=768, 0.11 at D=32 (4x4)

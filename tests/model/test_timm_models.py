@@ -31,6 +31,7 @@ CONFIGS = {
     "swiglu_rmsnorm": dict(mlp_layer="swiglu", act_layer="silu", norm_layer="rmsnorm", no_embed_class=True),
     "sincos2d_dynamic": dict(pos_embed="sincos2d", dynamic_img_size=True, reg_tokens=1),
     "sincos1d_dynamic_pad": dict(pos_embed="sincos1d", dynamic_img_size=True, dynamic_img_pad=True),
+    "sincos2d_mae_init": dict(pos_embed="sincos2d_mae", weight_init="mae", reg_tokens=1),
     "learn_dynamic_non_square": dict(img_size=[32, 24], dynamic_img_size=True, global_pool="avg"),
     "non_square_patches_pad": dict(patch_size=[8, 4], dynamic_img_size=True, dynamic_img_pad=True),
 }

@@ -1,6 +1,7 @@
 """objective=mae (vitlab.training.mae): pretraining runs from the command line and resumes exactly, its checkpoint's
-encoder loads into model.pretrained with only the decoder left out, labels are never read (an unlabeled folder trains),
-and vitlab.visualize draws its reconstructions."""
+encoder loads into model.pretrained with only the decoder left out, `objective=mae model.pretrained=<file>` goes on
+with the file's decoder (a vitlab checkpoint, or one exported to MAE's format and back), labels are never read (an
+unlabeled folder trains), and vitlab.visualize draws its reconstructions."""
 
 import json
 
@@ -62,10 +63,34 @@ def test_the_encoder_loads_into_model_pretrained_with_only_the_decoder_left_out(
     model = ViT(cfg)
     with caplog.at_level("INFO"):
         load_timm_weights(model, best)
-    assert "left out decoder.*" in caplog.text
+    assert "left out its MAE decoder (mask_token, decoder_embed.*, decoder_blocks.*" in caplog.text
     mine = model.state_dict()
     assert set(mine) - set(encoder) == {"head.weight", "head.bias"}  # the new head, nothing else
     assert all(torch.equal(mine[k], v) for k, v in encoder.items())
+
+
+@pytest.mark.parametrize("via", ["vitlab checkpoint", "exported to MAE's format"])
+def test_objective_mae_with_model_pretrained_goes_on_with_the_decoder(pretrained, compose_cfg, tmp_path, via, caplog):
+    """`objective=mae model.pretrained=<file>`: the encoder and the decoder are the file's (the run's own .ckpt, or
+    `vitlab.export format=mae`'s MAE-named .pth of it), the step where pretraining goes on from."""
+    from vitlab import export
+    from vitlab.training import build, resume
+
+    best = json.loads((pretrained / "metrics.json").read_text())["best_checkpoint"]
+    source = best
+    if via != "vitlab checkpoint":
+        source = str(tmp_path / "mae.pth")
+        report = export.export(compose_cfg("export", [f"ckpt_path={best}", "format=mae", f"output={source}"]))
+        assert report["format"] == "mae" and list(torch.load(source, weights_only=True)) == ["model"]
+    cfg = compose_cfg("train", [*PRETRAIN, f"model.pretrained={source}"], output_dir=tmp_path / "run")
+    module = build.build_module(cfg, build.build_datamodule(cfg.data))
+    with caplog.at_level("INFO"):
+        assert resume.starting_point(cfg, module) is None  # weights loaded; a new run, not a resumption
+    assert "with its MAE decoder" in caplog.text
+    trained = ViTModule.load_from_checkpoint(best, weights_only=True)
+    for mine, theirs in ((module.model, trained.model), (module.decoder, trained.decoder)):
+        assert mine.state_dict().keys() == theirs.state_dict().keys()
+        assert all(torch.equal(v, theirs.state_dict()[k]) for k, v in mine.state_dict().items())
 
 
 def test_a_token_pooled_encoder_fine_tunes_with_average_pooling_as_mae_does(pretrained):

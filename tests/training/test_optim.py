@@ -221,6 +221,46 @@ def test_lr_base_scales_with_the_global_batch_and_is_saved_in_the_config(compose
     assert make_optimizer(module.model, module.optim).param_groups[0]["lr"] == pytest.approx(expected)
 
 
+def test_lr_base_scales_with_batch_times_devices_times_nodes_times_accumulation(compose_cfg, caplog):
+    """MAE's eff_batch_size = batch x accum_iter x world size: data.batch_size is already global (per device x devices
+    x nodes), trainer.accumulate_grad_batches multiplies it; the global batch is logged and written beside the LR."""
+    from vitlab.training.build import resolve_lr
+
+    overrides = ["optim.lr_base=1.5e-4", "data.batch_size=512", "trainer.accumulate_grad_batches=8"]
+    cfg = compose_cfg("train", [*overrides, "trainer.devices=8", "trainer.num_nodes=1"])
+    with caplog.at_level("INFO"):
+        resolve_lr(cfg)
+    assert cfg.optim.global_batch == 4096 and cfg.optim.lr == pytest.approx(1.5e-4 * 4096 / 256, rel=1e-12)
+    assert "optim.lr 0.0024: optim.lr_base 0.00015 x (global batch 4096 / optim.lr_base_size 256); global batch = " in (
+        caplog.text
+    )
+    how = "data.batch_size 512 (64 per device x 8 devices x 1 nodes) x trainer.accumulate_grad_batches 8"
+    assert how in caplog.text
+    cfg = compose_cfg("train", [*overrides, "optim.global_batch=1024"])  # given: the user's batch to scale by
+    resolve_lr(cfg)
+    assert cfg.optim.global_batch == 1024 and cfg.optim.lr == pytest.approx(1.5e-4 * 4, rel=1e-12)
+
+
+def test_decay_tokens_is_maes_pretraining_rule():
+    """timm 0.3.2's add_weight_decay as MAE's main_pretrain.py calls it (no skip list): every parameter but the 1-D
+    ones (biases, norms) is decayed, the class token included; a fixed pos_embed is no parameter at all."""
+    model = ViT(tiny(pos_embed="sincos2d_mae", reg_tokens=1))
+    groups = param_groups(model, lr=1e-3, weight_decay=0.05, decay_tokens=True)
+    decayed = {n for g in groups if g["weight_decay"] for n in g["names"]}
+    mae_rule = {n for n, p in model.named_parameters() if not (p.ndim == 1 or n.endswith(".bias"))}
+    assert decayed == mae_rule and {"cls_token", "reg_token", "patch_embed.proj.weight"} <= decayed
+    assert "pos_embed" not in {n for g in groups for n in g["names"]}
+    mae = {"name": "mae", "decoder_embed_dim": 8, "decoder_depth": 1, "decoder_num_heads": 2}
+    module = ViTModule(model=tiny(num_classes=0, pos_embed="sincos2d_mae"), objective=mae)
+    joint = module.objective.optimized(module.model)  # encoder and decoder, as objective=mae optimises them
+    groups = param_groups(joint, lr=1e-3, weight_decay=0.05, decay_tokens=True)
+    decayed = {n for g in groups if g["weight_decay"] for n in g["names"]}
+    assert decayed == {n for n, p in joint.named_parameters() if p.ndim > 1}
+    assert {"decoder.mask_token", "model.cls_token"} <= decayed
+    plain = param_groups(joint, lr=1e-3, weight_decay=0.05)  # without it: timm's rule, tokens not decayed
+    assert {"decoder.mask_token", "model.cls_token"} <= {n for g in plain if not g["weight_decay"] for n in g["names"]}
+
+
 def test_the_optimizer_configs_compose_and_build():
     for name, kind in (("sgd", torch.optim.SGD), ("lamb", None), ("adamw", torch.optim.AdamW)):
         values = OmegaConf.to_container(OmegaConf.load(config_dir() / "optim" / f"{name}.yaml"))
@@ -269,8 +309,10 @@ def _timm_lrs(scheduler: dict, epochs: int, steps: int, metrics: list[float]) ->
 
     s = SchedulerConfig.from_dict(scheduler)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    # timm's train.py trains num_epochs + warmup (warmup_prefix) + cooldown epochs: the run's epochs are all three
+    num_epochs = epochs - s.cooldown_epochs - (s.warmup_epochs if s.warmup_prefix else 0)
     sched, _ = create_scheduler_v2(
-        opt, sched=s.name, num_epochs=epochs - s.cooldown_epochs, decay_epochs=s.decay_epochs,
+        opt, sched=s.name, num_epochs=num_epochs, decay_epochs=s.decay_epochs,
         decay_milestones=list(s.decay_milestones), cooldown_epochs=s.cooldown_epochs, patience_epochs=s.patience_epochs,
         decay_rate=s.decay_rate, min_lr=s.min_lr, warmup_lr=s.warmup_lr, warmup_epochs=s.warmup_epochs,
         warmup_prefix=s.warmup_prefix, plateau_mode=s.plateau_mode, step_on_epochs=s.step_on_epochs,
@@ -318,8 +360,10 @@ def test_a_timm_schedule_resumes_exactly(tmp_path):
 
 
 def test_bad_scheduler_settings_name_the_field():
-    with pytest.raises(UserError, match=r"scheduler.name 'cosin' is not one of \['warmup_cosine', 'cosine', "):
+    with pytest.raises(UserError, match=r"scheduler.name 'cosin' is not one of \['warmup_cosine', 'mae_cosine', 'cos"):
         SchedulerConfig(name="cosin")
+    with pytest.raises(UserError, match=r"scheduler.epoch_offset 2 must be 1 \(timm's train.py\) or 0 \(DeiT's\)"):
+        SchedulerConfig(epoch_offset=2)
     with pytest.raises(UserError, match="scheduler.warmup_steps -1 must be a number >= 0 or null"):
         SchedulerConfig(warmup_steps=-1)
     with pytest.raises(UserError, match="scheduler.name=plateau changes the LR once per epoch: set scheduler.step_"):

@@ -48,9 +48,15 @@ def test_the_table_covers_every_recipe():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_each_recipe_is_its_table(compose_cfg, recipe):
+    """Composed as the run composes it: with its real model.pretrained (timm's architecture and preprocessing read
+    offline, what the recipe sets kept) and its LR scaled by the global batch."""
     from vitlab.model.config import vit_config
+    from vitlab.training.build import resolve_lr
+    from vitlab.training.pretrained import apply_pretrained
 
     cfg = compose_cfg("train", [f"experiment={recipe}"])
+    apply_pretrained(cfg)
+    resolve_lr(cfg)
     model = vit_config(cfg.model)  # the network the run builds (a variant's sizes filled in)
     for key, value in table_rows()[recipe]:
         field = key.removeprefix("model.")
@@ -72,8 +78,9 @@ def tree(tmp_path_factory):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_each_recipe_builds_and_takes_a_step(compose_cfg, recipe, tree):
-    """The recipe's pipeline on a small tree (its network shrunk, no download): each optimizer group and the
-    schedule, the workers' augmentation, the device half, MixUp, the loss, one optimizer step."""
+    """The recipe's pipeline on a small tree (its network shrunk, so without its pretrained weights, which would refuse
+    a shrunk network): each optimizer group and the schedule, the workers' augmentation, the device half, MixUp, the
+    loss, one optimizer step."""
     from vitlab.training.build import build_datamodule, build_module
     from vitlab.training.optim import make_optimizer, make_scheduler
 

@@ -52,8 +52,10 @@ def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
     d["img_size"], d["patch_size"] = cfg.img_hw, cfg.patch_hw
     if cfg.pos_embed == "sincos2d":
         d.update(pos_embed="learn", no_embed_class=True)
-    elif cfg.pos_embed == "sincos1d":  # prefix rows as no_embed_class says
+    elif cfg.pos_embed in ("sincos1d", "sincos2d_mae"):  # prefix rows as no_embed_class says
         d.update(pos_embed="learn")
+    if cfg.weight_init == "mae":  # timm has no MAE init (the weights are what matters; they are copied over)
+        d["weight_init"] = ""
     for key, table in timm_components().items():
         d[key] = table[d[key]]
     d["norm_layer"] = partial(d["norm_layer"], eps=cfg.norm_eps)

@@ -4,12 +4,14 @@ vitlab keeps timm's parameter names, so a timm state dict *is* a vitlab one: not
 `fit_state_dict` adds is the strict check (every key used, every shape matched, nothing left over) and the real
 exceptions: a pos_embed trained at another resolution is resampled, patch filters for another channel count
 adapted, a head of another class count dropped when asked. Every file is read by one reader that never runs
-code: safetensors, or `torch.load(weights_only=True)`; a training checkpoint (`read_checkpoint`) and a weights
-file (`read_state_dict`) differ only in what they must hold.
+code: safetensors, or `torch.load(weights_only=True)` (which admits argparse.Namespace, and nothing else beyond
+tensors and plain data, for MAE's main_pretrain.py checkpoints); a training checkpoint (`read_checkpoint`) and a
+weights file (`read_weights`: vitlab's, timm's, MAE's) differ only in what they must hold.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vitlab.convert.mae import describe_decoder, load_decoder, split_decoder
 from vitlab.convert.timm_hub import PREPROCESSING, timm_pretrained_cfg, timm_pretrained_state_dict
 from vitlab.model import ViT, ViTConfig, resample_pos_embed
 from vitlab.utils.atomic import atomic_write
@@ -60,12 +63,13 @@ def fit_state_dict(
     reset_head: bool = False,
     fresh: tuple[str, ...] = (),
     src: str = "timm",
+    resample_patch: bool = False,
 ) -> StateDict:
     """`sd` (timm's keys, which are ours) checked against a ViT of `cfg`: every key used, every shape matched,
     returned in our key order. `resample` fits a pos_embed of another grid (square source grids, as timm
-    assumes) and patch filters of another channel count; `reset_head` drops the classifier so a new one (another
-    class count) keeps its fresh initialisation, as do the `fresh` prefixes. `src` names the state dict's origin in the
-    errors."""
+    assumes) and patch filters of another channel count; `resample_patch` patch filters of another size (timm's
+    resample_patch_embed); `reset_head` drops the classifier so a new one (another class count) keeps its fresh
+    initialisation, as do the `fresh` prefixes. `src` names the state dict's origin in the errors."""
     want = expected_shapes(cfg)
     unknown = [key for key in sd if key not in want]
     out: StateDict = {key: value for key, value in sd.items() if key in want}
@@ -84,13 +88,31 @@ def fit_state_dict(
     key = "patch_embed.proj.weight"
     if resample and key in out and out[key].shape[1] != cfg.in_chans:  # e.g. RGB weights for grayscale data
         out[key] = adapt_in_chans(out[key], cfg.in_chans)
+    if resample_patch and key in out and key in want and out[key].shape[-2:] != want[key][-2:]:
+        from timm.layers import resample_patch_embed  # FlexiViT's pseudo-inverse resize, as timm's loader
+
+        out[key] = resample_patch_embed(out[key], list(want[key][-2:]))
     missing = sorted(set(want) - set(out))
     if missing:
         raise UserError(f"{src} state dict lacks keys this ViT config needs: {missing[:8]}")
     bad = [f"{k} {tuple(out[k].shape)} != {tuple(want[k])}" for k in want if out[k].shape != want[k]]
     if bad:
-        raise UserError(f"{src} state dict does not fit this ViT config: {'; '.join(bad[:4])}")
+        raise UserError(f"{src} state dict does not fit this ViT config: {'; '.join(bad[:4])}{_fix(out, want)}")
     return {k: out[k] for k in want}  # our key order
+
+
+def _fix(out: StateDict, want: dict[str, torch.Size]) -> str:
+    """What to type when the weights' patches are another size than the model's."""
+    key = "patch_embed.proj.weight"
+    if key not in out or key not in want or out[key].shape[-2:] == want[key][-2:]:
+        return ""
+    h, w = out[key].shape[-2:]
+    size = h if h == w else f"[{h},{w}]"
+    ours = f"{want[key][-2]}x{want[key][-1]}"
+    return (
+        f". The weights' patches are {h}x{w}, this model's {ours}: set model.patch_size={size}, or "
+        "model.resample_patch=true to resample the patch filters (FlexiViT; timm's resample_patch_embed)"
+    )
 
 
 def check_state_dict(sd: StateDict, cfg: ViTConfig, src: str = "vitlab") -> StateDict:
@@ -202,18 +224,22 @@ def numbered_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
 
 def _load_weights_only(path: Path) -> Any:
     """torch.load(weights_only=True), memory-mapped when the file is a zip checkpoint (every file torch
-    has written since 1.6); older pickle files are read whole."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as e:
-        if "mmap can only be used" not in str(e):
-            raise
-    return torch.load(path, map_location="cpu", weights_only=True)
+    has written since 1.6); older pickle files are read whole. argparse.Namespace is the one class admitted beyond
+    torch's: MAE's main_pretrain.py saves its arguments as one (rebuilt as attributes; nothing is called)."""
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap can only be used" not in str(e):
+                raise
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def read_state_dict(path: str | os.PathLike) -> StateDict:
-    """A weights file: a bare state dict, or one inside 'state_dict' / 'model' / 'state_dict_ema' (Lightning and
-    timm training checkpoints); Lightning's 'model.' prefix is removed."""
+def read_weights(path: str | os.PathLike) -> tuple[StateDict, StateDict, str]:
+    """A weights file as (the ViT's state dict, an MAE decoder's in MAE's names (empty if none), what the file is): a
+    bare state dict, or one inside 'state_dict' / 'model' / 'state_dict_ema' (Lightning's and timm's training
+    checkpoints; MAE's released weights and main_pretrain.py checkpoints); a vitlab checkpoint's `model.*` and
+    `decoder.*` (its other entries left out, and said so)."""
     obj = read_file(path, "weights file")
     if isinstance(obj, dict):
         for key in ("state_dict_ema", "state_dict", "model"):
@@ -222,12 +248,22 @@ def read_state_dict(path: str | os.PathLike) -> StateDict:
                 break
     if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise UserError(f"weights file {str(path)!r} does not hold a state dict (a mapping of names to tensors)")
-    if any(k.startswith("model.") for k in obj):  # a vitlab training checkpoint: its network, without the rest
-        left = sorted({k.split(".")[0] for k in obj if not k.startswith("model.")})
+    if any(k.startswith("model.") for k in obj):  # a vitlab training checkpoint: its networks, without the rest
+        left = sorted({k.split(".")[0] for k in obj if not k.startswith(("model.", "decoder."))})
         if left:
             log.info("%s: took its network (model.*); left out %s", path, ", ".join(f"{k}.*" for k in left))
-        obj = {k[len("model.") :]: v for k, v in obj.items() if k.startswith("model.")}
-    return obj
+        decoder = {k[len("decoder.") :]: v for k, v in obj.items() if k.startswith("decoder.")}
+        return {k[len("model.") :]: v for k, v in obj.items() if k.startswith("model.")}, decoder, "vitlab checkpoint"
+    encoder, decoder = split_decoder(obj)
+    return encoder, decoder, "MAE checkpoint" if decoder else "weights file"
+
+
+def read_state_dict(path: str | os.PathLike) -> StateDict:
+    """The ViT's weights of a weights file (read_weights), an MAE decoder in it left out (and named in the log)."""
+    encoder, decoder, _ = read_weights(path)
+    if decoder:
+        log.info("%s: took the encoder; left out the MAE decoder (%s)", path, describe_decoder(decoder))
+    return encoder
 
 
 def read_checkpoint(path: str | os.PathLike, weights: bool = True) -> dict[str, Any]:
@@ -244,14 +280,24 @@ def read_checkpoint(path: str | os.PathLike, weights: bool = True) -> dict[str, 
     return ckpt
 
 
-def load_timm_weights(model: ViT, source: str, *, reset_head: bool | None = None) -> None:
-    """Load timm weights into `model`: `source` is a local file, or a timm model name (downloaded
-    through timm when online). The pos_embed is resampled to the model's img_size. `reset_head`:
-    keep the model's fresh head; None decides by whether the checkpoint's head fits."""
+def load_timm_weights(
+    model: ViT,
+    source: str,
+    *,
+    reset_head: bool | None = None,
+    decoder: nn.Module | None = None,
+    resample_patch: bool = False,
+) -> None:
+    """Load pretrained weights into `model`: `source` is a local file (vitlab's checkpoint, timm's or MAE's weights),
+    or a timm model name (downloaded through timm when online). The pos_embed is resampled to the model's img_size;
+    `resample_patch` resamples patch filters of another size. `reset_head`: keep the model's fresh head; None decides
+    by whether the checkpoint's head fits. `decoder` (objective=mae's) takes the file's MAE decoder, so pretraining
+    goes on; without it an MAE decoder in the file is left out, and said so."""
     if is_weights_file(source):
-        sd = read_state_dict(source)
+        sd, mae_decoder, kind = read_weights(source)
+        src = f"{kind} {str(source)!r}"
     else:
-        sd = timm_pretrained_state_dict(source)
+        sd, mae_decoder, src = timm_pretrained_state_dict(source), {}, f"timm's weights of {source}"
         pretrained = timm_pretrained_cfg(source)
         model.pretrained_cfg.update(
             {k: pretrained[k] for k in PREPROCESSING if k != "input_size"}, tag=pretrained["tag"]
@@ -264,14 +310,20 @@ def load_timm_weights(model: ViT, source: str, *, reset_head: bool | None = None
         # A token-pooled encoder (MAE's) fine-tuned with average pooling: its final norm is dropped and fc_norm
         # starts fresh, as MAE's main_finetune.py does.
         sd, fresh = {k: v for k, v in sd.items() if not k.startswith("norm.")}, ("fc_norm.",)
-    model.load_state_dict(
-        fit_state_dict(sd, model.cfg, reset_head=reset_head, fresh=fresh), strict=not (reset_head or fresh)
-    )
+    fitted = fit_state_dict(sd, model.cfg, reset_head=reset_head, fresh=fresh, src=src, resample_patch=resample_patch)
+    if decoder is not None and mae_decoder:
+        load_decoder(decoder, mae_decoder, src)
+    model.load_state_dict(fitted, strict=not (reset_head or fresh))
+    if decoder is not None and not mae_decoder:
+        log.warning("%s holds no MAE decoder: the decoder starts from its initialisation", src)
+    took = "" if not mae_decoder else " with its MAE decoder" if decoder is not None else "; left out its MAE decoder"
     log.info(
-        "loaded weights %s%s%s",
-        source,
-        " (new head)" if reset_head else "",
+        "loaded %s%s%s%s%s",
+        src,
+        " (new head)" if reset_head and isinstance(model.head, nn.Linear) else "",
         " (final norm dropped, new fc_norm)" * bool(fresh),
+        took,
+        f" ({describe_decoder(mae_decoder)})" if mae_decoder else "",
     )
 
 

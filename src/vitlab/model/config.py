@@ -35,11 +35,11 @@ NORM_LAYERS = ("layernorm", "rmsnorm")
 MLP_LAYERS = ("mlp", "swiglu", "swiglu_packed")
 ATTN_LAYERS = ("attn", "diff")
 BLOCK_FNS = ("block", "parallel_scaling", "diff_parallel_scaling", "res_post", "parallel_things")
-POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "none")
-WEIGHT_INITS = ("", "jax", "jax_nlhb", "moco", "skip")  # timm's modes
+POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "sincos2d_mae", "none")
+WEIGHT_INITS = ("", "jax", "jax_nlhb", "moco", "mae", "skip")  # timm's modes and MAE's
 # The regularisation fields: probabilities in [0, 1), free to change when a run is resumed.
 # Keys of a config's model group that are the commands', not ViTConfig fields.
-MODEL_EXTRA_KEYS = ("variant", "timm_name", "pretrained")
+MODEL_EXTRA_KEYS = ("variant", "timm_name", "pretrained", "resample_patch")
 DROPOUTS = ("drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate")
 
 
@@ -99,7 +99,8 @@ class ViTConfig:
     # (post-norm residuals, Swin V2) | parallel_things (two attention, then two MLP branches, Touvron et al. 2022)
     block_fn: str = "block"
     pre_norm: bool = False  # LayerNorm before the blocks (CLIP); drops the patch-embedding bias
-    # 'learn', 'sincos1d' (fixed, Vaswani's table over the tokens), 'sincos2d' (fixed, patches only) or 'none'
+    # 'learn', 'sincos1d' (fixed, Vaswani's table over the tokens), 'sincos2d' (fixed, big_vision's, patches only),
+    # 'sincos2d_mae' (fixed, MAE's frequencies, zero rows for the prefix tokens; its decoder's table follows) or 'none'
     pos_embed: str = "learn"
     drop_rate: float = 0.0  # before the head
     pos_drop_rate: float = 0.0
@@ -110,7 +111,8 @@ class ViTConfig:
     dynamic_img_size: bool = False  # accept any input size, resampling pos_embed per batch
     dynamic_img_pad: bool = False  # pad inputs (right, bottom, zeros) to a multiple of patch_size, as timm
     norm_eps: float = 1e-6
-    weight_init: str = ""  # '' (timm's), 'jax', 'jax_nlhb' (head bias -log K), 'moco', 'skip' (PyTorch's own)
+    # '' (timm's), 'jax', 'jax_nlhb' (head bias -log K), 'moco', 'mae' (MAE's models_mae.py), 'skip' (PyTorch's own)
+    weight_init: str = ""
     fix_init: bool = False  # divide each block's output projections by sqrt(2 * (layer + 1)) (timm's fix_init)
     # Recompute each block in the backward pass instead of keeping its activations: less memory (ViT-L/H), more
     # time; the same numbers. Not part of the architecture: a run may resume with it switched.
@@ -195,8 +197,8 @@ class ViTConfig:
             )
         if self.pos_embed not in POS_EMBEDS:
             raise UserError(f"pos_embed {self.pos_embed!r} is not one of {list(POS_EMBEDS)}")
-        if self.pos_embed == "sincos2d" and self.embed_dim % 4:
-            raise UserError(f"pos_embed 'sincos2d' needs embed_dim divisible by 4, got {self.embed_dim}")
+        if self.pos_embed in ("sincos2d", "sincos2d_mae") and self.embed_dim % 4:
+            raise UserError(f"pos_embed {self.pos_embed!r} needs embed_dim divisible by 4, got {self.embed_dim}")
         if self.pos_embed == "sincos1d" and self.embed_dim % 2:
             raise UserError(f"pos_embed 'sincos1d' needs an even embed_dim, got {self.embed_dim}")
 
@@ -265,7 +267,7 @@ class ViTConfig:
     @property
     def embeds_prefix(self) -> bool:
         """Whether pos_embed has rows for the class/register tokens (timm's original layout)."""
-        return self.pos_embed in ("learn", "sincos1d") and not self.no_embed_class
+        return self.pos_embed in ("learn", "sincos1d", "sincos2d_mae") and not self.no_embed_class
 
     @property
     def pos_prefix_rows(self) -> int:

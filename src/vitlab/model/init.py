@@ -2,7 +2,8 @@
 
 A scheme initialises a built ViT in place. '' (timm's), 'jax' / 'jax_nlhb' (big_vision's) and 'moco' (MoCo v3's)
 start the position embedding and prefix tokens as timm does, then apply their rule to every Linear/Conv2d
-(by its module path); 'skip' keeps what PyTorch's constructors drew, with zero tokens and position embedding.
+(by its module path); 'mae' is MAE's (models_mae.py initialize_weights, with main_finetune.py's head); 'skip' keeps
+what PyTorch's constructors drew, with zero tokens and position embedding.
 """
 
 from __future__ import annotations
@@ -67,6 +68,28 @@ def _moco_rule(name: str, m: nn.Module, cfg: ViTConfig) -> None:
             nn.init.zeros_(m.bias)
 
 
+def _mae_rule(name: str, m: nn.Module, cfg: ViTConfig) -> None:
+    """MAE's: Xavier-uniform Linears (the fused qkv as one matrix) with zero biases, the patch projection as a Linear
+    (Xavier on its flattened (D, C*P*P) weight; the bias PyTorch's), LayerNorms 1 and 0; a head as main_finetune.py
+    leaves it: trunc-normal 2e-5, zero bias."""
+    if isinstance(m, nn.Linear) and name.startswith("head"):
+        nn.init.trunc_normal_(m.weight, std=2e-5)
+        nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Linear):
+        nn.init.xavier_uniform_(m.weight)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Conv2d):
+        nn.init.xavier_uniform_(m.weight.view(m.weight.shape[0], -1))
+        if m.bias is not None:  # models_mae.py leaves the conv's bias as nn.Conv2d drew it
+            bound = 1.0 / math.sqrt(m.weight[0].numel())
+            nn.init.uniform_(m.bias, -bound, bound)
+    elif isinstance(m, nn.LayerNorm) and m.weight is not None:
+        nn.init.ones_(m.weight)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
 # ---- the schemes, per model ----------------------------------------------------------------------------
 
 
@@ -93,6 +116,16 @@ def _scheme(rule: Callable[[str, nn.Module, ViTConfig], None], model: nn.Module)
             blk.mlp.fc2.weight.div_(math.sqrt(2.0 * (i + 1)))
 
 
+@torch.no_grad()
+def _mae_scheme(model: nn.Module) -> None:
+    """MAE's: its rule on every layer, and N(0, 0.02) prefix tokens (models_mae.py: normal_, its comment says
+    timm's trunc_normal_ at 2 std is the same); a learned pos_embed starts as timm's (MAE's is a fixed table)."""
+    _scheme(_mae_rule, model)
+    for tok in (model.cls_token, model.reg_token, model.dist_token):
+        if tok is not None:
+            nn.init.normal_(tok, std=0.02)
+
+
 def _pytorch_default(model: nn.Module) -> None:
     """'skip': every layer keeps what its PyTorch constructor drew; tokens and position embedding stay zero."""
 
@@ -102,6 +135,7 @@ WEIGHT_INITS: dict[str, Callable[[nn.Module], None]] = {
     "jax": partial(_scheme, _jax_rule),
     "jax_nlhb": partial(_scheme, _jax_rule),
     "moco": partial(_scheme, _moco_rule),
+    "mae": _mae_scheme,
     "skip": _pytorch_default,
 }
 

@@ -22,7 +22,7 @@ from torch import nn
 from vitlab.model.blocks import Block
 from vitlab.model.config import ViTConfig
 from vitlab.model.layers import random_order
-from vitlab.model.posemb import posemb_sincos_2d
+from vitlab.model.posemb import posemb_sincos_2d, posemb_sincos_2d_mae
 from vitlab.model.vit import ViT
 from vitlab.utils.checks import check_range, from_mapping
 from vitlab.utils.errors import UserError
@@ -55,8 +55,9 @@ class MAEConfig:
         return from_mapping(cls, values, "objective=mae")
 
     def kept(self, num_patches: int) -> int:
-        """How many patches the encoder sees: round((1 - mask_ratio) * N), at least one."""
-        return max(1, round((1 - self.mask_ratio) * num_patches))
+        """How many patches the encoder sees: int(N * (1 - mask_ratio)) as MAE's random_masking (r 0.9, N 196: 19),
+        at least one."""
+        return max(1, int(num_patches * (1 - self.mask_ratio)))
 
 
 # ---- masking and targets ---------------------------------------------------------------------------
@@ -114,8 +115,9 @@ def encode_visible(vit: ViT, images: torch.Tensor, keep: int) -> tuple[torch.Ten
 
 class MAEDecoder(nn.Module):
     """MAE's decoder: the encoder's tokens projected to its width, a mask token in every removed place, a fixed
-    2-D sin-cos position embedding (zeros for the prefix tokens), pre-norm blocks, and a linear prediction of
-    each patch's pixels. Its parameter names are MAE's (`decoder_embed`, `mask_token`, `decoder_blocks`, ...)."""
+    2-D sin-cos position embedding (zeros for the prefix tokens; MAE's frequencies when the encoder's is
+    pos_embed=sincos2d_mae, else big_vision's, as vitlab's decoder had before), pre-norm blocks, and a linear
+    prediction of each patch's pixels. Its parameter names are MAE's (`decoder_embed`, `mask_token`, ...)."""
 
     def __init__(self, encoder: ViTConfig, cfg: MAEConfig):
         super().__init__()
@@ -134,9 +136,7 @@ class MAEDecoder(nn.Module):
         )
         self.decoder_embed = nn.Linear(encoder.embed_dim, cfg.decoder_embed_dim)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, cfg.decoder_embed_dim))
-        pos = posemb_sincos_2d(encoder.grid_size, cfg.decoder_embed_dim)
-        prefix = torch.zeros(1, self.num_prefix_tokens, cfg.decoder_embed_dim)
-        self.register_buffer("decoder_pos_embed", torch.cat([prefix, pos], dim=1), persistent=False)
+        self.register_buffer("decoder_pos_embed", decoder_pos_table(encoder, cfg.decoder_embed_dim), persistent=False)
         self.decoder_blocks = nn.ModuleList(Block(block_cfg, 0.0) for _ in range(cfg.decoder_depth))
         self.decoder_norm = nn.LayerNorm(cfg.decoder_embed_dim, eps=1e-6)
         ph, pw = encoder.patch_hw
@@ -166,6 +166,15 @@ class MAEDecoder(nn.Module):
         for blk in self.decoder_blocks:
             x = blk(x)
         return self.decoder_pred(self.decoder_norm(x))[:, p:]
+
+
+def decoder_pos_table(encoder: ViTConfig, dim: int) -> torch.Tensor:
+    """The decoder's fixed table (1, prefix + N, dim): MAE's with an encoder of pos_embed=sincos2d_mae, else zeros for
+    the prefix rows and big_vision's for the patches."""
+    if encoder.pos_embed == "sincos2d_mae":
+        return posemb_sincos_2d_mae(encoder.grid_size, dim, encoder.num_prefix_tokens)
+    prefix = torch.zeros(1, encoder.num_prefix_tokens, dim)
+    return torch.cat([prefix, posemb_sincos_2d(encoder.grid_size, dim)], dim=1)
 
 
 def flops_per_image(encoder: ViTConfig, cfg: MAEConfig) -> int:

@@ -1,7 +1,7 @@
 """Position embeddings and their resampling, and the patch filters' (FlexiViT): pure functions of tensors, and
 the table of position embeddings a config picks from (POS_EMBEDS).
 
-Fixed tables (1-D sinusoid, big_vision's 2-D sin-cos) are recomputed at any size; learned ones are resampled
+Fixed tables (1-D sinusoid, big_vision's and MAE's 2-D sin-cos) are recomputed at any size; learned ones are resampled
 bicubically on their grid, exactly as timm's `resample_abs_pos_embed`.
 """
 
@@ -24,23 +24,37 @@ def posemb_sincos_1d(length: int, dim: int, temperature: float = 10_000.0, devic
 
 
 def posemb_sincos_2d(grid_size: tuple[int, int], dim: int, temperature: float = 10_000.0, device=None) -> torch.Tensor:
-    """Fixed 2-D sin-cos embedding as big_vision's `posemb_sincos_2d`: (1, H*W, dim)."""
+    """Fixed 2-D sin-cos embedding as big_vision's `posemb_sincos_2d`: (1, H*W, dim), channels [sin x, cos x, sin y,
+    cos y] with frequencies 1 / temperature^(i / (dim/4 - 1)), i < dim/4, in float32."""
+    return _sincos_2d(grid_size, dim, max(dim // 4 - 1, 1), temperature, torch.float32, device)
+
+
+def posemb_sincos_2d_mae(grid_size: tuple[int, int], dim: int, prefix: int = 1, device=None) -> torch.Tensor:
+    """Fixed 2-D sin-cos embedding as MAE's `get_2d_sincos_pos_embed` (facebookresearch/mae util/pos_embed.py):
+    (1, prefix + H*W, dim), zero rows for the prefix tokens, then the same channel layout as big_vision's with
+    frequencies 1 / 10000^(i / (dim/4)), computed in float64 as MAE's numpy code and rounded to float32."""
+    table = _sincos_2d(grid_size, dim, dim // 4, 10_000.0, torch.float64, device).float()
+    return torch.cat([torch.zeros(1, prefix, dim, device=device), table], dim=1)
+
+
+def _sincos_2d(grid_size, dim: int, denominator: float, temperature: float, dtype, device) -> torch.Tensor:
     h, w = grid_size
-    f32 = dict(dtype=torch.float32, device=device)
-    y, x = torch.meshgrid(torch.arange(h, **f32), torch.arange(w, **f32), indexing="ij")
-    omega = torch.arange(dim // 4, **f32) / max(dim // 4 - 1, 1)
-    omega = 1.0 / temperature**omega
+    kw = dict(dtype=dtype, device=device)
+    y, x = torch.meshgrid(torch.arange(h, **kw), torch.arange(w, **kw), indexing="ij")  # x varies fastest
+    omega = 1.0 / temperature ** (torch.arange(dim // 4, **kw) / denominator)  # (dim/4,)
     y = y.flatten()[:, None] * omega[None, :]
     x = x.flatten()[:, None] * omega[None, :]
     return torch.cat([x.sin(), x.cos(), y.sin(), y.cos()], dim=1)[None]
 
 
 # config.py's pos_embed -> the table for a (h, w) grid, (1, prefix + h*w, D) with `prefix` rows for the class and
-# register tokens (sincos2d: patches only): zeros that the model learns, a fixed sinusoid, or None ('none').
+# register tokens (sincos2d: patches only; sincos2d_mae: zeros): zeros that the model learns, a fixed sinusoid, or
+# None ('none').
 POS_EMBEDS = {
     "learn": lambda grid, prefix, dim, device=None: torch.zeros(1, prefix + grid[0] * grid[1], dim, device=device),
     "sincos1d": lambda grid, prefix, dim, device=None: posemb_sincos_1d(prefix + grid[0] * grid[1], dim, device=device),
     "sincos2d": lambda grid, prefix, dim, device=None: posemb_sincos_2d(grid, dim, device=device),
+    "sincos2d_mae": lambda grid, prefix, dim, device=None: posemb_sincos_2d_mae(grid, dim, prefix, device=device),
     "none": lambda grid, prefix, dim, device=None: None,
 }
 

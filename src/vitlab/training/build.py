@@ -150,22 +150,37 @@ def build_module(cfg: DictConfig, datamodule: L.LightningDataModule) -> ViTModul
 
 
 def resolve_lr(cfg: DictConfig) -> None:
-    """optim.lr_base set: optim.lr becomes lr_base scaled by the global batch (timm's and DeiT's rule), logged and
-    written into the config, so config.yaml and the checkpoints say which learning rate ran."""
+    """optim.lr_base set: optim.lr becomes lr_base scaled by the global batch (timm's, DeiT's and MAE's rule), the
+    batch being data.batch_size (already global: per device x devices x nodes) x trainer.accumulate_grad_batches.
+    Both are logged and written into the config, so config.yaml and the checkpoints say which learning rate ran."""
     optim = OptimConfig.from_dict(OmegaConf.to_container(cfg.optim, resolve=True))
     if optim.lr_base is None:
         return
-    lr = scaled_lr(optim, cfg.data.batch_size)
+    batch, how = global_batch(cfg)
+    lr = scaled_lr(optim, batch)
     with open_dict(cfg):
-        cfg.optim.lr = lr
+        cfg.optim.lr, cfg.optim.global_batch = lr, optim.global_batch or batch
     log.info(
-        "optim.lr %.4g: optim.lr_base %g x %s(data.batch_size %d / optim.lr_base_size %d)",
+        "optim.lr %.4g: optim.lr_base %g x %s(global batch %d / optim.lr_base_size %d); global batch %s",
         lr,
         optim.lr_base,
         "sqrt" if optim.lr_base_scale == "sqrt" else "",
-        cfg.data.batch_size,
+        optim.global_batch or batch,
         optim.lr_base_size,
+        f"{optim.global_batch} (optim.global_batch)" if optim.global_batch else how,
     )
+
+
+def global_batch(cfg: DictConfig) -> tuple[int, str]:
+    """The images per optimizer step over every process (MAE's eff_batch_size), and how it was counted."""
+    t = cfg.get("trainer") or {}
+    accumulate, devices, nodes = t.get("accumulate_grad_batches", 1) or 1, t.get("devices", 1), t.get("num_nodes", 1)
+    batch = cfg.data.batch_size * accumulate
+    how = f"= data.batch_size {cfg.data.batch_size}"
+    if isinstance(devices, int) and devices > 0 and isinstance(nodes, int) and nodes > 0:
+        per = cfg.data.batch_size / (devices * nodes)
+        how += f" ({per:g} per device x {devices} devices x {nodes} nodes)"
+    return batch, how + f" x trainer.accumulate_grad_batches {accumulate}"
 
 
 def progress_bar(choice: str) -> tuple[list, bool]:

@@ -94,7 +94,7 @@ class MAE(Objective):
 
     def optimized(self, model: ViT) -> nn.Module:
         """The decoder trains with the encoder: the optimizer's groups are built over both (no weight decay on
-        norms, biases, tokens, position embeddings), as MAE's param_groups_weight_decay does."""
+        norms and biases; none on the tokens either unless optim.decay_tokens=true, MAE's main_pretrain.py rule)."""
         return self._joint(model)
 
 

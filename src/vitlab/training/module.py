@@ -179,7 +179,8 @@ class ViTModule(L.LightningModule):
         scheduler = self.lr_schedulers()
         if isinstance(scheduler, TimmScheduler):  # timm's epoch step, after validation (a plateau watches it)
             watched = self.trainer.callback_metrics.get(PLATEAU_MODES[self.scheduler_cfg.plateau_mode])
-            scheduler.step(self.current_epoch + 1, None if watched is None else watched.item())
+            epoch = self.current_epoch + self.scheduler_cfg.epoch_offset  # timm's train.py: + 1; DeiT's main.py: + 0
+            scheduler.step(epoch, None if watched is None else watched.item())
 
     def on_validation_epoch_end(self) -> None:
         values = self._log_epoch("val")

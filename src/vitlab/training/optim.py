@@ -1,7 +1,8 @@
 """The optimisation recipe: any optimizer of timm's registry (`optim.name`, AdamW by default) over vitlab's
-parameter groups (no decay on norms, biases, LayerScale, position embeddings and tokens; optional layer-wise LR
-decay), the learning rate optionally scaled by the batch (`optim.lr_base`, as timm and DeiT), and its schedule:
-vitlab's per-step linear warmup + cosine, or any of timm's schedulers (`scheduler.name`).
+parameter groups (no decay on norms, biases, LayerScale, position embeddings and tokens, or MAE's pretraining rule
+with `decay_tokens`; optional layer-wise LR decay), the learning rate optionally scaled by the global batch
+(`optim.lr_base`, as timm, DeiT and MAE), and its schedule: vitlab's per-step linear warmup + cosine, MAE's
+`util/lr_sched.py` (`mae_cosine`, big_vision's warmup + cosine too), or any of timm's schedulers (`scheduler.name`).
 
 `OptimConfig` and `SchedulerConfig` hold the defaults, the same as conf/optim/adamw.yaml and
 conf/scheduler/warmup_cosine.yaml (a test keeps them equal), so a
@@ -35,10 +36,16 @@ LR_BASE_SCALES = ("linear", "sqrt")
 class OptimConfig:
     name: str = "adamw"  # any of timm.optim.list_optimizers() (sgd, momentum, lamb, lars, lion, ...), lookahead_<name>
     lr: float = 1e-3
-    lr_base: float | None = None  # set: lr = lr_base * data.batch_size / lr_base_size (timm's train.py, DeiT)
+    lr_base: float | None = None  # set: lr = lr_base * global batch / lr_base_size (timm's train.py, DeiT, MAE)
     lr_base_size: int = 256
     lr_base_scale: str = "linear"  # linear | sqrt (of batch / lr_base_size)
+    # The batch lr_base scales by; null: the run's global batch, data.batch_size x trainer.accumulate_grad_batches
+    # (MAE's eff_batch_size = batch x accum_iter x world size), written into config.yaml when lr_base is set.
+    global_batch: int | None = None
     weight_decay: float = 0.05
+    # true: decay the class/register/mask tokens and a learned pos_embed too, every weight but the 1-D ones (MAE's
+    # pretraining: timm 0.3.2's add_weight_decay without a skip list); false: none on them (timm, DeiT, MAE fine-tune)
+    decay_tokens: bool = False
     momentum: float = 0.9  # the optimizers that have one (sgd, momentum, nesterov, lars, ...)
     betas: tuple[float, ...] | None = None  # null: the optimizer's own (AdamW's: 0.9, 0.999)
     eps: float | None = None  # null: the optimizer's own (AdamW's: 1e-8)
@@ -52,6 +59,7 @@ class OptimConfig:
         check_at_least("optim.eps", self.eps, optional=True)
         check_at_least("optim.lr_base", self.lr_base, optional=True)
         check_at_least("optim.lr_base_size", self.lr_base_size, 1)
+        check_at_least("optim.global_batch", self.global_batch, 1, optional=True)
         if self.lr_base_scale not in LR_BASE_SCALES:
             raise UserError(f"optim.lr_base_scale {self.lr_base_scale!r} is not one of {list(LR_BASE_SCALES)}")
         if self.layer_decay is not None:
@@ -79,11 +87,13 @@ def layer_id(name: str, depth: int) -> int:
     return depth + 1
 
 
-def param_groups(model: nn.Module, lr: float, weight_decay: float, layer_decay: float | None = None) -> list[dict]:
+def param_groups(
+    model: nn.Module, lr: float, weight_decay: float, layer_decay: float | None = None, decay_tokens: bool = False
+) -> list[dict]:
     """AdamW groups: no weight decay on norms, biases, LayerScale, position embeddings and class/register
-    tokens (every 1-D parameter, plus model.no_weight_decay()); with `layer_decay`, block i's LR is
-    scaled by layer_decay ** (depth + 1 - (i + 1))."""
-    skip, depth = model.no_weight_decay(), len(model.blocks)
+    tokens (every 1-D parameter, plus model.no_weight_decay()), or with `decay_tokens` on every parameter but the
+    1-D ones (MAE's pretraining); with `layer_decay`, block i's LR is scaled by layer_decay ** (depth + 1 - (i + 1))."""
+    skip, depth = set() if decay_tokens else model.no_weight_decay(), len(model.blocks)
     groups: dict[tuple[int, bool], dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -108,26 +118,44 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-# vitlab's own schedule, then timm's (timm.scheduler.create_scheduler_v2).
-SCHEDULERS = ("warmup_cosine", "cosine", "tanh", "step", "multistep", "plateau", "poly")
+def mae_cosine(step: int, warmup: float, total: int, min_ratio: float) -> float:
+    """LR factor of MAE's util/lr_sched.py at update `step` (its fractional epoch is step / steps per epoch): lr * t / W
+    during the warmup (0 at step 0), then min_lr + (lr - min_lr) * (1 + cos(pi (t - W) / (T - W))) / 2 to the run's
+    end. Each group's LR is this factor times its own (MAE's lr_scale: layer decay scales min_lr too). With min_lr 0
+    it is big_vision's create_learning_rate_schedule(warmup_steps, decay_type='cosine') as well."""
+    if step < warmup:
+        return step / warmup
+    progress = min(1.0, (step - warmup) / max(1.0, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# vitlab's own schedules (per-step LambdaLRs), then timm's (timm.scheduler.create_scheduler_v2).
+LAMBDA_SCHEDULES = {"warmup_cosine": warmup_cosine, "mae_cosine": mae_cosine}
+SCHEDULERS = ("warmup_cosine", "mae_cosine", "cosine", "tanh", "step", "multistep", "plateau", "poly")
 PLATEAU_MODES = {"max": "val/acc", "min": "val/loss"}  # what a plateau schedule watches
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The learning rate over training. `warmup_cosine` (the default) is vitlab's: per step, linear warmup to lr,
-    then cosine to lr * min_lr_ratio. The others are timm's schedulers as timm's train.py builds them: warmup from
-    warmup_lr, min_lr, cooldown, cycles, decay, stepped per step or per epoch (step_on_epochs)."""
+    then cosine to lr * min_lr_ratio. `mae_cosine` is MAE's util/lr_sched.py, per step: warmup from 0, then a
+    half-cycle cosine to min_lr over the rest of the run. The others are timm's schedulers as timm's train.py
+    builds them: warmup from warmup_lr, min_lr, cooldown, cycles, decay, stepped per step or per epoch
+    (step_on_epochs); after epoch e they step to e + epoch_offset."""
 
     name: str = "warmup_cosine"
     warmup_epochs: float = 5.0  # may be fractional
     warmup_steps: int | None = None  # a step count instead of warmup_epochs
     min_lr_ratio: float = 0.01  # warmup_cosine: it ends at lr * min_lr_ratio
+    min_lr: float = 0.0  # the LR it decays to (mae_cosine, cosine, tanh, poly) or never goes below (step, plateau)
     # timm's schedulers only
     warmup_lr: float = 1e-5  # the LR warmup starts from (timm's train.py default)
-    warmup_prefix: bool = False  # the decay starts after the warmup (timm's default: both start at 0)
-    min_lr: float = 0.0  # the LR it decays to (cosine, tanh, poly) or never goes below (step, plateau)
+    # true: the decay starts after the warmup and ends with the run (timm's default: both start at 0)
+    warmup_prefix: bool = False
     step_on_epochs: bool = False  # change the LR once per epoch (timm's train.py, DeiT) rather than every step
+    # after epoch e the scheduler steps to e + epoch_offset: 1 as timm's train.py; 0 as DeiT's main.py
+    # (lr_scheduler.step(epoch)), whose every epoch runs at the LR timm's would give the epoch before
+    epoch_offset: int = 1
     cooldown_epochs: int = 0  # the last epochs at min_lr (the decay ends that much earlier)
     decay_epochs: float = 90.0  # step: decay every this many epochs
     decay_milestones: tuple[int, ...] = (90, 180, 270)  # multistep: decay at these epochs
@@ -147,6 +175,8 @@ class SchedulerConfig:
         for key in ("warmup_epochs", "warmup_lr", "min_lr", "cooldown_epochs", "decay_epochs", "patience_epochs"):
             check_at_least(f"scheduler.{key}", getattr(self, key))
         check_at_least("scheduler.warmup_steps", self.warmup_steps, optional=True)
+        if self.epoch_offset not in (0, 1):
+            raise UserError(f"scheduler.epoch_offset {self.epoch_offset!r} must be 1 (timm's train.py) or 0 (DeiT's)")
         if self.name == "plateau" and not self.step_on_epochs:
             raise UserError("scheduler.name=plateau changes the LR once per epoch: set scheduler.step_on_epochs=true")
         check_range("scheduler.min_lr_ratio", self.min_lr_ratio, 0, 1)
@@ -189,11 +219,11 @@ def optimizer_info(name: str):
 
 
 def scaled_lr(o: OptimConfig, batch_size: int) -> float:
-    """The learning rate of `o` for a global batch of `batch_size`: lr_base * (batch / lr_base_size), or its
-    square root with lr_base_scale=sqrt (timm's train.py); `o.lr` when lr_base is not set."""
+    """The learning rate of `o` for a global batch of `batch_size` (o.global_batch when set): lr_base * (batch /
+    lr_base_size), or its square root with lr_base_scale=sqrt (timm's train.py); `o.lr` when lr_base is not set."""
     if o.lr_base is None:
         return o.lr
-    ratio = batch_size / o.lr_base_size
+    ratio = (o.global_batch or batch_size) / o.lr_base_size
     return o.lr_base * (math.sqrt(ratio) if o.lr_base_scale == "sqrt" else ratio)
 
 
@@ -205,7 +235,7 @@ def make_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
     from timm.optim import create_optimizer_v2
 
     info = optimizer_info(o.name)
-    groups = param_groups(model, o.lr, o.weight_decay, o.layer_decay)
+    groups = param_groups(model, o.lr, o.weight_decay, o.layer_decay, o.decay_tokens)
     for g in groups:
         g.pop("names")
     kwargs = dict(o.opt_args)
@@ -266,10 +296,13 @@ def _match_by_name(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> d
 
 def make_scheduler(optimizer: torch.optim.Optimizer, s: SchedulerConfig, total_steps: int, epochs: int):
     """The schedule of `s` over a run of `total_steps` steps in `epochs` epochs: vitlab's per-step warmup + cosine
-    (a LambdaLR), or timm's scheduler `s.name` (stepped by ViTModule: step_update after every step, step at each
-    epoch's end)."""
+    or MAE's (LambdaLRs), or timm's scheduler `s.name` (stepped by ViTModule: step_update after every step, step at
+    each epoch's end)."""
     per_epoch = max(1, total_steps // max(1, epochs))
-    warmup = int(s.warmup_steps) if s.warmup_steps is not None else round(s.warmup_epochs * per_epoch)
+    if s.name == "mae_cosine":  # MAE's warmup is in fractional epochs: t / W with W = warmup_epochs * steps per epoch
+        warmup = float(s.warmup_steps) if s.warmup_steps is not None else s.warmup_epochs * per_epoch
+    else:
+        warmup = int(s.warmup_steps) if s.warmup_steps is not None else round(s.warmup_epochs * per_epoch)
     if warmup > total_steps:
         log.warning(
             "warmup of %d steps is longer than the %d training steps; warming up over all of them "
@@ -278,15 +311,20 @@ def make_scheduler(optimizer: torch.optim.Optimizer, s: SchedulerConfig, total_s
             total_steps,
         )
         warmup = total_steps
-    if s.name == "warmup_cosine":
-        schedule = functools.partial(warmup_cosine, warmup=warmup, total=total_steps, min_ratio=s.min_lr_ratio)
+    if s.name in LAMBDA_SCHEDULES:
+        lr = optimizer.defaults["lr"]
+        min_ratio = s.min_lr_ratio if s.name == "warmup_cosine" else (s.min_lr / lr if lr else 0.0)
+        schedule = functools.partial(LAMBDA_SCHEDULES[s.name], warmup=warmup, total=total_steps, min_ratio=min_ratio)
         return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     from timm.scheduler import create_scheduler_v2
 
+    # The run's epochs hold the cooldown, and with warmup_prefix the warmup too: the decay ends with the run (timm's
+    # train.py would add both after num_epochs).
+    decay_epochs = epochs - s.cooldown_epochs - (warmup / per_epoch if s.warmup_prefix else 0)
     scheduler, _ = create_scheduler_v2(
         optimizer,
         sched=s.name,
-        num_epochs=max(1, epochs - s.cooldown_epochs),  # the cooldown is part of the run's epochs
+        num_epochs=max(1, decay_epochs),
         decay_epochs=s.decay_epochs,
         decay_milestones=list(s.decay_milestones),
         cooldown_epochs=s.cooldown_epochs,

@@ -17,10 +17,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from vitlab.convert.weights import is_sharded_checkpoint, load_timm_weights, read_checkpoint
+from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
 from vitlab.model.config import DROPOUTS
 from vitlab.training.callbacks import SaveOnInterrupt
 from vitlab.training.module import ViTModule
+from vitlab.training.pretrained import load_pretrained
 from vitlab.training.sharding import requests_fsdp
 from vitlab.utils.atomic import remove_stale_temporaries
 from vitlab.utils.errors import MissingFileError, UserError
@@ -46,7 +47,7 @@ def starting_point(cfg: DictConfig, module: ViTModule) -> str | None:
     elif ckpt_path := earlier_start(Path(cfg.paths.output_dir)):
         check_resumable(ckpt_path, module)
     elif cfg.model.pretrained:
-        load_timm_weights(module.model, cfg.model.pretrained)
+        load_pretrained(module, cfg.model)  # objective=mae: the file's MAE decoder too
     return ckpt_path
 
 
