@@ -5,29 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmark.test_benchmark import TINY
 from tests.helpers import run_cli
-
-# A 32-px ViT with 4 blocks: 16 patches + class token.
-TINY = [
-    "model.img_size=32",
-    "model.patch_size=8",
-    "model.embed_dim=32",
-    "model.depth=4",
-    "model.num_heads=4",
-    "model.in_chans=3",
-    "model.num_classes=7",
-]
-ROW_KEYS = {
-    "median_ms",
-    "times_ms",
-    "images_per_s",
-    "achieved_flops_per_s",
-    "mfu",
-    "state_memory_mb",
-    "step_memory_mb",
-    "peak_memory_mb",
-}
-RATIO_KEYS = {"throughput", "throughput_paired_min", "throughput_paired_max", "peak_memory", "step_memory"}
 
 
 @pytest.mark.parametrize(

@@ -2,23 +2,8 @@
 
 import pytest
 
+from tests.data.test_streaming import RUN, TWO  # 9 steps of 8 an epoch on the `shards` fixture (tests/conftest.py)
 from tests.helpers import assert_same_run, interrupt, resume, run_cli
-
-# 3 classes x 24 images of 12 px in train, val and test (the `shards` fixture, tests/conftest.py): 9 steps of 8 an
-# epoch
-RUN = [
-    "data.batch_size=8",
-    "data.num_workers=2",
-    "model.img_size=8",
-    "trainer.max_epochs=3",
-    "trainer.deterministic=true",
-    "progress_bar=none",
-    "model.drop_path_rate=0.1",
-    "data.train_transform.auto_augment=randaugment",
-    "data.train_transform.random_erasing=0.5",
-    "trainer.log_every_n_steps=5",
-]
-TWO = ["trainer=ddp_cpu", "trainer.devices=2"]
 
 
 @pytest.mark.parametrize("processes", [1, 2])

@@ -8,7 +8,7 @@ Checkpoints are one file by default (gathered on rank 0 and written through the 
 atomically, and readable by every vitlab tool as a DDP checkpoint is), or with `save_distributed_checkpoint=true` a
 directory of shards (torch.distributed.checkpoint) written beside the target and renamed into place; vitlab.export
 format=ckpt consolidates one into a file. The optimizer state of every checkpoint names its parameters
-(`param_names` in each group, training.optim.key_by_name), and is loaded by those names here, whatever strategy and
+(`param_names` in each group, training.optim.name_parameters), and is loaded by those names, whatever strategy and
 group order wrote it.
 """
 
@@ -17,8 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -147,14 +146,6 @@ class FSDP2Strategy(ModelParallelStrategy):
             replace_directory(temporary, target)
         self.barrier("sharded_checkpoint_renamed")
 
-    def remove_checkpoint(self, filepath) -> None:
-        if self.global_rank == 0:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
-
 
 def requests_fsdp(trainer: Mapping[str, Any]) -> bool:
     """Whether the trainer config asks for this strategy (trainer=fsdp, fsdp_cpu)."""
@@ -215,8 +206,9 @@ def replace_directory(new: Path, target: Path) -> None:
 
 
 def keyed_by_name(state: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The inverse: a one-process optimizer state (numbered; with `param_names`, or written before them, in the
-    optimizer's own group order) -> torch's form keyed by parameter name, for set_optimizer_state_dict."""
+    """A one-process optimizer state (numbered; with `param_names`, or written before them, in the optimizer's own
+    group order) -> torch's form keyed by parameter name, for set_optimizer_state_dict (the inverse of
+    convert.weights.numbered_optimizer_state)."""
     groups = []
     for saved, live in zip(state["param_groups"], optimizer.param_groups, strict=True):
         names = saved.get("param_names") or live["param_names"]
@@ -256,22 +248,6 @@ def is_network_key(module: nn.Module, key: str) -> bool:
     """Whether `key` of the module's state dict is a network's (weights strictly checked) or bookkeeping."""
     networks = getattr(module, "network_prefixes", ("model.",))
     return key.startswith(tuple(networks))
-
-
-@contextmanager
-def gathered(root: nn.Module) -> Iterator[None]:
-    """The root's own parameters (embeddings, norms, head) gathered for a call that is not its forward, under
-    no_grad (feature extraction); the blocks gather themselves in their forward. A no-op when nothing is sharded."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(root, FSDPModule):
-        yield
-        return
-    root.unshard()
-    try:
-        yield
-    finally:
-        root.reshard()
 
 
 def is_sharded(trainer: L.Trainer | None) -> bool:
