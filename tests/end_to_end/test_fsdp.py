@@ -207,3 +207,23 @@ def assert_same_run_metrics(a, b):
     ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (a, b))
     keys = [k for k in ma if k.startswith(("train/", "val/", "test/")) and "per_sec" not in k]
     assert {k: ma[k] for k in keys} == {k: mb.get(k) for k in keys}
+
+
+def test_mae_pretraining_shards_its_encoder_and_decoder_and_trains_as_ddp(tmp_path_factory):
+    """objective=mae's step never calls the ViT's forward: the network FSDP shards is the encoder and decoder
+    together (MAE's forward), every block of both an FSDP unit. It pretrains as DDP does."""
+    mae = ["experiment=mae_pretrain_digits", "trainer.max_epochs=2", "trainer.deterministic=true", "progress_bar=none"]
+    runs = [
+        _run(tmp_path_factory, f"mae_{name}", [*mae, *strategy]) for name, strategy in (("ddp", DDP), ("fsdp", FSDP))
+    ]
+    ddp, fsdp = (json.loads((d / "metrics.json").read_text()) for d in runs)
+    for key in ("train/loss", "val/loss_best", "test/loss"):
+        assert fsdp[key] == pytest.approx(ddp[key], abs=1e-5), key
+    shapes = json.loads((runs[1] / "shards0.json").read_text())["shapes"]
+    whole = json.loads((runs[0] / "shards0.json").read_text())["shapes"]
+    for name in (
+        "model.blocks.0.attn.qkv.weight",
+        "decoder.decoder_blocks.0.mlp.fc1.weight",
+        "decoder.decoder_embed.weight",
+    ):
+        assert shapes[name][0] == whole[name][0] // 2, name
