@@ -56,6 +56,13 @@ class ImageFolderDataModule(ImageDataModule):
     ):
         if num_classes < 1 and not unlabeled:
             raise UserError(f"data.num_classes {num_classes} must be >= 1")
+        train = Path(data_dir) / "train"
+        if not unlabeled and train.is_dir():  # counted here, in the process that builds the run, before any other
+            found = sum(1 for entry in os.scandir(train) if entry.is_dir())  # (ImageFolder's classes: its folders)
+            if found != num_classes:
+                raise UserError(
+                    f"data.num_classes {num_classes} does not match the {found} class folders in {data_dir}/train"
+                )
         super().__init__(data_dir=data_dir, num_classes=num_classes, **kwargs)
         self.class_names: list[str] = []
         self.check_images, self.val_fraction, self.split_seed = check_images, val_fraction, split_seed
@@ -81,11 +88,6 @@ class ImageFolderDataModule(ImageDataModule):
             raise MissingFileError(f"data.data_dir {str(self.data_dir)!r} does not exist")
         train, val = self._split("train"), self._split("val")
         test = self._split("test") if (Path(self.data_dir) / "test").is_dir() else None
-        if not self.unlabeled and len(train.classes) != self.num_classes:
-            raise UserError(
-                f"data.num_classes {self.num_classes} does not match the {len(train.classes)} class "
-                f"folders in {self.data_dir}/train"
-            )
         for split in (val, test):
             if split is not None and split.classes != train.classes:
                 raise UserError(f"class folders of {split.root} differ from those of {train.root}")

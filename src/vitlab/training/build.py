@@ -8,19 +8,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import logging
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Annotated, Any, Literal, TypedDict
 
 import lightning as L
 import torch
+from annotated_types import Ge, Interval
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import get_object, instantiate
+from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import RichProgressBar
@@ -35,14 +36,12 @@ from vitlab.training.hardware import resolve_trainer
 from vitlab.training.module import ViTModule
 from vitlab.training.optim import OptimConfig, scaled_lr
 from vitlab.training.rank_state import RankState
-from vitlab.utils.checks import check_arguments
+from vitlab.utils.checks import Fraction, NonNegativeInt, NonNegativeNumber, PositiveInt, check_arguments
 from vitlab.utils.errors import UserError
-from vitlab.utils.logs import route_lightning_logs
+from vitlab.utils.logs import PROGRESS_BARS, route_lightning_logs
 
 log = logging.getLogger(__name__)
 route_lightning_logs()
-
-PROGRESS_BARS = ("auto", "rich", "tqdm", "none")
 
 __all__ = [
     "build_datamodule",
@@ -51,7 +50,7 @@ __all__ = [
     "build_trainer",
     "check_launch",
     "check_node",
-    "check_settings",
+    "check_nodes",
     "build_callbacks",
     "loggers_finished",
     "inference_datamodule",
@@ -59,30 +58,27 @@ __all__ = [
 ]
 
 
-def _train_settings(
-    seed: int,
-    train: bool,
-    test: bool,
-    ckpt_path: str | None,
-    optimized_metric: str | None,
-    compile: bool | str,
-    progress_bar: str,
-    print_config: bool,
-    freeze_backbone: bool,
-    task_name: str,
-    tags: list[str],
-) -> None:
-    """The top-level keys of conf/train.yaml, with their types (check_settings checks them against these)."""
+def check_nodes(cfg: DictConfig) -> None:
+    """Every node of a command's config that builds something (`_target_`: the data module, the Trainer, each
+    callback and logger, at the top or one level down) against its target's types (check_node), and the devices the
+    trainer asks for, before any is built."""
+    for key, node in _nodes(cfg):
+        if "_target_" in node:
+            check_node(node, key)
+        else:
+            for name, inner in _nodes(node):
+                if "_target_" in inner:
+                    check_node(inner, f"{key}.{name}")
+    if isinstance(cfg.get("trainer"), DictConfig):
+        check_devices(cfg.trainer)
 
 
-def check_settings(cfg: DictConfig) -> None:
-    """The top-level keys, before anything uses them: types (settings.check_arguments), then the seed's range
-    (what Lightning's seed_everything takes)."""
-    values = {k: cfg[k] for k in inspect.signature(_train_settings).parameters}
-    plain = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in values.items()}
-    check_arguments(_train_settings, plain, "")
-    if not 0 <= cfg.seed < 2**32:
-        raise UserError(f"seed {cfg.seed} must be in [0, {2**32 - 1}]")
+def _nodes(cfg: DictConfig) -> Iterator[tuple[str, DictConfig]]:
+    """The config nodes directly in `cfg` (leaves left unresolved), without Hydra's own."""
+    for key in cfg:
+        node = OmegaConf.select(cfg, str(key), throw_on_missing=False, throw_on_resolution_failure=False)
+        if isinstance(node, DictConfig) and key != "hydra":
+            yield str(key), node
 
 
 def check_launch(cfg: DictConfig) -> None:
@@ -110,15 +106,49 @@ def check_launch(cfg: DictConfig) -> None:
         )
 
 
+class TrainerRanges(TypedDict):
+    """Lightning's Trainer arguments with the ranges its documentation gives and its constructor leaves unchecked
+    (accumulate_grad_batches=0 divides by zero in estimated_stepping_batches, log_every_n_steps=0 at the first
+    logging step, once a run directory and processes exist) or checks in a sentence of its own; the types are
+    Lightning's. `precision: auto` is vitlab's (training/hardware.py)."""
+
+    precision: Literal["auto"] | _PRECISION_INPUT | None
+    num_nodes: PositiveInt
+    fast_dev_run: bool | NonNegativeInt
+    max_epochs: Annotated[int, Ge(-1)] | None  # -1: no limit
+    min_epochs: NonNegativeInt | None
+    max_steps: Annotated[int, Ge(-1)]  # -1: no limit
+    min_steps: NonNegativeInt | None
+    limit_train_batches: NonNegativeInt | Fraction | None  # a count of batches, or a fraction of them
+    limit_val_batches: NonNegativeInt | Fraction | None
+    limit_test_batches: NonNegativeInt | Fraction | None
+    limit_predict_batches: NonNegativeInt | Fraction | None
+    overfit_batches: NonNegativeInt | Fraction
+    val_check_interval: PositiveInt | Annotated[float, Interval(gt=0, le=1)] | str | dict[str, int] | None
+    check_val_every_n_epoch: PositiveInt | None
+    num_sanity_val_steps: Annotated[int, Ge(-1)] | None  # -1: every validation batch
+    log_every_n_steps: PositiveInt | None
+    accumulate_grad_batches: PositiveInt
+    gradient_clip_val: NonNegativeNumber | None
+    gradient_clip_algorithm: Literal["value", "norm"] | None
+    reload_dataloaders_every_n_epochs: NonNegativeInt
+
+
+# A target -> the narrower types of some of its arguments (check_arguments' `narrower`).
+NARROWER: dict[type, Any] = {L.Trainer: TrainerRanges}
+
+
 def check_node(node: DictConfig, key: str) -> None:
     """The values of a config node that builds something (`_target_`), and of the nodes in it, have the types
-    their target declares (settings.check_arguments): a wrong type is one line naming the key before anything
-    is built, not a TypeError deep inside (Lightning's Trainer arguments included)."""
+    their target declares (settings.check_arguments), within the ranges NARROWER gives: a wrong type or value is
+    one line naming the key before anything is built, not a TypeError deep inside (Lightning's Trainer arguments
+    included)."""
     try:
         target = get_object(str(node._target_))
     except Exception:  # an unknown target: instantiate names it
         return
-    check_arguments(target, OmegaConf.to_container(node, resolve=True), key)
+    narrower = next((n for t, n in NARROWER.items() if isinstance(target, type) and issubclass(target, t)), None)
+    check_arguments(target, OmegaConf.to_container(node, resolve=True), key, narrower)
     for name, value in node.items():
         inner = value if isinstance(value, ListConfig) else [value]
         for i, item in enumerate(inner):
