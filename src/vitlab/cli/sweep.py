@@ -94,10 +94,10 @@ class SweepSummary(Callback):
         if failed:
             first = failed[0]
             bug = any(r.get("bug") for r in failed)  # a failure of our code, its traceback shown above: exit 1
+            which = f"jobs {', '.join(str(r['job']) for r in failed)}; " if len(failed) > 1 else ""
             fail(
-                f"{len(failed)} of {len(rows)} sweep jobs failed: job(s) {', '.join(str(r['job']) for r in failed)} "
-                f"(job {first['job']}: {first.get('error') or first['status']}); every job is listed in "
-                f"{sweep_dir / 'summary.json'}",
+                f"{len(failed)} of {len(rows)} sweep jobs failed ({which}job {first['job']}: "
+                f"{first.get('error') or first['status']}); every job is listed in {sweep_dir / 'summary.json'}",
                 1 if bug else 2,
             )
         print(f"sweep results: {sweep_dir / 'summary.json'}", flush=True)
