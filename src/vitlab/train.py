@@ -1,6 +1,6 @@
 """python -m vitlab.train [overrides]: fit, then test the best checkpoint.
 
-The steps, top to bottom: the config is composed, checked (vitlab.cli.settings: its keys, every node that builds
+The steps, top to bottom: the config is composed, checked (vitlab.cli.schemas: its keys, every node that builds
 something, the launch) and the run directory claimed (`@entry_point`, before `train` runs); the data, the module
 (our ViT and its objective), the callbacks, loggers and Trainer are built; training starts from scratch, from
 pretrained weights or from a checkpoint; fit; test the best checkpoint; the summary: metrics.json, the last lines

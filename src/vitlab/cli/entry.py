@@ -24,7 +24,7 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
 from vitlab.cli.config_tree import config_dir, register_resolvers
-from vitlab.cli.settings import SETTINGS
+from vitlab.cli.schemas import SCHEMAS
 from vitlab.utils.checks import check_arguments
 from vitlab.utils.errors import Interrupted, config_errors, fail, one_line, user_error
 from vitlab.utils.logs import quiet
@@ -34,17 +34,17 @@ Check = Callable[[DictConfig], None]
 
 def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Callable[[], Any]]:
     """Turn `task(cfg)` into a Hydra command line: configs from config_dir(), resolvers, the config checked before
-    any work (`check_config` with the command's schema and checks, vitlab.cli.settings.SETTINGS), a new run
+    any work (`check_config` with the command's schema and checks, vitlab.cli.schemas.SCHEMAS), a new run
     directory, and input errors reported as one line (the traceback only with HYDRA_FULL_ERROR=1). A plain run is
     checked before Hydra makes its run directory (rundir.prepare), every job again as it starts. In a -m sweep a job
     with bad input is reported and recorded, a job that fails on a bug keeps its traceback and is recorded too, and
     the sweep goes on (SweepSummary lists every job at the end and makes the sweep exit 2, or 1 after a bug)."""
 
     def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], Any]:
-        settings, check = SETTINGS[config_name]
+        schema, check = SCHEMAS[config_name]
 
         def checked(cfg: DictConfig) -> None:
-            check_config(cfg, settings, check)
+            check_config(cfg, schema, check)
 
         @functools.wraps(task)
         def guarded(cfg: DictConfig) -> Any:
@@ -87,16 +87,16 @@ def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Cal
     return decorate
 
 
-def check_config(cfg: DictConfig, settings: Any = None, check: Check | None = None) -> None:
-    """A command's config before any work: its top-level keys against `settings` (a TypedDict schema: types and
+def check_config(cfg: DictConfig, schema: Any = None, check: Check | None = None) -> None:
+    """A command's config before any work: its top-level keys against `schema` (a TypedDict: types and
     ranges, its groups key by key: utils.checks.check_arguments), every node that builds something against its
     target (training.build.check_nodes: the data module, the Trainer within Lightning's ranges, callbacks, loggers),
     then the command's own `check` (what needs several keys or the file system)."""
-    if settings is not None:
-        keys = [k for k in typing.get_type_hints(settings) if k in cfg]
+    if schema is not None:
+        keys = [k for k in typing.get_type_hints(schema) if k in cfg]
         values = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
                   for k in keys for v in [cfg[k]]}  # fmt: skip
-        check_arguments(settings, values, "")
+        check_arguments(schema, values, "")
     if "_target_:" in OmegaConf.to_yaml(cfg):
         from vitlab.training.build import check_nodes  # (Lightning: only for a config that builds something)
 

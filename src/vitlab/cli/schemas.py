@@ -2,7 +2,7 @@
 types and ranges, its groups key by key: eval's knn, linear, fewshot) and what needs several keys or the file system
 (`check_<command>`). `@entry_point` runs both (vitlab.cli.entry.check_config), with every node that builds something
 (the data module, the Trainer within Lightning's ranges, callbacks, loggers) checked against its target, before Hydra
-makes a plain run's directory and as each sweep job starts. tests/cli/test_settings.py keeps each schema equal to its
+makes a plain run's directory and as each sweep job starts. tests/cli/test_schemas.py keeps each schema equal to its
 YAML file's keys.
 
 A schema is a TypedDict; a range is a type (`PositiveInt`, `Fraction`, utils.checks): `top_k=abc` and `top_k=0` are
@@ -191,7 +191,7 @@ def _nothing(cfg: DictConfig) -> None:
 
 
 # conf/<name>.yaml -> its schema, and its command's further checks.
-SETTINGS: dict[str, tuple[type, Callable[[DictConfig], Any]]] = {
+SCHEMAS: dict[str, tuple[type, Callable[[DictConfig], Any]]] = {
     "train": (TrainSettings, check_train),
     "eval": (EvalSettings, check_eval),
     "predict": (PredictSettings, _nothing),

@@ -1,4 +1,4 @@
-"""vitlab.cli.settings: each command's schema is its YAML file's keys, every config file of the tree passes the checks
+"""vitlab.cli.schemas: each command's schema is its YAML file's keys, every config file of the tree passes the checks
 of its command (no false refusals), and the checks run before the run directory is made."""
 
 import typing
@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from tests.test_conf import options
 from vitlab.cli.entry import check_config
-from vitlab.cli.settings import SETTINGS
+from vitlab.cli.schemas import SCHEMAS
 from vitlab.utils.errors import UserError
 
 # What each command needs given to compose whole (its `???` keys), as a user types it.
@@ -22,7 +22,7 @@ GIVEN = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(SETTINGS))
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_every_command_schema_lists_its_top_level_keys(compose_cfg, name):
     """A key added to conf/<command>.yaml without a type in its schema would go unchecked: the schema has every key
     that is not a config group, and nothing else."""
@@ -30,15 +30,15 @@ def test_every_command_schema_lists_its_top_level_keys(compose_cfg, name):
 
     cfg = compose_cfg(name, GIVEN.get(name, []))
     groups = {g for g, choice in HydraConfig.get().runtime.choices.items() if choice is not None and "/" not in g}
-    schema = set(typing.get_type_hints(SETTINGS[name][0]))
+    schema = set(typing.get_type_hints(SCHEMAS[name][0]))
     assert schema - set(cfg) == set()
     assert set(cfg) - groups - schema == set()
 
 
-@pytest.mark.parametrize("name", sorted(SETTINGS))
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_every_command_passes_its_own_checks_as_composed(compose_cfg, name, tmp_path):
     overrides = GIVEN.get(name, []) + ([f"out={tmp_path / 'shards'}"] if name == "pack" else [])
-    check_config(compose_cfg(name, overrides), *SETTINGS[name])
+    check_config(compose_cfg(name, overrides), *SCHEMAS[name])
 
 
 @pytest.mark.parametrize(
@@ -52,7 +52,7 @@ def test_every_train_config_file_passes_the_checks(compose_cfg, monkeypatch, ove
     """The ranges (Lightning's Trainer's among them) refuse no config vitlab ships; their GPU counts are another
     machine's business (check_devices asks only where there is no GPU)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    check_config(compose_cfg("train", overrides), *SETTINGS["train"])
+    check_config(compose_cfg("train", overrides), *SCHEMAS["train"])
 
 
 @pytest.mark.parametrize(
@@ -75,20 +75,20 @@ def test_every_train_config_file_passes_the_checks(compose_cfg, monkeypatch, ove
 )
 def test_a_bad_value_of_any_command_is_named_with_what_is_allowed(compose_cfg, name, overrides, said):
     with pytest.raises(UserError, match=f"^{said.replace('[', '.').replace(']', '.')}$"):
-        check_config(compose_cfg(name, GIVEN.get(name, []) + overrides), *SETTINGS[name])
+        check_config(compose_cfg(name, GIVEN.get(name, []) + overrides), *SCHEMAS[name])
 
 
 def test_eval_refuses_model_overrides_a_checkpoint_would_ignore(compose_cfg):
     cfg = compose_cfg("eval", ["ckpt_path=x.ckpt", "model=vit_ti16", "task=knn"])
     with pytest.raises(UserError, match="^model=vit_ti16: the model of ckpt_path 'x.ckpt' is the one its checkpoint"):
-        check_config(cfg, *SETTINGS["eval"])
-    check_config(compose_cfg("eval", ["model=vit_ti16", "model.pretrained=x", "task=knn"]), *SETTINGS["eval"])
+        check_config(cfg, *SCHEMAS["eval"])
+    check_config(compose_cfg("eval", ["model=vit_ti16", "model.pretrained=x", "task=knn"]), *SCHEMAS["eval"])
 
 
 def test_pack_checks_its_out_before_reading_any_image_and_makes_no_folder(compose_cfg, tmp_path):
     (tmp_path / "shards").mkdir()
     cfg = compose_cfg("pack", [f"out={tmp_path / 'shards'}", f"data.data_dir={tmp_path / 'no images here'}"])
-    check = SETTINGS["pack"][1]
+    check = SCHEMAS["pack"][1]
     with pytest.raises(UserError, match="out .* already exists; give a new folder, or overwrite=true to replace it"):
         check(cfg)
     before = sorted(tmp_path.rglob("*"))
