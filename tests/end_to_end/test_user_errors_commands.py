@@ -26,87 +26,46 @@ def photos(tmp_path_factory) -> Path:
     return image_tree(tmp_path_factory.mktemp("photos") / "photos", per_class=1000, size=(64, 64))
 
 
-def _cases(ckpt: Path) -> dict:
-    """case -> (command, args, the one line it must print)."""
-    c = f"ckpt_path={ckpt}"
-    return {
-        # non-train commands' keys: typed and range-checked before a checkpoint is read
-        "predict top_k not a number": (
-            "predict",
-            [c, "images=[a.png]", "top_k=abc"],
-            "error: top_k 'abc' must be an integer >= 1",
-        ),
-        "eval knn.k zero": (
-            "eval",
-            [c, "task=knn", "knn.k=[0]"],
-            "error: knn.k [0] must be a non-empty list of integers >= 1",
-        ),
-        "eval knn.k negative": (
-            "eval",
-            [c, "task=knn", "knn.k=[-1]"],
-            "error: knn.k [-1] must be a non-empty list of ",
-        ),
-        "eval knn.k not a list": (
-            "eval",
-            [c, "task=knn", "knn.k=abc"],
-            "error: knn.k 'abc' must be a non-empty list of ",
-        ),
-        "eval knn.k beyond the bank": (
-            "eval",
-            [c, "task=knn", "knn.k=[10,5000]"],
-            "error: knn.k [10, 5000] asks for more neighbours than the 1257 training images the k-NN votes among: give "
-            "values up to 1257 (knn.k=[10])",
-        ),
-        "eval linear lrs empty": (
-            "eval",
-            [c, "task=linear", "linear.lrs=[]"],
-            "error: linear.lrs [] must be a non-empty ",
-        ),
-        "eval fewshot shots zero": (
-            "eval",
-            [c, "task=fewshot", "fewshot.shots=[0]"],
-            "error: fewshot.shots [0] must be",
-        ),
-        "eval task unknown": ("eval", [c, "task=knnn"], "error: task 'knnn' must be one of 'test', 'knn', 'linear', "),
-        "eval data.batch_size zero": (
-            "eval",
-            [c, "data.batch_size=0"],
-            "error: data.batch_size 0 must be an integer >= 1",
-        ),
-        "export atol negative": ("export", [c, "atol=-1"], "error: atol -1 must be a number >= 0"),
-        "visualize num_images zero": ("visualize", [c, "num_images=0"], "error: num_images 0 must be an integer >= 1"),
-        "parity batch_size not a number": (
-            "parity",
-            ["batch_size=two"],
-            "error: batch_size 'two' must be an integer >= 1",
-        ),
-        "pack workers zero": (
-            "pack",
-            ["data=fake", "out=shards", "workers=0"],
-            "error: workers 0 must be an integer >= 1",
-        ),
-        # overrides that would be silently ignored
-        "eval model beside a checkpoint": (
-            "eval",
-            [c, "model=vit_ti16", "task=knn"],
-            f"error: model=vit_ti16: the model of ckpt_path '{ckpt}' is the one its checkpoint stores, and model "
-            "overrides would be ignored; drop them",
-        ),
-        # export's own refusal
-        "export over atol": (
-            "export",
-            [c, "atol=1e-9", "output=strict.onnx"],
-            "error: the exported program differs from the model by ",
-        ),
-    }
+# case -> (command, its arguments after ckpt_path=<a digits checkpoint>, the start of the one line after "error: ")
+CASES = {
+    # non-train commands' keys: typed and range-checked before a checkpoint is read
+    "predict top_k not a number": ("predict", ["images=[a.png]", "top_k=abc"], "top_k 'abc' must be an integer >= 1"),
+    "eval knn.k zero": ("eval", ["task=knn", "knn.k=[0]"], "knn.k [0] must be a non-empty list of integers >= 1"),
+    "eval knn.k negative": ("eval", ["task=knn", "knn.k=[-1]"], "knn.k [-1] must be a non-empty list of integers"),
+    "eval knn.k not a list": ("eval", ["task=knn", "knn.k=abc"], "knn.k 'abc' must be a non-empty list of integers"),
+    "eval knn.k beyond the bank": (
+        "eval",
+        ["task=knn", "knn.k=[10,5000]"],
+        "knn.k [10, 5000] asks for more neighbours than the 1257 training images the k-NN votes among: give values "
+        "up to 1257 (knn.k=[10])",
+    ),
+    "eval linear lrs empty": ("eval", ["task=linear", "linear.lrs=[]"], "linear.lrs [] must be a non-empty list"),
+    "eval fewshot shots zero": ("eval", ["task=fewshot", "fewshot.shots=[0]"], "fewshot.shots [0] must be a non-"),
+    "eval task unknown": ("eval", ["task=knnn"], "task 'knnn' must be one of 'test', 'knn', 'linear', 'fewshot'"),
+    "eval data.batch_size zero": ("eval", ["data.batch_size=0"], "data.batch_size 0 must be an integer >= 1 or null"),
+    "export atol negative": ("export", ["atol=-1"], "atol -1 must be a number >= 0"),
+    "visualize num_images zero": ("visualize", ["num_images=0"], "num_images 0 must be an integer >= 1"),
+    "parity batch_size not a number": ("parity", ["batch_size=two"], "batch_size 'two' must be an integer >= 1"),
+    "pack workers zero": ("pack", ["data=fake", "out=shards", "workers=0"], "workers 0 must be an integer >= 1 or"),
+    # overrides that would be silently ignored
+    "eval model beside a checkpoint": (
+        "eval",
+        ["model=vit_ti16", "task=knn"],
+        "model=vit_ti16: the model of ckpt_path '{ckpt}' is the one its checkpoint stores, and model overrides would "
+        "be ignored; drop them",
+    ),
+    # export's own refusal
+    "export over atol": ("export", ["atol=1e-9", "output=strict.onnx"], "the exported program differs from the model"),
+}
 
 
-@pytest.mark.parametrize("case", list(_cases(Path("x.ckpt"))))
+@pytest.mark.parametrize("case", list(CASES))
 def test_a_bad_value_of_any_command_is_one_line_and_leaves_nothing(ckpt, tmp_path, case):
     before = earlier_run(tmp_path)
-    command, args, message = _cases(ckpt)[case]
-    r = run_cli(command, *args, cwd=tmp_path)
-    assert_refused(r, message, before, tmp_path / "outputs")
+    command, args, said = CASES[case]
+    given = [f"ckpt_path={ckpt}"] if command not in ("parity", "pack") else []
+    r = run_cli(command, *given, *args, cwd=tmp_path)
+    assert_refused(r, "error: " + said.format(ckpt=ckpt), before, tmp_path / "outputs")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]  # no strict.onnx, no shards, no temporary
 
 
