@@ -95,3 +95,11 @@ def test_pack_checks_its_out_before_reading_any_image_and_makes_no_folder(compos
     OmegaConf.update(cfg, "out", str(tmp_path / "new" / "deeper" / "shards"))
     check(cfg)
     assert sorted(tmp_path.rglob("*")) == before  # (its parent folders are made when the shards are written)
+
+
+def test_a_value_the_command_fills_in_is_left_to_it(compose_cfg):
+    """eval's data=<name> reads ${model.img_size}, which eval sets from the checkpoint's model; the rest of the node is
+    still held to its data module."""
+    check_config(compose_cfg("eval", ["ckpt_path=x.ckpt", "data=digits"]), *SCHEMAS["eval"])
+    with pytest.raises(UserError, match="^data.batch_size 'many' must be an integer$"):
+        check_config(compose_cfg("eval", ["ckpt_path=x.ckpt", "data=digits", "data.batch_size=many"]), *SCHEMAS["eval"])

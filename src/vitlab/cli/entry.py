@@ -93,9 +93,7 @@ def check_config(cfg: DictConfig, schema: Any = None, check: Check | None = None
     target (training.build.check_nodes: the data module, the Trainer within Lightning's ranges, callbacks, loggers),
     then the command's own `check` (what needs several keys or the file system)."""
     if schema is not None:
-        keys = [k for k in typing.get_type_hints(schema) if k in cfg]
-        values = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
-                  for k in keys for v in [cfg[k]]}  # fmt: skip
+        values = {k: _plain(cfg[k]) for k in typing.get_type_hints(schema) if k in cfg}
         check_arguments(schema, values, "")
     if "_target_:" in OmegaConf.to_yaml(cfg):
         from vitlab.training.build import check_nodes  # (Lightning: only for a config that builds something)
@@ -103,6 +101,14 @@ def check_config(cfg: DictConfig, schema: Any = None, check: Check | None = None
         check_nodes(cfg)
     if check is not None:
         check(cfg)
+
+
+def _plain(value: Any) -> Any:
+    """A config value as plain data for its schema; a node that builds something (eval's data=<name>) only as such:
+    check_nodes holds it to its target, and the command may fill in what it refers to (data.img_size)."""
+    if OmegaConf.is_dict(value) and "_target_" in value:
+        return {"_target_": value._target_}
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 def _sweep_job_dir() -> Path | None:

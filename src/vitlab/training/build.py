@@ -27,6 +27,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf.errors import InterpolationKeyError
 
 from vitlab.convert.weights import read_checkpoint
 from vitlab.model.config import vit_config
@@ -148,12 +149,26 @@ def check_node(node: DictConfig, key: str) -> None:
     except Exception:  # an unknown target: instantiate names it
         return
     narrower = next((n for t, n in NARROWER.items() if isinstance(target, type) and issubclass(target, t)), None)
-    check_arguments(target, OmegaConf.to_container(node, resolve=True), key, narrower)
-    for name, value in node.items():
+    check_arguments(target, _resolved(node), key, narrower)
+    for name in node:
+        value = OmegaConf.select(node, str(name), throw_on_missing=False, throw_on_resolution_failure=False)
         inner = value if isinstance(value, ListConfig) else [value]
         for i, item in enumerate(inner):
             if isinstance(item, DictConfig) and "_target_" in item:
                 check_node(item, f"{key}.{name}" + (f"[{i}]" if isinstance(value, ListConfig) else ""))
+
+
+def _resolved(node: DictConfig) -> dict[str, Any]:
+    """A node's values, resolved; one that refers to a key this config lacks is left to the command, which sets it
+    (eval's data.img_size, `${model.img_size}` in training, is the checkpoint model's)."""
+    values = {}
+    for key in node:
+        try:
+            value = node[key]
+        except InterpolationKeyError:
+            continue
+        values[str(key)] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    return values
 
 
 def build_datamodule(data_cfg: DictConfig) -> L.LightningDataModule:
