@@ -43,3 +43,17 @@ def test_values_lightning_documents_pass():
             "val_check_interval": 0.5, "num_sanity_val_steps": -1, "precision": "auto", "fast_dev_run": 3,
             "log_every_n_steps": None, "gradient_clip_algorithm": "norm"}  # fmt: skip
     check_node(OmegaConf.create({"_target_": "lightning.pytorch.Trainer", **good}), "trainer")
+
+
+def test_an_image_folders_class_count_is_checked_before_its_module_is_built(tmp_path):
+    from tests.helpers import image_tree
+
+    image_tree(tmp_path / "photos")
+    node = OmegaConf.create({"_target_": "vitlab.data.ImageFolderDataModule", "data_dir": str(tmp_path / "photos"),
+                             "num_classes": 1000, "img_size": 8})  # fmt: skip
+    with pytest.raises(
+        UserError, match=re.escape(f"data.num_classes 1000 does not match the 2 class folders in {tmp_path}")
+    ):
+        check_node(node, "data")
+    node.num_classes = 2
+    check_node(node, "data")

@@ -39,6 +39,18 @@ class UnlabeledFolder(datasets.ImageFolder):
         return [""], {"": 0}
 
 
+def check_class_folders(data_dir: str, num_classes: int, unlabeled: bool = False) -> None:
+    """data.num_classes against the class folders of data_dir/train (ImageFolder's classes), where there is one: when
+    the module is built, and before, in the launching process (training.build.check_node), so that no run directory
+    or DDP process exists to say it four times."""
+    train = Path(data_dir) / "train"
+    if unlabeled or not train.is_dir():
+        return  # (a missing split is named when the data is set up)
+    found = sum(1 for entry in os.scandir(train) if entry.is_dir())
+    if found != num_classes:
+        raise UserError(f"data.num_classes {num_classes} does not match the {found} class folders in {data_dir}/train")
+
+
 class ImageFolderDataModule(ImageDataModule):
     channels = 3
     mean = (0.485, 0.456, 0.406)  # ImageNet
@@ -56,13 +68,7 @@ class ImageFolderDataModule(ImageDataModule):
     ):
         if num_classes < 1 and not unlabeled:
             raise UserError(f"data.num_classes {num_classes} must be >= 1")
-        train = Path(data_dir) / "train"
-        if not unlabeled and train.is_dir():  # counted here, in the process that builds the run, before any other
-            found = sum(1 for entry in os.scandir(train) if entry.is_dir())  # (ImageFolder's classes: its folders)
-            if found != num_classes:
-                raise UserError(
-                    f"data.num_classes {num_classes} does not match the {found} class folders in {data_dir}/train"
-                )
+        check_class_folders(data_dir, num_classes, unlabeled)
         super().__init__(data_dir=data_dir, num_classes=num_classes, **kwargs)
         self.class_names: list[str] = []
         self.check_images, self.val_fraction, self.split_seed = check_images, val_fraction, split_seed

@@ -30,6 +30,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import InterpolationKeyError
 
 from vitlab.convert.weights import read_checkpoint
+from vitlab.data.imagefolder import ImageFolderDataModule, check_class_folders
 from vitlab.model.config import vit_config
 from vitlab.training.callbacks import NonFiniteLoss
 from vitlab.training.checkpoint_io import upgrade_hparams
@@ -139,17 +140,30 @@ class TrainerRanges(TypedDict):
 NARROWER: dict[type, Any] = {L.Trainer: TrainerRanges}
 
 
+def _class_folders(values: dict[str, Any]) -> None:
+    if isinstance(values.get("num_classes"), int) and isinstance(values.get("data_dir"), str):
+        check_class_folders(values["data_dir"], values["num_classes"], bool(values.get("unlabeled")))
+
+
+# A target -> what else its values must satisfy, checked before it is built (the files they name).
+BEFORE_BUILD: dict[type, Any] = {ImageFolderDataModule: _class_folders}
+
+
 def check_node(node: DictConfig, key: str) -> None:
     """The values of a config node that builds something (`_target_`), and of the nodes in it, have the types
-    their target declares (settings.check_arguments), within the ranges NARROWER gives: a wrong type or value is
-    one line naming the key before anything is built, not a TypeError deep inside (Lightning's Trainer arguments
-    included)."""
+    their target declares (utils.checks.check_arguments), within the ranges NARROWER gives, and satisfy what
+    BEFORE_BUILD asks of them: a wrong type or value is one line naming the key before anything is built, not a
+    TypeError deep inside (Lightning's Trainer arguments included)."""
     try:
         target = get_object(str(node._target_))
     except Exception:  # an unknown target: instantiate names it
         return
     narrower = next((n for t, n in NARROWER.items() if isinstance(target, type) and issubclass(target, t)), None)
-    check_arguments(target, _resolved(node), key, narrower)
+    values = _resolved(node)
+    check_arguments(target, values, key, narrower)
+    for kind, check in BEFORE_BUILD.items():
+        if isinstance(target, type) and issubclass(target, kind):
+            check(values)
     for name in node:
         value = OmegaConf.select(node, str(name), throw_on_missing=False, throw_on_resolution_failure=False)
         inner = value if isinstance(value, ListConfig) else [value]
