@@ -30,6 +30,11 @@ def photos(tmp_path_factory) -> Path:
 CASES = {
     # non-train commands' keys: typed and range-checked before a checkpoint is read
     "predict top_k not a number": ("predict", ["images=[a.png]", "top_k=abc"], "top_k 'abc' must be an integer >= 1"),
+    "predict on no device": (
+        "predict",
+        ["images=[a.png]", "device=tpu"],
+        "device 'tpu' is not one of cpu, cuda, cuda:",
+    ),
     "eval knn.k zero": ("eval", ["task=knn", "knn.k=[0]"], "knn.k [0] must be a non-empty list of integers >= 1"),
     "eval knn.k negative": ("eval", ["task=knn", "knn.k=[-1]"], "knn.k [-1] must be a non-empty list of integers"),
     "eval knn.k not a list": ("eval", ["task=knn", "knn.k=abc"], "knn.k 'abc' must be a non-empty list of integers"),

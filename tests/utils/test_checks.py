@@ -16,6 +16,7 @@ from vitlab.utils.checks import (
     PositiveNumber,
     Seed,
     check_arguments,
+    check_device,
     compile_mode,
     is_number,
 )
@@ -141,3 +142,14 @@ def test_a_narrower_adds_the_ranges_a_library_documents_and_leaves_unchecked():
     with pytest.raises(UserError, match=re.escape("trainer.every 0 must be an integer >= 1 or null")):
         check_arguments(_target, {"every": 0}, "trainer", _Narrower)
     check_arguments(_target, {"accumulate": 2, "every": None, "name": "y"}, "trainer", _Narrower)
+
+
+def test_a_device_is_one_this_machine_has():
+    assert check_device("device", "cpu") == "cpu"
+    assert check_device("benchmark.device", "auto", auto=True) in ("cpu", "cuda")
+    with pytest.raises(UserError, match=re.escape("device 'tpu' is not one of cpu, cuda, cuda:<i>")):
+        check_device("device", "tpu")
+    with pytest.raises(UserError, match=re.escape("benchmark.device 'x' is not one of auto, cpu, cuda, cuda:<i>")):
+        check_device("benchmark.device", "x", auto=True)
+    with pytest.raises(UserError, match=re.escape("device 'cuda:99' is not available here: ")):
+        check_device("device", "cuda:99")

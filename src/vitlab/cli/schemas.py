@@ -17,7 +17,15 @@ from typing import Any, Literal, TypedDict
 
 from omegaconf import DictConfig, OmegaConf
 
-from vitlab.utils.checks import NonEmpty, NonNegativeInt, NonNegativeNumber, PositiveInt, PositiveNumber, Seed
+from vitlab.utils.checks import (
+    NonEmpty,
+    NonNegativeInt,
+    NonNegativeNumber,
+    PositiveInt,
+    PositiveNumber,
+    Seed,
+    check_device,
+)
 from vitlab.utils.errors import UserError
 from vitlab.utils.logs import ProgressBar
 
@@ -85,7 +93,7 @@ class PredictSettings(TypedDict):
     ckpt_path: str
     images: str | NonEmpty[str]
     top_k: PositiveInt
-    device: str
+    device: str  # cpu, cuda, cuda:<i> that this machine has (check_predict)
 
 
 class ExportSettings(TypedDict):
@@ -153,6 +161,10 @@ def check_eval(cfg: DictConfig) -> None:
         )
 
 
+def check_predict(cfg: DictConfig) -> None:
+    check_device("device", cfg.device)
+
+
 def check_visualize(cfg: DictConfig) -> None:
     if not (cfg.run_dir or cfg.ckpt_path):
         raise UserError("give ckpt_path=<checkpoint> [image=<file>] and/or run_dir=<training run directory>")
@@ -182,7 +194,8 @@ def check_benchmark(cfg: DictConfig) -> None:
     from vitlab.benchmark.config import BenchmarkConfig
     from vitlab.model.config import vit_config
 
-    BenchmarkConfig.from_dict(OmegaConf.to_container(cfg.benchmark, resolve=True))
+    b = BenchmarkConfig.from_dict(OmegaConf.to_container(cfg.benchmark, resolve=True))
+    check_device("benchmark.device", b.device, auto=True)
     vit_config(cfg.model)
 
 
@@ -194,7 +207,7 @@ def _nothing(cfg: DictConfig) -> None:
 SCHEMAS: dict[str, tuple[type, Callable[[DictConfig], Any]]] = {
     "train": (TrainSettings, check_train),
     "eval": (EvalSettings, check_eval),
-    "predict": (PredictSettings, _nothing),
+    "predict": (PredictSettings, check_predict),
     "export": (ExportSettings, _nothing),
     "visualize": (VisualizeSettings, check_visualize),
     "parity": (ParitySettings, check_parity),

@@ -230,6 +230,25 @@ def to_dict(obj: Any) -> dict[str, Any]:
     return {k: plain(v) for k, v in dataclasses.asdict(obj).items()}
 
 
+def check_device(key: str, name: str, auto: bool = False) -> str:
+    """`name` as a torch device this machine has: cpu, cuda, cuda:<i> (and with `auto`, cuda where there is a GPU,
+    else cpu), or a UserError naming `key`."""
+    import torch
+
+    if auto and name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise UserError(f"{key} {name!r} is not one of {'auto, ' if auto else ''}cpu, cuda, cuda:<i>")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        have = f"{torch.cuda.device_count()} CUDA GPU(s)" if torch.cuda.is_available() else "no CUDA GPU"
+        raise UserError(f"{key} {name!r} is not available here: {have}; use cpu{' or auto' if auto else ''}")
+    return name
+
+
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
