@@ -18,6 +18,7 @@ from typing import Any, Literal, TypedDict
 from omegaconf import DictConfig, OmegaConf
 
 from vitlab.utils.checks import (
+    CompileMode,
     NonEmpty,
     NonNegativeInt,
     NonNegativeNumber,
@@ -36,7 +37,7 @@ class TrainSettings(TypedDict):
     test: bool
     ckpt_path: str | None
     optimized_metric: str | None
-    compile: bool | str  # a torch.compile mode: checked by utils.checks.compile_mode
+    compile: bool | CompileMode | None  # true: torch.compile's default mode
     progress_bar: ProgressBar
     print_config: bool
     freeze_backbone: bool

@@ -17,7 +17,7 @@ import math
 import types
 import typing
 from collections.abc import Mapping
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from annotated_types import Ge, Gt, Interval, MinLen
 
@@ -249,7 +249,8 @@ def check_device(key: str, name: str, auto: bool = False) -> str:
     return name
 
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+COMPILE_MODES = typing.get_args(CompileMode)
 
 
 def compile_mode(value: bool | str | None) -> str | None:
