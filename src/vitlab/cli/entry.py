@@ -88,15 +88,15 @@ def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Cal
 
 
 def check_config(cfg: DictConfig, schema: Any = None, check: Check | None = None) -> None:
-    """A command's config before any work: its top-level keys against `schema` (a TypedDict: types and
-    ranges, its groups key by key: utils.checks.check_arguments), every node that builds something against its
-    target (training.build.check_nodes: the data module, the Trainer within Lightning's ranges, callbacks, loggers),
+    """A command's config before any work: its top-level keys against `schema` (a TypedDict: types and ranges, its
+    groups key by key: utils.checks.check_arguments), every node that builds something against its target
+    (training.node_checks.check_nodes: the data module, the Trainer within Lightning's ranges, callbacks, loggers),
     then the command's own `check` (what needs several keys or the file system)."""
     if schema is not None:
         values = {k: _plain(cfg[k]) for k in typing.get_type_hints(schema) if k in cfg}
         check_arguments(schema, values, "")
     if "_target_:" in OmegaConf.to_yaml(cfg):
-        from vitlab.training.build import check_nodes  # (Lightning: only for a config that builds something)
+        from vitlab.training.node_checks import check_nodes  # (Lightning: only for a config that builds something)
 
         check_nodes(cfg)
     if check is not None:

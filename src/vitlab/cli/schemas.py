@@ -144,7 +144,7 @@ class BenchmarkSettings(TypedDict):
 
 
 def check_train(cfg: DictConfig) -> None:
-    from vitlab.training.build import check_launch
+    from vitlab.training.node_checks import check_launch
 
     check_launch(cfg)  # a -m sweep of multi-process runs on a launcher that cannot start them
 

@@ -1,5 +1,5 @@
-"""vitlab.training.build's checks of the nodes that build something: Lightning's Trainer arguments within the ranges
-its documentation gives (TrainerRanges), before the Trainer, or anything else, is built."""
+"""vitlab.training.node_checks: the nodes that build something, checked before anything is built: Lightning's Trainer
+arguments within the ranges its documentation gives (TrainerRanges), an image folder's class count (BEFORE_BUILD)."""
 
 import inspect
 import re
@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 from omegaconf import OmegaConf
 
-from vitlab.training.build import TrainerRanges, check_node
+from vitlab.training.node_checks import TrainerRanges, check_node
 from vitlab.utils.errors import UserError
 
 
