@@ -108,3 +108,10 @@ def test_a_refused_submission_leaves_no_orphan_sweep_directory(tmp_path):
     said = "error: sbatch refused the job: Batch job submission failed: Unable to contact slurm controller"
     assert_refused(r, said, before, tmp_path / "outputs")
     assert os.listdir(tmp_path / "outputs") == ["train"]  # no debug/ or multiruns/ folder either
+
+
+def test_a_misspelt_key_in_a_sweep_is_one_line_before_any_job(tmp_path):
+    """Every job would refuse it alike: said once, as a single run says it (Hydra's own report is 7 lines, exit 1)."""
+    before = earlier_run(tmp_path)
+    r = run_cli("train", "-m", "model.depht=3,4", "optim.lr=1e-3,3e-4", cwd=tmp_path)
+    assert_refused(r, "error: model.depht is not a key of model; its keys: ['act_layer',", before, tmp_path / "outputs")

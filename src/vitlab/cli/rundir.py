@@ -220,6 +220,28 @@ def _compose(config_name: str, overrides: list[str], with_hydra: bool = False):
         GlobalHydra.instance().clear()
 
 
+def _compose_first_job(config_name: str, overrides: list[str]) -> None:
+    """A sweep's first job's overrides (each swept key at its first value) composed, a bad override refused in one
+    line as a single run's is (Hydra's own report is several lines and exit 1)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return  # Hydra reports a malformed override itself
+    first = []
+    for o in parsed:
+        try:
+            value = next(o.sweep_string_iterator()) if o.is_sweep_override() else None
+        except (HydraException, StopIteration, TypeError):
+            continue  # a search space (Optuna's interval(...)): the sweeper draws its values
+        first.append(o.input_line if value is None else f"{o.get_key_element()}={value}")
+    try:
+        _compose(config_name, first)
+    except config_errors() as e:
+        fail(_explain(e, config_name, first))
+
+
 def _check_as_job(cfg, check: Callable[[Any], None]) -> None:
     """`check` on the config a plain run's job will get, before Hydra makes its run directory: `cfg` (composed with
     Hydra's node) less that node, which `${hydra:...}` reads from HydraConfig as in a job; its run directory named,
@@ -316,10 +338,14 @@ def prepare(config_name: str, argv: list[str], check: Callable[[Any], None] | No
     run_dir = _override_value(argv, "hydra.run.dir")
     if run_dir is None and int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1) > 1 and _torchrun_store() is None:
         _primary_run_dir(rank)  # srun's task 0: its other tasks cannot follow it anywhere, so none starts
-    if os.environ.get("HYDRA_FULL_ERROR") == "1" or any(a.startswith("-") for a in argv):
+    flags = [a for a in argv if a.startswith("-")]
+    if os.environ.get("HYDRA_FULL_ERROR") == "1" or any(f not in ("-m", "--multirun") for f in flags):
         return argv
 
-    overrides = [a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    overrides = [a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/")) and not a.startswith("-")]
+    if flags:  # a sweep: what every job would refuse alike (a misspelt key) is said once; the jobs check the rest
+        _compose_first_job(config_name, overrides)
+        return argv
     if _override_value(argv, "model") == "_base":
         models = sorted(p.stem for p in (config_dir() / "model").glob("*.yaml") if p.stem != "_base")
         fail(f"model=_base holds the defaults every model builds on, not a model; choose one of {models}")
