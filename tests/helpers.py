@@ -2,6 +2,7 @@
 tests, and test-only Lightning callbacks (loaded into real `python -m vitlab.train` runs via
 +callbacks.X._target_)."""
 
+import contextlib
 import json
 import os
 import re
@@ -236,6 +237,42 @@ class AssertCompiled(L.Callback):
 
 
 # ---- files for command-line tests ------------------------------------------------------------------
+
+
+def assert_refused(r, message: str, before: dict | None = None, outputs: Path | None = None, code: int = 2) -> None:
+    """A command refused as the error policy says: exit `code` (2), `message` as the start of the one line on stderr,
+    no traceback, the earlier run's files (`before`, from earlier_run) as they were and, given the outputs folder,
+    nothing in it but them."""
+    assert r.returncode == code, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), r.stderr[-3000:]
+    before = before or {}
+    assert {p: p.read_bytes() for p in before} == before
+    if outputs is not None:
+        left = {p for p in outputs.rglob("*") if p.is_file()} if outputs.exists() else set()
+        assert left == set(before), sorted(map(str, left - set(before)))
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str):
+    """A small file system mounted at `path` (`options`: "size=300k", "ro,size=1m"): a full or read-only disk for
+    the test; skipped where this machine cannot mount one."""
+    import pytest
+
+    path.mkdir(parents=True, exist_ok=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def digits_checkpoint(root: Path) -> Path:
+    """A digits checkpoint from a one-epoch run in `root`/run."""
+    r = run_cli("train", "trainer.max_epochs=1", "data.batch_size=256", "test=false", f"hydra.run.dir={root / 'run'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return root / "run" / "checkpoints" / "last.ckpt"
 
 
 def earlier_run(root):

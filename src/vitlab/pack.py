@@ -10,6 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from vitlab.cli.entry import entry_point
+from vitlab.utils.errors import Interrupted
 
 
 @entry_point("pack")
@@ -20,7 +21,11 @@ def main(cfg: DictConfig) -> dict:
     datamodule = build.build_datamodule(cfg.data)
     datamodule.setup("fit")
     out = Path(cfg.out).absolute()
-    info = pack(datamodule, out, overwrite=cfg.overwrite, workers=cfg.workers, chunk_bytes=cfg.chunk_bytes)
+    kept = f"the earlier {out} is as it was" if out.exists() else f"nothing was written to {out}"
+    try:
+        info = pack(datamodule, out, overwrite=cfg.overwrite, workers=cfg.workers, chunk_bytes=cfg.chunk_bytes)
+    except KeyboardInterrupt:
+        raise Interrupted(f"pack stopped by Ctrl-C (SIGINT): the partial shards were removed; {kept}") from None
     sizes = ", ".join(f"{name} {n:,}" for name, n in info["splits"].items())
     print(f"packed {sizes} images of {len(info['class_names'])} classes into {out}", flush=True)
     print(f"train on them: python -m vitlab.train data=streaming data.data_dir={out}", flush=True)

@@ -10,7 +10,6 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from vitlab.cli.entry import entry_point
-from vitlab.utils.errors import UserError
 
 
 def predict(cfg: DictConfig) -> list[dict]:
@@ -19,8 +18,6 @@ def predict(cfg: DictConfig) -> list[dict]:
     from vitlab.data.images import read_image
     from vitlab.training import build
 
-    if cfg.top_k < 1:
-        raise UserError(f"top_k {cfg.top_k} must be >= 1")
     module = build.load_for_inference(cfg.ckpt_path, map_location=cfg.device).eval()
     datamodule = build.inference_datamodule(module, cfg.ckpt_path)
     names = module.hparams.get("class_names") or [str(i) for i in range(module.model.cfg.num_classes)]

@@ -1,10 +1,10 @@
 """python -m vitlab.train [overrides]: fit, then test the best checkpoint.
 
-The steps, top to bottom: the config is composed and the run directory claimed (`@entry_point`, before `train`
-runs); the config is checked; the data, the module (our ViT and its objective), the callbacks, loggers and Trainer
-are built; training starts from scratch, from pretrained weights or from a checkpoint; fit; test the best
-checkpoint; the summary: metrics.json, the last lines naming the run directory and the best checkpoint, and
-`optimized_metric` returned to sweepers (-m, Optuna).
+The steps, top to bottom: the config is composed, checked (vitlab.cli.schemas: its keys, every node that builds
+something, the launch) and the run directory claimed (`@entry_point`, before `train` runs); the data, the module
+(our ViT and its objective), the callbacks, loggers and Trainer are built; training starts from scratch, from
+pretrained weights or from a checkpoint; fit; test the best checkpoint; the summary: metrics.json, the last lines
+naming the run directory and the best checkpoint, and `optimized_metric` returned to sweepers (-m, Optuna).
 
 torch and Lightning are imported when the task runs, not with this module: `--help` and config errors
 answer without them.
@@ -30,11 +30,11 @@ def train(cfg: DictConfig) -> float | None:
     import lightning as L
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from vitlab.training import build, memory, pretrained, resume
+    from vitlab.training import build, memory, pretrained, resume, sharding
 
     started, out = time.time(), Path(cfg.paths.output_dir)
-    build.check_settings(cfg)
-    build.check_launch(cfg)
+    if said := sharding.check_request(cfg.trainer, cfg.get("callbacks")):  # trainer=fsdp on one process
+        log.info(said)
     pretrained.apply_pretrained(cfg)  # model.pretrained=<timm name>: timm's architecture and preprocessing
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 

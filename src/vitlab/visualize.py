@@ -16,7 +16,6 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from vitlab.cli.entry import entry_point
-from vitlab.utils.errors import UserError
 
 
 @entry_point("visualize")
@@ -26,10 +25,6 @@ def main(cfg: DictConfig) -> None:
     from vitlab.training import build
     from vitlab.training.mae import MAE
 
-    if not (cfg.run_dir or cfg.ckpt_path):
-        raise UserError("give ckpt_path=<checkpoint> [image=<file>] and/or run_dir=<training run directory>")
-    if cfg.image and not cfg.ckpt_path:
-        raise UserError("image=... needs ckpt_path=<checkpoint> of the model to look inside")
     out = Path(cfg.paths.output_dir)
     written = []
     if cfg.ckpt_path:

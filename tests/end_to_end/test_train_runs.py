@@ -65,7 +65,7 @@ def test_multirun_with_multi_process_ddp_stops_at_once(tmp_path):
     r = run_cli("train", "-m", "trainer=ddp_cpu", "optim.lr=1e-3,3e-3", *SHORT, f"hydra.sweep.dir={tmp_path / 's'}")
     assert r.returncode == 2
     (line,) = r.stderr.strip().splitlines()[-1:]
-    assert line.startswith("error: 2 of 2 sweep jobs failed (job 0: -m sweeps run each job in this process")
+    assert line.startswith("error: 2 of 2 sweep jobs failed (jobs 0, 1; job 0: -m sweeps run each job in this process")
     assert "trainer.devices=2" in line
     assert not list((tmp_path / "s").glob("*/metrics.json"))
 
@@ -84,7 +84,7 @@ def test_runs_started_together_get_their_own_directories(tmp_path):
         (["model.depth=three"], "error: depth 'three' must be an integer"),
         (["model.drop_path_rate=1.5"], "error: drop_path_rate 1.5 must be in [0, 1)"),
         (["data.batch_size=0"], "data.batch_size 0 must be >= 1"),
-        (["progress_bar=fancy"], "error: progress_bar 'fancy' is not one of ['auto', 'rich', 'tqdm', 'none']"),
+        (["progress_bar=fancy"], "error: progress_bar 'fancy' must be one of 'auto', 'rich', 'tqdm', 'none'"),
         (["optim.layer_decay=2"], "error: optim.layer_decay 2 must be in (0, 1]"),
     ],
 )

@@ -68,3 +68,12 @@ def test_the_command_as_typed_on_this_cpu_records_its_choice(compose_cfg, tmp_pa
     assert "trainer: CPU, precision 32-true (auto: no GPU in use)" in caplog.messages
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]
     assert saved["precision"] == "32-true" and saved["strategy"] == "auto"
+
+
+def test_several_cpu_processes_are_named_with_their_strategy(compose_cfg, monkeypatch):
+    """trainer=cpu trainer.devices=2 starts two DDP processes: the start line says so (issue 34), and the config records
+    Lightning's choice of strategy."""
+    t, line = resolved(compose_cfg, monkeypatch, [], ["trainer=cpu", "trainer.devices=2"])
+    assert t.strategy == "ddp" and line == "trainer: CPU, 2 process(es) (ddp), precision 32-true (auto: no GPU in use)"
+    t, line = resolved(compose_cfg, monkeypatch, [], ["trainer=cpu", "trainer.precision=bf16-mixed"])
+    assert line == "trainer: CPU, precision bf16-mixed"  # nothing left to choose: still said

@@ -2,13 +2,24 @@
 
 import math
 import re
-from typing import Literal
+from typing import Literal, TypedDict
 
 import pytest
 
 from tests.helpers import tiny
 from vitlab.training.module import ViTModule
-from vitlab.utils.checks import check_arguments, compile_mode, is_number
+from vitlab.utils.checks import (
+    Fraction,
+    NonEmpty,
+    NonNegativeInt,
+    PositiveInt,
+    PositiveNumber,
+    Seed,
+    check_arguments,
+    check_device,
+    compile_mode,
+    is_number,
+)
 from vitlab.utils.errors import UserError
 
 
@@ -41,7 +52,9 @@ def _fn(mode: Literal["a", "b"] | bool, flag: bool = False, **anything):
         ({"batch_size": 8.5}, "data.batch_size 8.5 must be an integer"),
         ({"batch_size": True}, "data.batch_size True must be an integer"),
         ({"batch_size": "64"}, "data.batch_size '64' must be an integer"),  # converting it would hide the mistake
-        ({"mean": 0.5}, "data.mean 0.5 must be a list or null"),
+        ({"mean": 0.5}, "data.mean 0.5 must be a list of numbers or null"),
+        ({"mean": [0.5, "x"]}, "data.mean [0.5, 'x'] must be a list of numbers or null"),
+        ({"mean": [0.5, math.nan]}, "data.mean [0.5, nan] must be a list of numbers or null"),  # finite ones
         ({"depth": "deep"}, "data.depth 'deep' must be a number or null"),
         ({"name": 3}, "data.name 3 must be a string"),
         ({"colour": "red"}, "data.colour is not an argument of _Child; its arguments: ['batch_size', 'depth',"),
@@ -65,3 +78,78 @@ def test_check_arguments_takes_what_the_types_allow():
 def test_numbers_must_be_finite():
     assert is_number(1) and is_number(0.5)
     assert not any(is_number(v) for v in (math.nan, math.inf, -math.inf, True, "1"))
+
+
+class _Knn(TypedDict):
+    k: NonEmpty[PositiveInt]
+    temperature: PositiveNumber
+
+
+class _Settings(TypedDict):
+    """A command's schema: its keys, a group among them."""
+
+    seed: Seed
+    top_k: PositiveInt
+    limit: NonNegativeInt | Fraction | None
+    knn: _Knn
+
+
+GOOD = {"seed": 0, "top_k": 5, "limit": 0.5, "knn": {"k": [10, 20], "temperature": 0.07}}
+
+
+@pytest.mark.parametrize(
+    "values, said",
+    [
+        ({"top_k": "abc"}, "top_k 'abc' must be an integer >= 1"),  # a type and its range: one sentence
+        ({"top_k": 0}, "top_k 0 must be an integer >= 1"),
+        ({"seed": -5}, "seed -5 must be an integer in [0, 4294967295]"),
+        ({"seed": 2**32}, "seed 4294967296 must be an integer in [0, 4294967295]"),
+        ({"limit": 1.5}, "limit 1.5 must be an integer >= 0 or a number in [0, 1] or null"),
+        ({"limit": -1}, "limit -1 must be an integer >= 0 or a number in [0, 1] or null"),
+        ({"knn": {"k": [0], "temperature": 1}}, "knn.k [0] must be a non-empty list of integers >= 1"),
+        ({"knn": {"k": [], "temperature": 1}}, "knn.k [] must be a non-empty list of integers >= 1"),
+        ({"knn": {"k": "abc", "temperature": 1}}, "knn.k 'abc' must be a non-empty list of integers >= 1"),
+        ({"knn": {"k": ["5"], "temperature": 1}}, "knn.k ['5'] must be a non-empty list of integers >= 1"),
+        ({"knn": {"k": [5], "temperature": math.nan}}, "knn.temperature nan must be a number > 0"),
+        ({"knn": {"k": [5], "temperature": 1, "kk": 3}}, "knn.kk is not a key of knn; its keys: ['k', 'temperature']"),
+    ],
+)
+def test_a_schema_checks_types_ranges_and_groups_key_by_key(values, said):
+    with pytest.raises(UserError, match=re.escape(said)):
+        check_arguments(_Settings, GOOD | values, "")
+
+
+def test_a_schema_takes_what_its_types_and_ranges_allow():
+    check_arguments(_Settings, GOOD, "")
+    check_arguments(_Settings, GOOD | {"limit": 3, "knn": {"k": [1], "temperature": 2}}, "")  # an int is a number
+    check_arguments(_Settings, GOOD | {"knn": {"_target_": "x.Y"}}, "")  # a node that builds something: its own check
+
+
+def _target(accumulate: int = 1, every: int | None = None, name: str = "x"):
+    pass
+
+
+class _Narrower(TypedDict):
+    accumulate: PositiveInt
+    every: PositiveInt | None
+
+
+def test_a_narrower_adds_the_ranges_a_library_documents_and_leaves_unchecked():
+    """Lightning's Trainer declares `accumulate_grad_batches: int`; its documented range comes from vitlab's table."""
+    check_arguments(_target, {"accumulate": 0, "every": 0}, "trainer")  # the target's own types allow it
+    with pytest.raises(UserError, match=re.escape("trainer.accumulate 0 must be an integer >= 1")):
+        check_arguments(_target, {"accumulate": 0}, "trainer", _Narrower)
+    with pytest.raises(UserError, match=re.escape("trainer.every 0 must be an integer >= 1 or null")):
+        check_arguments(_target, {"every": 0}, "trainer", _Narrower)
+    check_arguments(_target, {"accumulate": 2, "every": None, "name": "y"}, "trainer", _Narrower)
+
+
+def test_a_device_is_one_this_machine_has():
+    assert check_device("device", "cpu") == "cpu"
+    assert check_device("benchmark.device", "auto", auto=True) in ("cpu", "cuda")
+    with pytest.raises(UserError, match=re.escape("device 'tpu' is not one of cpu, cuda, cuda:<i>")):
+        check_device("device", "tpu")
+    with pytest.raises(UserError, match=re.escape("benchmark.device 'x' is not one of auto, cpu, cuda, cuda:<i>")):
+        check_device("benchmark.device", "x", auto=True)
+    with pytest.raises(UserError, match=re.escape("device 'cuda:99' is not available here: ")):
+        check_device("device", "cuda:99")

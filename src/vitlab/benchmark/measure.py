@@ -16,23 +16,13 @@ from typing import Any
 
 import torch
 
-from vitlab.utils.errors import UserError
+from vitlab.utils.checks import check_device
 
 MB = 2**20
 
 
 def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise UserError(f"benchmark.device {name!r} is not one of auto, cpu, cuda, cuda:<i>")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"benchmark.device {name!r} is not available here: no CUDA GPU; use cpu or auto")
-    return device
+    return torch.device(check_device("benchmark.device", name, auto=True))
 
 
 def sync(device: torch.device) -> None:

@@ -1,7 +1,8 @@
 """What makes a function a `python -m vitlab.<command>` command line (`@entry_point`): the config tree and its
-resolvers (vitlab.cli.config_tree), the run directory (vitlab.cli.rundir), one-line errors for bad input
-(vitlab.utils.errors), the log routing (vitlab.utils.logs), a sweep job's failure recorded for the summary
-(vitlab.cli.sweep), and the run's config saved in its directory.
+resolvers (vitlab.cli.config_tree), the command's config checked against its schema before any work
+(`check_config`), the run directory (vitlab.cli.rundir), one-line errors for bad input (vitlab.utils.errors), the
+log routing (vitlab.utils.logs), a sweep job's failure recorded for the summary (vitlab.cli.sweep), and the run's
+config saved in its directory.
 
 It imports no torch, Lightning or timm at module level: `--help` and config errors answer at once.
 """
@@ -12,6 +13,8 @@ import functools
 import json
 import os
 import sys
+import traceback
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,36 +24,51 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
 from vitlab.cli.config_tree import config_dir, register_resolvers
-from vitlab.utils.errors import config_errors, fail, one_line, user_error
+from vitlab.cli.schemas import SCHEMAS
+from vitlab.utils.checks import check_arguments
+from vitlab.utils.errors import Interrupted, config_errors, fail, one_line, user_error
 from vitlab.utils.logs import quiet
+
+Check = Callable[[DictConfig], None]
 
 
 def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Callable[[], Any]]:
-    """Turn `task(cfg)` into a Hydra command line: configs from config_dir(), resolvers, a new run
-    directory, and input errors reported as one line (the traceback only with HYDRA_FULL_ERROR=1).
-    In a -m sweep a job with bad input is reported and recorded, and the sweep goes on (SweepSummary
-    lists it and makes the sweep exit 2)."""
+    """Turn `task(cfg)` into a Hydra command line: configs from config_dir(), resolvers, the config checked before
+    any work (`check_config` with the command's schema and checks, vitlab.cli.schemas.SCHEMAS), a new run
+    directory, and input errors reported as one line (the traceback only with HYDRA_FULL_ERROR=1). A plain run is
+    checked before Hydra makes its run directory (rundir.prepare), every job again as it starts. In a -m sweep a job
+    with bad input is reported and recorded, a job that fails on a bug keeps its traceback and is recorded too, and
+    the sweep goes on (SweepSummary lists every job at the end and makes the sweep exit 2, or 1 after a bug)."""
 
     def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], Any]:
+        schema, check = SCHEMAS[config_name]
+
+        def checked(cfg: DictConfig) -> None:
+            check_config(cfg, schema, check)
+
         @functools.wraps(task)
         def guarded(cfg: DictConfig) -> Any:
-            from vitlab.cli.rundir import discard_if_unused, task_started
+            from vitlab.cli.rundir import task_started
 
             quiet()
             task_started()
             try:
+                checked(cfg)
                 return task(cfg)
             except SystemExit:  # stopped on a signal: the sweep ends here, its summary lists the jobs so far
                 _summarize_sweep(cfg)
                 raise
-            except (*config_errors(), InstantiationException) as e:
-                cause = user_error(e)
-                if os.environ.get("HYDRA_FULL_ERROR") == "1" or cause is None:
-                    raise
+            except KeyboardInterrupt:  # Ctrl-C outside training's own handling (utils/signals.py)
+                _stop(cfg, Interrupted(f"{config_name} stopped by Ctrl-C (SIGINT)"))
+            except Exception as e:
+                cause = user_error(e) if isinstance(e, (*config_errors(), InstantiationException)) else None
                 job = _sweep_job_dir()
-                if job is None:
-                    discard_if_unused(OmegaConf.select(cfg, "paths.log_dir", throw_on_resolution_failure=False))
-                    fail(one_line(cause))
+                if os.environ.get("HYDRA_FULL_ERROR") == "1" or (cause is None and job is None):
+                    raise  # a bug (or the traceback asked for)
+                if cause is None:
+                    return _record_bug(job, e)
+                if job is None or isinstance(cause, Interrupted):
+                    _stop(cfg, cause)
                 return _record_failed_job(job, one_line(cause))
 
         def main() -> Any:
@@ -58,12 +76,39 @@ def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Cal
 
             quiet()
             register_resolvers()
-            sys.argv[1:] = prepare(config_name, sys.argv[1:])
+            try:
+                sys.argv[1:] = prepare(config_name, sys.argv[1:], checked)
+            except KeyboardInterrupt:
+                fail(f"{config_name} stopped by Ctrl-C (SIGINT) before it started", Interrupted.exit_code)
             return hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=config_name)(guarded)()
 
         return main
 
     return decorate
+
+
+def check_config(cfg: DictConfig, schema: Any = None, check: Check | None = None) -> None:
+    """A command's config before any work: its top-level keys against `schema` (a TypedDict: types and ranges, its
+    groups key by key: utils.checks.check_arguments), every node that builds something against its target
+    (training.node_checks.check_nodes: the data module, the Trainer within Lightning's ranges, callbacks, loggers),
+    then the command's own `check` (what needs several keys or the file system)."""
+    if schema is not None:
+        values = {k: _plain(cfg[k]) for k in typing.get_type_hints(schema) if k in cfg}
+        check_arguments(schema, values, "")
+    if "_target_:" in OmegaConf.to_yaml(cfg):
+        from vitlab.training.node_checks import check_nodes  # (Lightning: only for a config that builds something)
+
+        check_nodes(cfg)
+    if check is not None:
+        check(cfg)
+
+
+def _plain(value: Any) -> Any:
+    """A config value as plain data for its schema; a node that builds something (eval's data=<name>) only as such:
+    check_nodes holds it to its target, and the command may fill in what it refers to (data.img_size)."""
+    if OmegaConf.is_dict(value) and "_target_" in value:
+        return {"_target_": value._target_}
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 def _sweep_job_dir() -> Path | None:
@@ -91,12 +136,31 @@ def _summarize_sweep(cfg: DictConfig) -> None:
             hydra.utils.instantiate(node).write(hydra_cfg, cfg.get("optimized_metric"))
 
 
-def _record_failed_job(job: Path, message: str) -> float:
+def _record_failed_job(job: Path, message: str, bug: bool = False) -> float:
     """A sweep job's bad input: said on stderr, kept in the job's error.json for the summary; NaN goes to
     the sweeper (Optuna records a failed trial) so the other jobs still run."""
     print(f"error: sweep job {job.name}: {message}", file=sys.stderr, flush=True)
-    (job / "error.json").write_text(json.dumps({"error": message}))
+    (job / "error.json").write_text(json.dumps({"error": message} | ({"bug": True} if bug else {})))
     return float("nan")
+
+
+def _record_bug(job: Path, e: BaseException) -> float:
+    """A sweep job that failed on a bug (not the user's input): its traceback on stderr, as a single run shows it,
+    and recorded as failed, so that the other jobs still run and the sweep ends with its table (exit 1)."""
+    traceback.print_exception(e, file=sys.stderr)
+    first = (str(e).strip().splitlines() or [""])[0]
+    return _record_failed_job(job, f"{type(e).__name__}: {first}".rstrip(": "), bug=True)
+
+
+def _stop(cfg: DictConfig, cause: BaseException) -> None:
+    """The command ends on the user's input or interruption: in a sweep, the summary of the jobs so far; a run
+    directory that holds no result yet removed; the one line, with the exit code of its kind (2, or 130 for Ctrl-C)."""
+    from vitlab.cli.rundir import discard_if_unused
+
+    _summarize_sweep(cfg)
+    if _sweep_job_dir() is None:
+        discard_if_unused(OmegaConf.select(cfg, "paths.log_dir", throw_on_resolution_failure=False))
+    fail(one_line(cause), getattr(cause, "exit_code", 2))
 
 
 def save_config(cfg: DictConfig, path: Path, show: bool = False) -> None:

@@ -14,16 +14,19 @@ was given. Every other process of the launch writes into the same directory and 
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
 import shutil
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from vitlab.cli.config_tree import config_dir
 from vitlab.utils.errors import UserError, config_errors, fail, one_line, user_error
@@ -103,6 +106,20 @@ def discard_if_unused(log_dir: str | None) -> None:
             root.removeHandler(handler)
             handler.close()
     shutil.rmtree(out, ignore_errors=True)
+    _remove_empty_parents(out, log_dir)
+
+
+def discard_unused_sweep(sweep_dir: Path, log_dir: str | None) -> None:
+    """A sweep whose launcher stopped before any job ran (sbatch refused them) leaves no directory: one that holds
+    only Hydra's multirun.yaml and submitit's .submitit/ is removed, with the folders above it it leaves empty."""
+    if not sweep_dir.is_dir() or any(p.name not in ("multirun.yaml", ".submitit") for p in sweep_dir.iterdir()):
+        return
+    shutil.rmtree(sweep_dir, ignore_errors=True)
+    _remove_empty_parents(sweep_dir, log_dir)
+
+
+def _remove_empty_parents(out: Path, log_dir: str | None) -> None:
+    """The folders above `out`, up to `log_dir`, that are empty now."""
     stop = Path(log_dir).resolve().parent if log_dir else out.parent
     for parent in out.parents:
         if parent == stop or not parent.is_dir() or any(parent.iterdir()):
@@ -147,6 +164,7 @@ def _override_value(argv: list[str], key: str) -> str | None:
 def _unwritable(path: Path, what: str, err: OSError) -> UserError:
     fix = {
         "output": "choose another output",
+        "out": "choose another out=<folder>",
         "run directory": "choose a writable hydra.run.dir or paths.log_dir",
     }.get(what, "choose a writable hydra.run.dir or paths.log_dir, or start the command in a writable directory")
     return UserError(f"{what} {str(path)!r} cannot be written ({err.strerror or type(err).__name__}); {fix}")
@@ -191,15 +209,55 @@ def check_writable(directory: Path, what: str = "output directory", named: Path 
         raise _unwritable(named or directory, what, e) from e
 
 
-def _compose(config_name: str, overrides: list[str]):
+def _compose(config_name: str, overrides: list[str], with_hydra: bool = False):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-            return compose(config_name, overrides=overrides)
+            return compose(config_name, overrides=overrides, return_hydra_config=with_hydra)
     finally:
         GlobalHydra.instance().clear()
+
+
+def _compose_first_job(config_name: str, overrides: list[str]) -> None:
+    """A sweep's first job's overrides (each swept key at its first value) composed, a bad override refused in one
+    line as a single run's is (Hydra's own report is several lines and exit 1)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return  # Hydra reports a malformed override itself
+    first = []
+    for o in parsed:
+        try:
+            value = next(o.sweep_string_iterator()) if o.is_sweep_override() else None
+        except (HydraException, StopIteration, TypeError):
+            continue  # a search space (Optuna's interval(...)): the sweeper draws its values
+        first.append(o.input_line if value is None else f"{o.get_key_element()}={value}")
+    try:
+        _compose(config_name, first)
+    except config_errors() as e:
+        fail(_explain(e, config_name, first))
+
+
+def _check_as_job(cfg, check: Callable[[Any], None]) -> None:
+    """`check` on the config a plain run's job will get, before Hydra makes its run directory: `cfg` (composed with
+    Hydra's node) less that node, which `${hydra:...}` reads from HydraConfig as in a job; its run directory named,
+    not made."""
+    from hydra.core.hydra_config import HydraConfig
+
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(cfg.hydra.run.dir)
+    job = copy.deepcopy(cfg)
+    with open_dict(job):
+        del job["hydra"]
+    HydraConfig.instance().set_config(cfg)
+    try:
+        check(job)
+    finally:
+        HydraConfig.instance().cfg = None  # the job's own is set by Hydra
 
 
 def _explain(e: Exception, config_name: str, overrides: list[str]) -> str:
@@ -263,11 +321,12 @@ def _objective_option(key: str, config_name: str, overrides: list[str]) -> str |
 _NONE = object()
 
 
-def prepare(config_name: str, argv: list[str]) -> list[str]:
+def prepare(config_name: str, argv: list[str], check: Callable[[Any], None] | None = None) -> list[str]:
     """Before Hydra starts: the command line to run it with. A secondary process gets the primary's run
     directory, no .hydra/ of its own and a log file named after its rank. The primary composes once to report a
-    bad override in one line, then makes sure its run directory is new and writable (plain runs; sweeps, Hydra's
-    flags and HYDRA_FULL_ERROR=1 are left to Hydra, which reports them itself)."""
+    bad override in one line, checks the config (`check`: the command's, vitlab.cli.entry.check_config), then makes
+    sure its run directory is new and writable (plain runs; sweeps, Hydra's flags and HYDRA_FULL_ERROR=1 are left
+    to Hydra and to each job, which report them themselves)."""
     rank = process_rank()
     if rank > 0:
         own = {
@@ -279,18 +338,28 @@ def prepare(config_name: str, argv: list[str]) -> list[str]:
     run_dir = _override_value(argv, "hydra.run.dir")
     if run_dir is None and int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1) > 1 and _torchrun_store() is None:
         _primary_run_dir(rank)  # srun's task 0: its other tasks cannot follow it anywhere, so none starts
-    if os.environ.get("HYDRA_FULL_ERROR") == "1" or any(a.startswith("-") for a in argv):
+    flags = [a for a in argv if a.startswith("-")]
+    if os.environ.get("HYDRA_FULL_ERROR") == "1" or any(f not in ("-m", "--multirun") for f in flags):
         return argv
 
-    overrides = [a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    overrides = [a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/")) and not a.startswith("-")]
+    if flags:  # a sweep: what every job would refuse alike (a misspelt key) is said once; the jobs check the rest
+        _compose_first_job(config_name, overrides)
+        return argv
     if _override_value(argv, "model") == "_base":
         models = sorted(p.stem for p in (config_dir() / "model").glob("*.yaml") if p.stem != "_base")
         fail(f"model=_base holds the defaults every model builds on, not a model; choose one of {models}")
     try:
-        cfg = _compose(config_name, overrides)
+        cfg = _compose(config_name, overrides, with_hydra=True)
         log_dir = OmegaConf.select(cfg, "paths.log_dir", throw_on_resolution_failure=False)
     except config_errors() as e:
         fail(_explain(e, config_name, overrides))
+    try:
+        if check is not None:
+            _check_as_job(cfg, check)
+    except config_errors() as e:
+        cause = user_error(e) or e
+        fail(one_line(cause), getattr(cause, "exit_code", 2))
     try:
         if run_dir is not None and "${" not in run_dir:  # one with interpolations: unique by its own making
             claim_run_dir(Path(run_dir))

@@ -20,6 +20,7 @@ import contextlib
 import io
 import logging
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
 from omegaconf import OmegaConf
 
+from vitlab.cli.rundir import discard_unused_sweep
 from vitlab.utils.errors import fail
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,17 @@ POLL_S = 5.0
 
 
 class SlurmLauncher(SubmititSlurmLauncher):
+    def setup(self, **kwargs) -> None:
+        """Before the sweep makes its directory: Slurm's tools must be here (submitit needs srun, sbatch submits)."""
+        missing = [tool for tool in ("sbatch", "srun") if shutil.which(tool) is None]
+        if missing:
+            fail(
+                f"hydra/launcher=slurm needs Slurm's {' and '.join(missing)} on this machine and PATH has "
+                f"{'neither' if len(missing) > 1 else 'no ' + missing[0]}: run the sweep on the cluster's login node, "
+                "or leave hydra/launcher=slurm out to run its jobs here one after another"
+            )
+        super().setup(**kwargs)
+
     def launch(self, job_overrides, initial_job_idx: int) -> list[JobReturn]:
         tasks = self.params.get("tasks_per_node")
         if not isinstance(tasks, int) or tasks < 1:
@@ -90,11 +103,9 @@ class SlurmLauncher(SubmititSlurmLauncher):
                 return executor.map_array(self, *zip(*params, strict=True))
         except FailedJobError as e:
             reasons = [line.split("error:", 1)[-1].strip() for line in str(e).splitlines() if "error:" in line]
+            sweep_dir = Path(str(self.config.hydra.sweep.dir))
+            discard_unused_sweep(sweep_dir, OmegaConf.select(self.config, "paths.log_dir", default=None))
             fail(f"sbatch refused the job: {'; '.join(reasons) or str(e).strip()} ({self._request()})")
-        except FileNotFoundError:
-            fail(
-                "hydra/launcher=slurm needs Slurm's sbatch on this machine (run the sweep on the cluster's login node)"
-            )
         raise AssertionError  # fail() has exited
 
     def _request(self) -> str:

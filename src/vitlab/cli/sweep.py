@@ -12,7 +12,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from vitlab.utils.errors import UserError, fail
+from vitlab.utils.errors import fail
 
 # What a finished job of each entry point writes in its directory: train, parity, benchmark.
 RESULT_FILES = ("metrics.json", "parity.json", "benchmark.json")
@@ -56,7 +56,8 @@ class SweepSummary(Callback):
         overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.is_file() else []
         found = [job / name for name in self.filenames if (job / name).is_file()]
         metrics = json.loads(found[0].read_text()) if found else {}
-        error = json.loads((job / "error.json").read_text())["error"] if (job / "error.json").is_file() else None
+        failure = json.loads((job / "error.json").read_text()) if (job / "error.json").is_file() else {}
+        error = failure.get("error")
         if metrics and not error:
             status = "done"
         elif error:
@@ -69,6 +70,7 @@ class SweepSummary(Callback):
             "status": status,
             **{c: metrics.get(c) for c in self.columns},
             **({"error": error} if error else {}),
+            **({"bug": True} if failure.get("bug") else {}),
         }
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -91,9 +93,12 @@ class SweepSummary(Callback):
         failed = [r for r in rows if r["status"] != "done"]
         if failed:
             first = failed[0]
+            bug = any(r.get("bug") for r in failed)  # a failure of our code, its traceback shown above: exit 1
+            which = f"jobs {', '.join(str(r['job']) for r in failed)}; " if len(failed) > 1 else ""
             fail(
-                f"{len(failed)} of {len(rows)} sweep jobs failed (job {first['job']}: "
-                f"{first.get('error') or 'no result file'}); every job is listed in {sweep_dir / 'summary.json'}"
+                f"{len(failed)} of {len(rows)} sweep jobs failed ({which}job {first['job']}: "
+                f"{first.get('error') or first['status']}); every job is listed in {sweep_dir / 'summary.json'}",
+                1 if bug else 2,
             )
         print(f"sweep results: {sweep_dir / 'summary.json'}", flush=True)
 
@@ -125,17 +130,17 @@ def _best_trial(sweep_dir: Path, metric: str | None, sweeper: DictConfig) -> dic
 
 
 def optimized_value(key: str | None, metrics: dict[str, Any]) -> float | None:
-    """The value of `optimized_metric` a job returns to its sweeper; one a sweep needs and the run did not log is an
-    error (the job is recorded as failed), a single run only warns."""
+    """The value of `optimized_metric` a job returns to its sweeper. One the run did not log (stopped by max_steps
+    before the first validation) is a warning, in a sweep as in a single run: the job ran as asked, and is `done`
+    in the summary with that column empty; a sweeper gets NaN (Optuna records a failed trial)."""
     if key is None:
         return None
     if key not in metrics:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
-        message = f"optimized_metric {key!r} was not logged; logged: {sorted(metrics)}"
-        if HydraConfig.get().mode == RunMode.MULTIRUN:  # a sweeper needs the value
-            raise UserError(message)
-        logging.getLogger("vitlab.train").warning(message)  # e.g. stopped by max_steps before the first validation
-        return None
+        logging.getLogger("vitlab.train").warning(
+            "optimized_metric %r was not logged; logged: %s", key, sorted(metrics)
+        )
+        return float("nan") if HydraConfig.get().mode == RunMode.MULTIRUN else None
     return metrics[key]

@@ -76,7 +76,7 @@ def export(model: ViT, path: str | Path, atol: float = 1e-4, metadata: dict[str,
             run = torch.export.load(str(tmp)).module()
         report["checks"] = _check(model, run, atol)
 
-    atomic_files(path, write, what=f"{kind} export")
+    atomic_files(path, write, what=f"{kind} export", advice="free space, or export elsewhere with output=<file>")
     report["max_abs_diff"] = max(c["max_abs_diff"] for c in report["checks"])
     return report
 
@@ -94,7 +94,10 @@ def _check(model: ViT, run, atol: float) -> list[dict]:
         diff = (got - expected).abs().max().item() if got.shape == expected.shape else float("inf")
         checks.append({"input_shape": list(shape), "max_abs_diff": diff})
         if not diff <= atol:
-            raise RuntimeError(f"the exported program differs from the model by {diff:.3g} > {atol} on input {shape}")
+            raise UserError(
+                f"the exported program differs from the model by {diff:.3g} on input {shape}, more than atol={atol:g}: "
+                "refused, nothing was written (a larger atol accepts it; the default is 1e-4)"
+            )
     return checks
 
 

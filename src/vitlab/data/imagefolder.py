@@ -39,6 +39,18 @@ class UnlabeledFolder(datasets.ImageFolder):
         return [""], {"": 0}
 
 
+def check_class_folders(data_dir: str, num_classes: int, unlabeled: bool = False) -> None:
+    """data.num_classes against the class folders of data_dir/train (ImageFolder's classes), where there is one: when
+    the module is built, and before, in the launching process (training.node_checks.check_node), so that no run
+    directory or DDP process exists to say it four times."""
+    train = Path(data_dir) / "train"
+    if unlabeled or not train.is_dir():
+        return  # (a missing split is named when the data is set up)
+    found = sum(1 for entry in os.scandir(train) if entry.is_dir())
+    if found != num_classes:
+        raise UserError(f"data.num_classes {num_classes} does not match the {found} class folders in {data_dir}/train")
+
+
 class ImageFolderDataModule(ImageDataModule):
     channels = 3
     mean = (0.485, 0.456, 0.406)  # ImageNet
@@ -56,6 +68,7 @@ class ImageFolderDataModule(ImageDataModule):
     ):
         if num_classes < 1 and not unlabeled:
             raise UserError(f"data.num_classes {num_classes} must be >= 1")
+        check_class_folders(data_dir, num_classes, unlabeled)
         super().__init__(data_dir=data_dir, num_classes=num_classes, **kwargs)
         self.class_names: list[str] = []
         self.check_images, self.val_fraction, self.split_seed = check_images, val_fraction, split_seed
@@ -81,11 +94,6 @@ class ImageFolderDataModule(ImageDataModule):
             raise MissingFileError(f"data.data_dir {str(self.data_dir)!r} does not exist")
         train, val = self._split("train"), self._split("val")
         test = self._split("test") if (Path(self.data_dir) / "test").is_dir() else None
-        if not self.unlabeled and len(train.classes) != self.num_classes:
-            raise UserError(
-                f"data.num_classes {self.num_classes} does not match the {len(train.classes)} class "
-                f"folders in {self.data_dir}/train"
-            )
         for split in (val, test):
             if split is not None and split.classes != train.classes:
                 raise UserError(f"class folders of {split.root} differ from those of {train.root}")

@@ -9,6 +9,7 @@ beside the output and renamed into place when all are complete; an existing outp
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import logging
@@ -25,6 +26,7 @@ from torch.utils.data import Dataset
 from vitlab.data.base import TransformDataset, init_worker
 from vitlab.data.images import decode_image
 from vitlab.data.streaming import INFO
+from vitlab.utils.atomic import disk_error
 from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,15 @@ def pack(datamodule, out: Path, overwrite: bool = False, workers: int | None = N
             log.info("packed %s: %d images, %.1f MB", name, len(split), size / 1e6)
         (tmp / INFO).write_text(json.dumps(info, indent=2))
         _replace(tmp, out)
+    except OSError as e:
+        disk = disk_error(e)
+        if disk is None or disk.errno in (errno.EACCES, errno.EPERM):  # (reading an image may be refused too)
+            raise
+        raise UserError(
+            f"cannot write the shards of {out} ({disk.strerror or disk}); the partial shards were removed"
+            f"{' and the earlier ' + out.name + ' is as it was' if out.exists() else ''}; free space, or pack "
+            "elsewhere with out=<folder>"
+        ) from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return info

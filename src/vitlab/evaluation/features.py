@@ -225,6 +225,12 @@ def probe(cfg, model, datamodule, source: dict, cache: Path | None, device: torc
             "task=linear picks its learning rate on the validation split and needs a test split besides it: this data "
             "has none (for an image folder, data.val_fraction=0.01 validates on a slice of train and tests on val/)"
         )
+    bank = len(datamodule.eval_view("train"))
+    if cfg.task == "knn" and max(cfg.knn.k) > bank:
+        raise UserError(
+            f"knn.k {list(cfg.knn.k)} asks for more neighbours than the {bank} training images the k-NN votes among: "
+            f"give values up to {bank} (knn.k=[{','.join(str(k) for k in cfg.knn.k if k <= bank) or min(10, bank)}])"
+        )
     linear = cfg.task == "linear"
     layers, views = linear_views(cfg, model) if linear else (layers_of(model, cfg.layers), None)
     splits = ["train", "val", split] if linear else ["train", split]

@@ -16,6 +16,7 @@ from vitlab.evaluation.features import probe, source_id
 from vitlab.model import ViT
 from vitlab.model.config import vit_config
 from vitlab.training import build
+from vitlab.training.node_checks import check_devices
 from vitlab.training.pretrained import apply_pretrained
 from vitlab.utils.errors import UserError
 
@@ -28,7 +29,7 @@ def launch(trainer_cfg: DictConfig) -> torch.device:
     this process's device."""
     from lightning.fabric import Fabric
 
-    build.check_devices(trainer_cfg)
+    check_devices(trainer_cfg)
     strategy = trainer_cfg.get("strategy", "auto")
     if not isinstance(strategy, str):
         raise UserError(

@@ -17,15 +17,13 @@ from typing import Any
 
 import lightning as L
 import torch
-from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
-from hydra.types import RunMode
 from hydra.utils import get_object, instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import WandbLogger
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
 from vitlab.model.config import vit_config
@@ -33,100 +31,25 @@ from vitlab.training.callbacks import NonFiniteLoss
 from vitlab.training.checkpoint_io import upgrade_hparams
 from vitlab.training.hardware import resolve_trainer
 from vitlab.training.module import ViTModule
+from vitlab.training.node_checks import check_devices, check_node
 from vitlab.training.optim import OptimConfig, scaled_lr
 from vitlab.training.rank_state import RankState
-from vitlab.training.sharding import check_request
-from vitlab.utils.checks import check_arguments
 from vitlab.utils.errors import UserError
-from vitlab.utils.logs import route_lightning_logs
+from vitlab.utils.logs import PROGRESS_BARS, route_lightning_logs
 
 log = logging.getLogger(__name__)
 route_lightning_logs()
-
-PROGRESS_BARS = ("auto", "rich", "tqdm", "none")
 
 __all__ = [
     "build_datamodule",
     "build_fit",
     "build_module",
     "build_trainer",
-    "check_launch",
-    "check_node",
-    "check_settings",
     "build_callbacks",
     "loggers_finished",
     "inference_datamodule",
     "load_for_inference",
 ]
-
-
-def _train_settings(
-    seed: int,
-    train: bool,
-    test: bool,
-    ckpt_path: str | None,
-    optimized_metric: str | None,
-    compile: bool | str,
-    progress_bar: str,
-    print_config: bool,
-    freeze_backbone: bool,
-    task_name: str,
-    tags: list[str],
-) -> None:
-    """The top-level keys of conf/train.yaml, with their types (check_settings checks them against these)."""
-
-
-def check_settings(cfg: DictConfig) -> None:
-    """The top-level keys, before anything uses them: types (settings.check_arguments), then the seed's range
-    (what Lightning's seed_everything takes)."""
-    values = {k: cfg[k] for k in inspect.signature(_train_settings).parameters}
-    plain = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in values.items()}
-    check_arguments(_train_settings, plain, "")
-    if not 0 <= cfg.seed < 2**32:
-        raise UserError(f"seed {cfg.seed} must be in [0, {2**32 - 1}]")
-
-
-def check_launch(cfg: DictConfig) -> None:
-    """Lightning's DDP launcher re-runs this command for every rank; under a -m sweep on a launcher that runs
-    jobs in this process (the basic one) or as one process each (submitit_local), every child would re-run the
-    whole sweep. Stop before anything starts; the Slurm launcher starts one task per device itself."""
-    if said := check_request(cfg.trainer, cfg.get("callbacks")):  # trainer=fsdp: what cannot shard, in one line
-        log.info(said)
-    hc = HydraConfig.get()
-    launcher = str(hc.launcher.get("_target_", ""))
-    if hc.mode != RunMode.MULTIRUN or launcher.endswith("SlurmLauncher"):
-        return
-    t = cfg.trainer
-    devices, nodes = t.get("devices", 1), t.get("num_nodes", 1)
-    many = (
-        nodes > 1
-        or devices in (-1, "auto")
-        or (isinstance(devices, int) and devices > 1)
-        or (not isinstance(devices, (int, str)) and len(devices) > 1)
-    )
-    if many:
-        how = "as one process (hydra/launcher=submitit_local)" if "submitit" in launcher else "in this process"
-        raise UserError(
-            f"-m sweeps run each job {how}, but trainer.devices={devices} (num_nodes={nodes}) needs one process "
-            "per device, which Lightning starts by re-running the command: sweep with trainer.devices=1, or use "
-            "hydra/launcher=slurm (one Slurm job per sweep point, one task per device)"
-        )
-
-
-def check_node(node: DictConfig, key: str) -> None:
-    """The values of a config node that builds something (`_target_`), and of the nodes in it, have the types
-    their target declares (settings.check_arguments): a wrong type is one line naming the key before anything
-    is built, not a TypeError deep inside (Lightning's Trainer arguments included)."""
-    try:
-        target = get_object(str(node._target_))
-    except Exception:  # an unknown target: instantiate names it
-        return
-    check_arguments(target, OmegaConf.to_container(node, resolve=True), key)
-    for name, value in node.items():
-        inner = value if isinstance(value, ListConfig) else [value]
-        for i, item in enumerate(inner):
-            if isinstance(item, DictConfig) and "_target_" in item:
-                check_node(item, f"{key}.{name}" + (f"[{i}]" if isinstance(value, ListConfig) else ""))
 
 
 def build_datamodule(data_cfg: DictConfig) -> L.LightningDataModule:
@@ -343,19 +266,6 @@ class LightningWorkarounds(L.Callback):
             # Epochs shorter than the logging interval would log no step at all (no loss or LR curve for a short
             # run): log once per epoch's worth of steps instead.
             trainer.log_every_n_steps = total // epochs
-
-
-def check_devices(t: DictConfig) -> None:
-    """Several devices with accelerator=auto on a machine without a GPU would start that many CPU processes, each
-    as slow as the machine is small: say so, and how to ask for CPU processes on purpose."""
-    devices = t.get("devices", 1)
-    many = (isinstance(devices, int) and devices > 1) or (not isinstance(devices, (int, str)) and len(devices) > 1)
-    if t.get("accelerator", "auto") == "auto" and many and not torch.cuda.is_available():
-        raise UserError(
-            f"trainer.devices={devices} asks for {devices} devices and this machine has no GPU: that would train in "
-            f"{devices} CPU processes; ask for them with trainer=ddp_cpu trainer.devices={devices}, or train on the "
-            "CPU in one process with trainer.devices=1"
-        )
 
 
 def _is_device_error(text: str) -> bool:

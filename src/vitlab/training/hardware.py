@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +42,10 @@ def _in_use(devices: Any, gpus: list[tuple[str, bool]]) -> list[tuple[str, bool]
         return []  # not a device request: the trainer's own check names it
 
 
-def resolve_trainer(t: DictConfig) -> str | None:
+def resolve_trainer(t: DictConfig) -> str:
     """Resolve `precision: auto` and `strategy: auto` in the trainer config `t`, in place; the line that says what
-    was chosen (None when nothing was left to choose)."""
-    precision, strategy = str(t.get("precision", "32-true")), str(t.get("strategy", "auto"))
-    if precision != "auto" and strategy != "auto":
-        return None
+    will run: the devices, how many processes and with which strategy, the precision (and why, where it was auto)."""
+    precision, strategy = str(t.get("precision", "32-true")), t.get("strategy", "auto")
     accelerator = str(t.get("accelerator", "auto"))
     gpus = _in_use(t.get("devices", 1), cuda_devices()) if accelerator in GPU_ACCELERATORS else []
     why = ""
@@ -59,14 +57,26 @@ def resolve_trainer(t: DictConfig) -> str | None:
             precision, why = "32-true", f"{', '.join(old)} has no bf16 (compute capability < 8.0)"
         else:
             precision, why = "32-true", "no GPU in use"
-    processes = max(1, len(gpus)) * int(t.get("num_nodes", 1) or 1)
+    per_node = len(gpus) if gpus else _cpu_processes(t.get("devices", 1)) if accelerator in ("auto", "cpu") else 1
+    processes = max(1, per_node) * int(t.get("num_nodes", 1) or 1)
     with open_dict(t):
         t.precision = precision
-        if strategy == "auto" and gpus and processes > 1:
-            strategy = t.strategy = "ddp"  # as trainer=ddp: one process per GPU, Lightning re-running the command
+        if strategy == "auto" and processes > 1:
+            strategy = t.strategy = "ddp"  # Lightning's choice, made here: one process per device, the command re-run
+    name = strategy.get("_target_", "").rsplit(".", 1)[-1] if isinstance(strategy, DictConfig) else strategy
+    many = f", {processes} process(es) ({name})" if processes > 1 or name != "auto" else ""
     if gpus:
-        where = f"{len(gpus)} CUDA GPU(s) ({', '.join(sorted({n for n, _ in gpus}))}), {processes} process(es)"
-        where += f" ({strategy})" if strategy != "auto" else ""
+        where = f"{len(gpus)} CUDA GPU(s) ({', '.join(sorted({n for n, _ in gpus}))}){many}"
     else:
-        where = "CPU" if accelerator in ("auto", "cpu") else accelerator
+        where = ("CPU" if accelerator in ("auto", "cpu") else accelerator) + many
     return f"trainer: {where}, precision {precision}" + (f" (auto: {why})" if why else "")
+
+
+def _cpu_processes(devices: Any) -> int:
+    """The CPU processes `trainer.devices` asks for (Lightning's CPU accelerator: 'auto' and -1 are one)."""
+    try:
+        return (
+            len(devices) if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices) else max(1, int(devices))
+        )
+    except (TypeError, ValueError):
+        return 1  # not a device request: the trainer's own check names it

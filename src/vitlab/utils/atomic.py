@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 _TEMPORARY = re.compile(r"^\..+\.tmp-(\d+)$")
 # What a full or read-only disk, or missing permissions, look like: the user's to fix.
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+# What a full disk's one line advises where the writer says nothing else: a training run's checkpoint.
+CHECKPOINT_ADVICE = "free space or choose another paths.log_dir (resume from an earlier checkpoint with ckpt_path=...)"
 
 
 def atomic_write(
@@ -53,11 +55,13 @@ def atomic_write(
     return path
 
 
-def atomic_files(path: str | os.PathLike, write: Callable[[Path], None], what: str = "file") -> Path:
+def atomic_files(
+    path: str | os.PathLike, write: Callable[[Path], None], what: str = "file", advice: str = CHECKPOINT_ADVICE
+) -> Path:
     """For writers that make more than one file (ONNX's external weights) or open the file themselves:
     `write(tmp)` writes `tmp` (named as `path`, in a temporary directory beside it) and any side files, checks
     them and raises to refuse; then each is fsynced and renamed into place, `path` last. The directory never
-    survives; a full disk is a UserError as in atomic_write."""
+    survives; a full disk is a UserError as in atomic_write, ending with `advice` (what to do instead)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path.parent)
@@ -70,21 +74,20 @@ def atomic_files(path: str | os.PathLike, write: Callable[[Path], None], what: s
                 os.fsync(fh.fileno())
             os.replace(f, path.parent / f.name)
     except (OSError, RuntimeError) as e:
-        _raise_disk_error(e, path, what)
+        _raise_disk_error(e, path, what, advice)
         raise
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
     return path
 
 
-def _raise_disk_error(e: BaseException, path: Path, what: str) -> None:
+def _raise_disk_error(e: BaseException, path: Path, what: str, advice: str = CHECKPOINT_ADVICE) -> None:
     disk = disk_error(e)
     if disk is None:
         return
     kept = f"the previous {path.name} is intact" if path.is_file() else f"no {path.name} was written"
     raise UserError(
-        f"cannot write {what} {path} ({disk.strerror or disk}); {kept}, and no partial file is left; "
-        "free space or choose another paths.log_dir (resume from an earlier checkpoint with ckpt_path=...)"
+        f"cannot write {what} {path} ({disk.strerror or disk}); {kept}, and no partial file is left; {advice}"
     ) from e
 
 

@@ -2,6 +2,10 @@
 settings; ViTConfig has its own): built from a plain mapping with unknown keys refused, and checks that
 name the field as the user writes it (`optim.lr`). No Hydra here: Python callers get the same defaults
 and the same checks as the command line, and a test keeps each YAML file equal to its dataclass.
+
+The one way a config's values are checked (`check_arguments`): against the types a target declares, its
+constructor's parameters or a schema (a TypedDict: each command's top-level keys, its groups nested), with ranges
+as `Annotated` constraints (`PositiveInt`, `Fraction`, annotated_types' Ge/Gt/Interval/MinLen), judged by pydantic.
 """
 
 from __future__ import annotations
@@ -13,11 +17,22 @@ import math
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
+
+from annotated_types import Ge, Gt, Interval, MinLen
 
 from vitlab.utils.errors import UserError
 
 T = TypeVar("T")
+
+# Ranges as types: a schema (or a constructor) annotated with these is range-checked by check_arguments.
+PositiveInt = Annotated[int, Ge(1)]
+NonNegativeInt = Annotated[int, Ge(0)]
+PositiveNumber = Annotated[float, Gt(0)]
+NonNegativeNumber = Annotated[float, Ge(0)]
+Fraction = Annotated[float, Interval(ge=0, le=1)]
+Seed = Annotated[int, Interval(ge=0, le=2**32 - 1)]  # what Lightning's seed_everything (numpy's) takes
+NonEmpty = Annotated[list[T], MinLen(1)]  # NonEmpty[PositiveInt]: a list of one or more
 
 
 def from_mapping(cls: type[T], values: Mapping[str, Any] | None, group: str) -> T:
@@ -54,25 +69,33 @@ def check_at_least(key: str, value: Any, low: float = 0, *, optional: bool = Fal
         raise UserError(f"{key} {value!r} must be a number >= {low:g}{' or null' if optional else ''}")
 
 
-def check_arguments(target: Any, values: Mapping[str, Any], group: str) -> None:
-    """Each of `values` has the type `target` (a class or function) declares for its parameter of that name, or
-    a one-line UserError names the key, the value and the type: `data.batch_size 'abc' must be an integer`.
-    Parameters passed on through **kwargs are looked up in the base classes. Values that are themselves
-    configs of something to build (a `_target_`) are checked on their own; undeclared parameters are left to
-    the target. pydantic judges; a value it would have to convert ('5' for an integer, true for an integer,
-    8.5 for an integer) is refused, as the target would receive it unconverted."""
+def check_arguments(target: Any, values: Mapping[str, Any], group: str, narrower: Any = None) -> None:
+    """Each of `values` has the type `target` (a class, a function, or a TypedDict schema) declares for its parameter
+    or key of that name, or a one-line UserError names the key, the value and the type: `data.batch_size 'abc' must
+    be an integer`, `knn.k [0] must be a non-empty list of integers >= 1`. Ranges are part of the type (`Annotated`
+    constraints); `narrower`, a function or TypedDict, replaces the types of the parameters it names (a library's
+    documented ranges that its own signature leaves out). A value for a TypedDict-typed key is checked key by key
+    (`knn.temperature`). Parameters passed on through **kwargs are looked up in the base classes. Values that are
+    themselves configs of something to build (a `_target_`) are checked on their own; undeclared parameters are left
+    to the target. pydantic judges; a value it would have to convert ('5' for an integer, true for an integer, 8.5
+    for an integer, nan for a number) is refused, as the target would receive it unconverted."""
     hints, open_ended = _parameter_hints(target)
+    if narrower is not None:
+        hints = hints | _parameter_hints(narrower)[0]
+    prefix = group + "." if group else ""
     for key, value in values.items():
         if key not in hints and not open_ended and not key.startswith("_"):
+            if typing.is_typeddict(target):
+                raise UserError(f"{prefix}{key} is not a key of {group or 'the config'}; its keys: {sorted(hints)}")
             name = getattr(target, "__name__", str(target))
-            raise UserError(
-                f"{group + '.' if group else ''}{key} is not an argument of {name}; its arguments: {sorted(hints)}"
-            )
+            raise UserError(f"{prefix}{key} is not an argument of {name}; its arguments: {sorted(hints)}")
         hint = hints.get(key, Any)
         if hint is Any or key.startswith("_") or _is_node(value):
             continue
-        if not _fits(value, hint):
-            raise UserError(f"{group + '.' if group else ''}{key} {value!r} must be {describe(hint)}")
+        if typing.is_typeddict(hint) and isinstance(value, Mapping):
+            check_arguments(hint, value, prefix + key)
+        elif not _fits(value, hint):
+            raise UserError(f"{prefix}{key} {value!r} must be {describe(hint)}")
 
 
 def _is_node(value: Any) -> bool:
@@ -87,13 +110,15 @@ def _is_node(value: Any) -> bool:
 def _parameter_hints(target: Any) -> tuple[dict[str, Any], bool]:
     """The parameters of `target` with their types (Any where none is declared), and whether it takes any
     keyword besides (a **kwargs that no base class's __init__ in its MRO takes up)."""
+    if typing.is_typeddict(target):  # a schema: its keys, all of them (the YAML file has each)
+        return typing.get_type_hints(target, include_extras=True), False
     hints: dict[str, Any] = {}
     for owner in target.__mro__ if inspect.isclass(target) else (target,):
         init = owner.__dict__.get("__init__") if inspect.isclass(target) else owner
         if init is None or init is object.__init__:
             continue
         try:
-            found = typing.get_type_hints(init)
+            found = typing.get_type_hints(init, include_extras=True)
         except Exception:  # an annotation that names what its module imports only for type checkers
             found = {}
         params = inspect.signature(init).parameters
@@ -109,7 +134,7 @@ def _parameter_hints(target: Any) -> tuple[dict[str, Any], bool]:
 def _adapter(hint: Any):
     from pydantic import ConfigDict, TypeAdapter
 
-    return TypeAdapter(hint, config=ConfigDict(arbitrary_types_allowed=True))
+    return TypeAdapter(hint, config=ConfigDict(arbitrary_types_allowed=True, allow_inf_nan=False))
 
 
 def _fits(value: Any, hint: Any) -> bool:
@@ -121,13 +146,28 @@ def _fits(value: Any, hint: Any) -> bool:
         return False
     except Exception:  # a type pydantic cannot check: the target will
         return True
-    kinds = (type(value), type(out))
-    return kinds[0] is kinds[1] or kinds == (int, float) or (isinstance(value, list) and isinstance(out, tuple))
+    return _unconverted(value, out)
+
+
+def _unconverted(value: Any, out: Any) -> bool:
+    """pydantic's result `out` is `value` itself, not a conversion of it (an int where a number is asked for, and a
+    list where a tuple is, are taken as they are)."""
+    if isinstance(value, (list, tuple)) and isinstance(out, (list, tuple)):
+        return len(value) == len(out) and all(map(_unconverted, value, out))
+    if isinstance(value, Mapping) and isinstance(out, Mapping):
+        return all(k in out and _unconverted(v, out[k]) for k, v in value.items())
+    return type(value) is type(out) or (type(value), type(out)) == (int, float)
 
 
 def describe(hint: Any) -> str:
-    """A type as a user reads it: `an integer or null`, `one of 'a', 'b'`."""
+    """A type as a user reads it: `an integer or null`, `one of 'a', 'b'`, `an integer >= 1`, `a number in [0, 1]`,
+    `a non-empty list of integers >= 1`."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        base, bounds = describe(args[0]), _bounds(args[1:])
+        if any(isinstance(m, MinLen) and m.min_length > 0 for m in args[1:]):
+            base = base.replace("a list", "a non-empty list", 1)
+        return f"{base} {bounds}" if bounds else base
     if origin in (typing.Union, types.UnionType):
         literals = [a for m in args if typing.get_origin(m) is typing.Literal for a in typing.get_args(m)]
         parts = [describe(typing.Literal[tuple(literals)])] if literals else []
@@ -138,11 +178,45 @@ def describe(hint: Any) -> str:
     if origin is typing.Literal:
         return "one of " + ", ".join(repr(a) for a in args) if len(args) > 1 else repr(args[0])
     if origin in (list, tuple) or hint in (list, tuple) or str(origin).endswith("Sequence'>"):
-        return "a list"
+        items = [a for a in args if a is not Ellipsis]
+        return f"a list of {_plural(describe(items[0]))}" if len(set(items)) == 1 and items[0] is not Any else "a list"
     if origin is dict or hint is dict:
+        return "a mapping"
+    if typing.is_typeddict(hint):
         return "a mapping"
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
     return names.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _bounds(metadata: tuple) -> str:
+    """annotated_types' Ge/Gt/Le/Lt/Interval as maths writes them: `>= 1`, `in (0, 1]`."""
+    low = high = None  # (value, open)
+    for m in metadata:
+        for name, value in ((n, getattr(m, n, None)) for n in ("ge", "gt", "le", "lt")):
+            if value is not None and name[0] == "g":
+                low = (value, name == "gt")
+            elif value is not None:
+                high = (value, name == "lt")
+
+    def num(v: float) -> str:
+        return str(v) if isinstance(v, int) else f"{v:g}"
+
+    if low and high:
+        return f"in {'(' if low[1] else '['}{num(low[0])}, {num(high[0])}{')' if high[1] else ']'}"
+    if low:
+        return f"{'>' if low[1] else '>='} {num(low[0])}"
+    return f"{'<' if high[1] else '<='} {num(high[0])}" if high else ""
+
+
+def _plural(described: str) -> str:
+    """`an integer >= 1` -> `integers >= 1`: the items of a list."""
+    for one, many in PLURALS:
+        described = described.replace(one, many)
+    return described
+
+
+PLURALS = (("an integer", "integers"), ("a number", "numbers"), ("a string", "strings"),
+           ("true or false", "true or false values"), ("a list", "lists"), ("a mapping", "mappings"))  # fmt: skip
 
 
 def to_dict(obj: Any) -> dict[str, Any]:
@@ -156,7 +230,27 @@ def to_dict(obj: Any) -> dict[str, Any]:
     return {k: plain(v) for k, v in dataclasses.asdict(obj).items()}
 
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+def check_device(key: str, name: str, auto: bool = False) -> str:
+    """`name` as a torch device this machine has: cpu, cuda, cuda:<i> (and with `auto`, cuda where there is a GPU,
+    else cpu), or a UserError naming `key`."""
+    import torch
+
+    if auto and name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise UserError(f"{key} {name!r} is not one of {'auto, ' if auto else ''}cpu, cuda, cuda:<i>")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        have = f"{torch.cuda.device_count()} CUDA GPU(s)" if torch.cuda.is_available() else "no CUDA GPU"
+        raise UserError(f"{key} {name!r} is not available here: {have}; use cpu{' or auto' if auto else ''}")
+    return name
+
+
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+COMPILE_MODES = typing.get_args(CompileMode)
 
 
 def compile_mode(value: bool | str | None) -> str | None:

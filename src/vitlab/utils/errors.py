@@ -19,6 +19,15 @@ class UserError(ValueError):
     """Bad input: a config value, a file or a request this machine cannot serve. The message names
     the value and what is allowed; it is the whole report."""
 
+    exit_code = 2
+
+
+class Interrupted(UserError):
+    """The user stopped a command (Ctrl-C) outside training's own handling: one line saying what is left, exit 130
+    (128 + SIGINT), as a stopped training run exits."""
+
+    exit_code = 130
+
 
 class MissingFileError(UserError, FileNotFoundError):
     """A file or directory the user named does not exist (or is of the wrong kind)."""

@@ -4,7 +4,12 @@ file), and the warnings nobody running vitlab can act on dropped. Imports neithe
 from __future__ import annotations
 
 import logging
+import typing
 import warnings
+
+# progress_bar=: auto (rich on a terminal; otherwise a log line per epoch), rich, tqdm, none.
+ProgressBar = typing.Literal["auto", "rich", "tqdm", "none"]
+PROGRESS_BARS = typing.get_args(ProgressBar)
 
 # Warnings nobody running vitlab can act on: deprecations inside torchdata and Lightning, the
 # logging-interval notice (vitlab lowers the interval to the epoch length itself, see lit_module),

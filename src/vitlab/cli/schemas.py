@@ -1,0 +1,219 @@
+"""What each command checks before any work: its config schema (its top-level keys, conf/<command>.yaml, with their
+types and ranges, its groups key by key: eval's knn, linear, fewshot) and what needs several keys or the file system
+(`check_<command>`). `@entry_point` runs both (vitlab.cli.entry.check_config), with every node that builds something
+(the data module, the Trainer within Lightning's ranges, callbacks, loggers) checked against its target, before Hydra
+makes a plain run's directory and as each sweep job starts. tests/cli/test_schemas.py keeps each schema equal to its
+YAML file's keys.
+
+A schema is a TypedDict; a range is a type (`PositiveInt`, `Fraction`, utils.checks): `top_k=abc` and `top_k=0` are
+both `top_k ... must be an integer >= 1`, before a checkpoint is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal, TypedDict
+
+from omegaconf import DictConfig, OmegaConf
+
+from vitlab.utils.checks import (
+    CompileMode,
+    NonEmpty,
+    NonNegativeInt,
+    NonNegativeNumber,
+    PositiveInt,
+    PositiveNumber,
+    Seed,
+    check_device,
+)
+from vitlab.utils.errors import UserError
+from vitlab.utils.logs import ProgressBar
+
+
+class TrainSettings(TypedDict):
+    seed: Seed
+    train: bool
+    test: bool
+    ckpt_path: str | None
+    optimized_metric: str | None
+    compile: bool | CompileMode | None  # true: torch.compile's default mode
+    progress_bar: ProgressBar
+    print_config: bool
+    freeze_backbone: bool
+    task_name: str
+    tags: list[str]
+
+
+class KnnSettings(TypedDict):
+    k: NonEmpty[PositiveInt]  # at most the training images it votes among (checked once the data is known)
+    temperature: PositiveNumber
+
+
+class LinearSettings(TypedDict):
+    n_last_blocks: PositiveInt | NonEmpty[PositiveInt] | None  # at most the model's depth (checked with the model)
+    avgpool: bool | NonEmpty[bool]
+    lrs: NonEmpty[PositiveNumber]
+    epochs: PositiveInt
+    batch_size: PositiveInt
+    seed: Seed
+
+
+class FewshotSettings(TypedDict):
+    shots: NonEmpty[PositiveInt]
+    l2_reg: NonNegativeNumber
+    seed: Seed
+
+
+class EvalDataOverrides(TypedDict):
+    """eval's `data.<key>=`, laid over the checkpoint's own data config (a data=<name> group replaces them, and is
+    checked against its data module instead)."""
+
+    data_dir: str | None
+    batch_size: PositiveInt | None
+    num_workers: NonNegativeInt | None
+
+
+class EvalSettings(TypedDict):
+    task_name: str
+    tags: list[str]
+    seed: Seed
+    ckpt_path: str | None
+    progress_bar: ProgressBar
+    task: Literal["test", "knn", "linear", "fewshot"]
+    features_dir: str | None
+    layers: int | NonEmpty[int] | None
+    knn: KnnSettings
+    linear: LinearSettings
+    fewshot: FewshotSettings
+    data: EvalDataOverrides
+
+
+class PredictSettings(TypedDict):
+    task_name: str
+    ckpt_path: str
+    images: str | NonEmpty[str]
+    top_k: PositiveInt
+    device: str  # cpu, cuda, cuda:<i> that this machine has (check_predict)
+
+
+class ExportSettings(TypedDict):
+    task_name: str
+    ckpt_path: str
+    format: str  # its names: vitlab.export's (convert.programs.FORMATS)
+    output: str | None
+    overwrite: bool
+    atol: NonNegativeNumber
+
+
+class VisualizeSettings(TypedDict):
+    task_name: str
+    ckpt_path: str | None
+    image: str | None
+    run_dir: str | None
+    num_images: PositiveInt
+
+
+class ParitySettings(TypedDict):
+    task_name: str
+    seed: Seed
+    batch_size: PositiveInt
+    pretrained: bool
+    atol: NonNegativeNumber
+    grad_rtol: NonNegativeNumber
+    timm_zoo: str | None
+    zoo_depth: PositiveInt
+
+
+class PackModel(TypedDict):
+    img_size: PositiveInt | NonEmpty[PositiveInt]  # what the data configs read; packing keeps the images' own sizes
+
+
+class PackSettings(TypedDict):
+    task_name: str
+    out: str
+    overwrite: bool
+    workers: PositiveInt | None
+    chunk_bytes: str | PositiveInt  # LitData's: bytes, or a size such as 64MB
+    model: PackModel
+
+
+class BenchmarkSettings(TypedDict):
+    task_name: str
+    benchmark: dict[str, Any]  # its keys: benchmark.config.BenchmarkConfig's, checked by check_benchmark
+
+
+def check_train(cfg: DictConfig) -> None:
+    from vitlab.training.node_checks import check_launch
+    from vitlab.training.sharding import check_request
+
+    check_launch(cfg)  # a -m sweep of multi-process runs on a launcher that cannot start them
+    check_request(cfg.trainer, cfg.get("callbacks"))  # trainer=fsdp: what cannot shard (its note is logged by train)
+
+
+def check_eval(cfg: DictConfig) -> None:
+    """Model overrides beside a checkpoint would be ignored: its model is the one the checkpoint stores."""
+    if cfg.ckpt_path is not None and cfg.get("model") is not None:
+        from hydra.core.hydra_config import HydraConfig
+
+        given = " ".join(o for o in HydraConfig.get().overrides.task if o.lstrip("+~").startswith("model"))
+        raise UserError(
+            f"{given or 'model=...'}: the model of ckpt_path {cfg.ckpt_path!r} is the one its checkpoint stores, and "
+            "model overrides would be ignored; drop them, or evaluate timm's weights instead of a checkpoint: "
+            "model=<name> model.pretrained=<timm name> data=<name> without ckpt_path"
+        )
+
+
+def check_predict(cfg: DictConfig) -> None:
+    check_device("device", cfg.device)
+
+
+def check_visualize(cfg: DictConfig) -> None:
+    if not (cfg.run_dir or cfg.ckpt_path):
+        raise UserError("give ckpt_path=<checkpoint> [image=<file>] and/or run_dir=<training run directory>")
+    if cfg.image and not cfg.ckpt_path:
+        raise UserError("image=... needs ckpt_path=<checkpoint> of the model to look inside")
+
+
+def check_parity(cfg: DictConfig) -> None:
+    from vitlab.model.config import vit_config
+
+    if not cfg.timm_zoo:
+        vit_config(cfg.model)  # the model's geometry and names
+
+
+def check_pack(cfg: DictConfig) -> None:
+    """`out` before the data is scanned: new (or overwrite=true), and somewhere this process may write."""
+    from vitlab.cli.rundir import check_writable
+
+    out = Path(cfg.out).absolute()
+    if out.exists() and not cfg.overwrite:
+        raise UserError(f"out {str(out)!r} already exists; give a new folder, or overwrite=true to replace it")
+    check_writable(next(p for p in out.parents if p.exists()), "out", out)  # (creates no folder)
+
+
+def check_benchmark(cfg: DictConfig) -> None:
+    """The benchmark group (its dataclasses, ranges included) and the model's geometry."""
+    from vitlab.benchmark.config import BenchmarkConfig
+    from vitlab.model.config import vit_config
+
+    b = BenchmarkConfig.from_dict(OmegaConf.to_container(cfg.benchmark, resolve=True))
+    check_device("benchmark.device", b.device, auto=True)
+    vit_config(cfg.model)
+
+
+def _nothing(cfg: DictConfig) -> None:
+    pass
+
+
+# conf/<name>.yaml -> its schema, and its command's further checks.
+SCHEMAS: dict[str, tuple[type, Callable[[DictConfig], Any]]] = {
+    "train": (TrainSettings, check_train),
+    "eval": (EvalSettings, check_eval),
+    "predict": (PredictSettings, check_predict),
+    "export": (ExportSettings, _nothing),
+    "visualize": (VisualizeSettings, check_visualize),
+    "parity": (ParitySettings, check_parity),
+    "pack": (PackSettings, check_pack),
+    "benchmark": (BenchmarkSettings, check_benchmark),
+}

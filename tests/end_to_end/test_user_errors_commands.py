@@ -1,0 +1,134 @@
+"""Issue 34's catalog, the commands besides train, as a user types them: every command's keys typed and range-checked
+before any work (predict, eval and its task groups, export, visualize, parity, pack), export's own refusal, pack on
+a read-only or full disk and under Ctrl-C, and model overrides eval would have ignored. Each ends in its exit code
+and one line naming the value and what is allowed, and leaves nothing behind: no run directory, no partial file,
+no temporary folder."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import assert_refused, digits_checkpoint, earlier_run, image_tree, run_cli, tmpfs
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return digits_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> Path:
+    """An image folder of 2 classes, 1,000 images each in train/ and val/: packing it takes a few seconds."""
+    return image_tree(tmp_path_factory.mktemp("photos") / "photos", per_class=1000, size=(64, 64))
+
+
+# case -> (command, its arguments after ckpt_path=<a digits checkpoint>, the start of the one line after "error: ")
+CASES = {
+    # non-train commands' keys: typed and range-checked before a checkpoint is read
+    "predict top_k not a number": ("predict", ["images=[a.png]", "top_k=abc"], "top_k 'abc' must be an integer >= 1"),
+    "predict on no device": (
+        "predict",
+        ["images=[a.png]", "device=tpu"],
+        "device 'tpu' is not one of cpu, cuda, cuda:",
+    ),
+    "eval knn.k zero": ("eval", ["task=knn", "knn.k=[0]"], "knn.k [0] must be a non-empty list of integers >= 1"),
+    "eval knn.k negative": ("eval", ["task=knn", "knn.k=[-1]"], "knn.k [-1] must be a non-empty list of integers"),
+    "eval knn.k not a list": ("eval", ["task=knn", "knn.k=abc"], "knn.k 'abc' must be a non-empty list of integers"),
+    "eval knn.k beyond the bank": (
+        "eval",
+        ["task=knn", "knn.k=[10,5000]"],
+        "knn.k [10, 5000] asks for more neighbours than the 1257 training images the k-NN votes among: give values "
+        "up to 1257 (knn.k=[10])",
+    ),
+    "eval linear lrs empty": ("eval", ["task=linear", "linear.lrs=[]"], "linear.lrs [] must be a non-empty list"),
+    "eval fewshot shots zero": ("eval", ["task=fewshot", "fewshot.shots=[0]"], "fewshot.shots [0] must be a non-"),
+    "eval task unknown": ("eval", ["task=knnn"], "task 'knnn' must be one of 'test', 'knn', 'linear', 'fewshot'"),
+    "eval data.batch_size zero": ("eval", ["data.batch_size=0"], "data.batch_size 0 must be an integer >= 1 or null"),
+    "export atol negative": ("export", ["atol=-1"], "atol -1 must be a number >= 0"),
+    "visualize num_images zero": ("visualize", ["num_images=0"], "num_images 0 must be an integer >= 1"),
+    "parity batch_size not a number": ("parity", ["batch_size=two"], "batch_size 'two' must be an integer >= 1"),
+    "pack workers zero": ("pack", ["data=fake", "out=shards", "workers=0"], "workers 0 must be an integer >= 1 or"),
+    # overrides that would be silently ignored
+    "eval model beside a checkpoint": (
+        "eval",
+        ["model=vit_ti16", "task=knn"],
+        "model=vit_ti16: the model of ckpt_path '{ckpt}' is the one its checkpoint stores, and model overrides would "
+        "be ignored; drop them",
+    ),
+    # export's own refusal
+    "export over atol": ("export", ["atol=1e-9", "output=strict.onnx"], "the exported program differs from the model"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_bad_value_of_any_command_is_one_line_and_leaves_nothing(ckpt, tmp_path, case):
+    before = earlier_run(tmp_path)
+    command, args, said = CASES[case]
+    given = [f"ckpt_path={ckpt}"] if command not in ("parity", "pack") else []
+    r = run_cli(command, *given, *args, cwd=tmp_path)
+    assert_refused(r, "error: " + said.format(ckpt=ckpt), before, tmp_path / "outputs")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]  # no strict.onnx, no shards, no temporary
+
+
+def test_export_onto_a_full_disk_says_what_to_do(ckpt, tmp_path):
+    with tmpfs(tmp_path / "disk", "size=200k") as disk:
+        r = run_cli("export", f"ckpt_path={ckpt}", f"output={disk / 'model.onnx'}", cwd=tmp_path)
+        assert_refused(
+            r,
+            f"error: cannot write onnx export {disk / 'model.onnx'} (No space left on device); no model.onnx was "
+            "written, and no partial file is left; free space, or export elsewhere with output=<file>",
+            {},
+            tmp_path / "outputs",
+        )
+        assert list(disk.iterdir()) == []
+
+
+def test_pack_refuses_an_existing_out_before_reading_the_data(tmp_path):
+    image_tree(tmp_path / "photos")
+    (tmp_path / "photos" / "train" / "a" / "0.png").write_bytes(b"not an image")  # reading the data would say so
+    (tmp_path / "shards").mkdir()
+    r = run_cli("pack", "data.data_dir=photos", "out=shards", cwd=tmp_path)
+    message = f"error: out '{tmp_path / 'shards'}' already exists; give a new folder, or overwrite=true to replace it"
+    assert_refused(r, message, {}, tmp_path / "outputs")
+
+
+def test_pack_onto_a_read_only_file_system(photos, tmp_path):
+    with tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
+        r = run_cli("pack", f"data.data_dir={photos}", f"out={ro / 'shards'}", cwd=tmp_path)
+        message = f"error: out '{ro / 'shards'}' cannot be written (Read-only file system); choose another out=<folder>"
+        assert_refused(r, message, {}, tmp_path / "outputs")
+
+
+def test_pack_onto_a_full_disk(photos, tmp_path):
+    with tmpfs(tmp_path / "disk", "size=300k") as disk:
+        r = run_cli("pack", f"data.data_dir={photos}", f"out={disk / 'shards'}", "workers=2", cwd=tmp_path)
+        message = (
+            f"error: cannot write the shards of {disk / 'shards'} (No space left on device); the partial shards were "
+            "removed; free space, or pack elsewhere with out=<folder>"
+        )
+        assert_refused(r, message, {}, tmp_path / "outputs")
+        assert list(disk.iterdir()) == []
+
+
+def test_ctrl_c_mid_pack_is_one_line_and_exit_130(photos, tmp_path):
+    """Ctrl-C in a terminal: SIGINT to the command's process group (its loader workers too), once it is packing."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    argv = [sys.executable, "-m", "vitlab.pack", f"data.data_dir={photos}", "out=shards", "workers=2"]
+    p = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)  # fmt: skip
+    for line in p.stdout:
+        if "packing train" in line:
+            break
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert err.strip().splitlines() == [
+        f"error: pack stopped by Ctrl-C (SIGINT): the partial shards were removed; nothing was written to "
+        f"{tmp_path / 'shards'}"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no shards, no temporary folder, no run directory
