@@ -23,6 +23,8 @@ from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
 from vitlab.model import ViTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+# A command run outside ROOT finds the test callbacks its command line names (tests.helpers.<class>) through this.
+TESTS_ON_PATH = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 # A short deterministic CPU run to interrupt and resume: 3 epochs x 9 steps (batch 128 of 1,257 digits), with
 # stochastic depth and EMA on, so the random draws and the averaged weights are part of what must resume exactly.
@@ -203,7 +205,7 @@ def resume(command, tmp_path) -> Path:
     """The printed resume command, run as typed (in tmp_path, so its run directory is the only one there; the
     test callback on its command line is found on PYTHONPATH)."""
     argv = shlex.split(command)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **TESTS_ON_PATH}
     r = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     (run_dir,) = (tmp_path / "outputs" / "train" / "runs").iterdir()

@@ -1,5 +1,5 @@
 """utils/signals.py without processes: how often the ranks exchange their stop flags (the end-to-end stops, in one
-process and in two, are tests/end_to_end/test_signals.py)."""
+process and in two, are tests/end_to_end/test_signal_resume.py)."""
 
 import signal
 from types import SimpleNamespace

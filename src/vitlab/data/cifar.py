@@ -1,7 +1,7 @@
 """CIFAR-10 and CIFAR-100 through torchvision: downloaded once into data_dir when online, read from
 there afterwards, and a clear error when neither works. Validation is a fixed hold-out of the
 training set (`val_size` images); the official test set is the test split. torchvision reads the images into one
-array, kept as a uint8 tensor (150 MB for the 60,000): held on the training device by default (`data.on_device`),
+array, kept as a uint8 tensor (184 MB for the 60,000): held on the training device by default (`data.on_device`),
 or read through the loader's workers."""
 
 from __future__ import annotations
