@@ -11,16 +11,21 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
 from vitlab.model import ViTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+# A command run outside ROOT finds the test callbacks its command line names (tests.helpers.<class>) through this.
+TESTS_ON_PATH = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 # A short deterministic CPU run to interrupt and resume: 3 epochs x 9 steps (batch 128 of 1,257 digits), with
 # stochastic depth and EMA on, so the random draws and the averaged weights are part of what must resume exactly.
@@ -147,6 +152,34 @@ class SleepPerStep(L.Callback):
         time.sleep(self.seconds)
 
 
+class RecordTrainIndices(L.Callback):
+    """Write the dataset indices each process trained on, per epoch, to `path`/indices.<rank>.json, for data held on
+    the device (its loader gathers whole batches by index: data/resident.py)."""
+
+    def __init__(self, path: str):
+        self.path, self.epochs, self._fetched = Path(path), [], {}
+
+    def on_train_start(self, trainer, pl_module):
+        dataset = trainer.train_dataloader.dataset
+        gather = dataset.__getitems__
+
+        def recording(indices):
+            batch = gather(indices)
+            self._fetched[id(batch[1])] = (batch[1], list(indices))  # the labels travel to the step as they are
+            return batch
+
+        dataset.__getitems__ = recording
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.epochs.append([])
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.epochs[-1] += self._fetched.pop(id(batch[1]))[1]
+
+    def on_train_end(self, trainer, pl_module):
+        (self.path / f"indices.{trainer.global_rank}.json").write_text(json.dumps(self.epochs))
+
+
 def interrupt(args, tmp_path, signum, step, group=True, rank=0) -> str:
     """`python -m vitlab.train args` stopped by `signum` after optimizer step `step` (SignalAtStep): checks the
     exit, the checkpoint and the last line, and returns the command that line gives to resume."""
@@ -173,7 +206,7 @@ def resume(command, tmp_path) -> Path:
     """The printed resume command, run as typed (in tmp_path, so its run directory is the only one there; the
     test callback on its command line is found on PYTHONPATH)."""
     argv = shlex.split(command)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **TESTS_ON_PATH}
     r = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     (run_dir,) = (tmp_path / "outputs" / "train" / "runs").iterdir()
@@ -191,12 +224,11 @@ class NanAtStep(L.Callback):
             batch[0].fill_(torch.nan)
 
 
-class ForbidSync(L.Callback):
-    """Run ordinary training steps under `torch.cuda.set_sync_debug_mode("error")`: any host-device
-    synchronisation raises. Each guarded window runs from the end of one step's callbacks to the end of the
-    next step's (fetching, transfer, device transform, hooks, forward, backward, optimizer, scheduler). Left
-    out: the first `after` steps (lazy set-up), logging steps and the step after one (reading a logged
-    value must wait), and epoch ends. Put it last in the callbacks; `ForbidSync.guarded` counts the windows
+class OrdinarySteps(L.Callback):
+    """Guard ordinary training steps (`guard(True)`, then `guard(False)`). Each guarded window runs from the end of one
+    step's callbacks to the end of the next step's (fetching, transfer, device transform, hooks, forward, backward,
+    optimizer, scheduler). Left out: the first `after` steps (lazy set-up), logging steps and the step after one
+    (reading a logged value must wait), and epoch ends. Put it last in the callbacks; `guarded` counts the windows
     (on the class: the tests build it from the config)."""
 
     guarded = 0
@@ -204,19 +236,142 @@ class ForbidSync(L.Callback):
     def __init__(self, after: int = 3):
         self.after = after
 
+    def guard(self, on: bool) -> None:
+        raise NotImplementedError
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        torch.cuda.set_sync_debug_mode("default")
+        self.guard(False)
         step, n = trainer.global_step, trainer.log_every_n_steps  # `step` steps are done
         ordinary = step >= self.after and (step + 1) % n != 0 and step % n != 0  # the next step and this one
         if ordinary and batch_idx + 1 < trainer.num_training_batches:
-            torch.cuda.set_sync_debug_mode("error")
-            ForbidSync.guarded += 1
+            self.guard(True)
+            type(self).guarded += 1
 
     def on_train_epoch_end(self, trainer, pl_module):
-        torch.cuda.set_sync_debug_mode("default")
+        self.guard(False)
 
     def on_exception(self, trainer, pl_module, exception):
-        torch.cuda.set_sync_debug_mode("default")
+        self.guard(False)
+
+
+class ForbidSync(OrdinarySteps):
+    """On a GPU, ordinary training steps run under `torch.cuda.set_sync_debug_mode("error")`: any host-device
+    synchronisation raises."""
+
+    guarded = 0
+
+    def guard(self, on: bool) -> None:
+        torch.cuda.set_sync_debug_mode("error" if on else "default")
+
+
+MARK = "_vitlab_on_device"  # set on tensors that would be on the training device on a GPU (HostReads)
+
+
+class HostReads(TorchFunctionMode):
+    """What makes the host wait for a GPU, seen on a CPU: a read of a tensor marked as on the device (`.item()`,
+    `.tolist()`, `.cpu()`, `.numpy()`, `bool()`/`int()`/`float()`/`format` of it, a mask indexing or an op whose
+    output size depends on its values), and a Python value made into a tensor on a named device (a copy that blocks).
+    An op's outputs are marked when any of its tensor inputs is, and `.to(device)`'s are. Each is recorded in
+    `found` with the line that did it. (A sync inside C++, such as a CUDA kernel that reads a size, is not seen
+    here: ForbidSync sees it on a GPU.)"""
+
+    READS = {
+        torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
+        torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.__format__,
+        torch.Tensor.__repr__, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.unique, torch.unique,
+        torch.masked_select, torch.Tensor.masked_select, torch.Tensor.__getitem__, torch.Tensor.__setitem__,
+    }  # fmt: skip
+    MADE = {torch.tensor, torch.as_tensor, torch.scalar_tensor}
+
+    def __init__(self, found: list[str]):
+        super().__init__()
+        self.found = found
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        marked = any(getattr(t, MARK, False) for t in leaves)
+        read = marked and func in self.READS
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):  # only a mask's values decide a size
+            read = marked and any(t.dtype == torch.bool and getattr(t, MARK, False) for t in leaves[1:])
+        if read or (func in self.MADE and kwargs.get("device") is not None):
+            self.found.append(f"{getattr(func, '__name__', func)} at {_caller()}")
+        out = func(*args, **kwargs)
+        if (marked and func not in self.READS) or (
+            func in (torch.Tensor.to, torch.Tensor.cuda) and _names_device(args, kwargs)
+        ):
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    setattr(t, MARK, True)
+        return out
+
+
+def _names_device(args, kwargs) -> bool:
+    return "device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args[1:])
+
+
+def _caller() -> str:
+    """Where the read is: the innermost line outside this file and, when that is in torch, the line outside torch
+    that called it."""
+    frames = [f for f in traceback.extract_stack()[:-2] if not f.filename.endswith("tests/helpers.py")]
+    show = [frames[-1]] + [next((f for f in reversed(frames) if "/torch/" not in f.filename), frames[-1])]
+    return " <- ".join(dict.fromkeys(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in show))
+
+
+def mark_on_device(*tensors) -> None:
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            setattr(t, MARK, True)
+
+
+class ForbidHostReads(OrdinarySteps):
+    """ForbidSync on a CPU: in the same windows, reads of what would be on the device (HostReads) are recorded in
+    `ForbidHostReads.found`. What a GPU run keeps on the device is marked when a window opens: the module's weights,
+    buffers and metric states, the optimizer's state (not its step counts: host tensors there too), an EMA average,
+    the splits held on the device; and NonFiniteLoss checks as on a GPU (recorded, read at logging steps)."""
+
+    guarded = 0
+    found: list[str] = []
+
+    def __init__(self, after: int = 3):
+        super().__init__(after)
+        self._mode: HostReads | None = None
+
+    def on_train_start(self, trainer, pl_module):
+        from vitlab.training.callbacks import NonFiniteLoss
+
+        for callback in trainer.callbacks:
+            if isinstance(callback, NonFiniteLoss):
+                callback.every_step = False
+
+    def guard(self, on: bool) -> None:
+        if on and self._mode is None:
+            self._mark(self.trainer)
+            self._mode = HostReads(ForbidHostReads.found)
+            self._mode.__enter__()
+        elif not on and self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+
+    def setup(self, trainer, pl_module, stage):
+        self.trainer = trainer
+
+    @staticmethod
+    def _mark(trainer) -> None:
+        from torchmetrics import Metric
+
+        module = trainer.lightning_module
+        mark_on_device(*module.parameters(), *module.buffers())
+        for metric in module.modules():
+            if isinstance(metric, Metric):
+                mark_on_device(*(getattr(metric, name) for name in metric._defaults))
+        for optimizer in trainer.optimizers:
+            mark_on_device(*(v for state in optimizer.state.values() for k, v in state.items() if k != "step"))
+        for store in getattr(trainer.datamodule, "_stores", {}).values():
+            mark_on_device(store.images, store.labels)
+        for callback in trainer.callbacks:
+            if getattr(callback, "_average_model", None) is not None:
+                mark_on_device(*callback._average_model.parameters(), *callback._average_model.buffers())
 
 
 class BugInForward(L.Callback):

@@ -1,5 +1,7 @@
 """On a CUDA GPU (skipped elsewhere): a bf16-mixed training step, vitlab.train's steps without a host
-sync, and exact resume, as trainer=gpu runs them (the non-finite-loss stop on a GPU: test_reliability)."""
+sync (the default and ViT-B/16, data held on the GPU or read by the loader's workers, EMA; the same steps on the CPU:
+tests/training/test_module.py's HostReads spy), and exact resume, as trainer=gpu runs them (the non-finite-loss
+stop on a GPU: test_reliability)."""
 
 import json
 
@@ -32,23 +34,26 @@ def test_bf16_autocast_training_step_lowers_the_loss():
     assert losses[-1] < 0.5 * losses[0]
 
 
-@pytest.mark.parametrize(
-    "data",
-    [
-        [],  # digits: in GPU memory, augmented there
-        [
-            "data=fake",
-            "data.num_train=512",
-            "data.batch_size=32",
-            "++data.train_transform.random_erasing=0.5",
-            "objective.mixup.mixup_alpha=0.2",
-            "objective.mixup.cutmix_alpha=1.0",
-            "model.img_size=32",
-            "model.patch_size=8",
-        ],
+NO_SYNC = {
+    "digits": [],  # the default: held in GPU memory (data.on_device=auto), shifted there
+    "digits-loader-ema": ["data.on_device=false", "callbacks=ema"],  # the loader (pinned, copied without blocking)
+    "fake-on-device": [
+        "data=fake", "data.num_train=512", "data.batch_size=32", "model.img_size=32", "model.patch_size=8",
+        "++data.train_transform.shift=4", "++data.train_transform.hflip=0.5",
+        "++data.train_transform.random_erasing=0.5", "objective.mixup.mixup_alpha=0.2",
+        "objective.mixup.cutmix_alpha=1.0",
     ],
-    ids=["digits", "fake-uint8-workers"],
-)
+    "fake-uint8-workers": [
+        "data=fake", "data.num_train=512", "data.batch_size=32", "data.on_device=false",
+        "++data.train_transform.random_erasing=0.5", "objective.mixup.mixup_alpha=0.2",
+        "objective.mixup.cutmix_alpha=1.0", "model.img_size=32", "model.patch_size=8",
+    ],
+    "b16": ["model=vit_b16", "data=fake", "data.num_train=512", "data.batch_size=32"],  # 224 px, on the device
+    "b16-workers": ["model=vit_b16", "data=fake", "data.num_train=512", "data.batch_size=32", "data.on_device=false"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("data", list(NO_SYNC.values()), ids=list(NO_SYNC))
 def test_training_steps_never_wait_for_the_gpu(compose_cfg, data):
     from vitlab.train import train
 

@@ -9,14 +9,19 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import extra_callback, run_cli
+from tests.helpers import TESTS_ON_PATH, extra_callback, run_cli
 
 SHORT = ["debug=limit", "progress_bar=none"]
 METRICS = ["train/loss", "train/acc", "val/loss", "val/acc", "val/acc_best", "test/loss", "test/acc", "test/acc_top5"]
 
 
 def test_ddp_on_two_cpu_processes_shares_one_run_dir_and_syncs_metrics(tmp_path):
-    run_dir = tmp_path / "run"
+    """Two processes: one run directory, synced metrics, and the digits held on each process's device, each
+    training on its own share of the epoch's permutation, none twice, as the loader path shares it."""
+    from torch.utils.data import DistributedSampler
+
+    run_dir, record = tmp_path / "run", tmp_path / "record"
+    record.mkdir()
     r = run_cli(
         "train",
         "trainer=ddp_cpu",
@@ -24,11 +29,23 @@ def test_ddp_on_two_cpu_processes_shares_one_run_dir_and_syncs_metrics(tmp_path)
         *SHORT,
         "trainer.limit_test_batches=1.0",
         f"hydra.run.dir={run_dir}",
+        *extra_callback("record", "RecordTrainIndices", path=record),
         cwd=tmp_path,
+        env=TESTS_ON_PATH,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "sync_dist" not in r.stderr  # no advice to sync values torchmetrics has already synced
-    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # rank 1 wrote into rank 0's directory, no other
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["record", "run"]  # rank 1 wrote into rank 0's directory
+    assert "data on cpu: 1,257 train, 270 val, 270 test images as uint8" in r.stderr + r.stdout
+    trained = [json.loads((record / f"indices.{rank}.json").read_text()) for rank in (0, 1)]
+    for epoch in range(2):
+        shares = []
+        for rank in (0, 1):
+            sampler = DistributedSampler(range(1257), num_replicas=2, rank=rank, shuffle=True, seed=42)
+            sampler.set_epoch(epoch)
+            shares.append(trained[rank][epoch])
+            assert len(shares[-1]) == 3 * 32 and shares[-1] == list(sampler)[: 3 * 32]  # debug=limit: 3 batches
+        assert not set(shares[0]) & set(shares[1])
     metrics = json.loads((run_dir / "metrics.json").read_text())
     # Each rank tested half of the test set; the synced accuracy equals one process testing all of it.
     r = run_cli(

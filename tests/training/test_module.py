@@ -136,3 +136,63 @@ def test_mixing_stops_at_mixup_off_epoch():
     assert seen == {0: False, 1: False, 2: True, 3: True}
     with pytest.raises(ValueError, match=r"objective.mixup.off_epoch -1 must be an epoch number >= 0 \(0: never off\)"):
         ViTModule(model=tiny().to_dict(), objective=classify(mixup={"mixup_alpha": 0.8, "off_epoch": -1}))
+
+
+# ---- the step without host syncs (issue 35): what a GPU would wait for, seen on the CPU ---------------------------
+
+SPIED = {
+    "digits": [],  # the default: held on the device, shifted there
+    "loader-ema-tqdm": ["data.on_device=false", "callbacks=ema", "progress_bar=tqdm"],
+    "fake-erased-mixed": [
+        "data=fake", "data.num_train=256", "data.batch_size=32", "data.num_workers=0", "model.img_size=16",
+        "model.patch_size=8", "model.embed_dim=32", "model.depth=2", "model.num_heads=2",
+        "++data.train_transform.shift=2", "++data.train_transform.hflip=0.5",
+        "++data.train_transform.random_erasing=0.5", "++data.train_transform.erasing_mode=pixel",
+        "objective.mixup.mixup_alpha=0.2", "objective.mixup.cutmix_alpha=1.0",
+    ],
+}  # fmt: skip
+
+
+def _spied_run(compose_cfg, extra) -> list[str]:
+    from tests.helpers import ForbidHostReads, extra_callback
+    from vitlab.train import train
+
+    ForbidHostReads.found.clear()
+    ForbidHostReads.guarded = 0
+    overrides = ["trainer.max_epochs=2", "trainer.log_every_n_steps=8", "progress_bar=none", "test=false"]
+    train(compose_cfg("train", [*overrides, *extra, *extra_callback("zz_no_reads", "ForbidHostReads")]))  # last
+    assert ForbidHostReads.guarded >= 10  # the check ran on many steps
+    return list(ForbidHostReads.found)
+
+
+@pytest.mark.parametrize("extra", list(SPIED.values()), ids=list(SPIED))
+def test_ordinary_training_steps_read_nothing_from_the_device(compose_cfg, extra):
+    """vitlab.train's ordinary steps, as ForbidSync guards them on a GPU (tests/end_to_end/test_gpu.py), on the CPU:
+    no `.item()`, `.cpu()`, `.tolist()`, truth value or Python number of a value the step computes on the device,
+    and no Python value copied to the device, from the fetch of the batch to the last callback (data on the device
+    or through the loader, shift, flip, erasing, MixUp/CutMix, the metrics, the non-finite check as on a GPU,
+    throughput, EMA, the signal check, a progress bar, Lightning's loop)."""
+    assert _spied_run(compose_cfg, extra) == []
+
+
+PLANTED = {
+    "item": lambda loss, module: loss.item(),
+    "cpu": lambda loss, module: loss.detach().cpu(),
+    "tolist": lambda loss, module: loss.detach().tolist(),
+    "bool": lambda loss, module: bool(torch.isfinite(loss)),
+    "log-number": lambda loss, module: module.log("planted", 1.0),  # Lightning copies it to the device
+}
+
+
+@pytest.mark.parametrize("read", list(PLANTED))
+def test_a_read_planted_in_the_step_is_caught(compose_cfg, monkeypatch, read):
+    step = ViTModule.training_step
+
+    def reading(self, batch, batch_idx):
+        loss = step(self, batch, batch_idx)
+        PLANTED[read](loss, self)
+        return loss
+
+    monkeypatch.setattr(ViTModule, "training_step", reading)
+    found = _spied_run(compose_cfg, ["trainer.limit_train_batches=12"])
+    assert found and all("test_module.py" in f or "module.py" in f for f in found), found

@@ -1,5 +1,5 @@
 """Each process's part of a checkpoint (vitlab.training.rank_state): what it holds, that it loads with weights_only, and
-which part each process takes back. The command-line runs that resume exactly are in test_signals.py."""
+which part each process takes back. The command-line runs that resume exactly: end_to_end/test_signal_resume.py."""
 
 import io
 import random

@@ -17,7 +17,6 @@ from omegaconf import DictConfig
 
 from vitlab.benchmark.config import BenchmarkConfig
 from vitlab.benchmark.measure import pick_device, summarise, sync
-from vitlab.data.digits import TensorImages
 from vitlab.training import build
 from vitlab.training.optim import make_optimizer, make_scheduler
 
@@ -77,9 +76,7 @@ def run_plain(train_cfg: DictConfig, epochs: int) -> LoopTimes:
     if module.compile_mode:
         model.compile(mode=module.compile_mode)  # as ViTModule.setup does for fit
     datamodule.setup("fit")
-    for ds in (datamodule.train_set, datamodule.val_set):
-        if isinstance(ds, TensorImages):  # where vitlab.train keeps them too (DigitsDataModule.setup)
-            ds.images, ds.labels = ds.images.to(device), ds.labels.to(device)
+    datamodule.placement = device  # where vitlab.train holds data that fits (data.on_device), without a Trainer
     train_loader, val_loader = datamodule.train_dataloader(), datamodule.val_dataloader()
     optimizer = make_optimizer(model, module.optim)
     scheduler = make_scheduler(optimizer, module.scheduler_cfg, epochs * len(train_loader), epochs)

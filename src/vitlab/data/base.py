@@ -6,110 +6,28 @@ loaders), and what the datasets of images add (`ImageDataModule`: per-image tran
 
 The loaders' workers decode and augment each image on uint8 and batches stay uint8 (pinned when
 training on a GPU, moved without blocking); `device_transform` turns them into normalised float32 on
-the device, with random erasing in training (data/transforms.py).
+the device, with random erasing in training (data/transforms.py). Datasets that fit are instead held on the
+device whole, as uint8, and augmented there a batch at a time (`data.on_device`, data/resident.py).
 """
 
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from timm.data.distributed_sampler import RepeatAugSampler
-from torch.utils.data import Dataset, DistributedSampler, Sampler, Subset, get_worker_info
+from torch.utils.data import Dataset, DistributedSampler, Sampler, Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from vitlab.data import transforms
+from vitlab.data import resident, transforms
+from vitlab.data.resident import ResidentImages, already_batched
+from vitlab.data.seeded import RepeatSampler, RepeatSeededSampler, SeededSampler, TransformDataset, init_worker
 from vitlab.model.config import as_hw
 from vitlab.utils.checks import from_mapping
 from vitlab.utils.errors import UserError
-from vitlab.utils.signals import ignore_stop_signals
-
-
-class TransformDataset(Dataset):
-    """(image, label) pairs of `base`, restricted to `indices`, with `transform` applied to the image.
-
-    In training it is handed (seed, index) pairs (`SeededSampler`): the image's random transforms then draw from
-    torch's, Python's and numpy's generators seeded with that number alone. An image is augmented the same way whichever
-    worker prepares it, however many workers there are and whatever they prepared before, so a resumed run, whose
-    workers start anew and whose loader drops what they had prefetched, augments exactly as the uninterrupted one."""
-
-    def __init__(self, base: Any, transform, indices: Sequence[int] | None = None):
-        self.base, self.transform = base, transform
-        self.indices = list(range(len(base))) if indices is None else list(indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, key: int | tuple[int, int]):
-        if isinstance(key, int):
-            img, label = self.base[self.indices[key]]
-            return self.transform(img), label
-        seed, i = key
-        img, label = self.base[self.indices[i]]
-        # Without loader workers this runs in the training process, whose own draws (dropout, MixUp) go on after it.
-        saved = None
-        if get_worker_info() is None:
-            saved = (torch.default_generator.get_state(), random.getstate(), np.random.get_state())
-        torch.default_generator.manual_seed(seed)  # (torch.manual_seed would also seed every GPU: 70 us an image)
-        random.seed(seed)
-        np.random.seed(seed % 2**32)  # timm's RandAugment and AugMix draw from numpy too
-        try:
-            return self.transform(img), label
-        finally:
-            if saved is not None:
-                torch.default_generator.set_state(saved[0])
-                random.setstate(saved[1])
-                np.random.set_state(saved[2])
-
-
-class SeededSampler(DistributedSampler):
-    """A DistributedSampler (one permutation per epoch from the seed and the epoch, this process's share of it)
-    that hands each index out with the seed of its augmentation this epoch: (seed, index) pairs for
-    TransformDataset. The seed depends on the run's seed, the epoch and the image only."""
-
-    def __iter__(self):
-        for i in super().__iter__():
-            yield _mix(self.seed, self.epoch, i), i
-
-
-class RepeatSeededSampler(RepeatAugSampler, DistributedSampler):
-    """timm's RepeatAugSampler, DeiT's repeated augmentation (each image `num_repeats` times an epoch, its copies
-    dealt to different processes), handing out (seed, index) pairs as SeededSampler does. A copy's seed depends on
-    the run's seed, the epoch, the image and the copy's place in the epoch, so no two copies are augmented alike.
-    Its order is timm's own (a permutation seeded by the epoch), so it covers the data as timm's does. It is also
-    a DistributedSampler (its methods are all RepeatAugSampler's), so that Lightning uses it as it is under DDP
-    instead of sharding its output again."""
-
-    def __init__(self, dataset, num_replicas: int, rank: int, seed: int, num_repeats: int):
-        RepeatAugSampler.__init__(
-            self, dataset, num_replicas=num_replicas, rank=rank, shuffle=True, num_repeats=num_repeats
-        )
-        self.seed, self.drop_last = seed, False
-
-    def __iter__(self):
-        for k, i in enumerate(super().__iter__()):
-            yield _mix(self.seed, self.epoch, i, self.rank + k * self.num_replicas), i
-
-
-def _mix(*numbers: int) -> int:
-    """A 63-bit seed from `numbers` (splitmix64 steps): neighbouring inputs give unrelated seeds."""
-    h = 0
-    for n in numbers:
-        h = (h ^ n) + 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
-        h = (h ^ h >> 30) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        h = (h ^ h >> 27) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 31
-    return h >> 1
-
-
-def init_worker(worker_id: int) -> None:
-    ignore_stop_signals()  # Ctrl-C or a scheduler's SIGTERM to the process group: the main process decides
 
 
 class DataModule(L.LightningDataModule):
@@ -173,6 +91,7 @@ class DataModule(L.LightningDataModule):
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None  # None after setup: the data has no test split (nothing is tested)
         self.splits: dict[str, str] = {}  # what each split is, where a dataset's layout leaves it open
+        self.placement: torch.device | None = None  # data_device without a Trainer
 
     @property
     def per_device_batch_size(self) -> int:
@@ -191,6 +110,8 @@ class DataModule(L.LightningDataModule):
             raise RuntimeError("call setup() before asking for a dataloader")
         if train:
             self._check_enough_images(len(dataset))
+        if isinstance(dataset, ResidentImages):  # on the device already: whole batches gathered there, nothing pinned
+            kwargs.update(num_workers=0, collate_fn=already_batched, pin_memory=False)
         if "num_workers" not in kwargs:
             kwargs["num_workers"] = self.num_workers if self.num_workers is not None else self._auto_workers()
         on_cuda = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
@@ -238,21 +159,33 @@ class DataModule(L.LightningDataModule):
             )
 
     def train_dataloader(self) -> StatefulDataLoader:
-        return self._loader(self.train_set, train=True)
+        return self._loader(self._served("train"), train=True)
 
     def val_dataloader(self) -> StatefulDataLoader:
-        return self._loader(self.val_set, train=False)
+        return self._loader(self._served("val"), train=False)
 
     def test_dataloader(self) -> StatefulDataLoader:
         world = self.trainer.world_size if self.trainer is not None else 1
+        test = self._served("test")
         if world == 1:
-            return self._loader(self.test_set, train=False)
+            return self._loader(test, train=False)
         # Each process tests its own share, no image twice (Lightning's sampler would repeat some to even the
         # shares out), so the synced metrics are those of one process testing them all. Testing runs outside DDP's
         # wrapper: shares that differ by a batch cannot stall it.
         rank = self.trainer.global_rank
-        share = UnrepeatedDistributedSampler(self.test_set, num_replicas=world, rank=rank, shuffle=False)
-        return self._loader(self.test_set, train=False, sampler=share)
+        share = UnrepeatedDistributedSampler(test, num_replicas=world, rank=rank, shuffle=False)
+        return self._loader(test, train=False, sampler=share)
+
+    def _served(self, split: str) -> Dataset | None:
+        """The dataset `split`'s loader reads (ImageDataModule: a copy held on the device, data/resident.py)."""
+        return getattr(self, f"{split}_set")
+
+    @property
+    def data_device(self) -> torch.device:
+        """The training device (each process's own), or without a Trainer `placement` (a plain loop sets it)."""
+        if self.trainer is not None:
+            return self.trainer.strategy.root_device
+        return self.placement if self.placement is not None else torch.device("cpu")
 
     def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
         """(images, labels) straight to the device, without Lightning's generic walk over the batch (a
@@ -315,22 +248,35 @@ def held_out(n: int, held: int, seed: int) -> tuple[list[int], list[int]]:
 
 
 class ImageDataModule(DataModule):
-    """Datasets of images (files, or PIL images): each decoded and augmented on uint8 by the loaders' workers
-    (`train_tf`, `eval_tf`), normalised on the device (`to_input`, with random erasing in training)."""
+    """Datasets of images (files, or images in memory): each decoded and augmented on uint8 by the loaders' workers
+    (`train_tf`, `eval_tf`), normalised on the device (`to_input`, with random erasing in training); or, when they
+    fit (`data.on_device`), all held on the device as uint8 and augmented there a batch at a time
+    (data/resident.py)."""
 
     eval_crop_pct: float = 0.875  # data.eval_transform.crop_pct when null (and no pretrained weights set it)
+    can_reside = True  # its splits may be held on the device (not streamed shards)
+    native_hw: tuple[int, int] | None = None  # the size every image has, where they share one (CIFAR's 32x32)
+    decodes_files = False  # its images are decoded from files (by loader workers, also to hold them on the device)
 
     def __init__(
         self,
         train_transform: dict | None = None,
         eval_transform: dict | None = None,
         repeated_aug: int = 0,  # copies of each training image an epoch (timm's RepeatAugSampler; DeiT: 3); 0: off
+        on_device: bool | str = "auto",  # hold the splits on the training device: true, false, auto (when they fit)
+        on_device_gb: float = 4.0,  # auto's budget: the splits as uint8, in GB
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
         if repeated_aug < 0 or repeated_aug == 1:
             raise UserError(f"data.repeated_aug {repeated_aug} must be 0 (off) or a number of copies >= 2")
-        self.repeated_aug = repeated_aug
+        if on_device is not True and on_device is not False and on_device != "auto":
+            raise UserError(f"data.on_device {on_device!r} must be true, false or auto")
+        if isinstance(on_device_gb, bool) or not isinstance(on_device_gb, (int, float)) or not on_device_gb > 0:
+            raise UserError(f"data.on_device_gb {on_device_gb!r} must be a number of GB > 0")
+        self.repeated_aug, self.on_device, self.on_device_gb = repeated_aug, on_device, on_device_gb
+        self.resides: bool | None = None  # decided when a loader is first asked for (resident.decide)
+        self._stores: dict[str, ResidentImages] = {}
         self.train_tf = transforms.train_transform(self.img_size, self.mean, **(train_transform or {}))
         # null eval settings: this dataset's defaults (pretrained.apply_pretrained fills them from the weights first)
         eval_settings = {"crop_pct": self.eval_crop_pct} | {
@@ -340,8 +286,9 @@ class ImageDataModule(DataModule):
         self.train_settings = from_mapping(transforms.TrainTransform, train_transform or {}, "data.train_transform")
         s = self.train_settings
         self.to_input = transforms.DeviceTransform(
-            self.mean, self.std, s.random_erasing, s.erasing_mode, s.erasing_count
+            self.mean, self.std, s.random_erasing, s.erasing_mode, s.erasing_count, self.img_hw, s.interpolation
         )
+        self.shift_flip = resident.ShiftFlip(s.shift, s.hflip)  # training's random ops, on the device
 
     def _assign_splits(self, train: Any, val: Any, test: Any | None, val_fraction: float, split_seed: int) -> None:
         """The three splits of a dataset given as train, val and (maybe) test: with `val_fraction`, a held-out slice
@@ -372,15 +319,34 @@ class ImageDataModule(DataModule):
         self.test_set = TransformDataset(test, self.eval_tf) if test is not None else None
         self.splits = {"train": "train/", "val": "val/"} | ({"test": "test/"} if test is not None else {})
 
+    def _served(self, split: str) -> Dataset | None:
+        dataset = super()._served(split)
+        if dataset is None or not self._resides():
+            return dataset
+        if split not in self._stores:
+            tf = resident.stored_transform(self.train_tf) if split == "train" else self.eval_tf
+            workers = (self.num_workers if self.num_workers is not None else self._auto_workers()) * self.decodes_files
+            self._stores[split] = resident.store(dataset, tf, self.data_device, workers)
+        return self._stores[split]
+
+    def _resides(self) -> bool:
+        if self.resides is None:
+            self.resides = resident.decide(self)
+        return self.resides
+
     def _train_sampler(self, dataset: Dataset, world: int, rank: int) -> Sampler:
         if self.repeated_aug:
-            return RepeatSeededSampler(dataset, world, rank, self.shuffle_seed, self.repeated_aug)
+            kind = RepeatSeededSampler if isinstance(dataset, TransformDataset) else RepeatSampler
+            return kind(dataset, world, rank, self.shuffle_seed, self.repeated_aug)
         return super()._train_sampler(dataset, world, rank)
 
     def device_transform(self, batch, train: bool):
-        """A uint8 batch, once on the device, to the model's normalised float32 input (random erasing in
-        training)."""
+        """A uint8 batch, once on the device, to the model's normalised float32 input: held on the device, the
+        training batch is shifted and flipped first; resized where kept at its own size; randomly erased in
+        training."""
         x, y = batch
+        if train and self.resides:
+            x = self.shift_flip(x, self.rng)
         return self.to_input(x, train, self.rng), y
 
     def eval_view(self, split: str) -> Dataset:

@@ -1,14 +1,19 @@
 """CIFAR-10 and CIFAR-100 through torchvision: downloaded once into data_dir when online, read from
 there afterwards, and a clear error when neither works. Validation is a fixed hold-out of the
-training set (`val_size` images); the official test set is the test split."""
+training set (`val_size` images); the official test set is the test split. torchvision reads the images into one
+array, kept as a uint8 tensor (184 MB for the 60,000): held on the training device by default (`data.on_device`),
+or read through the loader's workers."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from torchvision import datasets
 
-from vitlab.data.base import ImageDataModule, TransformDataset, held_out
+from vitlab.data.base import ImageDataModule, held_out
+from vitlab.data.resident import ArrayImages
+from vitlab.data.seeded import TransformDataset
 from vitlab.utils.downloads import downloading
 from vitlab.utils.errors import MissingFileError, UserError
 
@@ -19,6 +24,7 @@ class CIFAR10DataModule(ImageDataModule):
     mean = (0.4914, 0.4822, 0.4465)
     std = (0.2470, 0.2435, 0.2616)
     eval_crop_pct = 1.0  # 32-px images: resized whole, no crop
+    native_hw = (32, 32)
     dataset_cls = datasets.CIFAR10
     label = "CIFAR-10"
 
@@ -53,8 +59,9 @@ class CIFAR10DataModule(ImageDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        train_full, test = self._open(train=True), self._open(train=False)
-        self.class_names = list(train_full.classes)
+        opened = self._open(train=True)
+        self.class_names = list(opened.classes)
+        train_full, test = _arrays(opened), _arrays(self._open(train=False))
         kept, held = held_out(len(train_full), self.val_size, self.split_seed)
         self.train_set = TransformDataset(train_full, self.train_tf, kept)
         self.val_set = TransformDataset(train_full, self.eval_tf, held)
@@ -72,3 +79,10 @@ class CIFAR100DataModule(CIFAR10DataModule):
     std = (0.2673, 0.2564, 0.2762)
     dataset_cls = datasets.CIFAR100
     label = "CIFAR-100"
+
+
+def _arrays(dataset: datasets.CIFAR10) -> ArrayImages:
+    """torchvision's CIFAR as uint8 (N, 3, 32, 32) and its labels: the images its items would give, without a
+    PIL image each."""
+    images = torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()
+    return ArrayImages(images, torch.as_tensor(dataset.targets, dtype=torch.long))

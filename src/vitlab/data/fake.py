@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
-from vitlab.data.base import ImageDataModule, TransformDataset
+from vitlab.data.base import ImageDataModule
+from vitlab.data.seeded import TransformDataset
 from vitlab.utils.errors import UserError
 
 
@@ -43,6 +44,7 @@ class FakeDataModule(ImageDataModule):
         super().__init__(num_classes=num_classes, channels=channels, **kwargs)
         self.class_names = [f"class_{i}" for i in range(num_classes)]
         self.sizes, self.seed = (num_train, num_val, num_test), seed
+        self.native_hw = self.img_hw
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:

@@ -55,6 +55,7 @@ class ImageFolderDataModule(ImageDataModule):
     channels = 3
     mean = (0.485, 0.456, 0.406)  # ImageNet
     std = (0.229, 0.224, 0.225)
+    decodes_files = True
 
     def __init__(
         self,

@@ -23,8 +23,8 @@ import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
 
-from vitlab.data.base import TransformDataset, init_worker
 from vitlab.data.images import decode_image
+from vitlab.data.seeded import TransformDataset, init_worker
 from vitlab.data.streaming import INFO
 from vitlab.utils.atomic import disk_error
 from vitlab.utils.errors import UserError
@@ -38,11 +38,6 @@ def pack(datamodule, out: Path, overwrite: bool = False, workers: int | None = N
         raise UserError(f"out {str(out)!r} already exists; give a new folder, or overwrite=true to replace it")
     splits = {"train": datamodule.train_set, "val": datamodule.val_set, "test": datamodule.test_set}
     splits = {name: split for name, split in splits.items() if split is not None}  # (a folder without test/)
-    if not all(isinstance(split, TransformDataset) for split in splits.values()):
-        raise UserError(
-            f"{type(datamodule).__name__} keeps its images in memory as normalised tensors, not as image files or "
-            "images: nothing to pack (pack an image folder, CIFAR or fake data)"
-        )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -85,6 +85,7 @@ class StreamingDataModule(ImageDataModule):
     channels = 3
     mean = (0.485, 0.456, 0.406)  # ImageNet
     std = (0.229, 0.224, 0.225)
+    can_reside = False  # streamed from shards, read as they come
 
     def __init__(
         self,

@@ -164,7 +164,7 @@ def train_transform(img_size: int | Sequence[int], mean: Sequence[float] = (0.5,
     hw, mode = as_hw(img_size, "data.img_size"), _interp(t.interpolation)
     ops: list = [T.ToImage()]
     if t.shift:
-        ops.append(_Shift(t.shift))
+        ops.append(Shift(t.shift))
     if t.random_resized_crop:
         ops.append(T.RandomResizedCrop(hw, scale=t.random_resized_crop, interpolation=mode, antialias=True))
     elif t.simple_crop:  # DeiT III's augment.py: Resize(img_size), RandomCrop(img_size, padding=4, reflect)
@@ -221,9 +221,15 @@ class DeviceTransform:
         random_erasing: float = 0.0,
         mode: str = "const",
         count: int = 1,
+        size: Sequence[int] | None = None,
+        interpolation: str = "bicubic",
     ):
         self.mean, self.std, self.random_erasing = list(mean), list(std), random_erasing
         self.mode, self.count = mode, count
+        # A batch of another size is resized to `size` once normalised (torchvision's resize, antialiased): training
+        # images kept on the device at their own size, shifted there before the resize (data/resident.py).
+        self.size = tuple(size) if size is not None else None
+        self.interpolation = _interp(interpolation)
         self._stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, x: torch.Tensor, train: bool, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -234,6 +240,8 @@ class DeviceTransform:
             self._stats[x.device] = tuple(stats)
         mean, std = self._stats[x.device]
         x = x.to(torch.float32).div_(255).sub_(mean).div_(std)
+        if self.size is not None and tuple(x.shape[-2:]) != self.size:
+            x = T.functional.resize(x, list(self.size), interpolation=self.interpolation, antialias=True)
         if train and self.random_erasing:
             boxes = erasing_boxes(len(x), x.shape[-2:], self.random_erasing, generator, self.count)
             x = erase(x, boxes.to(x.device, non_blocking=True), self.mode, generator)
@@ -304,7 +312,7 @@ class _ResizeIfNeeded(T.Transform):
         return img if tuple(img.shape[-2:]) == self.hw else self.resize(img)
 
 
-class _Shift(T.Transform):
+class Shift(T.Transform):
     """Random translation by up to `pixels` in each direction, zero-filled (pad, then random crop)."""
 
     def __init__(self, pixels: int):

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import lightning as L
 import torch
 
-from vitlab.data.base import TransformDataset
+from vitlab.data.seeded import TransformDataset
 from vitlab.evaluation.features import split_features
 from vitlab.evaluation.probes import fewshot_accuracy, knn_accuracy
 from vitlab.utils.checks import check_at_least
@@ -71,7 +71,4 @@ class _Limited:
         if self.limit is None or len(dataset) <= self.limit:
             return dataset
         keep = sorted(torch.randperm(len(dataset), generator=torch.Generator().manual_seed(self.seed))[: self.limit])
-        if isinstance(dataset, TransformDataset):  # files: the same images, fewer indices
-            return TransformDataset(dataset.base, dataset.transform, [dataset.indices[i] for i in keep])
-        idx = torch.tensor(keep, device=dataset.labels.device)  # tensors in memory (digits)
-        return type(dataset)(dataset.images[idx], dataset.labels[idx])
+        return TransformDataset(dataset.base, dataset.transform, [dataset.indices[i] for i in keep])

@@ -117,7 +117,7 @@ class SaveOnInterrupt(L.Callback):
         if not isinstance(connector, StopSignals) or trainer.fit_loop.epoch_loop._should_accumulate():
             return
         first = connector.stop is None
-        if connector.agree() is not None and first and trainer.is_global_zero:
+        if connector.agree(trainer.global_step) is not None and first and trainer.is_global_zero:
             log.info("%s: stopping after step %d", signal.Signals(connector.stop).name, trainer.global_step)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
@@ -242,9 +242,12 @@ class NonFiniteLoss(L.Callback):
     def __init__(self) -> None:
         self._bad: torch.Tensor | None = None  # (first bad step, its loss) on the device; -1 while none
         self._read_at = -1
+        self.every_step: bool | None = (
+            None  # read the loss every step; None: on the CPU (where a read waits for nothing)
+        )
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        if loss.device.type == "cpu":
+        if self.every_step if self.every_step is not None else loss.device.type == "cpu":
             if not torch.isfinite(loss):
                 raise NonFiniteLossError(
                     _message(trainer, loss.item(), trainer.global_step, "stopped before the update")

@@ -71,7 +71,7 @@ class EMA(EMAWeightAveraging):
         # Lightning's setup would call configure_model (which shards under trainer=fsdp) and deep-copy the module; a
         # sharded module cannot be copied, so its average is built once it is sharded (on_fit_start).
         if stage == "fit" and not is_sharded(trainer):
-            self._average_model = AveragedModel(
+            self._average_model = CountedAverage(
                 pl_module, device=self._device or pl_module.device, use_buffers=self._use_buffers, **self._kwargs
             )
         best = [c for c in trainer.checkpoint_callbacks if isinstance(c, BestCheckpoint)]
@@ -132,6 +132,33 @@ class EMA(EMAWeightAveraging):
             load_full_module_state(pl_module, checkpoint["current_model_state"])
             return
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
+
+
+class CountedAverage(AveragedModel):
+    """torch's AveragedModel with its count of updates known on the host: torch's `update_parameters` reads the count
+    on the device (`n_averaged == 0`, `n_averaged > 0`), which makes the host wait for the GPU after every step. The
+    same update (the first copies the weights, the others call `multi_avg_fn`: EMA's lerp); the device count is
+    read once, when a run (resumed) first updates."""
+
+    _updates: int | None = None
+
+    @torch.no_grad()
+    def update_parameters(self, model: nn.Module) -> None:
+        if self._updates is None:
+            self._updates = int(self.n_averaged)
+        ours = [t.detach() for t in (*self.module.parameters(), *self.module.buffers())]
+        theirs = [t.detach().to(a.device) for a, t in zip(ours, (*model.parameters(), *model.buffers()), strict=True)]
+        if self._updates == 0:
+            for a, t in zip(ours, theirs, strict=True):
+                a.copy_(t)
+        else:
+            self.multi_avg_fn(ours, theirs, self.n_averaged)
+        self.n_averaged += 1
+        self._updates += 1
+
+    def load_state_dict(self, *args, **kwargs):
+        self._updates = None  # the loaded count, read at the next update
+        return super().load_state_dict(*args, **kwargs)
 
 
 class ShardedAverage(nn.Module):

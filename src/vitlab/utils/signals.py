@@ -4,11 +4,12 @@ Ctrl-C (SIGINT), SIGTERM (a scheduler, `timeout`, a closing terminal), SIGUSR1 a
 warnings before a time limit or pre-emption) may reach one process, any rank, or the whole process group. Lightning's
 own handling does collective work inside the handler (its SIGTERM handler broadcasts, its Slurm handler saves a
 checkpoint with a barrier), so ranks that are in different collectives wait for each other forever
-(Lightning-AI/pytorch-lightning#21406). Here a handler only records the signal. The ranks agree on it at
-optimizer-step boundaries through an all-reduce on a CPU (gloo) group that is launched at one boundary and read at
-the next: an ordinary step never waits for it and the GPU is never synchronised for it. Once agreed, Lightning
-raises its SIGTERMException on every rank after the same batch (and after the validation due after it, never in its
-middle), and `callbacks.SaveOnInterrupt` writes one checkpoint.
+(Lightning-AI/pytorch-lightning#21406). Here a handler only records the signal. One process reads its flag after
+every optimizer step (a Python value: nothing to wait for). Several agree on it every `AGREE_EVERY` optimizer steps
+through an all-reduce on a CPU (gloo) group that is launched at one such step and read at the next: no step waits
+for it, the GPU is never synchronised for it, and the run stops within two intervals of the signal. Once agreed,
+Lightning raises its SIGTERMException on every rank after the same batch (and after the validation due after it,
+never in its middle), and `callbacks.SaveOnInterrupt` writes one checkpoint.
 
 Loader workers leave these signals to the main process (`ignore_stop_signals`, at their start).
 """
@@ -27,6 +28,7 @@ from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnect
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+AGREE_EVERY = 8  # optimizer steps between the ranks' exchanges of their flags
 
 
 class StopSignals(_SignalConnector):
@@ -72,14 +74,17 @@ class StopSignals(_SignalConnector):
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.SIG_DFL)  # the second Ctrl-C ends the process at once
 
-    def agree(self) -> int | None:
-        """The signal all ranks stop for, or None to go on. Every rank calls this at the same step boundaries:
-        the flags exchanged at one boundary are read at the next (the exchange has had a whole step to finish)."""
+    def agree(self, step: int) -> int | None:
+        """The signal all ranks stop for, or None to go on, after optimizer step `step`. Every rank calls this at
+        the same step boundaries; with several, the flags exchanged at one multiple of AGREE_EVERY are read at the
+        next (the exchange has had AGREE_EVERY steps to finish)."""
         if self.stop is not None:
             return self.stop
         if self._group is None:
             self.stop = self.received
             return self.stop
+        if step % AGREE_EVERY:
+            return None
         if self._work is not None:
             self._work.wait()
             self.stop = int(self._flag.item()) or None  # a CPU tensor: no device sync

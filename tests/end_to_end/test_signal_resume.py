@@ -50,6 +50,24 @@ def folder(data_dir) -> list[str]:
     ]
 
 
+# Fake images held on the device (data.on_device=auto), shifted, flipped and erased there, then MixUp/CutMix per image:
+# 288 images of 16 px, 9 steps of 32 an epoch.
+ON_DEVICE = [
+    "data=fake",
+    "data.num_train=288",
+    "data.batch_size=32",
+    "model.img_size=16",
+    "model.patch_size=8",
+    "++data.train_transform.shift=2",
+    "++data.train_transform.hflip=0.5",
+    "++data.train_transform.random_erasing=0.5",
+    "++data.train_transform.erasing_mode=pixel",
+    "objective.mixup.mixup_alpha=0.8",
+    "objective.mixup.cutmix_alpha=1.0",
+    *[o for o in RESUMABLE if not o.startswith("data.")],
+]
+
+
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
     return image_tree(tmp_path_factory.mktemp("images"), classes=("a", "b", "c"), per_class=24, size=(12, 12))
@@ -73,6 +91,11 @@ def digits_two(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def on_device(tmp_path_factory):
+    return _run(tmp_path_factory, ON_DEVICE)
+
+
+@pytest.fixture(scope="module")
 def folder_one(tmp_path_factory, images):
     return _run(tmp_path_factory, folder(images))
 
@@ -86,6 +109,12 @@ def folder_two(tmp_path_factory, images):
 def test_one_process_stops_and_resumes_exactly(digits, tmp_path, signum, step, group):
     command = interrupt(DIGITS, tmp_path, signum, step, group=group)
     assert_same_run(digits, resume(command, tmp_path))
+
+
+def test_data_held_on_the_device_resumes_exactly(on_device, tmp_path):
+    """The on-device shift, flip and erasing draws (the datamodule's generator, checkpointed) resume mid-epoch."""
+    command = interrupt(ON_DEVICE, tmp_path, "SIGTERM", 12)
+    assert_same_run(on_device, resume(command, tmp_path))
 
 
 @pytest.mark.parametrize("signum, step", [("SIGINT", 4), ("SIGTERM", 12)])
