@@ -42,7 +42,7 @@ def test_the_data_is_checked_in_the_launching_process_before_any_other_starts(tm
 def test_the_start_line_names_cpu_processes_and_their_strategy(tmp_path):
     r = run_cli("train", "trainer=cpu", "trainer.devices=2", "train=false", "test=false", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "trainer: CPU, 2 process(es) (ddp), precision 32-true (auto: no GPU in use)" in r.stdout
+    assert "trainer: CPU, 2 processes (ddp), precision 32-true (auto: no GPU in use)" in r.stdout
 
 
 def _summary(sweep: Path) -> list[dict]:

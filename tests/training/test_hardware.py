@@ -21,11 +21,11 @@ def test_four_bf16_gpus_train_in_bf16_with_ddp_in_four_processes(compose_cfg, mo
     t, line = resolved(compose_cfg, monkeypatch, [H100] * 4, ["trainer.devices=4"])
     assert (t.precision, t.strategy) == ("bf16-mixed", "ddp")
     assert line == (
-        "trainer: 4 CUDA GPU(s) (NVIDIA H100 80GB HBM3), 4 process(es) (ddp), precision bf16-mixed "
+        "trainer: 4 CUDA GPU(s) (NVIDIA H100 80GB HBM3), 4 processes (ddp), precision bf16-mixed "
         "(auto: every GPU in use has bf16)"
     )
     t, line = resolved(compose_cfg, monkeypatch, [H100] * 8, ["trainer.devices=4", "trainer.num_nodes=2"])
-    assert (t.precision, t.strategy) == ("bf16-mixed", "ddp") and "8 process(es)" in line
+    assert (t.precision, t.strategy) == ("bf16-mixed", "ddp") and "8 processes" in line
     t, line = resolved(compose_cfg, monkeypatch, [H100] * 8, ["trainer.devices=1"])
     assert (t.precision, t.strategy) == ("bf16-mixed", "auto")  # one GPU: no DDP
 
@@ -74,6 +74,6 @@ def test_several_cpu_processes_are_named_with_their_strategy(compose_cfg, monkey
     """trainer=cpu trainer.devices=2 starts two DDP processes: the start line says so (issue 34), and the config records
     Lightning's choice of strategy."""
     t, line = resolved(compose_cfg, monkeypatch, [], ["trainer=cpu", "trainer.devices=2"])
-    assert t.strategy == "ddp" and line == "trainer: CPU, 2 process(es) (ddp), precision 32-true (auto: no GPU in use)"
+    assert t.strategy == "ddp" and line == "trainer: CPU, 2 processes (ddp), precision 32-true (auto: no GPU in use)"
     t, line = resolved(compose_cfg, monkeypatch, [], ["trainer=cpu", "trainer.precision=bf16-mixed"])
     assert line == "trainer: CPU, precision bf16-mixed"  # nothing left to choose: still said

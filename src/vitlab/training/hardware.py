@@ -64,7 +64,7 @@ def resolve_trainer(t: DictConfig) -> str:
         if strategy == "auto" and processes > 1:
             strategy = t.strategy = "ddp"  # Lightning's choice, made here: one process per device, the command re-run
     name = strategy.get("_target_", "").rsplit(".", 1)[-1] if isinstance(strategy, DictConfig) else strategy
-    many = f", {processes} process(es) ({name})" if processes > 1 or name != "auto" else ""
+    many = f", {processes} process{'es' if processes > 1 else ''} ({name})" if processes > 1 or name != "auto" else ""
     if gpus:
         where = f"{len(gpus)} CUDA GPU(s) ({', '.join(sorted({n for n, _ in gpus}))}){many}"
     else:
