@@ -1,11 +1,13 @@
 import errno
+import logging
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from vitlab.training.callbacks import LastCheckpoint
+from vitlab.training.callbacks import EpochLog, LastCheckpoint
 from vitlab.training.checkpoint_io import AtomicCheckpointIO
 from vitlab.utils.errors import UserError
 
@@ -208,3 +210,20 @@ def test_ema_is_validated_beside_the_raw_weights_and_the_checkpoint_keeps_the_ch
     assert metrics["val/acc_ema"] == metrics["val/acc"] and metrics["val/loss_ema"] == pytest.approx(
         metrics["val/loss"], abs=1e-6
     )
+
+
+def test_the_epoch_a_run_resumes_in_gets_its_line(caplog):
+    """Lightning calls no on_train_epoch_start for the epoch a run resumed mid-way goes on with (here the 4th, from
+    step 32 of its 36): its line still comes, counting the steps since the resume; a fresh run's first epoch too."""
+    trainer = SimpleNamespace(is_global_zero=True, progress_bar_callback=None, max_epochs=8, callback_metrics={})
+    log = EpochLog()
+    with caplog.at_level(logging.INFO, logger="vitlab.training.callbacks"):
+        for epoch, step, hook in [(3, 32, "on_train_start"), (4, 36, "on_train_epoch_start"), (5, 45, "on_fit_end")]:
+            trainer.current_epoch, trainer.global_step = epoch, step
+            getattr(log, hook)(trainer, None)
+        fresh = EpochLog()
+        for epoch, step, hook in [(0, 0, "on_train_start"), (0, 0, "on_train_epoch_start"), (1, 9, "on_fit_end")]:
+            trainer.current_epoch, trainer.global_step = epoch, step
+            getattr(fresh, hook)(trainer, None)
+    lines = [r.getMessage().split(" (")[0] + " " + r.getMessage().split(" (")[1].split(",")[0] for r in caplog.records]
+    assert lines == ["epoch 4/8 4 steps", "epoch 5/8 9 steps", "epoch 1/8 9 steps"]

@@ -27,10 +27,10 @@ log = logging.getLogger(__name__)
 
 class BestCheckpoint(ModelCheckpoint):
     """Lightning's ModelCheckpoint (the best checkpoints by a metric), which also carries its ranking into a run
-    resumed in a new directory: the earlier run's top-k files are hard-linked there (the same bytes, no copy) and
-    keep their scores, so the resumed run keeps or replaces them exactly as the uninterrupted run would have, and
-    tests the same checkpoint. (Lightning's own drops the scores when the directory changes, and the resumed run
-    then calls its first new checkpoint the best.)"""
+    resumed in a new directory: the earlier run's top-k files (or directories of shards) are hard-linked there (the
+    same bytes, no copy) and keep their scores, so the resumed run keeps or replaces them exactly as the
+    uninterrupted run would have, and tests the same checkpoint. (Lightning's own drops the scores when the directory
+    changes, and the resumed run then calls its first new checkpoint the best.)"""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -41,7 +41,7 @@ class BestCheckpoint(ModelCheckpoint):
         if not earlier or not self.dirpath or Path(earlier) == Path(self.dirpath):
             return super().load_state_dict(state_dict)
         here = {
-            p: str(Path(self.dirpath) / Path(p).name) for p in state_dict.get("best_k_models", {}) if Path(p).is_file()
+            p: str(Path(self.dirpath) / Path(p).name) for p in state_dict.get("best_k_models", {}) if Path(p).exists()
         }
         if state_dict.get("best_model_path") not in here:
             log.info("the earlier run's best checkpoint is gone (%s): the ranking starts anew", earlier)
@@ -137,7 +137,8 @@ class EpochLog(L.Callback):
     """A log line per training epoch, for runs without a progress bar (log files, CI, `make train` piped; silent
     under one): the epoch's training and validation metrics, its steps and its time. An epoch's line is written
     when the next one starts (the module logs its training metrics after the callbacks' epoch-end
-    hooks have run), and the last one when fit ends."""
+    hooks have run), and the last one when fit ends. A run resumed mid-epoch gets no epoch start from Lightning for
+    the epoch it goes on with: its line counts from the resumed step."""
 
     KEYS = (
         "train/loss",
@@ -152,17 +153,20 @@ class EpochLog(L.Callback):
 
     def __init__(self):
         self._started: float | None = None
-        self._step = 0
+        self._step = self._epoch = 0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._started, self._step, self._epoch = time.perf_counter(), trainer.global_step, trainer.current_epoch
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._started is not None:
-            self._write(trainer, trainer.current_epoch - 1)
-        self._started, self._step = time.perf_counter(), trainer.global_step
+        if self._started is not None and trainer.current_epoch > self._epoch:
+            self._write(trainer, self._epoch)
+        self._started, self._step, self._epoch = time.perf_counter(), trainer.global_step, trainer.current_epoch
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._started is not None:
-            self._write(trainer, trainer.current_epoch - 1)
-            self._started = None
+        if self._started is not None and trainer.global_step > self._step:
+            self._write(trainer, self._epoch)
+        self._started = None
 
     def _write(self, trainer: L.Trainer, epoch: int) -> None:
         if not trainer.is_global_zero or trainer.progress_bar_callback is not None:

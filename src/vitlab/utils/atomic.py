@@ -93,9 +93,19 @@ def _raise_disk_error(e: BaseException, path: Path, what: str, advice: str = CHE
 
 def atomic_link(source: str | os.PathLike, path: str | os.PathLike) -> Path:
     """Make `path` name the same file as `source` (a hard link, placed by rename, so `path` is always
-    a complete file); where the filesystem has no hard links, an atomic copy."""
+    a complete file); where the filesystem has no hard links, an atomic copy. A directory (trainer=fsdp's
+    checkpoint of shards) becomes a new directory of links to its files, renamed into place whole."""
     source, path = Path(source), Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    if source.is_dir():
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(source, tmp, copy_function=_link_or_copy)
+        if path.is_dir():  # a directory is not replaced by rename: the old one moves aside first
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+            shutil.rmtree(old)
+        os.replace(tmp, path)
+        return path
     tmp.unlink(missing_ok=True)
     try:
         os.link(source, tmp)
@@ -108,6 +118,15 @@ def atomic_link(source: str | os.PathLike, path: str | os.PathLike) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+        shutil.copy2(source, target)
 
 
 def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
