@@ -1,9 +1,13 @@
-"""Checkpoints written before objectives were objects (tests/fixtures/checkpoints, made by 23cbadb with a 16-wide,
-1-deep digits ViT) still load for eval, predict and visualize, predict exactly what they predicted then, and resume."""
+"""Checkpoints in the layout written before objectives were objects (their hyper-parameters as 23cbadb wrote them for
+a 16-wide, 1-deep digits ViT: tests/fixtures/checkpoints/hparams-2026-11-24.json; the tensors made here, no weights
+in the repository) still load for eval, predict and visualize as the objective they trained, predict what the module
+that wrote them predicted, and resume."""
 
+import inspect
 import json
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -13,19 +17,45 @@ from vitlab.training.checkpoint_io import upgrade_hparams
 from vitlab.training.classification import Classification
 from vitlab.training.distillation import Distillation
 from vitlab.training.mae import MAE
+from vitlab.training.module import ViTModule
 
-FIXTURES = ROOT / "tests" / "fixtures" / "checkpoints"
-EXPECTED = json.loads((FIXTURES / "expected-2026-11-24.json").read_text())
+OLD_HPARAMS = json.loads((ROOT / "tests" / "fixtures" / "checkpoints" / "hparams-2026-11-24.json").read_text())
 KINDS = {"classify": Classification, "distill": Distillation, "mae": MAE}
 
 
-def old(kind: str) -> Path:
-    return FIXTURES / f"{kind}-2026-11-24.ckpt"
+def _predict(module: ViTModule, kind: str):
+    """What a module predicts for a fixed input: logits, or MAE's loss and mask under a fixed seed."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 1, 8, 8)
+    with torch.no_grad():
+        if kind == "mae":
+            torch.manual_seed(1)
+            loss, _, mask = module.objective.reconstruct(module.model, x)
+            return loss.item(), mask.tolist()
+        return module(x)
+
+
+@pytest.fixture(scope="module")
+def old(tmp_path_factory) -> dict[str, tuple[Path, object]]:
+    """kind -> (a checkpoint holding the old hyper-parameters and a state dict of the module they describe, what
+    that module predicts)."""
+    root, made = tmp_path_factory.mktemp("old"), {}
+    takes = inspect.signature(ViTModule.__init__).parameters
+    for kind, hp in OLD_HPARAMS.items():
+        torch.manual_seed(0)
+        module = ViTModule(**{k: v for k, v in hp.items() if k in takes} | upgrade_hparams(hp)).eval()
+        path = root / f"{kind}.ckpt"
+        torch.save(
+            {"state_dict": module.state_dict(), "hyper_parameters": hp, "pytorch-lightning_version": L.__version__},
+            path,
+        )
+        made[kind] = (path, _predict(module, kind))
+    return made
 
 
 def test_the_old_hyper_parameters_become_the_objective_they_trained():
     assert upgrade_hparams({"objective": {"name": "mae"}}) == {}  # today's: nothing to do
-    hp = {k: torch.load(old(k), weights_only=True)["hyper_parameters"] for k in KINDS}
+    hp = OLD_HPARAMS
     assert upgrade_hparams(hp["classify"])["objective"] == {
         "name": "classify",
         "label_smoothing": 0.05,
@@ -39,35 +69,39 @@ def test_the_old_hyper_parameters_become_the_objective_they_trained():
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_an_old_checkpoint_loads_and_predicts_what_it_predicted_then(kind):
-    module = load_for_inference(str(old(kind))).eval()
+def test_an_old_checkpoint_loads_and_predicts_what_it_predicted_then(old, kind):
+    path, expected = old[kind]
+    module = load_for_inference(str(path)).eval()
     assert type(module.objective) is KINDS[kind]
     assert module.hparams["objective"]["name"] == kind and "label_smoothing" not in module.hparams
-    torch.manual_seed(0)
-    x = torch.randn(4, 1, 8, 8)
-    with torch.no_grad():
-        if kind == "mae":
-            torch.manual_seed(1)
-            loss, _, mask = module.objective.reconstruct(module.model, x)
-            assert loss.item() == pytest.approx(EXPECTED["mae"]["loss"], abs=1e-6)
-            assert mask.tolist() == EXPECTED["mae"]["mask"]
-        else:
-            torch.testing.assert_close(module(x), torch.tensor(EXPECTED[kind]["logits"]), atol=1e-6, rtol=0)
+    if kind == "mae":
+        loss, mask = _predict(module, kind)
+        assert loss == pytest.approx(expected[0], abs=1e-6)
+        assert mask == expected[1]
+    else:
+        torch.testing.assert_close(_predict(module, kind), expected, atol=1e-6, rtol=0)
 
 
 def test_an_old_checkpoint_is_evaluated_and_resumed_from_the_command_line(tmp_path):
-    r = run_cli("eval", f"ckpt_path={old('classify')}", f"hydra.run.dir={tmp_path / 'eval'}")
+    small = ["model.embed_dim=16", "model.depth=1", "model.num_heads=2", "data.batch_size=16", "progress_bar=none"]
+    limits = ["trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1"]
+    classify = ["objective.label_smoothing=0.05", "objective.mixup.mixup_alpha=0.2"]
+    r = run_cli("train", *small, *limits, *classify, "trainer.max_epochs=1", "test=false",
+                f"hydra.run.dir={tmp_path / 'first'}")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpt = torch.load(tmp_path / "first" / "checkpoints" / "last.ckpt", weights_only=True)
+    ckpt["hyper_parameters"] = OLD_HPARAMS["classify"]  # the layout of before
+    torch.save(ckpt, tmp_path / "old.ckpt")
+
+    r = run_cli("eval", f"ckpt_path={tmp_path / 'old.ckpt'}", f"hydra.run.dir={tmp_path / 'eval'}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert 0.0 <= json.loads((tmp_path / "eval" / "metrics.json").read_text())["test/acc"] <= 1.0
-    small = ["model.embed_dim=16", "model.depth=1", "model.num_heads=2", "data.batch_size=16", "progress_bar=none"]
     r = run_cli(
         "train",
         *small,
         "trainer.max_epochs=2",
-        "trainer.limit_train_batches=2",
-        "trainer.limit_val_batches=1",
-        "trainer.limit_test_batches=1",
-        f"ckpt_path={old('classify')}",
+        *limits,
+        f"ckpt_path={tmp_path / 'old.ckpt'}",
         f"hydra.run.dir={tmp_path / 'resumed'}",
     )
     assert r.returncode == 0, r.stderr[-3000:]
