@@ -10,7 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from vitlab.cli.entry import entry_point
-from vitlab.utils.errors import Interrupted
+from vitlab.utils.errors import Interrupted, is_ctrl_c
 
 
 @entry_point("pack")
@@ -24,7 +24,9 @@ def main(cfg: DictConfig) -> dict:
     kept = f"the earlier {out} is as it was" if out.exists() else f"nothing was written to {out}"
     try:
         info = pack(datamodule, out, overwrite=cfg.overwrite, workers=cfg.workers, chunk_bytes=cfg.chunk_bytes)
-    except KeyboardInterrupt:
+    except BaseException as e:
+        if not is_ctrl_c(e):
+            raise
         raise Interrupted(f"pack stopped by Ctrl-C (SIGINT): the partial shards were removed; {kept}") from None
     sizes = ", ".join(f"{name} {n:,}" for name, n in info["splits"].items())
     print(f"packed {sizes} images of {len(info['class_names'])} classes into {out}", flush=True)

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from vitlab.cli.config_tree import config_dir, register_resolvers
 from vitlab.cli.schemas import SCHEMAS
 from vitlab.utils.checks import check_arguments
-from vitlab.utils.errors import Interrupted, config_errors, fail, one_line, user_error
+from vitlab.utils.errors import Interrupted, config_errors, ctrl_c_as_ours, fail, is_ctrl_c, one_line, user_error
 from vitlab.utils.logs import quiet
 
 Check = Callable[[DictConfig], None]
@@ -58,9 +58,9 @@ def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Cal
             except SystemExit:  # stopped on a signal: the sweep ends here, its summary lists the jobs so far
                 _summarize_sweep(cfg)
                 raise
-            except KeyboardInterrupt:  # Ctrl-C outside training's own handling (utils/signals.py)
-                _stop(cfg, Interrupted(f"{config_name} stopped by Ctrl-C (SIGINT)"))
-            except Exception as e:
+            except (KeyboardInterrupt, Exception) as e:
+                if is_ctrl_c(e):  # Ctrl-C outside training's own handling (utils/signals.py), or an error from it
+                    _stop(cfg, Interrupted(f"{config_name} stopped by Ctrl-C (SIGINT)"))
                 cause = user_error(e) if isinstance(e, (*config_errors(), InstantiationException)) else None
                 job = _sweep_job_dir()
                 if os.environ.get("HYDRA_FULL_ERROR") == "1" or (cause is None and job is None):
@@ -76,11 +76,13 @@ def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Cal
 
             quiet()
             register_resolvers()
-            try:
-                sys.argv[1:] = prepare(config_name, sys.argv[1:], checked)
-            except KeyboardInterrupt:
-                fail(f"{config_name} stopped by Ctrl-C (SIGINT) before it started", Interrupted.exit_code)
-            return hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=config_name)(guarded)()
+            with ctrl_c_as_ours():  # (so that a Ctrl-C caught here exits 130, whatever line it interrupted)
+                try:
+                    sys.argv[1:] = prepare(config_name, sys.argv[1:], checked)
+                except KeyboardInterrupt:
+                    fail(f"{config_name} stopped by Ctrl-C (SIGINT) before it started", Interrupted.exit_code)
+                hydra_main = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=config_name)
+                return hydra_main(guarded)()
 
         return main
 

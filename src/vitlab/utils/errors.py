@@ -12,7 +12,10 @@ conversion code may raise these without depending on anything.
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
+import threading
 
 
 class UserError(ValueError):
@@ -27,6 +30,48 @@ class Interrupted(UserError):
     (128 + SIGINT), as a stopped training run exits."""
 
     exit_code = 130
+
+
+class CtrlC(KeyboardInterrupt):
+    """Ctrl-C while a command runs (`ctrl_c_as_ours`): a KeyboardInterrupt of our own type."""
+
+
+def _raise_ctrl_c(signum: int, frame: object) -> None:
+    raise CtrlC
+
+
+@contextlib.contextmanager
+def ctrl_c_as_ours():
+    """Ctrl-C raises CtrlC instead of Python's KeyboardInterrupt, so that a command that caught it exits with its
+    own code (130). Python's, raised in code compiled from a string (a dataclass's generated __init__ while a module
+    is imported, a namedtuple), is marked by CPython as unhandled even once caught, and `python -m` then ends the
+    process by SIGINT instead (CPython's run_eval_code_obj marks exactly KeyboardInterrupt, not a subclass). Where
+    Ctrl-C is ignored (a background job) or already handled by someone else, it stays so."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, _raise_ctrl_c)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def is_ctrl_c(e: BaseException | None) -> bool:
+    """Whether `e` is Ctrl-C or an error raised from it: Python 3.11 turns an interrupt inside a class's
+    __set_name__ (a dataclass's fields, while a module is imported) into a RuntimeError caused by it."""
+    while e is not None:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        e = e.__cause__
+    return False
+
+
+def python_ctrl_c(handler: object) -> bool:
+    """Whether `handler` is Python's Ctrl-C handling (its own or ours): nothing to pass a signal on to."""
+    return handler is signal.default_int_handler or handler is _raise_ctrl_c
 
 
 class MissingFileError(UserError, FileNotFoundError):

@@ -27,6 +27,8 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
+from vitlab.utils.errors import python_ctrl_c
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 AGREE_EVERY = 8  # optimizer steps between the ranks' exchanges of their flags
 
@@ -129,7 +131,7 @@ def pass_on(signum: int) -> None:
     """Hand `signum` to the handler that was there before the run, now that the checkpoint is on disk: under a
     submitit (Slurm) job, submitit's, which requeues the job on its time-limit signal."""
     handler = signal.getsignal(signum)
-    if callable(handler) and handler is not signal.default_int_handler:
+    if callable(handler) and not python_ctrl_c(handler):
         handler(signum, None)
 
 
