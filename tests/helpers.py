@@ -74,6 +74,13 @@ def run_cli(
     )
 
 
+def ctrl_c_as_in_a_terminal() -> None:
+    """Popen's preexec_fn for a test that presses Ctrl-C (SIGINT): the command starts with SIGINT's default action,
+    as a terminal starts it, whatever this test process inherited (a script's background job, `nohup ... &` or a CI
+    runner may start the suite with SIGINT ignored, and the command would then ignore the test's Ctrl-C)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def extra_callback(name: str, target: str, **params) -> list[str]:
     """Overrides that add callbacks.<name>: the class `target` of this module (or a dotted path), built with
     `params`."""

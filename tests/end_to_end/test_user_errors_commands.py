@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_refused, digits_checkpoint, earlier_run, image_tree, run_cli, tmpfs
+from tests.helpers import (
+    assert_refused,
+    ctrl_c_as_in_a_terminal,
+    digits_checkpoint,
+    earlier_run,
+    image_tree,
+    run_cli,
+    tmpfs,
+)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +128,7 @@ def test_ctrl_c_mid_pack_is_one_line_and_exit_130(photos, tmp_path):
     env.pop("HYDRA_FULL_ERROR", None)
     argv = [sys.executable, "-m", "vitlab.pack", f"data.data_dir={photos}", "out=shards", "workers=2"]
     p = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)  # fmt: skip
+                         start_new_session=True, preexec_fn=ctrl_c_as_in_a_terminal)  # fmt: skip
     for line in p.stdout:
         if "packing train" in line:
             break

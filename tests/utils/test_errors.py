@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 
+from tests.helpers import ctrl_c_as_in_a_terminal
 from vitlab.utils import errors
 
 # A command run as `python -m`: Ctrl-C lands in code compiled from a string (as in a dataclass's generated __init__
@@ -30,7 +31,8 @@ def test_ctrl_c_caught_inside_code_from_a_string_exits_with_the_commands_code(tm
     """With Python's own KeyboardInterrupt CPython ends such a process by SIGINT though it exits 130 (the pack
     command's Ctrl-C exit, once in four under load); with ctrl_c_as_ours, which the entry points use, it exits 130."""
     (tmp_path / "command.py").write_text(textwrap.dedent(COMMAND))
-    run = subprocess.run([sys.executable, "-m", "command", handling], cwd=tmp_path, capture_output=True, text=True)
+    argv = [sys.executable, "-m", "command", handling]
+    run = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, preexec_fn=ctrl_c_as_in_a_terminal)
     assert run.returncode == code, run.stderr
     assert run.stdout.strip() == ("CtrlC" if handling == "ours" else "KeyboardInterrupt")
 
