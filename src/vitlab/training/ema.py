@@ -11,6 +11,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from lightning.pytorch.callbacks.weight_averaging import WeightAveraging
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
@@ -109,6 +110,8 @@ class EMA(EMAWeightAveraging):
             values[f"val/{name}_ema"] = metric.compute()
             metric.reset()
         pl_module.log_dict(values, prog_bar=False, sync_dist=True)
+        if self.keep_average:  # the checkpoints hold the average: its numbers are the run's best (val/acc_best)
+            pl_module.kept_values = {k.removesuffix("_ema"): v for k, v in values.items()}
         average.train()
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -120,6 +123,12 @@ class EMA(EMAWeightAveraging):
         checkpoint["averaging_state"] = {k: v for k, v in state.items() if not k.startswith("module.")}
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if trainer.state.fn != TrainerFn.FITTING:
+            # Tested, validated or predicted: the file's weights are the ones it names (the average where the monitor
+            # chose it), as `vitlab.eval` of the file reads them. Lightning's callback would put the raw weights back
+            # (its current_model_state), so a run's test/acc was the raw weights' while its best checkpoint held the
+            # average's.
+            return
         if self._average_model is not None and "average_model_state" in checkpoint:  # saved with the raw weights kept
             state = {"module." + k: v for k, v in checkpoint["average_model_state"].items()}
             self._average_model.load_state_dict(state | checkpoint["averaging_state"])

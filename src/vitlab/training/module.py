@@ -90,6 +90,7 @@ class ViTModule(L.LightningModule):
         self.test_metrics = nn.ModuleDict({"loss": MeanMetric()} | self.objective.metrics("test", k))
         watched, mode = self.objective.best  # val/acc_best (max) or val/loss_best (min): what chooses the checkpoint
         self.best_key = f"val/{watched}"
+        self.kept_values: dict[str, torch.Tensor] | None = None  # set by an EMA whose average the checkpoints keep
         self.add_module(f"val_{watched}_best", MaxMetric() if mode == "max" else MinMetric())
         # Running training metrics and the best so far are checkpointed, so a run resumed mid-epoch logs the same
         # values as one that was never interrupted.
@@ -185,7 +186,10 @@ class ViTModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         values = self._log_epoch("val")
         if not self.trainer.sanity_checking:  # the sanity check's numbers are no result
-            self.best_metric.update(values[self.best_key])
+            # The weights the checkpoints keep give the best: the EMA callback, whose hook runs first, hands over the
+            # average's values when the monitor chose it (val/acc_best is then the best val/acc_ema).
+            kept = self.kept_values if self.kept_values is not None else values
+            self.best_metric.update(kept[self.best_key])
             self.log(f"{self.best_key}_best", self.best_metric.compute(), prog_bar=True, sync_dist=True)
 
     def on_test_epoch_end(self) -> None:
