@@ -37,14 +37,16 @@ RATIO_KEYS = {"throughput", "throughput_paired_min", "throughput_paired_max", "p
 
 
 def test_flops_per_image_is_the_hand_count():
-    # N = 17 tokens, D = 32, MLP 128: per block 2*17*(4*32*32 + 2*32*128) + 4*17*17*32; patch embedding
-    # 2*16*(8*8*3)*32; head 2*32*7.
+    # N = 17 tokens, D = 32, MLP 128: per block 2*17*(4*32*32 + 2*32*128) + 4*17*17*32; the last block, under the
+    # class-token head, keys and values of the 17 tokens and the rest for row 0 only: 2*(3*17*32*32 + 32*32 + 2*32*128)
+    # + 4*17*32; patch embedding 2*16*(8*8*3)*32; head 2*32*7.
     per_block = 2 * 17 * (4 * 32 * 32 + 2 * 32 * 128) + 4 * 17 * 17 * 32
-    assert tiny(depth=4).flops_per_image() == 4 * per_block + 2 * 16 * 192 * 32 + 2 * 32 * 7 == 2_016_192
+    last = 2 * (3 * 17 * 32 * 32 + 32 * 32 + 2 * 32 * 128) + 4 * 17 * 32
+    assert tiny(depth=4).flops_per_image() == 3 * per_block + last + 2 * 16 * 192 * 32 + 2 * 32 * 7 == 1_686_464
     # SwiGLU: three D x 128 matrices instead of two; packed: fc1 32->128, fc2 64->32 (the halves' product)
-    swiglu, packed = 2 * 17 * 32 * 128, 2 * 17 * (32 * 128 + 64 * 32 - 2 * 32 * 128)
-    assert tiny(depth=4, mlp_layer="swiglu").flops_per_image() == 2_016_192 + 4 * swiglu
-    assert tiny(depth=4, mlp_layer="swiglu_packed").flops_per_image() == 2_016_192 + 4 * packed
+    swiglu, packed = 2 * 32 * 128, 2 * (32 * 128 + 64 * 32 - 2 * 32 * 128)
+    assert tiny(depth=4, mlp_layer="swiglu").flops_per_image() == 1_686_464 + (3 * 17 + 1) * swiglu
+    assert tiny(depth=4, mlp_layer="swiglu_packed").flops_per_image() == 1_686_464 + (3 * 17 + 1) * packed
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +70,8 @@ def report(tmp_path_factory) -> dict:
 
 def test_report_has_every_field_and_consistent_numbers(report):
     assert report["task"] == "models" and report["model"] == "vit_digits"
-    assert report["flops"]["forward_per_image"] == 2_016_192
-    assert report["flops"]["train_gflops_per_image"] == pytest.approx(3 * 2_016_192 / 1e9)
+    assert report["flops"]["forward_per_image"] == 1_686_464
+    assert report["flops"]["train_gflops_per_image"] == pytest.approx(3 * 1_686_464 / 1e9)
     assert report["peak"]["dtype"] == "float32" and report["peak"]["size"] == 256 and report["peak"]["flops_per_s"] > 0
     assert {"torch", "timm", "lightning", "device", "threads"} <= report["environment"].keys()
     for mode, factor in (("train", 3), ("fwd_bwd", 3), ("infer", 1)):
@@ -79,7 +81,7 @@ def test_report_has_every_field_and_consistent_numbers(report):
             assert row.keys() == ROW_KEYS
             assert len(row["times_ms"]) == 3 and row["median_ms"] == pytest.approx(sorted(row["times_ms"])[1], abs=1e-3)
             assert row["images_per_s"] == pytest.approx(4 / (row["median_ms"] / 1e3))
-            assert row["achieved_flops_per_s"] == pytest.approx(factor * 2_016_192 * row["images_per_s"])
+            assert row["achieved_flops_per_s"] == pytest.approx(factor * 1_686_464 * row["images_per_s"])
             assert row["mfu"] == pytest.approx(row["achieved_flops_per_s"] / report["peak"]["flops_per_s"])
             assert row["peak_memory_mb"] == pytest.approx(row["state_memory_mb"] + row["step_memory_mb"])
         ratios = report["ratios"][mode]

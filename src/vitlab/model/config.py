@@ -312,20 +312,35 @@ class ViTConfig:
         return self.num_patches + self.num_prefix_tokens
 
     def flops_per_image(self) -> int:
-        """Forward FLOPs (multiply-add = 2) of one image: linear layers 2*N*(4D^2 + 2*D*Dm) per block,
-        attention 4*N^2*D per block, patch embedding 2*Np*P^2*C*D, head 2*D*K (norms and adds ignored)."""
-        n, d = self.num_tokens(), self.embed_dim
-        hidden = int(d * self.mlp_ratio)
+        """Forward FLOPs (multiply-add = 2) of one image as `ViT.forward` computes them: every block but the last on
+        all N tokens; the last, under a class-token head, on the rows the head reads (`block_flops`); the patch
+        embedding 2*Np*P^2*C*D; the pool and head (norms, adds and activations ignored). MFU divides by this: counting
+        the whole last block overstated a DeiT-Ti's work by 7% (torch's FlopCounterMode agrees with this count,
+        tests/model/test_config.py)."""
+        n, d, k = self.num_tokens(), self.embed_dim, self.num_classes
+        rows = 1 + int(self.distilled) if self.global_pool == "token" else n  # ViT.forward's last_rows
+        blocks = (self.depth - 1) * self.block_flops(n, n) + self.block_flops(n, rows)
+        embed = 2 * self.num_patches * self.patch_hw[0] * self.patch_hw[1] * self.in_chans * d
+        pooled = self.num_tokens() if self.pool_include_prefix else self.num_patches
+        head = {"token": 2 * d * k * (1 + int(self.distilled)), "": 2 * n * d * k}.get(self.global_pool, 2 * d * k)
+        if self.global_pool == "map":  # attention pool: keys and values of the pooled tokens, one query, its MLP
+            hidden = int(d * self.mlp_ratio)
+            head += 2 * pooled * 2 * d * d + 4 * pooled * d + 2 * (2 * d * d + 2 * d * hidden)
+        return blocks + embed + head
+
+    def block_flops(self, n: int, rows: int) -> int:
+        """Forward FLOPs of one block on n tokens of which the first `rows` are updated (blocks.py): keys and values
+        of every token, queries, output projection and MLP of the rows; attention 4*rows*N*D (q k^T, then a v).
+        The fused blocks (ViT-22B's) project every token into the MLP's hidden features with q, k and v."""
+        d, hidden = self.embed_dim, int(self.embed_dim * self.mlp_ratio)
+        # attention: q k^T and (attention) v, 2 rows N D each; differential attention: two half-width q k^T, v twice
+        attend = (6 if self.differential else 4) * rows * n * d
+        if self.block_fn in ("parallel_scaling", "diff_parallel_scaling"):
+            return 2 * n * d * (hidden + 3 * d) + 2 * rows * (d * d + hidden * d) + attend
         # MLP weights: mlp D->Dm->D; swiglu two D->Dm and Dm->D; swiglu_packed D->Dm and Dm/2->D
         mlp = {"mlp": 2 * d * hidden, "swiglu": 3 * d * hidden, "swiglu_packed": d * hidden + hidden // 2 * d}
-        # attention: q k^T and (attention) v, 2 N^2 D each; differential attention applies v twice
-        per_block = 2 * n * (4 * d * d + mlp[self.mlp_layer]) + (6 if self.differential else 4) * n * n * d
-        per_block *= 2 if self.block_fn == "parallel_things" else 1  # two of each branch
-        embed = 2 * self.num_patches * self.patch_hw[0] * self.patch_hw[1] * self.in_chans * d
-        head = 2 * d * self.num_classes
-        if self.global_pool == "map":  # attention pool: keys and values of the patches, one query, its MLP
-            head += 2 * self.num_patches * 2 * d * d + 4 * self.num_patches * d + 2 * (2 * d * d + 2 * d * hidden)
-        return self.depth * per_block + embed + head
+        per_branch = 2 * (3 * n * d * d + rows * d * d + rows * mlp[self.mlp_layer]) + attend
+        return per_branch * (2 if self.block_fn == "parallel_things" else 1)  # two of each branch
 
 
 def vit_config(model: Mapping[str, Any]) -> ViTConfig:
