@@ -132,6 +132,20 @@ class SignalAtStep(L.Callback):
                 os.kill(os.getpid(), self.signum)
 
 
+class SignalAgainWhenStuck(L.Callback):
+    """After optimizer step `step` (once SignalAtStep has sent its signal there), the next step hangs: it sends
+    `signum` to the process group once more, then sleeps ten minutes, a step that never ends."""
+
+    def __init__(self, step: int, signum: str = "SIGTERM"):
+        self.step, self.signum = step, signal.Signals[signum]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            kill = ["kill", f"-{self.signum.name[3:]}", "--", f"-{os.getpgid(0)}"]
+            subprocess.run(kill, check=True, start_new_session=True)
+            time.sleep(600)
+
+
 def assert_same_run(a: Path, b: Path) -> None:
     """Two run directories hold the same run: final weights (raw and EMA) bit for bit, and every logged value but
     timings."""

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -139,11 +140,18 @@ def test_two_processes_with_loader_workers_resume_exactly(folder_two, images, tm
     assert_same_run(folder_two, resume(command, tmp_path))
 
 
-def test_a_second_ctrl_c_stops_at_once(tmp_path):
-    killer = extra_callback("kill", "SignalAtStep", step=4, signum="SIGINT", group=True, times=2)
-    r = run_cli("train", *DIGITS, *killer, f"hydra.run.dir={tmp_path / 'r'}", own_group=True)
-    assert r.returncode == -signal.SIGINT  # ended by the signal itself, nothing more run
-    assert "Ctrl-C again stops at once, without saving" in r.stderr
+@pytest.mark.parametrize("signum, said", [("SIGINT", "Ctrl-C again"), ("SIGTERM", "a second SIGTERM (or Ctrl-C)")])
+def test_a_second_signal_stops_at_once(tmp_path, signum, said):
+    """The first signal asks for a checkpoint after the step; a second stops at once, by the kernel, also where the
+    step never ends (here the one after the first signal sleeps for ten minutes, as a model too big for the machine
+    swaps): the notice of the first says so, and nothing is saved."""
+    killer = extra_callback("kill", "SignalAtStep", step=4, signum=signum, group=True)
+    stuck = extra_callback("stuck", "SignalAgainWhenStuck", step=4, signum=signum)
+    started = time.time()
+    r = run_cli("train", *DIGITS, *killer, *stuck, f"hydra.run.dir={tmp_path / 'r'}", own_group=True)
+    assert r.returncode == -getattr(signal, signum)  # ended by the signal itself, nothing more run
+    assert time.time() - started < 300
+    assert "stops at once, without saving" in r.stderr and said in r.stderr
     assert not (tmp_path / "r" / "checkpoints" / "interrupted.ckpt").exists()
 
 

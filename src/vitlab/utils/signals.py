@@ -30,6 +30,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from vitlab.utils.errors import python_ctrl_c
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+AT_ONCE = (signal.SIGINT, signal.SIGTERM)  # once a stop is asked for, these stop the process without saving
 AGREE_EVERY = 8  # optimizer steps between the ranks' exchanges of their flags
 
 
@@ -73,8 +74,10 @@ class StopSignals(_SignalConnector):
             self.received = signum
             if self.trainer.is_global_zero:  # os.write: a print here could re-enter a write it interrupted
                 os.write(2, _NOTICE.get(signum, _NOTICE[None]).format(signal.Signals(signum).name).encode())
-        if signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)  # the second Ctrl-C ends the process at once
+        # A second Ctrl-C or SIGTERM ends the process at once, by the kernel: a step that never ends (a model too big
+        # for the machine, swapping) never reaches Python again to run a handler.
+        for again in AT_ONCE:
+            signal.signal(again, signal.SIG_DFL)
 
     def agree(self, step: int) -> int | None:
         """The signal all ranks stop for, or None to go on, after optimizer step `step`. Every rank calls this at
@@ -119,7 +122,8 @@ class StopSignals(_SignalConnector):
 
 _NOTICE = {
     signal.SIGINT: "\n{}: stopping after this step, saving a checkpoint; Ctrl-C again stops at once, without saving\n",
-    None: "{}: stopping after this step, saving a checkpoint\n",
+    None: "{}: stopping after this step, saving a checkpoint; a second SIGTERM (or Ctrl-C) stops at once, without "
+    "saving\n",
 }
 
 
