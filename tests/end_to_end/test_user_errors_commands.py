@@ -140,3 +140,25 @@ def test_ctrl_c_mid_pack_is_one_line_and_exit_130(photos, tmp_path):
         f"{tmp_path / 'shards'}"
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no shards, no temporary folder, no run directory
+
+
+# A file that is not a checkpoint at all (issue 41): empty, or text. torch's reader fails deep inside on both (an
+# IndexError, a KeyError of the first byte); the README promises one line.
+NOT_CHECKPOINTS = {"empty": b"", "text": b"hello, this is not a checkpoint\n"}
+
+
+@pytest.mark.parametrize(
+    "command, kind",
+    [("eval", "empty"), ("eval", "text"), ("predict", "text"), ("export", "empty"), ("visualize", "text"),
+     ("train", "empty"), ("train", "text")],
+)  # fmt: skip
+def test_a_file_that_is_not_a_checkpoint_is_one_line_and_leaves_nothing(tmp_path, command, kind):
+    before = earlier_run(tmp_path)
+    bad = tmp_path / f"{kind}.ckpt"
+    bad.write_bytes(NOT_CHECKPOINTS[kind])
+    key = "model.pretrained" if command == "train" else "ckpt_path"
+    label = "weights file" if command == "train" else "ckpt_path"
+    args = {"predict": ["images=[a.png]"], "train": ["trainer.max_epochs=1"]}.get(command, [])
+    r = run_cli(command, f"{key}={bad}", *args, cwd=tmp_path)
+    said = "is empty (0 bytes): not a " if kind == "empty" else "is not a "
+    assert_refused(r, f"error: {label} '{bad}' {said}", before, tmp_path / "outputs")

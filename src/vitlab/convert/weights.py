@@ -160,13 +160,17 @@ def read_file(path: str | os.PathLike, label: str) -> Any:
             return load_file(str(path))
         except Exception as e:
             raise UserError(f"{label} {str(path)!r} is not a valid safetensors file: {e}") from e
+    with open(path, "rb") as f:
+        head = f.read(2)
+    if not head:
+        raise UserError(f"{label} {str(path)!r} is empty (0 bytes): not a {should_be}")
+    # Neither torch.save's zip nor a pickle (an ONNX model, JSON, a text file): torch's reader would fail deep inside
+    # (an IndexError, a KeyError of the first byte) rather than say so.
+    if head != b"PK" and head[:1] != b"\x80":
+        raise UserError(f"{label} {str(path)!r} is not a {should_be}; it holds another kind of file")
     try:
         return _load_weights_only(path)
     except pickle.UnpicklingError as e:
-        with open(path, "rb") as f:
-            head = f.read(2)
-        if head != b"PK" and head[:1] != b"\x80":  # neither torch.save's zip nor a pickle: an ONNX model, JSON, ...
-            raise UserError(f"{label} {str(path)!r} is not a {should_be}; it holds another kind of file") from e
         raise UserError(
             f"{label} {str(path)!r} cannot be read safely as a {noun} (only tensors and plain data are allowed; "
             f"nothing in it was run): {str(e).splitlines()[0][:200]}"
