@@ -208,6 +208,13 @@ def _bad_inputs(tmp):
             f"trainer.accelerator='gpu' trainer.devices={torch.cuda.device_count() + 1} cannot run here",
         ),
         "weights not a state dict": ([f"model.pretrained={not_a_state_dict}"], "does not hold a state dict"),
+        # issue 41: values that reached Lightning (Hydra's multi-line error) or our sharding check (a TypeError)
+        "every GPU on the CPU": (
+            ["trainer.accelerator=cpu", "trainer.devices=-1"],
+            "trainer.devices=-1 means every GPU",
+        ),
+        "every GPU under fsdp_cpu": (["trainer=fsdp_cpu", "trainer.devices=-1"], "trainer.devices=-1 means every GPU"),
+        "zero devices": (["trainer.devices=0"], "trainer.devices=0 must be a number of devices >= 1, -1 (every GPU)"),
     }
 
 
@@ -224,6 +231,9 @@ BAD = [
     "missing ckpt",
     "more devices than exist",
     "weights not a state dict",
+    "every GPU on the CPU",
+    "every GPU under fsdp_cpu",
+    "zero devices",
 ]
 
 

@@ -60,6 +60,11 @@ CASES = {
     "visualize num_images zero": ("visualize", ["num_images=0"], "num_images 0 must be an integer >= 1"),
     "parity batch_size not a number": ("parity", ["batch_size=two"], "batch_size 'two' must be an integer >= 1"),
     "pack workers zero": ("pack", ["data=fake", "out=shards", "workers=0"], "workers 0 must be an integer >= 1 or"),
+    "pack chunk_bytes not a size": (
+        "pack",
+        ["data=fake", "out=shards", "chunk_bytes=abc"],
+        "chunk_bytes 'abc' must be a size such as 64MB (a number and one of b, kb, mb, gb, tb) or an integer >= 1",
+    ),
     # overrides that would be silently ignored
     "eval model beside a checkpoint": (
         "eval",

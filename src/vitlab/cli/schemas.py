@@ -18,6 +18,7 @@ from typing import Any, Literal, TypedDict
 from omegaconf import DictConfig, OmegaConf
 
 from vitlab.utils.checks import (
+    ByteSize,
     CompileMode,
     NonEmpty,
     NonNegativeInt,
@@ -134,7 +135,7 @@ class PackSettings(TypedDict):
     out: str
     overwrite: bool
     workers: PositiveInt | None
-    chunk_bytes: str | PositiveInt  # LitData's: bytes, or a size such as 64MB
+    chunk_bytes: ByteSize | PositiveInt  # LitData's: bytes, or a size such as 64MB
     model: PackModel
 
 
@@ -144,9 +145,10 @@ class BenchmarkSettings(TypedDict):
 
 
 def check_train(cfg: DictConfig) -> None:
-    from vitlab.training.node_checks import check_launch
+    from vitlab.training.node_checks import check_devices, check_launch
     from vitlab.training.sharding import check_request
 
+    check_devices(cfg.trainer)  # before check_request reads them
     check_launch(cfg)  # a -m sweep of multi-process runs on a launcher that cannot start them
     check_request(cfg.trainer, cfg.get("callbacks"))  # trainer=fsdp: what cannot shard (its note is logged by train)
 

@@ -35,6 +35,25 @@ Seed = Annotated[int, Interval(ge=0, le=2**32 - 1)]  # what Lightning's seed_eve
 NonEmpty = Annotated[list[T], MinLen(1)]  # NonEmpty[PositiveInt]: a list of one or more
 
 
+@dataclasses.dataclass(frozen=True)
+class Said:
+    """How `describe` names a type whose constraint it cannot put in words (a string of a given form)."""
+
+    text: str
+
+
+def _byte_size() -> Any:
+    from pydantic import StringConstraints
+
+    # LitData's sizes (litdata.utilities.format): a number and a unit, read case-blind
+    units = "tb|gb|mb|kb|t|g|m|k|b"
+    return Annotated[str, StringConstraints(pattern=rf"(?i)^\s*\d+(\.\d*)?\s*({units})\s*$"), Said(
+        "a size such as 64MB (a number and one of b, kb, mb, gb, tb)")]  # fmt: skip
+
+
+ByteSize = _byte_size()
+
+
 def from_mapping(cls: type[T], values: Mapping[str, Any] | None, group: str) -> T:
     """`cls(**values)`, refusing keys `cls` does not have in one line that lists those it has."""
     values = dict(values or {})
@@ -164,6 +183,9 @@ def describe(hint: Any) -> str:
     `a non-empty list of integers >= 1`."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is Annotated:
+        said = [m.text for m in args[1:] if isinstance(m, Said)]
+        if said:
+            return said[0]
         base, bounds = describe(args[0]), _bounds(args[1:])
         if any(isinstance(m, MinLen) and m.min_length > 0 for m in args[1:]):
             base = base.replace("a list", "a non-empty list", 1)
