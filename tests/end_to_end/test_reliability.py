@@ -160,6 +160,18 @@ def test_checkpoint_of_another_architecture_is_refused(uninterrupted, tmp_path):
     assert r.returncode == 2 and "num_classes=10 (this run: 5)" in r.stderr
 
 
+def test_a_new_learning_rate_on_a_resume_is_refused(uninterrupted, tmp_path):
+    """Issue 41: optim.lr=0.5 on a resume was neither applied (the checkpoint's schedule went on) nor refused."""
+    last = uninterrupted / "checkpoints" / "last.ckpt"
+    r = run_cli("train", "data.batch_size=128", "optim.lr=0.5", f"ckpt_path={last}", f"hydra.run.dir={tmp_path / 'r'}")
+    assert r.returncode == 2 and not (tmp_path / "r").exists()
+    assert r.stderr.strip() == (
+        f"error: ckpt_path '{last}' was trained with optim.lr=0.001 (this run: 0.5): a resume goes on with the "
+        "checkpoint's optimizer state and learning-rate schedule, and the new value would not be applied; drop the "
+        "override to resume, or train anew without ckpt_path"
+    )
+
+
 def test_missing_ckpt_path(tmp_path):
     r = run_cli("train", "ckpt_path=nowhere.ckpt", f"hydra.run.dir={tmp_path / 'r'}")
     assert (r.returncode, r.stderr.strip()) == (2, "error: ckpt_path 'nowhere.ckpt' does not exist")

@@ -99,7 +99,8 @@ def check_resumable(ckpt_path: str, module: ViTModule, trainer_cfg: DictConfig |
     """Refuse, in one line, a checkpoint this run cannot go on from: another architecture or class count (before
     Lightning fails deep inside load_state_dict), another batch size (its saved position in the epoch and its
     learning-rate schedule count steps of the batch it had) or, given the run's trainer settings, a run that
-    had already finished (it would train nothing)."""
+    had already finished (it would train nothing), or another optimizer or schedule setting (the saved state and
+    schedule go on: a new learning rate would be silently ignored)."""
     ckpt = read_checkpoint(ckpt_path, weights=False)  # a directory of shards: its metadata only
     theirs = ckpt["hyper_parameters"]["model"]
     ours = module.hparams["model"]
@@ -117,6 +118,16 @@ def check_resumable(ckpt_path: str, module: ViTModule, trainer_cfg: DictConfig |
             f"in the epoch and its learning-rate schedule count steps of {batch[0]} images; resume with "
             f"data.batch_size={batch[0]}"
         )
+    for group in ("optim", "scheduler"):  # the optimizer's state and the schedule go on as they were saved
+        saved, given = ckpt["hyper_parameters"].get(group) or {}, module.hparams.get(group) or {}
+        changed = [k for k in given if k in saved and saved[k] != given[k]]
+        if changed:
+            shown = ", ".join(f"{group}.{k}={saved[k]!r} (this run: {given[k]!r})" for k in changed[:4])
+            raise UserError(
+                f"ckpt_path {ckpt_path!r} was trained with {shown}: a resume goes on with the checkpoint's optimizer "
+                "state and learning-rate schedule, and the new value would not be applied; drop the override to "
+                "resume, or train anew without ckpt_path"
+            )
     epochs = ckpt.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
     done = max(epochs.get("processed", 0), epochs.get("completed", 0))
     limit = trainer_cfg.get("max_epochs") if trainer_cfg is not None else None
