@@ -20,8 +20,10 @@ for s in $SEEDS; do
   [ -f $D/finetune/metrics.json ] || $PY -m vitlab.train $CLASSIFY seed=$s model.pretrained=$MAE hydra.run.dir=$D/finetune
   for enc in mae random scratch; do
     for task in knn linear fewshot; do
-      # linear: 300 passes over the 1,257 training digits (1,500 steps of 256; eval.yaml's 10 suit ImageNet's size)
-      [ -f $D/${enc}_$task/metrics.json ] || $PY -m vitlab.eval ckpt_path=$(best $D/$enc) task=$task linear.epochs=300 \
+      # linear: the study's 1,500 steps of 256 (then linear.epochs=300; the probe now counts iterations, as DINOv2's,
+      # and draws from an infinite sampler instead of epochs: the same steps, batches and lrs, another shuffle)
+      [ -f $D/${enc}_$task/metrics.json ] || $PY -m vitlab.eval ckpt_path=$(best $D/$enc) task=$task \
+        linear.iterations=1500 linear.batch_size=256 \
         hydra.run.dir=$D/${enc}_$task
     done
   done

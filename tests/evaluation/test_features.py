@@ -65,14 +65,6 @@ def test_layers_that_do_not_exist_are_named():
     assert linear_views(cfg, model)[1] == {"last2+avgpool": slice(0, 3 * 32)}
 
 
-@pytest.fixture(scope="module")
-def digits_ckpt(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("features") / "run"
-    r = run_cli("train", "debug=limit", "progress_bar=none", f"hydra.run.dir={run_dir}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads((run_dir / "metrics.json").read_text())["tested_checkpoint"]
-
-
 def _cached(folder, stem):
     return (
         np.load(folder / f"{stem}.npy"),
@@ -89,7 +81,13 @@ def test_features_are_the_same_with_one_and_two_ddp_processes(digits_ckpt, compo
 
     from vitlab.eval import evaluate
 
-    args = [f"ckpt_path={digits_ckpt}", f"task={task}", "data.batch_size=157", "linear.epochs=1", "linear.lrs=[0.01]"]
+    args = [
+        f"ckpt_path={digits_ckpt}",
+        f"task={task}",
+        "data.batch_size=157",
+        "linear.iterations=5",
+        "linear.lrs=[0.01]",
+    ]
     one = evaluate(compose_cfg("eval", [*args, f"features_dir={tmp_path / 'one'}"]))
     if task == "knn":  # as if one process had stopped after 100 training images
         shutil.copytree(tmp_path / "one", tmp_path / "two")
@@ -108,7 +106,19 @@ def test_features_are_the_same_with_one_and_two_ddp_processes(digits_ckpt, compo
         assert meta1 == meta2 and meta2["done"] == meta2["n"] == len(f2)
         np.testing.assert_allclose(f2, f1, rtol=0, atol=1e-6)
         assert np.array_equal(y1, y2)
-    assert {k: v for k, v in two.items() if "/" in k} == pytest.approx({k: v for k, v in one.items() if "/" in k})
+    if task == "knn":
+        assert {k: v for k, v in two.items() if "/" in k} == pytest.approx({k: v for k, v in one.items() if "/" in k})
+    else:  # DINOv2's step on both processes' batches of 128 (lr x 2 x 128 / 256), from the features one cached
+        from tests.evaluation.test_linear import VIEWS64
+        from vitlab.evaluation.linear import Schedule, linear_grid
+
+        assert (
+            "batch 128 x 2 processes" in two["linear/protocol"] and "lr x 1 (128 x 2 / 256)" in two["linear/protocol"]
+        )
+        (tr, ty, _), (va, vy, _), (te, tey, _) = (_cached(tmp_path / "one", stem) for stem in stems)
+        found = linear_grid(VIEWS64, *map(torch.from_numpy, (tr, ty, va, vy, te, tey)), 10,
+                            Schedule(iterations=5, world=2, lrs=(0.01,)))  # fmt: skip
+        assert (two["linear/top1"], two["linear/features"]) == (pytest.approx(found["test_acc"]), found["features"])
     # Written once: rank 0 says where it cached each split; the other process caches nothing.
     assert r.stderr.count("features: ") + r.stdout.count("features: ") == len(stems)
     (child,) = (tmp_path / "r").glob("*process_1.log")

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from vitlab.evaluation.probes import fewshot_accuracy, knn_predict, lsr_fit, lsr_predict
 
@@ -73,16 +74,6 @@ def test_fewshot_draws_shots_per_class_and_scores_the_test_split():
     assert acc == fewshot_accuracy(train, labels, test, test_labels, 3, shots=(1, 5), seed=0)  # seeded
 
 
-@pytest.fixture(scope="module")
-def digits_ckpt(tmp_path_factory):
-    from tests.helpers import run_cli
-
-    run_dir = tmp_path_factory.mktemp("probe") / "run"
-    r = run_cli("train", "debug=limit", "progress_bar=none", f"hydra.run.dir={run_dir}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads((run_dir / "metrics.json").read_text())["tested_checkpoint"]
-
-
 def test_features_are_cached_once_resumed_and_reused(digits_ckpt, tmp_path):
     from vitlab.evaluation.features import source_id, split_features
     from vitlab.training import build
@@ -113,44 +104,64 @@ def test_features_are_cached_once_resumed_and_reused(digits_ckpt, tmp_path):
 def test_eval_knn_linear_and_fewshot_on_a_checkpoint(digits_ckpt, compose_cfg, tmp_path, task):
     from vitlab.eval import evaluate
 
-    metrics = evaluate(compose_cfg("eval", [f"ckpt_path={digits_ckpt}", f"task={task}"]))
-    names = {"knn": ["knn/top1_k10", "knn/top1_k200"], "fewshot": ["fewshot/1shot", "fewshot/25shot"],
+    metrics = evaluate(compose_cfg("eval", [f"ckpt_path={digits_ckpt}", f"task={task}", "linear.iterations=20"]))
+    names = {"knn": ["knn/top1_k10", "knn/top1_k200", "knn/top5_k10", "knn/top5_k200"],
+             "fewshot": ["fewshot/1shot", "fewshot/25shot", "fewshot/1shot-seed-2", "fewshot/25shot_std"],
              "linear": ["linear/top1", "linear/val_top1"]}[task]  # fmt: skip
     assert all(0.0 <= metrics[n] <= 1.0 for n in names) and metrics["split"] == "test"
     assert json.loads((tmp_path / "metrics.json").read_text())[names[0]] == metrics[names[0]]
 
 
-def test_the_linear_probe_picks_its_learning_rate_on_validation_never_on_test():
-    """Validation features that agree with training, test features whose labels are permuted: the chosen learning
-    rate is the best on validation, and the reported test accuracy is that one head's, whatever test would prefer."""
-    from vitlab.evaluation.probes import linear_probe
+def dinov2_knn_accuracies(train, train_labels, test, test_labels, num_classes, ks, T):
+    """DINOv2's eval/knn.py in one process, as written there: KnnModule's top max_k similarities and their labels,
+    softmax(s / T) weights, probas summed over the first k, scored by its build_topk_accuracy_metric (torchmetrics'
+    MulticlassAccuracy, top_k 1 and 5, average micro) on each k's probas."""
+    from torchmetrics.classification import MulticlassAccuracy
 
-    train, y, val, val_y = clusters(4, 12, (64, 16), seed=3, spread=3)
-    test_y = (val_y + 1) % 4  # the same images, labelled otherwise: test would pick the worst head
-    lrs = (1e-5, 1e-3, 0.1)
-    out = linear_probe(train, y, val, val_y, val.clone(), test_y, 4, lrs=lrs, epochs=5, batch_size=32)
-    per_lr = out["val_acc_per_lr"]
-    assert out["lr"] == max(lrs, key=lambda lr: (per_lr[lr], -lr)) and out["val_acc"] == per_lr[out["lr"]] > 0.9
-    assert out["test_acc"] < 0.2  # scored, not chosen, on test
-    with pytest.raises(Exception, match="needs a test split besides it"):
-        from types import SimpleNamespace
-
-        from vitlab.evaluation.features import probe
-
-        probe(SimpleNamespace(task="linear"), None, SimpleNamespace(test_set=None), {}, None, torch.device("cpu"))
+    train, test = F.normalize(train, dim=1), F.normalize(test, dim=1)  # ModelWithNormalize
+    topk_sims, indices = (test @ train.T).topk(max(ks), largest=True, sorted=True)
+    neighbors_labels = torch.gather(train_labels.view(1, -1).expand(len(test), -1), 1, indices)
+    matmul = F.one_hot(neighbors_labels, num_classes) * F.softmax(topk_sims / T, 1).view(len(test), -1, 1)
+    out = {}
+    for k in ks:
+        probas = torch.sum(matmul[:, :k, :], 1)
+        out[k] = {f"top{t}": MulticlassAccuracy(top_k=t, num_classes=num_classes, average="micro")(probas, test_labels)
+                  .item() for t in (1, 5)}  # fmt: skip
+    return out
 
 
-def test_the_linear_grid_chooses_features_and_learning_rate_on_validation():
-    """Two feature configurations, one of them noise: the (configuration, learning rate) best on validation is
-    chosen, and its test accuracy reported, also where test would have preferred the other."""
-    from vitlab.evaluation.probes import linear_grid, linear_probe
+def test_knn_top1_and_top5_are_dinov2s():
+    """Top-1 and top-5 on features where the target often has few or no votes (ten overlapping classes, k down to 3,
+    so the fifth place is often a tie among classes no neighbour voted for): DINOv2's numbers exactly."""
+    from vitlab.evaluation.probes import knn_accuracy, knn_topk_accuracy
 
-    train, y, val, val_y = clusters(4, 12, (64, 16), seed=4, spread=3)
-    g = torch.Generator().manual_seed(5)
-    noise = [torch.randn(len(t), 12, generator=g) for t in (train, val, val)]
-    test_y = (val_y + 1) % 4  # the clusters' test labels permuted: on test, noise would do better
-    views = {"noise": tuple(noise), "clusters": (train, val, val.clone())}
-    out = linear_grid(views, y, val_y, test_y, 4, lrs=(1e-3, 0.1), epochs=3, batch_size=32)
-    assert out["features"] == "clusters" and out["val_acc"] > 0.9 > out["val_acc_per_features"]["noise"]
-    alone = linear_probe(train, y, val, val_y, val.clone(), test_y, 4, lrs=(1e-3, 0.1), epochs=3, batch_size=32)
-    assert (out["lr"], out["test_acc"]) == (alone["lr"], alone["test_acc"]) and out["test_acc"] < 0.2
+    train, labels, test, test_labels = clusters(10, 16, (30, 40), seed=6, spread=0.4)
+    ks = (3, 10, 20, 100)
+    ours = knn_topk_accuracy(train, labels, test, test_labels, 10, ks, 0.07)
+    ref = dinov2_knn_accuracies(train, labels, test, test_labels, 10, ks, 0.07)
+    for k in ks:  # counts of right answers over 400: equal counts are equal to float32's rounding
+        assert ours[k] == pytest.approx(ref[k], abs=1e-6), (k, ours[k], ref[k])
+    assert {k: v["top1"] for k, v in ours.items()} == pytest.approx(
+        knn_accuracy(train, labels, test, test_labels, 10, ks)
+    )
+    assert all(v["top5"] > v["top1"] for v in ours.values())  # a top-5 that could not differ would prove nothing
+    assert knn_topk_accuracy(train, labels % 4, test, test_labels % 4, 4, ks)[10].keys() == {"top1"}  # < 5 classes
+
+
+def test_fewshot_runs_big_visions_three_seeds_each_reported_with_mean_and_std():
+    """big_vision's run(): seeds 0, 1, 2, each seed's draw its own; reported per seed (its `-seed-<s>` names), their
+    mean and standard deviation beside them."""
+    from vitlab.evaluation.probes import fewshot_seeds
+
+    train, labels, test, test_labels = clusters(5, 16, (30, 20), seed=7, spread=0.8)
+    out = fewshot_seeds(train, labels, test, test_labels, 5, shots=(1, 5))
+    each = {s: fewshot_accuracy(train, labels, test, test_labels, 5, shots=(1, 5), seed=s) for s in (0, 1, 2)}
+    for shots in (1, 5):
+        accs = [each[s][shots] for s in (0, 1, 2)]
+        assert [out[f"fewshot/{shots}shot-seed-{s}"] for s in (0, 1, 2)] == accs
+        assert out[f"fewshot/{shots}shot"] == pytest.approx(np.mean(accs))
+        assert out[f"fewshot/{shots}shot_std"] == pytest.approx(np.std(accs, ddof=1))
+    assert len({out[f"fewshot/1shot-seed-{s}"] for s in (0, 1, 2)}) > 1  # the seeds draw different shots
+    one = fewshot_seeds(train, labels, test, test_labels, 5, shots=(1,), seeds=(4,))
+    acc = fewshot_accuracy(train, labels, test, test_labels, 5, shots=(1,), seed=4)[1]
+    assert one == {"fewshot/1shot-seed-4": acc, "fewshot/1shot": acc, "fewshot/1shot_std": 0.0}

@@ -55,15 +55,16 @@ class LinearSettings(TypedDict):
     n_last_blocks: PositiveInt | NonEmpty[PositiveInt] | None  # at most the model's depth (checked with the model)
     avgpool: bool | NonEmpty[bool]
     lrs: NonEmpty[PositiveNumber]
-    epochs: PositiveInt
-    batch_size: PositiveInt
+    iterations: PositiveInt
+    batch_size: PositiveInt  # per process
+    augment: bool
     seed: Seed
 
 
 class FewshotSettings(TypedDict):
     shots: NonEmpty[PositiveInt]
     l2_reg: NonNegativeNumber
-    seed: Seed
+    seeds: NonEmpty[Seed]
 
 
 class EvalDataOverrides(TypedDict):

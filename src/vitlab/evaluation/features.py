@@ -233,11 +233,15 @@ def probe(cfg, model, datamodule, source: dict, cache: Path | None, device: torc
         )
     linear = cfg.task == "linear"
     layers, views = linear_views(cfg, model) if linear else (layers_of(model, cfg.layers), None)
-    splits = ["train", "val", split] if linear else ["train", split]
+    augment = linear and cfg.linear.augment  # the heads train on features recomputed each step: none cached for train
+    splits = (["val", split] if augment else ["train", "val", split]) if linear else ["train", split]
     feats = {s: split_features(model, datamodule, s, device, cache, source, layers) for s in splits}
-    if feats["train"][0] is None:  # not rank 0
+    if linear:  # under augment every process extracts training features all along: each runs it
+        metrics = score_linear(cfg.linear, model, datamodule, layers, views, feats, split, device)
+    if feats[split][0] is None:  # not rank 0
         return None
-    metrics = _score(cfg, feats, split, datamodule.num_classes, views)
+    if not linear:
+        metrics = _score(cfg, feats, split, datamodule.num_classes)
     shown = ", ".join(f"{name} {v:.4f}" if isinstance(v, float) else f"{name} {v}" for name, v in metrics.items())
     print(f"{shown} (on the {split} split)", flush=True)
     return metrics | {"split": split, "features": str(cache)}
@@ -273,19 +277,41 @@ def linear_views(cfg, model) -> tuple[Layers, dict]:
     return layers, views
 
 
-def _score(cfg, feats: dict, split: str, k: int, views: dict | None) -> dict:
-    from vitlab.evaluation.probes import fewshot_accuracy, knn_accuracy, linear_grid
+def _score(cfg, feats: dict, split: str, k: int) -> dict:
+    from vitlab.evaluation.probes import fewshot_seeds, knn_topk_accuracy
 
     (train, train_y), (test, test_y) = feats["train"], feats[split]
-    if cfg.task == "linear":
-        (val, val_y), lp = feats["val"], cfg.linear
-        grid = {name: (train[:, cols], val[:, cols], test[:, cols]) for name, cols in views.items()}
-        found = linear_grid(grid, train_y, val_y, test_y, k, tuple(lp.lrs), lp.epochs, lp.batch_size, lp.seed)
-        return {"linear/top1": found["test_acc"], "linear/val_top1": found["val_acc"], "linear/lr": found["lr"],
-                "linear/features": found["features"]}  # fmt: skip
     if cfg.task == "knn":
-        found = knn_accuracy(train, train_y, test, test_y, k, tuple(cfg.knn.k), cfg.knn.temperature)
-        return {f"knn/top1_k{n}": acc for n, acc in found.items()}
+        found = knn_topk_accuracy(train, train_y, test, test_y, k, tuple(cfg.knn.k), cfg.knn.temperature)
+        return {f"knn/{name}_k{n}": acc for n, accs in found.items() for name, acc in accs.items()}
     f = cfg.fewshot
-    found = fewshot_accuracy(train, train_y, test, test_y, k, tuple(f.shots), f.l2_reg, f.seed)
-    return {f"fewshot/{n}shot": acc for n, acc in found.items()}
+    return fewshot_seeds(train, train_y, test, test_y, k, tuple(f.shots), f.l2_reg, tuple(f.seeds))
+
+
+def score_linear(lp, model, datamodule, layers: Layers, views: dict, feats: dict, split: str, device) -> dict | None:
+    """task=linear (`lp`: eval's linear group): DINOv2's heads trained on the cached training features, or with
+    lp.augment on features of augmented images recomputed each step (in every process: each its batch); chosen on
+    the validation split, the chosen head scored on `split`. The metrics in rank 0, None elsewhere."""
+    from vitlab.evaluation.augmented import augmented_batches
+    from vitlab.evaluation.linear import Heads, Schedule, cached_batches, choose, train_heads
+
+    rank, world = _world()
+    s = Schedule(lp.iterations, lp.batch_size, world, tuple(lp.lrs), seed=lp.seed)
+    if lp.augment:
+        batches = augmented_batches(model, datamodule, layers, device, s)
+    elif rank == 0:
+        batches = cached_batches(feats["train"][0].to(device), feats["train"][1].to(device), s)
+    if rank > 0:
+        if lp.augment:  # this process's batch of every step, gathered by rank 0
+            for _ in batches:
+                pass
+        return None
+    g = torch.Generator().manual_seed(s.seed)
+    heads = Heads(views, layers.dim(model), datamodule.num_classes, len(s.lrs), g).to(device)
+    log.info("linear probe: %s", s.describe(len(views), lp.augment))
+    train_heads(heads, batches, s)
+    (val, val_y), (test, test_y) = feats["val"], feats[split]
+    found = choose(heads, s.lrs, val.to(device), val_y.to(device), test.to(device), test_y.to(device))
+    return {"linear/top1": found["test_acc"], "linear/val_top1": found["val_acc"], "linear/lr": found["lr"],
+            "linear/features": found["features"], "linear/protocol": s.describe(len(views), lp.augment),
+            "linear/chosen_on": "val", "linear/reported_on": split}  # fmt: skip

@@ -3,11 +3,14 @@
 - `knn_accuracy`: DINO's and DINOv2's weighted k-NN classifier (dinov2/eval/knn.py): L2-normalised features,
   cosine similarity to every training feature, the k most similar vote for their class with weight
   exp(similarity / T) (T = 0.07); ties go to the lowest class index (torch.argmax's first maximum);
-- `linear_probe`: DINOv2's linear evaluation: a grid of learning rates, each a linear classifier trained on the
-  frozen training features, the best chosen on the validation split and only it scored on the test split;
+  `knn_topk_accuracy` also top-5, as DINOv2 reports it (torchmetrics' top-k accuracy: the target among
+  torch.topk's 5 classes of the votes);
 - `fewshot_accuracy`: big_vision's `fewshot_lsr` (evaluators/fewshot_lsr.py): per shot count, that many training
   images per class drawn with a seeded generator, features whitened on them, a constant bias feature of 100,
-  targets one-hot in {-1, 1}, L2-regularised least squares in closed form (l2_reg 2^10), argmax.
+  targets one-hot in {-1, 1}, L2-regularised least squares in closed form (l2_reg 2^10), argmax; `fewshot_seeds`
+  over big_vision's 3 seeds (num_seeds), each reported, with their mean and standard deviation.
+
+DINOv2's linear probe is `vitlab.evaluation.linear`.
 
 Plain torch on tensors (features from `vitlab.evaluation.features`); no Lightning, no Hydra.
 """
@@ -57,6 +60,32 @@ def knn_accuracy(train, train_labels, test, test_labels, num_classes, ks=KNN_KS,
     return {k: (p == test_labels).float().mean().item() for k, p in preds.items()}
 
 
+@torch.no_grad()
+def knn_topk_accuracy(
+    train, train_labels, test, test_labels, num_classes: int, ks=KNN_KS, temperature: float = 0.07, chunk: int = 1024
+) -> dict[int, dict[str, float]]:
+    """{k: {"top1": ..., "top5": ...}}: top-1 as `knn_accuracy`; top-5 as DINOv2's knn.py scores it, torchmetrics'
+    MulticlassAccuracy(top_k=5) on the votes: right where the target is among torch.topk(votes, 5)'s classes (ties
+    at the fifth place, classes no neighbour voted for among them, go as torch.topk leaves them; DINO's eval_knn.py
+    sorts votes padded to 1,000 classes and may break them otherwise). Data of fewer than 5 classes: top-1 only (as
+    torchmetrics refuses top_k > classes)."""
+    if temperature <= 0:
+        raise UserError(f"knn temperature {temperature} must be > 0")
+    train, test = F.normalize(train.float(), dim=1), F.normalize(test.float(), dim=1)
+    top, tops = min(max(ks), len(train)), (1, 5) if num_classes >= 5 else (1,)
+    right = {k: dict.fromkeys(tops, 0) for k in ks}
+    for start in range(0, len(test), chunk):
+        target = test_labels[start : start + chunk, None]
+        sims, idx = (test[start : start + chunk] @ train.T).topk(top, dim=1)  # sorted, most similar first
+        votes = F.one_hot(train_labels[idx], num_classes).float() * (sims / temperature).exp().unsqueeze(-1)
+        for k in ks:
+            summed = votes[:, : min(k, top)].sum(1)  # (chunk, C)
+            right[k][1] += int((summed.argmax(1, keepdim=True) == target).sum())
+            if 5 in tops:
+                right[k][5] += int((summed.topk(5, dim=1).indices == target).any(1).sum())
+    return {k: {f"top{t}": n / len(test) for t, n in r.items()} for k, r in right.items()}
+
+
 def lsr_fit(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2_reg: float) -> tuple[torch.Tensor, ...]:
     """big_vision's L2-regularised least squares on (x, y): (weights, mean, std) in float64."""
     x = x.double()
@@ -91,53 +120,21 @@ def fewshot_accuracy(
     return results
 
 
-LINEAR_LRS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1)  # DINOv2's grid
+FEWSHOT_SEEDS = (0, 1, 2)  # big_vision's num_seeds=3: range(3)
 
 
-def linear_probe(
-    train, train_labels, val, val_labels, test, test_labels, num_classes,
-    lrs=LINEAR_LRS, epochs: int = 10, batch_size: int = 256, seed: int = 0,
-) -> dict:  # fmt: skip
-    """DINOv2's linear evaluation on frozen features (eval/linear.py): one linear classifier per learning rate of the
-    grid (SGD, momentum 0.9, no weight decay, lr scaled by batch / 256, cosine to 0), all trained on the same
-    shuffles; the learning rate with the best validation accuracy is chosen, and only its test accuracy reported
-    (the test split never takes part in the choice)."""
-    g = torch.Generator().manual_seed(seed)
-    heads = torch.nn.ModuleList(torch.nn.Linear(train.shape[1], num_classes) for _ in lrs)
-    for h in heads:
-        torch.nn.init.normal_(h.weight, std=0.01, generator=g), torch.nn.init.zeros_(h.bias)
-    groups = [{"params": h.parameters(), "lr": lr * batch_size / 256} for h, lr in zip(heads, lrs, strict=True)]
-    opt = torch.optim.SGD(groups, momentum=0.9, weight_decay=0.0)
-    steps = epochs * max(1, len(train) // batch_size)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
-    train, val, test = train.float(), val.float(), test.float()
-    for _ in range(epochs):
-        order = torch.randperm(len(train), generator=g)
-        for i in range(0, len(train) - batch_size + 1 if len(train) >= batch_size else 1, batch_size):
-            idx = order[i : i + batch_size]
-            loss = sum(F.cross_entropy(h(train[idx]), train_labels[idx]) for h in heads)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-    with torch.no_grad():
-        val_acc = [(h(val).argmax(1) == val_labels).float().mean().item() for h in heads]
-        best = int(np.argmax(val_acc))  # the first of equal bests: the smallest learning rate
-        test_acc = (heads[best](test).argmax(1) == test_labels).float().mean().item()
-    per_lr = dict(zip(lrs, val_acc, strict=True))
-    return {"lr": lrs[best], "val_acc": val_acc[best], "test_acc": test_acc, "val_acc_per_lr": per_lr}
-
-
-def linear_grid(
-    views: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    train_labels, val_labels, test_labels, num_classes,
-    lrs=LINEAR_LRS, epochs: int = 10, batch_size: int = 256, seed: int = 0,
-) -> dict:  # fmt: skip
-    """DINOv2's grid over feature configurations x learning rates (eval/linear.py: n_last_blocks x avgpool x lr):
-    `views` maps a configuration's name to its (train, val, test) features; a linear_probe each, on the same
-    shuffles; the (configuration, learning rate) with the best validation accuracy is chosen (the first of equals,
-    in `views`' order), and only its test accuracy reported."""
-    found = {name: linear_probe(tr, train_labels, va, val_labels, te, test_labels, num_classes, lrs, epochs,
-                                batch_size, seed) for name, (tr, va, te) in views.items()}  # fmt: skip
-    best = max(found, key=lambda name: found[name]["val_acc"])
-    return found[best] | {"features": best, "val_acc_per_features": {k: v["val_acc"] for k, v in found.items()}}
+def fewshot_seeds(
+    train, train_labels, test, test_labels, num_classes, shots=FEWSHOT_SHOTS, l2_reg=2.0**10, seeds=FEWSHOT_SEEDS
+) -> dict[str, float]:
+    """big_vision's few-shot evaluation over `seeds`: each seed's accuracy per shot count, named as big_vision's
+    run() names them (`fewshot/<shots>shot-seed-<seed>`), then their mean (`fewshot/<shots>shot`) and sample
+    standard deviation (`fewshot/<shots>shot_std`, ddof 1; 0 for one seed): the draw of the few images moves the
+    score by points at 1 and 5 shots."""
+    per_seed = {seed: fewshot_accuracy(train, train_labels, test, test_labels, num_classes, shots, l2_reg, seed)
+                for seed in seeds}  # fmt: skip
+    out = {f"fewshot/{s}shot-seed-{seed}": acc[s] for seed, acc in per_seed.items() for s in shots}
+    for s in shots:
+        accs = np.array([acc[s] for acc in per_seed.values()])
+        out[f"fewshot/{s}shot"] = float(accs.mean())
+        out[f"fewshot/{s}shot_std"] = float(accs.std(ddof=1)) if len(accs) > 1 else 0.0
+    return out
