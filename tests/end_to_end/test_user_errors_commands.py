@@ -52,6 +52,11 @@ CASES = {
         "knn.k [10, 5000] asks for more neighbours than the 1257 training images the k-NN votes among: give values "
         "up to 1257 (knn.k=[10])",
     ),
+    "eval fewshot shots beyond a class": (
+        "eval",
+        ["task=fewshot", "fewshot.shots=[5,500]"],
+        "fewshot.shots [5, 500] asks for more training images per class than class ",
+    ),
     "eval linear lrs empty": ("eval", ["task=linear", "linear.lrs=[]"], "linear.lrs [] must be a non-empty list"),
     "eval fewshot shots zero": ("eval", ["task=fewshot", "fewshot.shots=[0]"], "fewshot.shots [0] must be a non-"),
     "eval task unknown": ("eval", ["task=knnn"], "task 'knnn' must be one of 'test', 'knn', 'linear', 'fewshot'"),

@@ -285,7 +285,21 @@ def _score(cfg, feats: dict, split: str, k: int) -> dict:
         found = knn_topk_accuracy(train, train_y, test, test_y, k, tuple(cfg.knn.k), cfg.knn.temperature)
         return {f"knn/{name}_k{n}": acc for n, accs in found.items() for name, acc in accs.items()}
     f = cfg.fewshot
+    check_shots(list(f.shots), train_y, k)
     return fewshot_seeds(train, train_y, test, test_y, k, tuple(f.shots), f.l2_reg, tuple(f.seeds))
+
+
+def check_shots(shots: list[int], labels: torch.Tensor, num_classes: int) -> None:
+    """A shot count beyond a class's training images would silently take all of them (fewshot/500shot computed on
+    every image of each class): refused, as knn.k beyond the bank is."""
+    counts = torch.bincount(labels.long(), minlength=num_classes)
+    fewest, cls = int(counts.min()), int(counts.argmin())
+    if max(shots) > fewest:
+        fits = [s for s in shots if s <= fewest]
+        raise UserError(
+            f"fewshot.shots {shots} asks for more training images per class than class {cls} has ({fewest}): give "
+            f"values up to {fewest} (fewshot.shots=[{','.join(map(str, fits)) or fewest}])"
+        )
 
 
 def score_linear(lp, model, datamodule, layers: Layers, views: dict, feats: dict, split: str, device) -> dict | None:
