@@ -73,6 +73,19 @@ def test_every_module_is_on_a_floor_and_imports_nothing_above_it():
     assert upward == []
 
 
+def test_the_command_line_imports_no_command():
+    """cli/ serves every command and knows none: a command's config and its checks live with it (issue 41: schemas.py
+    imported the benchmark's config, the one arrow from cli/ to a command)."""
+    found = sorted(
+        f"{name} imports {imp}"
+        for name, path in SOURCES.items()
+        if name.startswith("vitlab.cli")
+        for imp in _imports(path)
+        if imp in COMMANDS or imp.startswith("vitlab.benchmark")
+    )
+    assert found == []
+
+
 def test_no_import_cycles_between_modules():
     """A package importing its own modules (data/__init__.py re-exporting its datasets) is not a cycle."""
     graph = {name: {m for m in _imports(path) if not name.startswith(m + ".")} for name, path in SOURCES.items()}

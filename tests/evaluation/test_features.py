@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.helpers import run_cli, tiny
-from vitlab.evaluation.features import POOLED, Layers, layers_of, linear_views
+from vitlab.evaluation.features import POOLED, Layers, layers_of
+from vitlab.evaluation.tasks import linear_views
 from vitlab.model import ViT
 from vitlab.utils.errors import UserError
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from vitlab.benchmark.config import check_benchmark
 from vitlab.cli.entry import entry_point
 from vitlab.model.config import vit_config
 from vitlab.utils.errors import UserError
@@ -95,7 +96,7 @@ def models(cfg: DictConfig, b, report: dict[str, Any]) -> None:
     task.print_report(report)
 
 
-@entry_point("benchmark")
+@entry_point("benchmark", check=check_benchmark)
 def main(cfg: DictConfig) -> dict[str, Any]:
     import torch
 

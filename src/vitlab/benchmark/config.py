@@ -127,3 +127,16 @@ class BenchmarkConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> BenchmarkConfig:
         return from_mapping(cls, values, "benchmark")
+
+
+def check_benchmark(cfg: Any) -> None:
+    """`vitlab.benchmark`'s checks before any work (its entry point's): the benchmark group as BenchmarkConfig (ranges
+    included), its device, and the model's geometry. `cfg`: the command's composed config."""
+    from omegaconf import OmegaConf
+
+    from vitlab.model.config import vit_config
+    from vitlab.utils.checks import check_device
+
+    b = BenchmarkConfig.from_dict(OmegaConf.to_container(cfg.benchmark, resolve=True))
+    check_device("benchmark.device", b.device, auto=True)
+    vit_config(cfg.model)

@@ -32,19 +32,24 @@ from vitlab.utils.logs import quiet
 Check = Callable[[DictConfig], None]
 
 
-def entry_point(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Callable[[], Any]]:
+def entry_point(
+    config_name: str, check: Check | None = None
+) -> Callable[[Callable[[DictConfig], Any]], Callable[[], Any]]:
     """Turn `task(cfg)` into a Hydra command line: configs from config_dir(), resolvers, the config checked before
     any work (`check_config` with the command's schema and checks, vitlab.cli.schemas.SCHEMAS), a new run
     directory, and input errors reported as one line (the traceback only with HYDRA_FULL_ERROR=1). A plain run is
     checked before Hydra makes its run directory (rundir.prepare), every job again as it starts. In a -m sweep a job
     with bad input is reported and recorded, a job that fails on a bug keeps its traceback and is recorded too, and
-    the sweep goes on (SweepSummary lists every job at the end and makes the sweep exit 2, or 1 after a bug)."""
+    the sweep goes on (SweepSummary lists every job at the end and makes the sweep exit 2, or 1 after a bug).
+    `check`: the command's own further checks, where they need its package (cli/ imports no command)."""
 
     def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], Any]:
-        schema, check = SCHEMAS[config_name]
+        schema, schemas_check = SCHEMAS[config_name]
 
         def checked(cfg: DictConfig) -> None:
-            check_config(cfg, schema, check)
+            check_config(cfg, schema, schemas_check)
+            if check is not None:
+                check(cfg)
 
         @functools.wraps(task)
         def guarded(cfg: DictConfig) -> Any:

@@ -6,19 +6,22 @@ ViT (`model.pretrained=<timm name>` and no ckpt_path)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitlab.convert.weights import is_weights_file, load_timm_weights
-from vitlab.evaluation.features import probe, source_id
+from vitlab.evaluation.features import Layers, _world, layers_of, source_id, split_features
 from vitlab.model import ViT
 from vitlab.model.config import vit_config
 from vitlab.training import build
 from vitlab.training.node_checks import check_devices
 from vitlab.training.pretrained import apply_pretrained
 from vitlab.utils.errors import UserError
+
+log = logging.getLogger(__name__)
 
 # Data settings that change how images are loaded, not which: left out of what identifies cached features.
 LOADER_KEYS = ("batch_size", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
@@ -80,3 +83,125 @@ def probe_pretrained(cfg: DictConfig) -> dict | None:
     name = Path(source).stem if is_weights_file(source) else source.replace("/", "_").replace(":", "_")
     cache = Path(cfg.features_dir) if cfg.features_dir else Path(cfg.paths.log_dir) / "features" / name
     return probe(cfg, model, datamodule, ident, cache, launch(cfg.trainer))
+
+
+TASKS = ("test", "knn", "fewshot", "linear")
+
+
+def probe(cfg, model, datamodule, source: dict, cache: Path | None, device: torch.device) -> dict | None:
+    """vitlab.eval's task=knn|linear|fewshot (`cfg`: eval's config) on the frozen features of the training split
+    and the test split (the validation split where the data has none), extracted once into the features cache `cache`
+    (None: none) and read from there by later tasks; `source` names the weights. Under several processes each
+    extracts its share, and rank 0 alone scores: the metrics there, None elsewhere."""
+    if cfg.task not in TASKS:
+        raise UserError(f"task {cfg.task!r} is not one of {list(TASKS)}")
+    split = "test" if getattr(datamodule, "test_set", None) is not None else "val"
+    if cfg.task == "linear" and split == "val":
+        raise UserError(
+            "task=linear picks its learning rate on the validation split and needs a test split besides it: this data "
+            "has none (for an image folder, data.val_fraction=0.01 validates on a slice of train and tests on val/)"
+        )
+    bank = len(datamodule.eval_view("train"))
+    if cfg.task == "knn" and max(cfg.knn.k) > bank:
+        raise UserError(
+            f"knn.k {list(cfg.knn.k)} asks for more neighbours than the {bank} training images the k-NN votes among: "
+            f"give values up to {bank} (knn.k=[{','.join(str(k) for k in cfg.knn.k if k <= bank) or min(10, bank)}])"
+        )
+    linear = cfg.task == "linear"
+    layers, views = linear_views(cfg, model) if linear else (layers_of(model, cfg.layers), None)
+    augment = linear and cfg.linear.augment  # the heads train on features recomputed each step: none cached for train
+    splits = (["val", split] if augment else ["train", "val", split]) if linear else ["train", split]
+    feats = {s: split_features(model, datamodule, s, device, cache, source, layers) for s in splits}
+    if linear:  # under augment every process extracts training features all along: each runs it
+        metrics = score_linear(cfg.linear, model, datamodule, layers, views, feats, split, device)
+    if feats[split][0] is None:  # not rank 0
+        return None
+    if not linear:
+        metrics = _score(cfg, feats, split, datamodule.num_classes)
+    shown = ", ".join(f"{name} {v:.4f}" if isinstance(v, float) else f"{name} {v}" for name, v in metrics.items())
+    print(f"{shown} (on the {split} split)", flush=True)
+    return metrics | {"split": split, "features": str(cache)}
+
+
+def linear_views(cfg, model) -> tuple[Layers, dict]:
+    """task=linear's features: DINOv2's grid (linear.n_last_blocks x linear.avgpool: the class tokens of the last n
+    blocks, with or without the last block's average patch token), each a slice of one extraction (the class
+    tokens of the last max(n) blocks, then the average patch token); or, with linear.n_last_blocks=null, the one
+    set of features `layers` picks. Returns (what to extract, {name: the columns of each configuration})."""
+    lp = cfg.linear
+    if lp.n_last_blocks is None:
+        layers = layers_of(model, cfg.layers)
+        return layers, {layers.name or "pooled": slice(None)}
+    depth, width = len(model.blocks), model.num_features
+    ns, pools = ([v] if isinstance(v, (bool, int, str)) else list(v) for v in (lp.n_last_blocks, lp.avgpool))
+    if not ns or any(not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= depth for n in ns):
+        raise UserError(
+            f"linear.n_last_blocks={ns} must list block counts from 1 to {depth} (the model's depth), or be null to "
+            "probe the features `layers` picks"
+        )
+    if not pools or any(not isinstance(a, bool) for a in pools):
+        raise UserError(f"linear.avgpool={pools} must list true and/or false")
+    if not model.cfg.class_token:
+        raise UserError(
+            f"linear.n_last_blocks={ns} concatenates class tokens and the model has none (class_token=false); set "
+            "linear.n_last_blocks=null to probe its pooled features"
+        )
+    most = max(ns)
+    layers = layers_of(model, list(range(depth - most, depth)), any(pools))
+    views = {f"last{n}" + ("+avgpool" if a else ""): slice((most - n) * width, (most + a) * width)
+             for n in ns for a in pools}  # fmt: skip
+    return layers, views
+
+
+def _score(cfg, feats: dict, split: str, k: int) -> dict:
+    from vitlab.evaluation.probes import fewshot_seeds, knn_topk_accuracy
+
+    (train, train_y), (test, test_y) = feats["train"], feats[split]
+    if cfg.task == "knn":
+        found = knn_topk_accuracy(train, train_y, test, test_y, k, tuple(cfg.knn.k), cfg.knn.temperature)
+        return {f"knn/{name}_k{n}": acc for n, accs in found.items() for name, acc in accs.items()}
+    f = cfg.fewshot
+    check_shots(list(f.shots), train_y, k)
+    return fewshot_seeds(train, train_y, test, test_y, k, tuple(f.shots), f.l2_reg, tuple(f.seeds))
+
+
+def check_shots(shots: list[int], labels: torch.Tensor, num_classes: int) -> None:
+    """A shot count beyond a class's training images would silently take all of them (fewshot/500shot computed on
+    every image of each class): refused, as knn.k beyond the bank is."""
+    counts = torch.bincount(labels.long(), minlength=num_classes)
+    fewest, cls = int(counts.min()), int(counts.argmin())
+    if max(shots) > fewest:
+        fits = [s for s in shots if s <= fewest]
+        raise UserError(
+            f"fewshot.shots {shots} asks for more training images per class than class {cls} has ({fewest}): give "
+            f"values up to {fewest} (fewshot.shots=[{','.join(map(str, fits)) or fewest}])"
+        )
+
+
+def score_linear(lp, model, datamodule, layers: Layers, views: dict, feats: dict, split: str, device) -> dict | None:
+    """task=linear (`lp`: eval's linear group): DINOv2's heads trained on the cached training features, or with
+    lp.augment on features of augmented images recomputed each step (in every process: each its batch); chosen on
+    the validation split, the chosen head scored on `split`. The metrics in rank 0, None elsewhere."""
+    from vitlab.evaluation.augmented import augmented_batches
+    from vitlab.evaluation.linear import Heads, Schedule, cached_batches, choose, train_heads
+
+    rank, world = _world()
+    s = Schedule(lp.iterations, lp.batch_size, world, tuple(lp.lrs), seed=lp.seed)
+    if lp.augment:
+        batches = augmented_batches(model, datamodule, layers, device, s)
+    elif rank == 0:
+        batches = cached_batches(feats["train"][0].to(device), feats["train"][1].to(device), s)
+    if rank > 0:
+        if lp.augment:  # this process's batch of every step, gathered by rank 0
+            for _ in batches:
+                pass
+        return None
+    g = torch.Generator().manual_seed(s.seed)
+    heads = Heads(views, layers.dim(model), datamodule.num_classes, len(s.lrs), g).to(device)
+    log.info("linear probe: %s", s.describe(len(views), lp.augment))
+    train_heads(heads, batches, s)
+    (val, val_y), (test, test_y) = feats["val"], feats[split]
+    found = choose(heads, s.lrs, val.to(device), val_y.to(device), test.to(device), test_y.to(device))
+    return {"linear/top1": found["test_acc"], "linear/val_top1": found["val_acc"], "linear/lr": found["lr"],
+            "linear/features": found["features"], "linear/protocol": s.describe(len(views), lp.augment),
+            "linear/chosen_on": "val", "linear/reported_on": split}  # fmt: skip
