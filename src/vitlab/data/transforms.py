@@ -2,8 +2,9 @@
 
 - per image, in the loader's workers (torchvision v2): decode has happened; geometry and colour
   (random-resized-crop or DeiT III's simple crop, shift, flip, an auto-augment policy, colour jitter,
-  grayscale, blur; eval's resize and center crop) run on uint8 (C, H, W) and the images stay uint8, so a
-  batch crosses to the device at a quarter of float32's bytes and the workers do no float arithmetic.
+  grayscale, blur; eval's resize and crop, as timm's crop modes, its resize in PIL) run on uint8 (C, H, W) and
+  the images stay uint8, so a batch crosses to the device at a quarter of float32's bytes and the workers do no
+  float arithmetic.
   timm's auto-augment policies (`rand-m9-mstd0.5-inc1`, `augmix-m5-w4-d2`, `3a`, `v0`, ...) are timm's own
   code, on the PIL image of the uint8 one (PIL images are uint8 too);
 - per batch, on the device (`DeviceTransform`): uint8 to float32 in [0, 1], normalisation, and
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from PIL import Image
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2 as T
 
@@ -37,6 +39,8 @@ INTERPOLATIONS = {
     "bicubic": InterpolationMode.BICUBIC,
     "nearest": InterpolationMode.NEAREST,
 }
+# Evaluation resizes through PIL (as timm, DINO and DINOv2 do), so it takes PIL's filters.
+PIL_FILTERS = {n: Image.Resampling[n.upper()] for n in ("nearest", "bilinear", "bicubic", "box", "hamming", "lanczos")}
 
 
 def _interp(name: str) -> InterpolationMode:
@@ -103,16 +107,28 @@ class TrainTransform:
         _interp(self.interpolation)
 
 
+# How evaluation fits an image to img_size (timm's `crop_mode`, named in each pretrained config): `center` resizes the
+# shorter side to img_size / crop_pct and crops the centre (aspect kept: timm's default, DINO's, DINOv2's, MAE's);
+# `squash` resizes both sides to img_size / crop_pct (aspect lost) and crops; `border` fits the longer side to
+# img_size / crop_pct and pads with the data's mean colour (nothing lost at crop_pct 1).
+CROP_MODES = ("center", "squash", "border")
+
+
 @dataclass(frozen=True)
 class EvalTransform:
-    """`data.eval_transform`: resize to img_size / crop_pct, then center-crop img_size."""
+    """`data.eval_transform`: fit each image to img_size as `crop_mode` says (CROP_MODES), from img_size / crop_pct."""
 
     crop_pct: float = 0.875
+    crop_mode: str = "center"
     interpolation: str = "bicubic"
 
     def __post_init__(self):
-        check_range("data.eval_transform.crop_pct", self.crop_pct, 0, 1, low_open=True)
-        _interp(self.interpolation)
+        key = "data.eval_transform"
+        check_range(f"{key}.crop_pct", self.crop_pct, 0, 1, low_open=True)
+        if self.crop_mode not in CROP_MODES:
+            raise UserError(f"{key}.crop_mode {self.crop_mode!r} is not one of {list(CROP_MODES)}")
+        if self.interpolation not in PIL_FILTERS:
+            raise UserError(f"{key}.interpolation {self.interpolation!r} is not one of {list(PIL_FILTERS)}")
 
 
 def timm_policy(name: str, img_hw: Sequence[int], mean: Sequence[float], interpolation: str):
@@ -192,17 +208,75 @@ def train_transform(img_size: int | Sequence[int], mean: Sequence[float] = (0.5,
     return T.Compose(ops)
 
 
-def eval_transform(img_size: int | Sequence[int], **settings) -> T.Compose:
+def eval_transform(img_size: int | Sequence[int], mean: Sequence[float] = (0.5, 0.5, 0.5), **settings) -> T.Compose:
     """The per-image evaluation (and prediction) pipeline of `EvalTransform(**settings)`: uint8 out, as
-    `train_transform`."""
+    `train_transform`; `mean` (the data's) is the colour crop_mode=border pads with."""
     t = from_mapping(EvalTransform, settings, "data.eval_transform")
-    hw, mode = as_hw(img_size, "data.img_size"), _interp(t.interpolation)
-    ops: list = [T.ToImage()]
-    if t.crop_pct < 1.0:
-        ops += [T.Resize([int(s / t.crop_pct) for s in hw], interpolation=mode, antialias=True), T.CenterCrop(hw)]
-    else:
-        ops.append(_ResizeIfNeeded(hw, mode))
-    return T.Compose(ops)
+    return T.Compose([T.ToImage(), ResizeCrop(as_hw(img_size, "data.img_size"), t, mean)])
+
+
+class ResizeCrop:
+    """Evaluation's resize and crop of a uint8 (C, H, W) image (or a batch of them, each on its own), pixel for pixel
+    timm's `transforms_imagenet_eval` on the PIL image: the resize runs in PIL, since torchvision's uint8 tensor
+    resize rounds otherwise (off by up to 17 levels in a bicubic upsampling, measured); crop and pad are exact on
+    tensors. An image already of the size it would be resized to is not resized (nor copied)."""
+
+    def __init__(self, hw: tuple[int, int], settings: EvalTransform, mean: Sequence[float]):
+        self.hw, self.t = hw, settings
+        self.fill = [round(255 * m) for m in mean]  # timm's border fill: the mean colour in 0..255
+
+    def __call__(self, img: torch.Tensor) -> torch.Tensor:
+        if img.ndim == 4:  # images held in memory, transformed a chunk at a time (data/resident.py)
+            return torch.stack([self(x) for x in img]) if len(img) else img
+        size = resized_hw(tuple(img.shape[-2:]), self.hw, self.t.crop_pct, self.t.crop_mode)
+        if size != tuple(img.shape[-2:]):
+            pil = T.functional.to_pil_image(img).resize(size[::-1], PIL_FILTERS[self.t.interpolation])
+            img = T.functional.to_image(pil)
+        if self.t.crop_mode == "border":
+            return center_crop_or_pad(img, self.hw, self.fill)
+        return img if tuple(img.shape[-2:]) == self.hw else T.functional.center_crop(img, list(self.hw))
+
+    def __repr__(self) -> str:
+        t = self.t
+        return f"{type(self).__name__}({self.hw}, crop_pct={t.crop_pct}, {t.crop_mode}, {t.interpolation})"
+
+
+def resized_hw(hw: tuple[int, int], target: tuple[int, int], crop_pct: float, crop_mode: str) -> tuple[int, int]:
+    """The size evaluation resizes an (h, w) image to before its crop, as timm computes it: the target over crop_pct
+    rounded down; `center` with a square target is torchvision's Resize(int) (the shorter side to it, the longer
+    truncated), `center` with another target and `border` are timm's ResizeKeepRatio (the shorter, resp. longer,
+    side's ratio; both sides rounded)."""
+    scale = tuple(math.floor(s / crop_pct) for s in target)
+    if crop_mode == "squash":
+        return scale
+    (h, w), (sh, sw) = hw, scale
+    if crop_mode == "center" and sh == sw:
+        short, long = min(h, w), max(h, w)
+        new_long = int(sh * long / short)
+        return (sh, new_long) if h <= w else (new_long, sh)
+    ratios = (h / sh, w / sw)
+    ratio = max(ratios) if crop_mode == "border" else min(ratios)
+    return round(h / ratio), round(w / ratio)
+
+
+def center_crop_or_pad(img: torch.Tensor, hw: tuple[int, int], fill: Sequence[int]) -> torch.Tensor:
+    """timm's CenterCropOrPad: pad a side shorter than the target with `fill` (the odd pixel after), then crop
+    the centre."""
+    (th, tw), (h, w) = hw, img.shape[-2:]
+    if th > h or tw > w:
+        left, top = max(tw - w, 0) // 2, max(th - h, 0) // 2
+        right, bottom = max(tw - w, 0) - left, max(th - h, 0) - top
+        padded = torch.empty((*img.shape[:-2], h + top + bottom, w + left + right), dtype=img.dtype)
+        padded[...] = torch.tensor(fill, dtype=img.dtype).view(-1, 1, 1)
+        padded[..., top : top + h, left : left + w] = img
+        img = T.functional.to_image(padded)
+    return img if tuple(img.shape[-2:]) == hw else T.functional.center_crop(img, list(hw))
+
+
+def whole_resize(img_size: int | Sequence[int], interpolation: str = "bicubic") -> T.Compose:
+    """Every image resized whole to img_size by torchvision (uint8 in and out): digits' evaluation, whose training
+    resizes them so on the device (data/digits.py)."""
+    return T.Compose([T.ToImage(), _ResizeIfNeeded(as_hw(img_size, "data.img_size"), _interp(interpolation))])
 
 
 class DeviceTransform:

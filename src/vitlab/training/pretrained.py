@@ -31,8 +31,9 @@ def apply_pretrained(cfg: DictConfig) -> None:
     """`model.pretrained=<timm name>`: the model is that timm architecture (convert.timm_args.config_from_timm), at this
     run's img_size, in_chans, num_classes and regularisation (RUN_FIELDS); a field the experiment or the command line
     sets (global_pool, fc_norm, weight_init, ...) stays the user's where the weights can serve it; data.mean/std and
-    the eval crop and interpolation left null become the weights' (timm's pretrained_cfg). Applied to `cfg` before
-    it is saved, so config.yaml and the checkpoints describe what ran. A weights file keeps the model config."""
+    the eval crop_pct, crop_mode and interpolation left null become the weights' (timm's pretrained_cfg). Applied to
+    `cfg` before it is saved, so config.yaml and the checkpoints describe what ran. A weights file keeps the model
+    config."""
     source = cfg.model.get("pretrained")
     if not source or is_weights_file(source):
         return
@@ -145,7 +146,7 @@ def _pretrained_preprocessing(data: DictConfig, pretrained: dict, channels: int)
         if key in data and data[key] is None:
             values = list(pretrained[key])
             data[key] = taken[key] = values if len(values) == channels else [sum(values) / len(values)] * channels
-    for key in ("crop_pct", "interpolation"):
+    for key in ("crop_pct", "crop_mode", "interpolation"):
         if "eval_transform" in data and key in data.eval_transform and data.eval_transform[key] is None:
             data.eval_transform[key] = taken[f"eval_transform.{key}"] = pretrained[key]
     return taken
