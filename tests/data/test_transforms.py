@@ -272,7 +272,8 @@ def test_eval_resize_keeps_the_aspect_ratio_by_default_as_dinov2():
     from PIL import Image
     from torchvision import transforms as tv1
 
-    from vitlab.data.transforms import EvalTransform, resized_hw
+    from vitlab.data.crop_modes import resized_hw
+    from vitlab.data.transforms import EvalTransform
 
     assert EvalTransform() == EvalTransform(crop_pct=0.875, crop_mode="center", interpolation="bicubic")
     img = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (300, 400, 3), dtype=np.uint8))

@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from PIL import Image
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2 as T
 
+from vitlab.data.crop_modes import CROP_MODES, PIL_FILTERS, ResizeCrop
 from vitlab.model.config import as_hw
 from vitlab.utils.checks import check_at_least, check_range, from_mapping, is_number
 from vitlab.utils.errors import UserError
@@ -39,8 +39,6 @@ INTERPOLATIONS = {
     "bicubic": InterpolationMode.BICUBIC,
     "nearest": InterpolationMode.NEAREST,
 }
-# Evaluation resizes through PIL (as timm, DINO and DINOv2 do), so it takes PIL's filters.
-PIL_FILTERS = {n: Image.Resampling[n.upper()] for n in ("nearest", "bilinear", "bicubic", "box", "hamming", "lanczos")}
 
 
 def _interp(name: str) -> InterpolationMode:
@@ -105,13 +103,6 @@ class TrainTransform:
         check_at_least(f"{key}.shift", self.shift)
         check_at_least(f"{key}.rand_augment_magnitude", self.rand_augment_magnitude)
         _interp(self.interpolation)
-
-
-# How evaluation fits an image to img_size (timm's `crop_mode`, named in each pretrained config): `center` resizes the
-# shorter side to img_size / crop_pct and crops the centre (aspect kept: timm's default, DINO's, DINOv2's, MAE's);
-# `squash` resizes both sides to img_size / crop_pct (aspect lost) and crops; `border` fits the longer side to
-# img_size / crop_pct and pads with the data's mean colour (nothing lost at crop_pct 1).
-CROP_MODES = ("center", "squash", "border")
 
 
 @dataclass(frozen=True)
@@ -212,65 +203,9 @@ def eval_transform(img_size: int | Sequence[int], mean: Sequence[float] = (0.5, 
     """The per-image evaluation (and prediction) pipeline of `EvalTransform(**settings)`: uint8 out, as
     `train_transform`; `mean` (the data's) is the colour crop_mode=border pads with."""
     t = from_mapping(EvalTransform, settings, "data.eval_transform")
-    return T.Compose([T.ToImage(), ResizeCrop(as_hw(img_size, "data.img_size"), t, mean)])
-
-
-class ResizeCrop:
-    """Evaluation's resize and crop of a uint8 (C, H, W) image (or a batch of them, each on its own), pixel for pixel
-    timm's `transforms_imagenet_eval` on the PIL image: the resize runs in PIL, since torchvision's uint8 tensor
-    resize rounds otherwise (off by up to 17 levels in a bicubic upsampling, measured); crop and pad are exact on
-    tensors. An image already of the size it would be resized to is not resized (nor copied)."""
-
-    def __init__(self, hw: tuple[int, int], settings: EvalTransform, mean: Sequence[float]):
-        self.hw, self.t = hw, settings
-        self.fill = [round(255 * m) for m in mean]  # timm's border fill: the mean colour in 0..255
-
-    def __call__(self, img: torch.Tensor) -> torch.Tensor:
-        if img.ndim == 4:  # images held in memory, transformed a chunk at a time (data/resident.py)
-            return torch.stack([self(x) for x in img]) if len(img) else img
-        size = resized_hw(tuple(img.shape[-2:]), self.hw, self.t.crop_pct, self.t.crop_mode)
-        if size != tuple(img.shape[-2:]):
-            pil = T.functional.to_pil_image(img).resize(size[::-1], PIL_FILTERS[self.t.interpolation])
-            img = T.functional.to_image(pil)
-        if self.t.crop_mode == "border":
-            return center_crop_or_pad(img, self.hw, self.fill)
-        return img if tuple(img.shape[-2:]) == self.hw else T.functional.center_crop(img, list(self.hw))
-
-    def __repr__(self) -> str:
-        t = self.t
-        return f"{type(self).__name__}({self.hw}, crop_pct={t.crop_pct}, {t.crop_mode}, {t.interpolation})"
-
-
-def resized_hw(hw: tuple[int, int], target: tuple[int, int], crop_pct: float, crop_mode: str) -> tuple[int, int]:
-    """The size evaluation resizes an (h, w) image to before its crop, as timm computes it: the target over crop_pct
-    rounded down; `center` with a square target is torchvision's Resize(int) (the shorter side to it, the longer
-    truncated), `center` with another target and `border` are timm's ResizeKeepRatio (the shorter, resp. longer,
-    side's ratio; both sides rounded)."""
-    scale = tuple(math.floor(s / crop_pct) for s in target)
-    if crop_mode == "squash":
-        return scale
-    (h, w), (sh, sw) = hw, scale
-    if crop_mode == "center" and sh == sw:
-        short, long = min(h, w), max(h, w)
-        new_long = int(sh * long / short)
-        return (sh, new_long) if h <= w else (new_long, sh)
-    ratios = (h / sh, w / sw)
-    ratio = max(ratios) if crop_mode == "border" else min(ratios)
-    return round(h / ratio), round(w / ratio)
-
-
-def center_crop_or_pad(img: torch.Tensor, hw: tuple[int, int], fill: Sequence[int]) -> torch.Tensor:
-    """timm's CenterCropOrPad: pad a side shorter than the target with `fill` (the odd pixel after), then crop
-    the centre."""
-    (th, tw), (h, w) = hw, img.shape[-2:]
-    if th > h or tw > w:
-        left, top = max(tw - w, 0) // 2, max(th - h, 0) // 2
-        right, bottom = max(tw - w, 0) - left, max(th - h, 0) - top
-        padded = torch.empty((*img.shape[:-2], h + top + bottom, w + left + right), dtype=img.dtype)
-        padded[...] = torch.tensor(fill, dtype=img.dtype).view(-1, 1, 1)
-        padded[..., top : top + h, left : left + w] = img
-        img = T.functional.to_image(padded)
-    return img if tuple(img.shape[-2:]) == hw else T.functional.center_crop(img, list(hw))
+    return T.Compose(
+        [T.ToImage(), ResizeCrop(as_hw(img_size, "data.img_size"), t.crop_pct, t.crop_mode, t.interpolation, mean)]
+    )
 
 
 def whole_resize(img_size: int | Sequence[int], interpolation: str = "bicubic") -> T.Compose:
