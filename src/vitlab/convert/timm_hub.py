@@ -33,7 +33,7 @@ def timm_vit_names() -> list[str]:
 TIMM_SOURCES = ("local-dir:", "hf-hub:")
 
 
-def _source_config(name: str) -> tuple[dict, str, dict]:
+def source_config(name: str) -> tuple[dict, str, dict]:
     """(pretrained_cfg, architecture, model_args) of a `local-dir:` / `hf-hub:` name, read by timm."""
     from timm.models._hub import load_model_config_from_hf, load_model_config_from_path
 
@@ -49,7 +49,7 @@ def _source_config(name: str) -> tuple[dict, str, dict]:
 def timm_architecture(name: str) -> str:
     """The registered architecture `name` builds: the name without its pretrained tag, or the architecture in
     the config.json of a `local-dir:` / `hf-hub:` source."""
-    return _source_config(name)[1] if name.startswith(TIMM_SOURCES) else name.partition(".")[0]
+    return source_config(name)[1] if name.startswith(TIMM_SOURCES) else name.partition(".")[0]
 
 
 # What a model's pretrained configuration says of its input (timm's keys): the run's preprocessing.
@@ -65,7 +65,7 @@ def timm_pretrained_cfg(name: str) -> dict[str, Any]:
 
     check_timm_name(name)
     if name.startswith(TIMM_SOURCES):  # the folder's or repository's own config.json
-        cfg, tag = _source_config(name)[0], name
+        cfg, tag = source_config(name)[0], name
     else:
         found = get_pretrained_cfg(name)
         if found is None:

@@ -50,7 +50,7 @@ def apply_pretrained(cfg: DictConfig) -> None:
     changed = sorted(k for k, v in arch.items() if cfg.model.get(k) != v)
     with open_dict(cfg):
         cfg.model.update(arch, variant=None, timm_name=timm_architecture(source))
-        taken = _pretrained_preprocessing(cfg.data, pretrained, arch["in_chans"])
+        taken = pretrained_preprocessing(cfg.data, pretrained, arch["in_chans"])
     log.info(
         "model.pretrained=%s: timm's architecture%s%s; preprocessing of %s: %s",
         source,
@@ -138,7 +138,7 @@ def load_pretrained(module: Any, model_cfg: DictConfig) -> None:
     )
 
 
-def _pretrained_preprocessing(data: DictConfig, pretrained: dict, channels: int) -> dict[str, Any]:
+def pretrained_preprocessing(data: DictConfig, pretrained: dict, channels: int) -> dict[str, Any]:
     """Fill the data settings left null with the pretrained weights' (mean/std averaged over channels when the
     data has another channel count); returns what was filled."""
     taken: dict[str, Any] = {}
