@@ -14,8 +14,8 @@ from tests.helpers import run_cli
 from vitlab.utils.errors import UserError
 
 CLASSES = 7  # more than 5: top-5 can miss
-# preprocessing the folder's config.json names: a crop below 1, bilinear, a mean that is not 0.5
-DATA_CONFIG = {"crop_pct": 0.8, "crop_mode": "center", "interpolation": "bilinear", "mean": [0.4, 0.5, 0.6],
+# the folder's config.json's preprocessing, none of it timm's defaults: squash, a crop below 1, bilinear, mean not 0.5
+DATA_CONFIG = {"crop_pct": 0.8, "crop_mode": "squash", "interpolation": "bilinear", "mean": [0.4, 0.5, 0.6],
                "std": [0.2, 0.25, 0.3]}  # fmt: skip
 
 
@@ -98,7 +98,8 @@ def test_eval_task_test_gives_timms_top1_and_top5_as_validate_py(saved, compose_
     # (timm's float32 percentages: one image of 14 is 0.07)
     assert metrics["test/acc"] == pytest.approx(top1, abs=1e-6) and metrics["test/acc_top5"] == pytest.approx(top5)
     assert metrics["test/loss"] == pytest.approx(loss, rel=1e-5)
-    assert metrics["pretrained"] == f"local-dir:{folder}" and cfg.data.eval_transform.crop_pct == 0.8
+    assert metrics["pretrained"] == f"local-dir:{folder}"
+    assert dict(cfg.data.eval_transform) == {k: DATA_CONFIG[k] for k in ("crop_pct", "crop_mode", "interpolation")}
     tree = tmp_path / "tree"
     for split in ("train", "val"):
         (tree / split).mkdir(parents=True)
