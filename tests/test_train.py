@@ -265,7 +265,7 @@ def test_any_timm_vit_fine_tunes_from_its_name(compose_cfg, tmp_path, monkeypatc
     assert saved["data"]["mean"] == pytest.approx([sum(mean) / 3]) and saved["data"]["std"] == pytest.approx(
         [sum(std) / 3]
     )
-    assert saved["data"]["eval_transform"] == {"crop_pct": 1.0, "interpolation": "bicubic"}  # DINOv2's
+    assert saved["data"]["eval_transform"] == {"crop_pct": 1.0, "crop_mode": "center", "interpolation": "bicubic"}
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("model.pretrained=")]
     assert "timm's architecture (model." in line and "preprocessing of vit_small_patch14_reg4_dinov2.lvd142m" in line
     ckpt = torch.load(json.loads((tmp_path / "metrics.json").read_text())["tested_checkpoint"], weights_only=True)

@@ -1,13 +1,18 @@
 """python -m vitlab.predict ckpt_path=<file.ckpt> images=[a.png,b.jpg] [top_k=5]: print the top-k
 classes of each image (and write predictions.json). Each file is decoded by the same function as the
-training data (`data.images.read_image`) and prepared as the checkpoint's test images were."""
+training data (`data.images.read_image`) and prepared as the checkpoint's test images were.
+
+Without a checkpoint, `model.pretrained=<timm name | local-dir:<folder> | hf-hub:<repo>>` ranks the classes of timm's
+weights' own head, each image prepared by their eval transform (crop_mode, crop_pct, interpolation, mean, std: what
+timm's resolve_data_config gives), so the probabilities are timm's (vitlab.evaluation.classifier)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from vitlab.cli.entry import entry_point
 
@@ -16,17 +21,14 @@ def predict(cfg: DictConfig) -> list[dict]:
     import torch
 
     from vitlab.data.images import read_image
-    from vitlab.training import build
 
-    module = build.load_for_inference(cfg.ckpt_path, map_location=cfg.device).eval()
-    datamodule = build.inference_datamodule(module, cfg.ckpt_path)
-    names = module.hparams.get("class_names") or [str(i) for i in range(module.model.cfg.num_classes)]
+    model, prepare, names = _checkpoint(cfg) if cfg.ckpt_path is not None else _pretrained(cfg)
     images = [cfg.images] if isinstance(cfg.images, str) else list(cfg.images)
-    pixels = [read_image(path, module.model.cfg.in_chans) for path in images]  # every file checked first
+    pixels = [read_image(path, model.cfg.in_chans) for path in images]  # every file checked first
     results = []
     for path, img in zip(images, pixels, strict=True):
         with torch.no_grad():
-            probs = module(datamodule.predict_tensor(img).to(cfg.device)).softmax(-1)[0]
+            probs = model(prepare(img).to(cfg.device)).float().softmax(-1)[0]
         top = probs.topk(min(cfg.top_k, len(probs)))
         ranked = [
             {"class": names[i], "index": int(i), "prob": float(p)} for p, i in zip(top.values, top.indices, strict=True)
@@ -37,6 +39,27 @@ def predict(cfg: DictConfig) -> list[dict]:
     out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}", flush=True)
     return results
+
+
+def _checkpoint(cfg: DictConfig) -> tuple:
+    """A trained checkpoint's model, its test images' preparation, its class names."""
+    from vitlab.training import build
+
+    module = build.load_for_inference(cfg.ckpt_path, map_location=cfg.device).eval()
+    datamodule = build.inference_datamodule(module, cfg.ckpt_path)
+    names = module.hparams.get("class_names") or [str(i) for i in range(module.model.cfg.num_classes)]
+    return module.model, datamodule.predict_tensor, names
+
+
+def _pretrained(cfg: DictConfig) -> tuple:
+    """timm's weights with their own head, their eval transform, and their class names where timm knows them."""
+    from vitlab.evaluation import classifier
+
+    source = cfg.model.pretrained
+    model = classifier.classifier(source, OmegaConf.to_container(cfg.model, resolve=True)["img_size"])
+    model = model.to(cfg.device)
+    prepare: Callable = classifier.preprocess(source, model.cfg.img_hw)
+    return model, prepare, classifier.class_names(source, model.cfg.num_classes)
 
 
 @entry_point("predict")

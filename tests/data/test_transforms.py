@@ -180,3 +180,116 @@ def test_colour_grayscale_blur_and_simple_crop_keep_uint8_of_img_size():
         train_transform(32, simple_crop=True)
     with pytest.raises(ValueError, match=r"color_jitter \[0.1, 0.2\] must be a number >= 0"):
         train_transform(32, color_jitter=[0.1, 0.2])
+
+
+# ---- evaluation's resize and crop, as timm's (transforms_imagenet_eval) ----
+
+# timm's pretrained configs, one of each crop mode (read from timm's registry; nothing downloaded):
+TIMM_EVAL_CONFIGS = [
+    "vit_base_patch16_224.augreg2_in21k_ft_in1k",  # center, crop_pct 0.9, bicubic
+    "vit_base_patch16_224_miil.in21k_ft_in1k",  # center, 0.875, bilinear
+    "vit_base_patch16_clip_384.openai_ft_in12k_in1k",  # squash, 0.95, bicubic
+    "vit_base_patch16_sapiens2.fb",  # squash, 1.0, bilinear, 1024 x 768 (not square)
+    "deepseek_vit_412m.deepseek_v4_flash_vision_exp",  # border, 1.0, bicubic, 392
+]
+
+
+def _photo(path, h, w):
+    """A photo-like image: smooth colour ramps (a bicubic filter overshoots on their edges) and fine noise."""
+    from PIL import Image
+
+    yy, xx = np.mgrid[0:h, 0:w]
+    rng = np.random.default_rng(h * 7 + w)
+    a = np.stack([xx * 255 / w, yy * 255 / h, ((xx // 23 + yy // 17) % 2) * 200 + 20], -1)
+    a = np.clip(a + rng.normal(0, 12, a.shape), 0, 255).astype(np.uint8)
+    Image.fromarray(a).save(path, **({"quality": 92} if path.suffix == ".jpg" else {}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    """A 4:3 JPEG (landscape) and a 3:4 PNG (portrait), as files: both decoders of read_image are on the path."""
+    folder = tmp_path_factory.mktemp("photos")
+    return [_photo(folder / "wide.jpg", 300, 400), _photo(folder / "tall.png", 400, 300)]
+
+
+def _ours(path, img_size, mean, std, **settings):
+    """Our whole evaluation path: the file decoded by read_image, the eval transform in a DataModule's workers,
+    the normalisation on the device (predict_tensor runs both halves as the eval loader does)."""
+    from vitlab.data.imagefolder import ImageFolderDataModule
+    from vitlab.data.images import read_image
+
+    dm = ImageFolderDataModule(
+        data_dir=str(path.parent), num_classes=1, img_size=img_size, mean=mean, std=std, eval_transform=settings
+    )
+    return dm.predict_tensor(read_image(path))[0]
+
+
+def _timms(path, data_config):
+    from PIL import Image
+    from timm.data import create_transform
+
+    with Image.open(path) as img:
+        return create_transform(**data_config)(img.convert("RGB"))
+
+
+@pytest.mark.parametrize("name", TIMM_EVAL_CONFIGS)
+def test_eval_input_equals_timms_for_its_pretrained_configs(name, photos):
+    """For a 4:3 and a 3:4 image, the tensor our eval path makes with a pretrained config's crop_mode, crop_pct,
+    interpolation, mean and std (as model.pretrained fills them in) is timm's create_transform(resolve_data_config)."""
+    from timm.data import resolve_data_config
+    from timm.models import get_pretrained_cfg
+
+    from vitlab.convert.timm_hub import timm_pretrained_cfg
+
+    cfg = timm_pretrained_cfg(name)
+    settings = {k: cfg[k] for k in ("crop_pct", "crop_mode", "interpolation")}
+    data_config = resolve_data_config(pretrained_cfg=get_pretrained_cfg(name).to_dict())
+    assert {k: data_config[k] for k in settings} == settings and data_config["input_size"] == cfg["input_size"]
+    for path in photos:
+        ours = _ours(path, list(cfg["input_size"][1:]), cfg["mean"], cfg["std"], **settings)
+        theirs = _timms(path, data_config)
+        assert ours.shape == theirs.shape == cfg["input_size"]
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("crop_mode", ["center", "squash", "border"])
+@pytest.mark.parametrize("img_size", [(48, 32), (32, 48)])
+def test_eval_input_equals_timms_at_a_size_not_square(crop_mode, img_size, photos):
+    """Targets that are not square: timm's ResizeKeepRatio (the shorter side's ratio for center, the longer's for
+    border, which pads with the mean colour on both axes' short side), at a crop_pct below 1."""
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    settings = {"crop_pct": 0.8, "crop_mode": crop_mode, "interpolation": "bicubic"}
+    config = {"input_size": (3, *img_size), "mean": mean, "std": std} | settings
+    for path in photos:
+        ours = _ours(path, list(img_size), mean, std, **settings)
+        torch.testing.assert_close(ours, _timms(path, config), atol=1e-6, rtol=0)
+
+
+def test_eval_resize_keeps_the_aspect_ratio_by_default_as_dinov2():
+    """data=imagefolder's default at 224 is DINOv2's eval transform: Resize(256) of the shorter side (bicubic, PIL),
+    CenterCrop(224); squash is asked for by name, and images already of their size pass unchanged."""
+    from PIL import Image
+    from torchvision import transforms as tv1
+
+    from vitlab.data.crop_modes import resized_hw
+    from vitlab.data.transforms import EvalTransform
+
+    assert EvalTransform() == EvalTransform(crop_pct=0.875, crop_mode="center", interpolation="bicubic")
+    img = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (300, 400, 3), dtype=np.uint8))
+    dinov2 = tv1.Compose([tv1.Resize(256, interpolation=tv1.InterpolationMode.BICUBIC), tv1.CenterCrop(224)])
+    expected = torch.from_numpy(np.array(dinov2(Image.fromarray(img.numpy())))).permute(2, 0, 1)
+    assert torch.equal(eval_transform(224)(img.permute(2, 0, 1)).as_subclass(torch.Tensor), expected)
+    assert resized_hw((300, 400), (224, 224), 0.875, "center") == (256, 341)  # 4:3 kept
+    assert resized_hw((300, 400), (224, 224), 0.875, "squash") == (256, 256)  # 4:3 made 1:1
+    assert resized_hw((300, 400), (224, 224), 1.0, "border") == (168, 224)  # fits inside, padded
+    native = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8)  # CIFAR's, fake's at their size: unchanged
+    for mode in ("center", "squash", "border"):
+        assert eval_transform(32, crop_pct=1.0, crop_mode=mode)(native).data_ptr() == native.data_ptr()
+    batch = torch.randint(0, 256, (3, 3, 20, 30), dtype=torch.uint8)  # images in memory: each on its own
+    out = eval_transform(16, crop_pct=0.8)(batch)
+    assert torch.equal(out, torch.stack([eval_transform(16, crop_pct=0.8)(x) for x in batch]))
+    with pytest.raises(ValueError, match=r"crop_mode 'letterbox' is not one of \['center', 'squash', 'border'\]"):
+        eval_transform(32, crop_mode="letterbox")
+    with pytest.raises(ValueError, match=r"interpolation 'cubic' is not one of \['nearest', 'bilinear', 'bicubic'"):
+        eval_transform(32, interpolation="cubic")

@@ -50,8 +50,12 @@ def test_pretrained_weights_offline_are_one_line_naming_them(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["task=knn"], "ckpt_path must be given: ckpt_path=<file.ckpt>, or timm's weights with model=<name>"),
-        (["task=test", "model=vit_ti16", f"model.pretrained={NAME}", "data=digits"], "task=test scores a checkpoint"),
+        (["task=knn"], "ckpt_path must be given: ckpt_path=<file.ckpt>, or timm's weights with model.pretrained="),
+        (["task=knn", f"model.pretrained={NAME}", "data=digits"], "task=knn on model.pretrained=vit_tiny_patch16_22"),
+        (
+            ["task=test", f"model.pretrained={NAME}", "data=digits"],
+            f"the data has 10 classes and 1 channels, and model.pretrained={NAME}'s head 21843 classes of 3-channel",
+        ),
         (["task=knn", "model=vit_ti16", f"model.pretrained={NAME}"], "needs the data to evaluate on: data=<name>"),
     ],
 )

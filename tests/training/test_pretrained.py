@@ -60,3 +60,18 @@ def test_resample_patch_lets_the_weights_serve_another_patch_size(compose_cfg):
     cfg = compose_cfg("train", ["experiment=mae_finetune_b16_in1k", "model.patch_size=8", "model.resample_patch=true"])
     apply_pretrained(cfg)
     assert cfg.model.patch_size == 8 and cfg.model.embed_dim == 768
+
+
+def test_the_weights_crop_mode_crop_pct_and_interpolation_fill_what_the_data_left_null(compose_cfg):
+    """The eval transform of every val/test split, eval and predict is the weights' (timm's pretrained_cfg): a squash
+    config's crop_mode reaches data.eval_transform; what the command line sets stays."""
+    name = "vit_base_patch16_clip_384.openai_ft_in12k_in1k"  # squash, crop_pct 0.95, bicubic, CLIP's mean
+    overrides = [f"model.pretrained={name}", "model.img_size=32", "data=fake"]
+    cfg = compose_cfg("train", overrides)
+    assert cfg.data.eval_transform.crop_mode is None
+    apply_pretrained(cfg)
+    assert dict(cfg.data.eval_transform) == {"crop_pct": 0.95, "crop_mode": "squash", "interpolation": "bicubic"}
+    assert cfg.data.mean == pytest.approx([0.48145466, 0.4578275, 0.40821073])
+    cfg = compose_cfg("train", [*overrides, "data.eval_transform.crop_mode=center"])
+    apply_pretrained(cfg)
+    assert cfg.data.eval_transform.crop_mode == "center"

@@ -58,10 +58,14 @@ def shard_classes(data_dir: str) -> int:
 
 def class_folders(data_dir: str) -> int:
     """`${class_folders:<data_dir>}`: the number of class folders in data_dir/train, as torchvision's
-    ImageFolder will find them, so the model's head is sized from the data without a count to type."""
-    train = Path(data_dir) / "train"
-    if not Path(data_dir).is_dir():
+    ImageFolder will find them, so the model's head is sized from the data without a count to type. A data_dir of
+    class folders alone (no train/ nor val/: ImageNet's val/ as timm's validate.py takes it, on which `vitlab.eval
+    task=test` scores timm's weights) counts its own; training on one stops when its train/ is looked for."""
+    root, train = Path(data_dir), Path(data_dir) / "train"
+    if not root.is_dir():
         raise MissingFileError(f"data.data_dir {str(data_dir)!r} does not exist")
+    if not train.is_dir() and not (root / "val").is_dir() and any(e.is_dir() for e in os.scandir(root)):
+        return sum(1 for entry in os.scandir(root) if entry.is_dir())
     if not train.is_dir():
         raise MissingFileError(
             f"image folder split {str(train)!r} does not exist (expected {data_dir}/train/<class>/... "

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypedDict
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from vitlab.utils.checks import (
     ByteSize,
@@ -76,6 +76,13 @@ class EvalDataOverrides(TypedDict):
     num_workers: NonNegativeInt | None
 
 
+class PretrainedModel(TypedDict):
+    """Without a checkpoint: timm's weights (`pretrained`), at `img_size` (null: the size they were trained at)."""
+
+    pretrained: str | None
+    img_size: PositiveInt | NonEmpty[PositiveInt] | None
+
+
 class EvalSettings(TypedDict):
     task_name: str
     tags: list[str]
@@ -89,11 +96,13 @@ class EvalSettings(TypedDict):
     linear: LinearSettings
     fewshot: FewshotSettings
     data: EvalDataOverrides
+    model: dict[str, Any]  # PretrainedModel's keys, or a model=<name> group's (checked as the model is built)
 
 
 class PredictSettings(TypedDict):
     task_name: str
-    ckpt_path: str
+    ckpt_path: str | None
+    model: PretrainedModel
     images: str | NonEmpty[str]
     top_k: PositiveInt
     device: str  # cpu, cuda, cuda:<i> that this machine has (check_predict)
@@ -156,19 +165,30 @@ def check_train(cfg: DictConfig) -> None:
 
 def check_eval(cfg: DictConfig) -> None:
     """Model overrides beside a checkpoint would be ignored: its model is the one the checkpoint stores."""
-    if cfg.ckpt_path is not None and cfg.get("model") is not None:
+    if cfg.ckpt_path is not None and _model_given(cfg):
         from hydra.core.hydra_config import HydraConfig
 
         given = " ".join(o for o in HydraConfig.get().overrides.task if o.lstrip("+~").startswith("model"))
         raise UserError(
             f"{given or 'model=...'}: the model of ckpt_path {cfg.ckpt_path!r} is the one its checkpoint stores, and "
             "model overrides would be ignored; drop them, or evaluate timm's weights instead of a checkpoint: "
-            "model=<name> model.pretrained=<timm name> data=<name> without ckpt_path"
+            "model.pretrained=<timm name> data=<name> without ckpt_path"
         )
+
+
+def _model_given(cfg: DictConfig) -> bool:
+    """A model=<name> group chosen, or a model.<key> of the command's own (null) ones set."""
+    model = cfg.get("model")
+    return model is not None and any(v is not None for v in OmegaConf.to_container(model).values())
 
 
 def check_predict(cfg: DictConfig) -> None:
     check_device("device", cfg.device)
+    if (cfg.ckpt_path is None) == (cfg.model.pretrained is None):
+        raise UserError(
+            "give ckpt_path=<file.ckpt> (a trained checkpoint) or model.pretrained=<timm name | local-dir:<folder> | "
+            "hf-hub:<repo>> (timm's weights with their head), one of them"
+        )
 
 
 def check_visualize(cfg: DictConfig) -> None:

@@ -33,7 +33,7 @@ def timm_vit_names() -> list[str]:
 TIMM_SOURCES = ("local-dir:", "hf-hub:")
 
 
-def _source_config(name: str) -> tuple[dict, str, dict]:
+def source_config(name: str) -> tuple[dict, str, dict]:
     """(pretrained_cfg, architecture, model_args) of a `local-dir:` / `hf-hub:` name, read by timm."""
     from timm.models._hub import load_model_config_from_hf, load_model_config_from_path
 
@@ -49,7 +49,7 @@ def _source_config(name: str) -> tuple[dict, str, dict]:
 def timm_architecture(name: str) -> str:
     """The registered architecture `name` builds: the name without its pretrained tag, or the architecture in
     the config.json of a `local-dir:` / `hf-hub:` source."""
-    return _source_config(name)[1] if name.startswith(TIMM_SOURCES) else name.partition(".")[0]
+    return source_config(name)[1] if name.startswith(TIMM_SOURCES) else name.partition(".")[0]
 
 
 # What a model's pretrained configuration says of its input (timm's keys): the run's preprocessing.
@@ -59,17 +59,33 @@ PREPROCESSING = ("mean", "std", "crop_pct", "crop_mode", "interpolation", "input
 def timm_pretrained_cfg(name: str) -> dict[str, Any]:
     """What timm's weights `name` (an architecture, or with a pretrained tag) expect of their input, from timm's
     registry (nothing downloaded): mean, std, crop_pct, crop_mode, interpolation, input_size (C, H, W), and
-    the tag (timm's default weights when `name` has none)."""
+    the tag (timm's default weights when `name` has none). A value the config leaves out (a saved folder's may) is
+    the one timm's resolve_data_config puts in its place."""
     from timm.models import get_pretrained_cfg
 
     check_timm_name(name)
     if name.startswith(TIMM_SOURCES):  # the folder's or repository's own config.json
-        cfg = _source_config(name)[0]
-        return {key: cfg[key] for key in PREPROCESSING if key in cfg} | {"tag": name}
-    cfg = get_pretrained_cfg(name)
-    if cfg is None:
-        raise UserError(f"timm has no pretrained configuration for {name!r}")
-    return {key: getattr(cfg, key) for key in PREPROCESSING} | {"tag": f"{name.partition('.')[0]}.{cfg.tag}"}
+        cfg, tag = source_config(name)[0], name
+    else:
+        found = get_pretrained_cfg(name)
+        if found is None:
+            raise UserError(f"timm has no pretrained configuration for {name!r}")
+        cfg, tag = found.to_dict(), f"{name.partition('.')[0]}.{found.tag}"
+    return {key: cfg.get(key) or default for key, default in timm_data_defaults().items()} | {"tag": tag}
+
+
+def timm_data_defaults() -> dict[str, Any]:
+    """resolve_data_config's values where a pretrained config gives none (timm.data.config, timm.data.constants)."""
+    from timm.data.constants import DEFAULT_CROP_MODE, DEFAULT_CROP_PCT, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+    return {
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "crop_pct": DEFAULT_CROP_PCT,
+        "crop_mode": DEFAULT_CROP_MODE,
+        "interpolation": "bicubic",
+        "input_size": (3, 224, 224),
+    }
 
 
 def check_timm_name(name: str) -> None:

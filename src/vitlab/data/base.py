@@ -253,7 +253,9 @@ class ImageDataModule(DataModule):
     fit (`data.on_device`), all held on the device as uint8 and augmented there a batch at a time
     (data/resident.py)."""
 
-    eval_crop_pct: float = 0.875  # data.eval_transform.crop_pct when null (and no pretrained weights set it)
+    # data.eval_transform.crop_pct when null (and no pretrained weights set it): at 224 px, DINOv2's Resize(256) of the
+    # shorter side and CenterCrop(224) (crop_mode's default, center, keeps the aspect ratio)
+    eval_crop_pct: float = 0.875
     can_reside = True  # its splits may be held on the device (not streamed shards)
     native_hw: tuple[int, int] | None = None  # the size every image has, where they share one (CIFAR's 32x32)
     decodes_files = False  # its images are decoded from files (by loader workers, also to hold them on the device)
@@ -282,7 +284,7 @@ class ImageDataModule(DataModule):
         eval_settings = {"crop_pct": self.eval_crop_pct} | {
             k: v for k, v in (eval_transform or {}).items() if v is not None
         }
-        self.eval_tf = transforms.eval_transform(self.img_size, **eval_settings)
+        self.eval_tf = transforms.eval_transform(self.img_size, self.mean, **eval_settings)
         self.train_settings = from_mapping(transforms.TrainTransform, train_transform or {}, "data.train_transform")
         s = self.train_settings
         self.to_input = transforms.DeviceTransform(

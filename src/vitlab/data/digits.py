@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
+from vitlab.data import transforms
 from vitlab.data.base import ImageDataModule
 from vitlab.data.resident import ArrayImages
 from vitlab.data.seeded import TransformDataset
@@ -85,6 +86,9 @@ class DigitsDataModule(ImageDataModule):
         self.rotate, self.scale, self.shift = rotate, tuple(scale), shift
         self.val_fraction, self.test_fraction, self.split_seed = val_fraction, test_fraction, split_seed
         self.black = (0.0 - self.mean[0]) / self.std[0]  # the fill for pixels moved in by rotation and zoom
+        # 8x8 drawings, resized whole by torchvision as training resizes them: no photo's crop (data.eval_transform
+        # is refused), and the same pixels as before eval transforms followed timm's crop modes
+        self.eval_tf = transforms.whole_resize(self.img_size)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:

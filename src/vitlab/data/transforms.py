@@ -2,8 +2,9 @@
 
 - per image, in the loader's workers (torchvision v2): decode has happened; geometry and colour
   (random-resized-crop or DeiT III's simple crop, shift, flip, an auto-augment policy, colour jitter,
-  grayscale, blur; eval's resize and center crop) run on uint8 (C, H, W) and the images stay uint8, so a
-  batch crosses to the device at a quarter of float32's bytes and the workers do no float arithmetic.
+  grayscale, blur; eval's resize and crop, as timm's crop modes, its resize in PIL) run on uint8 (C, H, W) and
+  the images stay uint8, so a batch crosses to the device at a quarter of float32's bytes and the workers do no
+  float arithmetic.
   timm's auto-augment policies (`rand-m9-mstd0.5-inc1`, `augmix-m5-w4-d2`, `3a`, `v0`, ...) are timm's own
   code, on the PIL image of the uint8 one (PIL images are uint8 too);
 - per batch, on the device (`DeviceTransform`): uint8 to float32 in [0, 1], normalisation, and
@@ -25,6 +26,7 @@ import torch
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2 as T
 
+from vitlab.data.crop_modes import CROP_MODES, PIL_FILTERS, ResizeCrop
 from vitlab.model.config import as_hw
 from vitlab.utils.checks import check_at_least, check_range, from_mapping, is_number
 from vitlab.utils.errors import UserError
@@ -105,14 +107,19 @@ class TrainTransform:
 
 @dataclass(frozen=True)
 class EvalTransform:
-    """`data.eval_transform`: resize to img_size / crop_pct, then center-crop img_size."""
+    """`data.eval_transform`: fit each image to img_size as `crop_mode` says (CROP_MODES), from img_size / crop_pct."""
 
     crop_pct: float = 0.875
+    crop_mode: str = "center"
     interpolation: str = "bicubic"
 
     def __post_init__(self):
-        check_range("data.eval_transform.crop_pct", self.crop_pct, 0, 1, low_open=True)
-        _interp(self.interpolation)
+        key = "data.eval_transform"
+        check_range(f"{key}.crop_pct", self.crop_pct, 0, 1, low_open=True)
+        if self.crop_mode not in CROP_MODES:
+            raise UserError(f"{key}.crop_mode {self.crop_mode!r} is not one of {list(CROP_MODES)}")
+        if self.interpolation not in PIL_FILTERS:
+            raise UserError(f"{key}.interpolation {self.interpolation!r} is not one of {list(PIL_FILTERS)}")
 
 
 def timm_policy(name: str, img_hw: Sequence[int], mean: Sequence[float], interpolation: str):
@@ -192,17 +199,19 @@ def train_transform(img_size: int | Sequence[int], mean: Sequence[float] = (0.5,
     return T.Compose(ops)
 
 
-def eval_transform(img_size: int | Sequence[int], **settings) -> T.Compose:
+def eval_transform(img_size: int | Sequence[int], mean: Sequence[float] = (0.5, 0.5, 0.5), **settings) -> T.Compose:
     """The per-image evaluation (and prediction) pipeline of `EvalTransform(**settings)`: uint8 out, as
-    `train_transform`."""
+    `train_transform`; `mean` (the data's) is the colour crop_mode=border pads with."""
     t = from_mapping(EvalTransform, settings, "data.eval_transform")
-    hw, mode = as_hw(img_size, "data.img_size"), _interp(t.interpolation)
-    ops: list = [T.ToImage()]
-    if t.crop_pct < 1.0:
-        ops += [T.Resize([int(s / t.crop_pct) for s in hw], interpolation=mode, antialias=True), T.CenterCrop(hw)]
-    else:
-        ops.append(_ResizeIfNeeded(hw, mode))
-    return T.Compose(ops)
+    return T.Compose(
+        [T.ToImage(), ResizeCrop(as_hw(img_size, "data.img_size"), t.crop_pct, t.crop_mode, t.interpolation, mean)]
+    )
+
+
+def whole_resize(img_size: int | Sequence[int], interpolation: str = "bicubic") -> T.Compose:
+    """Every image resized whole to img_size by torchvision (uint8 in and out): digits' evaluation, whose training
+    resizes them so on the device (data/digits.py)."""
+    return T.Compose([T.ToImage(), _ResizeIfNeeded(as_hw(img_size, "data.img_size"), _interp(interpolation))])
 
 
 class DeviceTransform:

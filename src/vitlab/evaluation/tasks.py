@@ -2,7 +2,8 @@
 Lightning Fabric starts them as the Trainer does (a DDP launch re-runs the command once per further device) and
 sets up torch.distributed's group; each process then extracts its share of every split (vitlab.evaluation.features) and
 rank 0 gathers, caches and scores. The weights are a checkpoint's, or timm's pretrained weights ported into our
-ViT (`model.pretrained=<timm name>` and no ckpt_path)."""
+ViT (`model.pretrained=<timm name>` and no ckpt_path), whose own head task=test scores as timm's validate.py does
+(vitlab.evaluation.classifier)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitlab.convert.weights import is_weights_file, load_timm_weights
+from vitlab.evaluation import classifier
 from vitlab.evaluation.features import Layers, _world, layers_of, source_id, split_features
 from vitlab.model import ViT
 from vitlab.model.config import vit_config
@@ -56,20 +58,21 @@ def probe_checkpoint(cfg: DictConfig, model: torch.nn.Module, datamodule) -> dic
 def probe_pretrained(cfg: DictConfig) -> dict | None:
     """The task on `model.pretrained`'s weights (a timm name, or a weights file) at the model config's size, on
     `data=<name>`; its features cached in <log_dir>/features/<name>/, identified by the name (a file: its path,
-    size and time), our model config and the data config."""
+    size and time), our model config and the data config. task=test scores the weights' own head instead
+    (`score_pretrained`)."""
     source = OmegaConf.select(cfg, "model.pretrained")
     if not source:
         raise UserError(
-            "ckpt_path must be given: ckpt_path=<file.ckpt>, or timm's weights with model=<name> "
-            "model.pretrained=<timm name> data=<name> (task=knn|linear|fewshot)"
-        )
-    if cfg.task == "test":
-        raise UserError(
-            f"task=test scores a checkpoint's classifier and model.pretrained={source} has none for this data: "
-            "use task=knn, task=linear or task=fewshot"
+            "ckpt_path must be given: ckpt_path=<file.ckpt>, or timm's weights with model.pretrained=<timm name | "
+            "local-dir:<folder> | hf-hub:<repo>> data=<name> (task=test: their own head; task=knn|linear|fewshot: "
+            "their features, with model=<name>)"
         )
     if "_target_" not in cfg.data:
         raise UserError(f"model.pretrained={source} needs the data to evaluate on: data=<name>")
+    if cfg.task == "test":
+        return score_pretrained(cfg, source)
+    if OmegaConf.select(cfg, "model.img_size") is None:
+        raise UserError(f"task={cfg.task} on model.pretrained={source} needs the model's size: model=<name>")
     with open_dict(cfg):  # the model takes the data's channels (its classes: a head the features never reach)
         cfg.model.in_chans, cfg.model.num_classes = cfg.data.get("channels", 3), cfg.data.num_classes
     apply_pretrained(cfg)  # timm's architecture, and the data's mean/std/crop left null become the weights'
@@ -83,6 +86,22 @@ def probe_pretrained(cfg: DictConfig) -> dict | None:
     name = Path(source).stem if is_weights_file(source) else source.replace("/", "_").replace(":", "_")
     cache = Path(cfg.features_dir) if cfg.features_dir else Path(cfg.paths.log_dir) / "features" / name
     return probe(cfg, model, datamodule, ident, cache, launch(cfg.trainer))
+
+
+def score_pretrained(cfg: DictConfig, source: str) -> dict:
+    """task=test on timm's weights: their own head on the data's images, in this one process, as timm's validate.py
+    scores them (evaluation.classifier)."""
+    if is_weights_file(source):
+        raise UserError(
+            f"task=test on model.pretrained={source}: a weights file carries no preprocessing to score it with; give "
+            "a timm name or a timm folder (local-dir:<folder>, with its config.json)"
+        )
+    t = cfg.trainer
+    if t.get("num_nodes", 1) != 1 or t.get("devices", 1) not in (1, "1"):
+        raise UserError("task=test on model.pretrained runs in one process: set trainer.devices=1")
+    metrics, images = classifier.score(cfg, source, launch(cfg.trainer))
+    log.info("model.pretrained=%s on %s: %s", source, images, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return metrics
 
 
 TASKS = ("test", "knn", "fewshot", "linear")

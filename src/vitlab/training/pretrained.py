@@ -31,8 +31,9 @@ def apply_pretrained(cfg: DictConfig) -> None:
     """`model.pretrained=<timm name>`: the model is that timm architecture (convert.timm_args.config_from_timm), at this
     run's img_size, in_chans, num_classes and regularisation (RUN_FIELDS); a field the experiment or the command line
     sets (global_pool, fc_norm, weight_init, ...) stays the user's where the weights can serve it; data.mean/std and
-    the eval crop and interpolation left null become the weights' (timm's pretrained_cfg). Applied to `cfg` before
-    it is saved, so config.yaml and the checkpoints describe what ran. A weights file keeps the model config."""
+    the eval crop_pct, crop_mode and interpolation left null become the weights' (timm's pretrained_cfg). Applied to
+    `cfg` before it is saved, so config.yaml and the checkpoints describe what ran. A weights file keeps the model
+    config."""
     source = cfg.model.get("pretrained")
     if not source or is_weights_file(source):
         return
@@ -49,7 +50,7 @@ def apply_pretrained(cfg: DictConfig) -> None:
     changed = sorted(k for k, v in arch.items() if cfg.model.get(k) != v)
     with open_dict(cfg):
         cfg.model.update(arch, variant=None, timm_name=timm_architecture(source))
-        taken = _pretrained_preprocessing(cfg.data, pretrained, arch["in_chans"])
+        taken = pretrained_preprocessing(cfg.data, pretrained, arch["in_chans"])
     log.info(
         "model.pretrained=%s: timm's architecture%s%s; preprocessing of %s: %s",
         source,
@@ -137,7 +138,7 @@ def load_pretrained(module: Any, model_cfg: DictConfig) -> None:
     )
 
 
-def _pretrained_preprocessing(data: DictConfig, pretrained: dict, channels: int) -> dict[str, Any]:
+def pretrained_preprocessing(data: DictConfig, pretrained: dict, channels: int) -> dict[str, Any]:
     """Fill the data settings left null with the pretrained weights' (mean/std averaged over channels when the
     data has another channel count); returns what was filled."""
     taken: dict[str, Any] = {}
@@ -145,7 +146,7 @@ def _pretrained_preprocessing(data: DictConfig, pretrained: dict, channels: int)
         if key in data and data[key] is None:
             values = list(pretrained[key])
             data[key] = taken[key] = values if len(values) == channels else [sum(values) / len(values)] * channels
-    for key in ("crop_pct", "interpolation"):
+    for key in ("crop_pct", "crop_mode", "interpolation"):
         if "eval_transform" in data and key in data.eval_transform and data.eval_transform[key] is None:
             data.eval_transform[key] = taken[f"eval_transform.{key}"] = pretrained[key]
     return taken
