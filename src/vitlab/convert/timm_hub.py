@@ -72,10 +72,12 @@ def timm_pretrained_cfg(name: str) -> dict[str, Any]:
     return {key: getattr(cfg, key) for key in PREPROCESSING} | {"tag": f"{name.partition('.')[0]}.{cfg.tag}"}
 
 
-def check_timm_name(name: str) -> None:
+def check_timm_name(name: str, weights: bool = True) -> None:
     """A timm model name, optionally with a pretrained tag (`vit_base_patch16_224.augreg_in21k`), that
-    timm knows; otherwise a one-line error with the closest names."""
+    timm knows; otherwise a one-line error with the closest names. A tag must have weights when `weights` is asked
+    for; without, it need only be registered (`test_vit4.r160_in1k`: a configuration without published weights)."""
     import timm
+    from timm.models._registry import get_arch_pretrained_cfgs
 
     if name.startswith(TIMM_SOURCES):
         name = timm_architecture(name)  # a folder without config.json, or an unreachable repository, fails here
@@ -87,6 +89,10 @@ def check_timm_name(name: str) -> None:
             f"{name!r} is neither a weights file nor a timm model name; {hint}"
             "timm.list_models('vit_*') lists timm's ViTs"
         )
+    if tag and not weights and name in [f"{arch}.{t}" for t in get_arch_pretrained_cfgs(arch)]:
+        return
+    if tag and not weights:
+        raise UserError(f"timm has no tag {tag!r} for {arch}; it has {list(get_arch_pretrained_cfgs(arch))[:6]}")
     if tag and name not in timm.list_pretrained(f"{arch}.*"):
         raise UserError(f"timm has no pretrained weights {name!r}; it has {timm.list_pretrained(f'{arch}.*')[:6]}")
 

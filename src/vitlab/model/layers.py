@@ -345,6 +345,7 @@ class PatchEmbed(nn.Module):
     def __init__(self, cfg: ViTConfig):
         super().__init__()
         p = self.patch_size = cfg.patch_hw
+        self.img_size, self.grid_size = cfg.img_hw, cfg.grid_size  # timm's: its checkpoint filter reads the grid
         self.dynamic_img_pad = cfg.dynamic_img_pad
         self.proj = nn.Conv2d(cfg.in_chans, cfg.embed_dim, kernel_size=p, stride=p, bias=not cfg.pre_norm)
         self.norm = norm(cfg, cfg.embed_dim) if cfg.embed_norm else nn.Identity()

@@ -36,6 +36,14 @@ class TimmAPI:
     def in_chans(self) -> int:  # timm reads it beside pretrained_cfg['input_size']
         return self.cfg.in_chans
 
+    # What timm's code reads off a VisionTransformer (its checkpoint filter, feature wrappers, input config).
+    global_pool = property(lambda self: self.cfg.global_pool)
+    embed_dim = property(lambda self: self.cfg.embed_dim)
+    has_class_token = property(lambda self: self.cfg.class_token)
+    num_reg_tokens = property(lambda self: self.cfg.reg_tokens)
+    dynamic_img_size = property(lambda self: self.cfg.dynamic_img_size)
+    no_embed_class = property(lambda self: not self.cfg.embeds_prefix)  # pos_embed has no prefix rows
+
     @property
     def num_features(self) -> int:  # width of forward_features' tokens and of the pooled features
         return self.cfg.embed_dim
@@ -144,6 +152,7 @@ class TimmAPI:
                 pe = POS_EMBEDS[new.pos_embed](new.grid_size, new.pos_prefix_rows, new.embed_dim, self.pos_embed.device)
                 self.pos_embed = pe.to(self.pos_embed.dtype)
         self.cfg = new
+        self.patch_embed.img_size, self.patch_embed.grid_size = new.img_hw, new.grid_size
         self.pretrained_cfg["input_size"] = (new.in_chans, *new.img_hw)
 
     # ---- looking inside --------------------------------------------------------------------------
