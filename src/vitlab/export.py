@@ -1,9 +1,10 @@
-"""python -m vitlab.export ckpt_path=<file.ckpt> [format=onnx|pt2|mae|ckpt] [output=<file>]: a checkpoint's model
-as an ONNX file (for onnxruntime, TensorRT, ...) or a torch.export program (.pt2), with a dynamic batch, and a
+"""python -m vitlab.export ckpt_path=<file.ckpt> [format=onnx|pt2|mae|ckpt|timm] [output=<file>]: a checkpoint's
+model as an ONNX file (for onnxruntime, TensorRT, ...) or a torch.export program (.pt2), with a dynamic batch, and a
 dynamic height and width when the model was built with dynamic_img_size; an objective=mae checkpoint as MAE's own
 `{'model': ...}` .pth (format=mae: MAE's key names, encoder and decoder; vitlab.convert.mae); format=ckpt makes one
 checkpoint file of a directory of shards (trainer=fsdp's save_distributed_checkpoint=true), which every strategy and
-tool reads.
+tool reads; format=timm the folder `timm.create_model('local-dir:<folder>', pretrained=True)` reads
+(vitlab.convert.timm_dir).
 
 The file is checked before it is put in place: run by onnxruntime (or reloaded) and compared with the
 PyTorch model on several input shapes; over `atol` it is refused and nothing is written. What the model
@@ -28,8 +29,10 @@ def export(cfg: DictConfig) -> dict:
 
     if cfg.format == "mae":
         return export_mae(cfg)
+    if cfg.format == "timm":
+        return export_timm(cfg)
     if f".{cfg.format}" not in FORMATS and cfg.format != "ckpt":
-        raise UserError(f"format {cfg.format!r} is not one of {sorted(FORMATS.values()) + ['mae', 'ckpt']}")
+        raise UserError(f"format {cfg.format!r} is not one of {sorted(FORMATS.values()) + ['mae', 'ckpt', 'timm']}")
     out = Path(cfg.output) if cfg.output else Path(cfg.paths.output_dir) / f"model.{cfg.format}"
     if out.suffix != f".{cfg.format}":
         raise UserError(f"output {str(out)!r} must end in .{cfg.format} for format={cfg.format}")
@@ -87,6 +90,35 @@ def export_mae(cfg: DictConfig) -> dict:
     write_mae(module.model, decoder, out)
     print(f"wrote {out} (MAE's {{'model': ...}} format: encoder and decoder, MAE's key names)")
     return {"output": str(out), "ckpt_path": str(cfg.ckpt_path), "format": "mae"}
+
+
+def export_timm(cfg: DictConfig) -> dict:
+    """format=timm: the checkpoint's ViT as the folder timm's `local-dir:` reads (config.json, model.safetensors),
+    checked by loading it with timm.create_model('local-dir:<folder>', pretrained=True) and comparing the logits. An
+    objective=mae checkpoint gives its encoder (the decoder is MAE's, not timm's: format=mae writes both)."""
+    from vitlab.cli.rundir import check_writable
+    from vitlab.convert.timm_dir import save_timm_dir
+    from vitlab.training import build
+
+    out = Path(cfg.output) if cfg.output else Path(cfg.paths.output_dir) / "timm"
+    if out.exists() and not cfg.overwrite:
+        raise UserError(f"output {str(out)!r} exists; choose another output or set overwrite=true")
+    check_writable(out.parent, "output", out)
+    module = build.load_for_inference(cfg.ckpt_path)
+    model = module.model.float()
+    data = module.hparams.get("data") or {}
+    if data:  # the preprocessing the checkpoint was trained with, as timm's pretrained_cfg keys
+        datamodule = build.inference_datamodule(module, cfg.ckpt_path)
+        model.pretrained_cfg.update(mean=tuple(datamodule.mean), std=tuple(datamodule.std))
+    atol = min(float(cfg.atol), 1e-5)  # timm's model of the folder must give our logits
+    report = save_timm_dir(model, out, label_names=module.hparams.get("class_names"), atol=atol, overwrite=cfg.overwrite)
+    report |= {"ckpt_path": str(cfg.ckpt_path), "format": "timm"}
+    (Path(cfg.paths.output_dir) / "export.json").write_text(json.dumps(report, indent=2))
+    print(
+        f"wrote {out} (timm's local-dir folder, architecture {report['architecture']}): "
+        f"timm.create_model('local-dir:{out}', pretrained=True) differs by {report['max_abs_diff']:.2g}"
+    )
+    return report
 
 
 @entry_point("export")
