@@ -111,7 +111,8 @@ def export_timm(cfg: DictConfig) -> dict:
         datamodule = build.inference_datamodule(module, cfg.ckpt_path)
         model.pretrained_cfg.update(mean=tuple(datamodule.mean), std=tuple(datamodule.std))
     atol = min(float(cfg.atol), 1e-5)  # timm's model of the folder must give our logits
-    report = save_timm_dir(model, out, label_names=module.hparams.get("class_names"), atol=atol, overwrite=cfg.overwrite)
+    names = module.hparams.get("class_names")
+    report = save_timm_dir(model, out, label_names=names, atol=atol, overwrite=cfg.overwrite)
     report |= {"ckpt_path": str(cfg.ckpt_path), "format": "timm"}
     (Path(cfg.paths.output_dir) / "export.json").write_text(json.dumps(report, indent=2))
     print(

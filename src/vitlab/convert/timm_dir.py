@@ -111,7 +111,8 @@ def save_timm_dir(
         raise UserError(f"output {str(out)!r} exists; choose another output or set overwrite=true")
     hint = model.pretrained_cfg.get("architecture")
     config = timm_config(model, label_names, hint)
-    state = {k: v.detach().float().cpu().contiguous() for k, v in check_state_dict(model.state_dict(), model.cfg).items()}
+    state = check_state_dict(model.state_dict(), model.cfg)
+    state = {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -119,7 +120,9 @@ def save_timm_dir(
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         diff = _timm_reads_it_back(model, tmp)
         if not diff <= atol:
-            raise UserError(f"timm reads the folder back {diff:.3g} from this model (over {atol}): refused, nothing written")
+            raise UserError(
+                f"timm's model of the folder is {diff:.3g} from ours (over {atol}): refused, nothing written"
+            )
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

@@ -122,7 +122,8 @@ def init_module(model: nn.Module, name: str, m: nn.Module, reset: bool = True) -
     if m is model:
         _init_root(model)
     elif m is model.attn_pool:  # its latent query (timm's AttentionPoolLatent: trunc-normal D^-0.5; skip: zero)
-        nn.init.zeros_(m.latent) if cfg.weight_init == "skip" else nn.init.trunc_normal_(m.latent, std=cfg.embed_dim**-0.5)
+        skip = cfg.weight_init == "skip"
+        nn.init.zeros_(m.latent) if skip else nn.init.trunc_normal_(m.latent, std=cfg.embed_dim**-0.5)
     elif reset and hasattr(m, "reset_parameters"):
         m.reset_parameters()
     WEIGHT_INITS[cfg.weight_init](name, m, cfg)

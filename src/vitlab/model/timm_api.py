@@ -15,7 +15,7 @@ from torch import nn
 
 from vitlab.model.config import GLOBAL_POOLS, ViTConfig, as_hw
 from vitlab.model.posemb import POS_EMBEDS, resample_patch_embed, resample_pos_embed
-from vitlab.utils.errors import UnsupportedRequestError
+from vitlab.utils.errors import UnsupportedRequestError, UserError
 
 Size = int | Sequence[int]  # an int for squares, else (height, width)
 
@@ -74,6 +74,12 @@ class TimmAPI:
             for i in range(len(self.blocks))
         ]
 
+    def __prepare_scriptable__(self):  # torch.jit.script calls it first: one line instead of an error deep inside
+        raise UserError(
+            "vitlab's ViT is not TorchScript-scriptable (torch.jit.script); export it with torch.export "
+            "(torch.export.export, vitlab.export format=pt2) or ONNX (format=onnx) instead"
+        )
+
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed", "cls_token", "reg_token", "dist_token"}
 
@@ -107,7 +113,7 @@ class TimmAPI:
             if global_pool not in GLOBAL_POOLS:
                 raise UnsupportedRequestError(f"global_pool {global_pool!r} is not one of {list(GLOBAL_POOLS)}")
             if global_pool == "map" and self.attn_pool is None:
-                raise UnsupportedRequestError("reset_classifier cannot add an attention pool ('map'); build a new model")
+                raise UnsupportedRequestError("reset_classifier cannot add an attention pool ('map'); build a model")
             if global_pool == "token" and not self.cfg.class_token:
                 raise UnsupportedRequestError("global_pool 'token' needs the class token")
             if global_pool != "map":
