@@ -117,11 +117,12 @@ def walk(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]
 
 @torch.no_grad()
 def init_module(model: nn.Module, name: str, m: nn.Module, reset: bool = True) -> None:
-    """The tensors `m` (the module `name` of `model`) holds itself, not its children's: reset, then the scheme."""
+    """The tensors `m` (the module `name` of `model`, or a stand-in for it) holds itself, not its children's: reset,
+    then the scheme."""
     cfg = model.cfg
-    if m is model:
-        _init_root(model)
-    elif m is model.attn_pool:  # its latent query (timm's AttentionPoolLatent: trunc-normal D^-0.5; skip: zero)
+    if name == "":
+        _init_root(m)
+    elif name == "attn_pool":  # its latent query (timm's AttentionPoolLatent: trunc-normal D^-0.5; skip: zero)
         skip = cfg.weight_init == "skip"
         nn.init.zeros_(m.latent) if skip else nn.init.trunc_normal_(m.latent, std=cfg.embed_dim**-0.5)
     elif reset and hasattr(m, "reset_parameters"):
@@ -161,3 +162,32 @@ def init_weights(model: nn.Module, reset: bool = True) -> None:
     `reset`, the layers keep what they hold and only the scheme's rules are applied (timm's needs_reset=False)."""
     for name, m in walk(model):
         init_module(model, name, m, reset)
+
+
+def init_weights_by_module(model: nn.Module, take: Callable[[nn.Module, nn.Module], None], device="cpu") -> None:
+    """The values `init_weights` gives `model`, drawn one module at a time into a stand-in that holds that module's
+    own tensors whole on `device` (its children are the model's), each handed to `take(module, stand_in)`: the same
+    draws in the same order as a model built on the host, while only one module's tensors are ever whole here. For a
+    model whose tensors are elsewhere: on the meta device, or sharded (training/sharding.py keeps each process's
+    shard). `take` must put the values in place before the next module, whose init may read them (fix_init)."""
+    for name, m in walk(model):
+        stand_in = whole_copy(m, device)
+        init_module(model, name, stand_in)
+        take(m, stand_in)
+
+
+def whole_copy(m: nn.Module, device) -> nn.Module:
+    """A shallow copy of `m` with empty whole tensors of its own parameters' and buffers' shapes and dtypes (a
+    DTensor's global shape) on `device`; its children are `m`'s."""
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+
+    stand_in = object.__new__(type(m))  # copy.copy would call the class's __new__ (FSDP's re-runs __init__)
+    stand_in.__dict__.update(m.__dict__)
+    stand_in._parameters = {
+        n: None if p is None else nn.Parameter(empty(p), requires_grad=p.requires_grad)
+        for n, p in m._parameters.items()
+    }
+    stand_in._buffers = {n: None if b is None else empty(b) for n, b in m._buffers.items()}
+    return stand_in
