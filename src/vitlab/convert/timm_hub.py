@@ -89,10 +89,10 @@ def check_timm_name(name: str, weights: bool = True) -> None:
             f"{name!r} is neither a weights file nor a timm model name; {hint}"
             "timm.list_models('vit_*') lists timm's ViTs"
         )
-    if tag and not weights and name in [f"{arch}.{t}" for t in get_arch_pretrained_cfgs(arch)]:
+    if tag and not weights:  # the registered tags, full names ('test_vit4.r160_in1k'), with weights or not
+        if name not in (registered := list(get_arch_pretrained_cfgs(arch))):
+            raise UserError(f"timm has no tag {tag!r} for {arch}; it has {registered[:6]}")
         return
-    if tag and not weights:
-        raise UserError(f"timm has no tag {tag!r} for {arch}; it has {list(get_arch_pretrained_cfgs(arch))[:6]}")
     if tag and name not in timm.list_pretrained(f"{arch}.*"):
         raise UserError(f"timm has no pretrained weights {name!r}; it has {timm.list_pretrained(f'{arch}.*')[:6]}")
 
