@@ -1,9 +1,10 @@
-"""python -m vitlab.export ckpt_path=<file.ckpt> [format=onnx|pt2|mae|ckpt] [output=<file>]: a checkpoint's model
-as an ONNX file (for onnxruntime, TensorRT, ...) or a torch.export program (.pt2), with a dynamic batch, and a
+"""python -m vitlab.export ckpt_path=<file.ckpt> [format=onnx|pt2|mae|ckpt|timm] [output=<file>]: a checkpoint's
+model as an ONNX file (for onnxruntime, TensorRT, ...) or a torch.export program (.pt2), with a dynamic batch, and a
 dynamic height and width when the model was built with dynamic_img_size; an objective=mae checkpoint as MAE's own
 `{'model': ...}` .pth (format=mae: MAE's key names, encoder and decoder; vitlab.convert.mae); format=ckpt makes one
 checkpoint file of a directory of shards (trainer=fsdp's save_distributed_checkpoint=true), which every strategy and
-tool reads.
+tool reads; format=timm the folder `timm.create_model('local-dir:<folder>', pretrained=True)` reads
+(vitlab.convert.timm_dir).
 
 The file is checked before it is put in place: run by onnxruntime (or reloaded) and compared with the
 PyTorch model on several input shapes; over `atol` it is refused and nothing is written. What the model
@@ -26,10 +27,10 @@ def export(cfg: DictConfig) -> dict:
     from vitlab.convert.programs import FORMATS, export
     from vitlab.training import build
 
-    if cfg.format == "mae":
-        return export_mae(cfg)
+    if cfg.format in ("mae", "timm"):  # a checkpoint's networks in another library's own layout
+        return {"mae": export_mae, "timm": export_timm}[cfg.format](cfg)
     if f".{cfg.format}" not in FORMATS and cfg.format != "ckpt":
-        raise UserError(f"format {cfg.format!r} is not one of {sorted(FORMATS.values()) + ['mae', 'ckpt']}")
+        raise UserError(f"format {cfg.format!r} is not one of {sorted(FORMATS.values()) + ['mae', 'ckpt', 'timm']}")
     out = Path(cfg.output) if cfg.output else Path(cfg.paths.output_dir) / f"model.{cfg.format}"
     if out.suffix != f".{cfg.format}":
         raise UserError(f"output {str(out)!r} must end in .{cfg.format} for format={cfg.format}")
@@ -87,6 +88,26 @@ def export_mae(cfg: DictConfig) -> dict:
     write_mae(module.model, decoder, out)
     print(f"wrote {out} (MAE's {{'model': ...}} format: encoder and decoder, MAE's key names)")
     return {"output": str(out), "ckpt_path": str(cfg.ckpt_path), "format": "mae"}
+
+
+def export_timm(cfg: DictConfig) -> dict:
+    """format=timm: the checkpoint's ViT as the folder timm's `local-dir:` reads (config.json, model.safetensors),
+    checked by loading it with timm.create_model('local-dir:<folder>', pretrained=True) and comparing the logits to
+    1e-5 (convert.timm_dir); the data's mean and std and the class names go into its pretrained_cfg. An
+    objective=mae checkpoint gives its encoder (the decoder is MAE's, not timm's: format=mae writes both)."""
+    from vitlab.convert.timm_dir import save_timm_dir
+    from vitlab.training import build
+
+    out = Path(cfg.output) if cfg.output else Path(cfg.paths.output_dir) / "timm"
+    module = build.load_for_inference(cfg.ckpt_path)
+    if module.hparams.get("data"):  # the preprocessing it was trained with
+        data = build.inference_datamodule(module, cfg.ckpt_path)
+        module.model.pretrained_cfg.update(mean=tuple(data.mean), std=tuple(data.std))
+    names, atol = module.hparams.get("class_names"), min(float(cfg.atol), 1e-5)
+    report = save_timm_dir(module.model.float(), out, names, atol=atol, overwrite=cfg.overwrite)
+    report |= {"ckpt_path": str(cfg.ckpt_path), "format": "timm"}
+    print(f"wrote {out}: timm.create_model('local-dir:{out}', pretrained=True), |diff| {report['max_abs_diff']:.2g}")
+    return report
 
 
 @entry_point("export")

@@ -19,6 +19,7 @@ from vitlab.convert.weights import (
 )
 from vitlab.model import ViT
 from vitlab.model.config import vit_config
+from vitlab.utils.errors import UserError
 
 
 def zoo_with_timm():
@@ -199,6 +200,19 @@ def test_config_from_timm_names_what_it_cannot_express():
     with pytest.raises(ValueError, match="'vit_base_patch16_2244' is not an architecture .* did you mean"):
         config_from_timm("vit_base_patch16_2244")
     assert timm_model_args("vit_small_patch14_dinov2")["img_size"] == (518, 518)  # timm's pretrained-cfg default
+
+
+def test_config_from_timm_takes_a_tag_without_weights_and_refuses_keywords_as_timm():
+    """A registered tag without published weights names a configuration (pretrained is not asked for); an unknown tag
+    is a one-line UserError; a keyword no ViT takes is a TypeError, as timm's create_model raises (issue 40)."""
+    assert config_from_timm("test_vit4.r160_in1k", depth=1).img_hw == (160, 160)  # the tag's input size
+    with pytest.raises(UserError, match=r"timm has no tag 'nope' for test_vit4; it has \['test_vit4.r160_in1k'\]"):
+        config_from_timm("test_vit4.nope")
+    with pytest.raises(TypeError, match=r"unknown model key\(s\) \['bogus'\]") as raised:
+        config_from_timm("test_vit", bogus=1)
+    assert isinstance(raised.value, UserError)
+    with pytest.raises(TypeError):
+        timm.create_model("test_vit", bogus=1)
 
 
 def test_pretrained_cfg_follows_the_weights_loaded_by_name(monkeypatch):

@@ -18,6 +18,7 @@ from vitlab.convert.programs import dynamic_shapes
 from vitlab.convert.timm_args import timm_kwargs
 from vitlab.convert.weights import check_state_dict
 from vitlab.model import ViT
+from vitlab.utils.errors import UserError
 
 CONFIGS = {
     "class_token": {},
@@ -271,3 +272,200 @@ def test_attn_mask_is_timms(name):
         torch.testing.assert_close(ours(x, attn_mask=keep), theirs(x, attn_mask=keep), atol=1e-6, rtol=0)
         torch.testing.assert_close(ours(x, attn_mask=keep)[0], ours(x)[0], atol=1e-6, rtol=0)
         assert not torch.equal(ours(x, attn_mask=keep)[1], ours(x)[1])
+
+
+# ---- timm's factory and model contracts (issue 40): vitlab.create_model beside timm.create_model ------------------
+# Registered names of the kinds our ViT expresses, shrunk (depth 2, small images) so both factories build them fast:
+# a tag without weights, registers with LayerScale, registers with avg pooling, parallel blocks, distilled, CLIP's
+# pre-norm and QuickGELU, an attention pool, and a non-square image.
+TIMM_NAMES = {
+    "test_vit4.r160_in1k": dict(img_size=64),
+    "vit_small_patch14_reg4_dinov2": dict(img_size=56),
+    "vit_wee_patch16_reg1_gap_256": dict(img_size=64),
+    "vit_pwee_patch16_reg1_gap_256": dict(img_size=64),
+    "deit_tiny_distilled_patch16_224": dict(img_size=64),
+    "vit_xsmall_patch16_clip_224": dict(img_size=64),
+    "vit_base_patch16_siglip_224": dict(img_size=64, embed_dim=64, num_heads=4),
+    "test_vit": dict(img_size=(64, 48)),
+}
+
+
+def both(name: str, **kwargs):
+    """(ours, timm's) from the two factories with the same arguments, timm's holding our weights, in eval mode."""
+    import timm
+
+    import vitlab
+
+    kwargs = dict(TIMM_NAMES[name], depth=2, **kwargs)
+    torch.manual_seed(0)
+    ours = vitlab.create_model(name, **kwargs).eval()
+    theirs = timm.create_model(name, **kwargs).eval()
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+@pytest.mark.parametrize("name", TIMM_NAMES)
+def test_create_model_is_timms(name):
+    """The same call gives our ViT with timm's keys, logits, pretrained_cfg, in_chans (None-valued keywords dropped)."""
+    ours, theirs = both(name, num_classes=5, drop_rate=None, in_chans=1)
+    assert isinstance(ours, ViT) and list(ours.state_dict()) == list(theirs.state_dict())
+    assert ours.pretrained_cfg == theirs.pretrained_cfg and ours.default_cfg is ours.pretrained_cfg
+    assert ours.in_chans == theirs.in_chans == 1  # the pretrained_cfg describes the weights' input (3 channels)
+    assert ours.num_classes == theirs.num_classes == 5 and ours.num_features == theirs.num_features
+    x = torch.randn(2, ours.in_chans, *ours.cfg.img_hw)  # the pretrained_cfg's size is the registered weights'
+
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", TIMM_NAMES)
+def test_create_model_features_only_is_timms(name):
+    """features_only / out_indices / feature_cls wrap our ViT as timm wraps its own (distilled DeiT included)."""
+    for kwargs in (dict(out_indices=(0, -1)), dict(out_indices=1, feature_cls="getter")):
+        ours, theirs = both(name, features_only=True, **kwargs)
+        assert isinstance(ours.model, ViT) and ours.feature_info.channels() == theirs.feature_info.channels()
+        x = torch.randn(1, 3, *ours.model.cfg.img_hw)
+        with torch.no_grad():
+            torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", TIMM_NAMES)
+def test_create_model_on_meta_then_init_weights(name):
+    """create_model(device='meta') allocates nothing; to_empty + init_weights() sets every tensor, to the values a
+    host build draws from the same seed (timm's test fills NaN, so does this one)."""
+    import vitlab
+
+    kwargs = dict(TIMM_NAMES[name], depth=2)
+    torch.manual_seed(0)
+    host = vitlab.create_model(name, **kwargs)
+    torch.manual_seed(0)
+    model = vitlab.create_model(name, device="meta", **kwargs)
+    assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.fill_(float("nan"))
+    model.init_weights()
+    torch.testing.assert_close(model.state_dict(), host.state_dict(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["vit_wee_patch16_reg1_gap_256", "deit_tiny_distilled_patch16_224"])
+def test_create_model_dtype_and_weights_from_files(name, tmp_path):
+    """dtype; pretrained weights from a file (pretrained_cfg_overlay) through timm's checkpoint filter, a new head for
+    another class count; checkpoint_path loaded after; a keyword no ViT takes is a TypeError, as timm's."""
+    import timm
+    from safetensors.torch import save_file
+
+    import vitlab
+
+    kwargs = dict(TIMM_NAMES[name], depth=2)
+    model = vitlab.create_model(name, dtype=torch.float64, **kwargs)
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    source = vitlab.create_model(name, **kwargs).state_dict()
+    save_file(source, str(tmp_path / "w.safetensors"))
+    loaded = vitlab.create_model(
+        name, pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / "w.safetensors")), **kwargs
+    )
+    torch.testing.assert_close(loaded.state_dict(), source, atol=0, rtol=0)
+    fresh = vitlab.create_model(
+        name,
+        pretrained=True,
+        num_classes=3,
+        pretrained_cfg_overlay=dict(file=str(tmp_path / "w.safetensors")),
+        **kwargs,
+    )
+    assert fresh.num_classes == 3 and torch.equal(fresh.blocks[1].mlp.fc2.weight, source["blocks.1.mlp.fc2.weight"])
+    torch.save(source, tmp_path / "w.pth")
+    after = vitlab.create_model(name, checkpoint_path=str(tmp_path / "w.pth"), **kwargs)
+    torch.testing.assert_close(after.state_dict(), source, atol=0, rtol=0)
+    for create in (vitlab.create_model, timm.create_model):
+        with pytest.raises(TypeError):
+            create(name, bogus_argument=1, **kwargs)
+
+
+@pytest.mark.parametrize("name", PARAMS)
+def test_init_weights_after_to_empty_is_construction(name):
+    """Every parameter and buffer (fixed sin-cos tables, LayerScale, lambdas, biases of our own) is set by
+    init_weights after to_empty, to the constructor's values for the same seed."""
+    cfg = tiny(**CONFIGS[name])
+    torch.manual_seed(0)
+    host = ViT(cfg)
+    torch.manual_seed(0)
+    model = ViT(cfg, device="meta")
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.fill_(float("nan"))
+    model.init_weights()
+    torch.testing.assert_close(model.state_dict(), host.state_dict(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", PARAMS)
+def test_reset_classifier_keeps_device_and_dtype(name):  # timm's _assert_reset_classifier_preserves_parent_...
+    model, _ = pair(name)
+    model.to(torch.float64)
+    model.reset_classifier(5)
+    assert model.head.weight.dtype == torch.float64 and model(images(model).double()).dtype == torch.float64
+
+
+def distilled_pair(**overrides):
+    from timm.models.deit import VisionTransformerDistilled
+
+    torch.manual_seed(0)
+    cfg = tiny(distilled=True, depth=4, **overrides)
+    ours = ViT(cfg).eval()
+    theirs = VisionTransformerDistilled(**timm_kwargs(cfg)).eval()
+    theirs.load_state_dict(check_state_dict(ours.state_dict(), cfg))
+    return ours, theirs
+
+
+def test_distilled_deit_prunes_and_resets_as_timms():
+    """prune_intermediate_layers (features_only's) calls reset_classifier(0, ''): a distilled model takes it."""
+    for kwargs in [dict(indices=[1]), dict(indices=2, prune_norm=True)]:
+        ours, theirs = distilled_pair()
+        assert ours.prune_intermediate_layers(**kwargs) == theirs.prune_intermediate_layers(**kwargs)
+        assert list(ours.state_dict()) == list(theirs.state_dict())
+        x = images(ours)
+        with torch.no_grad():
+            torch.testing.assert_close(ours(x), theirs(x), atol=1e-6, rtol=0)
+            torch.testing.assert_close(
+                ours.forward_intermediates(x), theirs.forward_intermediates(x), atol=1e-6, rtol=0
+            )
+        assert list(ViT(ours.cfg).state_dict()) == list(ours.state_dict())  # the config follows
+
+
+@pytest.mark.parametrize(
+    "overrides, pool",
+    [
+        ({}, "catavgmax"),
+        ({}, "map"),
+        (dict(class_token=False, global_pool="avg"), "token"),
+        (dict(distilled=True), "avg"),
+    ],
+)
+def test_refusals_are_timms_exception_classes(overrides, pool):
+    """What timm refuses with an assertion (its test_head_hidden_size catches AssertionError and moves on) is an
+    AssertionError here too, and a one-line UserError."""
+    from timm.models.deit import VisionTransformerDistilled
+
+    cfg = tiny(**overrides)
+    theirs = (VisionTransformerDistilled if cfg.distilled else VisionTransformer)(**timm_kwargs(cfg))
+    with pytest.raises(AssertionError):
+        theirs.reset_classifier(0, pool)
+    with pytest.raises(AssertionError) as raised:
+        ViT(cfg).reset_classifier(0, pool)
+    assert isinstance(raised.value, UserError) and "\n" not in str(raised.value)
+
+
+def test_an_attention_pool_once_removed_is_not_added_back_as_timm():
+    model, theirs = pair("map_no_class_token")
+    for m in (model, theirs):
+        m.reset_classifier(0, "avg")
+        with pytest.raises(AssertionError):
+            m.reset_classifier(0, "map")
+
+
+def test_torchscript_fails_in_one_line_naming_torch_export():
+    model, _ = pair("class_token")
+    with pytest.raises(UserError, match=r"not TorchScript-scriptable .* torch\.export .* ONNX"):
+        torch.jit.script(model)

@@ -1,6 +1,9 @@
-"""vitlab.training.sharding without processes: the request checks made before any process starts, the optimizer
-state's two forms (one process's, numbered in group order with names; torch's, keyed by name), and the directory
-swap that puts a sharded checkpoint in place."""
+"""vitlab.training.sharding: the request checks made before any process starts, the optimizer state's two forms (one
+process's, numbered in group order with names; torch's, keyed by name), the directory swap that puts a sharded
+checkpoint in place, and (on two gloo processes) a ViT built on the meta device and initialised per shard."""
+
+import math
+import os
 
 import pytest
 import torch
@@ -88,3 +91,70 @@ def test_every_preset_composes(compose_cfg):
     for preset in ("fsdp", "fsdp_cpu"):
         strategy = OmegaConf.to_container(compose_cfg("train", [f"trainer={preset}"]).trainer.strategy)
         assert strategy["_target_"] == "vitlab.training.sharding.FSDP2Strategy"
+
+
+# ---- a ViT built on the meta device, materialised per shard (issue 40) ------------------------------------------
+META_CONFIGS = [
+    dict(reg_tokens=1, init_values=1e-5, fix_init=True, embed_dim=36, num_heads=3),  # rows split unevenly: 108 / 2
+    dict(block_fn="res_post", attn_layer="diff", init_values=1e-5, class_token=False, global_pool="avg"),
+    dict(block_fn="parallel_scaling", qkv_bias=False, pos_embed="sincos2d", global_pool="map", class_token=False),
+]
+
+
+def _materialise_sharded(rank: int, world: int, port: int, out: str) -> None:
+    """One of `world` gloo processes: each META_CONFIGS ViT from seed 0 on the meta device, sharded as trainer=fsdp
+    shards it, materialised; rank 0 saves the gathered weights, its local shapes, and the generator's next draws."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from vitlab.training.sharding import materialize, networks_on_meta, new_vit
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh, results = init_device_mesh("cpu", (world,)), []
+    for overrides in META_CONFIGS:
+        torch.manual_seed(0)
+        with networks_on_meta():
+            model = new_vit(tiny(**overrides))
+        after = torch.rand(4)  # what is built next (an MAE decoder) draws as after a host build
+        assert all(p.is_meta for p in model.parameters())
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        torch.manual_seed(rank + 1)  # materialising does not depend on the generator's state by then
+        assert materialize(model, torch.device("cpu")) and not materialize(model, torch.device("cpu"))
+        state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+        local = {k: list(v.to_local().shape) for k, v in model.state_dict().items() if isinstance(v, DTensor)}
+        results.append({"state": state, "local": local, "after": after})
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def test_a_vit_built_on_meta_is_initialised_per_shard_as_on_the_host(tmp_path):
+    """trainer=fsdp's build: on 2 CPU processes, the ViT laid out on the meta device, sharded and materialised holds
+    the weights a host build from the same seed draws (every tensor, bit for bit), each process only its half."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # forked: the processes start with this one's imports (spawned ones would import torch and vitlab again)
+    mp.start_processes(_materialise_sharded, args=(2, port, str(tmp_path / "out.pt")), nprocs=2, start_method="fork")
+    results = torch.load(tmp_path / "out.pt", weights_only=True)
+    for overrides, got in zip(META_CONFIGS, results, strict=True):
+        torch.manual_seed(0)
+        host = ViT(tiny(**overrides))
+        torch.testing.assert_close(got["state"], host.state_dict(), atol=0, rtol=0)
+        torch.testing.assert_close(got["after"], torch.rand(4), atol=0, rtol=0)
+        w = (
+            host.blocks[0].mlp_out_proj.weight
+            if hasattr(host.blocks[0], "mlp_out_proj")
+            else host.blocks[0].mlp.fc2.weight
+        )
+        key = "blocks.0.mlp_out_proj.weight" if hasattr(host.blocks[0], "mlp_out_proj") else "blocks.0.mlp.fc2.weight"
+        assert got["local"][key] == [math.ceil(w.shape[0] / 2), w.shape[1]]  # this process's half

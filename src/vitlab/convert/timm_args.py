@@ -4,6 +4,9 @@ the config of any architecture timm registers from timm's own arguments."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -12,7 +15,7 @@ from torch import nn
 from vitlab.convert.timm_hub import check_timm_name, from_the_hub, timm_architecture, timm_vit_names
 from vitlab.model import ViTConfig
 from vitlab.model.config import DROPOUTS
-from vitlab.utils.errors import UserError, close_matches
+from vitlab.utils.errors import UnknownArgumentError, UserError, close_matches
 
 
 def timm_components() -> dict[str, dict[str, Any]]:
@@ -70,8 +73,6 @@ def timm_model_args(name: str, **overrides: Any) -> dict[str, Any]:
     runs, and its call to VisionTransformer is answered with the arguments instead of a model (nothing
     allocated; nothing downloaded but a hub repository's config.json)."""
     import timm
-    import timm.models.deit as deit
-    import timm.models.vision_transformer as tv
 
     arch = timm_architecture(name)
     names = timm_vit_names()
@@ -80,7 +81,7 @@ def timm_model_args(name: str, **overrides: Any) -> dict[str, Any]:
             f"{arch!r} is not an architecture of timm's vision_transformer or deit modules ({len(names)} are)"
             + (f"; did you mean {close}?" if (close := close_matches(arch, names)) else "")
         )
-    check_timm_name(name)
+    check_timm_name(name, weights=False)
 
     class Captured(Exception):
         pass
@@ -91,20 +92,36 @@ def timm_model_args(name: str, **overrides: Any) -> dict[str, Any]:
         args.update(kwargs)
         raise Captured
 
-    # Each module's own name for the class (deit imports VisionTransformer), DeiT's distilled one with its token.
-    classes = [(tv, "VisionTransformer", capture), (deit, "VisionTransformer", capture),
-               (deit, "VisionTransformerDistilled", lambda **kw: capture(**kw, distilled=True))]  # fmt: skip
-    real = [getattr(module, cls) for module, cls, _ in classes]
     try:
-        for module, cls, fake in classes:
-            setattr(module, cls, fake)
-        timm.create_model(name, pretrained=False, **overrides)
+        with timm_builds(capture):
+            timm.create_model(name, pretrained=False, **overrides)
     except Captured:
         pass
-    finally:
-        for (module, cls, _), was in zip(classes, real, strict=True):
-            setattr(module, cls, was)
     return args
+
+
+_BUILDS = threading.RLock()
+
+
+@contextlib.contextmanager
+def timm_builds(build: Callable[..., Any]) -> Iterator[None]:
+    """Within the block, timm's factory calls `build(**kwargs)` where it would construct its VisionTransformer (the
+    arguments it resolved for the name, DeiT's distilled class as `distilled=True`); one thread at a time."""
+    import timm.models.deit as deit
+    import timm.models.vision_transformer as tv
+
+    # Each module's own name for the class (deit imports VisionTransformer), DeiT's distilled one with its token.
+    classes = [(tv, "VisionTransformer", build), (deit, "VisionTransformer", build),
+               (deit, "VisionTransformerDistilled", lambda **kw: build(**kw, distilled=True))]  # fmt: skip
+    with _BUILDS:
+        real = [getattr(module, cls) for module, cls, _ in classes]
+        try:
+            for module, cls, fake in classes:
+                setattr(module, cls, fake)
+            yield
+        finally:
+            for (module, cls, _), was in zip(classes, real, strict=True):
+                setattr(module, cls, was)
 
 
 def _component_name(value: Any) -> str:
@@ -169,11 +186,19 @@ def config_from_timm(name: str, **overrides: Any) -> ViTConfig:
     arguments timm registers for it, with timm's keyword `overrides` applied (`depth=2`, `img_size=384`,
     `num_classes=10`), so that `fit_state_dict(timm.create_model(name, **overrides).state_dict(), cfg)`
     loads into `ViT(cfg)`. An architecture our ViT cannot express is a UserError saying which argument."""
-    args = timm_model_args(name, **overrides)
+    return config_from_args(timm_architecture(name), timm_model_args(name, **overrides))
+
+
+def config_from_args(arch: str, args: dict[str, Any]) -> ViTConfig:
+    """The ViTConfig of timm's VisionTransformer arguments `args` (for architecture `arch`, named in errors). A
+    keyword no ViT takes is an UnknownArgumentError (a TypeError, as timm's constructor raises); an architecture
+    our ViT cannot express a UserError saying which argument."""
     try:
         return ViTConfig.from_dict(vitlab_args(args))
+    except UnknownArgumentError:
+        raise
     except UserError as e:
-        raise UserError(f"timm's {timm_architecture(name)} is not expressible by vitlab's ViT: {e}") from None
+        raise UserError(f"timm's {arch} is not expressible by vitlab's ViT: {e}") from None
 
 
 # What a run decides for itself when it starts from a timm architecture (model.pretrained=<timm name>): the size

@@ -88,10 +88,12 @@ def timm_data_defaults() -> dict[str, Any]:
     }
 
 
-def check_timm_name(name: str) -> None:
+def check_timm_name(name: str, weights: bool = True) -> None:
     """A timm model name, optionally with a pretrained tag (`vit_base_patch16_224.augreg_in21k`), that
-    timm knows; otherwise a one-line error with the closest names."""
+    timm knows; otherwise a one-line error with the closest names. A tag must have weights when `weights` is asked
+    for; without, it need only be registered (`test_vit4.r160_in1k`: a configuration without published weights)."""
     import timm
+    from timm.models._registry import get_arch_pretrained_cfgs
 
     if name.startswith(TIMM_SOURCES):
         name = timm_architecture(name)  # a folder without config.json, or an unreachable repository, fails here
@@ -103,6 +105,10 @@ def check_timm_name(name: str) -> None:
             f"{name!r} is neither a weights file nor a timm model name; {hint}"
             "timm.list_models('vit_*') lists timm's ViTs"
         )
+    if tag and not weights:  # the registered tags, full names ('test_vit4.r160_in1k'), with weights or not
+        if name not in (registered := list(get_arch_pretrained_cfgs(arch))):
+            raise UserError(f"timm has no tag {tag!r} for {arch}; it has {registered[:6]}")
+        return
     if tag and name not in timm.list_pretrained(f"{arch}.*"):
         raise UserError(f"timm has no pretrained weights {name!r}; it has {timm.list_pretrained(f'{arch}.*')[:6]}")
 

@@ -71,9 +71,12 @@ class ResPostBlock(_AttnThenMlp):
         self.mlp = MLPS[cfg.mlp_layer](cfg)
         self.norm2 = norm(cfg, cfg.embed_dim)
         self.drop_path2 = stochastic_depth(drop_path)
-        if cfg.init_values is not None:
-            nn.init.constant_(self.norm1.weight, cfg.init_values)
-            nn.init.constant_(self.norm2.weight, cfg.init_values)
+        self.init_values = cfg.init_values
+
+    def reset_parameters(self) -> None:  # after its norms' own reset (init.py walks children first)
+        if self.init_values is not None:
+            nn.init.constant_(self.norm1.weight, self.init_values)
+            nn.init.constant_(self.norm2.weight, self.init_values)
 
     def _attn_branch(self, x: torch.Tensor, rows: int | None, attn_mask: torch.Tensor | None) -> torch.Tensor:
         return self.drop_path1(self.norm1(self.attn(x, rows, attn_mask)))
@@ -126,6 +129,10 @@ class _ParallelScaling(nn.Module):
         self.in_proj = nn.Linear(dim, hidden + 3 * dim, bias=cfg.qkv_bias)
         self.in_split = [hidden, dim, dim, dim]
         self.mlp_bias = None if cfg.qkv_bias else nn.Parameter(torch.zeros(hidden))
+
+    def reset_parameters(self) -> None:
+        if self.mlp_bias is not None:
+            nn.init.zeros_(self.mlp_bias)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # -> hidden (B, N, Dm), q, k, v in heads
         hidden, q, k, v = torch.split(self.in_proj(self.in_norm(x)), self.in_split, dim=-1)

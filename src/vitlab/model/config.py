@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vitlab.utils.errors import UserError
+from vitlab.utils.errors import UnknownArgumentError, UserError
 
 # width, depth, heads; MLP ratio 4 (ViT paper Table 1; Ti from DeiT Table 1), except giant and gigantic: their MLP
 # widths 6144 and 8192 (Zhai et al. 2022, "Scaling Vision Transformers", Table 2; timm's vit_giant_patch14_224 and
@@ -293,7 +293,7 @@ class ViTConfig:
         names = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise UserError(f"unknown model key(s) {unknown}; allowed: {sorted(names)}")
+            raise UnknownArgumentError(f"unknown model key(s) {unknown}; allowed: {sorted(names)}")
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:

@@ -104,7 +104,11 @@ class LayerScale(nn.Module):
 
     def __init__(self, dim: int, init_values: float):
         super().__init__()
-        self.gamma = nn.Parameter(torch.full((dim,), float(init_values)))
+        self.init_values = float(init_values)
+        self.gamma = nn.Parameter(torch.full((dim,), self.init_values))
+
+    def reset_parameters(self) -> None:  # init.py resets every layer (after to_empty too)
+        nn.init.constant_(self.gamma, self.init_values)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.gamma
@@ -165,11 +169,19 @@ class _Differential(_MultiHead):
     DiffAttention and DiffParallelScalingBlock, which build the heads with head_dim Dh/2, then call
     `_init_differential` for the parameters below (timm's names)."""
 
+    LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+
     def _init_differential(self, cfg: ViTConfig, layer: int) -> None:
-        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+        for name in self.LAMBDAS:
             self.register_parameter(name, nn.Parameter(torch.empty(self.head_dim).normal_(std=0.1)))
         self.sub_norm = nn.RMSNorm(2 * self.head_dim, eps=1e-5)
         self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer)
+
+    def reset_parameters(self) -> None:  # the lambdas, then what a parallel block's other base holds (mlp_bias)
+        for name in self.LAMBDAS:
+            nn.init.normal_(getattr(self, name), std=0.1)
+        if hasattr(super(), "reset_parameters"):
+            super().reset_parameters()
 
     def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         halves = (self.num_heads, 2, self.head_dim)
@@ -333,6 +345,7 @@ class PatchEmbed(nn.Module):
     def __init__(self, cfg: ViTConfig):
         super().__init__()
         p = self.patch_size = cfg.patch_hw
+        self.img_size, self.grid_size = cfg.img_hw, cfg.grid_size  # timm's: its checkpoint filter reads the grid
         self.dynamic_img_pad = cfg.dynamic_img_pad
         self.proj = nn.Conv2d(cfg.in_chans, cfg.embed_dim, kernel_size=p, stride=p, bias=not cfg.pre_norm)
         self.norm = norm(cfg, cfg.embed_dim) if cfg.embed_norm else nn.Identity()

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from vitlab.model.config import ViTConfig, as_hw
+from vitlab.model.config import GLOBAL_POOLS, ViTConfig, as_hw
 from vitlab.model.posemb import POS_EMBEDS, resample_patch_embed, resample_pos_embed
+from vitlab.utils.errors import UnsupportedRequestError, UserError
 
 Size = int | Sequence[int]  # an int for squares, else (height, width)
 
@@ -32,6 +33,18 @@ class TimmAPI:
         return self.cfg.num_classes
 
     @property
+    def in_chans(self) -> int:  # timm reads it beside pretrained_cfg['input_size']
+        return self.cfg.in_chans
+
+    # What timm's code reads off a VisionTransformer (its checkpoint filter, feature wrappers, input config).
+    global_pool = property(lambda self: self.cfg.global_pool)
+    embed_dim = property(lambda self: self.cfg.embed_dim)
+    has_class_token = property(lambda self: self.cfg.class_token)
+    num_reg_tokens = property(lambda self: self.cfg.reg_tokens)
+    dynamic_img_size = property(lambda self: self.cfg.dynamic_img_size)
+    no_embed_class = property(lambda self: not self.cfg.embeds_prefix)  # pos_embed has no prefix rows
+
+    @property
     def num_features(self) -> int:  # width of forward_features' tokens and of the pooled features
         return self.cfg.embed_dim
 
@@ -46,8 +59,12 @@ class TimmAPI:
                     classifier="head")  # fmt: skip
 
     @property
-    def default_cfg(self) -> dict:  # timm's older name of pretrained_cfg
+    def default_cfg(self) -> dict:  # timm's older name of pretrained_cfg (timm's factory assigns both)
         return self.pretrained_cfg
+
+    @default_cfg.setter
+    def default_cfg(self, cfg: dict) -> None:
+        self.pretrained_cfg = cfg
 
     @property
     def feature_info(self) -> list[dict]:
@@ -56,6 +73,12 @@ class TimmAPI:
             dict(module=f"blocks.{i}", num_chs=self.cfg.embed_dim, reduction=max(self.cfg.patch_hw))
             for i in range(len(self.blocks))
         ]
+
+    def __prepare_scriptable__(self):  # torch.jit.script calls it first: one line instead of an error deep inside
+        raise UserError(
+            "vitlab's ViT is not TorchScript-scriptable (torch.jit.script); export it with torch.export "
+            "(torch.export.export, vitlab.export format=pt2) or ONNX (format=onnx) instead"
+        )
 
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed", "cls_token", "reg_token", "dist_token"}
@@ -76,21 +99,32 @@ class TimmAPI:
         self.distilled_training = enable
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """A new head for `num_classes` (0: none, forward returns pooled features), and optionally another
-        pooling ('' keeps every token); the attention pool can be removed, not added. The rest of the model is
-        kept, and the config follows, so checkpoints record the change."""
+        """A new head for `num_classes` (0: none, forward returns pooled features) on the model's device and in
+        its dtype, and optionally another pooling ('' keeps every token); the attention pool can be removed, not
+        added. A distilled model reads its two tokens whatever the pooling ('' or 'token', as timm's). The rest of
+        the model is kept, and the config follows, so checkpoints record the change. What timm refuses with an
+        assertion is an UnsupportedRequestError (an AssertionError too)."""
         changes: dict = {"num_classes": num_classes}
-        if global_pool is not None:
+        if self.cfg.distilled and global_pool not in (None, "", "token"):
+            raise UnsupportedRequestError(
+                f"global_pool {global_pool!r}: the distilled head reads the class and distillation tokens"
+            )
+        if global_pool is not None and not self.cfg.distilled:
+            if global_pool not in GLOBAL_POOLS:
+                raise UnsupportedRequestError(f"global_pool {global_pool!r} is not one of {list(GLOBAL_POOLS)}")
             if global_pool == "map" and self.attn_pool is None:
-                raise ValueError("reset_classifier cannot add an attention pool ('map'); build a new model")
+                raise UnsupportedRequestError("reset_classifier cannot add an attention pool ('map'); build a model")
+            if global_pool == "token" and not self.cfg.class_token:
+                raise UnsupportedRequestError("global_pool 'token' needs the class token")
             if global_pool != "map":
                 self.attn_pool = None
             changes["global_pool"] = global_pool
         self.cfg = self.cfg.replace(**changes, **self._built_norms())
-        device = next(self.parameters()).device
-        self.head = nn.Linear(self.cfg.embed_dim, num_classes, device=device) if num_classes > 0 else nn.Identity()
+        p = next(self.parameters())
+        factory = dict(device=p.device, dtype=p.dtype)  # the model's, as timm's get_device_dtype
+        self.head = nn.Linear(self.cfg.embed_dim, num_classes, **factory) if num_classes > 0 else nn.Identity()
         if self.cfg.distilled:
-            self.head_dist = nn.Linear(self.cfg.embed_dim, num_classes, device=device) if num_classes else nn.Identity()
+            self.head_dist = nn.Linear(self.cfg.embed_dim, num_classes, **factory) if num_classes else nn.Identity()
 
     def _built_norms(self) -> dict:
         """The config fields that describe the norms as built (the pooling no longer decides them)."""
@@ -124,6 +158,7 @@ class TimmAPI:
                 pe = POS_EMBEDS[new.pos_embed](new.grid_size, new.pos_prefix_rows, new.embed_dim, self.pos_embed.device)
                 self.pos_embed = pe.to(self.pos_embed.dtype)
         self.cfg = new
+        self.patch_embed.img_size, self.patch_embed.grid_size = new.img_hw, new.grid_size
         self.pretrained_cfg["input_size"] = (new.in_chans, *new.img_hw)
 
     # ---- looking inside --------------------------------------------------------------------------

@@ -57,9 +57,24 @@ class ViT(TimmAPI, nn.Module):
     """Patches (B, C, H, W) -> tokens (B, N, D) with prefix tokens and position embedding -> blocks -> norm ->
     pooled (B, D) -> logits (B, K). Built from its config alone; timm's model API comes from TimmAPI."""
 
-    def __init__(self, cfg: ViTConfig):
+    def __init__(self, cfg: ViTConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        """`device` and `dtype` as timm's factory arguments (None: torch's defaults, a `with torch.device(...)`
+        included). The layers are laid out on the meta device and then materialised and initialised by
+        `init_weights`, the call that initialises a model built on 'meta' after `to_empty`: the same seed gives the
+        same values either way. On 'meta' nothing is allocated nor initialised."""
         super().__init__()
         self.cfg = cfg
+        with torch.device("meta"):
+            self._build(cfg)
+        self.pretrained_cfg = self._default_pretrained_cfg(cfg)  # replaced by the weights' (convert.weights)
+        self.register_load_state_dict_pre_hook(_resample_pos_embed_on_load)
+        self.to(dtype or torch.get_default_dtype())
+        device = torch.device(device) if device is not None else torch.get_default_device()
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.init_weights()
+
+    def _build(self, cfg: ViTConfig) -> None:
         D = cfg.embed_dim
         self.num_prefix_tokens = cfg.num_prefix_tokens
         self.grad_checkpointing = cfg.grad_checkpointing  # timm's set_grad_checkpointing switches it too
@@ -93,13 +108,14 @@ class ViT(TimmAPI, nn.Module):
             self.head_dist = nn.Linear(D, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
         self.distilled_training = False  # distilled: training returns both heads' logits (timm's switch)
 
-        self.pretrained_cfg = self._default_pretrained_cfg(cfg)  # replaced by the weights' (convert.weights)
-        init.init_weights(self)
-        self.register_load_state_dict_pre_hook(_resample_pos_embed_on_load)
-
-    def init_weights(self) -> None:
-        """Re-initialise in place by `cfg.weight_init` (init.py's WEIGHT_INITS), as the constructor does."""
-        init.init_weights(self)
+    def init_weights(self, mode: str = "", needs_reset: bool = True) -> None:
+        """Initialise every parameter and buffer in place by `cfg.weight_init` (init.py), as the constructor does:
+        also a model built on the meta device once `to_empty` has materialised it. timm's arguments: `mode` another
+        scheme (the config follows; '' keeps the config's), `needs_reset` False to keep what the layers hold and
+        apply the scheme's rules only."""
+        if mode and mode != self.cfg.weight_init:
+            self.cfg = self.cfg.replace(weight_init=mode)
+        init.init_weights(self, reset=needs_reset)
 
     # ---- forward ---------------------------------------------------------------------------------
     def embed(self, x: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
 from vitlab.model.config import vit_config
+from vitlab.training import sharding
 from vitlab.training.callbacks import NonFiniteLoss
 from vitlab.training.checkpoint_io import upgrade_hparams
 from vitlab.training.hardware import resolve_trainer
@@ -60,16 +61,20 @@ def build_datamodule(data_cfg: DictConfig) -> L.LightningDataModule:
 def build_module(cfg: DictConfig, datamodule: L.LightningDataModule) -> ViTModule:
     """The ViTModule of a train config, training `cfg.objective` (random weights; `train` loads pretrained ones)."""
     resolve_lr(cfg)
-    return ViTModule(
-        model=vit_config(cfg.model),
-        objective=OmegaConf.to_container(cfg.objective, resolve=True, throw_on_missing=True),  # a `???` named
-        optim=OmegaConf.to_container(cfg.optim, resolve=True),
-        scheduler=OmegaConf.to_container(cfg.scheduler, resolve=True),
-        compile=cfg.compile,
-        class_names=list(getattr(datamodule, "class_names", []) or []),
-        data=OmegaConf.to_container(cfg.data, resolve=True),
-        freeze_backbone=cfg.freeze_backbone,
-    )
+    # trainer=fsdp: the ViT is laid out on the meta device and each process initialises its shards (training.sharding);
+    # pretrained weights are loaded into a whole model, built on the host.
+    on_meta = sharding.requests_fsdp(cfg.get("trainer") or {}) and not cfg.model.get("pretrained")
+    with sharding.networks_on_meta(on_meta):
+        return ViTModule(
+            model=vit_config(cfg.model),
+            objective=OmegaConf.to_container(cfg.objective, resolve=True, throw_on_missing=True),  # a `???` named
+            optim=OmegaConf.to_container(cfg.optim, resolve=True),
+            scheduler=OmegaConf.to_container(cfg.scheduler, resolve=True),
+            compile=cfg.compile,
+            class_names=list(getattr(datamodule, "class_names", []) or []),
+            data=OmegaConf.to_container(cfg.data, resolve=True),
+            freeze_backbone=cfg.freeze_backbone,
+        )
 
 
 def resolve_lr(cfg: DictConfig) -> None:

@@ -20,7 +20,7 @@ from timm.scheduler.scheduler import Scheduler as TimmScheduler
 from torch import nn
 from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
-from vitlab.model import ViT, ViTConfig
+from vitlab.model import ViTConfig
 from vitlab.training.classification import Classification
 from vitlab.training.distillation import Distillation
 from vitlab.training.mae import MAE
@@ -33,6 +33,7 @@ from vitlab.training.optim import (
     make_scheduler,
     name_parameters,
 )
+from vitlab.training.sharding import new_vit
 from vitlab.utils.checks import compile_mode
 from vitlab.utils.errors import UserError
 
@@ -67,7 +68,7 @@ class ViTModule(L.LightningModule):
         cfg = model if isinstance(model, ViTConfig) else ViTConfig.from_dict(model)
         model = cfg.to_dict()  # what save_hyperparameters keeps: a checkpoint carries the config as plain data
         self.save_hyperparameters()
-        self.model = ViT(cfg)
+        self.model = new_vit(cfg)  # on the meta device under sharding.networks_on_meta (trainer=fsdp)
         if freeze_backbone:
             for name, p in self.model.named_parameters():
                 p.requires_grad_(name.startswith(("head.", "fc_norm.")))
@@ -119,8 +120,8 @@ class ViTModule(L.LightningModule):
         """A sharded strategy (trainer=fsdp: training.sharding) shards the network the steps call, once. (Lightning
         calls this without a Trainer too, loading a checkpoint for inference: nothing to shard then.)"""
         shard = getattr(self._trainer.strategy, "shard", None) if self._trainer is not None else None
-        if shard is not None:
-            shard(self.objective.network(self.model))
+        if shard is not None and shard(self.objective.network(self.model)):
+            self.objective.prepare(self.model)  # what it set on the weights, now that they exist
 
     def setup(self, stage: str) -> None:
         if stage == "fit":

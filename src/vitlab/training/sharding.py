@@ -14,10 +14,12 @@ group order wrote it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from vitlab.convert.weights import numbered_optimizer_state
+from vitlab.model import ViT, ViTConfig
 from vitlab.model.blocks import Block
+from vitlab.model.init import init_weights_by_module
 from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -94,19 +98,21 @@ class FSDP2Strategy(ModelParallelStrategy):
             kwargs["offload_policy"] = CPUOffloadPolicy()
         return kwargs
 
-    def shard(self, root: nn.Module) -> None:
+    def shard(self, root: nn.Module) -> bool:
         """Shard `root` (the network a training step calls) over the data-parallel processes: each Block inside it,
-        then the root itself (what is left: embeddings, tokens, norms, head). Once: Lightning calls configure_model
-        again on every fit and test."""
+        then the root itself (what is left: embeddings, tokens, norms, head); a ViT laid out on the meta device
+        (networks_on_meta) is then materialised, each process initialising its own shards. Once: Lightning calls
+        configure_model again on every fit and test. Returns whether a network was materialised."""
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         if isinstance(root, FSDPModule):
-            return
+            return False
         mesh, kwargs = self.device_mesh["data_parallel"], self.policy()
         for module in root.modules():
             if isinstance(module, Block):
                 fully_shard(module, mesh=mesh, **kwargs)
         fully_shard(root, mesh=mesh, **kwargs)
+        return materialize(root, self.root_device)
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -145,6 +151,74 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self.global_rank == 0:
             replace_directory(temporary, target)
         self.barrier("sharded_checkpoint_renamed")
+
+
+# ---- a ViT built on the meta device, materialised per shard -----------------------------------------------------
+# Built whole on every process, a ViT-g/14 (1.0B parameters) is 4 GB of fp32 per process before it is sharded. Under
+# networks_on_meta (trainer=fsdp without pretrained weights: build.build_module) the ViT is laid out on the meta
+# device, sharded, then each process initialises its shards: every tensor is drawn whole on the host, one module at a
+# time, in the order and from the generator state of a host build (init.init_weights_by_module), and the process keeps
+# its slice. The same seed gives the same weights as a host-built model, whatever the number of processes, and only
+# the largest single tensor (a block's MLP weight) is ever whole in memory. (DTensor's own random ops would draw each
+# shard from an offset of one stream: the values would depend on the sharding, and differ from a host build's.)
+_ON_META: ContextVar[bool] = ContextVar("networks_on_meta", default=False)
+
+
+@contextlib.contextmanager
+def networks_on_meta(enabled: bool = True) -> Iterator[None]:
+    """Within: new_vit lays the ViT out on the meta device, for shard() to materialise."""
+    token = _ON_META.set(enabled)
+    try:
+        yield
+    finally:
+        _ON_META.reset(token)
+
+
+def new_vit(cfg: ViTConfig) -> ViT:
+    """The ViT a ViTModule trains: built on the host, or under networks_on_meta on the meta device, keeping the
+    generator's state for materialize() and leaving the generator where a host build leaves it (its draws are made
+    one module at a time and dropped), so whatever is built after it (an MAE decoder) draws the same values."""
+    if not _ON_META.get():
+        return ViT(cfg)
+    state = torch.get_rng_state()
+    model = ViT(cfg, device="meta")
+    init_weights_by_module(model, lambda module, whole: None)
+    model.deferred_init_rng = state
+    return model
+
+
+def materialize(root: nn.Module, device: torch.device) -> bool:
+    """Each ViT in `root` still on the meta device allocated on `device` (its shards, once sharded) and initialised
+    as a host build from the same seed would be. Returns whether there was one."""
+    vits = [m for m in root.modules() if getattr(m, "deferred_init_rng", None) is not None]
+    for vit in vits:
+        vit.to_empty(device=device)
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(vit.deferred_init_rng)
+            init_weights_by_module(vit, keep_shard)
+        vit.deferred_init_rng = None
+    return bool(vits)
+
+
+@torch.no_grad()
+def keep_shard(module: nn.Module, whole: nn.Module) -> None:
+    """Copy the whole tensors of `whole` into `module`'s: each sharded parameter (a DTensor) takes this process's
+    slice, anything else all of it."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    pairs = [(module._parameters, whole._parameters), (module._buffers, whole._buffers)]
+    for mine, theirs in pairs:
+        for name, value in theirs.items():
+            target = mine[name]
+            if target is None:
+                continue
+            if isinstance(target, DTensor):  # every process drew the same whole tensor: no communication
+                value = distribute_tensor(
+                    value.to(target.device), target.device_mesh, target.placements, src_data_rank=None
+                )
+                target.to_local().copy_(value.to_local())
+            else:
+                target.copy_(value)
 
 
 def requests_fsdp(trainer: Mapping[str, Any]) -> bool:

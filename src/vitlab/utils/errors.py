@@ -4,8 +4,9 @@ Our own checks of what a user asked for raise `UserError` (or one of its two fil
 the entry points turn exactly these, and Hydra/OmegaConf config errors, into a one-line `error: ...`
 and exit 2. Everything else is a bug, in our code or below it, and keeps its traceback (exit 1).
 
-`UserError` is a `ValueError`, `MissingFileError` also a `FileNotFoundError` and `OfflineError` also a
-`ConnectionError`, so library callers that catch the built-in kinds keep working. Hydra and OmegaConf are
+`UserError` is a `ValueError`, `MissingFileError` also a `FileNotFoundError`, `OfflineError` also a
+`ConnectionError`, `UnknownArgumentError` a `TypeError` and `UnsupportedRequestError` an `AssertionError` (where
+timm's callers catch those), so library callers that catch the built-in kinds keep working. Hydra and OmegaConf are
 imported only by the functions that translate their errors (the commands call them): model, data and
 conversion code may raise these without depending on anything.
 """
@@ -80,6 +81,16 @@ class MissingFileError(UserError, FileNotFoundError):
 
 class OfflineError(UserError, ConnectionError):
     """Something had to be downloaded, and there is no network."""
+
+
+class UnknownArgumentError(UserError, TypeError):
+    """A keyword no model takes (`create_model(name, bogus=1)`): also a TypeError, as Python's own for an unknown
+    keyword, which timm's callers catch."""
+
+
+class UnsupportedRequestError(UserError, AssertionError):
+    """A model request timm's VisionTransformer refuses with an assertion (an unknown pool in reset_classifier, an
+    attention pool added after construction): also an AssertionError, which timm's own tests catch and move on."""
 
 
 class NonFiniteLossError(UserError):
