@@ -15,6 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from vitlab.cli.entry import entry_point
+from vitlab.utils.errors import UserError
 
 
 def predict(cfg: DictConfig) -> list[dict]:
@@ -23,13 +24,17 @@ def predict(cfg: DictConfig) -> list[dict]:
     from vitlab.data.images import read_image
 
     model, prepare, names = _checkpoint(cfg) if cfg.ckpt_path is not None else _pretrained(cfg)
+    if cfg.top_k > len(names):  # (it was clamped silently)
+        raise UserError(
+            f"top_k {cfg.top_k} is more than the model's {len(names)} classes: give top_k up to {len(names)}"
+        )
     images = [cfg.images] if isinstance(cfg.images, str) else list(cfg.images)
     pixels = [read_image(path, model.cfg.in_chans) for path in images]  # every file checked first
     results = []
     for path, img in zip(images, pixels, strict=True):
         with torch.no_grad():
             probs = model(prepare(img).to(cfg.device)).float().softmax(-1)[0]
-        top = probs.topk(min(cfg.top_k, len(probs)))
+        top = probs.topk(cfg.top_k)
         ranked = [
             {"class": names[i], "index": int(i), "prob": float(p)} for p, i in zip(top.values, top.indices, strict=True)
         ]

@@ -38,6 +38,11 @@ def photos(tmp_path_factory) -> Path:
 CASES = {
     # non-train commands' keys: typed and range-checked before a checkpoint is read
     "predict top_k not a number": ("predict", ["images=[a.png]", "top_k=abc"], "top_k 'abc' must be an integer >= 1"),
+    "predict top_k beyond the classes": (
+        "predict",
+        ["images=[a.png]", "top_k=50"],
+        "top_k 50 is more than the model's 10 classes: give top_k up to 10",
+    ),
     "predict on no device": (
         "predict",
         ["images=[a.png]", "device=tpu"],
