@@ -138,7 +138,8 @@ def test_cifar_offline_without_a_copy_fails_clearly(tmp_path, monkeypatch):
     socket.setdefaulttimeout(5)  # this machine has no route out; fail fast whatever the resolver does
     try:
         with pytest.raises(ConnectionError, match="CIFAR-10 not found under data.data_dir=.* and the download failed"):
-            CIFAR10DataModule(data_dir=str(tmp_path), download=True, img_size=32).prepare_data()
+            CIFAR10DataModule(data_dir=str(tmp_path / "data" / "cifar10"), download=True, img_size=32).prepare_data()
+        assert list(tmp_path.iterdir()) == []  # no empty data/cifar10/ left behind (issue 41)
     finally:
         socket.setdefaulttimeout(None)
 

@@ -46,11 +46,18 @@ class CIFAR10DataModule(ImageDataModule):
                 raise MissingFileError(
                     f"{self.label} not found under data.data_dir={str(root)!r} and data.download=false"
                 ) from None
-        with downloading(
-            f"{self.label} not found under data.data_dir={str(root)!r} and the download failed (no network); "
-            "download it once online or copy the extracted dataset there"
-        ):
-            return self.dataset_cls(root, train=train, download=True)
+        made = [p for p in (root, *root.parents) if not p.exists()]  # the folders torchvision's download makes
+        try:
+            with downloading(
+                f"{self.label} not found under data.data_dir={str(root)!r} and the download failed (no network); "
+                "download it once online or copy the extracted dataset there"
+            ):
+                return self.dataset_cls(root, train=train, download=True)
+        except BaseException:
+            for folder in made:  # deepest first; one holding a partial download is left for the next try
+                if folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
+            raise
 
     def prepare_data(self) -> None:  # rank 0 only: download before the other ranks read
         self._open(train=True)
