@@ -46,9 +46,14 @@ def test_a_secondary_process_joins_the_given_run_directory_without_claiming_it(m
         "hydra.output_subdir=null",
     ]
     assert not run_dir.exists()  # rank 0 claims it; a secondary never refuses it for holding files
-    # Lightning's children come with all three already
+    # Lightning's children come with all three already: the run directory kept, the log named by rank as the README
+    # says (Lightning's train_ddp_process_1.log was the name before issue 41)
     given = ["hydra.run.dir=/r", "hydra.job.name=train_ddp_process_1", "hydra.output_subdir=null"]
-    assert rundir.prepare("train", given) == given
+    assert rundir.prepare("train", given) == [
+        "hydra.run.dir=/r",
+        "hydra.output_subdir=null",
+        "hydra.job.name=train_rank1",
+    ]
 
 
 def test_a_run_directory_from_torchrun_keeps_any_character_through_hydra():

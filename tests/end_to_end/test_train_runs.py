@@ -36,6 +36,7 @@ def test_ddp_on_two_cpu_processes_shares_one_run_dir_and_syncs_metrics(tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "sync_dist" not in r.stderr  # no advice to sync values torchmetrics has already synced
     assert sorted(p.name for p in tmp_path.iterdir()) == ["record", "run"]  # rank 1 wrote into rank 0's directory
+    assert (run_dir / "train_rank1.log").is_file() and not list(run_dir.glob("*ddp_process*"))  # named as README says
     assert "data on cpu: 1,257 train, 270 val, 270 test images as uint8" in r.stderr + r.stdout
     trained = [json.loads((record / f"indices.{rank}.json").read_text()) for rank in (0, 1)]
     for epoch in range(2):

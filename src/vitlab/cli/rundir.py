@@ -334,6 +334,8 @@ def prepare(config_name: str, argv: list[str], check: Callable[[Any], None] | No
             "hydra.job.name": lambda: f"{config_name}_rank{rank}",
             "hydra.output_subdir": lambda: "null",
         }
+        # Lightning's DDP launcher names the job train_ddp_process_<k>: its log is ours, train_rank<k>.log, as said.
+        argv = [a for a in argv if not a.startswith("hydra.job.name=")]
         return [*argv, *(f"{key}={value()}" for key, value in own.items() if _override_value(argv, key) is None)]
     run_dir = _override_value(argv, "hydra.run.dir")
     if run_dir is None and int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1) > 1 and _torchrun_store() is None:
