@@ -244,20 +244,21 @@ def test_set_input_size_is_timms(name):
                 torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=0)
 
 
+def _assert_prunes_as_timm(ours, theirs, kwargs):
+    assert ours.prune_intermediate_layers(**kwargs) == theirs.prune_intermediate_layers(**kwargs)
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    x = images(ours)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), atol=1e-6, rtol=0)
+        torch.testing.assert_close(ours.forward_intermediates(x), theirs.forward_intermediates(x), atol=1e-6, rtol=0)
+    assert list(ViT(ours.cfg).state_dict()) == list(ours.state_dict())  # the config follows
+
+
 @pytest.mark.parametrize("name", PARAMS)
 def test_prune_intermediate_layers_is_timms(name):
-    ours, theirs = pair(name, depth=4)
     for kwargs in [dict(indices=[1]), dict(indices=2, prune_norm=True)]:
         ours, theirs = pair(name, depth=4)
-        assert ours.prune_intermediate_layers(**kwargs) == theirs.prune_intermediate_layers(**kwargs)
-        assert list(ours.state_dict()) == list(theirs.state_dict())
-        x = images(ours)
-        with torch.no_grad():
-            torch.testing.assert_close(ours(x), theirs(x), atol=1e-6, rtol=0)
-            torch.testing.assert_close(
-                ours.forward_intermediates(x), theirs.forward_intermediates(x), atol=1e-6, rtol=0
-            )
-        assert list(ViT(ours.cfg).state_dict()) == list(ours.state_dict())  # the config follows
+        _assert_prunes_as_timm(ours, theirs, kwargs)
 
 
 @pytest.mark.parametrize("name", PARAMS)
@@ -423,15 +424,7 @@ def test_distilled_deit_prunes_and_resets_as_timms():
     """prune_intermediate_layers (features_only's) calls reset_classifier(0, ''): a distilled model takes it."""
     for kwargs in [dict(indices=[1]), dict(indices=2, prune_norm=True)]:
         ours, theirs = distilled_pair()
-        assert ours.prune_intermediate_layers(**kwargs) == theirs.prune_intermediate_layers(**kwargs)
-        assert list(ours.state_dict()) == list(theirs.state_dict())
-        x = images(ours)
-        with torch.no_grad():
-            torch.testing.assert_close(ours(x), theirs(x), atol=1e-6, rtol=0)
-            torch.testing.assert_close(
-                ours.forward_intermediates(x), theirs.forward_intermediates(x), atol=1e-6, rtol=0
-            )
-        assert list(ViT(ours.cfg).state_dict()) == list(ours.state_dict())  # the config follows
+        _assert_prunes_as_timm(ours, theirs, kwargs)
 
 
 @pytest.mark.parametrize(
