@@ -254,6 +254,16 @@ def _assert_prunes_as_timm(ours, theirs, kwargs):
     assert list(ViT(ours.cfg).state_dict()) == list(ours.state_dict())  # the config follows
 
 
+def _assert_init_after_to_empty_is_the_hosts(model, host):
+    """A model laid out on meta, materialised with garbage (NaN), then init_weights(): the host build's values."""
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.fill_(float("nan"))
+    model.init_weights()
+    torch.testing.assert_close(model.state_dict(), host.state_dict(), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("name", PARAMS)
 def test_prune_intermediate_layers_is_timms(name):
     for kwargs in [dict(indices=[1]), dict(indices=2, prune_norm=True)]:
@@ -342,12 +352,7 @@ def test_create_model_on_meta_then_init_weights(name):
     torch.manual_seed(0)
     model = vitlab.create_model(name, device="meta", **kwargs)
     assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            t.fill_(float("nan"))
-    model.init_weights()
-    torch.testing.assert_close(model.state_dict(), host.state_dict(), atol=0, rtol=0)
+    _assert_init_after_to_empty_is_the_hosts(model, host)
 
 
 @pytest.mark.parametrize("name", ["vit_wee_patch16_reg1_gap_256", "deit_tiny_distilled_patch16_224"])
@@ -393,12 +398,7 @@ def test_init_weights_after_to_empty_is_construction(name):
     host = ViT(cfg)
     torch.manual_seed(0)
     model = ViT(cfg, device="meta")
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            t.fill_(float("nan"))
-    model.init_weights()
-    torch.testing.assert_close(model.state_dict(), host.state_dict(), atol=0, rtol=0)
+    _assert_init_after_to_empty_is_the_hosts(model, host)
 
 
 @pytest.mark.parametrize("name", PARAMS)
