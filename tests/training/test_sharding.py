@@ -143,8 +143,9 @@ def test_a_vit_built_on_meta_is_initialised_per_shard_as_on_the_host(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # forked: the processes start with this one's imports (spawned ones would import torch and vitlab again)
-    mp.start_processes(_materialise_sharded, args=(2, port, str(tmp_path / "out.pt")), nprocs=2, start_method="fork")
+    # spawned, not forked: a fork of a pytest worker whose earlier tests ran torch's OpenMP pool hangs in its first
+    # parallel op (libgomp's threads are not carried over; CI's make test stopped there)
+    mp.start_processes(_materialise_sharded, args=(2, port, str(tmp_path / "out.pt")), nprocs=2, start_method="spawn")
     results = torch.load(tmp_path / "out.pt", weights_only=True)
     for overrides, got in zip(META_CONFIGS, results, strict=True):
         torch.manual_seed(0)
