@@ -95,7 +95,8 @@ class SignalAtStep(L.Callback):
     `group=true` to its whole process group from another process, as Ctrl-C in a terminal, `timeout` or a
     scheduler do (loader workers and the other ranks included); under DDP only from rank `rank`. `times=2` sends
     it twice in a row; in a -m sweep, `job` picks the job that sends it. The time it was sent goes to `stamp`, when
-    given."""
+    given. `hook` lands it elsewhere than after the step: at the end of the epoch whose last step is `step` (after its
+    validation and its checkpoint, on_train_epoch_end) or at the start of the next (on_train_epoch_start)."""
 
     def __init__(
         self,
@@ -106,6 +107,7 @@ class SignalAtStep(L.Callback):
         times: int = 1,
         stamp: str | None = None,
         job: int | None = None,
+        hook: str = "on_train_batch_end",
     ):
         self.step, self.signum, self.group, self.rank, self.times, self.stamp, self.job = (
             step,
@@ -116,9 +118,19 @@ class SignalAtStep(L.Callback):
             stamp,
             job,
         )
+        self.hook = hook
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step != self.step or trainer.global_rank != self.rank:
+        self._send(trainer, "on_train_batch_end")
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self._send(trainer, "on_train_epoch_end")
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self._send(trainer, "on_train_epoch_start")
+
+    def _send(self, trainer, hook: str) -> None:
+        if hook != self.hook or trainer.global_step != self.step or trainer.global_rank != self.rank:
             return
         if self.job is not None and HydraConfig.get().job.num != self.job:
             return
@@ -201,11 +213,13 @@ class RecordTrainIndices(L.Callback):
         (self.path / f"indices.{trainer.global_rank}.json").write_text(json.dumps(self.epochs))
 
 
-def interrupt(args, tmp_path, signum, step, group=True, rank=0) -> str:
-    """`python -m vitlab.train args` stopped by `signum` after optimizer step `step` (SignalAtStep): checks the
-    exit, the checkpoint and the last line, and returns the command that line gives to resume."""
+def interrupt(args, tmp_path, signum, step, group=True, rank=0, hook=None) -> str:
+    """`python -m vitlab.train args` stopped by `signum` after optimizer step `step` (SignalAtStep; `hook`: at that
+    epoch boundary instead): checks the exit, the checkpoint, the last line and interrupted.json beside them, and
+    returns the command that line gives to resume."""
     stamp = tmp_path / "sent"
-    killer = extra_callback("kill", "SignalAtStep", step=step, signum=signum, group=group, rank=rank, stamp=stamp)
+    at = {"hook": hook} if hook else {}
+    killer = extra_callback("kill", "SignalAtStep", step=step, signum=signum, group=group, rank=rank, stamp=stamp, **at)
     killed = tmp_path / "killed"
     r = run_cli("train", *args, *killer, f"hydra.run.dir={killed}", own_group=True)
     exited = time.time()
@@ -219,6 +233,9 @@ def interrupt(args, tmp_path, signum, step, group=True, rank=0) -> str:
     assert found[3] == str(saved) and (saved.is_file() or is_sharded_checkpoint(saved))  # a file, or shards
     assert int(found[1]) > step and read_checkpoint(saved, weights=False)["global_step"] == int(found[1])
     assert shlex.split(found[4]) == ["python", "-m", "vitlab.train", *args, *killer, f"ckpt_path={saved}"]
+    said = json.loads((killed / "interrupted.json").read_text())
+    assert said == {"signal": signum, "step": int(found[1]), "epoch": int(found[2]), "checkpoint": str(saved),
+                    "resume": found[4]}  # fmt: skip
     assert exited - float(stamp.read_text()) < 30  # every process gone within seconds
     return found[4]
 

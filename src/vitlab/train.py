@@ -45,12 +45,15 @@ def train(cfg: DictConfig) -> float | None:
     trainer = build.build_trainer(
         cfg.trainer, callbacks=callbacks, logger=loggers or False, enable_progress_bar=show_bar
     )
+    estimate = memory.for_run(module, trainer, cfg.optim.name, cfg.data.batch_size)
+    if cfg.memory_check:  # (before a checkpoint or pretrained weights are read)
+        memory.check_fits(estimate, trainer, module.model.cfg.grad_checkpointing)
     ckpt_path = resume.starting_point(cfg, module)  # a checkpoint to go on from, or pretrained weights loaded
 
     if trainer.is_global_zero:
         save_config(cfg, out / "config.yaml", show=cfg.print_config)
         log.info("%s; run directory %s (config in config.yaml)", describe_run(cfg, module), out)
-        log.info(memory.for_run(module, trainer, cfg.optim.name, cfg.data.batch_size).line())
+        log.info(estimate.line())
     for logger in loggers:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 

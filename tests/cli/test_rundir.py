@@ -64,6 +64,21 @@ def test_a_run_directory_from_torchrun_keeps_any_character_through_hydra():
         assert override.value() == odd
 
 
+@pytest.mark.parametrize(
+    "typed, meant",
+    [
+        ("/data/phötos", "/data/phötos"),
+        ("[/tmp/phötos/x.jpg]", ["/tmp/phötos/x.jpg"]),
+        ("[a.jpg, /tmp/ö.jpg]", ["a.jpg", "/tmp/ö.jpg"]),  # (issue 41: the list quoted whole was one file name)
+    ],
+)
+def test_the_quoting_advice_for_a_non_ascii_value_parses_to_what_was_meant(typed, meant):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    (override,) = OverridesParser.create().parse_overrides([f"images={rundir.quoted_for_hydra(typed)}"])
+    assert override.value() == meant
+
+
 @pytest.mark.parametrize("procid", ["0", "1"])
 def test_srun_tasks_without_a_shared_run_directory_are_refused_in_one_line(tmp_path, procid):
     env = {"SLURM_PROCID": procid, "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2"}

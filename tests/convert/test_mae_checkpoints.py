@@ -91,7 +91,12 @@ def test_a_decoder_that_does_not_fit_is_named_with_the_fix(tmp_path, mae_sd):
     with pytest.raises(UserError, match=r"decoder_pos_embed \(1, 197, 512\) is not this decoder's fixed table .*set "
                                         r"model.pos_embed=sincos2d_mae"):  # fmt: skip
         load_timm_weights(ViT(cfg), str(tmp_path / "mae.pth"), decoder=MAEDecoder(cfg, DECODER))
-    cfg = encoder_cfg()
+    cfg = encoder_cfg()  # pos_embed=sincos2d_mae already: the file's own table is what is wrong (issue 41)
+    changed = {**mae_sd, "decoder_pos_embed": mae_sd["decoder_pos_embed"] + 0.01}
+    torch.save({"model": changed}, tmp_path / "changed.pth")
+    with pytest.raises(UserError, match=r"not this decoder's fixed table \(1, 197, 512\): the file's table is not the "
+                                        r"fixed sin-cos one MAE's code writes"):  # fmt: skip
+        load_timm_weights(ViT(cfg), str(tmp_path / "changed.pth"), decoder=MAEDecoder(cfg, DECODER))
     two = MAEConfig(decoder_embed_dim=512, decoder_depth=2, decoder_num_heads=16)
     with pytest.raises(UserError, match=r"its MAE decoder does not fit objective=mae's \(missing \['decoder_blocks.1."):
         load_timm_weights(ViT(cfg), str(tmp_path / "mae.pth"), decoder=MAEDecoder(cfg, two))

@@ -132,6 +132,23 @@ def test_imagefolder_errors(tmp_path):
         ImageFolderDataModule(data_dir=str(tmp_path), num_classes=3, img_size=16).setup()
 
 
+def test_imagefolder_names_the_class_folders_that_are_not_there(tmp_path):
+    """A train/ of loose images (class_folders counts 0), and a val/ whose classes are not train's: the folders
+    are named, not a number (issue 41)."""
+    from tests.helpers import image_tree
+
+    (tmp_path / "flat" / "train").mkdir(parents=True)
+    (tmp_path / "flat" / "train" / "x.png").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"flat/train holds no class folders \(expected .*data.unlabeled=true\)"):
+        ImageFolderDataModule(data_dir=str(tmp_path / "flat"), num_classes=0, img_size=16)
+    image_tree(tmp_path / "t", classes=("ant", "bee", "cat"), splits=("train",))
+    image_tree(tmp_path / "t", classes=("ant", "cow"), splits=("val",))
+    dm = ImageFolderDataModule(data_dir=str(tmp_path / "t"), num_classes=3, img_size=16)
+    said = r"t/val differ from those of .*t/train \(missing bee, cat; not in train: cow\)"
+    with pytest.raises(ValueError, match=said):
+        dm.setup()
+
+
 def test_cifar_offline_without_a_copy_fails_clearly(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="CIFAR-10 not found under data.data_dir=.* and data.download=false"):
         CIFAR10DataModule(data_dir=str(tmp_path), download=False, img_size=32).prepare_data()

@@ -3,6 +3,7 @@ rank or to the whole process group (loader workers included). Every rank stops a
 is written, the run exits with 128 + the signal's number naming it and the command that resumes it, and the
 resumed run equals the uninterrupted one bit for bit."""
 
+import json
 import signal
 import subprocess
 import sys
@@ -110,6 +111,28 @@ def folder_two(tmp_path_factory, images):
 def test_one_process_stops_and_resumes_exactly(digits, tmp_path, signum, step, group):
     command = interrupt(DIGITS, tmp_path, signum, step, group=group)
     assert_same_run(digits, resume(command, tmp_path))
+
+
+@pytest.mark.parametrize("signum, hook", [("SIGINT", "on_train_epoch_end"), ("SIGTERM", "on_train_epoch_start")])
+def test_a_signal_at_the_epoch_boundary_stops_after_the_next_step_and_resumes_exactly(digits, tmp_path, signum, hook):
+    """Landed exactly between epoch 1's last step (9, its validation and checkpoint done) and epoch 2's first (issue
+    41): the checkpoint is written after step 10 and the resumed run is the uninterrupted one."""
+    command = interrupt(DIGITS, tmp_path, signum, 9, group=False, hook=hook)
+    assert_same_run(digits, resume(command, tmp_path))
+
+
+def test_a_sweep_stopped_at_an_epoch_boundary_calls_its_job_interrupted_with_the_command_that_resumes_it(tmp_path):
+    """Ctrl-C between job 0's first and second epochs (issue 41): the sweep ends with its table, and summary.json
+    lists the job as interrupted with its resume command, the one the last line gives."""
+    kill = extra_callback("kill", "SignalAtStep", step=9, signum="SIGINT", job=0, hook="on_train_epoch_start")
+    sweep = tmp_path / "sweep"
+    r = run_cli("train", "-m", "seed=1,2", *DIGITS, *kill, f"hydra.sweep.dir={sweep}", own_group=True)
+    assert r.returncode == 130, r.stderr[-3000:]
+    (row,) = json.loads((sweep / "summary.json").read_text())
+    assert row["status"] == "interrupted" and row["overrides"][0] == "seed=1"
+    assert row["resume"] == r.stderr.strip().splitlines()[-1].split("resume with: ")[1]
+    assert row["resume"].endswith(f"hydra.mode=RUN ckpt_path={sweep / '0' / 'checkpoints' / 'interrupted.ckpt'}")
+    assert "sweep summary" in r.stdout and "interrupted" in r.stdout
 
 
 def test_data_held_on_the_device_resumes_exactly(on_device, tmp_path):

@@ -5,6 +5,7 @@ a sweep lists every job with its right status and names the failed ones; a bug s
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,22 @@ def test_the_data_is_checked_in_the_launching_process_before_any_other_starts(tm
                 cwd=tmp_path)  # fmt: skip
     said = "error: data.num_classes 1000 does not match the 2 class folders in photos/train"
     assert_refused(r, said, before, tmp_path / "outputs")
+
+
+def test_a_run_the_machine_cannot_hold_is_refused_before_it_starts(tmp_path):
+    """ViT-B/16 at 4,096 images a step needs ~450 GB per process (the start line's estimate): refused in one line
+    naming the estimate, the memory there is and the keys that bring it down, not trained until the machine swaps
+    (issue 41). (`memory_check=false` starts it anyway: tests/training/test_memory.py.)"""
+    before = earlier_run(tmp_path)
+    r = run_cli("train", "model=vit_b16", "data.batch_size=4096", cwd=tmp_path)
+    said = "error: the run needs about 4"
+    assert_refused(r, said, before, tmp_path / "outputs")
+    assert re.search(
+        r"GB per process \(activations 4\d\d\.\d GB for 4096 images, one process\), more than this host's \d+\.\d GB: "
+        r"bring it down with data.batch_size, model.grad_checkpointing=true, trainer=fsdp \(over several devices\), "
+        r"trainer.precision=bf16-mixed; or start anyway with memory_check=false$",
+        r.stderr.strip(),
+    ), r.stderr
 
 
 def test_the_start_line_names_cpu_processes_and_their_strategy(tmp_path):

@@ -68,3 +68,26 @@ def test_the_states_are_counted_from_the_tensors_and_fsdp_divides_them():
 @pytest.mark.parametrize("name, states", [("adamw", 2), ("sgd", 1), ("lion", 1), ("lamb", 2)])
 def test_the_optimizer_state_per_parameter_is_found_by_stepping_it(name, states):
     assert memory.optimizer_states(name) == states
+
+
+def test_a_run_that_does_not_fit_is_refused_with_the_settings_not_yet_used():
+    """check_fits against this host's memory: a small run passes; one of 10 TB per process names the estimate, the
+    memory, and only the settings that would bring it down and are not set already."""
+    from types import SimpleNamespace
+
+    from vitlab.utils.errors import UserError
+
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), num_devices=2,
+                              precision="bf16-mixed")  # fmt: skip
+    have, whose = memory.available(trainer)
+    assert 0 < have and whose == "this host's (shared by 2 processes)"
+    small = memory.Estimate(1e6, 1e6, 2e6, 0, 1e7, 8, "ddp over 2 processes")
+    memory.check_fits(small, trainer, checkpointing=False)
+    big = memory.Estimate(1e12, 1e12, 2e12, 0, 6e12, 8, "fsdp over 2 processes")
+    with pytest.raises(UserError) as e:
+        memory.check_fits(big, trainer, checkpointing=True)
+    assert str(e.value) == (
+        f"the run needs about 10000.0 GB per process (activations 6000.0 GB for 8 images, fsdp over 2 processes), "
+        f"more than this host's (shared by 2 processes) {memory.size(have)}: bring it down with data.batch_size; or "
+        "start anyway with memory_check=false"
+    )

@@ -128,8 +128,8 @@ def _sweep_job_dir() -> Path | None:
 
 
 def _summarize_sweep(cfg: DictConfig) -> None:
-    """In a -m sweep, what the configured SweepSummary callbacks write as each job ends (Hydra calls them only
-    for a job that returned or raised an Exception, not for one that exits)."""
+    """In a -m sweep that a signal ends in one of its jobs, the configured SweepSummary callbacks' summary.json and
+    table (Hydra calls them only for a job that returned or raised an Exception, not for one that exits)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_class
 
@@ -140,7 +140,7 @@ def _summarize_sweep(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     for node in (hydra_cfg.get("callbacks") or {}).values():
         if issubclass(get_class(node._target_), SweepSummary):
-            hydra.utils.instantiate(node).write(hydra_cfg, cfg.get("optimized_metric"))
+            hydra.utils.instantiate(node).show(hydra_cfg, cfg.get("optimized_metric"))
 
 
 def _record_failed_job(job: Path, message: str, bug: bool = False) -> float:

@@ -260,6 +260,16 @@ def _check_as_job(cfg, check: Callable[[Any], None]) -> None:
         HydraConfig.instance().cfg = None  # the job's own is set by Hydra
 
 
+def quoted_for_hydra(value: str) -> str:
+    """`value` as typed, quoted as Hydra's grammar takes it: a list's elements each (`[a, b]` -> `["a", "b"]`:
+    the list quoted whole would be one string), anything else whole."""
+    inner = value[1:-1] if value.startswith("[") and value.endswith("]") else None
+    if inner is None:
+        return f'"{value}"'
+    items = [item.strip() for item in inner.split(",")] if inner.strip() else []
+    return "[" + ", ".join(item if item.isascii() else f'"{item.strip(chr(34) + chr(39))}"' for item in items) + "]"
+
+
 def _explain(e: Exception, config_name: str, overrides: list[str]) -> str:
     """Hydra's report of a bad override in one line, in other words where its own would mislead: an unknown key
     (Hydra's hint, `+key=...`, only leads to a second error) names the keys there are; a value with characters
@@ -272,7 +282,7 @@ def _explain(e: Exception, config_name: str, overrides: list[str]) -> str:
         key, _, value = odd[0].partition("=")
         return (
             f"{odd[0]}: an unquoted value may hold only ASCII characters; quote it for Hydra as well as for the "
-            f"shell: '{key}=\"{value}\"'"
+            f"shell: '{key}={quoted_for_hydra(value)}'"
         )
     unknown = re.match(r"Could not override '([^']+)'", text)
     if unknown and "not in struct" in str(e.__cause__):

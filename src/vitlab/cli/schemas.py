@@ -41,6 +41,7 @@ class TrainSettings(TypedDict):
     compile: bool | CompileMode | None  # true: torch.compile's default mode
     progress_bar: ProgressBar
     print_config: bool
+    memory_check: bool
     freeze_backbone: bool
     task_name: str
     tags: list[str]

@@ -64,6 +64,8 @@ class SweepSummary(Callback):
             status = "failed"
         else:  # still running, stopped on a signal (its checkpoint resumes it) or killed
             status = "interrupted" if (job / "checkpoints" / "interrupted.ckpt").is_file() else "unfinished"
+        stop = job / "interrupted.json"  # what training wrote when it stopped on a signal: the command that resumes it
+        resume = json.loads(stop.read_text()).get("resume") if status == "interrupted" and stop.is_file() else None
         return {
             "job": int(job.name),
             "overrides": overrides,
@@ -71,25 +73,12 @@ class SweepSummary(Callback):
             **{c: metrics.get(c) for c in self.columns},
             **({"error": error} if error else {}),
             **({"bug": True} if failure.get("bug") else {}),
+            **({"resume": resume} if resume else {}),
         }
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from rich.console import Console
-        from rich.table import Table
-
         sweep_dir = Path(config.hydra.sweep.dir)
-        rows = self.write(config.hydra, config.get("optimized_metric"))
-        table = Table(title=f"sweep summary ({sweep_dir})")
-        for col in ["job", "overrides", "status", *self.columns]:
-            table.add_column(col)
-        for r in rows:
-            table.add_row(
-                str(r["job"]),
-                " ".join(r["overrides"]),
-                r["status"],
-                *[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in self.columns],
-            )
-        Console(width=None if sys.stdout.isatty() else 160).print(table)
+        rows = self.show(config.hydra, config.get("optimized_metric"))
         failed = [r for r in rows if r["status"] != "done"]
         if failed:
             first = failed[0]
@@ -101,6 +90,26 @@ class SweepSummary(Callback):
                 1 if bug else 2,
             )
         print(f"sweep results: {sweep_dir / 'summary.json'}", flush=True)
+
+    def show(self, hydra_cfg: DictConfig, metric: str | None) -> list[dict[str, Any]]:
+        """summary.json written, and its rows printed as a table: at the sweep's end, or where a signal ends it."""
+        from rich.console import Console
+        from rich.table import Table
+
+        sweep_dir = Path(hydra_cfg.sweep.dir)
+        rows = self.write(hydra_cfg, metric)
+        table = Table(title=f"sweep summary ({sweep_dir})")
+        for col in ["job", "overrides", "status", *self.columns]:
+            table.add_column(col)
+        for r in rows:
+            table.add_row(
+                str(r["job"]),
+                " ".join(r["overrides"]),
+                r["status"],
+                *[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in self.columns],
+            )
+        Console(width=None if sys.stdout.isatty() else 160).print(table)
+        return rows
 
 
 def _job_dirs(sweep_dir: Path) -> list[Path]:

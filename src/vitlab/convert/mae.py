@@ -18,6 +18,7 @@ import torch
 
 from vitlab.model import ViT
 from vitlab.model.mae import MAEDecoder
+from vitlab.model.posemb import posemb_sincos_2d_mae
 from vitlab.utils.atomic import atomic_write
 from vitlab.utils.errors import UserError
 
@@ -59,6 +60,21 @@ def describe_decoder(decoder: StateDict) -> str:
     return ", ".join(names)
 
 
+def _table_fix(decoder: MAEDecoder, saved: torch.Tensor) -> str:
+    """What differs between a file's decoder_pos_embed and the decoder's: the size, the encoder's pos_embed kind (the
+    file holds MAE's table), or the file's own values (neither table: changed or learned after MAE wrote it)."""
+    encoder = decoder.encoder_cfg
+    if saved.shape != decoder.decoder_pos_embed.shape:
+        return "; give the model the image and patch size it was trained at"
+    mae = posemb_sincos_2d_mae(encoder.grid_size, saved.shape[-1], encoder.num_prefix_tokens)
+    if encoder.pos_embed != "sincos2d_mae" and torch.allclose(saved.float(), mae, atol=1e-6):
+        return " (MAE's sin-cos frequencies): set model.pos_embed=sincos2d_mae, whose decoder table is MAE's"
+    return (
+        ": the file's table is not the fixed sin-cos one MAE's code writes for this size (its values were changed or "
+        "learned), and this decoder's table is fixed; the file cannot be loaded as an MAE checkpoint"
+    )
+
+
 def load_decoder(decoder: MAEDecoder, sd: StateDict, src: str) -> None:
     """An MAE decoder's weights (MAE's names) into `decoder`: every key used, every shape matched, MAE's saved
     decoder_pos_embed equal to this decoder's fixed table (else the encoder's pos_embed kind is named as the fix)."""
@@ -66,15 +82,8 @@ def load_decoder(decoder: MAEDecoder, sd: StateDict, src: str) -> None:
     saved = sd.pop("decoder_pos_embed", None)
     ours = decoder.decoder_pos_embed
     if saved is not None and (saved.shape != ours.shape or not torch.allclose(saved.float(), ours.float(), atol=1e-6)):
-        same_shape = saved.shape == ours.shape
-        raise UserError(
-            f"{src}: its decoder_pos_embed {tuple(saved.shape)} is not this decoder's fixed table {tuple(ours.shape)}"
-            + (
-                " (MAE's sin-cos frequencies): set model.pos_embed=sincos2d_mae, whose decoder table is MAE's"
-                if same_shape
-                else "; give the model the image and patch size it was trained at"
-            )
-        )
+        raise UserError(f"{src}: its decoder_pos_embed {tuple(saved.shape)} is not this decoder's fixed table "
+                        f"{tuple(ours.shape)}{_table_fix(decoder, saved)}")  # fmt: skip
     want = decoder.state_dict()
     unknown, missing = sorted(set(sd) - set(want)), sorted(set(want) - set(sd))
     bad = [f"{k} {tuple(sd[k].shape)} != {tuple(w.shape)}" for k, w in want.items() if sd.get(k, w).shape != w.shape]

@@ -47,6 +47,11 @@ def check_class_folders(data_dir: str, num_classes: int, unlabeled: bool = False
     if unlabeled or not train.is_dir():
         return  # (a missing split is named when the data is set up)
     found = sum(1 for entry in os.scandir(train) if entry.is_dir())
+    if found == 0:
+        raise UserError(
+            f"{data_dir}/train holds no class folders (expected {data_dir}/train/<class>/<image>; images without "
+            "classes: data.unlabeled=true)"
+        )
     if found != num_classes:
         raise UserError(f"data.num_classes {num_classes} does not match the {found} class folders in {data_dir}/train")
 
@@ -67,9 +72,9 @@ class ImageFolderDataModule(ImageDataModule):
         unlabeled: bool = False,  # every image under train/ (val/, test/) at any depth, no classes: objective=mae
         **kwargs,
     ):
+        check_class_folders(data_dir, num_classes, unlabeled)
         if num_classes < 1 and not unlabeled:
             raise UserError(f"data.num_classes {num_classes} must be >= 1")
-        check_class_folders(data_dir, num_classes, unlabeled)
         super().__init__(data_dir=data_dir, num_classes=num_classes, **kwargs)
         self.class_names: list[str] = []
         self.check_images, self.val_fraction, self.split_seed = check_images, val_fraction, split_seed
@@ -97,7 +102,7 @@ class ImageFolderDataModule(ImageDataModule):
         test = self._split("test") if (Path(self.data_dir) / "test").is_dir() else None
         for split in (val, test):
             if split is not None and split.classes != train.classes:
-                raise UserError(f"class folders of {split.root} differ from those of {train.root}")
+                raise UserError(_classes_differ(split.root, split.classes, train.root, train.classes))
         self.class_names = [] if self.unlabeled else list(train.classes)
         self._assign_splits(train, val, test, self.val_fraction, self.split_seed)
         self._check({"train": train, "val": val} | ({"test": test} if test is not None else {}))
@@ -124,3 +129,14 @@ class ImageFolderDataModule(ImageDataModule):
         classes = "unlabeled" if self.unlabeled else f"in {len(self.class_names)} classes"
         log.info("%s: %s images %s%s", self.data_dir, found, classes, skipped)
         log.info("%s", describe_splits(self.splits))
+
+
+def _classes_differ(root: str, classes: list[str], train_root: str, train_classes: list[str]) -> str:
+    """The one line for a split whose class folders are not train's: which are missing and which are extra."""
+    missing, extra = sorted(set(train_classes) - set(classes)), sorted(set(classes) - set(train_classes))
+    parts = [
+        f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}" if missing else "",
+        f"not in train: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}" if extra else "",
+    ]
+    said = "; ".join(p for p in parts if p)
+    return f"class folders of {root} differ from those of {train_root} ({said or 'in order'})"

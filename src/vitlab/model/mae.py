@@ -136,6 +136,7 @@ class MAEDecoder(nn.Module):
         )
         self.decoder_embed = nn.Linear(encoder.embed_dim, cfg.decoder_embed_dim)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, cfg.decoder_embed_dim))
+        self.encoder_cfg = encoder  # (what the fixed table follows)
         self.register_buffer("decoder_pos_embed", decoder_pos_table(encoder, cfg.decoder_embed_dim), persistent=False)
         self.decoder_blocks = nn.ModuleList(Block(block_cfg, 0.0) for _ in range(cfg.decoder_depth))
         self.decoder_norm = nn.LayerNorm(cfg.decoder_embed_dim, eps=1e-6)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,6 +69,43 @@ class Estimate:
 
 def size(n: float) -> str:
     return f"{n / GB:.1f} GB" if n >= 0.1 * GB else f"{n / 1e6:.1f} MB"
+
+
+def available(trainer: Any) -> tuple[float, str]:
+    """The bytes one process of `trainer` may use, and whose they are: its GPU's, or this host's (the smaller of its
+    memory and its cgroup's limit) shared by the processes it runs."""
+    root = trainer.strategy.root_device
+    if root.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(root).total_memory, f"{torch.cuda.get_device_name(root)}'s"
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = Path("/sys/fs/cgroup/memory.max")
+    if limit.is_file() and limit.read_text().strip().isdigit():
+        host = min(host, int(limit.read_text()))
+    local = max(1, trainer.num_devices)  # the processes on this host
+    return host / local, "this host's" + (f" (shared by {local} processes)" if local > 1 else "")
+
+
+def check_fits(est: Estimate, trainer: Any, checkpointing: bool) -> None:
+    """A run estimated to need more memory per process than there is: refused in one line naming the estimate, the
+    memory, and the settings that bring it down (those not set already); `memory_check=false` starts it anyway."""
+    from vitlab.utils.errors import UserError
+
+    have, whose = available(trainer)
+    if est.total <= have:
+        return
+    fixes = [
+        "data.batch_size",
+        *(["model.grad_checkpointing=true"] if not checkpointing else []),
+        *(["trainer=fsdp (over several devices)"] if not est.strategy.startswith("fsdp") else []),
+        *(["trainer.precision=bf16-mixed"] if str(trainer.precision) in ("32-true", "64-true") else []),
+    ]
+    raise UserError(
+        f"the run needs about {size(est.total)} per process (activations {size(est.activations)} for {est.batch} "
+        f"images, {est.strategy}), more than {whose} {size(have)}: bring it down with {', '.join(fixes)}; "
+        "or start anyway with memory_check=false"
+    )
 
 
 @functools.cache

@@ -4,6 +4,7 @@ finished run), and, for a run stopped on a signal, what was saved and the comman
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shlex
@@ -157,10 +158,13 @@ def stopped(trainer: L.Trainer) -> NoReturn:
             print("stopped by SIGTERM; no checkpoint saved (callbacks without save_on_interrupt)", file=sys.stderr)
         raise SystemExit(128 + signal.SIGTERM)
     if trainer.is_global_zero:
-        name, path = signal.Signals(saved["signal"]).name, saved["path"]
+        name, path, command = signal.Signals(saved["signal"]).name, saved["path"], resume_command(saved["path"])
+        said = {"signal": name, "step": saved["step"], "epoch": saved["epoch"] + 1, "checkpoint": str(path)}
+        out = Path(HydraConfig.get().runtime.output_dir)  # beside the checkpoint, for a sweep's summary
+        (out / "interrupted.json").write_text(json.dumps(said | {"resume": command}, indent=2))
         print(
             f"interrupted by {name} at step {saved['step']} (epoch {saved['epoch'] + 1}): saved {path}; resume with: "
-            f"{resume_command(path)}",
+            f"{command}",
             file=sys.stderr,
             flush=True,
         )
