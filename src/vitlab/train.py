@@ -84,7 +84,7 @@ def train(cfg: DictConfig) -> float | None:
     if trainer.is_global_zero:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
         summarize(metrics, best, out)
-    return optimized_value(cfg.optimized_metric, metrics)
+    return optimized_value(cfg.optimized_metric, metrics, warn=trainer.is_global_zero)
 
 
 @entry_point("train")

@@ -156,6 +156,8 @@ def test_auto_keeps_the_loader_for_what_runs_per_image_or_over_the_budget_and_sa
         "data.on_device=auto: data.train_transform.shift=2 (each image is shifted at its own size, before the resize) "
         "runs per image, so the loader's workers read the images",
     ]
+    assert not resides(FakeDataModule(img_size=8, num_workers=0, on_device=False))
+    assert caplog.messages[-1] == "data.on_device=false: the loader's workers read the images, a batch at a time"
     assert resides(FakeDataModule(img_size=8, train_transform=plain, on_device=True, on_device_gb=1e-4))  # any size
     with pytest.raises(ValueError, match=r"^data.on_device=true, but data.train_transform.auto_augment=3a runs per"):
         resides(FakeDataModule(img_size=8, on_device=True, train_transform=plain | {"auto_augment": "3a"}))

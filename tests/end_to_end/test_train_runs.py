@@ -28,6 +28,7 @@ def test_ddp_on_two_cpu_processes_shares_one_run_dir_and_syncs_metrics(tmp_path)
         "trainer.devices=2",
         *SHORT,
         "trainer.limit_test_batches=1.0",
+        "optimized_metric=val/never_logged",  # warned about by rank 0 only (issue 41: once per process)
         f"hydra.run.dir={run_dir}",
         *extra_callback("record", "RecordTrainIndices", path=record),
         cwd=tmp_path,
@@ -38,6 +39,7 @@ def test_ddp_on_two_cpu_processes_shares_one_run_dir_and_syncs_metrics(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["record", "run"]  # rank 1 wrote into rank 0's directory
     assert (run_dir / "train_rank1.log").is_file() and not list(run_dir.glob("*ddp_process*"))  # named as README says
     assert "data on cpu: 1,257 train, 270 val, 270 test images as uint8" in r.stderr + r.stdout
+    assert (r.stderr + r.stdout).count("optimized_metric 'val/never_logged' was not logged") == 1
     trained = [json.loads((record / f"indices.{rank}.json").read_text()) for rank in (0, 1)]
     for epoch in range(2):
         shares = []

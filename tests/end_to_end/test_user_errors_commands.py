@@ -119,6 +119,22 @@ def test_pack_refuses_an_existing_out_before_reading_the_data(tmp_path):
     assert_refused(r, message, {}, tmp_path / "outputs")
 
 
+def test_pack_names_the_class_folders_it_did_not_find(tmp_path):
+    """A folder of loose images (no class folders), and a val/ whose classes are not train's: the folders are
+    named, not a class count (issue 41)."""
+    (tmp_path / "loose" / "train").mkdir(parents=True)
+    (tmp_path / "loose" / "train" / "x.png").write_bytes(b"")
+    r = run_cli("pack", "data.data_dir=loose", "out=shards", cwd=tmp_path)
+    said = "error: loose/train holds no class folders (expected loose/train/<class>/<image>; images without classes"
+    assert_refused(r, said, {}, tmp_path / "outputs")
+    image_tree(tmp_path / "photos", classes=("ant", "bee"), splits=("train",))
+    image_tree(tmp_path / "photos", classes=("ant", "cow"), splits=("val",))
+    r = run_cli("pack", "data.data_dir=photos", "out=shards", cwd=tmp_path)
+    said = "error: class folders of photos/val differ from those of photos/train (missing bee; not in train: cow)"
+    assert_refused(r, said, {}, tmp_path / "outputs")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loose", "photos"]  # no shards, no run directory
+
+
 def test_pack_onto_a_read_only_file_system(photos, tmp_path):
     with tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
         r = run_cli("pack", f"data.data_dir={photos}", f"out={ro / 'shards'}", cwd=tmp_path)

@@ -138,18 +138,20 @@ def _best_trial(sweep_dir: Path, metric: str | None, sweeper: DictConfig) -> dic
     return {"name": "optuna", "best_params": best, "best_value": value, "trials_ended": len(trials)}
 
 
-def optimized_value(key: str | None, metrics: dict[str, Any]) -> float | None:
+def optimized_value(key: str | None, metrics: dict[str, Any], warn: bool = True) -> float | None:
     """The value of `optimized_metric` a job returns to its sweeper. One the run did not log (stopped by max_steps
-    before the first validation) is a warning, in a sweep as in a single run: the job ran as asked, and is `done`
-    in the summary with that column empty; a sweeper gets NaN (Optuna records a failed trial)."""
+    before the first validation) is a warning (`warn`: from the first process only), in a sweep as in a single run:
+    the job ran as asked, and is `done` in the summary with that column empty; a sweeper gets NaN (Optuna records a
+    failed trial)."""
     if key is None:
         return None
     if key not in metrics:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
-        logging.getLogger("vitlab.train").warning(
-            "optimized_metric %r was not logged; logged: %s", key, sorted(metrics)
-        )
+        if warn:
+            logging.getLogger("vitlab.train").warning(
+                "optimized_metric %r was not logged; logged: %s", key, sorted(metrics)
+            )
         return float("nan") if HydraConfig.get().mode == RunMode.MULTIRUN else None
     return metrics[key]

@@ -140,7 +140,10 @@ def stored_transform(train_tf: T.Compose) -> T.Compose:
 def decide(dm: Any) -> bool:
     """Whether `dm`'s splits are held on its device (`dm.on_device`: True, False or "auto"), said in one log line.
     `dm` is an ImageDataModule (data/base.py): its settings, splits and device."""
-    if not dm.can_reside or dm.on_device is False:
+    if not dm.can_reside:
+        return False
+    if dm.on_device is False:
+        log.info("data.on_device=false: the loader's workers read the images, a batch at a time")
         return False
     device = dm.data_device
     why = per_image_only(dm.train_settings, dm.native_hw)
