@@ -113,11 +113,11 @@ def test_one_process_stops_and_resumes_exactly(digits, tmp_path, signum, step, g
     assert_same_run(digits, resume(command, tmp_path))
 
 
-@pytest.mark.parametrize("signum, hook", [("SIGINT", "on_train_epoch_end"), ("SIGTERM", "on_train_epoch_start")])
-def test_a_signal_at_the_epoch_boundary_stops_after_the_next_step_and_resumes_exactly(digits, tmp_path, signum, hook):
-    """Landed exactly between epoch 1's last step (9, its validation and checkpoint done) and epoch 2's first (issue
-    41): the checkpoint is written after step 10 and the resumed run is the uninterrupted one."""
-    command = interrupt(DIGITS, tmp_path, signum, 9, group=False, hook=hook)
+def test_a_signal_at_the_epoch_boundary_stops_after_the_next_step_and_resumes_exactly(digits, tmp_path):
+    """Landed exactly between epoch 1's last step (9) and epoch 2's first, once its validation and checkpoint are
+    done (issue 41): the checkpoint is written after step 10 and the resumed run is the uninterrupted one. (The
+    sweep below lands it at the next epoch's start.)"""
+    command = interrupt(DIGITS, tmp_path, "SIGINT", 9, group=False, hook="on_train_epoch_end")
     assert_same_run(digits, resume(command, tmp_path))
 
 

@@ -82,7 +82,7 @@ def test_the_probe_is_dinov2s_linear_evaluation_on_a_checkpoints_features(
 ):
     """vitlab.eval task=linear on a trained checkpoint's features (DINOv2's 4 feature configurations x 13 learning
     rates) against DINOv2's loop written out, run on the features vitlab.eval cached: with DINOv2's default sampler
-    (another stream of batches) the test accuracy within a point; with its SHARDED_INFINITE_NEW sampler, which ours
+    (another stream of batches) the test accuracy within 2 points; with its SHARDED_INFINITE_NEW sampler, which ours
     draws the same as, and the same initialisation, the same head chosen and the same accuracies."""
     from vitlab.eval import evaluate
 
@@ -98,8 +98,10 @@ def test_the_probe_is_dinov2s_linear_evaluation_on_a_checkpoints_features(
     )
     (tr, ty), (va, vy), (te, tey) = (_cached(tmp_path / "f", s) for s in ("train", "val", "test"))
     _, ref_val, ref_test, _ = dinov2_linear.run(tr, ty, va, vy, te, tey, 64, 10, LINEAR_LRS, iterations)
-    assert abs(ours["linear/top1"] - ref_test) <= 0.01, (ours, ref_val, ref_test)
-    assert abs(ours["linear/val_top1"] - ref_val) <= 0.01 and ours["linear/top1"] > 0.5
+    # Another stream of batches: within 2 points, 5 of the 270 images (measured: 1.1 points since the digits
+    # checkpoint's training changed; the exact check is the next one)
+    assert abs(ours["linear/top1"] - ref_test) <= 0.02, (ours, ref_val, ref_test)
+    assert abs(ours["linear/val_top1"] - ref_val) <= 0.02 and ours["linear/top1"] > 0.5
 
     # The same batches and initialisation: the same 52 heads, to float32's rounding (sums in another order).
     s = Schedule(iterations=40)
