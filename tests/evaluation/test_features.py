@@ -122,5 +122,5 @@ def test_features_are_the_same_with_one_and_two_ddp_processes(digits_ckpt, compo
         assert (two["linear/top1"], two["linear/features"]) == (pytest.approx(found["test_acc"]), found["features"])
     # Written once: rank 0 says where it cached each split; the other process caches nothing.
     assert r.stderr.count("features: ") + r.stdout.count("features: ") == len(stems)
-    (child,) = (tmp_path / "r").glob("*process_1.log")
+    (child,) = (tmp_path / "r").glob("*_rank1.log")  # rank 1's log, named as README says
     assert "features: " not in child.read_text()
