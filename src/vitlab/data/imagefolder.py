@@ -132,11 +132,11 @@ class ImageFolderDataModule(ImageDataModule):
 
 
 def _classes_differ(root: str, classes: list[str], train_root: str, train_classes: list[str]) -> str:
-    """The one line for a split whose class folders are not train's: which are missing and which are extra."""
+    """The one line for a split whose class folders are not train's: which are missing and which are extra (both
+    lists are sorted, ImageFolder's order, so differing lists differ as sets)."""
     missing, extra = sorted(set(train_classes) - set(classes)), sorted(set(classes) - set(train_classes))
     parts = [
         f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}" if missing else "",
         f"not in train: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}" if extra else "",
     ]
-    said = "; ".join(p for p in parts if p)
-    return f"class folders of {root} differ from those of {train_root} ({said or 'in order'})"
+    return f"class folders of {root} differ from those of {train_root} ({'; '.join(p for p in parts if p)})"

@@ -76,8 +76,6 @@ def available(trainer: Any) -> tuple[float, str]:
     memory and its cgroup's limit) shared by the processes it runs."""
     root = trainer.strategy.root_device
     if root.type == "cuda":
-        import torch
-
         return torch.cuda.get_device_properties(root).total_memory, f"{torch.cuda.get_device_name(root)}'s"
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     limit = Path("/sys/fs/cgroup/memory.max")
