@@ -625,3 +625,34 @@ def mae_state_dict_like_maes(
     sd["pos_embed"] = torch.from_numpy(mae_get_2d_sincos_pos_embed(dim, grid)).float()[None]
     sd["decoder_pos_embed"] = torch.from_numpy(mae_get_2d_sincos_pos_embed(decoder_dim, grid)).float()[None]
     return sd
+
+
+def wandb_steps(run_dir: Path) -> list[int]:
+    """The `trainer/global_step` of every history record in an offline W&B run's directory (its run-<id>.wandb:
+    W&B's record log, LevelDB's log format of 32 KiB blocks behind a 7-byte ':W&B' header, which wandb's Python
+    package no longer reads itself)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_dir.glob("run-*.wandb")
+    data, block = path.read_bytes(), 32768
+    ident, magic, _ = struct.unpack("<4sHB", data[:7])
+    assert ident == b":W&B" and magic == 0xBEE1, f"{path} is no W&B record log"
+    pos, record, steps = 7, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7]) if left >= 7 else (0, 0, 0)
+        if kind == 0:  # the rest of a block (padding)
+            pos += left
+            continue
+        record, pos = record + data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a whole record, or its last part
+            parsed = wandb_internal_pb2.Record()
+            parsed.ParseFromString(record)
+            record = b""
+            if parsed.WhichOneof("record_type") == "history":
+                items = {it.key or "/".join(it.nested_key): json.loads(it.value_json) for it in parsed.history.item}
+                if "trainer/global_step" in items:
+                    steps.append(items["trainer/global_step"])
+    return steps

@@ -20,7 +20,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from vitlab.cli.entry import entry_point, save_config
-from vitlab.cli.sweep import optimized_value
+from vitlab.cli.sweep import earlier_result, optimized_value
 from vitlab.utils.logs import describe_run, summarize
 
 log = logging.getLogger("vitlab.train")  # not __main__: the name the log lines show
@@ -30,9 +30,11 @@ def train(cfg: DictConfig) -> float | None:
     import lightning as L
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from vitlab.training import build, memory, pretrained, resume, sharding
+    from vitlab.training import build, memory, pretrained, resume, sharding, trial
 
     started, out = time.time(), Path(cfg.paths.output_dir)
+    if (before := earlier_result(out)) is not None:  # a sweep run again into its directory: this job had ended
+        return optimized_value(cfg.optimized_metric, before)
     if said := sharding.check_request(cfg.trainer, cfg.get("callbacks")):  # trainer=fsdp on one process
         log.info(said)
     pretrained.apply_pretrained(cfg)  # model.pretrained=<timm name>: timm's architecture and preprocessing
@@ -40,22 +42,16 @@ def train(cfg: DictConfig) -> float | None:
 
     datamodule = build.build_datamodule(cfg.data)
     module = build.build_module(cfg, datamodule)
-    callbacks, show_bar = build.build_callbacks(cfg)
-    loggers = build.build_loggers(cfg.get("logger"))  # each checked first (W&B: a login)
-    trainer = build.build_trainer(
-        cfg.trainer, callbacks=callbacks, logger=loggers or False, enable_progress_bar=show_bar
-    )
+    pruning = [trial.PruneTrial(cfg.optimized_metric)] if trial.sweep_pruner()[0] else []  # an Optuna trial
+    callbacks, show_bar = build.build_callbacks(cfg, extra=pruning)
+    trainer = build.build_trainer(cfg.trainer, callbacks=callbacks, logger=False, enable_progress_bar=show_bar)
     estimate = memory.for_run(module, trainer, cfg.optim.name, cfg.data.batch_size)
     if cfg.memory_check:  # (before a checkpoint or pretrained weights are read)
         memory.check_fits(estimate, trainer, module.model.cfg.grad_checkpointing)
     ckpt_path = resume.starting_point(cfg, module)  # a checkpoint to go on from, or pretrained weights loaded
-
-    if trainer.is_global_zero:
-        save_config(cfg, out / "config.yaml", show=cfg.print_config)
-        log.info("%s; run directory %s (config in config.yaml)", describe_run(cfg, module), out)
-        log.info(estimate.line())
-    for logger in loggers:
-        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    # Each logger checked first (W&B: a login); W&B goes on with the run the checkpoint names.
+    trainer.loggers = loggers = build.build_loggers(cfg.get("logger"), resume_from=ckpt_path)
+    _announce(cfg, trainer, module, estimate, out)
 
     metrics, best = {}, ""
     with build.loggers_finished(loggers):  # one W&B run per job, also in sweeps
@@ -63,15 +59,18 @@ def train(cfg: DictConfig) -> float | None:
             try:
                 trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
             except SIGTERMException:
+                build.finish_loggers(loggers)  # (W&B's closing lines before the one that says how to resume)
                 resume.stopped(trainer)  # says what was saved and how to resume; exits 128 + the signal
             metrics.update({k: v.item() for k, v in trainer.callback_metrics.items()})
             best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
-            metrics["best_checkpoint"] = best or None
+            metrics |= {"best_checkpoint": best or None} | trial.pruned(pruning)  # (stopped by the study's pruner)
         datamodule.setup("test")  # (done already when it trained)
         metrics["splits"] = dict(getattr(datamodule, "splits", {}))
         if cfg.test and getattr(datamodule, "test_set", True) is None:
             log.info("not tested: the data has no test split (its val/ chose the checkpoint); the result is %s_best",
                      module.best_key)  # fmt: skip
+        elif cfg.test and "pruned" in metrics:
+            log.info("not tested: the study's pruner stopped this trial at epoch %d", metrics["pruned"]["epoch"])
         elif cfg.test:
             tested = best or (None if cfg.train else ckpt_path)
             if cfg.train and not best:
@@ -85,6 +84,17 @@ def train(cfg: DictConfig) -> float | None:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
         summarize(metrics, best, out)
     return optimized_value(cfg.optimized_metric, metrics, warn=trainer.is_global_zero)
+
+
+def _announce(cfg: DictConfig, trainer, module, estimate, out: Path) -> None:
+    """The run's config in its directory, what it trains and where (and its memory estimate) in the log, and its
+    hyperparameters to each logger."""
+    if trainer.is_global_zero:
+        save_config(cfg, out / "config.yaml", show=cfg.print_config)
+        log.info("%s; run directory %s (config in config.yaml)", describe_run(cfg, module), out)
+        log.info(estimate.line())
+    for logger in trainer.loggers:
+        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
 
 @entry_point("train")

@@ -13,9 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+import optuna
 import pytest
 
-from tests.helpers import ROOT, assert_same_run, extra_callback, run_cli
+from tests.helpers import ROOT, assert_same_run, extra_callback, run_cli, wandb_steps
 
 CLUSTER = ROOT / "tests" / "cluster" / "slurm-localhost.sh"
 SHORT = ["trainer.max_epochs=2", "data.batch_size=128", "progress_bar=none", "trainer.deterministic=true"]
@@ -158,6 +159,7 @@ def _requeued(job: str) -> None:
 
 def test_a_requeued_or_timed_out_job_resumes_by_itself_and_equals_the_uninterrupted_run(cluster, tmp_path):
     run = ["optim.lr=1e-3", "trainer.max_epochs=8", *SHORT[1:], *extra_callback("slow", "SleepPerStep", seconds=0.1)]
+    run += ["logger=wandb", "logger.wandb.offline=true"]  # one W&B run over the requeues (issue 42)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}  # the job finds the test callback
     sweep = subprocess.Popen(
         [sys.executable, "-m", "vitlab.train", *SWEEP, *run],
@@ -185,7 +187,37 @@ def test_a_requeued_or_timed_out_job_resumes_by_itself_and_equals_the_uninterrup
     assert text.count("holds a checkpoint of an earlier start") == 2, text[-3000:]
     assert text.count("[vitlab.training.callbacks][INFO] - epoch 1/8") == 1  # trained from the start once only
     assert text.count("[vitlab.training.callbacks][INFO] - epoch 8/8") == 1
+    runs = sorted((_sweep_dir(tmp_path) / "0" / "wandb").glob("offline-run-*"))  # one per start, named by time
+    assert len(runs) == 3 and len({run.name.rsplit("-", 1)[1] for run in runs}) == 1
+    steps = [wandb_steps(run) for run in runs]
+    assert all(steps) and all(max(a) < min(b) for a, b in zip(steps, steps[1:], strict=False)), steps
     local = tmp_path / "local"
     r = run_cli("train", "trainer=ddp_cpu", "trainer.devices=2", *run, f"hydra.run.dir={local}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_run(local, _sweep_dir(tmp_path) / "0")
+
+
+def test_an_optuna_search_on_slurm_with_two_processes_a_trial_prunes_and_goes_on_as_typed(cluster, tmp_path):
+    """Issue 42 under the Slurm launcher, DDP on two processes a job: each trial reports to the study in the sweep
+    directory from its Slurm job (rank 0; the pruner's decision reaches both ranks); the same command with more
+    trials goes on with the study, and the trials that ended do not run again."""
+    sweep = tmp_path / "sweep"
+    pruner = ["hydra.sweeper.pruner=median", "hydra.sweeper.pruner_args={n_startup_trials: 1}"]
+    search = ["hparams_search=digits_optuna", "optim.lr=choice(0.001,10)", *pruner, "logger=wandb",
+              "logger.wandb.offline=true", f"hydra.sweep.dir={sweep}", *SHORT]  # fmt: skip
+    r = run_cli("train", *SWEEP, *search, "hydra.sweeper.n_trials=3", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ended = {n: (sweep / str(n) / "metrics.json").read_bytes() for n in range(3)}
+    r = run_cli("train", *SWEEP, *search, "hydra.sweeper.n_trials=4", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "3 of 4 trials ended in an earlier run, 0 to run again (interrupted), 1 new" in r.stderr + r.stdout
+    assert {n: (sweep / str(n) / "metrics.json").read_bytes() for n in range(3)} == ended
+    study = optuna.load_study(study_name="digits", storage=f"sqlite:///{sweep}/optuna.db")
+    trials = study.get_trials()
+    assert len(trials) == 4 and {t.state.name for t in trials} <= {"COMPLETE", "PRUNED"}
+    for t in trials:
+        metrics = json.loads((sweep / str(t.number) / "metrics.json").read_text())
+        epochs = metrics["pruned"]["epoch"] if t.state.name == "PRUNED" else 2
+        assert sorted(t.intermediate_values) == list(range(epochs))  # rank 0 reported each validation, once
+        assert len(list((sweep / str(t.number) / "wandb").glob("offline-run-*"))) == 1
+        assert (sweep / str(t.number) / "train_rank1.log").is_file()  # two processes a job

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shlex
 import sys
 import traceback
 import typing
@@ -141,6 +142,10 @@ def _summarize_sweep(cfg: DictConfig) -> None:
     for node in (hydra_cfg.get("callbacks") or {}).values():
         if issubclass(get_class(node._target_), SweepSummary):
             hydra.utils.instantiate(node).show(hydra_cfg, cfg.get("optimized_metric"))
+    # The whole sweep goes on with its own command and directory: ended jobs are kept, the stopped one resumes.
+    typed = [a for a in sys.argv[1:] if not a.startswith("hydra.sweep.dir=")]
+    again = ["python", "-m", f"vitlab.{hydra_cfg.job.name}", *typed, f"hydra.sweep.dir={hydra_cfg.sweep.dir}"]
+    print(f"continue this sweep with: {shlex.join(again)}", flush=True)
 
 
 def _record_failed_job(job: Path, message: str, bug: bool = False) -> float:

@@ -43,8 +43,9 @@ class SweepSummary(Callback):
         rows = [self._row(job) for job in _job_dirs(sweep_dir)]
         text = json.dumps(rows, indent=2).encode()
         atomic_write(sweep_dir / "summary.json", lambda f: f.write(text), what="sweep summary")
-        sweeper = hydra_cfg.sweeper
-        if "optuna" in str(sweeper.get("_target_", "")).lower() and isinstance(sweeper.get("direction"), str):
+        sweeper, target = hydra_cfg.sweeper, str(hydra_cfg.sweeper.get("_target_", ""))
+        ours = target.endswith("vitlab_optuna.OptunaSweeper")  # (which writes it from its study, trial by trial)
+        if "optuna" in target.lower() and not ours and isinstance(sweeper.get("direction"), str):
             best = _best_trial(sweep_dir, metric, sweeper)
             if best is not None:
                 text = OmegaConf.to_yaml(OmegaConf.create(best)).encode()
@@ -58,7 +59,9 @@ class SweepSummary(Callback):
         metrics = json.loads(found[0].read_text()) if found else {}
         failure = json.loads((job / "error.json").read_text()) if (job / "error.json").is_file() else {}
         error = failure.get("error")
-        if metrics and not error:
+        if metrics.get("pruned") and not error:
+            status = f"pruned (epoch {metrics['pruned']['epoch']})"
+        elif metrics and not error:
             status = "done"
         elif error:
             status = "failed"
@@ -77,9 +80,13 @@ class SweepSummary(Callback):
         }
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from vitlab.cli.sweep_plots import plot_grid
+
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = self.show(config.hydra, config.get("optimized_metric"))
-        failed = [r for r in rows if r["status"] != "done"]
+        if "optuna" not in str(config.hydra.sweeper.get("_target_", "")).lower():  # (Optuna's: the study's plots)
+            plot_grid(rows, config.get("optimized_metric"), sweep_dir)
+        failed = [r for r in rows if r["status"] != "done" and not r["status"].startswith("pruned")]
         if failed:
             first = failed[0]
             bug = any(r.get("bug") for r in failed)  # a failure of our code, its traceback shown above: exit 1
@@ -98,10 +105,11 @@ class SweepSummary(Callback):
 
         sweep_dir = Path(hydra_cfg.sweep.dir)
         rows = self.write(hydra_cfg, metric)
-        table = Table(title=f"sweep summary ({sweep_dir})")
+        order = f", best {metric} first" if metric in self.columns else ""
+        table = Table(title=f"sweep summary ({sweep_dir}){order}")
         for col in ["job", "overrides", "status", *self.columns]:
             table.add_column(col)
-        for r in rows:
+        for r in _by_metric(rows, metric, _direction(hydra_cfg, metric)):
             table.add_row(
                 str(r["job"]),
                 " ".join(r["overrides"]),
@@ -110,6 +118,26 @@ class SweepSummary(Callback):
             )
         Console(width=None if sys.stdout.isatty() else 160).print(table)
         return rows
+
+
+def _direction(hydra_cfg: DictConfig, metric: str | None) -> str:
+    """Which way `metric` is better: the Optuna sweeper's direction, else up unless it is a loss or an error."""
+    direction = hydra_cfg.sweeper.get("direction")
+    if isinstance(direction, str):
+        return direction
+    return "minimize" if metric and any(w in metric for w in ("loss", "error", "time")) else "maximize"
+
+
+def _by_metric(rows: list[dict[str, Any]], metric: str | None, direction: str) -> list[dict[str, Any]]:
+    """The rows best `metric` first; rows without a number for it after them, in job order."""
+
+    def key(row: dict[str, Any]) -> tuple[bool, float]:
+        value = row.get(metric) if metric else None
+        if not isinstance(value, (int, float)) or value != value:
+            return True, 0.0
+        return False, -value if direction == "maximize" else value
+
+    return sorted(rows, key=key)
 
 
 def _job_dirs(sweep_dir: Path) -> list[Path]:
@@ -127,8 +155,9 @@ def _best_trial(sweep_dir: Path, metric: str | None, sweeper: DictConfig) -> dic
         cfg_file, result = job / ".hydra" / "config.yaml", job / "metrics.json"
         if metric is None or not (cfg_file.is_file() and result.is_file()):
             continue
-        value = json.loads(result.read_text()).get(metric)
-        if isinstance(value, (int, float)) and value == value:
+        ended = json.loads(result.read_text())
+        value = ended.get(metric)
+        if isinstance(value, (int, float)) and value == value and not ended.get("pruned"):  # as Optuna counts
             job_cfg = OmegaConf.load(cfg_file)
             trials.append((value, {k: OmegaConf.select(job_cfg, k) for k in params}))
     if not trials:
@@ -136,6 +165,50 @@ def _best_trial(sweep_dir: Path, metric: str | None, sweeper: DictConfig) -> dic
     pick = max if sweeper.direction == "maximize" else min
     value, best = pick(trials, key=lambda t: t[0])
     return {"name": "optuna", "best_params": best, "best_value": value, "trials_ended": len(trials)}
+
+
+def earlier_result(out: Path) -> dict[str, Any] | None:
+    """In a -m sweep run again into the same sweep directory, this job's metrics.json where it ended in an earlier run
+    (done or pruned): the job is skipped. A job directory that holds another job's run (other overrides, as its
+    JOB_FILE recorded them) is refused in one line, before anything of it is touched; an interrupted job of the same
+    overrides goes on from its checkpoint (training/resume.py: earlier_start)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from vitlab.utils.errors import UserError
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    now = sorted(HydraConfig.get().overrides.task)
+    record = out / JOB_FILE
+    try:
+        with open(record, "x") as f:  # the job's first start (every rank of it writes the same)
+            f.write(json.dumps(now))
+        return None
+    except FileExistsError:
+        before = json.loads(record.read_text())
+    if before != now:
+        differ = [o for o in before if o not in now][:2] + [f"now {o}" for o in now if o not in before][:2]
+        raise UserError(
+            f"{out} holds a run of other overrides ({', '.join(differ)}); continue a sweep with the command that "
+            "started it, or give a new hydra.sweep.dir"
+        )
+    metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").is_file() else None
+    if (out / "error.json").is_file():  # failed before: it runs again, and its row says how it ends this time
+        (out / "error.json").unlink()
+        return None
+    if metrics is None:
+        return None
+    how = f"pruned at epoch {metrics['pruned']['epoch']}" if metrics.get("pruned") else "done"
+    logging.getLogger("vitlab.train").info(
+        "sweep job %s ended in an earlier run of this sweep (%s): not run again; its result: %s",
+        out.name, how, out / "metrics.json",
+    )  # fmt: skip
+    return metrics
+
+
+# A sweep job's overrides, sorted, written at its first start: a sweep run again into its directory finds them.
+JOB_FILE = ".vitlab-job.json"
 
 
 def optimized_value(key: str | None, metrics: dict[str, Any], warn: bool = True) -> float | None:

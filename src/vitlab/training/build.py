@@ -123,24 +123,45 @@ def progress_bar(choice: str) -> tuple[list, bool]:
     return ([RichProgressBar()] if choice == "rich" else []), True
 
 
-def instantiate_group(group: DictConfig | None) -> list[Any]:
-    """Every entry with a _target_ in a callbacks/logger group, in order."""
+def instantiate_group(group: DictConfig | None, extra: Any = None) -> list[Any]:
+    """Every entry with a _target_ in a callbacks/logger group, in order (`extra(its node)`: further arguments)."""
     if not group:
         return []
     nodes = {k: node for k, node in group.items() if isinstance(node, DictConfig) and "_target_" in node}
     for name, node in nodes.items():
         check_node(node, f"{group._key()}.{name}")
-    return [instantiate(node) for node in nodes.values()]
+    return [instantiate(node, **(extra(node) if extra else {})) for node in nodes.values()]
 
 
-def build_loggers(group: DictConfig | None) -> list[Any]:
+def build_loggers(group: DictConfig | None, resume_from: str | None = None) -> list[Any]:
     """The logger group, each logger's `LOGGER_LIFECYCLE` check run before any is built (W&B without an API key,
-    and not offline, is refused before it prompts)."""
-    for node in (group or {}).values():
-        if isinstance(node, DictConfig) and "_target_" in node:
-            check, _ = _lifecycle(node._target_)
-            check(node)
-    return instantiate_group(group)
+    and not offline, is refused before it prompts). A run that goes on from the checkpoint `resume_from` goes on
+    logging to the W&B run that checkpoint names (RunIds), offline too: one curve, its steps continued."""
+    wandb_id = (read_checkpoint(resume_from, weights=False).get(RunIds.key) or {}).get("wandb") if resume_from else None
+    nodes = [node for node in (group or {}).values() if isinstance(node, DictConfig) and "_target_" in node]
+    for node in nodes:
+        _lifecycle(node._target_)[0](node)
+    if not any(_is_wandb(node) for node in nodes):
+        wandb_id = None
+    if wandb_id:
+        log.info("W&B: continuing run %s, which %s names", wandb_id, resume_from)
+    return instantiate_group(group, lambda node: {"id": wandb_id} if _is_wandb(node) and wandb_id else {})
+
+
+def _is_wandb(node: DictConfig) -> bool:
+    target = get_object(node._target_) if isinstance(node._target_, str) else node._target_
+    return isinstance(target, type) and issubclass(target, WandbLogger)
+
+
+class RunIds(L.Callback):
+    """The run ids of this run's loggers (W&B's), saved in every checkpoint: a run resumed from it continues them."""
+
+    key = "logger_run_ids"
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        wandb = [lg.version for lg in trainer.loggers if isinstance(lg, WandbLogger) and lg.version]
+        if wandb:
+            checkpoint[self.key] = {"wandb": wandb[0]}
 
 
 def _check_wandb_login(node: DictConfig) -> None:
@@ -182,7 +203,7 @@ def _lifecycle(target: Any) -> tuple[Any, Any]:
 def build_callbacks(cfg: DictConfig, extra: Sequence[L.Callback] = ()) -> tuple[list[L.Callback], bool]:
     """The configured callbacks (conf/callbacks), the progress bar's and `extra`; and whether a bar is shown."""
     bars, show_bar = progress_bar(cfg.progress_bar)
-    return instantiate_group(cfg.get("callbacks")) + bars + list(extra), show_bar
+    return instantiate_group(cfg.get("callbacks")) + bars + [RunIds(), *extra], show_bar
 
 
 @contextlib.contextmanager
@@ -191,8 +212,13 @@ def loggers_finished(loggers: list[Any]) -> Iterator[None]:
     try:
         yield
     finally:
-        for logger in loggers:
-            _lifecycle(logger)[1](logger)
+        finish_loggers(loggers)
+
+
+def finish_loggers(loggers: list[Any]) -> None:
+    """Each logger's run ended (LOGGER_LIFECYCLE): W&B's footer said before a stopped run's last line, not after it."""
+    for logger in loggers:
+        _lifecycle(logger)[1](logger)
 
 
 @dataclasses.dataclass
