@@ -158,10 +158,14 @@ class RunIds(L.Callback):
 
     key = "logger_run_ids"
 
+    def __init__(self):
+        self.ids: dict[str, str] = {}  # kept once seen: a logger dropped on the way to a stop's checkpoint is in it
+
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         wandb = [lg.version for lg in trainer.loggers if isinstance(lg, WandbLogger) and lg.version]
-        if wandb:
-            checkpoint[self.key] = {"wandb": wandb[0]}
+        self.ids |= {"wandb": wandb[0]} if wandb else {}
+        if self.ids:
+            checkpoint[self.key] = dict(self.ids)
 
 
 def _check_wandb_login(node: DictConfig) -> None:
@@ -180,7 +184,10 @@ def _check_wandb_login(node: DictConfig) -> None:
 def _finish_wandb(logger: Any) -> None:
     import wandb
 
-    wandb.finish()  # one W&B run per job, also in sweeps
+    try:
+        wandb.finish()  # one W&B run per job, also in sweeps
+    except (ConnectionError, OSError) as e:  # its service went with a signal (Slurm's, to every process of a job)
+        log.warning("W&B's run could not be finished (%s: %s); its records so far are on disk", type(e).__name__, e)
 
 
 def _nothing(_: Any) -> None:

@@ -15,6 +15,7 @@ from weakref import proxy
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -110,6 +111,9 @@ class SaveOnInterrupt(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit" and not isinstance(trainer._signal_connector, StopSignals):
             trainer._signal_connector = StopSignals(trainer)
+        for logger in trainer.loggers if stage == "fit" else []:
+            if isinstance(logger, WandbLogger):
+                _lose_only_the_log(logger, trainer)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         connector = trainer._signal_connector
@@ -131,6 +135,26 @@ class SaveOnInterrupt(L.Callback):
             "step": trainer.global_step,
             "epoch": trainer.current_epoch,
         }
+
+
+def _lose_only_the_log(logger: WandbLogger, trainer: L.Trainer) -> None:
+    """A W&B logger whose service went with the stop signal (Slurm signals every process of a job, W&B's own
+    included) fails the steps logged until the checkpoint: that loses those steps' W&B records (the resumed run
+    continues the W&B run after them), not the checkpoint. Any other failure of W&B is raised as before."""
+    log_metrics = logger.log_metrics
+
+    def guarded(*args: Any, **kwargs: Any) -> None:
+        try:
+            log_metrics(*args, **kwargs)
+        except Exception as e:
+            connector = trainer._signal_connector
+            if not isinstance(connector, StopSignals) or not (connector.stop or connector.received):
+                raise
+            trainer.loggers = [other for other in trainer.loggers if other is not logger]
+            log.warning("W&B stopped with the signal (%s: %s): its records end here; saving the checkpoint",
+                        type(e).__name__, e)  # fmt: skip
+
+    logger.log_metrics = guarded
 
 
 class EpochLog(L.Callback):
