@@ -217,6 +217,8 @@ def test_an_optuna_search_on_slurm_with_two_processes_a_trial_prunes_and_goes_on
     study = optuna.load_study(study_name="digits", storage=f"sqlite:///{sweep}/optuna.db")
     trials = study.get_trials()
     assert len(trials) == 4 and {t.state.name for t in trials} <= {"COMPLETE", "PRUNED"}
+    late = [t for t in trials if t.number >= 2 and t.params["optim.lr"] == 10]  # (trial 2, as the seed draws)
+    assert late and all(t.state.name == "PRUNED" for t in late)  # at chance after epoch 1: below the median
     for t in trials:
         metrics = json.loads((sweep / str(t.number) / "metrics.json").read_text())
         epochs = metrics["pruned"]["epoch"] if t.state.name == "PRUNED" else 2

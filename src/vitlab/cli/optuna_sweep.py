@@ -97,6 +97,8 @@ def _study(impl: Any):
             "hydra.sweeper.storage=null keeps the study in this process, where a job cannot report to it: "
             "leave hydra.sweeper.storage at its default (the sweep directory's optuna.db) to prune"
         )
+    optuna.logging.disable_default_handler()  # its lines in the sweep's log, as Hydra's are (not in colour)
+    optuna.logging.enable_propagation()
     return optuna.create_study(
         study_name=impl.study_name,
         storage=impl.storage,
@@ -117,11 +119,15 @@ def _sweep(impl: Any, arguments: list[str]) -> None:
     _reseed(impl, study, len(earlier))
     ended = [t for t in earlier if t.state.is_finished()]
     again = [t for t in earlier if t.state in (state.RUNNING, state.WAITING)]
-    log.info(
-        "study %r in %s: %d of %d trials ended in an earlier run, %d to run again (interrupted), %d new",
-        study.study_name, impl.storage or "memory", len(ended), impl.n_trials, len(again),
-        max(0, impl.n_trials - len(ended) - len(again)),
-    )  # fmt: skip
+    if earlier:
+        log.info(
+            "study %r in %s: %d of %d trials ended in an earlier run, %d to run again (interrupted), %d new",
+            study.study_name, impl.storage, len(ended), impl.n_trials, len(again),
+            max(0, impl.n_trials - len(ended) - len(again)),
+        )  # fmt: skip
+    else:
+        where = impl.storage or "memory (gone at the end)"
+        log.info("study %r in %s: %d trials", study.study_name, where, impl.n_trials)
     to_go, failures, told = impl.n_trials - len(ended), 0, 0
     while to_go > 0:
         if again:

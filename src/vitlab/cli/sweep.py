@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -180,13 +181,15 @@ def earlier_result(out: Path) -> dict[str, Any] | None:
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return None
     now = sorted(HydraConfig.get().overrides.task)
-    record = out / JOB_FILE
-    try:
-        with open(record, "x") as f:  # the job's first start (every rank of it writes the same)
-            f.write(json.dumps(now))
+    record, mine = out / JOB_FILE, out / f".{JOB_FILE}.{os.getpid()}"
+    mine.write_text(json.dumps(now))
+    try:  # the job's first start: published whole (every rank of a Slurm job writes the same; one link wins)
+        os.link(mine, record)
         return None
     except FileExistsError:
         before = json.loads(record.read_text())
+    finally:
+        mine.unlink()
     if before != now:
         differ = [o for o in before if o not in now][:2] + [f"now {o}" for o in now if o not in before][:2]
         raise UserError(
