@@ -142,6 +142,8 @@ def _summarize_sweep(cfg: DictConfig) -> None:
     for node in (hydra_cfg.get("callbacks") or {}).values():
         if issubclass(get_class(node._target_), SweepSummary):
             hydra.utils.instantiate(node).show(hydra_cfg, cfg.get("optimized_metric"))
+    if os.environ.get("SUBMITIT_EXECUTOR"):  # a Slurm job: its sweep's command is not this process's
+        return
     # The whole sweep goes on with its own command and directory: ended jobs are kept, the stopped one resumes.
     typed = [a for a in sys.argv[1:] if not a.startswith("hydra.sweep.dir=")]
     again = ["python", "-m", f"vitlab.{hydra_cfg.job.name}", *typed, f"hydra.sweep.dir={hydra_cfg.sweep.dir}"]
