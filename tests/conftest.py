@@ -38,6 +38,16 @@ def cli():
 @pytest.fixture
 def compose_cfg(tmp_path):
     """compose(config_name, overrides) as the entry points see it (HydraConfig set), writing under tmp_path."""
+    yield from _composer(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def compose_cfg_module(tmp_path_factory):
+    """compose_cfg for a module's shared fixture (a run several tests read)."""
+    yield from _composer(tmp_path_factory.mktemp("composed"))
+
+
+def _composer(tmp_path: Path):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig

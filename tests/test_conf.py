@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 
 from vitlab.cli.config_tree import config_dir
 from vitlab.model.config import vit_config
+from vitlab.training import build
 from vitlab.training.build import build_trainer
 from vitlab.training.module import ViTModule
 
@@ -27,14 +28,14 @@ def build_everything(cfg):
     """What vitlab.train builds before fitting: model, data, module, callbacks, loggers, trainer."""
     mc = vit_config(cfg.model)
     # One block is enough to check the module's arguments; every full model is built in test_model_configs.
-    mae = cfg.objective.name == "mae"  # an encoder without a head, and its decoder
+    mae = cfg.objective.name in ("mae", "dino")  # an encoder without a head, and its decoder (dino: heads, teacher)
     ViTModule(
         model={**mc.to_dict(), "depth": 1},
         objective=OmegaConf.to_container(cfg.objective),
         optim=OmegaConf.to_container(cfg.optim),
         scheduler=OmegaConf.to_container(cfg.scheduler),
     )
-    dm = instantiate(cfg.data)
+    dm = build.build_datamodule(cfg.data, cfg)  # (objective=dino: with its views)
     assert (0 if mae else dm.num_classes, dm.channels) == (mc.num_classes, mc.in_chans)
     callbacks = [instantiate(c) for c in cfg.callbacks.values() if c and "_target_" in c]
     loggers = [instantiate(c) for c in (cfg.logger or {}).values() if c and "_target_" in c]
@@ -163,7 +164,7 @@ def test_debug_configs(compose_cfg, debug):
 def test_experiment_configs(compose_cfg, experiment):
     cfg = compose_cfg("train", [f"experiment={experiment}"])
     mc, dm, *_ = build_everything(cfg)
-    assert cfg.tags and mc.num_classes == (0 if cfg.objective.name == "mae" else dm.num_classes)
+    assert cfg.tags and mc.num_classes == (0 if cfg.objective.name in ("mae", "dino") else dm.num_classes)
 
 
 def test_hparams_search_config(compose_cfg):

@@ -40,7 +40,7 @@ def train(cfg: DictConfig) -> float | None:
     pretrained.apply_pretrained(cfg)  # model.pretrained=<timm name>: timm's architecture and preprocessing
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    datamodule = build.build_datamodule(cfg.data)
+    datamodule = build.build_datamodule(cfg.data, cfg)
     module = build.build_module(cfg, datamodule)
     pruning = [trial.PruneTrial(cfg.optimized_metric)] if trial.sweep_pruner()[0] else []  # an Optuna trial
     callbacks, show_bar = build.build_callbacks(cfg, extra=pruning)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vitlab.convert import dino_weights as dino
 from vitlab.convert.mae import describe_decoder, load_decoder, split_decoder
 from vitlab.convert.timm_hub import PREPROCESSING, timm_pretrained_cfg, timm_pretrained_state_dict
 from vitlab.model import ViT, ViTConfig, resample_pos_embed
@@ -243,8 +244,11 @@ def read_weights(path: str | os.PathLike) -> tuple[StateDict, StateDict, str]:
     """A weights file as (the ViT's state dict, an MAE decoder's in MAE's names (empty if none), what the file is): a
     bare state dict, or one inside 'state_dict' / 'model' / 'state_dict_ema' (Lightning's and timm's training
     checkpoints; MAE's released weights and main_pretrain.py checkpoints); a vitlab checkpoint's `model.*` and
-    `decoder.*` (its other entries left out, and said so)."""
+    `decoder.*` (its other entries left out, and said so: an objective=dino run's `model.*` is its teacher); DINO's
+    training checkpoints (the teacher's backbone) and DINOv2's hub weights (convert/dino_weights.py)."""
     obj = read_file(path, "weights file")
+    if dino.is_dino_training_checkpoint(obj):
+        return dino.teacher_backbone(obj, path), {}, "DINO checkpoint"
     if isinstance(obj, dict):
         for key in ("state_dict_ema", "state_dict", "model"):
             if isinstance(obj.get(key), dict):
@@ -258,6 +262,8 @@ def read_weights(path: str | os.PathLike) -> tuple[StateDict, StateDict, str]:
             log.info("%s: took its network (model.*); left out %s", path, ", ".join(f"{k}.*" for k in left))
         decoder = {k[len("decoder.") :]: v for k, v in obj.items() if k.startswith("decoder.")}
         return {k[len("model.") :]: v for k, v in obj.items() if k.startswith("model.")}, decoder, "vitlab checkpoint"
+    if dino.is_dinov2(obj):
+        return dino.from_dinov2(obj), {}, "DINOv2 weights"
     encoder, decoder = split_decoder(obj)
     return encoder, decoder, "MAE checkpoint" if decoder else "weights file"
 

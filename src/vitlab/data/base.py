@@ -23,6 +23,7 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler, Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitlab.data import resident, transforms
+from vitlab.data.multicrop import Views
 from vitlab.data.resident import ResidentImages, already_batched
 from vitlab.data.seeded import RepeatSampler, RepeatSeededSampler, SeededSampler, TransformDataset, init_worker
 from vitlab.model.config import as_hw
@@ -267,9 +268,12 @@ class ImageDataModule(DataModule):
         repeated_aug: int = 0,  # copies of each training image an epoch (timm's RepeatAugSampler; DeiT: 3); 0: off
         on_device: bool | str = "auto",  # hold the splits on the training device: true, false, auto (when they fit)
         on_device_gb: float = 4.0,  # auto's budget: the splits as uint8, in GB
+        multicrop: dict | None = None,  # objective=dino's views of each training batch (training.dino.data_views)
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
+        if multicrop is not None:  # the training images un-augmented, square at the crops' source size: the views
+            train_transform = {"random_resized_crop": None, "hflip": 0.0}  # are made on the device (data/multicrop.py)
         if repeated_aug < 0 or repeated_aug == 1:
             raise UserError(f"data.repeated_aug {repeated_aug} must be 0 (off) or a number of copies >= 2")
         if on_device is not True and on_device is not False and on_device != "auto":
@@ -291,6 +295,10 @@ class ImageDataModule(DataModule):
             self.mean, self.std, s.random_erasing, s.erasing_mode, s.erasing_count, self.img_hw, s.interpolation
         )
         self.shift_flip = resident.ShiftFlip(s.shift, s.hflip)  # training's random ops, on the device
+        self.multicrop_settings, self.views = multicrop, None
+        if multicrop is not None:
+            self.views = Views(multicrop, self.mean, self.std)
+            self.train_tf = transforms.eval_transform(self.views.crop.source_size, self.mean, crop_pct=1.0)
 
     def _assign_splits(self, train: Any, val: Any, test: Any | None, val_fraction: float, split_seed: int) -> None:
         """The three splits of a dataset given as train, val and (maybe) test: with `val_fraction`, a held-out slice
@@ -347,6 +355,8 @@ class ImageDataModule(DataModule):
         training batch is shifted and flipped first; resized where kept at its own size; randomly erased in
         training."""
         x, y = batch
+        if train and self.views is not None:  # objective=dino: the views (and iBOT's masks) of every image
+            return self.views(x.to(torch.float32).div_(255), self.rng), y
         if train and self.resides:
             x = self.shift_flip(x, self.rng)
         return self.to_input(x, train, self.rng), y

@@ -120,7 +120,7 @@ class DigitsDataModule(ImageDataModule):
 
     def device_transform(self, batch, train: bool):
         x, y = super().device_transform(batch, train)
-        if train and (self.rotate or self.scale != (1.0, 1.0)):
+        if train and self.views is None and (self.rotate or self.scale != (1.0, 1.0)):
             x = random_affine(x, self.rotate, self.scale, fill=self.black, generator=self.rng)
         return x, y
 

@@ -1,10 +1,11 @@
 """The representation measured while it trains: k-NN and few-shot accuracy of the frozen features of the model being
 trained, every few epochs, logged beside val/acc (`knn/top1`, `fewshot/<n>shot`), so a run (a pretraining run above all)
-shows its features improving. The same classifiers as `vitlab.eval task=knn|fewshot` (vitlab.evaluation.probes); the
-features are those of the training split (evaluation transforms, at most `max_train_images` of it) and of the validation
-split, extracted anew each time from the weights as they are. Under DDP every process extracts its share of the images
-and rank 0 gathers them (vitlab.evaluation.features), scores, and hands the numbers to the others, so every rank logs
-the same values (a checkpoint or early stopping may monitor them).
+shows its features improving; after training, the tested weights' on the test split (`test/knn_top1`). The same
+classifiers as `vitlab.eval task=knn|fewshot` (vitlab.evaluation.probes); the features are those of the training split
+(evaluation transforms, at most `max_train_images` of it) and of the validation split, extracted anew each time from the
+weights as they are. Under DDP every process extracts its share of the images and rank 0 gathers them
+(vitlab.evaluation.features), scores, and hands the numbers to the others, so every rank logs the same values (a
+checkpoint or early stopping may monitor them).
 """
 
 from __future__ import annotations
@@ -38,12 +39,23 @@ class RepresentationProbe(L.Callback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or (trainer.current_epoch + 1) % self.every:
             return
+        metrics = self.measure(trainer, pl_module, "val")
+        pl_module.log_dict({name: torch.tensor(v) for name, v in metrics.items()}, sync_dist=True)  # (equal already)
+
+    def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """The tested weights' representation on the test split (the training split the bank): `test/knn_top1`,
+        `test/fewshot_<n>shot`, a pretraining run's result beside its test loss."""
+        metrics = self.measure(trainer, pl_module, "test")
+        values = {f"test/{k.replace('/', '_')}": torch.tensor(v) for k, v in metrics.items()}
+        pl_module.log_dict(values, sync_dist=True)  # every rank's is rank 0's: averaging keeps it, and Lightning quiet
+
+    def measure(self, trainer: L.Trainer, pl_module: L.LightningModule, split: str) -> dict[str, float]:
+        """k-NN and few-shot accuracy on `split`, the training split's features the bank; every rank gets rank 0's."""
         dm, model, device = trainer.datamodule, pl_module.model, pl_module.device
         train, train_y = split_features(model, _Limited(dm, self.max_train, self.seed), "train", device, None, {})
-        val, val_y = split_features(model, dm, "val", device, None, {})
+        val, val_y = split_features(model, dm, split, device, None, {})
         metrics = None if train is None else self.score(train, train_y, val, val_y, dm.num_classes)  # rank 0's
-        metrics = trainer.strategy.broadcast(metrics, src=0)
-        pl_module.log_dict({name: torch.tensor(v) for name, v in metrics.items()}, sync_dist=False)
+        return trainer.strategy.broadcast(metrics, src=0)
 
     def score(self, train, train_y, val, val_y, k: int) -> dict[str, float]:
         metrics = {}

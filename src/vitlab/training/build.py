@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
 from vitlab.model.config import vit_config
-from vitlab.training import sharding
+from vitlab.training import dino, sharding
 from vitlab.training.callbacks import NonFiniteLoss
 from vitlab.training.checkpoint_io import upgrade_hparams
 from vitlab.training.hardware import resolve_trainer
@@ -53,8 +53,13 @@ __all__ = [
 ]
 
 
-def build_datamodule(data_cfg: DictConfig) -> L.LightningDataModule:
+def build_datamodule(data_cfg: DictConfig, train_cfg: DictConfig | None = None) -> L.LightningDataModule:
+    """The data module of `data_cfg`; of a train config's (`train_cfg`), with the views its objective trains on
+    (objective=dino's multi-crop)."""
     check_node(data_cfg, "data")
+    if train_cfg is not None and train_cfg.objective.get("name") == "dino":
+        objective = OmegaConf.to_container(train_cfg.objective, resolve=True)
+        return instantiate(data_cfg, multicrop=dino.data_views(objective, vit_config(train_cfg.model)))
     return instantiate(data_cfg)
 
 
@@ -252,7 +257,7 @@ def build_fit(
 ) -> Fit:
     """vitlab.train's steps from data to Trainer (a data module built from `cfg.data` may be given), with `callbacks`
     added and `trainer_kwargs` over the trainer config."""
-    datamodule = build_datamodule(cfg.data) if datamodule is None else datamodule
+    datamodule = build_datamodule(cfg.data, cfg) if datamodule is None else datamodule
     module = build_module(cfg, datamodule)
     all_callbacks, show_bar = build_callbacks(cfg, callbacks)
     loggers = build_loggers(cfg.get("logger"))

@@ -1,4 +1,4 @@
-"""ViTModule: the one LightningModule. It holds our ViT, calls its objective (`objective=classify|distill|mae`,
+"""ViTModule: the one LightningModule. It holds our ViT, calls its objective (`objective=classify|distill|mae|dino`,
 vitlab.training.objective) for the loss, the metrics and any network trained beside the ViT, keeps the metrics, and
 wires the optimisation recipe of vitlab.training.optim into Lightning. What guards a run is a callback of its own
 (training.callbacks: NonFiniteLoss, RankState), and Lightning workarounds live where the Trainer is built
@@ -22,6 +22,7 @@ from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
 from vitlab.model import ViTConfig
 from vitlab.training.classification import Classification
+from vitlab.training.dino import DINO
 from vitlab.training.distillation import Distillation
 from vitlab.training.mae import MAE
 from vitlab.training.objective import Objective
@@ -37,7 +38,7 @@ from vitlab.training.sharding import new_vit
 from vitlab.utils.checks import compile_mode
 from vitlab.utils.errors import UserError
 
-OBJECTIVES: dict[str, type[Objective]] = {"classify": Classification, "distill": Distillation, "mae": MAE}
+OBJECTIVES: dict[str, type[Objective]] = {"classify": Classification, "distill": Distillation, "mae": MAE, "dino": DINO}
 
 
 def build_objective(options: dict[str, Any] | None, model: ViTConfig, unlabeled: bool = False) -> Objective:
@@ -48,7 +49,7 @@ def build_objective(options: dict[str, Any] | None, model: ViTConfig, unlabeled:
     if name not in OBJECTIVES:
         raise UserError(f"objective {name!r} is not one of {list(OBJECTIVES)}")
     if unlabeled and OBJECTIVES[name].uses_labels:
-        raise UserError("data.unlabeled=true has no labels to learn from: pretrain on it with objective=mae")
+        raise UserError("data.unlabeled=true has no labels to learn from: pretrain on it with objective=mae or dino")
     return OBJECTIVES[name](values, model)
 
 
@@ -56,7 +57,8 @@ class ViTModule(L.LightningModule):
     def __init__(
         self,
         model: ViTConfig | dict[str, Any],  # a dict: the plain data a checkpoint carries
-        objective: dict[str, Any] | None = None,  # {"name": classify | distill | mae, its options}: conf/objective/
+        objective: dict[str, Any]
+        | None = None,  # {"name": classify | distill | mae | dino, its options}: conf/objective/
         optim: dict[str, Any] | None = None,
         scheduler: dict[str, Any] | None = None,
         compile: bool | str = False,  # or a torch.compile mode (COMPILE_MODES)
@@ -136,6 +138,18 @@ class ViTModule(L.LightningModule):
         if names:  # known once the dataset is read (CIFAR, ImageFolder); saved with the checkpoint
             self.hparams["class_names"] = list(names)
 
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        self.objective.step_start(self.optimizers().optimizer, self.global_step)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        if not self.objective.clip_gradients(self.current_epoch):
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
+        step = self.global_step
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        self.objective.step_end(self.model, step)
+
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss, logits = self.loss(x, y)
@@ -213,6 +227,7 @@ class ViTModule(L.LightningModule):
         total = max(1, int(self.trainer.estimated_stepping_batches))
         epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
         scheduler = make_scheduler(optimizer, self.scheduler_cfg, total, epochs)
+        self.objective.schedule(optimizer, total, max(1, total // epochs))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def lr_scheduler_step(self, scheduler, metric) -> None:

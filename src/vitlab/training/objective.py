@@ -1,8 +1,9 @@
 """What the LightningModule asks of an objective (timm's `timm/task/`: the objective is an object the training loop
 calls): the loss of a training batch, the loss and metrics of an evaluation batch, the metric whose best value
-chooses the checkpoint, the networks it trains beside the ViT (MAE's decoder), and what it needs once fitting begins
-(the distillation teacher). Each objective's options are its config dataclass (conf/objective/<name>.yaml):
-`objective.name` picks the class, and only that objective's keys are accepted. No Lightning or Hydra here.
+chooses the checkpoint, the networks it trains beside the ViT (MAE's decoder), what it needs once fitting begins (the
+distillation teacher) and what it does around each optimizer step (DINO's teacher). Each objective's options are its
+config dataclass (conf/objective/<name>.yaml): `objective.name` picks the class, and only that objective's keys are
+accepted. No Lightning or Hydra here.
 """
 
 from __future__ import annotations
@@ -78,6 +79,20 @@ class Objective:
         if model.global_pool != "token":
             return [(tokens, model.embed_dim, model.depth, full), image]
         return [(tokens, model.embed_dim, model.depth - 1, full), (tokens, model.embed_dim, 1, 5), image]
+
+    def schedule(self, optimizer: torch.optim.Optimizer, total_steps: int, steps_per_epoch: int) -> None:
+        """The optimizer is built, for a run of `total_steps` optimizer steps (the objective's own schedules)."""
+
+    def step_start(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        """Before the batch of optimizer step `step` (0, 1, ...)."""
+
+    def clip_gradients(self, epoch: int) -> bool:
+        """After the backward, before the optimizer step: True when the objective clipped the gradients itself (the
+        trainer's gradient_clip_val is then not applied)."""
+        return False
+
+    def step_end(self, model: ViT, step: int) -> None:
+        """After optimizer step `step`."""
 
     def network(self, model: ViT) -> nn.Module:
         """The network whose forward the training and evaluation steps call (a sharded strategy shards it)."""

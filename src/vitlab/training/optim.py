@@ -129,9 +129,18 @@ def mae_cosine(step: int, warmup: float, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def dino_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """LR factor of DINO's (and DINOv2's) utils.cosine_scheduler(lr, min_lr, epochs, niter, warmup_epochs)[step]:
+    np.linspace(0, lr, warmup) (step 0 at 0, the warmup's last step at lr), then min_lr + (lr - min_lr) (1 + cos(pi i /
+    (total - warmup))) / 2 for i = 0 .. total - warmup - 1 (training.dino_losses.cosine_schedule)."""
+    from vitlab.training.dino_losses import cosine_schedule
+
+    return cosine_schedule(step, 1.0, min_ratio, total, int(warmup))
+
+
 # vitlab's own schedules (per-step LambdaLRs), then timm's (timm.scheduler.create_scheduler_v2).
-LAMBDA_SCHEDULES = {"warmup_cosine": warmup_cosine, "mae_cosine": mae_cosine}
-SCHEDULERS = ("warmup_cosine", "mae_cosine", "cosine", "tanh", "step", "multistep", "plateau", "poly")
+LAMBDA_SCHEDULES = {"warmup_cosine": warmup_cosine, "mae_cosine": mae_cosine, "dino_cosine": dino_cosine}
+SCHEDULERS = ("warmup_cosine", "mae_cosine", "dino_cosine", "cosine", "tanh", "step", "multistep", "plateau", "poly")
 PLATEAU_MODES = {"max": "val/acc", "min": "val/loss"}  # what a plateau schedule watches
 
 

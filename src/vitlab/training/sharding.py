@@ -303,9 +303,16 @@ def load_full_state(
     load_full_module_state(module, checkpoint["state_dict"], strict)
     for optimizer, saved in zip(optimizers, checkpoint.get("optimizer_states", []), strict=False):
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        set_optimizer_state_dict(
-            module, optimizer, keyed_by_name(saved, optimizer), options=StateDictOptions(full_state_dict=True)
-        )
+        # A parameter the optimizer has not stepped yet has no state (DINO's last layer, without a gradient in its
+        # first epoch): torch fills every state with a step of zero gradients before loading, so such a state is
+        # removed again (its first real step is then AdamW's first, as in the run that saved it).
+        state = keyed_by_name(saved, optimizer)
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_optimizer_state_dict(module, optimizer, state, options=options)
+        for group in optimizer.param_groups:
+            for p, name in zip(group["params"], group["param_names"], strict=True):
+                if name not in state["state"]:
+                    optimizer.state.pop(p, None)
 
 
 def load_full_module_state(module: nn.Module, state: Mapping[str, Any], strict: bool = True) -> None:

@@ -75,8 +75,12 @@ def describe_run(cfg, module) -> str:
     )
 
 
-# The results a run's last line shows: a classifier's accuracies, or (objective=mae) its reconstruction losses.
-RESULTS = ((("val/acc_best", "val"), ("test/acc", "test")), (("val/loss_best", "val"), ("test/loss", "test")))
+# The results a run's last line shows: a classifier's accuracies, or (pretraining: objective=mae, dino) its losses and
+# the tested weights' k-NN accuracy where callbacks=representation measured it.
+RESULTS = (
+    (("val/acc_best", "val"), ("test/acc", "test")),
+    (("val/loss_best", "val"), ("test/loss", "test"), ("knn/top1", "val"), ("test/knn_top1", "test")),
+)
 
 
 def summarize(metrics: dict, best_checkpoint: str, run_dir) -> None:

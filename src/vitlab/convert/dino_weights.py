@@ -1,0 +1,50 @@
+"""DINO's and DINOv2's released checkpoints -> the ViT's state dict (timm's names, which are vitlab's):
+
+- dino `dino_<arch>_pretrain.pth`: the teacher's backbone, already in timm's names (a bare state dict: nothing to do);
+- dino `*_full_checkpoint.pth` and main_dino.py's `checkpoint.pth`: {'student', 'teacher', 'optimizer', 'epoch',
+  'args', 'dino_loss', ...}, each network `backbone.*` and `head.*` (the student's under DDP's `module.`); the
+  teacher's backbone is taken, as DINO evaluates and releases it;
+- dinov2 hub `dinov2_vit*14*_pretrain.pth`: the backbone with `mask_token` (dropped), LayerScale `ls1.gamma`,
+  `register_tokens` in the `_reg` variants and the giant's SwiGLU `w12`/`w3`: timm's own conversion
+  (timm.models.vision_transformer._convert_dinov2) gives timm's names.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+StateDict = dict[str, torch.Tensor]
+
+
+def is_dino_training_checkpoint(obj: object) -> bool:
+    return isinstance(obj, dict) and isinstance(obj.get("teacher"), dict) and isinstance(obj.get("student"), dict)
+
+
+def teacher_backbone(ckpt: dict, path: object) -> StateDict:
+    """The teacher's backbone of a DINO training checkpoint (`module.` prefixes, DDP's, stripped)."""
+    teacher = {k.removeprefix("module."): v for k, v in ckpt["teacher"].items()}
+    backbone = {k[len("backbone.") :]: v for k, v in teacher.items() if k.startswith("backbone.")}
+    left = sorted({k.split(".")[0] for k in teacher if not k.startswith("backbone.")})
+    log.info(
+        "%s: a DINO training checkpoint (epoch %s): took the teacher's backbone; left out the student, %s",
+        path,
+        ckpt.get("epoch", "?"),
+        ", ".join(f"the teacher's {k}.*" for k in left) or "nothing else",
+    )
+    return backbone
+
+
+def is_dinov2(sd: StateDict) -> bool:
+    """A DINOv2 backbone: its mask token (1, D) and no MAE decoder (whose mask token is (1, 1, D))."""
+    token = sd.get("mask_token")
+    return token is not None and token.dim() == 2 and not any(k.startswith("decoder_") for k in sd)
+
+
+def from_dinov2(sd: StateDict) -> StateDict:
+    from timm.models.vision_transformer import _convert_dinov2
+
+    return _convert_dinov2(dict(sd), None)

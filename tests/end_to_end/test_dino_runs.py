@@ -1,0 +1,62 @@
+"""objective=dino as users run it (experiment=dino_pretrain_digits, 2 epochs of 19 steps): two processes (DDP) and
+FSDP, each interrupted by SIGTERM mid-epoch (in the epoch whose last layer is frozen) and resumed bit for bit by the
+command it prints (the views drawn on the device, the teacher, the centre, the EMA schedule); the run ends with the
+teacher's k-NN accuracy on the test split, and `vitlab.eval task=knn` reads the checkpoint's teacher to the same
+number."""
+
+import json
+
+import pytest
+
+from tests.helpers import assert_same_run, interrupt, resume, run_cli
+
+DINO = [
+    "experiment=dino_pretrain_digits",
+    "trainer.max_epochs=2",
+    "data.batch_size=64",  # 19 steps an epoch on each of 2 processes: stopped within the first
+    "trainer.deterministic=true",
+    "progress_bar=none",
+    "trainer.log_every_n_steps=1",
+]
+DDP = ["trainer=ddp_cpu", "trainer.devices=2"]
+# FSDP shards what callbacks=representation would read whole: the default callbacks, the checkpoint by the loss
+FSDP = ["trainer=fsdp_cpu", "callbacks=default", "callbacks.model_checkpoint.monitor=val/loss",
+        "callbacks.model_checkpoint.mode=min"]  # fmt: skip
+
+
+def _run(tmp_path_factory, name, args):
+    run_dir = tmp_path_factory.mktemp(name) / "run"
+    r = run_cli("train", *args, f"hydra.run.dir={run_dir}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run_dir, r
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    return _run(tmp_path_factory, "dino_ddp", [*DINO, *DDP])
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory):
+    return _run(tmp_path_factory, "dino_fsdp", [*DINO, *FSDP])
+
+
+def test_two_processes_end_with_the_teachers_knn_that_vitlab_eval_reads_again(ddp, tmp_path):
+    run_dir, r = ddp
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert 0 < metrics["test/knn_top1"] <= 1 and "knn/top1" in metrics
+    done = next(line for line in (run_dir / "train.log").read_text().splitlines() if " - done in " in line)
+    assert f"test/knn_top1 {metrics['test/knn_top1']:.4f}" in done
+    best = metrics["best_checkpoint"]
+    e = run_cli("eval", f"ckpt_path={best}", "task=knn", f"hydra.run.dir={tmp_path / 'eval'}")
+    assert e.returncode == 0, e.stderr[-3000:]
+    knn = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert knn["knn/top1_k20"] == pytest.approx(metrics["test/knn_top1"], abs=1e-6)  # the teacher, both times
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_sigterm_mid_epoch_resumes_bit_for_bit(request, strategy, tmp_path):
+    full, _ = request.getfixturevalue(strategy)
+    args = [*DINO, *(DDP if strategy == "ddp" else FSDP)]
+    command = interrupt(args, tmp_path, "SIGTERM", 4)
+    assert_same_run(full, resume(command, tmp_path))
