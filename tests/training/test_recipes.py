@@ -21,6 +21,9 @@ RECIPES = [
     "bv_s16_i1k_90ep",
     "mae_finetune_b16_in1k",
     "mae_pretrain_b16_in1k",
+    "dino_vits16_100ep",
+    "dino_vits16_300ep",
+    "dinov2_vitl16_in1k",
 ]
 
 
@@ -85,18 +88,26 @@ def test_each_recipe_builds_and_takes_a_step(compose_cfg, recipe, tree):
     from vitlab.training.optim import make_optimizer, make_scheduler
 
     small = ["model.embed_dim=32", "model.depth=2", "model.num_heads=2", "model.pretrained=null"]
+    if recipe.startswith("dino"):  # 32 px views, local 16 px; a head of 64 prototypes
+        small += ["model.img_size=32", "objective.crops.local_size=16", "objective.out_dim=64"]
+        small += ["objective.hidden_dim=32", "objective.bottleneck_dim=16"]
     data = [f"data.data_dir={tree}", "data.num_classes=3", "data.batch_size=4", "data.num_workers=0"]
     data += ["data.val_fraction=0.25"] if recipe.startswith("bv_") else []  # its 1% minival: of 24 images, none
     cfg = compose_cfg("train", [f"experiment={recipe}", *small, *data, "trainer=cpu"])
-    dm = build_datamodule(cfg.data)
+    dm = build_datamodule(cfg.data, cfg)
     dm.setup("fit")
     module = build_module(cfg, dm)
-    optimizer = make_optimizer(module.model, module.optim)
+    optimizer = make_optimizer(module.objective.optimized(module.model), module.optim)
     scheduler = make_scheduler(optimizer, module.scheduler_cfg, total_steps=100, epochs=10)
     x, y = next(iter(dm.train_dataloader()))
     assert x.dtype == torch.uint8 and x.shape[-2:] == tuple(dm.img_hw)
     x, y = dm.device_transform((x, y), train=True)
-    if cfg.objective.name == "mae":  # the reconstruction of the masked patches (labels unread)
+    if cfg.objective.name == "dino":  # the views (and iBOT's masks), the teacher's and the student's forward
+        views, masks = x
+        assert [v.shape[-1] for v in views] == [32, 32] + [module.objective.cfg.crops.local_size] * 8
+        module.objective.fit_start(dm, x[0][0].device)
+        loss, _ = module.objective.training_loss(module.model, x, y, 0)
+    elif cfg.objective.name == "mae":  # the reconstruction of the masked patches (labels unread)
         loss, pred, _ = module.objective.reconstruct(module.model, x)
         assert pred.shape[:2] == (4, module.model.cfg.num_patches)
     else:
