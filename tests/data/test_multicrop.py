@@ -125,3 +125,41 @@ def test_bad_crop_settings_are_one_line_each(settings, said):
     with pytest.raises(UserError, match=None) as e:
         M.MultiCropConfig.from_dict(settings)
     assert said in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("data", ["digits", "fake", "imagefolder", "streaming"])
+def test_every_data_module_makes_the_views_of_its_training_batches(data, request):
+    """objective=dino's data modules (training.build.build_datamodule passes `multicrop`): training images un-augmented
+    and squared at the source size (on the device, or from the loader's workers), the views made there; validation
+    batches as ever."""
+    from types import SimpleNamespace
+
+    from vitlab.data import DigitsDataModule, FakeDataModule, ImageFolderDataModule
+    from vitlab.data.streaming import StreamingDataModule
+
+    views = {"crops": {"global_size": 16, "local_size": 8, "local_crops": 2}, "masks": {}}
+    common = {"img_size": 16, "batch_size": 4, "multicrop": views}
+    make = {
+        "digits": lambda: DigitsDataModule(**common),
+        "fake": lambda: FakeDataModule(num_train=8, num_classes=2, **common),
+        "imagefolder": lambda: ImageFolderDataModule(
+            data_dir=str(request.getfixturevalue("folder")), num_workers=0, num_classes=3, **common
+        ),  # fmt: skip
+        "streaming": lambda: StreamingDataModule(
+            data_dir=str(request.getfixturevalue("shards")), num_classes=3, num_workers=0, **common
+        ),  # fmt: skip
+    }
+    dm = make[data]()
+    epochs = SimpleNamespace(current=SimpleNamespace(processed=0))
+    dm.trainer = SimpleNamespace(
+        world_size=1, global_rank=0, num_devices=1, fit_loop=SimpleNamespace(epoch_progress=epochs),
+        strategy=SimpleNamespace(root_device=torch.device("cpu")),
+    )  # fmt: skip
+    dm.setup("fit")
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.dtype == torch.uint8 and tuple(x.shape[-2:]) == (16, 16)
+    (crops, masks), labels = dm.device_transform((x, y), train=True)
+    assert masks is None and torch.equal(labels, y)
+    assert [tuple(v.shape) for v in crops] == [(4, dm.channels, 16, 16)] * 2 + [(4, dm.channels, 8, 8)] * 2
+    val, _ = dm.device_transform(next(iter(dm.val_dataloader())), train=False)
+    assert isinstance(val, torch.Tensor) and val.dtype == torch.float32

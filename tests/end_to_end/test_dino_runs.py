@@ -60,3 +60,30 @@ def test_sigterm_mid_epoch_resumes_bit_for_bit(request, strategy, tmp_path):
     args = [*DINO, *(DDP if strategy == "ddp" else FSDP)]
     command = interrupt(args, tmp_path, "SIGTERM", 4)
     assert_same_run(full, resume(command, tmp_path))
+
+
+def test_dinos_released_checkpoint_is_evaluated_by_vitlab_eval(tmp_path):
+    """A checkpoint in the form of DINO's `*_full_checkpoint.pth` (student, teacher, optimizer, epoch, args,
+    dino_loss) of a digits-sized backbone: `vitlab.eval task=knn model.pretrained=<it>` probes its teacher."""
+    import argparse
+
+    import torch
+
+    from vitlab.model import ViT, ViTConfig
+
+    torch.manual_seed(0)
+    cfg = ViTConfig(img_size=8, patch_size=4, in_chans=1, num_classes=0, embed_dim=64, depth=4, num_heads=4)
+    teacher, student = ViT(cfg).state_dict(), ViT(cfg).state_dict()
+    ckpt = {
+        "student": {f"module.backbone.{k}": v for k, v in student.items()},
+        "teacher": {f"backbone.{k}": v for k, v in teacher.items()},
+        "epoch": 100,
+        "args": argparse.Namespace(arch="vit_digits"),
+        "dino_loss": {"center": torch.zeros(1, 8)},
+    }
+    torch.save(ckpt, tmp_path / "full_checkpoint.pth")
+    args = ["task=knn", "model=vit_digits", f"model.pretrained={tmp_path / 'full_checkpoint.pth'}", "data=digits"]
+    r = run_cli("eval", *args, f"hydra.run.dir={tmp_path / 'eval'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "took the teacher's backbone" in (tmp_path / "eval" / "eval.log").read_text()
+    assert 0 < json.loads((tmp_path / "eval" / "metrics.json").read_text())["knn/top1_k20"] <= 1
