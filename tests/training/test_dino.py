@@ -180,3 +180,21 @@ def test_ibot_and_koleo_train_the_mask_token_and_sinkhorn_knopp_replaces_the_cen
     assert o.student.mask_token.abs().sum() > 0  # it learned: masked patches reached the loss
     assert o.dino_loss.center.abs().sum() == 0 and o.ibot_loss.center.abs().sum() == 0  # Sinkhorn-Knopp: no centre
     assert OmegaConf.to_container(cfg.objective)["ibot_weight"] == 1.0
+
+
+def test_pretraining_from_weights_starts_student_and_teacher_from_them(compose_cfg, tmp_path):
+    """model.pretrained=<weights> under objective=dino (go on from a released backbone): both networks are those
+    weights."""
+    from vitlab.model import ViT
+    from vitlab.model.config import vit_config
+    from vitlab.training.pretrained import load_pretrained
+
+    cfg = dino_cfg(compose_cfg, f"model.pretrained={tmp_path / 'backbone.pth'}")
+    torch.manual_seed(3)
+    weights = ViT(vit_config(cfg.model)).state_dict()
+    torch.save(weights, tmp_path / "backbone.pth")
+    module = build.build_module(cfg, build.build_datamodule(cfg.data, cfg))
+    load_pretrained(module, cfg.model)
+    for name, value in weights.items():
+        assert torch.equal(module.model.state_dict()[name], value), name
+        assert torch.equal(module.objective.student.backbone.state_dict()[name], value), name

@@ -263,6 +263,18 @@ class DINO(Objective):
         ]
         L.ema_update([t for t, _ in pairs], [s for _, s in pairs], m)
 
+    def activation_shapes(self, model: ViTConfig) -> list[tuple[int, int, int, float]]:
+        """The student's blocks over every view (the teacher's forward keeps nothing), each view's head outputs
+        (logits, their softmax and gradient), and the image."""
+        c, full, prefix = self.cfg.crops, 8 + 2 * model.mlp_ratio, model.num_prefix_tokens
+        size = int(c.global_size or model.img_hw[0])
+        glob = prefix + (size // model.patch_hw[0]) * (size // model.patch_hw[1])
+        local = prefix + (c.local_size // model.patch_hw[0]) * (c.local_size // model.patch_hw[1])
+        views = [(2 * glob, model.embed_dim, model.depth, full)]
+        views += [(c.local_crops * local, model.embed_dim, model.depth, full)] if c.local_crops else []
+        image = (model.img_hw[0] * model.img_hw[1], model.in_chans, 1, 1)
+        return [*views, (2 + c.local_crops, self.cfg.out_dim, 1, 4), image]
+
     def train_flops_per_image(self, model: ViTConfig) -> float:
         """The student forward + backward of every view (3x), the teacher forward of the global ones."""
         c = self.cfg.crops

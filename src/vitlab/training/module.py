@@ -57,8 +57,7 @@ class ViTModule(L.LightningModule):
     def __init__(
         self,
         model: ViTConfig | dict[str, Any],  # a dict: the plain data a checkpoint carries
-        objective: dict[str, Any]
-        | None = None,  # {"name": classify | distill | mae | dino, its options}: conf/objective/
+        objective: dict[str, Any] | None = None,  # {"name": <an OBJECTIVES key>, its options}: conf/objective/
         optim: dict[str, Any] | None = None,
         scheduler: dict[str, Any] | None = None,
         compile: bool | str = False,  # or a torch.compile mode (COMPILE_MODES)

@@ -136,6 +136,7 @@ def load_pretrained(module: Any, model_cfg: DictConfig) -> None:
         decoder=module.objective.extra_modules().get("decoder"),
         resample_patch=bool(model_cfg.get("resample_patch")),
     )
+    module.objective.prepare(module.model)  # what it sets from the weights (objective=dino: the student starts as them)
 
 
 def pretrained_preprocessing(data: DictConfig, pretrained: dict, channels: int) -> dict[str, Any]:
