@@ -164,7 +164,7 @@ def test_an_unlabeled_folder_pretrains_and_is_refused_for_classification(tmp_pat
     refused = run_cli("train", *data, f"hydra.run.dir={tmp_path / 'c'}")
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines()[-1] == (
-        "error: data.unlabeled=true has no labels to learn from: pretrain on it with objective=mae"
+        "error: data.unlabeled=true has no labels to learn from: pretrain on it with objective=mae or dino"
     )
 
 
