@@ -360,7 +360,8 @@ def test_a_timm_schedule_resumes_exactly(tmp_path):
 
 
 def test_bad_scheduler_settings_name_the_field():
-    with pytest.raises(UserError, match=r"scheduler.name 'cosin' is not one of \['warmup_cosine', 'mae_cosine', 'dino_cosine', 'cos"):
+    listed = r"scheduler.name 'cosin' is not one of \['warmup_cosine', 'mae_cosine', 'dino_cosine', 'cos"
+    with pytest.raises(UserError, match=listed):
         SchedulerConfig(name="cosin")
     with pytest.raises(UserError, match=r"scheduler.epoch_offset 2 must be 1 \(timm's train.py\) or 0 \(DeiT's\)"):
         SchedulerConfig(epoch_offset=2)
