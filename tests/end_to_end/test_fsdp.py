@@ -19,6 +19,8 @@ FSDP = ["trainer=fsdp_cpu"]
 DDP = ["trainer=ddp_cpu", "trainer.devices=2"]
 # Every step's loss in the log; the network a little wider than digits' default so every block tensor splits.
 EQUAL = ["trainer.max_epochs=2", "trainer.log_every_n_steps=1", "trainer.deterministic=true", "progress_bar=none"]
+# Both runs clip adaptively (timm's AGC, training/health.py): FSDP2 clips its row shards as DDP clips whole tensors.
+AGC = ["trainer.gradient_clip_algorithm=agc", "trainer.gradient_clip_val=0.02"]
 
 
 class Shards(L.Callback):
@@ -58,12 +60,12 @@ def _run(tmp_path_factory, name, args):
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory):
-    return _run(tmp_path_factory, "ddp", [*DDP, *EQUAL])
+    return _run(tmp_path_factory, "ddp", [*DDP, *EQUAL, *AGC])
 
 
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory):
-    return _run(tmp_path_factory, "fsdp", [*FSDP, *EQUAL])
+    return _run(tmp_path_factory, "fsdp", [*FSDP, *EQUAL, *AGC])
 
 
 def _losses(run_dir):
@@ -85,7 +87,8 @@ def test_fsdp_trains_as_ddp_does(ddp, fsdp):
     its own size: those weights take noise-driven steps of up to about one learning rate each, in either strategy
     (measured here: 8.5e-5 apart after 38 steps; issue 41's DDP -> FSDP and FSDP -> DDP resumes: 4.1e-4 and
     5.9e-4). They are held to twice the sum of the steps' learning rates: a real difference (a weight loaded wrong,
-    a gradient reduced wrong) is orders of magnitude beyond it."""
+    a gradient reduced wrong) is orders of magnitude beyond it. Both runs clip with AGC at 0.02, which cuts 77% of the
+    units' gradients at the first step (1,849 of 2,416): FSDP2 clips its row shards as DDP clips whole tensors."""
     a, b = _losses(ddp), _losses(fsdp)
     assert a.keys() == b.keys() and len(a) == 38
     assert max(abs(a[s] - b[s]) for s in a) < 1e-6
@@ -97,6 +100,21 @@ def test_fsdp_trains_as_ddp_does(ddp, fsdp):
             assert diff.view(3, -1)[1].max() <= 2 * sum(_learning_rates(fsdp)), key
             diff = diff.view(3, -1)[[0, 2]]
         assert diff.max() < 1e-6, key
+
+
+def _column(run_dir, key) -> dict[int, float]:
+    rows = csv.DictReader((run_dir / "csv" / "metrics.csv").open())
+    return {int(r["step"]): float(r[key]) for r in rows if r.get(key)}
+
+
+def test_the_health_norms_are_all_reduced_over_the_shards_to_ddps(ddp, fsdp):
+    """training/health.py under FSDP2: each process squares its half of every parameter and gradient, one all-reduce
+    sums them; the gradient norm (before clipping), the weights' norm and the update ratio of every step are DDP's.
+    The update ratio carries the key bias's noise-driven steps (test above): within 1e-4 of it."""
+    for key, tolerance in (("train/grad_norm", 1e-5), ("train/param_norm", 1e-6), ("train/update_ratio", 1e-4)):
+        a, b = _column(ddp, key), _column(fsdp, key)
+        assert a.keys() == b.keys() and len(a) == 38, key
+        assert all(b[s] == pytest.approx(a[s], rel=tolerance) for s in a), (key, a, b)
 
 
 def test_every_block_tensor_is_split_and_each_process_holds_half(ddp, fsdp):

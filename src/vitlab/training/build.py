@@ -31,6 +31,7 @@ from vitlab.training import dino, sharding
 from vitlab.training.callbacks import NonFiniteLoss
 from vitlab.training.checkpoint_io import upgrade_hparams
 from vitlab.training.hardware import resolve_trainer
+from vitlab.training.health import AdaptiveGradientClipping
 from vitlab.training.module import ViTModule
 from vitlab.training.node_checks import check_devices, check_node
 from vitlab.training.optim import OptimConfig, scaled_lr
@@ -277,6 +278,15 @@ def build_trainer(trainer_cfg: DictConfig, **kwargs: Any) -> L.Trainer:
     # What every run needs, whatever its callbacks group says: the non-finite-loss stop, each process's state in
     # its checkpoints, and the Lightning workarounds below.
     kwargs["callbacks"] = [*kwargs.get("callbacks", []), NonFiniteLoss(), RankState(), LightningWorkarounds()]
+    if trainer_cfg.get("gradient_clip_algorithm") == "agc":  # Lightning's Trainer knows value and norm only
+        factor = trainer_cfg.get("gradient_clip_val")
+        if not factor:
+            raise UserError(
+                f"trainer.gradient_clip_algorithm=agc needs trainer.gradient_clip_val, AGC's clip factor "
+                f"(timm's --clip-grad with --clip-mode agc, e.g. 0.01), not {factor!r}"
+            )
+        kwargs["callbacks"].append(AdaptiveGradientClipping(float(factor)))  # after Health: it reads unclipped norms
+        kwargs |= {"gradient_clip_val": None, "gradient_clip_algorithm": None}
     try:
         return instantiate(trainer_cfg, **kwargs)
     except InstantiationException as e:

@@ -307,9 +307,15 @@ class NonFiniteLoss(L.Callback):
 
 
 def _message(trainer: L.Trainer, value: float, step: int, stopped: str) -> str:
+    return f"training loss became {value} at step {step} (epoch {trainer.current_epoch}); {stopped}; " + (
+        last_good_checkpoint(trainer)
+    )
+
+
+def last_good_checkpoint(trainer: L.Trainer) -> str:
+    """Where a stopped run's last checkpoint is, in words."""
     saved = [Path(p) for cb in trainer.checkpoint_callbacks for p in (cb.last_model_path, cb.best_model_path)]
     saved = [p for p in saved if str(p) not in ("", ".") and p.is_file()]
     # the newest; of one file under two names (last.ckpt linked to the best), the one saved later
     last = max(reversed(saved), key=lambda p: p.stat().st_mtime_ns) if saved else None
-    where = f"the last good checkpoint is {last}" if last else "no checkpoint was saved yet"
-    return f"training loss became {value} at step {step} (epoch {trainer.current_epoch}); {stopped}; {where}"
+    return f"the last good checkpoint is {last}" if last else "no checkpoint was saved yet"

@@ -97,7 +97,7 @@ class TrainerRanges(TypedDict):
     log_every_n_steps: PositiveInt | None
     accumulate_grad_batches: PositiveInt
     gradient_clip_val: NonNegativeNumber | None
-    gradient_clip_algorithm: Literal["value", "norm"] | None
+    gradient_clip_algorithm: Literal["value", "norm", "agc"] | None  # agc: training.health
     reload_dataloaders_every_n_epochs: NonNegativeInt
 
 
