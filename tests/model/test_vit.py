@@ -1,12 +1,16 @@
+import collections
+
 import pytest
 import torch
 from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers import tiny
 from vitlab.convert.timm_args import timm_kwargs
 from vitlab.convert.weights import check_state_dict
 from vitlab.model import ViT, ViTConfig, posemb_sincos_2d
+from vitlab.utils.errors import UserError
 
 OPTIONS = {
     "default": {},
@@ -220,17 +224,72 @@ def test_intermediates_by_name():
         model.intermediates_by_name(x, ["head"])
 
 
-def test_gradient_checkpointing_gives_the_same_gradients():
+@pytest.mark.parametrize("mode", [True, 2, 3, "selective"])
+def test_gradient_checkpointing_gives_the_same_gradients(mode):
+    """Every mode, stochastic depth and dropout on (the recomputation draws the same masks), ≤ 1e-6."""
     torch.manual_seed(0)
-    model = ViT(tiny())
+    model = ViT(tiny(drop_path_rate=0.2, proj_drop_rate=0.1, depth=4))
     x = torch.randn(2, 3, 32, 32)
+    torch.manual_seed(1)
     model(x).sum().backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    model.set_grad_checkpointing(True)
+    model.set_grad_checkpointing(mode)
+    torch.manual_seed(1)
     model(x).sum().backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref[n], atol=1e-6, rtol=1e-5)
+
+
+class Ops(TorchDispatchMode):
+    """The aten ops run under it, counted by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode, recomputed", [(False, []), (True, [0, 1, 2, 3]), (2, [1, 3]), (3, [2])])
+def test_every_nth_block_is_recomputed(mode, recomputed):
+    """grad_checkpointing=N recomputes blocks N-1, 2N-1, ... in the backward pass; the others keep their
+    activations (each block's forward calls counted by a hook)."""
+    torch.manual_seed(0)
+    model = ViT(tiny(depth=4, grad_checkpointing=mode, global_pool="avg", fc_norm=True))
+    calls = collections.Counter()
+    for i, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda *_, i=i: calls.update([i]))
+    loss = model(torch.randn(2, 3, 32, 32)).sum()
+    calls.clear()
+    loss.backward()
+    assert sorted(calls) == recomputed and all(n == 1 for n in calls.values())
+
+
+def test_selective_checkpointing_keeps_the_matmuls_and_attention_and_recomputes_the_rest():
+    """model.grad_checkpointing=selective (torch's selective checkpoint policy): the backward pass runs again the
+    norms and GELUs of every block, and no forward matmul nor attention."""
+    counts = {}
+    for mode in (False, True, "selective"):
+        torch.manual_seed(0)
+        model = ViT(tiny(depth=2, grad_checkpointing=mode, global_pool="avg", fc_norm=True))
+        loss = model(torch.randn(2, 3, 32, 32)).sum()
+        with Ops() as ops:
+            loss.backward()
+        counts[mode] = ops.count
+    sdpa = [k for k in counts[True] if k.startswith("_scaled_dot_product") and not k.endswith("backward")]
+    assert counts[True]["addmm"] > 0 and sdpa and counts[True]["gelu"] == 2  # whole blocks again
+    assert counts["selective"]["addmm"] == 0 and not any(counts["selective"][k] for k in sdpa)
+    assert counts["selective"]["mm"] == counts[False]["mm"]  # the backward's own matmuls only
+    assert counts["selective"]["gelu"] == 2 and counts["selective"]["native_layer_norm"] == 4
+
+
+@pytest.mark.parametrize("bad", [0, -1, "some", 1.5])
+def test_a_bad_checkpointing_mode_is_one_line(bad):
+    with pytest.raises(UserError, match=r"grad_checkpointing .* must be true, false, N >= 1 \(every N-th block\) or"):
+        tiny(grad_checkpointing=bad)
 
 
 def test_gradient_checkpointing_from_the_config(compose_cfg):

@@ -159,3 +159,48 @@ def test_a_vit_built_on_meta_is_initialised_per_shard_as_on_the_host(tmp_path):
         )
         key = "blocks.0.mlp_out_proj.weight" if hasattr(host.blocks[0], "mlp_out_proj") else "blocks.0.mlp.fc2.weight"
         assert got["local"][key] == [math.ceil(w.shape[0] / 2), w.shape[1]]  # this process's half
+
+
+CHECKPOINTING = [False, True, 2, "selective"]
+
+
+def _checkpointed_gradients(rank: int, world: int, port: int, out: str) -> None:
+    """One of `world` gloo processes: a ViT (stochastic depth and dropout on) sharded as trainer=fsdp shards it, each
+    CHECKPOINTING mode's gradients of this process's batch; rank 0 saves the gathered gradients per mode."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh, grads = init_device_mesh("cpu", (world,)), {}
+    for mode in CHECKPOINTING:
+        torch.manual_seed(0)
+        model = ViT(tiny(depth=4, drop_path_rate=0.2, proj_drop_rate=0.1, grad_checkpointing=mode))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        torch.manual_seed(10 + rank)  # each process its own images and dropout draws, the same for every mode
+        model(torch.randn(2, 3, 32, 32)).sum().backward()
+        grads[str(mode)] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save(grads, out)
+    dist.destroy_process_group()
+
+
+def test_every_checkpointing_mode_composes_with_fsdp2_and_gives_the_same_gradients(tmp_path):
+    """model.grad_checkpointing (every block, every 2nd, selective) inside FSDP2's block units, as trainer=fsdp runs
+    them on 2 CPU processes: the recomputation gathers the block's shards again and the gradients, reduce-scattered,
+    are those of no checkpointing (≤ 1e-6)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_checkpointed_gradients, args=(2, port, str(tmp_path / "g.pt")), nprocs=2, start_method="spawn")
+    grads = torch.load(tmp_path / "g.pt", weights_only=True)
+    for mode in CHECKPOINTING[1:]:
+        for name, g in grads[str(mode)].items():
+            torch.testing.assert_close(g, grads["False"][name], atol=1e-6, rtol=1e-5, msg=f"{mode} {name}")

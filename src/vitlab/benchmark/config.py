@@ -3,6 +3,7 @@ these dataclasses equal."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +14,8 @@ from vitlab.utils.checks import compile_mode, from_mapping
 from vitlab.utils.errors import UserError
 
 TASKS = ("models", "overhead", "pipeline", "end2end", "strategies")
-CONTENDERS = ("vitlab", "timm", "vitlab_ckpt", "timm_ckpt")
+# _ckpt: gradient checkpointing of every block; vitlab_ckpt<N>: of every N-th; vitlab_selective: selective
+CONTENDERS = ("vitlab", "timm", "vitlab_ckpt", "timm_ckpt", "vitlab_ckpt<N>", "vitlab_selective")
 MODES = ("train", "fwd_bwd", "infer")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TIMM_OPTIMIZERS = ("timm", "vitlab")
@@ -105,7 +107,8 @@ class BenchmarkConfig:
                 raise UserError(f"benchmark.{key} {getattr(self, key)!r} is not one of {list(allowed)}")
         for key, allowed in (("contenders", CONTENDERS), ("modes", MODES)):
             values = list(getattr(self, key))
-            if not values or any(v not in allowed for v in values) or len(set(values)) != len(values):
+            known = [v in allowed or (key == "contenders" and re.fullmatch(r"vitlab_ckpt[1-9]\d*", v)) for v in values]
+            if not values or not all(known) or len(set(values)) != len(values):
                 raise UserError(f"benchmark.{key} {values} must be distinct values from {list(allowed)}")
             object.__setattr__(self, key, tuple(values))
         for key in ("batch_size", "repeats", "steps"):

@@ -4,7 +4,8 @@ one process, on one fixed synthetic batch. Each mode (`train`: forward, backward
 rounds that interleave the contenders (order alternating per round, so drift hits both alike). Reports
 medians, vitlab/timm throughput ratios (of the medians, and the spread of the per-round ratios),
 analytic FLOPs, achieved FLOP/s, MFU against a large matmul timed on the same device in the same dtype,
-and peak memory. Contenders `vitlab_ckpt` / `timm_ckpt` turn on gradient checkpointing."""
+and peak memory. Contenders `vitlab_ckpt` / `timm_ckpt` turn on gradient checkpointing of every block,
+`vitlab_ckpt<N>` of every N-th block, `vitlab_selective` selective checkpointing (model.grad_checkpointing)."""
 
 from __future__ import annotations
 
@@ -84,11 +85,20 @@ def build_contenders(cfg: ViTConfig, b: BenchmarkConfig, optim: OptimConfig, dev
             model.load_state_dict(check_state_dict(base.state_dict(), cfg))
             model = model.to(device)
             optimizer = timm_optimizer(model, optim, b.timm_optimizer)
-        model.set_grad_checkpointing(name.endswith("_ckpt"))
+        model.set_grad_checkpointing(checkpointing(name))
         if compile_mode(b.compile):
             model.compile(mode=compile_mode(b.compile))  # in place, as vitlab.train's compile does
         out.append(Contender(name, model, optimizer, autocast))
     return out
+
+
+def checkpointing(contender: str) -> bool | int | str:
+    """A contender's gradient checkpointing (model.grad_checkpointing's value): `_ckpt` every block, `_ckpt<N>` every
+    N-th, `_selective` selective, none otherwise."""
+    _, _, mode = contender.partition("_")
+    if mode == "selective":
+        return "selective"
+    return (int(mode[4:]) if mode[4:] else True) if mode.startswith("ckpt") else False
 
 
 def bench_models(cfg: ViTConfig, b: BenchmarkConfig, optim: OptimConfig, device: torch.device) -> dict[str, Any]:

@@ -114,9 +114,10 @@ class ViTConfig:
     # '' (timm's), 'jax', 'jax_nlhb' (head bias -log K), 'moco', 'mae' (MAE's models_mae.py), 'skip' (PyTorch's own)
     weight_init: str = ""
     fix_init: bool = False  # divide each block's output projections by sqrt(2 * (layer + 1)) (timm's fix_init)
-    # Recompute each block in the backward pass instead of keeping its activations: less memory (ViT-L/H), more
-    # time; the same numbers. Not part of the architecture: a run may resume with it switched.
-    grad_checkpointing: bool = False
+    # Recompute blocks in the backward pass instead of keeping their activations: less memory (ViT-L/H), more time;
+    # the same numbers. true: every block; N: every N-th block; "selective": every block keeps its matmul and
+    # attention outputs and recomputes the rest. Not part of the architecture: a run may resume with it switched.
+    grad_checkpointing: bool | int | str = False
     grid_size: tuple[int, int] = field(init=False)  # derived: patches along H and W
 
     def __post_init__(self) -> None:
@@ -214,7 +215,6 @@ class ViTConfig:
             "pre_norm",
             "dynamic_img_size",
             "dynamic_img_pad",
-            "grad_checkpointing",
             "final_norm",
             "proj_bias",
             "embed_norm",
@@ -235,6 +235,9 @@ class ViTConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise UserError(f"{name} {v!r} must be a number")
+        g = self.grad_checkpointing
+        if not (isinstance(g, bool) or g == "selective" or (isinstance(g, int) and g >= 1)):
+            raise UserError(f"grad_checkpointing {g!r} must be true, false, N >= 1 (every N-th block) or selective")
         if self.fc_norm is not None and not isinstance(self.fc_norm, bool):
             raise UserError(f"fc_norm {self.fc_norm!r} must be true, false or null")
 

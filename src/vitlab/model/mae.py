@@ -106,8 +106,8 @@ def encode_visible(vit: ViT, images: torch.Tensor, keep: int) -> tuple[torch.Ten
     n, num_patches = patches.shape[:2]
     kept, restore = random_masking(n, num_patches, keep, patches.device)
     x = torch.cat([prefix, patches.gather(1, kept.unsqueeze(-1).expand(-1, -1, patches.shape[-1]))], dim=1)
-    for blk in vit.blocks:
-        x = vit._block(blk, x)
+    for i, blk in enumerate(vit.blocks):
+        x = vit._block(blk, x, i=i)
     mask = torch.ones(n, num_patches, device=images.device)
     mask[:, :keep] = 0
     return vit.norm(x), mask.gather(1, restore), restore

@@ -131,8 +131,9 @@ class TimmAPI:
         has_norm, has_fc_norm = not isinstance(self.norm, nn.Identity), not isinstance(self.fc_norm, nn.Identity)
         return dict(final_norm=has_norm or has_fc_norm, fc_norm=has_fc_norm)
 
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        """Recompute each block's activations in the backward pass instead of storing them."""
+    def set_grad_checkpointing(self, enable: bool | int | str = True) -> None:
+        """Recompute each block's activations in the backward pass instead of storing them (timm's switch; also N:
+        every N-th block, or "selective": model.grad_checkpointing's values)."""
         self.grad_checkpointing = enable
 
     def set_input_size(self, img_size: Size | None = None, patch_size: Size | None = None):

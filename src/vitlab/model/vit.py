@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from vitlab.model import init
 from vitlab.model.blocks import BLOCKS
@@ -22,6 +22,29 @@ from vitlab.model.posemb import POS_EMBEDS, resample_grid, resample_pos_embed
 from vitlab.model.timm_api import TimmAPI
 
 # ---- inputs ----------------------------------------------------------------------------------------
+
+# grad_checkpointing=selective: what a block keeps for the backward pass, its matmuls' and attention's outputs (the
+# costly ops); everything else (norms, GELU, dropout, residual adds) is recomputed from them (torch's selective
+# activation checkpointing, as torchtitan's "op" mode).
+_aten = torch.ops.aten
+SAVED_BY_SELECTIVE = [
+    getattr(_aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )  # fmt: skip
+    if hasattr(_aten, name)
+]
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(SAVED_BY_SELECTIVE)
 
 
 @torch.fx.wrap  # FX records one call: the grid comes from the input's shape
@@ -139,9 +162,22 @@ class ViT(TimmAPI, nn.Module):
             x = torch.cat(prefix + [x], dim=1) if prefix else x
         return self.norm_pre(self.patch_drop(self.pos_drop(x)))
 
-    def _block(self, blk: nn.Module, x: torch.Tensor, rows: int | None = None, attn_mask: torch.Tensor | None = None):
-        """One block, recomputed in the backward pass when gradient checkpointing is on."""
-        if self.grad_checkpointing and torch.is_grad_enabled():
+    def _block(
+        self,
+        blk: nn.Module,
+        x: torch.Tensor,
+        rows: int | None = None,
+        attn_mask: torch.Tensor | None = None,
+        i: int = 0,
+    ):
+        """Block `i`, recomputed in the backward pass where gradient checkpointing says: true every block, N every N-th
+        (blocks N-1, 2N-1, ...: the others keep their activations), selective every block's cheap ops."""
+        mode = self.grad_checkpointing
+        if not mode or not torch.is_grad_enabled():
+            return blk(x, rows, attn_mask)
+        if mode == "selective":
+            return checkpoint(blk, x, rows, attn_mask, use_reentrant=False, context_fn=_selective_contexts)
+        if mode is True or (i + 1) % mode == 0:
             return checkpoint(blk, x, rows, attn_mask, use_reentrant=False)
         return blk(x, rows, attn_mask)
 
@@ -152,7 +188,7 @@ class ViT(TimmAPI, nn.Module):
         only the first `last_rows` tokens (B, last_rows, D)."""
         x = self.embed(x)
         for i, blk in enumerate(self.blocks):
-            x = self._block(blk, x, last_rows if i == len(self.blocks) - 1 else None, attn_mask)
+            x = self._block(blk, x, last_rows if i == len(self.blocks) - 1 else None, attn_mask, i)
         return self.norm(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:

@@ -85,7 +85,7 @@ def available(trainer: Any) -> tuple[float, str]:
     return host / local, "this host's" + (f" (shared by {local} processes)" if local > 1 else "")
 
 
-def check_fits(est: Estimate, trainer: Any, checkpointing: bool) -> None:
+def check_fits(est: Estimate, trainer: Any, checkpointing: bool | int | str) -> None:
     """A run estimated to need more memory per process than there is: refused in one line naming the estimate, the
     memory, and the settings that bring it down (those not set already); `memory_check=false` starts it anyway."""
     from vitlab.utils.errors import UserError
@@ -95,7 +95,7 @@ def check_fits(est: Estimate, trainer: Any, checkpointing: bool) -> None:
         return
     fixes = [
         "data.batch_size",
-        *(["model.grad_checkpointing=true"] if not checkpointing else []),
+        *(["model.grad_checkpointing=true"] if checkpointing is not True else []),
         *(["trainer=fsdp (over several devices)"] if not est.strategy.startswith("fsdp") else []),
         *(["trainer.precision=bf16-mixed"] if str(trainer.precision) in ("32-true", "64-true") else []),
     ]
@@ -126,15 +126,29 @@ def activation_bytes(precision: str, device: str = "cpu") -> float:
 
 
 def activations_per_image(
-    shapes: list[tuple[int, int, int, float]], precision: str, checkpointing: bool, device: str = "cpu"
+    shapes: list[tuple[int, int, int, float]], precision: str, checkpointing: bool | int | str, device: str = "cpu"
 ) -> float:
-    """Bytes autograd keeps per image for blocks of (tokens, width, blocks, values per token and width)."""
+    """Bytes autograd keeps per image for blocks of (tokens, width, blocks, values per token and width), under
+    model.grad_checkpointing: none; every block (true) or every N-th (each such block's fp32 input, the others whole);
+    selective (each block's matmul and attention outputs, 6 + mlp_ratio values, and its input). Rows of 8 or more
+    values are transformer blocks (8 + 2 x mlp_ratio); the rest (the image, heads, a class-row last block) are kept
+    whole. The block being recomputed lives in the backward pass (`recomputed`)."""
     per_value = activation_bytes(precision, device)
-    block = [tokens * width * values * per_value for tokens, width, _, values in shapes]
     if not checkpointing:
-        return sum(b * n for b, (_, _, n, _) in zip(block, shapes, strict=True))
-    inputs = sum(tokens * width * 4 * n for tokens, width, n, _ in shapes)  # each block's (fp32) input
-    return inputs + recomputed(shapes, precision, device)
+        return sum(tokens * width * values * n * per_value for tokens, width, n, values in shapes)
+    if checkpointing == 1:  # every block (true, 1): every row's input only
+        return sum(tokens * width * 4 * n for tokens, width, n, _ in shapes) + recomputed(shapes, precision, device)
+    total = 0.0
+    for tokens, width, n, values in shapes:
+        whole, inputs = tokens * width * values * per_value, tokens * width * 4
+        if values < 8:
+            total += n * whole
+        elif checkpointing == "selective":
+            total += n * (tokens * width * (6 + (values - 8) / 2) * per_value + inputs)
+        else:
+            saved = n // checkpointing
+            total += saved * inputs + (n - saved) * whole
+    return total + recomputed(shapes, precision, device)
 
 
 def recomputed(shapes: list[tuple[int, int, int, float]], precision: str, device: str = "cpu") -> float:
