@@ -161,12 +161,14 @@ def test_a_vit_built_on_meta_is_initialised_per_shard_as_on_the_host(tmp_path):
         assert got["local"][key] == [math.ceil(w.shape[0] / 2), w.shape[1]]  # this process's half
 
 
-CHECKPOINTING = [False, True, 2, "selective"]
+CHECKPOINTING = [False, True, 2, "selective", "regional compile"]
 
 
 def _checkpointed_gradients(rank: int, world: int, port: int, out: str) -> None:
     """One of `world` gloo processes: a ViT (stochastic depth and dropout on) sharded as trainer=fsdp shards it, each
-    CHECKPOINTING mode's gradients of this process's batch; rank 0 saves the gathered gradients per mode."""
+    CHECKPOINTING mode's gradients of this process's batch (the last: no checkpointing, compile=regional's blocks,
+    compiled before sharding as ViTModule.setup does, with Dynamo's eager backend); rank 0 saves the gathered
+    gradients per mode and the graphs Dynamo captured."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -176,22 +178,40 @@ def _checkpointed_gradients(rank: int, world: int, port: int, out: str) -> None:
     mesh, grads = init_device_mesh("cpu", (world,)), {}
     for mode in CHECKPOINTING:
         torch.manual_seed(0)
-        model = ViT(tiny(depth=4, drop_path_rate=0.2, proj_drop_rate=0.1, grad_checkpointing=mode))
+        regional = mode == "regional compile"
+        model = ViT(tiny(depth=4, drop_path_rate=0.2, proj_drop_rate=0.1, grad_checkpointing=not regional and mode))
+        if regional:
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            for block in model.blocks:
+                block.compile(backend="eager")
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         torch.manual_seed(10 + rank)  # each process its own images and dropout draws, the same for every mode
         model(torch.randn(2, 3, 32, 32)).sum().backward()
         grads[str(mode)] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    graphs = [torch._dynamo.utils.counters["stats"]["unique_graphs"]]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(10 + rank)
+    model = ViT(tiny(depth=8, drop_path_rate=0.2, proj_drop_rate=0.1))  # twice as deep: the same graphs
+    for block in model.blocks:
+        block.compile(backend="eager")
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    grads["graphs"] = [*graphs, torch._dynamo.utils.counters["stats"]["unique_graphs"]]
     if rank == 0:
         torch.save(grads, out)
     dist.destroy_process_group()
 
 
-def test_every_checkpointing_mode_composes_with_fsdp2_and_gives_the_same_gradients(tmp_path):
+def test_every_checkpointing_mode_and_regional_compile_compose_with_fsdp2_and_give_the_same_gradients(tmp_path):
     """model.grad_checkpointing (every block, every 2nd, selective) inside FSDP2's block units, as trainer=fsdp runs
     them on 2 CPU processes: the recomputation gathers the block's shards again and the gradients, reduce-scattered,
-    are those of no checkpointing (≤ 1e-6)."""
+    are those of no checkpointing (≤ 1e-6). compile=regional's blocks, sharded: the same gradients, from the same
+    three graphs at depth 4 and 8."""
     import socket
 
     import torch.multiprocessing as mp
@@ -201,6 +221,7 @@ def test_every_checkpointing_mode_composes_with_fsdp2_and_gives_the_same_gradien
         port = s.getsockname()[1]
     mp.start_processes(_checkpointed_gradients, args=(2, port, str(tmp_path / "g.pt")), nprocs=2, start_method="spawn")
     grads = torch.load(tmp_path / "g.pt", weights_only=True)
+    assert grads.pop("graphs") == [3, 3]  # block 0 (no stochastic depth), the others, the last one's class rows
     for mode in CHECKPOINTING[1:]:
         for name, g in grads[str(mode)].items():
             torch.testing.assert_close(g, grads["False"][name], atol=1e-6, rtol=1e-5, msg=f"{mode} {name}")

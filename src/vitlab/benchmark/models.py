@@ -86,8 +86,9 @@ def build_contenders(cfg: ViTConfig, b: BenchmarkConfig, optim: OptimConfig, dev
             model = model.to(device)
             optimizer = timm_optimizer(model, optim, b.timm_optimizer)
         model.set_grad_checkpointing(checkpointing(name))
-        if compile_mode(b.compile):
-            model.compile(mode=compile_mode(b.compile))  # in place, as vitlab.train's compile does
+        if compile_mode(b.compile):  # in place, as vitlab.train's compile does: the model, or each block
+            for region in model.blocks if b.compile == "regional" else [model]:
+                region.compile(mode=compile_mode(b.compile))
         out.append(Contender(name, model, optimizer, autocast))
     return out
 

@@ -55,18 +55,26 @@ def qk_norms(cfg: ViTConfig, head_dim: int) -> tuple[nn.Module, nn.Module]:
 
 
 class DropPath(nn.Module):
-    """Stochastic depth (Huang et al. 2016): drop the whole residual branch per sample."""
+    """Stochastic depth (Huang et al. 2016): drop the whole residual branch per sample. The keep probability is a
+    float64 scalar tensor (a non-persistent buffer, recomputed from `p` after every move or cast), not a Python float:
+    the same draws, and every block's rate is an input of a compiled block rather than a constant of it, so
+    compile=regional's blocks share one graph whatever their rates."""
 
     def __init__(self, p: float):
         super().__init__()
         self.p = p
+        self.register_buffer("keep", torch.tensor(1.0 - p, dtype=torch.float64), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.keep = torch.full((), 1.0 - self.p, dtype=torch.float64, device=self.keep.device)  # never cast
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
+        if not self.training:
             return x
-        keep = 1.0 - self.p
-        mask = x.new_empty(x.shape[0], 1, 1).bernoulli_(keep)  # tokens (B, N, D): one draw per sample
-        return x * mask.div_(keep)
+        mask = x.new_empty(x.shape[0], 1, 1).bernoulli_(self.keep)  # tokens (B, N, D): one draw per sample
+        return x * mask.div_(self.keep)
 
 
 def stochastic_depth(p: float) -> nn.Module:

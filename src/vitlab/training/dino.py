@@ -187,9 +187,13 @@ class DINO(Objective):
     def metrics(self, stage: str, num_classes: int) -> dict:
         return {}
 
-    def compile(self, model: ViT, mode: str) -> None:
-        for block in [*model.blocks, *self.student.backbone.blocks]:
-            block.compile(mode=mode)
+    def compile(self, model: ViT, mode: str, regional: bool = False) -> None:
+        """The step runs the backbones' blocks alone (their forward_features, not the ViT's forward): always
+        regional."""
+        super().compile(model, mode, regional=True)
+
+    def blocks_run(self, model: ViT) -> list[nn.Module]:
+        return [*model.blocks, *self.student.backbone.blocks]
 
     def fit_start(self, datamodule: Any, device: torch.device) -> None:
         """The validation images' views: the training views' settings, the data's normalisation undone first."""

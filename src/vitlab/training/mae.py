@@ -65,12 +65,16 @@ class MAE(Objective):
     def metrics(self, stage: str, num_classes: int) -> dict[str, Metric]:
         return {}  # the loss alone
 
-    def compile(self, model: ViT, mode: str) -> None:
-        """The pretraining step never calls the ViT's forward (which the classifier compiles), so each encoder and
-        decoder block is compiled in place as well (the repeated region; state-dict keys unchanged)."""
-        super().compile(model, mode)
-        for block in [*model.blocks, *self.decoder.decoder_blocks]:
-            block.compile(mode=mode)
+    def compile(self, model: ViT, mode: str, regional: bool = False) -> None:
+        """The pretraining step never calls the ViT's forward (which compile=true compiles whole for evaluation),
+        so each encoder and decoder block is compiled in place as well (the repeated region; state-dict keys
+        unchanged); compile=regional: the blocks alone."""
+        if not regional:
+            super().compile(model, mode, regional=False)
+        super().compile(model, mode, regional=True)
+
+    def blocks_run(self, model: ViT) -> list[nn.Module]:
+        return [*model.blocks, *self.decoder.decoder_blocks]
 
     def reconstruct(self, model: ViT, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, predicted pixels (B, N, ph * pw * C), mask (B, N), 1 = removed) of a batch."""

@@ -60,7 +60,7 @@ class ViTModule(L.LightningModule):
         objective: dict[str, Any] | None = None,  # {"name": <an OBJECTIVES key>, its options}: conf/objective/
         optim: dict[str, Any] | None = None,
         scheduler: dict[str, Any] | None = None,
-        compile: bool | str = False,  # or a torch.compile mode (COMPILE_MODES)
+        compile: bool | str = False,  # or a torch.compile mode (COMPILE_MODES), or regional
         class_names: list[str] | None = None,
         data: dict[str, Any] | None = None,  # the data config that trained it, for vitlab.eval/predict
         freeze_backbone: bool = False,  # linear probe: train the head (and fc_norm) only
@@ -76,6 +76,7 @@ class ViTModule(L.LightningModule):
         self.optim = OptimConfig.from_dict(optim)  # omitted keys: the same defaults as conf/optim/adamw.yaml
         self.scheduler_cfg = SchedulerConfig.from_dict(scheduler)  # conf/scheduler/warmup_cosine.yaml's
         self.compile_mode = compile_mode(compile)
+        self.compile_regional = compile == "regional"
         self.objective = build_objective(objective, cfg, unlabeled=bool((data or {}).get("unlabeled")))
         self.objective.check(cfg, self.optim)
         self.objective.prepare(self.model)
@@ -128,7 +129,7 @@ class ViTModule(L.LightningModule):
         if stage == "fit":
             self.objective.setup_fit(self.model.cfg.num_classes)
             if self.compile_mode:
-                self.objective.compile(self.model, self.compile_mode)
+                self.objective.compile(self.model, self.compile_mode, self.compile_regional)
         self.train_flops_per_image = self.objective.train_flops_per_image(self.model.cfg)  # callbacks.Throughput
 
     def on_fit_start(self) -> None:

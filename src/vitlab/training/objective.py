@@ -50,9 +50,16 @@ class Objective:
     def fit_start(self, datamodule: Any, device: torch.device) -> None:
         """Fitting begins on `device` with `datamodule`'s data."""
 
-    def compile(self, model: ViT, mode: str) -> None:
-        """compile=true: what the training step runs, compiled in place (state-dict keys unchanged)."""
-        model.compile(mode=mode)
+    def compile(self, model: ViT, mode: str, regional: bool = False) -> None:
+        """compile=true: what the training step runs, compiled in place (state-dict keys unchanged), as one graph;
+        `regional` (compile=regional): each transformer block the step runs instead, all of one class sharing one
+        compiled code (torch's regional compilation recipe: compile time stays that of one block at any depth)."""
+        for region in self.blocks_run(model) if regional else [model]:
+            region.compile(mode=mode)
+
+    def blocks_run(self, model: ViT) -> list[nn.Module]:
+        """The transformer blocks a training step runs."""
+        return list(model.blocks)
 
     def training_loss(
         self, model: ViT, x: torch.Tensor, y: torch.Tensor | None, epoch: int

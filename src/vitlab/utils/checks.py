@@ -271,17 +271,18 @@ def check_device(key: str, name: str, auto: bool = False) -> str:
     return name
 
 
-CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "regional"]
 COMPILE_MODES = typing.get_args(CompileMode)
 
 
 def compile_mode(value: bool | str | None) -> str | None:
     """The torch.compile mode of a `compile` setting: false/null = none, true = "default", or a mode name.
     `reduce-overhead` captures CUDA graphs: one launch per compiled region instead of one per kernel, for
-    small models whose GPU step is launch-bound (the digits default)."""
+    small models whose GPU step is launch-bound (the digits default). `regional` (default mode) compiles one
+    transformer block and reuses its code for every block (training.objective.Objective.compile)."""
     if value is None or value is False:
         return None
-    if value is True:
+    if value is True or value == "regional":
         return "default"
     if value not in COMPILE_MODES:
         raise UserError(f"compile {value!r} is not one of false, true, {', '.join(COMPILE_MODES)}")
