@@ -30,7 +30,7 @@ def train(cfg: DictConfig) -> float | None:
     import lightning as L
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from vitlab.training import build, memory, pretrained, resume, sharding, trial
+    from vitlab.training import auto_batch, build, memory, pretrained, resume, sharding, trial
 
     started, out = time.time(), Path(cfg.paths.output_dir)
     if (before := earlier_result(out)) is not None:  # a sweep run again into its directory: this job had ended
@@ -40,11 +40,14 @@ def train(cfg: DictConfig) -> float | None:
     pretrained.apply_pretrained(cfg)  # model.pretrained=<timm name>: timm's architecture and preprocessing
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    datamodule = build.build_datamodule(cfg.data, cfg)
-    module = build.build_module(cfg, datamodule)
     pruning = [trial.PruneTrial(cfg.optimized_metric)] if trial.sweep_pruner()[0] else []  # an Optuna trial
     callbacks, show_bar = build.build_callbacks(cfg, extra=pruning)
     trainer = build.build_trainer(cfg.trainer, callbacks=callbacks, logger=False, enable_progress_bar=show_bar)
+    if auto := auto_batch.requested(cfg):  # data.batch_size=auto: chosen from the memory estimate
+        auto_batch.provisional(cfg, trainer)
+    datamodule = build.build_datamodule(cfg.data, cfg)
+    chosen = auto_batch.choose(cfg, trainer, datamodule) if auto else None  # (before the LR is scaled by it)
+    module = build.build_module(cfg, datamodule)
     estimate = memory.for_run(module, trainer, cfg.optim.name, cfg.data.batch_size)
     if cfg.memory_check:  # (before a checkpoint or pretrained weights are read)
         memory.check_fits(estimate, trainer, module.model.cfg.grad_checkpointing)
@@ -79,6 +82,7 @@ def train(cfg: DictConfig) -> float | None:
             metrics |= {k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
             metrics["tested_checkpoint"] = tested or "final weights"
 
+    metrics |= {"batch_size_auto": chosen} if chosen else {}
     metrics |= {"wall_time_s": round(time.time() - started, 2), "run_dir": str(out)}
     if trainer.is_global_zero:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))

@@ -42,6 +42,7 @@ class TrainSettings(TypedDict):
     progress_bar: ProgressBar
     print_config: bool
     memory_check: bool
+    memory_budget_gb: PositiveNumber | None  # data.batch_size=auto's budget per process
     freeze_backbone: bool
     task_name: str
     tags: list[str]

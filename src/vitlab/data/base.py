@@ -64,6 +64,10 @@ class DataModule(L.LightningDataModule):
                 raise UserError(f"data.{name} {value} does not match {type(self).__name__}'s {fixed}")
             if value is not None:
                 setattr(self, name, value)
+        if batch_size == "auto":
+            raise UserError(
+                "data.batch_size=auto is chosen by vitlab.train from the memory estimate; give a number here"
+            )
         if batch_size < 1:
             raise UserError(f"data.batch_size {batch_size} must be >= 1")
         if num_workers is not None and num_workers < 0:

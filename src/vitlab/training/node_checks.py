@@ -20,6 +20,7 @@ from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError
 
+from vitlab.data.base import DataModule
 from vitlab.data.imagefolder import ImageFolderDataModule, check_class_folders
 from vitlab.utils.checks import Fraction, NonNegativeInt, NonNegativeNumber, PositiveInt, check_arguments
 from vitlab.utils.errors import UserError
@@ -101,8 +102,12 @@ class TrainerRanges(TypedDict):
     reload_dataloaders_every_n_epochs: NonNegativeInt
 
 
-# A target -> the narrower types of some of its arguments (check_arguments' `narrower`).
-NARROWER: dict[type, Any] = {L.Trainer: TrainerRanges}
+class DataRanges(TypedDict):
+    batch_size: PositiveInt | Literal["auto"]  # auto: vitlab.train chooses it (training.auto_batch)
+
+
+# A target -> the narrower (or wider) types of some of its arguments (check_arguments' `narrower`).
+NARROWER: dict[type, Any] = {L.Trainer: TrainerRanges, DataModule: DataRanges}
 
 
 def _class_folders(values: dict[str, Any]) -> None:
