@@ -43,8 +43,7 @@ def train(cfg: DictConfig) -> float | None:
     pruning = [trial.PruneTrial(cfg.optimized_metric)] if trial.sweep_pruner()[0] else []  # an Optuna trial
     callbacks, show_bar = build.build_callbacks(cfg, extra=pruning)
     trainer = build.build_trainer(cfg.trainer, callbacks=callbacks, logger=False, enable_progress_bar=show_bar)
-    if auto := auto_batch.requested(cfg):  # data.batch_size=auto: chosen from the memory estimate
-        auto_batch.provisional(cfg, trainer)
+    auto = auto_batch.provisional(cfg, trainer)  # data.batch_size=auto: chosen from the memory estimate
     datamodule = build.build_datamodule(cfg.data, cfg)
     chosen = auto_batch.choose(cfg, trainer, datamodule) if auto else None  # (before the LR is scaled by it)
     module = build.build_module(cfg, datamodule)
@@ -56,7 +55,7 @@ def train(cfg: DictConfig) -> float | None:
     trainer.loggers = loggers = build.build_loggers(cfg.get("logger"), resume_from=ckpt_path)
     _announce(cfg, trainer, module, estimate, out)
 
-    metrics, best = {}, ""
+    metrics, best = ({"batch_size_auto": chosen} if chosen else {}), ""
     with build.loggers_finished(loggers):  # one W&B run per job, also in sweeps
         if cfg.train:
             try:
@@ -82,7 +81,6 @@ def train(cfg: DictConfig) -> float | None:
             metrics |= {k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
             metrics["tested_checkpoint"] = tested or "final weights"
 
-    metrics |= {"batch_size_auto": chosen} if chosen else {}
     metrics |= {"wall_time_s": round(time.time() - started, 2), "run_dir": str(out)}
     if trainer.is_global_zero:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))

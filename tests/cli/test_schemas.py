@@ -106,5 +106,5 @@ def test_a_value_the_command_fills_in_is_left_to_it(compose_cfg):
     """eval's data=<name> reads ${model.img_size}, which eval sets from the checkpoint's model; the rest of the node is
     still held to its data module."""
     check_config(compose_cfg("eval", ["ckpt_path=x.ckpt", "data=digits"]), *SCHEMAS["eval"])
-    with pytest.raises(UserError, match="^data.batch_size 'many' must be an integer$"):
+    with pytest.raises(UserError, match="^data.batch_size 'many' must be 'auto' or an integer >= 1$"):
         check_config(compose_cfg("eval", ["ckpt_path=x.ckpt", "data=digits", "data.batch_size=many"]), *SCHEMAS["eval"])

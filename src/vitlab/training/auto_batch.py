@@ -24,30 +24,30 @@ log = logging.getLogger(__name__)
 AUTO_HEADROOM = 0.9  # of the memory: what the estimate leaves out (allocator slack, the loss, workspaces)
 
 
-def requested(cfg: DictConfig) -> bool:
-    return cfg.data.get("batch_size") == "auto"
-
-
 def processes(trainer: L.Trainer) -> int:
     return max(1, trainer.num_devices * trainer.num_nodes)
 
 
-def provisional(cfg: DictConfig, trainer: L.Trainer) -> None:
-    """A batch the data module can be built with (one image per process) until `choose` sets the real one."""
+def provisional(cfg: DictConfig, trainer: L.Trainer) -> bool:
+    """Whether the batch is `auto`; if so, a batch the data module can be built with (one image per process) until
+    `choose` sets the real one."""
+    if cfg.data.get("batch_size") != "auto":
+        return False
     with open_dict(cfg):
         cfg.data.batch_size = processes(trainer)
+    return True
 
 
 def choose(cfg: DictConfig, trainer: L.Trainer, datamodule: L.LightningDataModule) -> dict[str, Any]:
     """Sets cfg.data.batch_size (and the data module's) to the batch `auto` stands for; returns what was chosen and
     why, for the log and metrics.json."""
-    processes = max(1, trainer.num_devices * trainer.num_nodes)
+    n = processes(trainer)
     if cfg.get("ckpt_path"):
         chosen = int(read_checkpoint(cfg.ckpt_path, weights=False)["hyper_parameters"]["data"]["batch_size"])
         _set(cfg, datamodule, chosen)
         log.info("data.batch_size=auto: %d, the batch of the checkpoint this run resumes", chosen)
         return {"batch_size": chosen, "from": "the resumed checkpoint"}
-    per_image, fixed = _costs(cfg, trainer, processes)
+    per_image, fixed = _costs(cfg, trainer, n)
     if cfg.get("memory_budget_gb") is not None:
         budget, whose = float(cfg.memory_budget_gb) * 1e9, "memory_budget_gb's"
     else:
@@ -60,18 +60,18 @@ def choose(cfg: DictConfig, trainer: L.Trainer, datamodule: L.LightningDataModul
             f"{memory.size(per_image)} per image); bring it down with model.grad_checkpointing, trainer=fsdp, "
             "trainer.precision=bf16-mixed"
         )
-    chosen, images = per_process * processes, _training_images(datamodule)
-    capped = images is not None and chosen > images // processes * processes
+    chosen, images = per_process * n, _training_images(datamodule)
+    capped = images is not None and chosen > images // n * n
     if capped:
-        chosen = images // processes * processes
+        chosen = images // n * n
     _set(cfg, datamodule, chosen)
-    est = memory.estimate(*_probe_args(cfg, trainer, processes, chosen // processes))
+    est = memory.estimate(*_probe_args(cfg, trainer, n, chosen // n))
     why = f"the training images ({images})" if capped else f"{AUTO_HEADROOM:.0%} of {whose} {memory.size(budget)}"
     log.info(
         "data.batch_size=auto: %d (%d per process x %d), estimated %s per process; the most that fits %s",
-        chosen, chosen // processes, processes, memory.size(est.total), why,
+        chosen, chosen // n, n, memory.size(est.total), why,
     )  # fmt: skip
-    return {"batch_size": chosen, "per_process": chosen // processes, "estimate_bytes": est.total,
+    return {"batch_size": chosen, "per_process": chosen // n, "estimate_bytes": est.total,
             "budget_bytes": budget, "limited_by": "training images" if capped else "memory"}  # fmt: skip
 
 
