@@ -148,9 +148,13 @@ def _cases(tmp: Path, ckpt: Path) -> dict:
         "batch_size not a number": (
             "train",
             ["data.batch_size=abc"],
-            "error: data.batch_size 'abc' must be an integer",
+            "error: data.batch_size 'abc' must be 'auto' or an integer >= 1",
         ),
-        "fractional batch_size": ("train", ["data.batch_size=8.5"], "error: data.batch_size 8.5 must be an integer"),
+        "fractional batch_size": (
+            "train",
+            ["data.batch_size=8.5"],
+            "error: data.batch_size 8.5 must be 'auto' or an integer >= 1",
+        ),
         "export to a place nobody may write": (
             "export",
             [f"ckpt_path={ckpt}", "output=/sys/model.onnx"],
