@@ -82,14 +82,14 @@ def trained(pl_module: L.LightningModule) -> list[tuple[str, torch.nn.Parameter]
 
 
 def blocks_of(named: list[tuple[str, torch.nn.Parameter]]) -> dict[str, list[int]]:
-    """Each encoder block's parameters (indices into `named`), by the block's name: `blocks.3` (ViT),
-    `student.backbone.blocks.3` (DINO), `decoder.blocks.1` (MAE's decoder)."""
+    """Each transformer block's parameters (indices into `named`), by the block's name: `blocks.3` (the ViT's),
+    `student.backbone.blocks.3` (DINO's student), `decoder.decoder_blocks.1` (MAE's decoder)."""
     out: dict[str, list[int]] = {}
     for i, (name, _) in enumerate(named):
         parts = name.split(".")
-        if "blocks" in parts and parts.index("blocks") + 1 < len(parts):
-            at = parts.index("blocks") + 2
-            out.setdefault(".".join(parts[:at]).removeprefix("model."), []).append(i)
+        at = next((j for j, p in enumerate(parts[:-1]) if p.endswith("blocks") and parts[j + 1].isdigit()), None)
+        if at is not None:
+            out.setdefault(".".join(parts[: at + 2]).removeprefix("model."), []).append(i)
     return out
 
 
