@@ -200,7 +200,7 @@ SHARDED = [*FSDP, "trainer.strategy.save_distributed_checkpoint=true"]
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
-    return _run(tmp_path_factory, "sharded", [*SHARDED, *EQUAL])
+    return _run(tmp_path_factory, "sharded", [*SHARDED, *EQUAL, *AGC])  # as the fsdp run it is compared with
 
 
 def test_a_directory_of_shards_trains_the_same_resumes_and_becomes_one_file(fsdp, sharded, tmp_path):

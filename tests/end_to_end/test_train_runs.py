@@ -103,7 +103,7 @@ def test_runs_started_together_get_their_own_directories(tmp_path):
     [
         (["model.depth=three"], "error: depth 'three' must be an integer"),
         (["model.drop_path_rate=1.5"], "error: drop_path_rate 1.5 must be in [0, 1)"),
-        (["data.batch_size=0"], "data.batch_size 0 must be >= 1"),
+        (["data.batch_size=0"], "data.batch_size 0 must be 'auto' or an integer >= 1"),
         (["progress_bar=fancy"], "error: progress_bar 'fancy' must be one of 'auto', 'rich', 'tqdm', 'none'"),
         (["optim.layer_decay=2"], "error: optim.layer_decay 2 must be in (0, 1]"),
     ],
