@@ -284,6 +284,20 @@ class RecordTrainIndices(L.Callback):
         (self.path / f"indices.{trainer.global_rank}.json").write_text(json.dumps(self.epochs))
 
 
+class RecordTrainSizes(L.Callback):
+    """Write [optimizer step, height, width, images] of every training batch each process trained on, as the model
+    took it, to <the run directory>/sizes.<rank>.json (data.train_img_sizes)."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.steps.append([trainer.global_step, *batch[0].shape[-2:], len(batch[0])])
+
+    def on_train_end(self, trainer, pl_module):
+        (Path(trainer.default_root_dir) / f"sizes.{trainer.global_rank}.json").write_text(json.dumps(self.steps))
+
+
 def interrupt(args, tmp_path, signum, step, group=True, rank=0, hook=None) -> str:
     """`python -m vitlab.train args` stopped by `signum` after optimizer step `step` (SignalAtStep; `hook`: at that
     epoch boundary instead): checks the exit, the checkpoint, the last line and interrupted.json beside them, and

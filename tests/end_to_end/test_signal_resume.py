@@ -70,6 +70,20 @@ ON_DEVICE = [
 ]
 
 
+def two_sizes(data_dir) -> list[str]:
+    """folder()'s pipeline at two sizes (issue 44): 8 and 12 px, global batches of 8 and 4, timm's constant
+    schedule, position embeddings resampled per batch; one copy of each image (72: 12 batches a process an
+    epoch)."""
+    return [
+        *folder(data_dir),
+        "data.repeated_aug=0",
+        "model.dynamic_img_size=true",
+        "data.train_img_sizes=[8,12]",
+        "data.train_batch_sizes=[8,4]",
+        *extra_callback("sizes", "RecordTrainSizes"),
+    ]
+
+
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
     return image_tree(tmp_path_factory.mktemp("images"), classes=("a", "b", "c"), per_class=24, size=(12, 12))
@@ -145,6 +159,26 @@ def test_data_held_on_the_device_resumes_exactly(on_device, tmp_path):
 def test_group_signal_with_loader_workers_resumes_exactly(folder_one, images, tmp_path, signum, step):
     command = interrupt(folder(images), tmp_path, signum, step)
     assert_same_run(folder_one, resume(command, tmp_path))
+
+
+@pytest.fixture(scope="module")
+def sizes_two(tmp_path_factory, images):
+    return _run(tmp_path_factory, [*two_sizes(images), *TWO])
+
+
+def test_two_sizes_on_two_processes_resume_exactly_replaying_the_sizes(sizes_two, images, tmp_path):
+    """Every step one size on both processes (timm's schedule, from the run's seed), both sizes trained; stopped
+    mid-epoch, the resumed run trains the same sizes at the same steps and ends bit for bit the uninterrupted run."""
+    full = [json.loads((sizes_two / f"sizes.{rank}.json").read_text()) for rank in (0, 1)]
+    assert full[0] == full[1]
+    assert {(h, w, n) for _, h, w, n in full[0]} == {(8, 8, 4), (12, 12, 2)}  # 8 and 4 images split over 2
+    assert [s for s, *_ in full[0]] == list(range(len(full[0])))  # one batch a step
+    command = interrupt([*two_sizes(images), *TWO], tmp_path, "SIGTERM", 7)
+    resumed = resume(command, tmp_path)
+    assert_same_run(sizes_two, resumed)
+    again = json.loads((resumed / "sizes.0.json").read_text())
+    first, per_epoch = again[0][0], len(full[0]) // 3
+    assert first > 7 and first % per_epoch and again == full[0][first:]  # mid-epoch; from there, the same sizes
 
 
 @pytest.mark.parametrize("signum, step", [("SIGINT", 5), ("SIGTERM", 13)])

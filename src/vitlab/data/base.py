@@ -22,7 +22,7 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import Dataset, DistributedSampler, Sampler, Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from vitlab.data import resident, transforms
+from vitlab.data import resident, sizes, transforms
 from vitlab.data.multicrop import Views
 from vitlab.data.resident import ResidentImages, already_batched
 from vitlab.data.seeded import RepeatSampler, RepeatSeededSampler, SeededSampler, TransformDataset, init_worker
@@ -41,6 +41,7 @@ class DataModule(L.LightningDataModule):
     mean: tuple[float, ...]
     std: tuple[float, ...]
     class_names: list[str]
+    size_schedule: sizes.SizeSchedule | None = None  # training at several sizes (ImageDataModule)
 
     def __init__(
         self,
@@ -131,13 +132,17 @@ class DataModule(L.LightningDataModule):
             # will set it (epochs processed), before a resumed loader skips to its position: Lightning sets it only
             # after it has made the iterator. Under DDP Lightning leaves a DistributedSampler as it is.
             sampler = self._train_sampler(dataset, world, rank)
+            if self.size_schedule is not None:  # whole batches, each of one size (data/sizes.py)
+                sampler, dataset = sizes.scheduled_loading(self, sampler, dataset, world)
+                kwargs["batch_size"] = None
             sampler.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed if self.trainer is not None else 0)
             kwargs["sampler"] = sampler
         if kwargs["num_workers"] > 0:
             kwargs.setdefault("persistent_workers", self.persistent_workers)
             kwargs.setdefault("prefetch_factor", self.prefetch_factor)
             kwargs.setdefault("worker_init_fn", init_worker)
-        return StatefulDataLoader(dataset, batch_size=self.per_device_batch_size, drop_last=train, **kwargs)
+        kwargs.setdefault("batch_size", self.per_device_batch_size)
+        return StatefulDataLoader(dataset, drop_last=train and kwargs["batch_size"] is not None, **kwargs)
 
     def _train_sampler(self, dataset: Dataset, world: int, rank: int) -> Sampler:
         kind = SeededSampler if isinstance(dataset, TransformDataset) else DistributedSampler
@@ -273,6 +278,12 @@ class ImageDataModule(DataModule):
         on_device: bool | str = "auto",  # hold the splits on the training device: true, false, auto (when they fit)
         on_device_gb: float = 4.0,  # auto's budget: the splits as uint8, in GB
         multicrop: dict | None = None,  # objective=dino's views of each training batch (training.dino.data_views)
+        train_img_sizes: list[int] | None = None,  # several training sizes, one a batch (data/sizes.py); None: one
+        train_batch_sizes: list[int] | None = None,
+        train_size_probs: list[float] | None = None,
+        train_size_schedule: str = "constant",
+        train_size_schedule_spread: float = 0.65,
+        train_size_random_mix: float = 0.1,
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
@@ -287,7 +298,13 @@ class ImageDataModule(DataModule):
         self.repeated_aug, self.on_device, self.on_device_gb = repeated_aug, on_device, on_device_gb
         self.resides: bool | None = None  # decided when a loader is first asked for (resident.decide)
         self._stores: dict[str, ResidentImages] = {}
-        self.train_tf = transforms.train_transform(self.img_size, self.mean, **(train_transform or {}))
+        self.size_schedule = sizes.SizeSchedule.from_data(
+            {k: v for k, v in locals().items() if k.startswith("train_") and k != "train_transform"}
+        )
+        if self.size_schedule is not None and multicrop is not None:
+            raise UserError("data.train_img_sizes and objective=dino's crops both set the training sizes: choose one")
+        self.train_transform_args = dict(train_transform or {})
+        self.train_tf = transforms.train_transform(self.img_size, self.mean, **self.train_transform_args)
         # null eval settings: this dataset's defaults (pretrained.apply_pretrained fills them from the weights first)
         eval_settings = {"crop_pct": self.eval_crop_pct} | {
             k: v for k, v in (eval_transform or {}).items() if v is not None
@@ -358,12 +375,13 @@ class ImageDataModule(DataModule):
         """A uint8 batch, once on the device, to the model's normalised float32 input: held on the device, the
         training batch is shifted and flipped first; resized where kept at its own size; randomly erased in
         training."""
-        x, y = batch
+        x, y = batch[:2]
         if train and self.views is not None:  # objective=dino: the views (and iBOT's masks) of every image
             return self.views(x.to(torch.float32).div_(255), self.rng), y
         if train and self.resides:
             x = self.shift_flip(x, self.rng)
-        return self.to_input(x, train, self.rng), y
+        size = sizes.batch_hw(batch) if train and self.size_schedule is not None else None
+        return self.to_input(x, train, self.rng, size), y
 
     def eval_view(self, split: str) -> Dataset:
         dataset = super().eval_view(split)

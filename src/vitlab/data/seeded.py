@@ -32,9 +32,13 @@ class TransformDataset(Dataset):
         return len(self.indices)
 
     def __getitem__(self, key: int | tuple[int, int]):
+        return self.get(key, self.transform)
+
+    def get(self, key: int | tuple[int, int], transform):
+        """Item `key` through `transform` (data/sizes.py: the transform of its batch's size)."""
         if isinstance(key, int):
             img, label = self.base[self.indices[key]]
-            return self.transform(img), label
+            return transform(img), label
         seed, i = key
         img, label = self.base[self.indices[i]]
         # Without loader workers this runs in the training process, whose own draws (dropout, MixUp) go on after it.
@@ -45,7 +49,7 @@ class TransformDataset(Dataset):
         random.seed(seed)
         np.random.seed(seed % 2**32)  # timm's RandAugment and AugMix draw from numpy too
         try:
-            return self.transform(img), label
+            return transform(img), label
         finally:
             if saved is not None:
                 torch.default_generator.set_state(saved[0])

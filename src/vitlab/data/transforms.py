@@ -241,7 +241,10 @@ class DeviceTransform:
         self.interpolation = _interp(interpolation)
         self._stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, x: torch.Tensor, train: bool, generator: torch.Generator | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, train: bool, generator: torch.Generator | None = None, size: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """`size`: this batch's, instead of `size` (training at several sizes, data/sizes.py)."""
         if x.dtype != torch.uint8:
             raise TypeError(f"DeviceTransform takes uint8 batches, got {x.dtype}")
         if x.device not in self._stats:  # copied to the device once, not per step (a copy waits for the device)
@@ -249,8 +252,9 @@ class DeviceTransform:
             self._stats[x.device] = tuple(stats)
         mean, std = self._stats[x.device]
         x = x.to(torch.float32).div_(255).sub_(mean).div_(std)
-        if self.size is not None and tuple(x.shape[-2:]) != self.size:
-            x = T.functional.resize(x, list(self.size), interpolation=self.interpolation, antialias=True)
+        size = tuple(size) if size is not None else self.size
+        if size is not None and tuple(x.shape[-2:]) != size:
+            x = T.functional.resize(x, list(size), interpolation=self.interpolation, antialias=True)
         if train and self.random_erasing:
             boxes = erasing_boxes(len(x), x.shape[-2:], self.random_erasing, generator, self.count)
             x = erase(x, boxes.to(x.device, non_blocking=True), self.mode, generator)

@@ -26,6 +26,7 @@ from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
+from vitlab.data import sizes
 from vitlab.model.config import vit_config
 from vitlab.training import dino, sharding
 from vitlab.training.callbacks import NonFiniteLoss
@@ -70,9 +71,11 @@ def build_module(cfg: DictConfig, datamodule: L.LightningDataModule) -> ViTModul
     # trainer=fsdp: the ViT is laid out on the meta device and each process initialises its shards (training.sharding);
     # pretrained weights are loaded into a whole model, built on the host.
     on_meta = sharding.requests_fsdp(cfg.get("trainer") or {}) and not cfg.model.get("pretrained")
+    model = vit_config(cfg.model)
+    sizes.check_model(getattr(datamodule, "size_schedule", None), model, cfg.objective.get("name"))
     with sharding.networks_on_meta(on_meta):
         return ViTModule(
-            model=vit_config(cfg.model),
+            model=model,
             objective=OmegaConf.to_container(cfg.objective, resolve=True, throw_on_missing=True),  # a `???` named
             optim=OmegaConf.to_container(cfg.optim, resolve=True),
             scheduler=OmegaConf.to_container(cfg.scheduler, resolve=True),
@@ -109,11 +112,15 @@ def global_batch(cfg: DictConfig) -> tuple[int, str]:
     """The images per optimizer step over every process (MAE's eff_batch_size), and how it was counted."""
     t = cfg.get("trainer") or {}
     accumulate, devices, nodes = t.get("accumulate_grad_batches", 1) or 1, t.get("devices", 1), t.get("num_nodes", 1)
-    batch = cfg.data.batch_size * accumulate
-    how = f"= data.batch_size {cfg.data.batch_size}"
-    if isinstance(devices, int) and devices > 0 and isinstance(nodes, int) and nodes > 0:
+    batch, how = cfg.data.batch_size, f"= data.batch_size {cfg.data.batch_size}"
+    schedule = sizes.SizeSchedule.from_data(cfg.data)
+    if schedule is not None and schedule.batch_sizes:  # as timm's train.py: the schedule's average batch
+        average = schedule.average_batch(batch, t.get("max_epochs"))
+        batch, how = round(average), f"= {average:.2f}, data.train_batch_sizes averaged over their schedule,"
+    elif isinstance(devices, int) and devices > 0 and isinstance(nodes, int) and nodes > 0:
         per = cfg.data.batch_size / (devices * nodes)
         how += f" ({per:g} per device x {devices} devices x {nodes} nodes)"
+    batch *= accumulate
     return batch, how + f" x trainer.accumulate_grad_batches {accumulate}"
 
 

@@ -1,0 +1,229 @@
+"""Training at several resolutions (`data.train_img_sizes`), as timm's train.py `--train-img-sizes`,
+`--train-batch-sizes`, `--train-size-probs`, `--train-size-schedule`, `--train-size-schedule-spread` and
+`--train-size-random-mix`, with timm's own ScheduledBatchSampler deciding each batch's size:
+
+- `constant`: a fixed composition of sizes (drawn once, with `probs` as weights, to cover an epoch's images) in a new
+  order every epoch; `progressive`: each epoch's sizes drawn from a window (a Gaussian of `spread` choices) that moves
+  from the first size to the last over trainer.max_epochs, with a `random_mix` share drawn uniformly.
+- Every batch is one size with that size's batch size (`batch_sizes`, global like data.batch_size; default
+  data.batch_size for every size). The schedule is drawn from the run's seed, the epoch and the length of a process's
+  share of the epoch, which every process has alike: every process trains on the same size at the same step.
+- A loader item is a whole batch (the DataLoader's batch_size is None; `ScheduledBatches` yields each batch's
+  (index, size) pairs). It is also a DistributedSampler, so Lightning takes it as it is instead of trying to put its
+  own sampler inside it, and the loader's position (its count of batches) resumes mid-epoch exactly as any other.
+- In the loader's workers each image is cropped by the training transform made for its batch's size; data held on
+  the device (`data.on_device`) is shifted and flipped there and then resized to its batch's size.
+- Validation and testing stay at the model's size; the model resamples its position embeddings to each batch's grid
+  (model.dynamic_img_size=true, `check_model`).
+
+No Hydra, OmegaConf or Lightning here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from timm.data import ScheduledBatchSampler
+from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
+from torch.utils.data._utils.collate import default_collate
+
+from vitlab.data import transforms
+from vitlab.data.resident import ResidentImages
+from vitlab.utils.errors import UserError
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("constant", "progressive")
+
+
+@dataclass(frozen=True)
+class SizeSchedule:
+    """The data.train_* keys of a run that trains at several sizes."""
+
+    img_sizes: tuple[int, ...]
+    batch_sizes: tuple[int, ...] | None = None  # global, one per size; None: data.batch_size for every size
+    probs: tuple[float, ...] | None = None  # the sizes' weights; None: uniform
+    schedule: str = "constant"
+    spread: float = 0.65
+    random_mix: float = 0.1
+
+    @classmethod
+    def from_keys(
+        cls,
+        img_sizes: Sequence[int] | None,
+        batch_sizes: Sequence[int] | None,
+        probs: Sequence[float] | None,
+        schedule: str,
+        spread: float,
+        random_mix: float,
+    ) -> SizeSchedule | None:
+        """The schedule of data.train_img_sizes and the keys beside it (None: one size, the model's), each bad
+        value refused in one line."""
+        if img_sizes is None:
+            for key, value in (("train_batch_sizes", batch_sizes), ("train_size_probs", probs)):
+                if value is not None:
+                    raise UserError(f"data.{key} {list(value)} needs data.train_img_sizes (the sizes it is one per)")
+            return None
+        if not img_sizes or any(not _positive_int(s) for s in img_sizes):
+            raise UserError(f"data.train_img_sizes {list(img_sizes)} must be a non-empty list of sizes in px >= 1")
+        for key, value in (("train_batch_sizes", batch_sizes), ("train_size_probs", probs)):
+            if value is not None and len(value) != len(img_sizes):
+                raise UserError(
+                    f"data.{key} {list(value)} needs one value per size of data.train_img_sizes {list(img_sizes)}"
+                )
+        if batch_sizes is not None and any(not _positive_int(b) for b in batch_sizes):
+            raise UserError(f"data.train_batch_sizes {list(batch_sizes)} must be global batch sizes >= 1")
+        if probs is not None and (any(not (math.isfinite(p) and p >= 0) for p in probs) or not sum(probs) > 0):
+            raise UserError(f"data.train_size_probs {list(probs)} must be weights >= 0 with a positive sum")
+        if schedule not in SCHEDULES:
+            raise UserError(f"data.train_size_schedule {schedule!r} is not one of {list(SCHEDULES)}")
+        if schedule == "progressive" and len(img_sizes) < 2:
+            raise UserError(f"data.train_size_schedule=progressive moves between sizes: {list(img_sizes)} has one")
+        if not (math.isfinite(spread) and spread >= 0):
+            raise UserError(f"data.train_size_schedule_spread {spread} must be >= 0 (sizes, as index units)")
+        if not 0 <= random_mix <= 1:
+            raise UserError(f"data.train_size_random_mix {random_mix} must be in [0, 1]")
+        as_tuple = lambda v, kind: tuple(kind(x) for x in v) if v is not None else None  # noqa: E731
+        return cls(tuple(img_sizes), as_tuple(batch_sizes, int), as_tuple(probs, float), schedule, spread, random_mix)
+
+    @classmethod
+    def from_data(cls, data: Any) -> SizeSchedule | None:
+        """The schedule of a data config (a mapping), its keys as ImageDataModule's defaults where absent."""
+        return cls.from_keys(
+            data.get("train_img_sizes"),
+            data.get("train_batch_sizes"),
+            data.get("train_size_probs"),
+            data.get("train_size_schedule", "constant"),
+            data.get("train_size_schedule_spread", 0.65),
+            data.get("train_size_random_mix", 0.1),
+        )
+
+    def global_batch_sizes(self, batch_size: int) -> tuple[int, ...]:
+        return self.batch_sizes or (batch_size,) * len(self.img_sizes)
+
+    def batches(self, sampler: Sampler, batch_size: int, world: int, epochs: int | None, seed: int):
+        """timm's ScheduledBatchSampler over `sampler` (this process's share of each epoch) with the per-process
+        batch sizes, as timm's create_loader makes it (drop_last in training; `epochs`: trainer.max_epochs)."""
+        sizes = self.global_batch_sizes(batch_size)
+        if any(b % world for b in sizes):
+            key = "data.train_batch_sizes" if self.batch_sizes else "data.batch_size"
+            raise UserError(f"{key} {list(sizes)} are global and must each be divisible by the {world} processes")
+        if self.schedule == "progressive" and not (isinstance(epochs, int) and epochs >= 1):
+            raise UserError(
+                f"data.train_size_schedule=progressive moves through the sizes over trainer.max_epochs, which is "
+                f"{epochs}: set it"
+            )
+        try:
+            return ScheduledBatches(
+                sampler,
+                batch_sizes=[b // world for b in sizes],
+                choice_weights=self.probs,
+                seed=seed,
+                drop_last=True,
+                choice_schedule=self.schedule,
+                schedule_epochs=epochs if self.schedule == "progressive" else None,
+                schedule_spread=self.spread,
+                schedule_random_mix=self.random_mix,
+            )
+        except ValueError as e:  # the one timm finds: not one full batch in a process's share of the images
+            raise UserError(f"data.train_img_sizes {list(self.img_sizes)} with batch sizes {list(sizes)}: {e}") from e
+
+    def average_batch(self, batch_size: int, epochs: int | None) -> float:
+        """The global batch averaged over the schedule (timm's reference for scaling the learning rate)."""
+        sizes = self.global_batch_sizes(batch_size)
+        if len(set(sizes)) == 1:
+            return float(sizes[0])
+        return self.batches(range(sum(sizes)), batch_size, 1, epochs, 0).average_batch_size
+
+    def describe(self, batches: ScheduledBatchSampler, world: int) -> str:
+        """The log line of a run's schedule (as timm's train.py logs it)."""
+        per_size = [b * world for b in batches.batch_sizes]
+        said = f"training sizes {list(self.img_sizes)} px, global batch sizes {per_size}"
+        if self.schedule == "progressive":
+            said += (
+                f", progressive over {batches.schedule_epochs} epochs (spread {self.spread:g}, random mix "
+                f"{self.random_mix:g})"
+            )
+        return said + f": {len(batches)} batches an epoch, average batch {batches.average_batch_size * world:g}"
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+class ScheduledBatches(ScheduledBatchSampler, DistributedSampler):
+    """timm's ScheduledBatchSampler, yielding each batch's [(index, size choice), ...]. It is also a
+    DistributedSampler (its methods are all timm's), so that Lightning uses it as the loader's sampler as it is
+    rather than trying to put a DistributedSampler of its own inside it; what it wraps is already this process's
+    share."""
+
+
+class ScheduledImages(Dataset):
+    """A training split read a whole batch at a time, by the (key, size choice) pairs of ScheduledBatches. With
+    `transforms` (the loader path) each image goes through its batch's size's training transform (its random draws
+    seeded as TransformDataset's); without (data held on the device) the batch is gathered there at the size it is
+    stored and comes with its size, to be resized once shifted and flipped (ImageDataModule.device_transform)."""
+
+    def __init__(self, dataset: Dataset, img_sizes: Sequence[int], transforms: Sequence[Any] | None = None):
+        self.dataset, self.img_sizes, self.transforms = dataset, list(img_sizes), transforms
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, pairs: list[tuple[Any, int]]):
+        keys, choice = [key for key, _ in pairs], pairs[0][1]
+        if self.transforms is None:
+            images, labels = self.dataset.__getitems__(keys)
+            return [images, labels, (self.img_sizes[choice],) * 2]
+        return default_collate([self.dataset.get(key, self.transforms[choice]) for key in keys])
+
+
+def scheduled_loading(dm: Any, sampler: Sampler, dataset: Dataset, world: int) -> tuple[ScheduledBatches, Dataset]:
+    """The batch sampler and the dataset of a training loader at the sizes of `dm.size_schedule` (an
+    ImageDataModule), over `sampler` and `dataset` as the one-size loader would read them."""
+    schedule: SizeSchedule = dm.size_schedule
+    if isinstance(dataset, IterableDataset):
+        raise UserError(f"data.train_img_sizes needs images read by index; {type(dm).__name__} streams them")
+    epochs = dm.trainer.max_epochs if dm.trainer is not None else None
+    batches = schedule.batches(sampler, dm.batch_size, world, epochs, dm.shuffle_seed)
+    said = schedule.describe(batches, world)
+    if (dm.trainer is None or dm.trainer.global_rank == 0) and said != getattr(dm, "_said", None):
+        log.info(said)  # once (Lightning asks for the loader twice as a run starts)
+        dm._said = said
+    if isinstance(dataset, ResidentImages):
+        return batches, ScheduledImages(dataset, schedule.img_sizes)
+    made = [transforms.train_transform(s, dm.mean, **dm.train_transform_args) for s in schedule.img_sizes]
+    return batches, ScheduledImages(dataset, schedule.img_sizes, made)
+
+
+def check_model(schedule: SizeSchedule | None, model: Any, objective: str) -> None:
+    """A model (a ViTConfig) that can train at the schedule's sizes: one resampling its position embeddings, whose
+    patches tile each size, training a classifier (a teacher, MAE's masks and DINO's crops have sizes of their own)."""
+    if schedule is None:
+        return
+    if objective != "classify":
+        raise UserError(f"data.train_img_sizes trains objective=classify, not objective={objective}")
+    if set(schedule.img_sizes) != {model.img_hw[0]} and not model.dynamic_img_size:
+        raise UserError(
+            f"data.train_img_sizes {list(schedule.img_sizes)} need position embeddings at each size: set "
+            "model.dynamic_img_size=true"
+        )
+    patch_hw = model.patch_hw
+    bad = [s for s in schedule.img_sizes if s % patch_hw[0] or s % patch_hw[1]]
+    if bad and not model.dynamic_img_pad:
+        raise UserError(
+            f"data.train_img_sizes {bad} are not multiples of model.patch_size {list(patch_hw)}: choose multiples, "
+            "or set model.dynamic_img_pad=true"
+        )
+
+
+def batch_hw(batch: Sequence[Any]) -> tuple[int, int]:
+    """The size a scheduled training batch trains at: the one it carries (held on the device), else its own."""
+    return tuple(batch[2]) if len(batch) > 2 else tuple(batch[0].shape[-2:])
+
+
+__all__ = ["SizeSchedule", "ScheduledBatches", "ScheduledImages", "scheduled_loading", "check_model", "batch_hw"]
