@@ -13,7 +13,7 @@ from tests.helpers import tiny
 from vitlab.convert.weights import numbered_optimizer_state
 from vitlab.model import ViT
 from vitlab.training.optim import name_parameters, param_groups, states_by_name
-from vitlab.training.sharding import check_request, keyed_by_name, replace_directory
+from vitlab.training.sharding import FSDP2Strategy, check_request, keyed_by_name, replace_directory
 from vitlab.utils.errors import UserError
 
 
@@ -43,6 +43,20 @@ def test_one_process_runs_and_says_nothing_is_sharded(compose_cfg):
 def test_what_cannot_shard_is_one_line(compose_cfg, overrides, message):
     with pytest.raises(UserError, match=message):
         check_request(*_trainer(compose_cfg, *overrides))
+
+
+def test_cpu_offload_keeps_the_parameters_on_the_host_and_moves_only_the_buffers():
+    """Under cpu_offload the parameters are made and kept on the host (FSDP2 copies them to the GPU per use; moving
+    them with the model fails on a GPU, 'Couldn't swap Conv2d.weight'); the buffers go to the training device ('meta'
+    here stands for the GPU). Without offload Lightning moves the whole model."""
+    for offload, params, buffers in ((True, "cpu", "meta"), (False, "meta", "meta")):
+        strategy = FSDP2Strategy(cpu_offload=offload)
+        strategy.parallel_devices = [torch.device("meta")]
+        strategy.model = vit = ViT(tiny(depth=2, drop_path_rate=0.1))
+        assert strategy.parameter_device.type == ("cpu" if offload else "meta")
+        strategy.model_to_device()
+        assert {p.device.type for p in vit.parameters()} == {params}
+        assert {b.device.type for b in vit.buffers()} == {buffers}
 
 
 def _optimizer(order):

@@ -112,7 +112,23 @@ class FSDP2Strategy(ModelParallelStrategy):
             if isinstance(module, Block):
                 fully_shard(module, mesh=mesh, **kwargs)
         fully_shard(root, mesh=mesh, **kwargs)
-        return materialize(root, self.root_device)
+        return materialize(root, self.parameter_device)
+
+    @property
+    def parameter_device(self) -> torch.device:
+        """Where the parameters live between uses: the host under cpu_offload (FSDP2 copies each block's shards to
+        the GPU to gather them, and the optimizer steps on the host), else the training device."""
+        return torch.device("cpu") if self.cpu_offload else self.root_device
+
+    def model_to_device(self) -> None:
+        """Lightning moves the whole model to the training device; under cpu_offload only the buffers go (the
+        parameters stay in host memory: moving them is refused, "Couldn't swap Conv2d.weight", H100 2026-11-26)."""
+        if not self.cpu_offload:
+            return super().model_to_device()
+        for module in self.model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(self.root_device)
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
