@@ -100,7 +100,7 @@ def test_each_image_is_the_training_transform_at_its_batchs_size():
         assert torch.equal(image, expected) and label == expected_label
 
 
-def test_held_on_the_device_a_batch_is_resized_to_its_size_after_the_shift_and_flip():
+def test_held_on_the_device_a_batch_comes_with_its_size_and_is_resized_there():
     dm = _fake(train_img_sizes=[8, 16], on_device=True)
     _as_rank(dm, 0, 1)
     loader = dm.train_dataloader()
