@@ -149,6 +149,13 @@ def test_bad_keys_are_one_line(keys, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_data_batch_size_does_not_limit_a_schedule_with_its_own_batch_sizes():
+    dm = _fake(train_img_sizes=[8, 16], train_batch_sizes=[16, 8])
+    dm.batch_size = 128  # more than the 96 training images: the schedule's sizes are what is loaded
+    _as_rank(dm, 0, 1)
+    assert {len(batch[0]) for batch in dm.train_dataloader()} == {16, 8}
+
+
 def test_what_a_loader_cannot_do_is_one_line():
     dm = _fake(train_img_sizes=[8, 16], train_batch_sizes=[16, 6])
     _as_rank(dm, 0, 4)

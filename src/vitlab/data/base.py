@@ -114,7 +114,7 @@ class DataModule(L.LightningDataModule):
         checkpoints, so a run resumed mid-epoch sees exactly the batches it would have seen."""
         if dataset is None:
             raise RuntimeError("call setup() before asking for a dataloader")
-        if train:
+        if train and self.size_schedule is None:  # a schedule's batch sizes are timm's to check (data/sizes.py)
             self._check_enough_images(len(dataset))
         if isinstance(dataset, ResidentImages):  # on the device already: whole batches gathered there, nothing pinned
             kwargs.update(num_workers=0, collate_fn=already_batched, pin_memory=False)
@@ -298,9 +298,10 @@ class ImageDataModule(DataModule):
         self.repeated_aug, self.on_device, self.on_device_gb = repeated_aug, on_device, on_device_gb
         self.resides: bool | None = None  # decided when a loader is first asked for (resident.decide)
         self._stores: dict[str, ResidentImages] = {}
-        self.size_schedule = sizes.SizeSchedule.from_data(
-            {k: v for k, v in locals().items() if k.startswith("train_") and k != "train_transform"}
-        )
+        self.size_schedule = sizes.SizeSchedule.from_keys(
+            train_img_sizes, train_batch_sizes, train_size_probs, train_size_schedule, train_size_schedule_spread,
+            train_size_random_mix,
+        )  # fmt: skip
         if self.size_schedule is not None and multicrop is not None:
             raise UserError("data.train_img_sizes and objective=dino's crops both set the training sizes: choose one")
         self.train_transform_args = dict(train_transform or {})
