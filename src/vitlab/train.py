@@ -47,7 +47,7 @@ def train(cfg: DictConfig) -> float | None:
     datamodule = build.build_datamodule(cfg.data, cfg)
     chosen = auto_batch.choose(cfg, trainer, datamodule) if auto else None  # (before the LR is scaled by it)
     module = build.build_module(cfg, datamodule)
-    estimate = memory.for_run(module, trainer, cfg.optim.name, cfg.data.batch_size)
+    estimate = memory.for_run(module, trainer, cfg.optim.name, cfg.data.batch_size, datamodule.size_schedule)
     if cfg.memory_check:  # (before a checkpoint or pretrained weights are read)
         memory.check_fits(estimate, trainer, module.model.cfg.grad_checkpointing)
     ckpt_path = resume.starting_point(cfg, module)  # a checkpoint to go on from, or pretrained weights loaded

@@ -52,6 +52,28 @@ def test_the_activation_estimate_is_what_autograd_keeps(model, objective, precis
     assert estimated == pytest.approx(measured, rel=0.15), (measured, estimated)
 
 
+def test_a_schedule_of_sizes_is_estimated_at_its_batch_of_the_most_activations():
+    """data.train_img_sizes: each size's estimate is what autograd keeps at that size (15%, as above), and the run's
+    is the size whose batch keeps the most: 16 images of 32 px (65 tokens) against 48 of 16 px (17 tokens)."""
+    from types import SimpleNamespace
+
+    from vitlab.data.sizes import SizeSchedule
+
+    module = ViTModule(model=tiny(depth=4, embed_dim=64, img_size=16, dynamic_img_size=True).to_dict())
+    module.train()
+    for px in (16, 32):
+        measured = saved_bytes(module, torch.randn(4, 3, px, px))
+        at = memory.estimate(module, "adamw", batch=4, processes=1, precision="32-true", sharded=False, px=px)
+        assert at.activations == pytest.approx(measured, rel=0.15), (px, measured, at.activations)
+    trainer = SimpleNamespace(num_devices=2, num_nodes=1, precision="32-true", accelerator=None, strategy=None)
+    schedule = SizeSchedule.from_keys([16, 32], [96, 32], None, "constant", 0.65, 0.1)
+    run = memory.for_run(module, trainer, "adamw", 64, schedule)
+    large = memory.estimate(module, "adamw", batch=16, processes=2, precision="32-true", sharded=False, px=32)
+    small = memory.estimate(module, "adamw", batch=48, processes=2, precision="32-true", sharded=False, px=16)
+    assert run == large and large.activations > small.activations and "(16 images of 32 px)" in run.line()
+    assert memory.for_run(module, trainer, "adamw", 64).px is None
+
+
 @pytest.mark.parametrize("mode", [False, True, 2, 3, "selective"])
 @pytest.mark.parametrize("pool", ["avg", "token"])
 def test_each_checkpointing_mode_peaks_where_the_estimate_says(mode, pool):

@@ -50,6 +50,7 @@ class Estimate:
     activations: float
     batch: int  # images per process
     strategy: str  # e.g. "ddp over 4 processes", "fsdp over 8 processes"
+    px: int | None = None  # the batch's image size, where data.train_img_sizes trains at several
 
     @property
     def total(self) -> float:
@@ -62,7 +63,7 @@ class Estimate:
             f"gradients {size(self.gradients)}",
             f"optimizer state {size(self.optimizer)}",
             *([f"{extra} {size(self.in_flight)}"] if self.in_flight else []),
-            f"activations {size(self.activations)} ({self.batch} images)",
+            f"activations {size(self.activations)} ({self.batch} images{f' of {self.px} px' if self.px else ''})",
         ]
         return f"memory per process, estimated for {self.strategy}: {', '.join(parts)}: {size(self.total)}"
 
@@ -156,37 +157,53 @@ def recomputed(shapes: list[tuple[int, int, int, float]], precision: str, device
     return max(tokens * width * values for tokens, width, _, values in shapes) * activation_bytes(precision, device)
 
 
-def for_run(module: Any, trainer: Any, optimizer: str, batch: int) -> Estimate:
+def for_run(module: Any, trainer: Any, optimizer: str, batch: int, schedule: Any = None) -> Estimate:
     """The estimate for a run about to start: `trainer`'s processes, precision and strategy, the global `batch`
-    (data.batch_size) split over the processes."""
+    (data.batch_size) split over the processes; with a `schedule` of training sizes (data/sizes.py) its batch of the
+    most activations, each size with its own batch size."""
     from vitlab.training.sharding import is_sharded
 
     processes = max(1, trainer.num_devices * trainer.num_nodes)
-    per_process = max(1, batch // processes)
     device = "cuda" if type(trainer.accelerator).__name__ == "CUDAAccelerator" else "cpu"
-    return estimate(module, optimizer, per_process, processes, str(trainer.precision), is_sharded(trainer), device)
+    args = (optimizer, processes, str(trainer.precision), is_sharded(trainer), device)
+    if schedule is None:
+        return estimate(module, args[0], max(1, batch // processes), *args[1:])
+    per_size = zip(schedule.img_sizes, schedule.global_batch_sizes(batch), strict=True)
+    return max(
+        (estimate(module, args[0], max(1, b // processes), *args[1:], px=px) for px, b in per_size),
+        key=lambda e: e.activations,
+    )
 
 
 def estimate(
-    module: Any, optimizer: str, batch: int, processes: int, precision: str, sharded: bool, device: str = "cpu"
+    module: Any,
+    optimizer: str,
+    batch: int,
+    processes: int,
+    precision: str,
+    sharded: bool,
+    device: str = "cpu",
+    px: int | None = None,
 ) -> Estimate:
     """The memory of one process training `module` (a ViTModule) with `optimizer` (timm's name) on `batch` images
-    per process, over `processes` processes, sharded (FSDP) or not (DDP, or one process), on `device` (cpu, cuda)."""
+    per process (of `px` pixels a side; None: the model's size), over `processes` processes, sharded (FSDP) or not
+    (DDP, or one process), on `device` (cpu, cuda)."""
     params = [p for name, p in module.named_parameters() if name.startswith(module.network_prefixes)]
     total = sum(p.numel() for p in params) * 4
     trainable = sum(p.numel() for p in params if p.requires_grad) * 4
     states = trainable * optimizer_states(optimizer)
-    shapes = module.objective.activation_shapes(module.model.cfg)
-    activations = batch * activations_per_image(shapes, precision, module.model.cfg.grad_checkpointing, device)
+    cfg = module.model.cfg if px is None else dataclasses.replace(module.model.cfg, img_size=px)
+    shapes = module.objective.activation_shapes(cfg)
+    activations = batch * activations_per_image(shapes, precision, cfg.grad_checkpointing, device)
     if not sharded:
         in_flight = trainable if processes > 1 else 0
         kind = f"ddp over {processes} processes" if processes > 1 else "one process"
-        return Estimate(total, trainable, states, in_flight, activations, batch, kind)
+        return Estimate(total, trainable, states, in_flight, activations, batch, kind, px)
     blocks = [b for b in module.modules() if isinstance(b, Block)]
     block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0) * 4
     root = total - sum(sum(p.numel() for p in b.parameters()) * 4 for b in blocks)
     gathered = root + 2 * block  # weights gathered whole (fp32 here; bf16 halves it) and their gradients
     kind = f"fsdp over {processes} processes"
     return Estimate(
-        total / processes, trainable / processes, states / processes, 2 * gathered, activations, batch, kind
+        total / processes, trainable / processes, states / processes, 2 * gathered, activations, batch, kind, px
     )
