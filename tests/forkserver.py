@@ -9,12 +9,18 @@ Only an environment the libraries would have read alike at import is served here
 process's own); any other, and any call where this process is not there, runs as a real subprocess. The imports
 start no thread (a fork of a process with threads, an OpenMP pool among them, can hang in the child).
 
+A command that starts more processes of its own as Lightning's DDP and FSDP launchers do (`subprocess.Popen` of
+`python -m vitlab.<command> ...` with a rank in the environment) gets the first of them from here too: a spare copy of
+the child, forked before the command runs (no thread yet), becomes that process (_Spare). It is then the command's own
+child, as the real one would be, in its process group, writing to the same files.
+
 Protocol, one JSON line each way on stdin/stdout: {"module", "args", "cwd", "env", "own_group", "out", "err"}
 -> {"pid"} once forked, then {"status"} (os.waitpid's) when it ended.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -39,18 +45,14 @@ def _serve() -> None:
 
 
 _COMMAND: dict | None = None
+_IMPORTED: tuple[dict, list] = ({}, [])  # the environment the libraries were imported with, and sys.path[1:]
 
 
 def _become(request: dict) -> None:
     global _COMMAND
     if request["own_group"]:
         os.setsid()
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    # `python -m`'s path: the working directory first, then PYTHONPATH's entries, then the installation's
-    extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [request["cwd"], *extra, *[p for p in sys.path[1:] if p not in extra]]
+    _enter(request["cwd"], request["env"])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     for fd, path in ((1, request["out"]), (2, request["err"])):
@@ -58,6 +60,111 @@ def _become(request: dict) -> None:
         os.dup2(f, fd)
         os.close(f)
     _COMMAND = request
+
+
+def _enter(cwd: str, env: dict) -> None:
+    """The working directory, environment and `python -m`'s path: the working directory first, then PYTHONPATH's
+    entries, then the installation's."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [cwd, *extra, *[p for p in _IMPORTED[1] if p not in extra]]
+
+
+class _Spare:
+    """A copy of the command's process, forked before the command runs, that becomes the first `python -m vitlab.X`
+    the command starts with subprocess.Popen (Lightning's launcher starting rank 1) when nothing but Popen's defaults
+    is asked (no pipes, no new session) and the environment differs from the one the libraries were imported with only
+    in what is read at run time (CUBLAS_WORKSPACE_CONFIG, which Lightning's deterministic mode sets, among them) or in
+    the launcher's variables (read at import only by Lightning's rank_zero_only, set again here as its import sets
+    it; and OMP_NUM_THREADS, OpenMP's thread count, applied here as OpenMP's start applies it). Anything else runs
+    as a real subprocess. Unasked, the spare ends when the command's last process does (its end of the pipe
+    closes)."""
+
+    RUN_TIME = {"PYTHONPATH", "HYDRA_FULL_ERROR", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"}
+    LAUNCHER = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED",
+                "PL_SEED_WORKERS", "OMP_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG"}  # fmt: skip
+
+    def __init__(self):
+        read, self.write = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(self.write)
+            with os.fdopen(read, "rb") as pipe:
+                asked = pipe.read()
+            if not asked:
+                os._exit(0)
+            self.become(json.loads(asked))  # returns, to run the command at the top level
+        else:
+            os.close(read)
+
+    def takes(self, args, cwd, env, plain: bool) -> bool:
+        if self.pid == 0 or self.write is None or not plain or not isinstance(args, (list, tuple)):
+            return False
+        args = [os.fspath(a) for a in args]
+        if args[:2] != [sys.executable, "-m"] or not args[2].startswith("vitlab.") or env is None:
+            return False
+        served = _COMMAND["env"]  # what the command started with: the server's environment up to RUN_TIME
+        changed = {k for k in {*env, *served} if env.get(k) != served.get(k)}
+        if changed - self.RUN_TIME - self.LAUNCHER:
+            return False
+        request = {"args": args, "cwd": os.fspath(cwd or os.getcwd()), "env": {k: str(v) for k, v in env.items()}}
+        with os.fdopen(self.write, "wb") as pipe:
+            pipe.write(json.dumps(request).encode())
+        self.write = None
+        return True
+
+    @staticmethod
+    def become(request: dict) -> None:
+        global _COMMAND
+        _enter(request["cwd"], request["env"])
+        from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
+
+        rank_zero_only.rank = _get_rank() or 0
+        if "OMP_NUM_THREADS" in os.environ:
+            import torch
+
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        _COMMAND = {"module": request["args"][2].removeprefix("vitlab."), "args": request["args"][3:], "rank": True}
+
+
+def _spare_for_popen() -> None:
+    """Popen's start of a child goes through _execute_child; the spare takes the first it can."""
+    import subprocess
+
+    spare = _Spare()
+    if spare.pid == 0:
+        return
+    start = subprocess.Popen._execute_child
+
+    def execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags,
+                      shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):  # fmt: skip
+        fds = (p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+        start_new_session = rest[5] if len(rest) > 5 else False
+        plain = not shell and executable is None and preexec_fn is None and set(fds) == {-1} and not start_new_session
+        plain = plain and not pass_fds and (len(rest) < 7 or rest[6] in (None, -1))  # no process_group
+        if spare.takes(args, cwd, env, plain):
+            self.pid, self._child_created = spare.pid, True
+            return
+        start(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags, shell,
+              p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest)  # fmt: skip
+
+    subprocess.Popen._execute_child = execute_child
+
+
+def _exit(code: int) -> None:
+    """End as Python's exit ends a program, in what anyone sees: other threads joined, atexit callbacks run (logging's
+    flush, multiprocessing's and W&B's clean-up), output flushed; but without freeing every module's objects one by
+    one, which only writes to (and so copies) memory this child shares with the server, a third of a second each."""
+    import atexit
+    import threading
+
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
@@ -72,10 +179,24 @@ if __name__ == "__main__":
     import torch  # noqa: F401
     import torchvision.transforms.v2  # noqa: F401
 
+    # What the imports made is never collected: moved out of the collector's reach, a child's collections and its
+    # exit no longer touch (and so copy) the pages it shares with this process, which took ~2 s of CPU an exit.
+    gc.collect()
+    gc.freeze()
+    _IMPORTED = (dict(os.environ), sys.path[1:])
     _serve()
     if _COMMAND is not None:  # the forked child: the command, as `python -m vitlab.<module>` runs it
         import runpy
 
+        if "rank" not in _COMMAND:  # the command itself, not a spare become a rank: its spare
+            _spare_for_popen()
+
         sys.argv = [f"vitlab.{_COMMAND['module']}", *_COMMAND["args"]]
         del _serve, _become
-        runpy.run_module(f"vitlab.{_COMMAND['module']}", run_name="__main__", alter_sys=True)
+        try:
+            runpy.run_module(f"vitlab.{_COMMAND['module']}", run_name="__main__", alter_sys=True)
+        except SystemExit as stop:
+            if not isinstance(stop.code, (int, type(None))):
+                raise  # sys.exit("message"): Python prints it
+            _exit(stop.code or 0)
+        _exit(0)
