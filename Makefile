@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.14.1 torchvision==0.29.1
 ARGS   ?=
 
-.PHONY: install train test test-fast lint parity benchmark clean
+.PHONY: install train test test-durations test-fast lint parity benchmark clean
 
 install: $(STAMP)
 
@@ -22,11 +22,15 @@ train: install            ## train the default (ViT on the embedded digits data,
 	$(BIN)/python -m vitlab.train $(ARGS)
 
 # Test files run side by side, each whole in one worker (its module fixtures, such as the Slurm cluster or a trained
-# checkpoint, are built once): on 2 cores the suite takes 13.7 min instead of 17.4.
-PARALLEL ?= -n auto --maxprocesses 4 --dist loadfile
+# checkpoint, are built once), the longest first: tests/durations.json holds each file's seconds, conftest.py orders
+# the files by them, and --no-loadscope-reorder keeps that order (xdist's own puts the files with most tests first).
+PARALLEL ?= -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
-test: install             ## the whole suite, as CI runs it
-	$(BIN)/python -m pytest $(PARALLEL) $(ARGS)
+test: install             ## the whole suite, as CI runs it, then its 15 slowest tests
+	$(BIN)/python -m pytest $(PARALLEL) --durations=15 $(ARGS)
+
+test-durations: install   ## the whole suite, writing each file's seconds to tests/durations.json (commit it)
+	$(BIN)/python -m pytest $(PARALLEL) --record-durations=tests/durations.json $(ARGS)
 
 test-fast: install        ## every unit folder, without tests/end_to_end/'s command-line suites (~7 min on 2 cores)
 	$(BIN)/python -m pytest $(PARALLEL) --ignore=tests/end_to_end $(ARGS)

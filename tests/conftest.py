@@ -1,4 +1,6 @@
+import json
 import os
+from collections import defaultdict
 
 # Tests never touch the network: timm/HF downloads fail at once instead of waiting on a socket. Set
 # before anything imports huggingface_hub (Lightning does), which reads it once at import.
@@ -10,14 +12,33 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.helpers import image_tree, run_cli  # noqa: E402
+from tests.helpers import SHARDS_RUN, image_tree, once, run_cli, trained  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+# Seconds each test file took alone at the last measure (`make test-durations` writes it): the suite's files are run
+# longest first, so that under `--dist loadfile` the slow ones start at once and the short ones fill in at the end.
+DURATIONS = Path(__file__).parent / "durations.json"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--record-durations",
+        metavar="PATH",
+        help="write the seconds each test file took (setup, call and teardown of its tests, summed) to PATH as JSON",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
-    """The suites of tests/end_to_end/ are the `slow` ones (make test-fast leaves that folder out). `gpu` tests run
-    where a CUDA device is visible and are skipped, saying so, elsewhere (CI)."""
+    """Files in the order of their durations, longest first (a file not yet measured counts as the longest: it starts
+    early, where it can do no harm), tests within a file as written; run with `--no-loadscope-reorder` (the
+    Makefile's PARALLEL), xdist hands them out in this order. The suites of tests/end_to_end/ are the `slow` ones
+    (make test-fast leaves that folder out). `gpu` tests run where a CUDA device is visible and are skipped, saying
+    so, elsewhere (CI)."""
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    first = max(seconds.values(), default=0) + 1
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], first))  # a stable sort
     end_to_end = Path(__file__).parent / "end_to_end"
     for item in items:
         if end_to_end in Path(item.fspath).parents:
@@ -28,6 +49,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+class _Durations:
+    """--record-durations: sums each file's test phases as the reports arrive (from every xdist worker)."""
+
+    def __init__(self, path: Path):
+        self.path, self.seconds = path, defaultdict(float)
+
+    def pytest_runtest_logreport(self, report):
+        self.seconds[report.nodeid.split("::")[0]] += report.duration
+
+    def pytest_sessionfinish(self, session):
+        if hasattr(session.config, "workerinput"):  # an xdist worker: its reports reach the controller
+            return
+        ordered = dict(sorted(((f, round(s, 1)) for f, s in self.seconds.items()), key=lambda x: -x[1]))
+        self.path.write_text(json.dumps(ordered, indent=1) + "\n")
+
+
+def pytest_configure(config):
+    if config.getoption("record_durations"):
+        config.pluginmanager.register(_Durations(Path(config.getoption("record_durations"))), "vitlab-durations")
 
 
 @pytest.fixture
@@ -77,21 +119,32 @@ def _composer(tmp_path: Path):
     GlobalHydra.instance().clear()
 
 
-# An image folder and its LitData shards (python -m vitlab.pack), for tests/data/test_streaming.py and
-# tests/end_to_end/test_streaming_runs.py.
-@pytest.fixture(scope="module")
+# An image folder and its LitData shards (python -m vitlab.pack), made once per pytest run and shared by every file
+# and xdist worker (tests/data/test_streaming.py, tests/end_to_end/test_streaming_runs.py, ...): read them, never write.
+@pytest.fixture(scope="session")
 def folder(tmp_path_factory):
-    root = tmp_path_factory.mktemp("folder")
-    return image_tree(root, classes=("a", "b", "c"), per_class=24, size=(12, 12), splits=("train", "val", "test"))
+    def make(root):
+        image_tree(root, classes=("a", "b", "c"), per_class=24, size=(12, 12), splits=("train", "val", "test"))
+
+    return once(tmp_path_factory, "folder", make)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def shards(folder, tmp_path_factory):
-    out = tmp_path_factory.mktemp("packed") / "shards"
-    r = run_cli("pack", "data=imagefolder", f"data.data_dir={folder}", f"out={out}", "workers=2", cwd=out.parent)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip().splitlines()[-2:] == [
-        f"packed train 72, val 72, test 72 images of 3 classes into {out}",
-        f"train on them: python -m vitlab.train data=streaming data.data_dir={out}",
-    ]
-    return out
+    def pack(root):
+        out = root / "shards"
+        r = run_cli("pack", "data=imagefolder", f"data.data_dir={folder}", f"out={out}", "workers=2", cwd=root)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stdout.strip().splitlines()[-2:] == [
+            f"packed train 72, val 72, test 72 images of 3 classes into {out}",
+            f"train on them: python -m vitlab.train data=streaming data.data_dir={out}",
+        ]
+
+    return once(tmp_path_factory, "shards", pack) / "shards"
+
+
+@pytest.fixture
+def shards_run(shards, tmp_path_factory):
+    """SHARDS_RUN on the shards in one process, trained once per pytest run (tests/data/test_streaming.py compares
+    it with other runs; tests/end_to_end/test_streaming_runs.py resumes to it)."""
+    return trained(tmp_path_factory, "streaming", "data=streaming", f"data.data_dir={shards}", *SHARDS_RUN)
