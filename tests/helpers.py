@@ -3,6 +3,7 @@ tests, and test-only Lightning callbacks (loaded into real `python -m vitlab.tra
 +callbacks.X._target_)."""
 
 import contextlib
+import copy
 import json
 import os
 import re
@@ -40,6 +41,22 @@ RESUMABLE = [
     "trainer.log_every_n_steps=5",  # 27 steps in all: log the LR (compared after resuming) within them
     # the CPU's resume, also where a GPU is visible (tests/end_to_end/test_gpu.py resumes on one)
     "trainer.accelerator=cpu",
+]
+
+
+# A run on the `folder`/`shards` fixtures' images (conftest.py: 3 classes x 24 images of 12 px in train, val and
+# test): 9 steps of 8 an epoch, loader workers, RandAugment and random erasing.
+SHARDS_RUN = [
+    "data.batch_size=8",
+    "data.num_workers=2",
+    "model.img_size=8",
+    "trainer.max_epochs=3",
+    "trainer.deterministic=true",
+    "progress_bar=none",
+    "model.drop_path_rate=0.1",
+    "data.train_transform.auto_augment=randaugment",
+    "data.train_transform.random_erasing=0.5",
+    "trainer.log_every_n_steps=5",
 ]
 
 
@@ -328,12 +345,36 @@ def interrupt(args, tmp_path, signum, step, group=True, rank=0, hook=None) -> st
 def resume(command, tmp_path) -> Path:
     """The printed resume command, run as typed (in tmp_path, so its run directory is the only one there; the
     test callback on its command line is found on PYTHONPATH)."""
-    argv = shlex.split(command)
-    env = {**os.environ, **TESTS_ON_PATH}
-    r = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    python, m, module, *args = shlex.split(command)
+    assert (python, m) == ("python", "-m") and module.startswith("vitlab."), command
+    r = run_cli(module.removeprefix("vitlab."), *args, cwd=tmp_path, env=TESTS_ON_PATH)
     assert r.returncode == 0, r.stderr[-3000:]
     (run_dir,) = (tmp_path / "outputs" / "train" / "runs").iterdir()
     return run_dir
+
+
+class FirstStep(L.Callback):
+    """Records what the first training step took and gave: its batch as the objective took it, the model and the
+    random generators' states before it, its loss; and the optimizer's groups (parameter names, learning rates)."""
+
+    seen: dict = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        import numpy
+
+        if trainer.global_step == 0 and not FirstStep.seen:
+            FirstStep.seen.update(
+                x=batch[0].clone(), y=batch[1].clone(), model=copy.deepcopy(pl_module.model),
+                numpy=numpy.random.get_state(), torch=torch.get_rng_state(),
+            )  # fmt: skip
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        FirstStep.seen.setdefault("loss", loss.detach().clone())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        names = {id(p): n for n, p in pl_module.model.named_parameters()}
+        groups = [([names[id(p)] for p in g["params"]], g["lr"]) for g in trainer.optimizers[0].param_groups]
+        FirstStep.seen.setdefault("groups", groups)
 
 
 class NanAtStep(L.Callback):
@@ -546,11 +587,54 @@ def tmpfs(path: Path, options: str):
         subprocess.run(["umount", str(path)], check=True)
 
 
-def digits_checkpoint(root: Path) -> Path:
-    """A digits checkpoint from a one-epoch run in `root`/run."""
-    r = run_cli("train", "trainer.max_epochs=1", "data.batch_size=256", "test=false", f"hydra.run.dir={root / 'run'}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    return root / "run" / "checkpoints" / "last.ckpt"
+def shared_dir(tmp_path_factory) -> Path:
+    """The folder this pytest run's xdist workers share (each has its own base temp below it): pytest's base temp
+    without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def once(tmp_path_factory, name: str, make) -> Path:
+    """`make(folder)` run once per pytest run for `name`, whichever test or xdist worker asks first; the others wait
+    for it (a file lock) and get the same folder. A failure is kept and raised again for every test that asks, with
+    its message, instead of being attempted anew."""
+    from filelock import FileLock
+
+    root = shared_dir(tmp_path_factory) / "once"
+    root.mkdir(exist_ok=True)
+    folder, done, failed = root / name, root / f"{name}.done", root / f"{name}.failed"
+    with FileLock(root / f"{name}.lock"):
+        if failed.exists():
+            raise AssertionError(f"the shared {name!r} failed earlier in this run:\n{failed.read_text()}")
+        if not done.exists():
+            folder.mkdir()
+            try:
+                make(folder)
+            except BaseException as error:
+                failed.write_text(f"{type(error).__name__}: {error}")
+                raise
+            done.touch()
+    return folder
+
+
+def trained(tmp_path_factory, name: str, *args: str) -> Path:
+    """The run directory of `python -m vitlab.train args`, trained once per pytest run and shared by every test that
+    names it (read it; never write into it)."""
+
+    def train(folder: Path) -> None:
+        (folder / "args.json").write_text(json.dumps(args))
+        r = run_cli("train", *args, f"hydra.run.dir={folder / 'run'}", cwd=folder)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    folder = once(tmp_path_factory, name, train)
+    assert json.loads((folder / "args.json").read_text()) == list(args), f"two runs are named {name!r}"
+    return folder / "run"
+
+
+def digits_checkpoint(tmp_path_factory) -> Path:
+    """A digits checkpoint from a one-epoch run, shared by the suite."""
+    run = trained(tmp_path_factory, "digits-1-epoch", "trainer.max_epochs=1", "data.batch_size=256", "test=false")
+    return run / "checkpoints" / "last.ckpt"
 
 
 def earlier_run(root):

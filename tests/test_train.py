@@ -4,13 +4,14 @@ import json
 import shlex
 import signal
 
+import numpy as np
 import pytest
 import torch
 import yaml
 from PIL import Image
 from sklearn.datasets import load_digits
 
-from tests.helpers import extra_callback, run_cli
+from tests.helpers import FirstStep, extra_callback, run_cli
 from vitlab.train import train
 from vitlab.training.module import ViTModule
 
@@ -165,19 +166,48 @@ def test_ema_checkpoint_tests_and_reloads(compose_cfg, tmp_path):
 
 
 def test_mixup_label_smoothing_layer_decay_and_drop_path_options_train(compose_cfg, tmp_path):
+    """Each option reaches the step that trains: the first step's loss is timm's Mixup (MixUp 0.8 / CutMix 1.0, its
+    targets smoothed by 0.1) then SoftTargetCrossEntropy, on the same draws, through blocks that drop their paths at
+    timm's rates (0 rising to 0.1); the optimizer's groups have layer decay's rates (0.75 a block down from the
+    head); and the run trains to its end."""
+    from timm.data import Mixup
+    from timm.loss import SoftTargetCrossEntropy
+
+    FirstStep.seen.clear()
     cfg = compose_cfg(
         "train",
         [
             *SHORT,
             "objective.mixup.mixup_alpha=0.8",
             "objective.mixup.cutmix_alpha=1.0",
+            "objective.label_smoothing=0.1",
             "optim.layer_decay=0.75",
             "model.drop_path_rate=0.1",
             "callbacks=none",
             "logger=csv",
+            *extra_callback("first", "FirstStep"),
         ],
     )
     assert 0.0 <= train(cfg) <= 1.0
+    seen = FirstStep.seen
+    model, depth = seen["model"], cfg.model.depth
+    rates = [b.drop_path1.p if hasattr(b.drop_path1, "p") else 0.0 for b in model.blocks]
+    assert rates == pytest.approx([0.1 * i / (depth - 1) for i in range(depth)])  # timm's linspace(0, rate, depth)
+
+    np.random.set_state(seen["numpy"])
+    torch.set_rng_state(seen["torch"])
+    mixup = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=cfg.model.num_classes)
+    x, target = mixup(seen["x"].clone(), seen["y"].clone())
+    assert not torch.equal(x, seen["x"])  # mixed
+    expected = SoftTargetCrossEntropy()(model.train()(x), target)
+    assert seen["loss"].item() == pytest.approx(expected.item(), rel=1e-6)
+
+    lr = {name: rate for names, rate in seen["groups"] for name in names}
+    head = lr["head.weight"]
+    assert lr["norm.weight"] == pytest.approx(head)
+    for i in range(depth):  # timm's layer ids: the embeddings 0, block i is i + 1, the head depth + 1
+        assert lr[f"blocks.{i}.mlp.fc1.weight"] == pytest.approx(head * 0.75 ** (depth - i))
+    assert lr["patch_embed.proj.weight"] == pytest.approx(head * 0.75 ** (depth + 1))
 
 
 def test_an_optuna_search_stopped_by_sigterm_keeps_the_results_of_the_trials_that_ended(tmp_path):

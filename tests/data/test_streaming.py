@@ -9,22 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.helpers import assert_same_run, image_tree, run_cli
+from tests.helpers import SHARDS_RUN, assert_same_run, image_tree, run_cli
 from vitlab.data.streaming import INFO, StreamingDataModule
 
-# 3 classes x 24 images of 12 px in train, val and test: 9 steps of 8 an epoch
-RUN = [
-    "data.batch_size=8",
-    "data.num_workers=2",
-    "model.img_size=8",
-    "trainer.max_epochs=3",
-    "trainer.deterministic=true",
-    "progress_bar=none",
-    "model.drop_path_rate=0.1",
-    "data.train_transform.auto_augment=randaugment",
-    "data.train_transform.random_erasing=0.5",
-    "trainer.log_every_n_steps=5",
-]
+RUN = SHARDS_RUN  # 3 classes x 24 images of 12 px in train, val and test: 9 steps of 8 an epoch
 TWO = ["trainer=ddp_cpu", "trainer.devices=2"]
 
 
@@ -59,13 +47,10 @@ def test_under_two_processes_the_shares_cover_the_split_with_equal_steps(shards)
     assert len(loaders[0]) == len(loaders[1]) == 36 // 4  # the same steps for each (4 an image batch of 8 / 2)
 
 
-def test_training_on_the_shards_equals_training_on_the_folder_and_eval_too(folder, shards, tmp_path):
-    runs = {}
-    for name, data in (("folder", ["data=imagefolder", f"data.data_dir={folder}"]),
-                       ("shards", ["data=streaming", f"data.data_dir={shards}"])):  # fmt: skip
-        runs[name] = tmp_path / name
-        r = run_cli("train", *data, *RUN, f"hydra.run.dir={runs[name]}")
-        assert r.returncode == 0, r.stderr[-3000:]
+def test_training_on_the_shards_equals_training_on_the_folder_and_eval_too(folder, shards, shards_run, tmp_path):
+    runs = {"folder": tmp_path / "folder", "shards": shards_run}
+    r = run_cli("train", "data=imagefolder", f"data.data_dir={folder}", *RUN, f"hydra.run.dir={runs['folder']}")
+    assert r.returncode == 0, r.stderr[-3000:]
     assert_same_run(runs["folder"], runs["shards"])
     evaluated = []
     # the same batches of 8 (the group's default is 256): a mean loss summed in other batches differs in its last bits
@@ -152,10 +137,8 @@ def s3(shards):
     server.stop()
 
 
-def test_training_from_an_object_store_equals_training_from_the_folder(folder, shards, s3, tmp_path):
-    local, remote = tmp_path / "local", tmp_path / "remote"
-    r = run_cli("train", "data=streaming", f"data.data_dir={shards}", *RUN, f"hydra.run.dir={local}")
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_training_from_an_object_store_equals_training_from_the_folder(shards_run, s3, tmp_path):
+    local, remote = shards_run, tmp_path / "remote"
     cache = tmp_path / "cache"
     args = ["data=streaming", "data.data_dir=s3://data/shards", f"data.cache_dir={cache}", *RUN]
     r = run_cli("train", *args, f"hydra.run.dir={remote}", env=s3)

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from PIL import Image
 
 from tests.helpers import ROOT, earlier_run, image_tree, run_cli
@@ -28,7 +29,7 @@ def sweep_as_typed(where: str, tmp_path: Path, *args: str):
     try:
         assert sweep.parent == cwd / "outputs" / "train" / "multiruns"
         assert "setup plugin" not in r.stdout  # Optuna's storage layer is quiet
-        yield sweep
+        yield sweep, r
     finally:
         if where == "repo root":
             shutil.rmtree(sweep)
@@ -40,18 +41,26 @@ def sweep_as_typed(where: str, tmp_path: Path, *args: str):
 
 @pytest.mark.parametrize("where", ["repo root", "another directory"])
 def test_readme_grid_sweep_runs_as_typed(tmp_path, where):
-    with sweep_as_typed(where, tmp_path, "-m", "model.drop_path_rate=0,0.1", "trainer.max_epochs=1") as sweep:
+    """Each job its own directory (0, 1) with its metrics, and a summary in the order of the grid, also printed."""
+    args = ("-m", "model.drop_path_rate=0,0.1", "trainer.max_epochs=1")
+    with sweep_as_typed(where, tmp_path, *args) as (sweep, r):
         summary = json.loads((sweep / "summary.json").read_text())
         assert [s["status"] for s in summary] == ["done", "done"]
         assert [s["overrides"][0] for s in summary] == ["model.drop_path_rate=0", "model.drop_path_rate=0.1"]
+        jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
+        assert jobs == ["0", "1"] and all((sweep / j / "metrics.json").is_file() for j in jobs)
+        assert "sweep summary" in r.stdout
 
 
 @pytest.mark.parametrize("where", ["repo root", "another directory"])
 def test_readme_optuna_search_runs_as_typed(tmp_path, where):
+    """Optuna's result is the best trial's: its value and the parameters the search space names."""
     args = ("hparams_search=digits_optuna", "hydra.sweeper.n_trials=2", "trainer.max_epochs=1")
-    with sweep_as_typed(where, tmp_path, *args) as sweep:
-        assert (sweep / "optimization_results.yaml").is_file()
-        assert len(json.loads((sweep / "summary.json").read_text())) == 2
+    with sweep_as_typed(where, tmp_path, *args) as (sweep, _):
+        result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+        summary = json.loads((sweep / "summary.json").read_text())
+        assert len(summary) == 2 and result["best_value"] == max(s["val/acc_best"] for s in summary)
+        assert set(result["best_params"]) >= {"optim.lr", "model.depth"}
 
 
 def test_a_sweep_with_an_invalid_job_runs_the_others_and_summarises_all(tmp_path):

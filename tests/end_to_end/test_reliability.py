@@ -1,14 +1,12 @@
-"""Resume exactly, survive interruption, stop on NaN, refuse bad input in one line."""
+"""Resume from the newest checkpoint, stop on NaN, refuse unsafe or mismatched checkpoints and bad input in one line.
+(Stopping on a signal and resuming exactly: test_signal_resume.py.)"""
 
-import json
 import pickle
-import shlex
-import signal
 
 import pytest
 import torch
 
-from tests.helpers import RESUMABLE, earlier_run, extra_callback, image_tree, run_cli
+from tests.helpers import RESUMABLE, earlier_run, extra_callback, image_tree, run_cli, trained
 
 # Command-line runs, for CI; the pieces have fast unit tests (test_callbacks, test_atomic).
 
@@ -16,45 +14,10 @@ from tests.helpers import RESUMABLE, earlier_run, extra_callback, image_tree, ru
 RUN = [*RESUMABLE, "trainer.limit_test_batches=1.0"]
 
 
-def _state(ckpt_path):
-    ckpt = torch.load(ckpt_path, weights_only=True, map_location="cpu")
-    return ckpt["state_dict"], ckpt["current_model_state"]  # EMA weights (+ metric states), raw weights
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("full") / "run"
-    r = run_cli("train", *RUN, f"hydra.run.dir={run_dir}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    return run_dir
-
-
-@pytest.mark.parametrize("signum, step", [("SIGTERM", 13), ("SIGUSR1", 5)])
-def test_interrupt_mid_epoch_then_resume_is_exact(uninterrupted, tmp_path, signum, step):
-    killer = extra_callback("kill", "SignalAtStep", step=step, signum=signum)
-    killed = tmp_path / "killed"
-    r = run_cli("train", *RUN, *killer, f"hydra.run.dir={killed}")
-    saved = killed / "checkpoints" / "interrupted.ckpt"
-    assert r.returncode == 128 + getattr(signal, signum), r.stderr[-3000:]
-    # The signal came after step `step`; every process stops at the next step boundary.
-    command = shlex.join(["python", "-m", "vitlab.train", *RUN, *killer, f"ckpt_path={saved}"])
-    assert r.stderr.strip().splitlines()[-1] == (
-        f"interrupted by {signum} at step {step + 1} (epoch {step // 9 + 1}): saved {saved}; resume with: {command}"
-    )
-    assert torch.load(saved, weights_only=True)["global_step"] == step + 1  # mid-epoch: 9 steps per epoch
-
-    resumed = tmp_path / "resumed"
-    r = run_cli("train", *RUN, f"ckpt_path={saved}", f"hydra.run.dir={resumed}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    ema_a, raw_a = _state(uninterrupted / "checkpoints" / "last.ckpt")
-    ema_b, raw_b = _state(resumed / "checkpoints" / "last.ckpt")
-    for a, b in ((raw_a, raw_b), (ema_a, ema_b)):
-        assert a.keys() == b.keys()
-        assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) <= 1e-6
-    m_a = json.loads((uninterrupted / "metrics.json").read_text())
-    m_b = json.loads((resumed / "metrics.json").read_text())
-    for key in ("val/acc", "val/acc_best", "val/loss", "test/acc", "test/loss", "lr-AdamW/pg1"):
-        assert m_b[key] == pytest.approx(m_a[key], abs=1e-6), key
+    """The resumable digits run (tests/end_to_end/test_signal_resume.py interrupts and resumes it), trained once."""
+    return trained(tmp_path_factory, "resumable", *RESUMABLE)
 
 
 def test_ckpt_path_last_finds_the_newest_checkpoint(uninterrupted, tmp_path):
@@ -72,19 +35,6 @@ def test_ckpt_path_last_finds_the_newest_checkpoint(uninterrupted, tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert torch.load(tmp_path / "next" / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 3
-
-
-def test_ctrl_c_saves_and_exits_non_zero(tmp_path):
-    r = run_cli(
-        "train",
-        *RUN,
-        *extra_callback("kill", "SignalAtStep", step=4, signum="SIGINT"),
-        f"hydra.run.dir={tmp_path / 'r'}",
-    )
-    saved = tmp_path / "r" / "checkpoints" / "interrupted.ckpt"
-    assert r.returncode == 130  # 128 + SIGINT
-    assert f"interrupted by SIGINT at step 5 (epoch 1): saved {saved}; resume with: python -m vitlab.train" in r.stderr
-    assert saved.is_file()
 
 
 # On the CPU the loss is read every step: the run stops before the update. On a GPU it is read at log steps

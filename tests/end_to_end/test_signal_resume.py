@@ -21,6 +21,7 @@ from tests.helpers import (
     interrupt,
     resume,
     run_cli,
+    trained,
 )
 
 DIGITS = RESUMABLE
@@ -98,7 +99,7 @@ def _run(tmp_path_factory, args):
 
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
-    return _run(tmp_path_factory, DIGITS)
+    return trained(tmp_path_factory, "resumable", *DIGITS)  # test_reliability.py's too
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from tests.helpers import assert_refused, digits_checkpoint, earlier_run, image_
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    return digits_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    return digits_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from tests.helpers import (
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    return digits_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    return digits_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,8 @@ import json
 from pathlib import Path
 
 import lightning as L
+import pytest
+import torch
 
 from vitlab.evaluation.representation import RepresentationProbe
 
@@ -20,7 +22,9 @@ def test_a_run_logs_knn_and_fewshot_of_its_features(compose_cfg, tmp_path):
     train(cfg)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert {"knn/top1", "knn/top1_k20", "knn/top1_k5", "fewshot/10shot"} <= metrics.keys()
-    assert metrics["knn/top1"] == metrics["knn/top1_k20"] and 0.0 <= metrics["fewshot/10shot"] <= 1.0
+    expected = _probes_of(tmp_path / "checkpoints" / "last.ckpt", 500, ks=(20, 5), shots=(10,))
+    assert {k: metrics[k] for k in expected} == pytest.approx(expected, abs=1e-6)
+    assert metrics["knn/top1"] == metrics["knn/top1_k20"]
     rows = (tmp_path / "csv").rglob("metrics.csv")
     assert any("knn/top1" in p.read_text().splitlines()[0] for p in rows)  # logged per epoch, beside val/acc
 
@@ -51,9 +55,30 @@ def test_a_ddp_run_gathers_its_features_and_every_rank_logs_rank_0s_numbers(tmp_
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert 0.0 <= metrics["knn/top1"] <= 1.0 and 0.0 <= metrics["fewshot/2shot"] <= 1.0
+    expected = _probes_of(tmp_path / "checkpoints" / "last.ckpt", 301, ks=(5,), shots=(2,))  # on one process
+    assert {k: metrics[k] for k in expected} == pytest.approx(expected, abs=1e-6)
     per_rank = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("representation_rank*.json"))]
     assert len(per_rank) == 2 and per_rank[0] == per_rank[1] and per_rank[0]["knn/top1"] == metrics["knn/top1"]
+
+
+def _probes_of(ckpt: Path, max_train: int, ks, shots) -> dict[str, float]:
+    """k-NN and few-shot accuracy on the validation split of the weights `ckpt` holds (the last epoch's, which the
+    probe measured last), computed here with vitlab.evaluation's extraction and classifiers, the bank a seeded
+    `max_train` of the training split."""
+    from vitlab.evaluation.features import split_features
+    from vitlab.evaluation.probes import fewshot_accuracy, knn_accuracy
+    from vitlab.evaluation.representation import _Limited
+    from vitlab.training.build import inference_datamodule, load_for_inference
+
+    module = load_for_inference(str(ckpt)).eval()
+    dm = inference_datamodule(module, str(ckpt))
+    dm.setup("fit")
+    cpu = torch.device("cpu")
+    train, train_y = split_features(module.model, _Limited(dm, max_train, 0), "train", cpu, None, {})
+    val, val_y = split_features(module.model, dm, "val", cpu, None, {})
+    knn = knn_accuracy(train, train_y, val, val_y, dm.num_classes, ks, 0.07)
+    few = fewshot_accuracy(train, train_y, val, val_y, dm.num_classes, shots, 2.0**10, 0)
+    return {f"knn/top1_k{k}": v for k, v in knn.items()} | {f"fewshot/{n}shot": v for n, v in few.items()}
 
 
 class LoggedPerRank(L.Callback):

@@ -93,9 +93,13 @@ def test_an_old_checkpoint_is_evaluated_and_resumed_from_the_command_line(tmp_pa
     ckpt["hyper_parameters"] = OLD_HPARAMS["classify"]  # the layout of before
     torch.save(ckpt, tmp_path / "old.ckpt")
 
-    r = run_cli("eval", f"ckpt_path={tmp_path / 'old.ckpt'}", f"hydra.run.dir={tmp_path / 'eval'}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert 0.0 <= json.loads((tmp_path / "eval" / "metrics.json").read_text())["test/acc"] <= 1.0
+    evaluated = []
+    for name in ("first/checkpoints/last.ckpt", "old.ckpt"):  # the run's own checkpoint, then its old layout
+        out = tmp_path / f"eval{len(evaluated)}"
+        r = run_cli("eval", f"ckpt_path={tmp_path / name}", f"hydra.run.dir={out}")
+        assert r.returncode == 0, r.stderr[-3000:]
+        evaluated.append({k: v for k, v in json.loads((out / "metrics.json").read_text()).items() if "/" in k})
+    assert evaluated[0] == evaluated[1] and {"test/acc", "test/loss"} <= evaluated[0].keys()  # every number alike
     r = run_cli(
         "train",
         *small,

@@ -85,22 +85,50 @@ def test_a_timm_teacher_by_name_and_the_settings_checks():
 
 
 def test_distillation_from_a_vitlab_teacher_trains_on_digits(compose_cfg, tmp_path):
-    """A teacher trained on digits, then a distilled student (token, hard) and a plain one (logits, soft) learning
-    from its checkpoint; the teacher is not part of the student's checkpoint. A teacher of other classes is refused."""
+    """A teacher trained on digits, then a distilled student (token, hard) and a plain one (logits, soft, tau 2)
+    learning from its checkpoint: each first step's loss is DeiT's, (1 - alpha) x the label loss + alpha x the
+    distillation term against the teacher's logits on the same images (the teacher read back from its file here, and
+    its top class not the label on most of them); the teacher is not part of the student's checkpoint. A teacher of
+    other classes is refused."""
+    import torch.nn.functional as F
+
+    from tests.helpers import FirstStep, extra_callback
     from vitlab.train import train
+    from vitlab.training.build import load_for_inference
 
     base = ["debug=limit", "progress_bar=none", "callbacks=default"]
     train(compose_cfg("train", base, output_dir=tmp_path / "teacher"))
     ckpt = json.loads((tmp_path / "teacher" / "metrics.json").read_text())["tested_checkpoint"]
+    teacher = load_for_inference(ckpt).model.eval()
+    first = extra_callback("first", "FirstStep")
     for name, extra in (
         ("token", ["model.distilled=true", "objective.type=hard"]),
-        ("logits", ["objective.type=soft"]),
+        ("logits", ["objective.type=soft", "objective.tau=2"]),
     ):
         out = tmp_path / name
+        FirstStep.seen.clear()
         acc = train(
-            compose_cfg("train", [*base, "objective=distill", *extra, f"objective.teacher={ckpt}"], output_dir=out)
+            compose_cfg(
+                "train", [*base, "objective=distill", *extra, f"objective.teacher={ckpt}", *first], output_dir=out
+            )
         )
         assert 0.0 <= acc <= 1.0
+        seen = FirstStep.seen
+        x, y = seen["x"], seen["y"]
+        with torch.no_grad():
+            t = teacher(x)
+            torch.set_rng_state(seen["torch"])
+            s = seen["model"].train()(x)
+        assert (t.argmax(1) != y).float().mean() > 0.5  # the teacher says something the labels do not
+        smoothing = 0.1  # conf/objective/classify.yaml's, the label loss's
+        if name == "token":  # the class token's head learns the labels, the distillation token's the teacher's
+            expected = 0.5 * F.cross_entropy(s[0], y, label_smoothing=smoothing) + 0.5 * F.cross_entropy(
+                s[1], t.argmax(1)
+            )
+        else:
+            kl = F.kl_div(F.log_softmax(s / 2, 1), F.log_softmax(t / 2, 1), reduction="sum", log_target=True)
+            expected = 0.5 * F.cross_entropy(s, y, label_smoothing=smoothing) + 0.5 * kl * 4 / s.numel()
+        assert seen["loss"].item() == pytest.approx(expected.item(), rel=1e-5)
         student = json.loads((out / "metrics.json").read_text())["tested_checkpoint"]
         keys = torch.load(student, weights_only=True)["state_dict"]
         assert not any("teacher" in k or k.startswith("kd.") for k in keys)
