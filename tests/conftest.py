@@ -6,6 +6,10 @@ from collections import defaultdict
 # before anything imports huggingface_hub (Lightning does), which reads it once at import.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+# One thread a process, in this process and every command it starts (the fork server, its commands and their ranks
+# read it as they import torch): the suite runs a process a core on every core, and OpenMP's threads of one test do
+# not spin-wait against another's (a step then takes several times as long).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from pathlib import Path  # noqa: E402
 
@@ -14,7 +18,7 @@ import torch  # noqa: E402
 
 from tests.helpers import SHARDS_RUN, image_tree, once, run_cli, trained  # noqa: E402
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # (should a plugin have imported torch before)
 
 
 # Seconds each test file took alone at the last measure (`make test-durations` writes it): the suite's files are run

@@ -41,6 +41,31 @@ def test_an_optuna_search_killed_in_its_third_trial_goes_on_as_typed_and_keeps_i
     trials = _trials(sweep)
     assert [trials[n].state.name for n in range(3)] == ["COMPLETE", "COMPLETE", "RUNNING"]
     finished = {n: (sweep / str(n) / "metrics.json").read_bytes() for n in (0, 1)}
+    # What the stopped search kept: the ended trials' results, in the summary and as the study's best so far.
+    rows = json.loads((sweep / "summary.json").read_text())
+    assert [row["status"] for row in rows] == ["done", "done", "interrupted"]
+    ended = [json.loads(finished[n])["val/acc_best"] for n in (0, 1)]
+    assert [row["val/acc_best"] for row in rows[:2]] == ended
+    best = ended.index(max(ended))
+    chosen = yaml.safe_load((sweep / str(best) / ".hydra" / "config.yaml").read_text())
+    assert yaml.safe_load((sweep / "optimization_results.yaml").read_text()) == {
+        "name": "optuna",
+        "best_params": {
+            "optim.lr": chosen["optim"]["lr"],
+            "optim.weight_decay": chosen["optim"]["weight_decay"],
+            "model.drop_path_rate": chosen["model"]["drop_path_rate"],
+            "model.depth": chosen["model"]["depth"],
+        },
+        "best_value": max(ended),
+        "best_trial": best,
+        "trials": {"COMPLETE": 2},  # (written from the study as each trial ends: trial 2 had not ended)
+    }
+    # the interrupted trial alone resumes as a single run, not as a new search
+    alone = r.stderr.strip().splitlines()[-1].split("resume with: ")[1]
+    assert shlex.split(alone)[-2:] == [
+        "hydra.mode=RUN",
+        f"ckpt_path={sweep / '2' / 'checkpoints' / 'interrupted.ckpt'}",
+    ]
     first_id, first_run = _wandb_run(sweep / "2")
 
     r = run_cli("train", *command)  # the same command, as the line said

@@ -139,15 +139,14 @@ def test_distillation_from_a_vitlab_teacher_trains_on_digits(compose_cfg, tmp_pa
         load_teacher(DistillConfig(type="hard", teacher="gone.ckpt"), num_classes=10)
 
 
-def test_a_distilled_run_with_ema_warmup_resumes_exactly(tmp_path):
+def test_a_distilled_run_with_ema_warmup_resumes_exactly(tmp_path, tmp_path_factory):
     """Token distillation (soft) from a vitlab teacher, EMA with warm-up, the raw weights chosen: stopped mid-epoch
     by SIGTERM and resumed as the printed command says, it ends as the uninterrupted run (weights, both EMA and raw,
     and every logged value). The teacher is loaded again from its checkpoint, not saved with the student."""
-    from tests.helpers import RESUMABLE, assert_same_run, interrupt, resume, run_cli
+    from tests.helpers import RESUMABLE, assert_same_run, interrupt, resume, run_cli, trained
 
-    r = run_cli("train", "debug=limit", "progress_bar=none", f"hydra.run.dir={tmp_path / 'teacher'}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    ckpt = json.loads((tmp_path / "teacher" / "metrics.json").read_text())["tested_checkpoint"]
+    teacher = trained(tmp_path_factory, "debug-limit", "debug=limit", "progress_bar=none")  # tests/evaluation's too
+    ckpt = json.loads((teacher / "metrics.json").read_text())["tested_checkpoint"]
     args = [
         *RESUMABLE,
         "trainer.max_epochs=2",
