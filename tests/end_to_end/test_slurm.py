@@ -29,7 +29,9 @@ def cluster():
         pytest.skip("starting a Slurm cluster (tests/cluster/slurm-localhost.sh) needs root")
     if not shutil.which("slurmctld") and not shutil.which("apt-get"):
         pytest.skip("no Slurm here and no apt-get to install Debian's slurmctld, slurmd and munge")
-    r = subprocess.run(["bash", str(CLUSTER)], capture_output=True, text=True, timeout=900)
+    # The node gets every CPU: `nproc` counts OMP_NUM_THREADS, which tests/conftest.py sets to one a process.
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_THREAD_LIMIT")}
+    r = subprocess.run(["bash", str(CLUSTER)], capture_output=True, text=True, timeout=900, env=env)
     if r.returncode != 0 or "idle" not in r.stdout:
         pytest.skip(f"the Slurm cluster did not start: {(r.stderr or r.stdout).strip()[-400:]}")
     yield
