@@ -45,7 +45,7 @@ def _serve() -> None:
 
 
 _COMMAND: dict | None = None
-_IMPORTED: tuple[dict, list] = ({}, [])  # the environment the libraries were imported with, and sys.path[1:]
+_INSTALLED: list[str] = []  # sys.path[1:] as the server started: the installation's entries
 
 
 def _become(request: dict) -> None:
@@ -69,18 +69,18 @@ def _enter(cwd: str, env: dict) -> None:
     os.environ.clear()
     os.environ.update(env)
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [cwd, *extra, *[p for p in _IMPORTED[1] if p not in extra]]
+    sys.path[:] = [cwd, *extra, *[p for p in _INSTALLED if p not in extra]]
 
 
 class _Spare:
     """A copy of the command's process, forked before the command runs, that becomes the first `python -m vitlab.X`
     the command starts with subprocess.Popen (Lightning's launcher starting rank 1) when nothing but Popen's defaults
-    is asked (no pipes, no new session) and the environment differs from the one the libraries were imported with only
-    in what is read at run time (CUBLAS_WORKSPACE_CONFIG, which Lightning's deterministic mode sets, among them) or in
-    the launcher's variables (read at import only by Lightning's rank_zero_only, set again here as its import sets
-    it; and OMP_NUM_THREADS, OpenMP's thread count, applied here as OpenMP's start applies it). Anything else runs
-    as a real subprocess. Unasked, the spare ends when the command's last process does (its end of the pipe
-    closes)."""
+    is asked (no pipes, no new session) and the environment differs from the command's own (which the server's
+    imports read alike) only in what is read at run time (CUBLAS_WORKSPACE_CONFIG, which Lightning's deterministic
+    mode sets, among them) or in the launcher's variables (read at import only by Lightning's rank_zero_only, set
+    again here as its import sets it; and OMP_NUM_THREADS, OpenMP's thread count, applied here as OpenMP's start
+    applies it). Anything else runs as a real subprocess. Unasked, the spare ends when the command's last process
+    does (its end of the pipe closes)."""
 
     RUN_TIME = {"PYTHONPATH", "HYDRA_FULL_ERROR", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"}
     LAUNCHER = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED",
@@ -183,7 +183,7 @@ if __name__ == "__main__":
     # exit no longer touch (and so copy) the pages it shares with this process, which took ~2 s of CPU an exit.
     gc.collect()
     gc.freeze()
-    _IMPORTED = (dict(os.environ), sys.path[1:])
+    _INSTALLED[:] = sys.path[1:]
     _serve()
     if _COMMAND is not None:  # the forked child: the command, as `python -m vitlab.<module>` runs it
         import runpy
