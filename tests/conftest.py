@@ -21,7 +21,7 @@ from tests.helpers import SHARDS_RUN, image_tree, once, run_cli, trained  # noqa
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # (should a plugin have imported torch before)
 
 
-# Seconds each test file took alone at the last measure (`make test-durations` writes it): the suite's files are run
+# Seconds each test file took in the last whole run (`make test-durations` writes it): the suite's files are run
 # longest first, so that under `--dist loadfile` the slow ones start at once and the short ones fill in at the end.
 DURATIONS = Path(__file__).parent / "durations.json"
 

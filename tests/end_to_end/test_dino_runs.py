@@ -83,7 +83,7 @@ def test_dinos_released_checkpoint_is_evaluated_by_vitlab_eval(tmp_path):
     }
     torch.save(ckpt, tmp_path / "full_checkpoint.pth")
     args = ["task=knn", "model=vit_digits", f"model.pretrained={tmp_path / 'full_checkpoint.pth'}", "data=digits"]
-    r = run_cli("eval", *args, f"hydra.run.dir={tmp_path / 'eval'}")
+    r = run_cli("eval", *args, f"hydra.run.dir={tmp_path / 'eval'}", cwd=tmp_path)  # its feature cache there
     assert r.returncode == 0, r.stderr[-3000:]
     assert "took the teacher's backbone" in (tmp_path / "eval" / "eval.log").read_text()
     assert 0 < json.loads((tmp_path / "eval" / "metrics.json").read_text())["knn/top1_k20"] <= 1

@@ -160,7 +160,7 @@ def test_its_checkpoint_is_evaluated_predicted_from_exported_and_resumed_in_one_
     r = run_cli("predict", f"ckpt_path={best}", f"images=[{image}]", f"hydra.run.dir={tmp_path / 'p'}")
     assert r.returncode == 0, r.stderr[-2000:]
     assert len(json.loads((tmp_path / "p" / "predictions.json").read_text())) == 1
-    r = run_cli("export", f"ckpt_path={best}", "format=pt2", f"output={tmp_path / 'model.pt2'}")
+    r = run_cli("export", f"ckpt_path={best}", "format=pt2", f"output={tmp_path / 'model.pt2'}", cwd=tmp_path)
     assert r.returncode == 0 and (tmp_path / "model.pt2").is_file(), r.stderr[-2000:]
     last = fsdp / "checkpoints" / "last.ckpt"
     r = run_cli("train", *EQUAL[1:], "trainer.max_epochs=3", f"ckpt_path={last}", f"hydra.run.dir={tmp_path / 'r'}")
@@ -211,7 +211,7 @@ def test_a_directory_of_shards_trains_the_same_resumes_and_becomes_one_file(fsdp
     assert last.is_dir() and (last / ".metadata").is_file()
     assert_same_run_metrics(fsdp, sharded)
     one = tmp_path / "one.ckpt"
-    r = run_cli("export", f"ckpt_path={last}", "format=ckpt", f"output={one}")
+    r = run_cli("export", f"ckpt_path={last}", "format=ckpt", f"output={one}", cwd=tmp_path)  # its run dir there
     assert r.returncode == 0, r.stderr[-2000:]
     a, b = (torch.load(p, weights_only=True) for p in (one, fsdp / "checkpoints" / "last.ckpt"))
     assert a["state_dict"].keys() == b["state_dict"].keys()
