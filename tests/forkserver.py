@@ -44,6 +44,10 @@ def _serve() -> None:
     sys.exit(0)
 
 
+# What no library reads as it is imported (pytest's name of the running test among them): a command's environment may
+# differ from this server's in these (helpers.run_cli compares the rest), and a spare's from its command's.
+READ_AT_RUN_TIME = {"PYTHONPATH", "HYDRA_FULL_ERROR", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"}
+
 _COMMAND: dict | None = None
 _INSTALLED: list[str] = []  # sys.path[1:] as the server started: the installation's entries
 
@@ -82,7 +86,6 @@ class _Spare:
     applies it). Anything else runs as a real subprocess. Unasked, the spare ends when the command's last process
     does (its end of the pipe closes)."""
 
-    RUN_TIME = {"PYTHONPATH", "HYDRA_FULL_ERROR", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"}
     LAUNCHER = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED",
                 "PL_SEED_WORKERS", "OMP_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG"}  # fmt: skip
 
@@ -105,9 +108,9 @@ class _Spare:
         args = [os.fspath(a) for a in args]
         if args[:2] != [sys.executable, "-m"] or not args[2].startswith("vitlab.") or env is None:
             return False
-        served = _COMMAND["env"]  # what the command started with: the server's environment up to RUN_TIME
+        served = _COMMAND["env"]  # what the command started with: the server's environment up to READ_AT_RUN_TIME
         changed = {k for k in {*env, *served} if env.get(k) != served.get(k)}
-        if changed - self.RUN_TIME - self.LAUNCHER:
+        if changed - READ_AT_RUN_TIME - self.LAUNCHER:
             return False
         request = {"args": args, "cwd": os.fspath(cwd or os.getcwd()), "env": {k: str(v) for k, v in env.items()}}
         with os.fdopen(self.write, "wb") as pipe:

@@ -21,6 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from tests.forkserver import READ_AT_RUN_TIME
 from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
 from vitlab.model import ViTConfig
 
@@ -97,18 +98,13 @@ def run_cli(
     )
 
 
-# What no library reads as it is imported (pytest's name of the running test among them): these may differ from the
-# fork server's environment.
-_READ_AT_RUN_TIME = {"PYTHONPATH", "HYDRA_FULL_ERROR", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"}
-
-
 class _ForkServer:
     def __init__(self):
         import queue
         import threading
 
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.env = {k: v for k, v in env.items() if k not in _READ_AT_RUN_TIME}
+        self.env = {k: v for k, v in env.items() if k not in READ_AT_RUN_TIME}
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "forkserver.py")],
             stdin=subprocess.PIPE,
@@ -124,7 +120,7 @@ class _ForkServer:
         assert "ready" in self.replies.get(timeout=300)
 
     def serves(self, env: dict) -> bool:
-        return self.proc.poll() is None and {k: v for k, v in env.items() if k not in _READ_AT_RUN_TIME} == self.env
+        return self.proc.poll() is None and {k: v for k, v in env.items() if k not in READ_AT_RUN_TIME} == self.env
 
     def run(self, argv, module, args, cwd, env, own_group, timeout) -> subprocess.CompletedProcess:
         import queue
