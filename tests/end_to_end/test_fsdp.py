@@ -256,3 +256,15 @@ def test_mae_pretraining_shards_its_encoder_and_decoder_and_trains_as_ddp(tmp_pa
         "decoder.decoder_embed.weight",
     ):
         assert shapes[name][0] == whole[name][0] // 2, name
+
+
+def test_on_one_process_it_trains_unsharded_as_ddp_does(tmp_path_factory):
+    """Nothing to split on one process: the network trains whole (no gather or reduce-scatter per block, DDP's step
+    time: benchmark.task=strategies), bit for bit as DDP on one device, its average (callbacks=ema) too."""
+    one = ["trainer.devices=1", "trainer.max_epochs=1", "callbacks=ema", *EQUAL[1:]]
+    fsdp = _run(tmp_path_factory, "fsdp1", [*FSDP, *one])
+    ddp = _run(tmp_path_factory, "ddp1", ["trainer=ddp_cpu", *one])
+    assert "trainer=fsdp on one process: the network trains unsharded" in (fsdp / "train.log").read_text()
+    held = json.loads((fsdp / "shards0.json").read_text())
+    assert held == json.loads((ddp / "shards0.json").read_text())  # whole tensors, as DDP's
+    assert_same_run(ddp, fsdp)

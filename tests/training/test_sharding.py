@@ -27,9 +27,9 @@ def test_two_processes_shard_without_a_word(compose_cfg):
     assert check_request(*_trainer(compose_cfg, "trainer=ddp_cpu")) is None  # not sharded: nothing to check
 
 
-def test_one_process_runs_and_says_nothing_is_sharded(compose_cfg):
+def test_one_process_runs_and_says_it_trains_unsharded(compose_cfg):
     said = check_request(*_trainer(compose_cfg, "trainer.devices=1"))
-    assert said.startswith("trainer=fsdp on one process: nothing is sharded across processes")
+    assert said.startswith("trainer=fsdp on one process: the network trains unsharded, as under DDP")
 
 
 @pytest.mark.parametrize(

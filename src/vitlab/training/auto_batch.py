@@ -92,7 +92,7 @@ def _probe_args(cfg: DictConfig, trainer: L.Trainer, processes: int, per_process
             freeze_backbone=cfg.freeze_backbone,
         )
     device = "cuda" if type(trainer.accelerator).__name__ == "CUDAAccelerator" else "cpu"
-    sharded = sharding.is_sharded(trainer)
+    sharded = sharding.splits_weights(trainer)
     return module, cfg.optim.name, per_process, processes, str(trainer.precision), sharded, device
 
 

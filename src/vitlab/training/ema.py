@@ -185,12 +185,17 @@ class ShardedAverage(nn.Module):
                 mine.copy_(theirs)
         self.module = module.requires_grad_(False)
         self.register_buffer("n_averaged", torch.tensor(0, dtype=torch.long, device=pl_module.device))
-        self._lerp = lerp
+        self._lerp, self._updates = lerp, 0
 
     @torch.no_grad()
     def update_parameters(self, model: L.LightningModule) -> None:
-        self._lerp(_tensors(self.module), _tensors(model), self.n_averaged)
+        """As AveragedModel.update_parameters: the first update copies the weights, the others average."""
+        if self._updates == 0:
+            torch._foreach_copy_(_tensors(self.module), _tensors(model))
+        else:
+            self._lerp(_tensors(self.module), _tensors(model), self.n_averaged)
         self.n_averaged += 1
+        self._updates += 1  # n_averaged on the host: no device read per step
 
     def state_dict(self, *args, **kwargs) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -200,7 +205,8 @@ class ShardedAverage(nn.Module):
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True, assign: bool = False):
         load_full_module_state(self.module, {k[7:]: v for k, v in state.items() if k.startswith("module.")})
-        self.n_averaged.fill_(int(state["n_averaged"]))
+        self._updates = int(state["n_averaged"])
+        self.n_averaged.fill_(self._updates)
 
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:

@@ -161,11 +161,11 @@ def for_run(module: Any, trainer: Any, optimizer: str, batch: int, schedule: Any
     """The estimate for a run about to start: `trainer`'s processes, precision and strategy, the global `batch`
     (data.batch_size) split over the processes; with a `schedule` of training sizes (data/sizes.py) its batch of the
     most activations, each size with its own batch size."""
-    from vitlab.training.sharding import is_sharded
+    from vitlab.training.sharding import splits_weights
 
     processes = max(1, trainer.num_devices * trainer.num_nodes)
     device = "cuda" if type(trainer.accelerator).__name__ == "CUDAAccelerator" else "cpu"
-    args = (optimizer, processes, str(trainer.precision), is_sharded(trainer), device)
+    args = (optimizer, processes, str(trainer.precision), splits_weights(trainer), device)
     if schedule is None:
         return estimate(module, args[0], max(1, batch // processes), *args[1:])
     per_size = zip(schedule.img_sizes, schedule.global_batch_sizes(batch), strict=True)
