@@ -286,6 +286,49 @@ def test_selective_checkpointing_keeps_the_matmuls_and_attention_and_recomputes_
     assert counts["selective"]["gelu"] == 2 and counts["selective"]["native_layer_norm"] == 4
 
 
+@pytest.mark.parametrize("mode", [True, "selective"])
+def test_compiled_regions_trace_the_checkpoint_and_its_policy_away(monkeypatch, mode):
+    """compile=regional compiles each block and its Recompute (the checkpoint around it): the same gradients as no
+    checkpointing, and the selective policy, consulted for every op of every step eagerly, is not consulted at all
+    once the step is compiled (AOT's trace applied it). The state dict is timm's, Recompute regions or not."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from vitlab.model import vit
+
+    consulted = collections.Counter()
+
+    def policy(ctx, op, *args, **kwargs):
+        consulted[op] += 1
+        return CheckpointPolicy.MUST_SAVE if op in vit.SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+    monkeypatch.setattr(vit, "_selective_contexts", lambda: create_selective_checkpoint_contexts(policy))
+    torch.manual_seed(0)
+    model = ViT(tiny(depth=3, drop_path_rate=0.2, proj_drop_rate=0.1))
+    keys = list(model.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    torch.manual_seed(1)
+    model(x).sum().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.set_grad_checkpointing(mode)
+    torch._dynamo.reset()
+    for block in model.blocks:
+        block.compile(backend="aot_eager")
+        vit.recompute_region(block).compile(backend="aot_eager")
+    for _ in range(2):  # the first step traces, the second runs what was compiled
+        model.zero_grad()
+        consulted.clear()
+        torch.manual_seed(1)
+        model(x).sum().backward()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref[n], atol=1e-6, rtol=1e-5)
+    assert not consulted  # the second step: no op went through the policy
+    assert list(model.state_dict()) == keys
+    if mode == "selective":  # eager, every op of every block, forward and recomputation
+        model = ViT(tiny(depth=3, grad_checkpointing="selective"))
+        model(x).sum().backward()
+        assert sum(consulted.values()) > 50
+
+
 @pytest.mark.parametrize("bad", [0, -1, "some", 1.5])
 def test_a_bad_checkpointing_mode_is_one_line(bad):
     with pytest.raises(UserError, match=r"grad_checkpointing .* must be true, false, N >= 1 \(every N-th block\) or"):

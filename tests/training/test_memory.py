@@ -138,3 +138,14 @@ def test_a_run_that_does_not_fit_is_refused_with_the_settings_not_yet_used():
         f"more than this host's (shared by 2 processes) {memory.size(have)}: bring it down with data.batch_size; or "
         "start anyway with memory_check=false"
     )
+
+
+def test_eager_selective_checkpointing_says_its_cost_and_what_to_use_instead():
+    from vitlab.training.memory import checkpointing_note
+
+    note = checkpointing_note("selective", compiled=False)
+    assert note.startswith("model.grad_checkpointing=selective without compile: torch's selective policy")
+    assert "compile=true or compile=regional compiles it" in note and "model.grad_checkpointing=N" in note
+    assert [checkpointing_note(m, c) for m, c in [("selective", True), (True, False), (2, False), (False, False)]] == [
+        None
+    ] * 4

@@ -23,6 +23,7 @@ from vitlab.benchmark.measure import MB, peak_matmul_flops, step_peak_bytes, sum
 from vitlab.convert.timm_args import create_timm_model
 from vitlab.convert.weights import check_state_dict
 from vitlab.model import ViT, ViTConfig
+from vitlab.model.vit import recompute_region
 from vitlab.training.optim import OptimConfig, make_optimizer
 from vitlab.utils.checks import compile_mode
 
@@ -89,6 +90,8 @@ def build_contenders(cfg: ViTConfig, b: BenchmarkConfig, optim: OptimConfig, dev
         if compile_mode(b.compile):  # in place, as vitlab.train's compile does: the model, or each block
             for region in model.blocks if b.compile == "regional" else [model]:
                 region.compile(mode=compile_mode(b.compile))
+                if b.compile == "regional" and name.startswith("vitlab"):
+                    recompute_region(region).compile(mode=compile_mode(b.compile))
         out.append(Contender(name, model, optimizer, autocast))
     return out
 

@@ -17,6 +17,7 @@ from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 
 from vitlab.model import ViT, ViTConfig
+from vitlab.model.vit import recompute_region
 
 
 class Objective:
@@ -56,6 +57,8 @@ class Objective:
         compiled code (torch's regional compilation recipe: compile time stays that of one block at any depth)."""
         for region in self.blocks_run(model) if regional else [model]:
             region.compile(mode=mode)
+            if regional:  # the block under gradient checkpointing: the checkpoint compiled with it
+                recompute_region(region).compile(mode=mode)
 
     def blocks_run(self, model: ViT) -> list[nn.Module]:
         """The transformer blocks a training step runs."""

@@ -29,6 +29,24 @@ QUIET_WARNINGS = (
 )
 
 
+# Log records nobody running vitlab can act on, by logger: torch's note under compile that a selectively
+# checkpointed region must hold no in-place ops (vitlab's blocks hold none; model/vit.py Recompute), and that a
+# CPU-only torch compiling on the CPU found no CUDA runtime.
+QUIET_LOGS = {
+    "torch._higher_order_ops.wrap": "context_fn is passed to torch.utils.checkpoint under torch.compile",
+    "torch.utils.cpp_extension": "No CUDA runtime is found",
+}
+
+
+class _Drop(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
 class _NoTips(logging.Filter):
     """Lightning's advertisement for its cloud products, printed on every run."""
 
@@ -46,6 +64,10 @@ def quiet() -> None:
     logging.getLogger("litdata").setLevel(logging.WARNING)  # how it maps each split's chunks, at INFO
     for name in ("onnx_ir", "onnxscript"):  # the ONNX exporter logs each graph rewrite at INFO
         logging.getLogger(name).setLevel(logging.WARNING)
+    for name, text in QUIET_LOGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Drop) for f in logger.filters):
+            logger.addFilter(_Drop(text))
     logging.captureWarnings(True)
 
 
