@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.14.1 torchvision==0.29.1
 ARGS   ?=
 
-.PHONY: install train test test-durations test-fast lint parity benchmark clean
+.PHONY: install train test test-durations test-fast lint parity benchmark gpu-dry-run gpu-wheels clean
 
 install: $(STAMP)
 
@@ -44,6 +44,18 @@ parity: install           ## e.g. make parity ARGS="model=vit_b16"
 
 benchmark: install
 	$(BIN)/python -m vitlab.benchmark $(ARGS)
+
+# A lent GPU (experiments/gpu/README.md): its script's commands at tiny sizes on this CPU, and the wheels its image
+# lacks, computed from what that dry run imports against experiments/gpu/image.txt (carried to the device as .whl/).
+GPU_DRY := $(or $(TMPDIR),/tmp)/vitlab-gpu-dry
+gpu-dry-run: install      ## every GPU point's commands at tiny sizes, on the CPU (about 2 minutes)
+	$(BIN)/python experiments/gpu/points.py $(GPU_DRY) --dry-run $(ARGS)
+
+gpu-wheels: install       ## .whl/: the wheels the GPU image lacks, for the device tool's carry
+	rm -rf $(GPU_DRY)-imports
+	VITLAB_RECORD_IMPORTS=$(GPU_DRY)-imports PYTHONPATH=experiments/gpu/record \
+	  $(BIN)/python experiments/gpu/points.py $(GPU_DRY) --dry-run
+	$(BIN)/python experiments/gpu/wheels.py download $(GPU_DRY)-imports .whl
 
 clean:
 	rm -rf outputs multirun lightning_logs wandb .pytest_cache .ruff_cache

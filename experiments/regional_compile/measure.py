@@ -55,6 +55,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--depth", type=int)
     p.add_argument("--mode")
+    p.add_argument("--out", type=Path, help="the results file (default: results_<device>.json beside this script)")
     args = p.parse_args()
     if args.mode:  # one measurement, in this (fresh) process
         print(json.dumps(one(args)))
@@ -68,9 +69,9 @@ def main() -> None:
             rows.append(json.loads(out.strip().splitlines()[-1]))
             print(rows[-1], flush=True)
     device = args.device.split(":")[0]
-    (Path(__file__).parent / f"results_{device}.json").write_text(
-        json.dumps({"args": vars(args), "rows": rows}, indent=1)
-    )
+    out = args.out or Path(__file__).parent / f"results_{device}.json"
+    args.out = str(out)
+    out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

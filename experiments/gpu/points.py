@@ -1,0 +1,403 @@
+"""The open GPU points, in priority order, each under its own time limit (experiments/gpu/README.md).
+
+    bash experiments/gpu/run.sh                          # on a lent GPU: installs the carried wheels, then this
+    python experiments/gpu/points.py OUT                 # the points, results in OUT/results.json
+    python experiments/gpu/points.py OUT --dry-run       # the same commands at tiny sizes on the CPU (make test)
+
+Each point is one or more of vitlab's own commands, as users type them, with the sizes of the point (the dry run
+swaps in tiny ones: the same code path, imports, configs and every command's start). A point runs under its own time
+limit: past it, its process group is stopped (SIGTERM, then SIGKILL 10 s later) and the next point starts; a point
+that would start with less than its minimum left before the deadline is skipped and said so. After every point,
+OUT/results.json holds everything measured so far (each command's benchmark.json, metrics.json or JSON lines, and
+its log's last lines): one file, as the device brings back at most 8. `report.py` turns it into the studies' tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Command:
+    """One command line: `args` as a user types them at GPU sizes; `dry` replaces (or adds) overrides by key."""
+
+    module: str  # python -m <module>, or a script path relative to the repository
+    args: dict[str, str]
+    dry: dict[str, str] = field(default_factory=dict)
+    run_dir: bool = True  # a Hydra command: it gets hydra.run.dir
+
+    def argv(self, dry: bool, run_dir: Path) -> list[str]:
+        """Hydra overrides as key=value; options (`-k`, `--key`) as key, value; a value of None: the key alone."""
+        values = {**self.args, **(self.dry if dry else {})}
+        parts = []
+        for key, value in values.items():
+            if value is None:
+                parts.append(key)
+            elif key.startswith("-"):
+                parts += [key, value.replace("{run_dir}", str(run_dir))]
+            else:
+                parts.append(f"{key}={value}")
+        parts = [p for part in parts for p in (gpu_tests() if part == "{gpu_tests}" else [part])]
+        head = [self.module] if self.module.endswith(".py") else ["-m", self.module]
+        return [sys.executable, *head, *parts, *([f"hydra.run.dir={run_dir}"] if self.run_dir else [])]
+
+
+def gpu_tests() -> list[str]:
+    """The test files that hold GPU tests (marked `gpu`): collecting only those, the device needs only their imports."""
+    return sorted(str(f.relative_to(REPO)) for f in (REPO / "tests").rglob("test_*.py") if "mark.gpu" in f.read_text())
+
+
+@dataclass
+class Point:
+    name: str
+    study: str  # experiments/<study>/ holds its table
+    question: str
+    limit_s: int  # stopped past this
+    min_s: int  # skipped when less than this is left
+    commands: list[Command]
+
+
+def overrides(**values: str) -> dict[str, str]:
+    return {k.replace("__", "."): v for k, v in values.items()}
+
+
+def train_list(*items: str) -> str:
+    """benchmark.train_overrides' value: vitlab.train's overrides, as a Hydra list of quoted strings."""
+    return "[" + ",".join(f'"{item}"' for item in items) + "]"
+
+
+CSV = ("logger=csv", "progress_bar=none")
+TINY = ("model.depth=1", "model.img_size=32")  # the dry run's ViT: B/16's code, one block, 4 patches
+TINY_BENCH = overrides(
+    model__depth="1", model__img_size="32", benchmark__batch_size="2", benchmark__repeats="2", benchmark__warmup="1",
+    benchmark__peak_matmul_size="256",
+)  # fmt: skip
+SHORT_E2E = overrides(benchmark__end2end__warmup_steps="2", benchmark__end2end__steps="3", benchmark__repeats="2",
+                      benchmark__warmup="1", benchmark__peak_matmul_size="256")  # fmt: skip
+
+
+def end2end(train: tuple[str, ...], dry_train: tuple[str, ...]) -> Command:
+    return Command(
+        "vitlab.benchmark",
+        overrides(benchmark__task="end2end", benchmark__train_overrides=train_list(*train, *CSV)),
+        {**SHORT_E2E, "benchmark.train_overrides": train_list(*dry_train, *CSV)},
+    )
+
+
+FAKE_B16 = ("model=vit_b16", "data=fake", "data.num_train=12800", "trainer=gpu", "data.batch_size=256")
+FAKE_TINY = ("model=vit_b16", *TINY, "data=fake", "data.num_train=64", "trainer=cpu", "data.batch_size=8")
+
+# In priority order: the two costs this project removes on a GPU (FSDP on one device, the digits' launch-bound step),
+# the suite's GPU tests, then the compiled step and end to end, then the rest (issue 57's list).
+POINTS = [
+    Point(
+        "fsdp_one_gpu",
+        "sharding",
+        "trainer=fsdp on one GPU against trainer=ddp (B/16, batch 64)",
+        150,
+        70,
+        [
+            Command(
+                "vitlab.benchmark",
+                overrides(
+                    benchmark__task="strategies",
+                    benchmark__strategies__names="[ddp,fsdp]",
+                    benchmark__strategies__devices="1",
+                    benchmark__train_overrides=train_list(
+                        "model=vit_b16", "data=fake", "data.num_train=6400", "data.batch_size=64", *CSV
+                    ),
+                ),
+                {
+                    "benchmark.strategies.names": "[ddp_cpu,fsdp_cpu]",
+                    "benchmark.strategies.warmup_steps": "2",
+                    "benchmark.strategies.steps": "3",
+                    "benchmark.train_overrides": train_list(
+                        "model=vit_b16", *TINY, "data=fake", "data.num_train=64", "data.batch_size=8", *CSV
+                    ),
+                },
+            )
+        ],
+    ),
+    Point(
+        "digits_cudagraphs",
+        "throughput",
+        "the digits default on the GPU eager and with compile=reduce-overhead",
+        150,
+        60,
+        [
+            end2end(("trainer=gpu",), ("trainer=cpu",)),
+            end2end(("trainer=gpu", "compile=reduce-overhead"), ("trainer=cpu", "compile=reduce-overhead")),
+        ],
+    ),
+    Point(
+        "pytest_gpu",
+        "gpu",
+        "the suite's GPU tests (pytest -m gpu)",
+        150,
+        40,
+        [Command("pytest", {"-m": "gpu", "-q": None, "-p": "no:cacheprovider", "{gpu_tests}": None}, run_dir=False)],
+    ),
+    Point(
+        "b16_compiled",
+        "throughput",
+        "vitlab's compiled B/16 step against timm's compiled (bf16, batch 256)",
+        240,
+        120,
+        [
+            Command(
+                "vitlab.benchmark",
+                overrides(
+                    model="vit_b16",
+                    benchmark__batch_size="256",
+                    benchmark__precision="bf16",
+                    benchmark__compile="true",
+                    benchmark__modes="[train]",
+                ),
+                TINY_BENCH,
+            )
+        ],
+    ),
+    Point(
+        "b16_end2end_compiled",
+        "throughput",
+        "vitlab.train end to end, compiled, against its compiled bare step",
+        200,
+        100,
+        [end2end((*FAKE_B16, "compile=true"), (*FAKE_TINY, "compile=true"))],
+    ),
+    Point(
+        "selective_compiled",
+        "checkpointing",
+        "ViT-L/16 selective checkpointing under compile=regional against none and every block (bf16, batch 64)",
+        200,
+        100,
+        [
+            Command(
+                "vitlab.benchmark",
+                overrides(
+                    model="vit_l16",
+                    benchmark__batch_size="64",
+                    benchmark__precision="bf16",
+                    benchmark__compile="regional",
+                    benchmark__modes="[train]",
+                    benchmark__contenders="[vitlab,vitlab_selective,vitlab_ckpt]",
+                    benchmark__repeats="6",
+                ),
+                TINY_BENCH,
+            )
+        ],
+    ),
+    Point(
+        "vit_g_offload",
+        "sharding",
+        "ViT-gigantic/14 on one GPU under trainer=fsdp with cpu_offload",
+        180,
+        90,
+        [
+            Command(
+                "vitlab.train",
+                overrides(
+                    model="vit_gigantic14",
+                    trainer="fsdp",
+                    trainer__devices="1",
+                    trainer__strategy__cpu_offload="true",
+                    data="fake",
+                    data__num_train="64",
+                    data__batch_size="8",
+                    trainer__max_steps="4",
+                    trainer__max_epochs="-1",
+                    test="false",
+                    logger="csv",
+                    progress_bar="none",
+                ),
+                {
+                    "model": "vit_b16",
+                    **dict(t.split("=") for t in TINY),
+                    "trainer": "fsdp_cpu",
+                    "trainer.strategy.cpu_offload": "false",
+                },
+            )
+        ],  # (cpu_offload is refused on a CPU: nothing to move)
+    ),
+    Point(
+        "regional_depth24",
+        "regional_compile",
+        "compile time, whole against regional, of a B/16-wide ViT at depth 24",
+        240,
+        120,
+        [
+            Command(
+                "experiments/regional_compile/measure.py",
+                {
+                    "--device": "cuda",
+                    "--dim": "768",
+                    "--heads": "12",
+                    "--img": "224",
+                    "--patch": "16",
+                    "--depths": "24",
+                    "--out": "{run_dir}/results_cuda.json",
+                },
+                {"--device": "cpu", "--dim": "64", "--heads": "4", "--img": "32", "--patch": "8", "--depths": "1"},
+                run_dir=False,
+            )
+        ],
+    ),
+    Point(
+        "auto_batch_sizes",
+        "sharding",
+        "data.batch_size=auto and data.train_img_sizes on a GPU (B/16)",
+        150,
+        60,
+        [
+            Command(
+                "vitlab.train",
+                overrides(
+                    model="vit_b16",
+                    data="fake",
+                    data__num_train="2048",
+                    trainer="gpu",
+                    data__batch_size="auto",
+                    trainer__max_steps="6",
+                    trainer__max_epochs="-1",
+                    test="false",
+                    logger="csv",
+                    progress_bar="none",
+                ),
+                {**dict(t.split("=") for t in TINY), "trainer": "cpu"},
+            ),
+            Command(
+                "vitlab.train",
+                overrides(
+                    model="vit_b16",
+                    data="fake",
+                    data__num_train="2048",
+                    trainer="gpu",
+                    data__batch_size="256",
+                    data__train_img_sizes="[160,224]",
+                    model__dynamic_img_size="true",
+                    trainer__max_steps="6",
+                    trainer__max_epochs="-1",
+                    test="false",
+                    logger="csv",
+                    progress_bar="none",
+                ),
+                {
+                    **dict(t.split("=") for t in TINY),
+                    "trainer": "cpu",
+                    "data.batch_size": "8",
+                    "data.train_img_sizes": "[16,32]",
+                },
+            ),
+        ],
+    ),
+]
+
+
+def result_of(run_dir: Path, log: str) -> object:
+    """What a command measured: its benchmark.json or metrics.json, else the JSON lines it printed."""
+    for name in ("benchmark.json", "metrics.json", "results_cuda.json", "results_cpu.json"):
+        if (run_dir / name).is_file():
+            return json.loads((run_dir / name).read_text())
+    rows = []
+    for line in log.splitlines():
+        if line.startswith("{"):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return rows or None
+
+
+def run(argv: list[str], limit: float, log_path: Path) -> tuple[int | str, float]:
+    """argv in its own process group, stopped past `limit` seconds; (exit status or 'timeout', seconds)."""
+    start = time.monotonic()
+    with log_path.open("w") as log:
+        p = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return p.wait(timeout=limit), time.monotonic() - start
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            return "timeout", time.monotonic() - start
+
+
+def environment() -> dict:
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node(),
+           "cpus": os.cpu_count()}  # fmt: skip
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    return env
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU: every command's start, quickly")
+    p.add_argument("--deadline", type=float, default=560, help="seconds for all points together")
+    p.add_argument("--only", default="", help="comma-separated point names (all by default)")
+    a = p.parse_args()
+    chosen = [q for q in POINTS if not a.only or q.name in a.only.split(",")]
+    unknown = set(filter(None, a.only.split(","))) - {q.name for q in POINTS}
+    if unknown:
+        sys.exit(f"--only {sorted(unknown)}: not points; they are {[q.name for q in POINTS]}")
+    a.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="vitlab-gpu-"))  # run directories (checkpoints stay here, not in OUT)
+    began = time.monotonic()
+    report = {"dry_run": a.dry_run, "environment": environment(), "deadline_s": a.deadline, "points": []}
+    for point in chosen:
+        left = a.deadline - (time.monotonic() - began)
+        entry = {"name": point.name, "study": point.study, "question": point.question, "commands": []}
+        report["points"].append(entry)
+        if left < point.min_s:
+            entry["status"] = f"skipped: {left:.0f} s left, it needs {point.min_s}"
+            print(f"[{point.name}] {entry['status']}", flush=True)
+            continue
+        limit = min(point.limit_s, left)
+        t0 = time.monotonic()
+        status = "ok"
+        for i, command in enumerate(point.commands):
+            run_dir = work / point.name / str(i)
+            run_dir.parent.mkdir(parents=True, exist_ok=True)
+            argv = command.argv(a.dry_run, run_dir)
+            if not command.run_dir:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            log_path = work / point.name / f"{i}.log"
+            remaining = limit - (time.monotonic() - t0)
+            rc, seconds = run(argv, remaining, log_path) if remaining > 1 else ("timeout", 0.0)
+            log = log_path.read_text(errors="replace") if log_path.exists() else ""
+            entry["commands"].append({
+                "argv": [Path(argv[0]).name, *argv[1:]], "rc": rc, "seconds": round(seconds, 1),
+                "result": result_of(run_dir, log), "log_tail": log.splitlines()[-25:],
+            })  # fmt: skip
+            if rc != 0:
+                status = "timeout" if rc == "timeout" else f"failed (exit {rc})"
+                break
+        entry["status"], entry["seconds"] = status, round(time.monotonic() - t0, 1)
+        print(f"[{point.name}] {status} in {entry['seconds']} s", flush=True)
+        (a.out / "results.json").write_text(json.dumps(report, indent=1))
+    (a.out / "results.json").write_text(json.dumps(report, indent=1))
+    failed = [e["name"] for e in report["points"] if e.get("status") not in ("ok",) and "skipped" not in e["status"]]
+    print(f"results: {a.out / 'results.json'}; not ok: {failed or 'none'}", flush=True)
+    sys.exit(1 if failed and a.dry_run else 0)
+
+
+if __name__ == "__main__":
+    main()
