@@ -145,9 +145,15 @@ POINTS = [
         "pytest_gpu",
         "gpu",
         "the suite's GPU tests (pytest -m gpu)",
-        150,
+        240,
         40,
-        [Command("pytest", {"-m": "gpu", "-q": None, "-p": "no:cacheprovider", "{gpu_tests}": None}, run_dir=False)],
+        [
+            Command(
+                "pytest",  # -v: each test's outcome as it ends (a point stopped at its limit still says which failed)
+                {"-m": "gpu", "-v": None, "--tb": "short", "-p": "no:cacheprovider", "{gpu_tests}": None},
+                run_dir=False,
+            )
+        ],
     ),
     Point(
         "b16_compiled",
@@ -363,7 +369,7 @@ def main() -> None:
     began = time.monotonic()
     report = {"dry_run": a.dry_run, "environment": environment(), "deadline_s": a.deadline, "points": []}
     for point in chosen:
-        left = a.deadline - (time.monotonic() - began)
+        left = max(0.0, a.deadline - (time.monotonic() - began))
         entry = {"name": point.name, "study": point.study, "question": point.question, "commands": []}
         report["points"].append(entry)
         if left < point.min_s:
@@ -385,7 +391,7 @@ def main() -> None:
             log = log_path.read_text(errors="replace") if log_path.exists() else ""
             entry["commands"].append({
                 "argv": [Path(argv[0]).name, *argv[1:]], "rc": rc, "seconds": round(seconds, 1),
-                "result": result_of(run_dir, log), "log_tail": log.splitlines()[-25:],
+                "result": result_of(run_dir, log), "log_tail": log.splitlines()[-60:],
             })  # fmt: skip
             if rc != 0:
                 status = "timeout" if rc == "timeout" else f"failed (exit {rc})"

@@ -14,7 +14,7 @@ OUT=${OUT:-outputs/gpu}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 "$PY" -m pip list --format=freeze > "$OUT/image.txt" 2>/dev/null
-"$PY" -c 'import platform; print("python", platform.python_version())' >> "$OUT/image.txt"
+"$PY" -c 'import platform; print("# python", platform.python_version())' >> "$OUT/image.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1 || true
 if compgen -G ".whl/*.whl" > /dev/null; then
   "$PY" experiments/gpu/wheels.py install .whl /tmp/site || exit 1

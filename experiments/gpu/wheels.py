@@ -138,7 +138,18 @@ def install(wheels: Path, target: Path) -> None:
         else:
             chosen.append(wheel)
     if chosen:
-        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(target)]
+        pip = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--upgrade",
+            "--no-index",
+            "--no-deps",
+            "--target",
+            str(target),
+        ]
         subprocess.run([*pip, *map(str, chosen)], check=True)
     print(f"installed {len(chosen)} wheels into {target}: {' '.join(w.name.split('-')[0] for w in chosen) or '-'}")
     print(f"kept the image's {len(kept)} (their versions satisfy the requirements): {', '.join(kept) or '-'}"[:600])

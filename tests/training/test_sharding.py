@@ -47,16 +47,21 @@ def test_what_cannot_shard_is_one_line(compose_cfg, overrides, message):
 
 def test_cpu_offload_keeps_the_parameters_on_the_host_and_moves_only_the_buffers():
     """Under cpu_offload the parameters are made and kept on the host (FSDP2 copies them to the GPU per use; moving
-    them with the model fails on a GPU, 'Couldn't swap Conv2d.weight'); the buffers go to the training device ('meta'
-    here stands for the GPU). Without offload Lightning moves the whole model."""
+    them with the model fails on a GPU, 'Couldn't swap Conv2d.weight'); the buffers and the metrics' states go to the
+    training device ('meta' here stands for the GPU: a metric left on the host refused the GPU's loss on an H100).
+    Without offload Lightning moves the whole model."""
+    from torchmetrics import MeanMetric
+
     for offload, params, buffers in ((True, "cpu", "meta"), (False, "meta", "meta")):
         strategy = FSDP2Strategy(cpu_offload=offload)
         strategy.parallel_devices = [torch.device("meta")]
-        strategy.model = vit = ViT(tiny(depth=2, drop_path_rate=0.1))
+        strategy.model = module = torch.nn.ModuleDict({"model": ViT(tiny(depth=2, drop_path_rate=0.1))})
+        module["loss"] = MeanMetric()
         assert strategy.parameter_device.type == ("cpu" if offload else "meta")
         strategy.model_to_device()
-        assert {p.device.type for p in vit.parameters()} == {params}
-        assert {b.device.type for b in vit.buffers()} == {buffers}
+        assert {p.device.type for p in module.parameters()} == {params}
+        assert {b.device.type for b in module.buffers()} == {buffers}
+        assert module["loss"].mean_value.device.type == "meta" and module["loss"].device.type == "meta"
 
 
 def _optimizer(order):

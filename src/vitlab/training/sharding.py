@@ -131,11 +131,16 @@ class FSDP2Strategy(ModelParallelStrategy):
         return torch.device("cpu") if self.cpu_offload else self.root_device
 
     def model_to_device(self) -> None:
-        """Lightning moves the whole model to the training device; under cpu_offload only the buffers go (the
-        parameters stay in host memory: moving them is refused, "Couldn't swap Conv2d.weight", H100 2026-11-26)."""
+        """Lightning moves the whole model to the training device; under cpu_offload only the buffers and the metrics'
+        states go (the parameters stay in host memory: moving them is refused, "Couldn't swap Conv2d.weight", H100
+        2026-11-26; a metric left on the host refuses the GPU's loss, "Encountered different devices", 2026-11-27)."""
+        from torchmetrics import Metric
+
         if not self.cpu_offload:
             return super().model_to_device()
         for module in self.model.modules():
+            if isinstance(module, Metric):  # (its states are attributes that Metric._apply moves, not buffers)
+                module.to(self.root_device)
             for name, buffer in module._buffers.items():
                 if buffer is not None:
                     module._buffers[name] = buffer.to(self.root_device)

@@ -1,0 +1,77 @@
+"""experiments/gpu: the script a lent GPU runs, dry-run here at tiny sizes (its modules, configs and every command's
+start), so that a renamed key or a missing wheel is found on the CPU and not in the lease."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+GPU = REPO / "experiments" / "gpu"
+sys.path.insert(0, str(GPU))
+
+import points  # noqa: E402
+import wheels  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """points.py --dry-run with the import recorder that `make gpu-wheels` uses: (results, the recorded imports)."""
+    out, imports = tmp_path_factory.mktemp("gpu"), tmp_path_factory.mktemp("imports")
+    env = {**os.environ, "VITLAB_RECORD_IMPORTS": str(imports), "PYTHONPATH": str(GPU / "record")}
+    r = subprocess.run(
+        [sys.executable, str(GPU / "points.py"), str(out), "--dry-run"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads((out / "results.json").read_text()), imports
+
+
+def test_every_point_runs_its_commands_at_tiny_sizes(dry_run):
+    results, _ = dry_run
+    assert [p["name"] for p in results["points"]] == [p.name for p in points.POINTS]
+    for point in results["points"]:
+        assert point["status"] == "ok", (point["name"], point["commands"][-1]["log_tail"][-10:])
+        for command in point["commands"]:
+            assert command["rc"] == 0 and command["result"] is not None or point["name"] == "pytest_gpu"
+    # the dry run swaps sizes, not commands: what it adds beyond the GPU's overrides are sizes (steps, repeats, depth)
+    for point in points.POINTS:
+        for command in point.commands:
+            assert all(k in command.args or k.startswith(("benchmark.", "model.")) for k in command.dry), command.dry
+
+
+def test_the_wheels_carried_are_what_the_script_imports_and_the_image_lacks(dry_run):
+    """The image lacks Hydra, OmegaConf and pydantic (the wheel a hand list once missed): each is carried, at the
+    version installed here; the torch stack never is; every distribution imported is accounted for."""
+    _, imports = dry_run
+    carry, specs = wheels.plan(imports)
+    needed = wheels.imported_distributions(imports)
+    held = wheels.image()
+    for name in ("hydra-core", "omegaconf", "pydantic", "pydantic-core", "antlr4-python3-runtime", "torchdata"):
+        assert carry[name] == needed[name]
+    assert not {n for n in carry if wheels.NEVER.match(n)} and "torch" not in needed
+    for name in needed:  # carried, or the image holds a version every requirement accepts
+        assert name in carry or (name in held and wheels.satisfies(held[name], specs.get(name, wheels.SpecifierSet())))
+
+
+def test_a_point_past_its_limit_is_stopped_and_one_without_time_left_is_skipped(tmp_path):
+    import time
+
+    t0 = time.monotonic()
+    rc, seconds = points.run([sys.executable, "-c", "import time; time.sleep(60)"], 1.0, tmp_path / "log")
+    assert rc == "timeout" and 1.0 <= seconds < 10 and time.monotonic() - t0 < 12
+    assert points.run([sys.executable, "-c", "import sys; sys.exit(3)"], 10, tmp_path / "log")[0] == 3
+    r = subprocess.run(
+        [sys.executable, str(GPU / "points.py"), str(tmp_path), "--deadline", "60", "--only", "b16_compiled"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 0 and re.search(r"\[b16_compiled\] skipped: \d+ s left, it needs 120", r.stdout), r.stdout
+    (point,) = json.loads((tmp_path / "results.json").read_text())["points"]
+    assert point["status"].startswith("skipped") and point["commands"] == []
