@@ -91,14 +91,11 @@ def train(cfg: DictConfig) -> float | None:
 def _announce(cfg: DictConfig, trainer, module, estimate, out: Path) -> None:
     """The run's config in its directory, what it trains and where (and its memory estimate) in the log, and its
     hyperparameters to each logger."""
-    from vitlab.training import memory
-
     if trainer.is_global_zero:
         save_config(cfg, out / "config.yaml", show=cfg.print_config)
         log.info("%s; run directory %s (config in config.yaml)", describe_run(cfg, module), out)
-        log.info(estimate.line())
-        if note := memory.checkpointing_note(module.model.cfg.grad_checkpointing, bool(module.compile_mode)):
-            log.info(note)
+        for line in (estimate.line(), *estimate.notes):  # (and what the settings cost)
+            log.info(line)
     for logger in trainer.loggers:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 

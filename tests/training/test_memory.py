@@ -141,7 +141,17 @@ def test_a_run_that_does_not_fit_is_refused_with_the_settings_not_yet_used():
 
 
 def test_eager_selective_checkpointing_says_its_cost_and_what_to_use_instead():
+    """The note rides with the run's estimate (vitlab.train logs it after the memory line): eager selective only."""
+    from types import SimpleNamespace
+
     from vitlab.training.memory import checkpointing_note
+
+    trainer = SimpleNamespace(num_devices=1, num_nodes=1, precision="32-true", accelerator=None, strategy=None)
+    for compile_mode, said in ((False, 1), ("regional", 0)):
+        module = ViTModule(model=tiny(depth=2, grad_checkpointing="selective").to_dict(), compile=compile_mode)
+        notes = memory.for_run(module, trainer, "adamw", 8).notes
+        assert len(notes) == said and all(n.startswith("model.grad_checkpointing=selective without") for n in notes)
+    assert memory.for_run(ViTModule(model=tiny(depth=2).to_dict()), trainer, "adamw", 8).notes == ()
 
     note = checkpointing_note("selective", compiled=False)
     assert note.startswith("model.grad_checkpointing=selective without compile: torch's selective policy")

@@ -51,6 +51,7 @@ class Estimate:
     batch: int  # images per process
     strategy: str  # e.g. "ddp over 4 processes", "fsdp over 8 processes"
     px: int | None = None  # the batch's image size, where data.train_img_sizes trains at several
+    notes: tuple[str, ...] = ()  # start-up lines on what the settings cost (checkpointing_note)
 
     @property
     def total(self) -> float:
@@ -178,13 +179,16 @@ def for_run(module: Any, trainer: Any, optimizer: str, batch: int, schedule: Any
     processes = max(1, trainer.num_devices * trainer.num_nodes)
     device = "cuda" if type(trainer.accelerator).__name__ == "CUDAAccelerator" else "cpu"
     args = (optimizer, processes, str(trainer.precision), splits_weights(trainer), device)
+    note = checkpointing_note(module.model.cfg.grad_checkpointing, bool(getattr(module, "compile_mode", None)))
     if schedule is None:
-        return estimate(module, args[0], max(1, batch // processes), *args[1:])
+        est = estimate(module, args[0], max(1, batch // processes), *args[1:])
+        return dataclasses.replace(est, notes=(note,) if note else ())
     per_size = zip(schedule.img_sizes, schedule.global_batch_sizes(batch), strict=True)
-    return max(
+    est = max(
         (estimate(module, args[0], max(1, b // processes), *args[1:], px=px) for px, b in per_size),
         key=lambda e: e.activations,
     )
+    return dataclasses.replace(est, notes=(note,) if note else ())
 
 
 def estimate(
