@@ -11,12 +11,11 @@ import logging
 from typing import Any
 
 import lightning as L
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
 from vitlab.convert.weights import read_checkpoint
-from vitlab.model.config import vit_config
 from vitlab.training import memory, sharding
-from vitlab.training.module import ViTModule
+from vitlab.training.build import build_module
 from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -84,13 +83,7 @@ def _set(cfg: DictConfig, datamodule: L.LightningDataModule, batch: int) -> None
 def _probe_args(cfg: DictConfig, trainer: L.Trainer, processes: int, per_process: int) -> tuple:
     """memory.estimate's arguments for this run at `per_process` images per process: the module laid out on the
     meta device (nothing allocated)."""
-    with sharding.networks_on_meta(True):
-        module = ViTModule(
-            model=vit_config(cfg.model),
-            objective=OmegaConf.to_container(cfg.objective, resolve=True),
-            optim=OmegaConf.to_container(cfg.optim, resolve=True),
-            freeze_backbone=cfg.freeze_backbone,
-        )
+    module = build_module(cfg, None, probe=True)
     device = "cuda" if type(trainer.accelerator).__name__ == "CUDAAccelerator" else "cpu"
     sharded = sharding.splits_weights(trainer)
     return module, cfg.optim.name, per_process, processes, str(trainer.precision), sharded, device

@@ -65,12 +65,15 @@ def build_datamodule(data_cfg: DictConfig, train_cfg: DictConfig | None = None) 
     return instantiate(data_cfg)
 
 
-def build_module(cfg: DictConfig, datamodule: L.LightningDataModule) -> ViTModule:
-    """The ViTModule of a train config, training `cfg.objective` (random weights; `train` loads pretrained ones)."""
-    resolve_lr(cfg)
+def build_module(cfg: DictConfig, datamodule: L.LightningDataModule | None, probe: bool = False) -> ViTModule:
+    """The ViTModule of a train config, training `cfg.objective` (random weights; `train` loads pretrained ones).
+    `probe`: the module memory.estimate reads before the batch size is chosen (auto_batch): laid out on the meta
+    device (nothing allocated), the learning rate not yet scaled by the batch, no data module yet."""
+    if not probe:
+        resolve_lr(cfg)
     # trainer=fsdp: the ViT is laid out on the meta device and each process initialises its shards (training.sharding);
     # pretrained weights are loaded into a whole model, built on the host.
-    on_meta = sharding.requests_fsdp(cfg.get("trainer") or {}) and not cfg.model.get("pretrained")
+    on_meta = probe or (sharding.requests_fsdp(cfg.get("trainer") or {}) and not cfg.model.get("pretrained"))
     model = vit_config(cfg.model)
     sizes.check_model(getattr(datamodule, "size_schedule", None), model, cfg.objective.get("name"))
     with sharding.networks_on_meta(on_meta):
