@@ -27,60 +27,33 @@ log = logging.getLogger("vitlab.train")  # not __main__: the name the log lines 
 
 
 def train(cfg: DictConfig) -> float | None:
-    import lightning as L
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-    from vitlab.training import auto_batch, build, memory, pretrained, resume, sharding, trial
+    """Plan, build, fit, test, summarise (each decision in training.plan); `optimized_metric`'s value for a sweeper."""
+    from vitlab.training import auto_batch, build, resume
+    from vitlab.training import plan as steps
 
     started, out = time.time(), Path(cfg.paths.output_dir)
     if (before := earlier_result(out)) is not None:  # a sweep run again into its directory: this job had ended
         return optimized_value(cfg.optimized_metric, before)
-    if said := sharding.check_request(cfg.trainer, cfg.get("callbacks")):  # trainer=fsdp on one process
-        log.info(said)
-    pretrained.apply_pretrained(cfg)  # model.pretrained=<timm name>: timm's architecture and preprocessing
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-
-    pruning = [trial.PruneTrial(cfg.optimized_metric)] if trial.sweep_pruner()[0] else []  # an Optuna trial
-    callbacks, show_bar = build.build_callbacks(cfg, extra=pruning)
+    plan = steps.plan(cfg)  # what the config settles: pretrained architecture, seed, a trial's pruning
+    callbacks, show_bar = build.build_callbacks(cfg, extra=plan.pruning)
     trainer = build.build_trainer(cfg.trainer, callbacks=callbacks, logger=False, enable_progress_bar=show_bar)
     auto = auto_batch.provisional(cfg, trainer)  # data.batch_size=auto: chosen from the memory estimate
     datamodule = build.build_datamodule(cfg.data, cfg)
-    chosen = auto_batch.choose(cfg, trainer, datamodule) if auto else None  # (before the LR is scaled by it)
+    plan.batch_size_auto = auto_batch.choose(cfg, trainer, datamodule) if auto else None  # (before the LR uses it)
     module = build.build_module(cfg, datamodule)
-    estimate = memory.for_run(module, trainer, cfg.optim.name, cfg.data.batch_size, datamodule.size_schedule)
-    if cfg.memory_check:  # (before a checkpoint or pretrained weights are read)
-        memory.check_fits(estimate, trainer, module.model.cfg.grad_checkpointing)
-    ckpt_path = resume.starting_point(cfg, module)  # a checkpoint to go on from, or pretrained weights loaded
-    # Each logger checked first (W&B: a login); W&B goes on with the run the checkpoint names.
-    trainer.loggers = loggers = build.build_loggers(cfg.get("logger"), resume_from=ckpt_path)
-    _announce(cfg, trainer, module, estimate, out)
-
-    metrics, best = ({"batch_size_auto": chosen} if chosen else {}), ""
+    plan.estimate = steps.check_memory(cfg, trainer, module, datamodule)
+    plan.start = resume.starting_point(cfg, module)  # a checkpoint to go on from, or pretrained weights loaded
+    trainer.loggers = loggers = build.build_loggers(cfg.get("logger"), resume_from=plan.start)
+    _announce(cfg, trainer, module, plan.estimate, out)
+    metrics, best = plan.first_metrics(), ""
     with build.loggers_finished(loggers):  # one W&B run per job, also in sweeps
         if cfg.train:
-            try:
-                trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
-            except SIGTERMException:
-                build.finish_loggers(loggers)  # (W&B's closing lines before the one that says how to resume)
-                resume.stopped(trainer)  # says what was saved and how to resume; exits 128 + the signal
-            metrics.update({k: v.item() for k, v in trainer.callback_metrics.items()})
-            best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
-            metrics |= {"best_checkpoint": best or None} | trial.pruned(pruning)  # (stopped by the study's pruner)
-        datamodule.setup("test")  # (done already when it trained)
-        metrics["splits"] = dict(getattr(datamodule, "splits", {}))
-        if cfg.test and getattr(datamodule, "test_set", True) is None:
-            log.info("not tested: the data has no test split (its val/ chose the checkpoint); the result is %s_best",
-                     module.best_key)  # fmt: skip
-        elif cfg.test and "pruned" in metrics:
-            log.info("not tested: the study's pruner stopped this trial at epoch %d", metrics["pruned"]["epoch"])
-        elif cfg.test:
-            tested = best or (None if cfg.train else ckpt_path)
-            if cfg.train and not best:
-                log.warning("no best checkpoint was saved; testing the final weights")
-            trainer.test(module, datamodule=datamodule, ckpt_path=tested, weights_only=True if tested else None)
-            metrics |= {k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
-            metrics["tested_checkpoint"] = tested or "final weights"
-
+            with steps.stop_on_signal(trainer, loggers):
+                trainer.fit(module, datamodule=datamodule, ckpt_path=plan.start, weights_only=True)
+            metrics, best = steps.fitted(trainer, plan, metrics)
+        if (weights := steps.what_to_test(cfg, plan, datamodule, module, metrics, best)) is not None:
+            trainer.test(module, datamodule=datamodule, ckpt_path=weights or None, weights_only=bool(weights) or None)
+        metrics |= steps.tested(trainer, datamodule, weights)
     metrics |= {"wall_time_s": round(time.time() - started, 2), "run_dir": str(out)}
     if trainer.is_global_zero:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
