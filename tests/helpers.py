@@ -229,14 +229,16 @@ class SignalAtStep(L.Callback):
 
 
 class SignalAgainWhenStuck(L.Callback):
-    """After optimizer step `step` (once SignalAtStep has sent its signal there), the next step hangs: it sends
-    `signum` to the process group once more, then sleeps ten minutes, a step that never ends."""
+    """After optimizer step `step` (once SignalAtStep has sent its signal there), the next step hangs: past the window
+    in which a repeat is the same stop (`wait` seconds), it sends `signum` to the process group once more, then
+    sleeps ten minutes, a step that never ends."""
 
-    def __init__(self, step: int, signum: str = "SIGTERM"):
-        self.step, self.signum = step, signal.Signals[signum]
+    def __init__(self, step: int, signum: str = "SIGTERM", wait: float = 1.5):
+        self.step, self.signum, self.wait = step, signal.Signals[signum], wait
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step:
+            time.sleep(self.wait)
             kill = ["kill", f"-{self.signum.name[3:]}", "--", f"-{os.getpgid(0)}"]
             subprocess.run(kill, check=True, start_new_session=True)
             time.sleep(600)
@@ -311,12 +313,12 @@ class RecordTrainSizes(L.Callback):
         (Path(trainer.default_root_dir) / f"sizes.{trainer.global_rank}.json").write_text(json.dumps(self.steps))
 
 
-def interrupt(args, tmp_path, signum, step, group=True, rank=0, hook=None) -> str:
+def interrupt(args, tmp_path, signum, step, group=True, rank=0, hook=None, times=1) -> str:
     """`python -m vitlab.train args` stopped by `signum` after optimizer step `step` (SignalAtStep; `hook`: at that
-    epoch boundary instead): checks the exit, the checkpoint, the last line and interrupted.json beside them, and
-    returns the command that line gives to resume."""
+    epoch boundary instead; `times`: sent that many times in a row): checks the exit, the checkpoint, the last line
+    and interrupted.json beside them, and returns the command that line gives to resume."""
     stamp = tmp_path / "sent"
-    at = {"hook": hook} if hook else {}
+    at = ({"hook": hook} if hook else {}) | ({"times": times} if times != 1 else {})
     killer = extra_callback("kill", "SignalAtStep", step=step, signum=signum, group=group, rank=rank, stamp=stamp, **at)
     killed = tmp_path / "killed"
     r = run_cli("train", *args, *killer, f"hydra.run.dir={killed}", own_group=True)

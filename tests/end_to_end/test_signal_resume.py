@@ -198,11 +198,24 @@ def test_two_processes_with_loader_workers_resume_exactly(folder_two, images, tm
     assert_same_run(folder_two, resume(command, tmp_path))
 
 
-@pytest.mark.parametrize("signum, said", [("SIGINT", "Ctrl-C again"), ("SIGTERM", "a second SIGTERM (or Ctrl-C)")])
+@pytest.mark.parametrize("two", [False, True])
+def test_one_signal_delivered_three_times_at_once_is_one_stop_that_saves_and_resumes_exactly(
+    digits, digits_two, tmp_path, two
+):
+    """GNU timeout forwards a SIGTERM to its child and again to the group, torchrun's agent and srun forward it to
+    workers the scheduler has signalled already: three copies to the group within a millisecond are the one stop
+    they are (issue 53), in one process and in two."""
+    command = interrupt([*DIGITS, *(TWO if two else [])], tmp_path, "SIGTERM", 6, times=3)
+    assert_same_run(digits_two if two else digits, resume(command, tmp_path))
+
+
+@pytest.mark.parametrize(
+    "signum, said", [("SIGINT", "Ctrl-C again (a second later)"), ("SIGTERM", "a second SIGTERM (or Ctrl-C) a second")]
+)
 def test_a_second_signal_stops_at_once(tmp_path, signum, said):
-    """The first signal asks for a checkpoint after the step; a second stops at once, by the kernel, also where the
-    step never ends (here the one after the first signal sleeps for ten minutes, as a model too big for the machine
-    swaps): the notice of the first says so, and nothing is saved."""
+    """The first signal asks for a checkpoint after the step; a second, a second later or more, stops at once, by the
+    kernel, also where the step never ends (here the one after the first signal sleeps for ten minutes, as a model
+    too big for the machine swaps): the notice of the first says so, and nothing is saved."""
     killer = extra_callback("kill", "SignalAtStep", step=4, signum=signum, group=True)
     stuck = extra_callback("stuck", "SignalAgainWhenStuck", step=4, signum=signum)
     started = time.time()

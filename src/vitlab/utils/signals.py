@@ -16,6 +16,7 @@ Loader workers leave these signals to the main process (`ignore_stop_signals`, a
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import threading
@@ -31,6 +32,10 @@ from vitlab.utils.errors import python_ctrl_c
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 AT_ONCE = (signal.SIGINT, signal.SIGTERM)  # once a stop is asked for, these stop the process without saving
+# The same stop, delivered again: GNU timeout forwards a signal to its child and again to the group, torchrun's agent
+# and srun forward to workers the terminal or scheduler has already signalled (two or three copies within a
+# millisecond). Within this many seconds of the first, Ctrl-C and SIGTERM are that stop; only a later one is "now".
+REPEAT_WINDOW_S = 1.0
 AGREE_EVERY = 8  # optimizer steps between the ranks' exchanges of their flags
 
 
@@ -45,6 +50,7 @@ class StopSignals(_SignalConnector):
         self.stop: int | None = None  # the signal every rank stops for, once they agree
         self._handlers: dict[int, Any] = {}
         self._group = self._work = self._flag = None
+        self._timer: threading.Timer | None = None
 
     @property
     def received_sigterm(self) -> bool:
@@ -74,10 +80,14 @@ class StopSignals(_SignalConnector):
             self.received = signum
             if self.trainer.is_global_zero:  # os.write: a print here could re-enter a write it interrupted
                 os.write(2, _NOTICE.get(signum, _NOTICE[None]).format(signal.Signals(signum).name).encode())
-        # A second Ctrl-C or SIGTERM ends the process at once, by the kernel: a step that never ends (a model too big
-        # for the machine, swapping) never reaches Python again to run a handler.
-        for again in AT_ONCE:
-            signal.signal(again, signal.SIG_DFL)
+            # Copies of this stop are ignored for REPEAT_WINDOW_S; after that a second Ctrl-C or SIGTERM ends the
+            # process at once, by the kernel: a step that never ends (a model too big for the machine, swapping)
+            # never reaches Python again to run a handler, so the default is set from a timer thread (below).
+            for again in AT_ONCE:
+                signal.signal(again, signal.SIG_IGN)
+            self._timer = threading.Timer(REPEAT_WINDOW_S, _kernel_default, args=(AT_ONCE,))
+            self._timer.daemon = True
+            self._timer.start()
 
     def agree(self, step: int) -> int | None:
         """The signal all ranks stop for, or None to go on, after optimizer step `step`. Every rank calls this at
@@ -98,6 +108,9 @@ class StopSignals(_SignalConnector):
         return self.stop
 
     def teardown(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         for signum, handler in self._handlers.items():
             signal.signal(signum, handler)
         if self._work is not None:
@@ -116,15 +129,26 @@ class StopSignals(_SignalConnector):
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
-        state.update(_handlers={}, _group=None, _work=None, _flag=None)
+        state.update(_handlers={}, _group=None, _work=None, _flag=None, _timer=None)
         return state
 
 
 _NOTICE = {
-    signal.SIGINT: "\n{}: stopping after this step, saving a checkpoint; Ctrl-C again stops at once, without saving\n",
-    None: "{}: stopping after this step, saving a checkpoint; a second SIGTERM (or Ctrl-C) stops at once, without "
-    "saving\n",
+    signal.SIGINT: "\n{}: stopping after this step, saving a checkpoint; Ctrl-C again (a second later) stops at once, "
+    "without saving\n",
+    None: "{}: stopping after this step, saving a checkpoint; a second SIGTERM (or Ctrl-C) a second later stops at "
+    "once, without saving\n",
 }
+
+
+def _kernel_default(signums: tuple[int, ...]) -> None:
+    """The default action (the kernel ends the process) for `signums`, set from any thread: C's signal(), since
+    Python's signal.signal works in the main thread only, which may be stuck in a step. (Python's own record of the
+    handler is left as it was; StopSignals.teardown sets both again.)"""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype, libc.signal.argtypes = ctypes.c_void_p, (ctypes.c_int, ctypes.c_void_p)
+    for signum in signums:
+        libc.signal(int(signum), None)  # SIG_DFL
 
 
 def _nothing() -> None:
