@@ -87,3 +87,22 @@ def test_srun_tasks_without_a_shared_run_directory_are_refused_in_one_line(tmp_p
     assert r.stderr.startswith("error: this is process") and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "give them all the same hydra.run.dir" in r.stderr
     assert not (tmp_path / "outputs").exists()
+
+
+def test_a_directory_holding_only_the_other_processes_logs_is_claimed_and_anything_else_refused(tmp_path):
+    """torchrun and srun start every process with the same hydra.run.dir: another rank's log may be there before
+    rank 0 claims the directory (issue 53). That is this launch's, not an earlier run's; any other file is."""
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    (ours / "train_rank1.log").write_text("rank 1 started\n")
+    (ours / "eval_rank12.log").write_text("")
+    rundir.claim_run_dir(ours)
+    assert (ours / rundir.CLAIM_FILE).is_file()
+    for name in ("train.log", "train_rank0.log", "config.yaml", "notes_rank1.txt"):
+        earlier = tmp_path / name.replace(".", "_")
+        earlier.mkdir()
+        (earlier / "train_rank1.log").write_text("")
+        (earlier / name).write_text("")
+        with pytest.raises(rundir.UserError, match="already holds files; vitlab never reuses a run directory"):
+            rundir.claim_run_dir(earlier)
+        assert not (earlier / rundir.CLAIM_FILE).exists()

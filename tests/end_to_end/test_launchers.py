@@ -1,15 +1,19 @@
 """Launchers as users start them: torchrun on two nodes gives one run directory, submitit_local refuses several
 devices."""
 
+import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.helpers import assert_same_run, run_cli
 
+REPO = Path(__file__).resolve().parents[2]
 SHORT = ["trainer.max_epochs=2", "data.batch_size=128", "progress_bar=none", "trainer.deterministic=true"]
 LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
 
@@ -60,3 +64,48 @@ def test_submitit_local_with_several_devices_is_refused_in_one_line(tmp_path):
     (line,) = [line for line in r.stderr.splitlines() if line.strip()]
     assert line.startswith("error: 1 of 1 sweep jobs failed (job 0: -m sweeps run each job as one process")
     assert not list((tmp_path / "outputs").rglob("*.ckpt"))
+
+
+def test_torchrun_with_a_run_directory_trains_one_run_in_it(tmp_path):
+    """The README's advice for several processes, with torchrun: every process is given the same hydra.run.dir, and
+    rank 1 may write its log there before rank 0 claims it (issue 53: "already holds files", exit 1)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    run_dir = tmp_path / "runs" / "a"
+    r = subprocess.run(
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2"),
+            *("--master-addr=127.0.0.1", f"--master-port={_free_port()}"),
+            *("-m", "vitlab.train", "trainer=ddp_cpu", "trainer.devices=2", *SHORT, f"hydra.run.dir={run_dir}"),
+        ],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert (run_dir / "train_rank1.log").is_file() and json.loads((run_dir / "metrics.json").read_text())["test/acc"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # nothing beside it
+
+
+def test_torchrun_stopped_by_the_group_s_sigterm_saves_once_and_its_resume_line_is_torchrun_s(tmp_path):
+    """SIGTERM to torchrun's process group (a scheduler, a terminal): the workers get it, and again from torchrun's
+    agent, which forwards it (issue 53: one stop, not a second); the checkpoint is saved, and the resume line starts
+    the run as it was started, with torchrun, and trains on from it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    kill = [
+        "+callbacks.kill._target_=tests.helpers.SignalAtStep",
+        "+callbacks.kill.step=6",
+        "+callbacks.kill.group=true",
+    ]
+    run_dir = tmp_path / "runs" / "a"
+    train = ["-m", "vitlab.train", "trainer=ddp_cpu", "trainer.devices=2", *SHORT, *kill, f"hydra.run.dir={run_dir}"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    r = subprocess.run([*torchrun, *train], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+                       start_new_session=True)  # fmt: skip
+    saved = run_dir / "checkpoints" / "interrupted.ckpt"
+    assert saved.is_file(), r.stdout[-3000:] + r.stderr[-3000:]
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("interrupted by SIGTERM")]
+    command = line.split("resume with: ")[1]
+    assert command.startswith("torchrun --standalone --nproc-per-node=2 -m vitlab.train trainer=ddp_cpu")
+    assert command.endswith(f"ckpt_path={saved}")
+    again = subprocess.run(
+        [*torchrun, *shlex.split(command)[3:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]

@@ -146,7 +146,26 @@ def resume_command(ckpt_path: Path) -> str:
     hydra_cfg = HydraConfig.get()
     overrides = [o for o in hydra_cfg.overrides.task if not o.lstrip("+~").startswith(("ckpt_path=", "hydra.mode="))]
     single = ["hydra.mode=RUN"] if hydra_cfg.mode == RunMode.MULTIRUN else []
-    return shlex.join(["python", "-m", "vitlab.train", *overrides, *single, f"ckpt_path={ckpt_path}"])
+    return shlex.join([*launcher(), "-m", "vitlab.train", *overrides, *single, f"ckpt_path={ckpt_path}"])
+
+
+def launcher() -> list[str]:
+    """How this run's processes were started, for its resume line: torchrun's (as this node started them: on several
+    nodes, node 0's line, each other node with its own --node-rank), else `python`."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return ["python"]
+    nodes, per_node = int(env.get("GROUP_WORLD_SIZE") or 1), env.get("LOCAL_WORLD_SIZE") or "1"
+    if nodes == 1:
+        return ["torchrun", "--standalone", f"--nproc-per-node={per_node}"]
+    where = [f"--master-addr={env.get('MASTER_ADDR', '127.0.0.1')}", f"--master-port={env.get('MASTER_PORT', 29500)}"]
+    return [
+        "torchrun",
+        f"--nnodes={nodes}",
+        f"--node-rank={env.get('GROUP_RANK', 0)}",
+        f"--nproc-per-node={per_node}",
+        *where,
+    ]
 
 
 def stopped(trainer: L.Trainer) -> NoReturn:
