@@ -409,6 +409,29 @@ def test_reset_classifier_keeps_device_and_dtype(name):  # timm's _assert_reset_
     assert model.head.weight.dtype == torch.float64 and model(images(model).double()).dtype == torch.float64
 
 
+@pytest.mark.parametrize("distilled", [False, True])
+def test_reset_classifier_keeps_the_models_mode(distilled):  # timm's _assert_reset_classifier_preserves_parent_...
+    """The new heads (a distilled DeiT's two) are in the model's mode: eval stays eval (issue 53)."""
+    for training in (False, True):
+        model = ViT(tiny(distilled=distilled, depth=2)).train(training)
+        model.reset_classifier(2)
+        heads = [model.head, *([model.head_dist] if distilled else [])]
+        assert [h.training for h in heads] == [training] * len(heads)
+
+
+def test_catavgmax_is_refused_with_timms_assertion():  # timm's test_catavgmax_unsupported
+    """timm's VisionTransformer asserts its pooling: an unknown one is an AssertionError at construction and in
+    reset_classifier, here as there (and a one-line UserError)."""
+    import vitlab
+
+    with pytest.raises(AssertionError) as raised:
+        vitlab.create_model("vit_tiny_patch16_224", global_pool="catavgmax")
+    assert isinstance(raised.value, UserError)
+    model = vitlab.create_model("vit_tiny_patch16_224")
+    with pytest.raises(AssertionError):
+        model.reset_classifier(7, "catavgmax")
+
+
 def distilled_pair(**overrides):
     from timm.models.deit import VisionTransformerDistilled
 

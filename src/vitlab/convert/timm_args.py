@@ -15,7 +15,7 @@ from torch import nn
 from vitlab.convert.timm_hub import check_timm_name, from_the_hub, timm_architecture, timm_vit_names
 from vitlab.model import ViTConfig
 from vitlab.model.config import DROPOUTS
-from vitlab.utils.errors import UnknownArgumentError, UserError, close_matches
+from vitlab.utils.errors import UnknownArgumentError, UnsupportedRequestError, UserError, close_matches
 
 
 def timm_components() -> dict[str, dict[str, Any]]:
@@ -197,8 +197,9 @@ def config_from_args(arch: str, args: dict[str, Any]) -> ViTConfig:
         return ViTConfig.from_dict(vitlab_args(args))
     except UnknownArgumentError:
         raise
-    except UserError as e:
-        raise UserError(f"timm's {arch} is not expressible by vitlab's ViT: {e}") from None
+    except UserError as e:  # (what timm asserts stays an AssertionError: UnsupportedRequestError)
+        kind = UnsupportedRequestError if isinstance(e, AssertionError) else UserError
+        raise kind(f"timm's {arch} is not expressible by vitlab's ViT: {e}") from None
 
 
 # What a run decides for itself when it starts from a timm architecture (model.pretrained=<timm name>): the size

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vitlab.utils.errors import UnknownArgumentError, UserError
+from vitlab.utils.errors import UnknownArgumentError, UnsupportedRequestError, UserError
 
 # width, depth, heads; MLP ratio 4 (ViT paper Table 1; Ti from DeiT Table 1), except giant and gigantic: their MLP
 # widths 6144 and 8192 (Zhai et al. 2022, "Scaling Vision Transformers", Table 2; timm's vit_giant_patch14_224 and
@@ -151,7 +151,10 @@ class ViTConfig:
         if self.global_pool is None:
             self.global_pool = ""
         if self.global_pool not in GLOBAL_POOLS:
-            raise UserError(f"global_pool {self.global_pool!r} is not one of {list(GLOBAL_POOLS)} ('' = none)")
+            # (an AssertionError too, as timm's VisionTransformer asserts the pool: timm's tests expect one)
+            raise UnsupportedRequestError(
+                f"global_pool {self.global_pool!r} is not one of {list(GLOBAL_POOLS)} ('' = none)"
+            )
         self._check_choices()
         if self.weight_init not in WEIGHT_INITS:
             raise UserError(f"weight_init {self.weight_init!r} is not one of {list(WEIGHT_INITS)}")

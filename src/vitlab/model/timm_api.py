@@ -102,8 +102,9 @@ class TimmAPI:
         """A new head for `num_classes` (0: none, forward returns pooled features) on the model's device and in
         its dtype, and optionally another pooling ('' keeps every token); the attention pool can be removed, not
         added. A distilled model reads its two tokens whatever the pooling ('' or 'token', as timm's). The rest of
-        the model is kept, and the config follows, so checkpoints record the change. What timm refuses with an
-        assertion is an UnsupportedRequestError (an AssertionError too)."""
+        the model is kept, and the config follows, so checkpoints record the change; the new heads are in the
+        model's mode (eval stays eval). What timm refuses with an assertion is an UnsupportedRequestError (an
+        AssertionError too)."""
         changes: dict = {"num_classes": num_classes}
         if self.cfg.distilled and global_pool not in (None, "", "token"):
             raise UnsupportedRequestError(
@@ -125,6 +126,9 @@ class TimmAPI:
         self.head = nn.Linear(self.cfg.embed_dim, num_classes, **factory) if num_classes > 0 else nn.Identity()
         if self.cfg.distilled:
             self.head_dist = nn.Linear(self.cfg.embed_dim, num_classes, **factory) if num_classes else nn.Identity()
+        for head in (self.head, getattr(self, "head_dist", None)):  # in the model's mode, as timm's heads
+            if head is not None:
+                head.train(self.training)
 
     def _built_norms(self) -> dict:
         """The config fields that describe the norms as built (the pooling no longer decides them)."""
