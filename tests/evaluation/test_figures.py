@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from PIL import Image
@@ -42,3 +44,18 @@ def test_figures_are_pngs_of_the_expected_size(tmp_path, class_token):
         "pos_embed_similarity": (480, 480),
         "patch_filters": (700, 400),
     }
+
+
+def test_a_run_dir_that_is_missing_or_a_file_or_has_no_log_is_said_so_in_one_line(tmp_path):
+    """vitlab.visualize run_dir=<...>: a path that does not exist is not "a run without csv/metrics.csv" (issue 53)."""
+    from vitlab.evaluation.figures import read_csv_log
+    from vitlab.utils.errors import UserError
+
+    (tmp_path / "a_file").write_text("")
+    for path, said in [
+        (tmp_path / "nowhere", "does not exist: give the run directory a training run printed"),
+        (tmp_path / "a_file", "is a file, not a run directory"),
+        (tmp_path, "has no csv/metrics.csv (train with logger=csv or many)"),
+    ]:
+        with pytest.raises(UserError, match=re.escape(f"run_dir {str(path)!r} {said}")):
+            read_csv_log(path)

@@ -140,6 +140,9 @@ def _save(fig, path: Path) -> Path:
 def read_csv_log(run_dir: Path) -> dict[str, list[tuple[float, float]]]:
     """Every logged series of a run's CSVLogger file as (epoch or step, value) pairs."""
     path = Path(run_dir) / "csv" / "metrics.csv"
+    if not Path(run_dir).is_dir():
+        what = "is a file, not a run directory" if Path(run_dir).exists() else "does not exist"
+        raise MissingFileError(f"run_dir {str(run_dir)!r} {what}: give the run directory a training run printed")
     if not path.is_file():
         raise MissingFileError(f"run_dir {str(run_dir)!r} has no csv/metrics.csv (train with logger=csv or many)")
     series: dict[str, list[tuple[float, float]]] = defaultdict(list)
