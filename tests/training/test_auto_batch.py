@@ -68,3 +68,17 @@ def test_a_run_records_the_batch_scales_the_lr_and_resumes_with_it(compose_cfg, 
     with open_dict(cfg):
         cfg.data.batch_size = "auto"
     assert auto_batch.choose(cfg, trainer, datamodule)["batch_size"] == batch != again["batch_size"]
+
+
+def test_with_several_training_sizes_the_batch_fits_at_the_size_of_the_most_activations(compose_cfg):
+    """data.train_img_sizes (issue 53): chosen for the largest images, which every batch is (data.batch_size at each
+    size), so the run's own estimate, logged next, fits the budget too; one image more would not."""
+    sizes = ["model.dynamic_img_size=true", "data.train_img_sizes=[8,12]"]
+    cfg, trainer, datamodule, got = chosen(compose_cfg, *sizes)
+    module = build.build_module(cfg, datamodule)
+    run = memory.for_run(module, trainer, cfg.optim.name, cfg.data.batch_size, datamodule.size_schedule)
+    assert run.px == 12 and run.total <= 0.9 * BUDGET * 1e9
+    more = memory.for_run(module, trainer, cfg.optim.name, cfg.data.batch_size + 1, datamodule.size_schedule)
+    assert more.total > 0.9 * BUDGET * 1e9
+    plain = chosen(compose_cfg)[3]["batch_size"]
+    assert got["batch_size"] < plain  # (the model's own 8 px would have allowed more)

@@ -46,7 +46,8 @@ def choose(cfg: DictConfig, trainer: L.Trainer, datamodule: L.LightningDataModul
         _set(cfg, datamodule, chosen)
         log.info("data.batch_size=auto: %d, the batch of the checkpoint this run resumes", chosen)
         return {"batch_size": chosen, "from": "the resumed checkpoint"}
-    per_image, fixed = _costs(cfg, trainer, n)
+    schedule = getattr(datamodule, "size_schedule", None)  # data.train_img_sizes: the size of the most activations
+    per_image, fixed, px = _costs(cfg, trainer, n, schedule)
     if cfg.get("memory_budget_gb") is not None:
         budget, whose = float(cfg.memory_budget_gb) * 1e9, "memory_budget_gb's"
     else:
@@ -64,7 +65,7 @@ def choose(cfg: DictConfig, trainer: L.Trainer, datamodule: L.LightningDataModul
     if capped:
         chosen = images // n * n
     _set(cfg, datamodule, chosen)
-    est = memory.estimate(*_probe_args(cfg, trainer, n, chosen // n))
+    est = memory.estimate(*_probe_args(cfg, trainer, n, chosen // n), px=px)
     why = f"the training images ({images})" if capped else f"{AUTO_HEADROOM:.0%} of {whose} {memory.size(budget)}"
     log.info(
         "data.batch_size=auto: %d (%d per process x %d), estimated %s per process; the most that fits %s",
@@ -89,10 +90,13 @@ def _probe_args(cfg: DictConfig, trainer: L.Trainer, processes: int, per_process
     return module, cfg.optim.name, per_process, processes, str(trainer.precision), sharded, device
 
 
-def _costs(cfg: DictConfig, trainer: L.Trainer, processes: int) -> tuple[float, float]:
-    """(bytes per image per process, bytes that do not grow with the batch)."""
-    est = memory.estimate(*_probe_args(cfg, trainer, processes, 1))
-    return est.activations, est.total - est.activations
+def _costs(cfg: DictConfig, trainer: L.Trainer, processes: int, schedule: Any = None) -> tuple[float, float, Any]:
+    """(bytes per image per process, bytes that do not grow with the batch, the image size they are for: with a
+    schedule of training sizes, the one whose images keep the most activations, which every batch must fit at)."""
+    args = _probe_args(cfg, trainer, processes, 1)
+    sizes = list(schedule.img_sizes) if schedule is not None else [None]
+    est = max((memory.estimate(*args, px=px) for px in sizes), key=lambda e: e.activations)
+    return est.activations, est.total - est.activations, est.px
 
 
 def _training_images(datamodule: L.LightningDataModule) -> int | None:
