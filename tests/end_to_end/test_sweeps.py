@@ -150,6 +150,25 @@ def test_a_bad_trial_is_failed_in_the_study_and_the_search_goes_on(tmp_path):
     assert "sweep summary" in r.stdout
 
 
+@pytest.mark.parametrize("n", ["0", "-2"])
+def test_a_search_of_no_trials_is_refused_in_one_line_and_leaves_nothing(tmp_path, n):
+    sweep = tmp_path / "sweep"
+    r = run_cli("train", *OPTUNA, f"hydra.sweeper.n_trials={n}", f"hydra.sweep.dir={sweep}")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: hydra.sweeper.n_trials {n} must be an integer >= 1: the number of trials of the study"
+    ]
+    assert not sweep.exists()
+
+
+def test_a_search_whose_every_trial_failed_draws_no_empty_plot(tmp_path):
+    sweep = tmp_path / "sweep"
+    r = run_cli("train", *OPTUNA, "hydra.sweeper.n_trials=1", "model.drop_rate=1.5", f"hydra.sweep.dir={sweep}")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert [t.state.name for t in _trials(sweep).values()] == ["FAIL"]
+    assert (sweep / "optimization_results.yaml").is_file() and not list(sweep.glob("*.png"))
+    assert "no trial finished with a value: no plots of the study" in r.stdout + r.stderr
+
+
 def test_a_run_resumed_from_its_checkpoint_logs_to_the_same_w_and_b_run(tmp_path):
     from tests.helpers import interrupt
 

@@ -112,6 +112,10 @@ def _study(impl: Any):
 def _sweep(impl: Any, arguments: list[str]) -> None:
     import optuna
 
+    if not isinstance(impl.n_trials, int) or impl.n_trials < 1:  # before the study or a job is made
+        from vitlab.utils.errors import fail
+
+        fail(f"hydra.sweeper.n_trials {impl.n_trials!r} must be an integer >= 1: the number of trials of the study")
     distributions, fixed = _search_space(impl, arguments)
     study = _study(impl)
     state = optuna.trial.TrialState
@@ -205,7 +209,9 @@ def _results(impl: Any, study: Any, plots: bool = True) -> None:
         results |= {"best_params": best.params, "best_value": best.value, "best_trial": best.number}
     text = OmegaConf.to_yaml(OmegaConf.create(results)).encode()
     atomic_write(sweep_dir / "optimization_results.yaml", lambda f: f.write(text), what="sweep results")
-    if plots:
+    if plots and not counts.get(TrialState.COMPLETE.name):
+        log.info("no trial finished with a value: no plots of the study")
+    elif plots:
         if "best_trial" in results:
             log.info("best of %d trials: trial %d, %s, value %s", sum(counts.values()), best.number, best.params,
                      best.value)  # fmt: skip
