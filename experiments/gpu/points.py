@@ -98,6 +98,16 @@ def end2end(train: tuple[str, ...], dry_train: tuple[str, ...]) -> Command:
 
 FAKE_B16 = ("model=vit_b16", "data=fake", "data.num_train=12800", "trainer=gpu", "data.batch_size=256")
 FAKE_TINY = ("model=vit_b16", *TINY, "data=fake", "data.num_train=64", "trainer=cpu", "data.batch_size=8")
+TINY_TRAIN = dict(item.split("=") for item in TINY)
+
+
+def few_steps(steps: int, dry: dict[str, str], **values: str) -> Command:
+    """vitlab.train for `steps` optimizer steps on fake data, not tested, logged to CSV (`values`: its own overrides,
+    `dry`: the dry run's replacements, besides the tiny model)."""
+    short = overrides(data="fake", trainer__max_steps=str(steps), trainer__max_epochs="-1", test="false",
+                      logger="csv", progress_bar="none")  # fmt: skip
+    return Command("vitlab.train", overrides(**values) | short, TINY_TRAIN | dry)
+
 
 # In priority order: the two costs this project removes on a GPU (FSDP on one device, the digits' launch-bound step),
 # the suite's GPU tests, then the compiled step and end to end, then the rest (issue 57's list).
@@ -212,29 +222,16 @@ POINTS = [
         180,
         90,
         [
-            Command(
-                "vitlab.train",
-                overrides(
-                    model="vit_gigantic14",
-                    trainer="fsdp",
-                    trainer__devices="1",
-                    trainer__strategy__cpu_offload="true",
-                    data="fake",
-                    data__num_train="64",
-                    data__batch_size="8",
-                    trainer__max_steps="4",
-                    trainer__max_epochs="-1",
-                    test="false",
-                    logger="csv",
-                    progress_bar="none",
-                ),
-                {
-                    "model": "vit_b16",
-                    **dict(t.split("=") for t in TINY),
-                    "trainer": "fsdp_cpu",
-                    "trainer.strategy.cpu_offload": "false",
-                },
-            )
+            few_steps(
+                4,
+                {"model": "vit_b16", "trainer": "fsdp_cpu", "trainer.strategy.cpu_offload": "false"},
+                model="vit_gigantic14",
+                trainer="fsdp",
+                trainer__devices="1",
+                trainer__strategy__cpu_offload="true",
+                data__num_train="64",
+                data__batch_size="8",
+            )  # fmt: skip
         ],  # (cpu_offload is refused on a CPU: nothing to move)
     ),
     Point(
@@ -267,45 +264,19 @@ POINTS = [
         150,
         60,
         [
-            Command(
-                "vitlab.train",
-                overrides(
-                    model="vit_b16",
-                    data="fake",
-                    data__num_train="2048",
-                    trainer="gpu",
-                    data__batch_size="auto",
-                    trainer__max_steps="6",
-                    trainer__max_epochs="-1",
-                    test="false",
-                    logger="csv",
-                    progress_bar="none",
-                ),
-                {**dict(t.split("=") for t in TINY), "trainer": "cpu"},
+            few_steps(
+                6, {"trainer": "cpu"}, model="vit_b16", data__num_train="2048", trainer="gpu", data__batch_size="auto"
             ),
-            Command(
-                "vitlab.train",
-                overrides(
-                    model="vit_b16",
-                    data="fake",
-                    data__num_train="2048",
-                    trainer="gpu",
-                    data__batch_size="256",
-                    data__train_img_sizes="[160,224]",
-                    model__dynamic_img_size="true",
-                    trainer__max_steps="6",
-                    trainer__max_epochs="-1",
-                    test="false",
-                    logger="csv",
-                    progress_bar="none",
-                ),
-                {
-                    **dict(t.split("=") for t in TINY),
-                    "trainer": "cpu",
-                    "data.batch_size": "8",
-                    "data.train_img_sizes": "[16,32]",
-                },
-            ),
+            few_steps(
+                6,
+                {"trainer": "cpu", "data.batch_size": "8", "data.train_img_sizes": "[16,32]"},
+                model="vit_b16",
+                data__num_train="2048",
+                trainer="gpu",
+                data__batch_size="256",
+                data__train_img_sizes="[160,224]",
+                model__dynamic_img_size="true",
+            ),  # fmt: skip
         ],
     ),
 ]
