@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import sys
 
 
@@ -94,10 +95,14 @@ class _Spare:
         self.pid = os.fork()
         if self.pid == 0:
             os.close(self.write)
+            # Ctrl-C to the command's group while it waits (the group's processes get it) is the command's to answer
+            # (a spare is not a process of the real command): it ends quietly, as an unasked spare does.
+            signal.signal(signal.SIGINT, lambda *_: os._exit(0))
             with os.fdopen(read, "rb") as pipe:
                 asked = pipe.read()
             if not asked:
                 os._exit(0)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             self.become(json.loads(asked))  # returns, to run the command at the top level
         else:
             os.close(read)

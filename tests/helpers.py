@@ -180,7 +180,8 @@ class SignalAtStep(L.Callback):
     scheduler do (loader workers and the other ranks included); under DDP only from rank `rank`. `times=2` sends
     it twice in a row; in a -m sweep, `job` picks the job that sends it. The time it was sent goes to `stamp`, when
     given. `hook` lands it elsewhere than after the step: at the end of the epoch whose last step is `step` (after its
-    validation and its checkpoint, on_train_epoch_end) or at the start of the next (on_train_epoch_start)."""
+    validation and its checkpoint, on_train_epoch_end), at the start of the next (on_train_epoch_start), or while the
+    test after fit runs (on_test_batch_start: before the test batch numbered `step`)."""
 
     def __init__(
         self,
@@ -213,8 +214,12 @@ class SignalAtStep(L.Callback):
     def on_train_epoch_start(self, trainer, pl_module):
         self._send(trainer, "on_train_epoch_start")
 
-    def _send(self, trainer, hook: str) -> None:
-        if hook != self.hook or trainer.global_step != self.step or trainer.global_rank != self.rank:
+    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self._send(trainer, "on_test_batch_start", batch_idx)
+
+    def _send(self, trainer, hook: str, test_batch: int | None = None) -> None:
+        step = trainer.global_step if test_batch is None else test_batch
+        if hook != self.hook or step != self.step or trainer.global_rank != self.rank:
             return
         if self.job is not None and HydraConfig.get().job.num != self.job:
             return

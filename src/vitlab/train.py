@@ -52,7 +52,8 @@ def train(cfg: DictConfig) -> float | None:
                 trainer.fit(module, datamodule=datamodule, ckpt_path=plan.start, weights_only=True)
             metrics, best = steps.fitted(trainer, plan, metrics)
         if (weights := steps.what_to_test(cfg, plan, datamodule, module, metrics, best)) is not None:
-            trainer.test(module, datamodule=datamodule, ckpt_path=weights or None, weights_only=bool(weights) or None)
+            with steps.stop_while_testing(trainer, metrics, weights, out):
+                trainer.test(module, datamodule=datamodule, ckpt_path=weights or None, weights_only=True)
         metrics |= steps.tested(trainer, datamodule, weights)
     metrics |= {"wall_time_s": round(time.time() - started, 2), "run_dir": str(out)}
     if trainer.is_global_zero:

@@ -27,7 +27,18 @@ from omegaconf import DictConfig, OmegaConf
 from vitlab.cli.config_tree import config_dir, register_resolvers
 from vitlab.cli.schemas import SCHEMAS
 from vitlab.utils.checks import check_arguments
-from vitlab.utils.errors import Interrupted, config_errors, ctrl_c_as_ours, fail, is_ctrl_c, one_line, user_error
+from vitlab.utils.errors import (
+    CtrlC,
+    Interrupted,
+    config_errors,
+    ctrl_c_as_ours,
+    fail,
+    finishing,
+    is_ctrl_c,
+    one_line,
+    stop_name,
+    user_error,
+)
 from vitlab.utils.logs import quiet
 
 Check = Callable[[DictConfig], None]
@@ -60,13 +71,19 @@ def entry_point(
             task_started()
             try:
                 checked(cfg)
+                if "trainer" in cfg:  # (a command that may start processes through Lightning)
+                    from vitlab.utils.signals import when_children_stop
+
+                    when_children_stop(lambda signum: _stop_line(cfg, config_name, CtrlC(signum).name)[0])
                 return task(cfg)
-            except SystemExit:  # stopped on a signal: the sweep ends here, its summary lists the jobs so far
+            except SystemExit as e:  # stopped on a signal: the sweep ends here, its summary lists the jobs so far
+                if e.code == 1 and is_ctrl_c(e):  # Lightning's answer to Ctrl-C or SIGTERM outside fit's steps
+                    _interrupted(cfg, config_name, e)
                 _summarize_sweep(cfg)
                 raise
             except (KeyboardInterrupt, Exception) as e:
-                if is_ctrl_c(e):  # Ctrl-C outside training's own handling (utils/signals.py), or an error from it
-                    _stop(cfg, Interrupted(f"{config_name} stopped by Ctrl-C (SIGINT)"))
+                if is_ctrl_c(e):  # Ctrl-C or SIGTERM outside training's own handling (utils/signals.py)
+                    _interrupted(cfg, config_name, e)
                 cause = user_error(e) if isinstance(e, (*config_errors(), InstantiationException)) else None
                 job = _sweep_job_dir()
                 if os.environ.get("HYDRA_FULL_ERROR") == "1" or (cause is None and job is None):
@@ -82,13 +99,19 @@ def entry_point(
 
             quiet()
             register_resolvers()
-            with ctrl_c_as_ours():  # (so that a Ctrl-C caught here exits 130, whatever line it interrupted)
-                try:
-                    sys.argv[1:] = prepare(config_name, sys.argv[1:], checked)
-                except KeyboardInterrupt:
-                    fail(f"{config_name} stopped by Ctrl-C (SIGINT) before it started", Interrupted.exit_code)
-                hydra_main = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=config_name)
-                return hydra_main(guarded)()
+            try:
+                with ctrl_c_as_ours():  # (so that a Ctrl-C caught here exits 128 + 2, whatever line it interrupted)
+                    try:
+                        sys.argv[1:] = prepare(config_name, sys.argv[1:], checked)
+                    except KeyboardInterrupt as e:
+                        name, signum = stop_name(e)
+                        fail(f"{config_name} stopped by {name} before it started: nothing was written", 128 + signum)
+                    hydra_main = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=config_name)
+                    returned = hydra_main(guarded)()
+                _stopped_after_sweep()
+                return returned
+            finally:
+                finishing()  # a Ctrl-C while Python exits: no traceback from its exit handlers
 
         return main
 
@@ -167,14 +190,67 @@ def _record_bug(job: Path, e: BaseException) -> float:
 
 
 def _stop(cfg: DictConfig, cause: BaseException) -> None:
-    """The command ends on the user's input or interruption: in a sweep, the summary of the jobs so far; a run
-    directory that holds no result yet removed; the one line, with the exit code of its kind (2, or 130 for Ctrl-C)."""
+    """The command ends on the user's input: in a sweep, the summary of the jobs so far; a run directory that holds
+    no result yet removed; the one line, with the exit code of its kind (2)."""
     from vitlab.cli.rundir import discard_if_unused
 
     _summarize_sweep(cfg)
     if _sweep_job_dir() is None:
         discard_if_unused(OmegaConf.select(cfg, "paths.log_dir", throw_on_resolution_failure=False))
     fail(one_line(cause), getattr(cause, "exit_code", 2))
+
+
+def _interrupted(cfg: DictConfig, command: str, e: BaseException) -> None:
+    """A stop by Ctrl-C or SIGTERM outside training's own handling (start-up, a test after fit, an evaluation): one
+    line (`_stop_line`), exit 128 + the signal."""
+    name, signum = stop_name(e)
+    line, said = _stop_line(cfg, command, name)
+    if said:
+        fail(line, 128 + signum)
+    raise SystemExit(128 + signum)
+
+
+def _stop_line(cfg: DictConfig, command: str, name: str) -> tuple[str, bool]:
+    """(the line that says what a stop kept and what to run next, whether this process says it): in a sweep, the
+    summary so far; a run directory that holds no result yet removed, so that the same command runs again. Rank 0
+    says it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from vitlab.cli.rundir import discard_if_unused, process_rank
+
+    _summarize_sweep(cfg)
+    job = _sweep_job_dir()
+    log_dir = OmegaConf.select(cfg, "paths.log_dir", throw_on_resolution_failure=False)
+    removed = job is None and discard_if_unused(log_dir)
+    if job is not None:
+        return f"{command} stopped by {name}: sweep job {job.name} did not end", process_rank() == 0
+    out = Path(HydraConfig.get().runtime.output_dir)
+    if removed:
+        began = " before training began" if command == "train" else ""
+        return (
+            f"{command} stopped by {name}{began}: nothing was saved (its run directory held only what a start "
+            "writes, and is removed); run the same command again"
+        ), process_rank() == 0
+    last = out / "checkpoints" / "last.ckpt"
+    if command == "train" and last.is_file():
+        from vitlab.training.resume import resume_command
+
+        return f"{command} stopped by {name}: {out} keeps what it wrote; go on with: {resume_command(last)}", (
+            process_rank() == 0
+        )
+    return f"{command} stopped by {name}: {out} keeps what it wrote", process_rank() == 0
+
+
+def _stopped_after_sweep() -> None:
+    """A -m sweep whose last part (the study's plots, the grid's plot) Ctrl-C or SIGTERM stopped: after the table,
+    one line saying what is kept, exit 128 + the signal."""
+    from vitlab.cli import sweep_plots
+
+    if sweep_plots.stopped is not None:
+        stop, sweep_dir = sweep_plots.stopped
+        name, signum = stop_name(stop)
+        fail(f"stopped by {name} while drawing the sweep's plots: every job's result is kept in {sweep_dir} (the "
+             "table above: summary.json); the plots were not drawn", 128 + signum)  # fmt: skip
 
 
 def save_config(cfg: DictConfig, path: Path, show: bool = False) -> None:

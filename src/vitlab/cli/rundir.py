@@ -95,14 +95,15 @@ def _holds_results(out: Path) -> bool:
     return bool(unknown) or any((out / "checkpoints").glob("*")) or (out / "csv" / "metrics.csv").exists()
 
 
-def discard_if_unused(log_dir: str | None) -> None:
-    """A run stopped by bad input before it had any result (no checkpoint, no metric, no output file) leaves no
-    directory, and no folder above it up to `log_dir` that it left empty. (The error is on stderr.)"""
+def discard_if_unused(log_dir: str | None) -> bool:
+    """A run stopped by bad input or a signal before it had any result (no checkpoint, no metric, no output file)
+    leaves no directory, and no folder above it up to `log_dir` that it left empty. (The error is on stderr.)
+    Whether it was removed."""
     from hydra.core.hydra_config import HydraConfig
 
     out = Path(HydraConfig.get().runtime.output_dir)
     if process_rank() > 0 or not out.is_dir() or _holds_results(out):
-        return
+        return False
     root = logging.getLogger()
     for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
         if Path(handler.baseFilename).parent == out:
@@ -110,6 +111,7 @@ def discard_if_unused(log_dir: str | None) -> None:
             handler.close()
     shutil.rmtree(out, ignore_errors=True)
     _remove_empty_parents(out, log_dir)
+    return True
 
 
 def discard_unused_sweep(sweep_dir: Path, log_dir: str | None) -> None:

@@ -1,15 +1,39 @@
 """A sweep's pictures, written beside its summary.json at the end: for an Optuna search the study's optimization
 history and parameter importances (Optuna's matplotlib backend), for a grid the optimised metric over the swept
-values. A picture that cannot be drawn (too few finished trials, nothing swept) is said in one log line."""
+values. A picture that cannot be drawn (too few finished trials, nothing swept) is said in one log line. Ctrl-C or
+SIGTERM while they are drawn leaves no half-written picture and stops only the drawing: the sweep's table is still
+shown, then its command says in one line what is kept (`stopped`, read by vitlab.cli.entry)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
+
+# A stop (Ctrl-C, SIGTERM) while a sweep's plots were drawn, and the sweep's directory.
+stopped: tuple[KeyboardInterrupt, Path] | None = None
+
+Draw = TypeVar("Draw", bound=Callable[..., Any])
+
+
+def _or_stopped(draw: Draw) -> Draw:
+    """`draw(..., sweep_dir)`, or None where Ctrl-C or SIGTERM stopped it (recorded in `stopped`)."""
+
+    @functools.wraps(draw)
+    def drawn(*args: Any) -> Any:
+        global stopped
+        try:
+            return draw(*args)
+        except KeyboardInterrupt as e:
+            stopped = (e, args[-1])
+            return None
+
+    return drawn  # type: ignore[return-value]
 
 
 def _pyplot():
@@ -21,6 +45,7 @@ def _pyplot():
     return plt
 
 
+@_or_stopped
 def plot_study(study: Any, sweep_dir: Path) -> list[Path]:
     """optimization_history.png (Optuna's matplotlib plot) and param_importances.png of `study` in `sweep_dir`, the
     ones that can be drawn. The importances are Optuna's (get_param_importances, the mean decrease in impurity of a
@@ -70,9 +95,15 @@ def _save(fig: Any, path: Path, written: list[Path]) -> None:
     plt = _pyplot()
     fig.set_size_inches(max(fig.get_figwidth(), 7), max(fig.get_figheight(), 3))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _write(fig, path)
     plt.close(fig)
     written.append(path)
+
+
+def _write(fig: Any, path: Path) -> None:
+    from vitlab.utils.atomic import atomic_write
+
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120), what="sweep plot")
 
 
 def _swept(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
@@ -89,6 +120,7 @@ def _number(text: str) -> float | None:
         return None
 
 
+@_or_stopped
 def plot_grid(rows: list[dict[str, Any]], metric: str | None, sweep_dir: Path) -> Path | None:
     """sweep.png: `metric` of each finished job over the first swept key's values (a log axis for values spread
     over decades), one line for each combination of the other swept keys."""
@@ -119,7 +151,7 @@ def plot_grid(rows: list[dict[str, Any]], metric: str | None, sweep_dir: Path) -
     if len(lines) > 1:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(sweep_dir / "sweep.png", dpi=120)
+    _write(fig, sweep_dir / "sweep.png")
     plt.close(fig)
     log.info("the sweep's plot: %s", sweep_dir / "sweep.png")
     return sweep_dir / "sweep.png"

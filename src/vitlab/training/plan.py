@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
+import shlex
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 from omegaconf import DictConfig
 
 from vitlab.training import build, memory, pretrained, resume, sharding, trial
+from vitlab.utils.errors import Interrupted, is_ctrl_c, stop_name
 
 log = logging.getLogger("vitlab.train")  # the command's own lines
 
@@ -90,6 +94,27 @@ def what_to_test(cfg: DictConfig, plan: Plan, datamodule: Any, module: Any, metr
     if cfg.train and not best:
         log.warning("no best checkpoint was saved; testing the final weights")
     return best if cfg.train else (plan.start or "")
+
+
+@contextlib.contextmanager
+def stop_while_testing(trainer: L.Trainer, metrics: dict[str, Any], weights: str, out: Path) -> Iterator[None]:
+    """Around the test after fit: Ctrl-C or SIGTERM there (Lightning answers it with exit 1) keeps the fit's metrics
+    in metrics.json and ends in one line naming the vitlab.eval command that tests `weights`, exit 128 + the signal."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit) as e:
+        if not is_ctrl_c(e) or (isinstance(e, SystemExit) and e.code != 1):
+            raise
+        name, signum = stop_name(e)
+        if trainer.is_global_zero:
+            (out / "metrics.json").write_text(json.dumps(metrics | {"run_dir": str(out)}, indent=2))
+        what = shlex.join(["python", "-m", "vitlab.eval", f"ckpt_path={weights}"]) if weights else None
+        then = f"; test it with: {what}" if what else " (the final weights were not saved: nothing to test later)"
+        raise Interrupted(
+            f"train stopped by {name} while testing {weights or 'the final weights'}: the fit's metrics are in "
+            f"{out / 'metrics.json'}{then}",
+            signum,
+        ) from None
 
 
 def tested(trainer: L.Trainer, datamodule: Any, weights: str | None) -> dict[str, Any]:

@@ -27,47 +27,123 @@ class UserError(ValueError):
 
 
 class Interrupted(UserError):
-    """The user stopped a command (Ctrl-C) outside training's own handling: one line saying what is left, exit 130
-    (128 + SIGINT), as a stopped training run exits."""
+    """The user stopped a command (Ctrl-C, SIGTERM) outside training's own handling: one line saying what was kept
+    and what to run next, exit 128 + the signal (130 for Ctrl-C), as a stopped training run exits."""
 
     exit_code = 130
 
+    def __init__(self, message: str, signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.exit_code = 128 + int(signum)
+
 
 class CtrlC(KeyboardInterrupt):
-    """Ctrl-C while a command runs (`ctrl_c_as_ours`): a KeyboardInterrupt of our own type."""
+    """Ctrl-C or SIGTERM while a command runs (`ctrl_c_as_ours`): a KeyboardInterrupt of our own type, which
+    knows its signal."""
+
+    def __init__(self, signum: int = signal.SIGINT):
+        super().__init__(int(signum))
+        self.signum = int(signum)
+
+    @property
+    def name(self) -> str:
+        """How the stop is named in the line that reports it: `Ctrl-C (SIGINT)`, `SIGTERM`."""
+        return "Ctrl-C (SIGINT)" if self.signum == signal.SIGINT else signal.Signals(self.signum).name
+
+
+# Ctrl-C and SIGTERM: what a terminal, `timeout`, a scheduler or torchrun's agent sends to stop a command.
+AT_ONCE = (signal.SIGINT, signal.SIGTERM)
+# The same stop, delivered again: GNU timeout forwards a signal to its child and again to the group, torchrun's agent
+# and srun forward to workers the terminal or scheduler has already signalled (two or three copies within a
+# millisecond). Within this many seconds of the first, Ctrl-C and SIGTERM are that stop; only a later one is "now".
+REPEAT_WINDOW_S = 1.0
 
 
 def _raise_ctrl_c(signum: int, frame: object) -> None:
-    raise CtrlC
+    ignore_repeats()
+    raise CtrlC(signum)
+
+
+def ignore_repeats() -> threading.Timer:
+    """After a first Ctrl-C or SIGTERM: copies of it (within REPEAT_WINDOW_S) are ignored, a later one ends the
+    process at once, by the kernel (set from a timer thread: the main thread may be stuck in a step that never
+    reaches Python again)."""
+    for again in AT_ONCE:
+        signal.signal(again, signal.SIG_IGN)
+    timer = threading.Timer(REPEAT_WINDOW_S, kernel_default, args=(AT_ONCE,))
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def kernel_default(signums: tuple[int, ...]) -> None:
+    """The default action (the kernel ends the process) for `signums`, set from any thread: C's signal(), since
+    Python's signal.signal works in the main thread only, which may be stuck in a step. (Python's own record of the
+    handler is left as it was.)"""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype, libc.signal.argtypes = ctypes.c_void_p, (ctypes.c_int, ctypes.c_void_p)
+    for signum in signums:
+        libc.signal(int(signum), None)  # SIG_DFL
 
 
 @contextlib.contextmanager
 def ctrl_c_as_ours():
-    """Ctrl-C raises CtrlC instead of Python's KeyboardInterrupt, so that a command that caught it exits with its
-    own code (130). Python's, raised in code compiled from a string (a dataclass's generated __init__ while a module
-    is imported, a namedtuple), is marked by CPython as unhandled even once caught, and `python -m` then ends the
-    process by SIGINT instead (CPython's run_eval_code_obj marks exactly KeyboardInterrupt, not a subclass). Where
-    Ctrl-C is ignored (a background job) or already handled by someone else, it stays so."""
-    if threading.current_thread() is not threading.main_thread() or (
-        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
+    """Ctrl-C and SIGTERM raise CtrlC instead of Python's KeyboardInterrupt (SIGTERM: instead of ending the process
+    with no word), so that a command that caught it says what it kept and exits with 128 + the signal. Python's
+    KeyboardInterrupt, raised in code compiled from a string (a dataclass's generated __init__ while a module is
+    imported, a namedtuple), is marked by CPython as unhandled even once caught, and `python -m` then ends the
+    process by SIGINT instead (CPython's run_eval_code_obj marks exactly KeyboardInterrupt, not a subclass). Where a
+    signal is ignored (a background job) or already handled by someone else (submitit), it stays so."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, _raise_ctrl_c)
+    ours = [s for s, python in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL))
+            if signal.getsignal(s) is python]  # fmt: skip
+    previous = {s: signal.signal(s, _raise_ctrl_c) for s in ours}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def finishing() -> None:
+    """Once a command has done its work and the process ends (Python's exit: atexit callbacks, finalizers), a Ctrl-C
+    or SIGTERM is taken as a copy of the stop that may have ended it: nothing is left to keep, so no traceback from
+    inside the exit; one a second later ends the process at once."""
+    if threading.current_thread() is threading.main_thread():
+        for s in AT_ONCE:
+            if python_ctrl_c(signal.getsignal(s)) or signal.getsignal(s) is signal.SIG_DFL:
+                signal.signal(s, _ending)
+
+
+def _ending(signum: int, frame: object) -> None:
+    ignore_repeats()
 
 
 def is_ctrl_c(e: BaseException | None) -> bool:
-    """Whether `e` is Ctrl-C or an error raised from it: Python 3.11 turns an interrupt inside a class's
-    __set_name__ (a dataclass's fields, while a module is imported) into a RuntimeError caused by it."""
+    """Whether `e` is a stop by Ctrl-C or SIGTERM, or an error raised from one (`ctrl_c_behind`)."""
+    return ctrl_c_behind(e) is not None
+
+
+def ctrl_c_behind(e: BaseException | None) -> KeyboardInterrupt | None:
+    """The Ctrl-C (or SIGTERM: CtrlC) behind `e`: `e` itself; the cause of an error raised from it (Python 3.11 turns
+    an interrupt inside a class's __set_name__, a dataclass's fields while a module is imported, into a RuntimeError
+    caused by it); or the one Lightning answered with sys.exit(1) ("Detected KeyboardInterrupt, attempting graceful
+    shutdown", in a Trainer's fit set-up, test, validate or predict)."""
     while e is not None:
         if isinstance(e, KeyboardInterrupt):
-            return True
-        e = e.__cause__
-    return False
+            return e
+        e = e.__context__ if isinstance(e, SystemExit) else e.__cause__
+    return None
+
+
+def stop_name(e: BaseException | None) -> tuple[str, int]:
+    """(how the stop behind `e` is named, its signal): `Ctrl-C (SIGINT)`, `SIGTERM`."""
+    stop = ctrl_c_behind(e)
+    return (stop.name, stop.signum) if isinstance(stop, CtrlC) else ("Ctrl-C (SIGINT)", int(signal.SIGINT))
 
 
 def python_ctrl_c(handler: object) -> bool:

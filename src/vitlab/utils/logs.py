@@ -4,6 +4,7 @@ file), and the warnings nobody running vitlab can act on dropped. Imports neithe
 from __future__ import annotations
 
 import logging
+import re
 import typing
 import warnings
 
@@ -48,10 +49,13 @@ class _Drop(logging.Filter):
 
 
 class _NoTips(logging.Filter):
-    """Lightning's advertisement for its cloud products, printed on every run."""
+    """What Lightning prints that nobody acts on: its advertisement for its cloud products, on every run; that a CPU
+    run has no GPU or TPU; its note on a Ctrl-C, which vitlab's own line about the stop follows."""
+
+    NOISE = re.compile(r"Tip:|(GPU|TPU|HPU) available: False|Detected KeyboardInterrupt, attempting graceful shutdown")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "Tip:" not in str(record.msg)
+        return not self.NOISE.search(str(record.msg))
 
 
 def quiet() -> None:

@@ -16,10 +16,10 @@ Loader workers leave these signals to the main process (`ignore_stop_signals`, a
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -28,14 +28,9 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
-from vitlab.utils.errors import python_ctrl_c
+from vitlab.utils.errors import AT_ONCE, ignore_repeats, python_ctrl_c
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-AT_ONCE = (signal.SIGINT, signal.SIGTERM)  # once a stop is asked for, these stop the process without saving
-# The same stop, delivered again: GNU timeout forwards a signal to its child and again to the group, torchrun's agent
-# and srun forward to workers the terminal or scheduler has already signalled (two or three copies within a
-# millisecond). Within this many seconds of the first, Ctrl-C and SIGTERM are that stop; only a later one is "now".
-REPEAT_WINDOW_S = 1.0
 AGREE_EVERY = 8  # optimizer steps between the ranks' exchanges of their flags
 
 
@@ -80,14 +75,10 @@ class StopSignals(_SignalConnector):
             self.received = signum
             if self.trainer.is_global_zero:  # os.write: a print here could re-enter a write it interrupted
                 os.write(2, _NOTICE.get(signum, _NOTICE[None]).format(signal.Signals(signum).name).encode())
-            # Copies of this stop are ignored for REPEAT_WINDOW_S; after that a second Ctrl-C or SIGTERM ends the
-            # process at once, by the kernel: a step that never ends (a model too big for the machine, swapping)
-            # never reaches Python again to run a handler, so the default is set from a timer thread (below).
-            for again in AT_ONCE:
-                signal.signal(again, signal.SIG_IGN)
-            self._timer = threading.Timer(REPEAT_WINDOW_S, _kernel_default, args=(AT_ONCE,))
-            self._timer.daemon = True
-            self._timer.start()
+            # Copies of this stop are ignored for REPEAT_WINDOW_S (vitlab.utils.errors); after that a second Ctrl-C
+            # or SIGTERM ends the process at once, by the kernel: a step that never ends (a model too big for the
+            # machine, swapping) never reaches Python again to run a handler.
+            self._timer = ignore_repeats()
 
     def agree(self, step: int) -> int | None:
         """The signal all ranks stop for, or None to go on, after optimizer step `step`. Every rank calls this at
@@ -141,16 +132,6 @@ _NOTICE = {
 }
 
 
-def _kernel_default(signums: tuple[int, ...]) -> None:
-    """The default action (the kernel ends the process) for `signums`, set from any thread: C's signal(), since
-    Python's signal.signal works in the main thread only, which may be stuck in a step. (Python's own record of the
-    handler is left as it was; StopSignals.teardown sets both again.)"""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.signal.restype, libc.signal.argtypes = ctypes.c_void_p, (ctypes.c_int, ctypes.c_void_p)
-    for signum in signums:
-        libc.signal(int(signum), None)  # SIG_DFL
-
-
 def _nothing() -> None:
     pass
 
@@ -180,3 +161,30 @@ def _end_on_sigterm_from(parent: int) -> None:
     while True:
         if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
             os._exit(0)  # as asked: a worker ended by its loader is no failure (the loader would call it one)
+
+
+def when_children_stop(report: Callable[[int], str]) -> None:
+    """Where Lightning's DDP launcher (its child-process observer, in the process that started the others) finds a
+    process it started ended by a stop signal (SIGINT or SIGTERM: killed by it, or exited 128 + it), which happens
+    when a terminal's Ctrl-C or a scheduler's SIGTERM reaches the process group while the processes start, before
+    training's own handling: this process may be waiting in the processes' rendezvous, where no Python handler runs,
+    and Lightning ends it with SIGKILL (exit 137, no word). Instead its other processes are ended, `report(signal)`'s
+    line is printed (it may tidy the run directory first) and it exits 128 + the signal. Any other end of a child is
+    Lightning's to handle, as before."""
+    from lightning.fabric.strategies.launchers import subprocess_script
+
+    observer = subprocess_script._ChildProcessObserver
+    lightnings = observer.__dict__.get("_lightnings_terminate_all", observer._terminate_all)
+
+    def _terminate_all(self: Any) -> None:
+        codes = [p.returncode for p in self._child_processes if p.returncode]
+        stops = [-c if c < 0 else c - 128 for c in codes if -c in AT_ONCE or c - 128 in AT_ONCE]
+        if not stops:
+            return lightnings(self)
+        for p in self._child_processes:
+            p.send_signal(signal.SIGKILL)  # (those that have not ended are stuck in the rendezvous)
+        os.write(2, f"error: {report(stops[0])}\n".encode())
+        os._exit(128 + stops[0])
+
+    observer._lightnings_terminate_all = lightnings
+    observer._terminate_all = _terminate_all
