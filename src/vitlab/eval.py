@@ -62,6 +62,11 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     if cfg.ckpt_path is None:  # model.pretrained=<timm name>: timm's weights, frozen features only
         return write_metrics(cfg, tasks.probe_pretrained(cfg))
     module = build.load_for_inference(cfg.ckpt_path)
+    if cfg.task == "test" and not module.objective.uses_labels:  # an encoder: no classifier to test
+        raise UserError(
+            f"checkpoint {cfg.ckpt_path!r} is objective={module.objective.name} pretraining (an encoder without a "
+            "classifier): evaluate its features with task=knn, task=linear or task=fewshot"
+        )
     mc = module.model.cfg
     data = data_config(cfg, module.hparams.get("data"), cfg.ckpt_path)
     with open_dict(data):  # images are prepared at the size the checkpoint's model takes

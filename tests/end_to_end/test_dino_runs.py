@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.helpers import assert_same_run, interrupt, resume, run_cli
+from tests.helpers import assert_refused, assert_same_run, interrupt, resume, run_cli
 
 DINO = [
     "experiment=dino_pretrain_digits",
@@ -52,6 +52,11 @@ def test_two_processes_end_with_the_teachers_knn_that_vitlab_eval_reads_again(dd
     assert e.returncode == 0, e.stderr[-3000:]
     knn = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert knn["knn/top1_k20"] == pytest.approx(metrics["test/knn_top1"], abs=1e-6)  # the teacher, both times
+    # the default task (test: a classifier's accuracy) on a pretraining checkpoint: one line naming the tasks it has
+    r = run_cli("eval", f"ckpt_path={best}", f"hydra.run.dir={tmp_path / 'test'}")
+    assert_refused(r, f"error: checkpoint {best!r} is objective=dino pretraining (an encoder without a classifier): "
+                   "evaluate its features with task=knn, task=linear or task=fewshot")  # fmt: skip
+    assert not (tmp_path / "test").exists()
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

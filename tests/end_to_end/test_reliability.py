@@ -64,6 +64,20 @@ def test_non_finite_loss_stops_naming_step_and_intact_checkpoint(tmp_path, devic
     assert not list((run / "checkpoints").glob(".*tmp*"))  # no temporary files left behind
 
 
+def test_a_run_the_spike_guard_stops_before_any_checkpoint_keeps_its_directory_and_log(tmp_path):
+    """Issue 53: training that failed on the recipe (here three steps in a row skipped as spikes, within the first
+    epoch) is not bad input: its run directory stays, with the train.log whose warnings say why."""
+    run = tmp_path / "r"
+    guard = ["callbacks.health.spike_factor=1.01", "callbacks.health.spike_min_history=3"]
+    r = run_cli("train", *guard, "callbacks.health.max_skips_in_a_row=2", "optim.lr=0.05", f"hydra.run.dir={run}")
+    assert r.returncode == 2, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: 3 optimizer steps in a row skipped as spikes") and last.endswith(
+        f"no checkpoint was saved yet (the run directory {run} keeps its log)"
+    )
+    assert "skipped (2 so far)" in (run / "train.log").read_text() and (run / "config.yaml").is_file()
+
+
 class _RunsCode:
     def __reduce__(self):
         return (exec, ("open('PWNED', 'w').write('x')",))

@@ -82,6 +82,16 @@ CASES = {
         "model=vit_ti16: the model of ckpt_path '{ckpt}' is the one its checkpoint stores, and model overrides would "
         "be ignored; drop them",
     ),
+    # a config group the command does not read, with or without + (issue 53), also in a -m search
+    "eval +optim": ("eval", ["+optim=sgd"], "+optim=sgd: vitlab.eval does not read the optim group (the groups it "
+                    "reads: ['data', 'model', 'paths', 'trainer'])"),  # fmt: skip
+    "eval optim": ("eval", ["optim=sgd"], "optim=sgd: vitlab.eval does not read the optim group"),
+    "eval -m +hparams_search": (
+        "eval",
+        ["-m", "+hparams_search=digits_optuna"],
+        "+hparams_search=digits_optuna: vitlab.eval does not read the hparams_search group",
+    ),
+    "predict model": ("predict", ["images=[a.png]", "model=vit_s16"], "model=vit_s16: vitlab.predict does not read"),
     # export's own refusal
     "export over atol": ("export", ["atol=1e-9", "output=strict.onnx"], "the exported program differs from the model"),
 }

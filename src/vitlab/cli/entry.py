@@ -30,6 +30,7 @@ from vitlab.utils.checks import check_arguments
 from vitlab.utils.errors import (
     CtrlC,
     Interrupted,
+    TrainingFailed,
     config_errors,
     ctrl_c_as_ours,
     fail,
@@ -191,11 +192,12 @@ def _record_bug(job: Path, e: BaseException) -> float:
 
 def _stop(cfg: DictConfig, cause: BaseException) -> None:
     """The command ends on the user's input: in a sweep, the summary of the jobs so far; a run directory that holds
-    no result yet removed; the one line, with the exit code of its kind (2)."""
+    no result yet removed (not where training itself failed: its log says why); the one line, with the exit code of
+    its kind (2)."""
     from vitlab.cli.rundir import discard_if_unused
 
     _summarize_sweep(cfg)
-    if _sweep_job_dir() is None:
+    if _sweep_job_dir() is None and not isinstance(cause, TrainingFailed):
         discard_if_unused(OmegaConf.select(cfg, "paths.log_dir", throw_on_resolution_failure=False))
     fail(one_line(cause), getattr(cause, "exit_code", 2))
 

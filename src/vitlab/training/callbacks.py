@@ -318,4 +318,6 @@ def last_good_checkpoint(trainer: L.Trainer) -> str:
     saved = [p for p in saved if str(p) not in ("", ".") and p.is_file()]
     # the newest; of one file under two names (last.ckpt linked to the best), the one saved later
     last = max(reversed(saved), key=lambda p: p.stat().st_mtime_ns) if saved else None
-    return f"the last good checkpoint is {last}" if last else "no checkpoint was saved yet"
+    if last:
+        return f"the last good checkpoint is {last}"
+    return f"no checkpoint was saved yet (the run directory {trainer.default_root_dir} keeps its log)"

@@ -32,12 +32,12 @@ from timm.utils.agc import adaptive_clip_grad, unitwise_norm
 from torch.distributed.tensor import DTensor
 
 from vitlab.training.callbacks import last_good_checkpoint
-from vitlab.utils.errors import UserError
+from vitlab.utils.errors import TrainingFailed, UserError
 
 log = logging.getLogger(__name__)
 
 
-class LossSpikeError(UserError):
+class LossSpikeError(TrainingFailed):
     """Too many optimizer steps in a row were skipped as spikes: the recipe (LR, warm-up, clipping), not the code."""
 
 

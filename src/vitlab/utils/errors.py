@@ -169,7 +169,12 @@ class UnsupportedRequestError(UserError, AssertionError):
     attention pool added after construction): also an AssertionError, which timm's own tests catch and move on."""
 
 
-class NonFiniteLossError(UserError):
+class TrainingFailed(UserError):
+    """Training itself went wrong on the user's recipe (not bad input refused before it began): the run directory is
+    kept whatever it holds, its train.log and warnings being the explanation."""
+
+
+class NonFiniteLossError(TrainingFailed):
     """The training loss became NaN or inf: the recipe (LR, data), not the code, is to change."""
 
 
