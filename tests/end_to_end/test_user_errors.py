@@ -9,6 +9,7 @@ import os
 import shutil
 import struct
 import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -200,6 +201,24 @@ def _cases(tmp: Path, ckpt: Path) -> dict:
             "error: trainer.devices=4 asks for 4 devices and this machine has no GPU: that would train in 4 CPU "
             "processes; ask for them with trainer=ddp_cpu trainer.devices=4",
         ),
+        # issue 53's quiet mistakes: accepted and doing nothing, or refused without the fix
+        "checkpointing beyond the depth": (
+            "train",
+            ["model.grad_checkpointing=9"],
+            "error: grad_checkpointing 9 recomputes every 9th block and the model has 4: none would be; give N from 1 "
+            "to 4, true (every block), false or selective",
+        ),
+        "clipping without a value": (
+            "train",
+            ["trainer.gradient_clip_algorithm=norm"],
+            "error: trainer.gradient_clip_algorithm=norm needs trainer.gradient_clip_val, the norm the gradients are "
+            "clipped to (timm's --clip-grad, e.g. 1.0), not None: without one nothing is clipped",
+        ),
+        "dino with classes": (
+            "train",
+            ["objective=dino", "model.num_classes=10"],
+            "error: objective=dino trains an encoder without a head: model.num_classes is 10; set model.num_classes=0",
+        ),
     }
 
 
@@ -230,6 +249,9 @@ CASES = [
     "a non-ASCII path",
     "resume with another batch size",
     "several devices and no GPU",
+    "checkpointing beyond the depth",
+    "clipping without a value",
+    "dino with classes",
 ]
 
 
@@ -240,6 +262,33 @@ def test_bad_input_is_one_line(ckpt, tmp_path, case):
     before = earlier_run(tmp_path)
     module, args, message = _cases(tmp_path, ckpt)[case]
     assert_refused(run_cli(module, *args, cwd=tmp_path), message, before, tmp_path / "outputs")
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["model.depth=three"], "error: depth 'three' must be an integer"),
+        (["trainer.gradient_clip_algorithm=value"], "error: trainer.gradient_clip_algorithm=value needs"),
+        (["-m", "hparams_search=digits_optuna", "hydra.sweeper.pruner=medain"], "error: hydra.sweeper.pruner='medain'"),
+        (["seed=-1"], "error: seed -1 must be an integer in"),
+    ],
+)
+def test_a_bad_value_is_refused_before_torch_or_lightning_is_imported(tmp_path, args, said):
+    """Issue 53: a refusal of a value comes at once, not after the ~5 s Lightning's import takes. Here torch and
+    Lightning cannot be imported at all (a package of each name that fails on import comes first on the path): the
+    refusal is still the one line."""
+    for name in ("torch", "lightning"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('{name} imported')\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "vitlab.train", *args],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert_refused(r, said)
 
 
 def test_a_finished_run_is_not_resumed(tmp_path):

@@ -83,8 +83,12 @@ CASES = {
         "be ignored; drop them",
     ),
     # a config group the command does not read, with or without + (issue 53), also in a -m search
-    "eval +optim": ("eval", ["+optim=sgd"], "+optim=sgd: vitlab.eval does not read the optim group (the groups it "
-                    "reads: ['data', 'model', 'paths', 'trainer'])"),  # fmt: skip
+    "eval +optim": (
+        "eval",
+        ["+optim=sgd"],
+        "+optim=sgd: vitlab.eval does not read the optim group (the groups it "
+        "reads: ['data', 'model', 'paths', 'trainer'])",
+    ),  # fmt: skip
     "eval optim": ("eval", ["optim=sgd"], "optim=sgd: vitlab.eval does not read the optim group"),
     "eval -m +hparams_search": (
         "eval",

@@ -97,3 +97,30 @@ def slurm_cpus(num_workers: int | None) -> int:
     """`${slurm_cpus:<data.num_workers>}`: a task's CPUs, its loader workers and itself. Workers left to vitlab
     (null) take the CPUs the task gets, less one: 8 CPUs then, a usual share of a GPU node per GPU."""
     return 8 if num_workers is None else int(num_workers) + 1
+
+
+def _groups_read(config_name: str) -> list[str]:
+    """The config groups `config_name`'s defaults list names (conf/<command>.yaml): those its command reads."""
+    defaults = OmegaConf.load(config_dir() / f"{config_name}.yaml").get("defaults") or []
+    named = [next(iter(d)) for d in defaults if OmegaConf.is_dict(d)]
+    return sorted({n.split()[-1] for n in named} - {"hydra"})
+
+
+def refuse_unread_groups(config_name: str, overrides: list[str]) -> None:
+    """A config group the command does not read (`+optim=sgd`, `+hparams_search=...` on vitlab.eval), with or without
+    `+`, refused in one line: Hydra would add it unread (or, without `+`, advise adding it)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from vitlab.utils.errors import fail
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return  # Hydra reports a malformed override itself
+    groups = {p.name for p in config_dir().iterdir() if p.is_dir()}
+    read = _groups_read(config_name)
+    for o in parsed:
+        group = o.key_or_group.split("/")[0]
+        if group in groups and group not in read and "." not in o.key_or_group:
+            fail(f"{o.input_line}: vitlab.{config_name} does not read the {group} group (the groups it reads: {read})")

@@ -66,73 +66,85 @@ def entry_point(
 
         @functools.wraps(task)
         def guarded(cfg: DictConfig) -> Any:
-            from vitlab.cli.rundir import task_started
-
-            quiet()
-            task_started()
-            try:
-                checked(cfg)
-                if "trainer" in cfg:  # (a command that may start processes through Lightning)
-                    from vitlab.utils.signals import when_children_stop
-
-                    when_children_stop(lambda signum: _stop_line(cfg, config_name, CtrlC(signum).name)[0])
-                return task(cfg)
-            except SystemExit as e:  # stopped on a signal: the sweep ends here, its summary lists the jobs so far
-                if e.code == 1 and is_ctrl_c(e):  # Lightning's answer to Ctrl-C or SIGTERM outside fit's steps
-                    _interrupted(cfg, config_name, e)
-                _summarize_sweep(cfg)
-                raise
-            except (KeyboardInterrupt, Exception) as e:
-                if is_ctrl_c(e):  # Ctrl-C or SIGTERM outside training's own handling (utils/signals.py)
-                    _interrupted(cfg, config_name, e)
-                cause = user_error(e) if isinstance(e, (*config_errors(), InstantiationException)) else None
-                job = _sweep_job_dir()
-                if os.environ.get("HYDRA_FULL_ERROR") == "1" or (cause is None and job is None):
-                    raise  # a bug (or the traceback asked for)
-                if cause is None:
-                    return _record_bug(job, e)
-                if job is None or isinstance(cause, Interrupted):
-                    _stop(cfg, cause)
-                return _record_failed_job(job, one_line(cause))
+            return _run_task(config_name, cfg, checked, task)
 
         def main() -> Any:
-            from vitlab.cli.rundir import prepare
-
-            quiet()
-            register_resolvers()
-            try:
-                with ctrl_c_as_ours():  # (so that a Ctrl-C caught here exits 128 + 2, whatever line it interrupted)
-                    try:
-                        sys.argv[1:] = prepare(config_name, sys.argv[1:], checked)
-                    except KeyboardInterrupt as e:
-                        name, signum = stop_name(e)
-                        fail(f"{config_name} stopped by {name} before it started: nothing was written", 128 + signum)
-                    hydra_main = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=config_name)
-                    returned = hydra_main(guarded)()
-                _stopped_after_sweep()
-                return returned
-            finally:
-                finishing()  # a Ctrl-C while Python exits: no traceback from its exit handlers
+            return _run_command(config_name, checked, guarded)
 
         return main
 
     return decorate
 
 
+def _run_task(config_name: str, cfg: DictConfig, checked: Check, task: Callable[[DictConfig], Any]) -> Any:
+    """The task of a run or a sweep's job, its config checked first; bad input, a bug or a stop reported as
+    entry_point says."""
+    from vitlab.cli.rundir import task_started
+
+    quiet()
+    task_started()
+    try:
+        checked(cfg)
+        if "trainer" in cfg:  # (a command that may start processes through Lightning)
+            from vitlab.utils.signals import when_children_stop
+
+            when_children_stop(lambda signum: _stop_line(cfg, config_name, CtrlC(signum).name)[0])
+        return task(cfg)
+    except SystemExit as e:  # stopped on a signal: the sweep ends here, its summary lists the jobs so far
+        if e.code == 1 and is_ctrl_c(e):  # Lightning's answer to Ctrl-C or SIGTERM outside fit's steps
+            _interrupted(cfg, config_name, e)
+        _summarize_sweep(cfg)
+        raise
+    except (KeyboardInterrupt, Exception) as e:
+        if is_ctrl_c(e):  # Ctrl-C or SIGTERM outside training's own handling (utils/signals.py)
+            _interrupted(cfg, config_name, e)
+        cause = user_error(e) if isinstance(e, (*config_errors(), InstantiationException)) else None
+        job = _sweep_job_dir()
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or (cause is None and job is None):
+            raise  # a bug (or the traceback asked for)
+        if cause is None:
+            return _record_bug(job, e)
+        if job is None or isinstance(cause, Interrupted):
+            _stop(cfg, cause)
+        return _record_failed_job(job, one_line(cause))
+
+
+def _run_command(config_name: str, checked: Check, guarded: Callable[[DictConfig], Any]) -> Any:
+    """The command line: checked before Hydra starts (rundir.prepare), then Hydra's main with `guarded` as its
+    task; Ctrl-C and SIGTERM raise CtrlC throughout, and are quiet once the work is done."""
+    from vitlab.cli.rundir import prepare
+
+    quiet()
+    register_resolvers()
+    try:
+        with ctrl_c_as_ours():  # (so that a Ctrl-C caught here exits 128 + 2, whatever line it interrupted)
+            try:
+                sys.argv[1:] = prepare(config_name, sys.argv[1:], checked)
+            except KeyboardInterrupt as e:
+                name, signum = stop_name(e)
+                fail(f"{config_name} stopped by {name} before it started: nothing was written", 128 + signum)
+            hydra_main = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=config_name)
+            returned = hydra_main(guarded)()
+        _stopped_after_sweep()
+        return returned
+    finally:
+        finishing()  # a Ctrl-C while Python exits: no traceback from its exit handlers
+
+
 def check_config(cfg: DictConfig, schema: Any = None, check: Check | None = None) -> None:
     """A command's config before any work: its top-level keys against `schema` (a TypedDict: types and ranges, its
-    groups key by key: utils.checks.check_arguments), every node that builds something against its target
-    (training.node_checks.check_nodes: the data module, the Trainer within Lightning's ranges, callbacks, loggers),
-    then the command's own `check` (what needs several keys or the file system)."""
+    groups key by key: utils.checks.check_arguments), the command's own `check` (what needs several keys or the file
+    system), then every node that builds something against its target (training.node_checks.check_nodes: the data
+    module, the Trainer within Lightning's ranges, callbacks, loggers)."""
     if schema is not None:
         values = {k: _plain(cfg[k]) for k in typing.get_type_hints(schema) if k in cfg}
         check_arguments(schema, values, "")
+    if check is not None:  # (the checks that need no Lightning first: their refusals come within a second)
+        check(cfg)
     if "_target_:" in OmegaConf.to_yaml(cfg):
         from vitlab.training.node_checks import check_nodes  # (Lightning: only for a config that builds something)
 
         check_nodes(cfg)
-    if check is not None:
-        check(cfg)
 
 
 def _plain(value: Any) -> Any:

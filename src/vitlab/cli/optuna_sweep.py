@@ -31,14 +31,14 @@ log = logging.getLogger(__name__)
 
 
 class OptunaSweeper(Sweeper):
-    """Hydra's OptunaSweeper's arguments, and `pruner`, `pruner_args` (training.trial.PRUNERS)."""
+    """Hydra's OptunaSweeper's arguments, and `pruner`, `pruner_args` (training.pruners.PRUNERS)."""
 
     def __init__(self, *args: Any, pruner: str | None = None, pruner_args: Any = None, **kwargs: Any) -> None:
         self.sweeper = _impl_class()(*args, **kwargs)
         self.sweeper.pruner_name, self.sweeper.pruner_args = pruner, dict(pruner_args or {})
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
-        from vitlab.training.trial import make_pruner
+        from vitlab.training.pruners import make_pruner
         from vitlab.utils.errors import UserError, fail, one_line
 
         try:  # a bad pruner, before any trial
@@ -86,7 +86,7 @@ def _search_space(impl: Any, arguments: list[str]) -> tuple[dict, dict]:
 def _study(impl: Any):
     import optuna
 
-    from vitlab.training.trial import make_pruner
+    from vitlab.training.pruners import make_pruner
 
     if impl.storage and str(impl.storage).startswith("sqlite:///"):
         Path(str(impl.storage)[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ from typing import Any
 from hydra.errors import HydraException
 from omegaconf import OmegaConf, open_dict
 
-from vitlab.cli.config_tree import config_dir
+from vitlab.cli.config_tree import config_dir, refuse_unread_groups
 from vitlab.utils.errors import UserError, config_errors, fail, one_line, user_error
 
 # Written into every run directory the moment a command claims it (see claim_run_dir).
@@ -337,30 +337,6 @@ def _objective_option(key: str, config_name: str, overrides: list[str]) -> str |
 _NONE = object()
 
 
-def _groups_read(config_name: str) -> list[str]:
-    """The config groups `config_name`'s defaults list names (conf/<command>.yaml): those its command reads."""
-    defaults = OmegaConf.load(config_dir() / f"{config_name}.yaml").get("defaults") or []
-    named = [next(iter(d)) for d in defaults if OmegaConf.is_dict(d)]
-    return sorted({n.split()[-1] for n in named} - {"hydra"})
-
-
-def _refuse_unread_groups(config_name: str, overrides: list[str]) -> None:
-    """A config group the command does not read (`+optim=sgd`, `+hparams_search=...` on vitlab.eval), with or without
-    `+`, refused in one line: Hydra would add it unread (or, without `+`, advise adding it)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except HydraException:
-        return  # Hydra reports a malformed override itself
-    groups = {p.name for p in config_dir().iterdir() if p.is_dir()}
-    read = _groups_read(config_name)
-    for o in parsed:
-        group = o.key_or_group.split("/")[0]
-        if group in groups and group not in read and "." not in o.key_or_group:
-            fail(f"{o.input_line}: vitlab.{config_name} does not read the {group} group (the groups it reads: {read})")
-
-
 def prepare(config_name: str, argv: list[str], check: Callable[[Any], None] | None = None) -> list[str]:
     """Before Hydra starts: the command line to run it with. A secondary process gets the primary's run
     directory, no .hydra/ of its own and a log file named after its rank. The primary composes once to report a
@@ -385,7 +361,7 @@ def prepare(config_name: str, argv: list[str], check: Callable[[Any], None] | No
         return argv
 
     overrides = [a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/")) and not a.startswith("-")]
-    _refuse_unread_groups(config_name, overrides)
+    refuse_unread_groups(config_name, overrides)
     if flags:  # a sweep: what every job would refuse alike (a misspelt key) is said once; the jobs check the rest
         _compose_first_job(config_name, overrides)
         return argv

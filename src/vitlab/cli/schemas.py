@@ -26,6 +26,7 @@ from vitlab.utils.checks import (
     PositiveInt,
     PositiveNumber,
     Seed,
+    check_clipping,
     check_device,
 )
 from vitlab.utils.errors import UserError
@@ -157,6 +158,12 @@ class BenchmarkSettings(TypedDict):
 
 
 def check_train(cfg: DictConfig) -> None:
+    from vitlab.model.config import vit_config
+
+    if not cfg.model.get("pretrained"):  # (timm's architecture replaces the group's once read: training.pretrained)
+        vit_config(cfg.model)  # the model's values, before Lightning is imported: a refusal within a second
+    check_clipping(cfg.trainer)
+
     from vitlab.training.node_checks import check_devices, check_launch
     from vitlab.training.sharding import check_request
 

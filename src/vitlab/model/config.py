@@ -241,6 +241,11 @@ class ViTConfig:
         g = self.grad_checkpointing
         if not (isinstance(g, bool) or g == "selective" or (isinstance(g, int) and g >= 1)):
             raise UserError(f"grad_checkpointing {g!r} must be true, false, N >= 1 (every N-th block) or selective")
+        if not isinstance(g, bool) and isinstance(g, int) and isinstance(self.depth, int) and g > self.depth:
+            raise UserError(
+                f"grad_checkpointing {g} recomputes every {g}th block and the model has {self.depth}: none would be; "
+                f"give N from 1 to {self.depth}, true (every block), false or selective"
+            )
         if self.fc_norm is not None and not isinstance(self.fc_norm, bool):
             raise UserError(f"fc_norm {self.fc_norm!r} must be true, false or null")
 

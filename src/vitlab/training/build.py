@@ -37,6 +37,7 @@ from vitlab.training.module import ViTModule
 from vitlab.training.node_checks import check_devices, check_node
 from vitlab.training.optim import OptimConfig, scaled_lr
 from vitlab.training.rank_state import RankState
+from vitlab.utils.checks import check_clipping
 from vitlab.utils.errors import UserError
 from vitlab.utils.logs import PROGRESS_BARS, route_lightning_logs
 
@@ -288,13 +289,9 @@ def build_trainer(trainer_cfg: DictConfig, **kwargs: Any) -> L.Trainer:
     # What every run needs, whatever its callbacks group says: the non-finite-loss stop, each process's state in
     # its checkpoints, and the Lightning workarounds below.
     kwargs["callbacks"] = [*kwargs.get("callbacks", []), NonFiniteLoss(), RankState(), LightningWorkarounds()]
+    check_clipping(trainer_cfg)
     if trainer_cfg.get("gradient_clip_algorithm") == "agc":  # Lightning's Trainer knows value and norm only
-        factor = trainer_cfg.get("gradient_clip_val")
-        if not factor:
-            raise UserError(
-                f"trainer.gradient_clip_algorithm=agc needs trainer.gradient_clip_val, AGC's clip factor "
-                f"(timm's --clip-grad with --clip-mode agc, e.g. 0.01), not {factor!r}"
-            )
+        factor = trainer_cfg.gradient_clip_val
         kwargs["callbacks"].append(AdaptiveGradientClipping(float(factor)))  # after Health: it reads unclipped norms
         kwargs |= {"gradient_clip_val": None, "gradient_clip_algorithm": None}
     try:

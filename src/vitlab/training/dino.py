@@ -143,7 +143,8 @@ class DINO(Objective):
     def check(self, model: ViTConfig, optim: Any) -> None:
         if model.num_classes:
             raise UserError(
-                f"objective=dino trains an encoder without a head: model.num_classes is {model.num_classes}"
+                f"objective=dino trains an encoder without a head: model.num_classes is {model.num_classes}; set "
+                "model.num_classes=0"
             )
         c = self.cfg.crops
         sizes = {int(c.global_size or model.img_hw[0]), c.local_size if c.local_crops else model.img_hw[0]}

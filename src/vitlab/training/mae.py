@@ -34,7 +34,10 @@ class MAE(Objective):
 
     def check(self, model: ViTConfig, optim: Any) -> None:
         if model.num_classes:
-            raise UserError(f"objective=mae trains an encoder without a head: model.num_classes is {model.num_classes}")
+            raise UserError(
+                f"objective=mae trains an encoder without a head: model.num_classes is {model.num_classes}; set "
+                "model.num_classes=0"
+            )
         if model.patch_drop_rate:
             raise UserError("objective=mae masks the patches itself: set model.patch_drop_rate=0")
         if model.dynamic_img_size:

@@ -22,7 +22,14 @@ from omegaconf.errors import InterpolationKeyError
 
 from vitlab.data.base import DataModule
 from vitlab.data.imagefolder import ImageFolderDataModule, check_class_folders
-from vitlab.utils.checks import Fraction, NonNegativeInt, NonNegativeNumber, PositiveInt, check_arguments
+from vitlab.utils.checks import (
+    Fraction,
+    NonNegativeInt,
+    NonNegativeNumber,
+    PositiveInt,
+    check_arguments,
+    check_clipping,
+)
 from vitlab.utils.errors import UserError
 
 
@@ -39,6 +46,7 @@ def check_nodes(cfg: DictConfig) -> None:
                     check_node(inner, f"{key}.{name}")
     if isinstance(cfg.get("trainer"), DictConfig):
         check_devices(cfg.trainer)
+        check_clipping(cfg.trainer)
 
 
 def _nodes(cfg: DictConfig) -> Iterator[tuple[str, DictConfig]]:

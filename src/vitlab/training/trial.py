@@ -16,33 +16,9 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
-from vitlab.utils.errors import UserError
+from vitlab.training.pruners import make_pruner
 
 log = logging.getLogger(__name__)
-
-# hydra.sweeper.pruner's names: Optuna's pruners, built with hydra.sweeper.pruner_args (their own arguments).
-PRUNERS = {
-    "median": "MedianPruner",
-    "hyperband": "HyperbandPruner",
-    "successive_halving": "SuccessiveHalvingPruner",
-}
-
-
-def make_pruner(name: str | None, args: dict[str, Any] | None = None):
-    """Optuna's pruner called `name` (PRUNERS) with its own keyword arguments, or None (no pruning)."""
-    import optuna
-
-    if name is None:
-        if args:
-            raise UserError(f"hydra.sweeper.pruner_args={dict(args)} without a pruner: set hydra.sweeper.pruner")
-        return None
-    if name not in PRUNERS:
-        raise UserError(f"hydra.sweeper.pruner={name!r} is not one of {sorted(PRUNERS)} (or null: no pruning)")
-    cls = getattr(optuna.pruners, PRUNERS[name])
-    try:
-        return cls(**dict(args or {}))
-    except TypeError as e:
-        raise UserError(f"hydra.sweeper.pruner_args={dict(args or {})}: {PRUNERS[name]} says {e}") from e
 
 
 def sweep_pruner() -> tuple[str | None, dict[str, Any]]:
