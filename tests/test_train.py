@@ -55,6 +55,7 @@ def test_a_log_file_shows_each_epoch_and_ends_with_where_the_results_are(trained
     # No warning but those the user can act on (3 epochs are shorter than the default warmup of 5).
     warnings = [line for line in lines if "warn" in line.lower() or "Tip:" in line]
     assert all("warmup of 95 steps is longer than the 57 training steps" in line for line in warnings), warnings
+    assert not any("available: False" in line for line in lines)  # Lightning's "no GPU, no TPU" on a CPU run
 
 
 def test_checkpoint_rebuilds_without_hydra(trained):

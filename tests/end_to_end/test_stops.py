@@ -115,6 +115,7 @@ def test_a_stop_while_a_search_draws_its_plots_shows_its_table_and_says_what_is_
         "(the table above: summary.json); the plots were not drawn"
     )
     assert "Traceback" not in r.stderr
+    assert (r.stdout + r.stderr).count("[WARNING] - warmup of") == 1  # (said once, not for every trial)
     assert [row["status"] for row in json.loads((sweep / "summary.json").read_text())] == ["done", "done"]
     assert (sweep / "optimization_results.yaml").is_file()
     assert not list(sweep.glob("*.png")) and not list(sweep.glob(".*.tmp-*"))

@@ -3,6 +3,7 @@
 validation; the augmented mode recomputing features on crops at every step."""
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -78,7 +79,7 @@ def _cached(folder, split):
 
 
 def test_the_probe_is_dinov2s_linear_evaluation_on_a_checkpoints_features(
-    digits_ckpt, compose_cfg, tmp_path, one_thread
+    digits_ckpt, compose_cfg, tmp_path, one_thread, caplog
 ):
     """vitlab.eval task=linear on a trained checkpoint's features (DINOv2's 4 feature configurations x 13 learning
     rates) against DINOv2's loop written out, run on the features vitlab.eval cached: with DINOv2's default sampler
@@ -89,8 +90,11 @@ def test_the_probe_is_dinov2s_linear_evaluation_on_a_checkpoints_features(
     iterations = 250  # the schedule's shape at DINOv2's batch; the count is a setting (default 12,500: tested below)
     cfg = compose_cfg("eval", [f"ckpt_path={digits_ckpt}", "task=linear", f"linear.iterations={iterations}",
                                f"features_dir={tmp_path / 'f'}"])  # fmt: skip
-    ours = evaluate(cfg)
+    with caplog.at_level(logging.INFO, logger="vitlab.evaluation.tasks"):
+        ours = evaluate(cfg)
     assert json.loads((tmp_path / "metrics.json").read_text()) == ours
+    shown = [r.getMessage().split(" (")[0] for r in caplog.records if "linear probe: step" in r.getMessage()]
+    assert shown == [f"linear probe: step {k} of {iterations}" for k in range(25, iterations + 1, 25)]  # its progress
     assert (ours["linear/chosen_on"], ours["linear/reported_on"]) == ("val", "test")
     assert ours["linear/protocol"].startswith(
         f"dinov2 eval/linear.py: {iterations} iterations, batch 128 x 1 processes from a shuffled infinite sampler, "

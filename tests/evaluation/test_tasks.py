@@ -14,9 +14,11 @@ NAME = "vit_tiny_patch16_224.augreg_in21k"
 ARGS = ["task=knn", "knn.k=[5]", "model=vit_ti16", f"model.pretrained={NAME}", "data=digits", "model.img_size=16"]
 
 
-def test_timm_pretrained_weights_are_evaluated_without_a_checkpoint(compose_cfg, tmp_path, monkeypatch):
+def test_timm_pretrained_weights_are_evaluated_without_a_checkpoint(compose_cfg, tmp_path, monkeypatch, caplog):
     """timm's download replaced by random weights of the same model (no network in tests): the cached features
-    are those timm's own model computes with them."""
+    are those timm's own model computes with them. The model has no head to speak of: k-NN never reads one."""
+    import logging
+
     import timm
 
     import vitlab.convert.weights as cw
@@ -26,8 +28,10 @@ def test_timm_pretrained_weights_are_evaluated_without_a_checkpoint(compose_cfg,
     reference = timm.create_model(NAME, pretrained=False, img_size=16, in_chans=1, num_classes=0).eval()
     monkeypatch.setattr(cw, "timm_pretrained_state_dict", lambda source: reference.state_dict())
     cfg = compose_cfg("eval", ARGS)
-    metrics = evaluate(cfg)
+    with caplog.at_level(logging.INFO):
+        metrics = evaluate(cfg)
     assert metrics["pretrained"] == NAME and 0.0 <= metrics["knn/top1_k5"] <= 1.0
+    assert f"loaded timm's weights of {NAME}" in caplog.text and "(new head)" not in caplog.text
     cache = tmp_path / "outputs" / "features" / NAME  # <paths.log_dir>/features/<name>/
     meta = json.loads((cache / "train.json").read_text())
     assert meta["pretrained"] == NAME and meta["model"]["embed_dim"] == 192 and meta["data"]["mean"] == [0.5]

@@ -76,3 +76,15 @@ def test_regional_compile_with_inductor_gives_eagers_logits_and_gradients():
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
     torch._dynamo.reset()
+
+
+def test_compiling_says_so_in_the_log(eager_backend, caplog):
+    """torch.compile works silently for tens of seconds on the first steps: the run says what it compiles (issue 53)."""
+    import logging
+    from types import SimpleNamespace
+
+    module = ViTModule(model=tiny().to_dict(), compile="regional")
+    module._trainer = SimpleNamespace(is_global_zero=True)  # what setup reads of its Trainer
+    with caplog.at_level(logging.INFO, logger="vitlab.train"):
+        module.setup("fit")
+    assert "compile=regional: torch.compile compiles each transformer block (one code for all)" in caplog.text

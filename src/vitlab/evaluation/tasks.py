@@ -8,6 +8,8 @@ ViT (`model.pretrained=<timm name>` and no ckpt_path), whose own head task=test 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -73,8 +75,8 @@ def probe_pretrained(cfg: DictConfig) -> dict | None:
         return score_pretrained(cfg, source)
     if OmegaConf.select(cfg, "model.img_size") is None:
         raise UserError(f"task={cfg.task} on model.pretrained={source} needs the model's size: model=<name>")
-    with open_dict(cfg):  # the model takes the data's channels (its classes: a head the features never reach)
-        cfg.model.in_chans, cfg.model.num_classes = cfg.data.get("channels", 3), cfg.data.num_classes
+    with open_dict(cfg):  # the model takes the data's channels, and no head: the features never reach one
+        cfg.model.in_chans, cfg.model.num_classes = cfg.data.get("channels", 3), 0
     apply_pretrained(cfg)  # timm's architecture, and the data's mean/std/crop left null become the weights'
     datamodule = build.build_datamodule(cfg.data)
     datamodule.setup("test")
@@ -218,9 +220,20 @@ def score_linear(lp, model, datamodule, layers: Layers, views: dict, feats: dict
     g = torch.Generator().manual_seed(s.seed)
     heads = Heads(views, layers.dim(model), datamodule.num_classes, len(s.lrs), g).to(device)
     log.info("linear probe: %s", s.describe(len(views), lp.augment))
-    train_heads(heads, batches, s)
+    train_heads(heads, batches, s, on_step=_progress("linear probe", s.iterations))
     (val, val_y), (test, test_y) = feats["val"], feats[split]
     found = choose(heads, s.lrs, val.to(device), val_y.to(device), test.to(device), test_y.to(device))
     return {"linear/top1": found["test_acc"], "linear/val_top1": found["val_acc"], "linear/lr": found["lr"],
             "linear/features": found["features"], "linear/protocol": s.describe(len(views), lp.augment),
             "linear/chosen_on": "val", "linear/reported_on": split}  # fmt: skip
+
+
+def _progress(what: str, total: int) -> Callable[[int], None]:
+    """A log line every tenth of `total` steps (step k of n, seconds so far): a long loop that shows it runs."""
+    started, every = time.time(), max(1, total // 10)
+
+    def step_done(step: int) -> None:
+        if (step + 1) % every == 0 or step + 1 == total:
+            log.info("%s: step %d of %d (%.0f s)", what, step + 1, total, time.time() - started)
+
+    return step_done

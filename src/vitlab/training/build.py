@@ -162,7 +162,12 @@ def build_loggers(group: DictConfig | None, resume_from: str | None = None) -> l
         wandb_id = None
     if wandb_id:
         log.info("W&B: continuing run %s, which %s names", wandb_id, resume_from)
-    return instantiate_group(group, lambda node: {"id": wandb_id} if _is_wandb(node) and wandb_id else {})
+    loggers = instantiate_group(group, lambda node: {"id": wandb_id} if _is_wandb(node) and wandb_id else {})
+    for logger in loggers:  # Lightning passes anonymous=None, which W&B 0.19+ warns about on every run
+        init = getattr(logger, "_wandb_init", None) if isinstance(logger, WandbLogger) else None
+        if init is not None and init.get("anonymous") is None:
+            init.pop("anonymous", None)
+    return loggers
 
 
 def _is_wandb(node: DictConfig) -> bool:

@@ -12,6 +12,7 @@ training.checkpoint_io.load_module.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import lightning as L
@@ -37,6 +38,8 @@ from vitlab.training.optim import (
 from vitlab.training.sharding import new_vit
 from vitlab.utils.checks import compile_mode
 from vitlab.utils.errors import UserError
+
+log = logging.getLogger("vitlab.train")  # the command's own lines
 
 OBJECTIVES: dict[str, type[Objective]] = {"classify": Classification, "distill": Distillation, "mae": MAE, "dino": DINO}
 
@@ -130,6 +133,15 @@ class ViTModule(L.LightningModule):
             self.objective.setup_fit(self.model.cfg.num_classes)
             if self.compile_mode:
                 self.objective.compile(self.model, self.compile_mode, self.compile_regional)
+                if self.trainer.is_global_zero:  # torch.compile says nothing while it works
+                    what = "each transformer block (one code for all)" if self.compile_regional else "the training step"
+                    log.info(
+                        "compile=%s: torch.compile compiles %s on the first steps, and validation's on its first "
+                        "batch: they take tens of seconds (a minute or more for a large model), the steps after "
+                        "them run compiled",
+                        "regional" if self.compile_regional else self.compile_mode,
+                        what,
+                    )
         self.train_flops_per_image = self.objective.train_flops_per_image(self.model.cfg)  # callbacks.Throughput
 
     def on_fit_start(self) -> None:

@@ -303,6 +303,9 @@ def _match_by_name(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> d
     return {**state, "param_groups": groups}
 
 
+_WARNED_WARMUP: list[bool] = []
+
+
 def make_scheduler(optimizer: torch.optim.Optimizer, s: SchedulerConfig, total_steps: int, epochs: int):
     """The schedule of `s` over a run of `total_steps` steps in `epochs` epochs: vitlab's per-step warmup + cosine
     or MAE's (LambdaLRs), or timm's scheduler `s.name` (stepped by ViTModule: step_update after every step, step at
@@ -313,12 +316,14 @@ def make_scheduler(optimizer: torch.optim.Optimizer, s: SchedulerConfig, total_s
     else:
         warmup = int(s.warmup_steps) if s.warmup_steps is not None else round(s.warmup_epochs * per_epoch)
     if warmup > total_steps:
-        log.warning(
+        # Once a process: a sweep's jobs (one process) would say it for every job.
+        (log.info if _WARNED_WARMUP else log.warning)(
             "warmup of %d steps is longer than the %d training steps; warming up over all of them "
             "(set scheduler.warmup_epochs or scheduler.warmup_steps lower)",
             warmup,
             total_steps,
         )
+        _WARNED_WARMUP.append(True)
         warmup = total_steps
     if s.name in LAMBDA_SCHEDULES:
         lr = optimizer.defaults["lr"]
