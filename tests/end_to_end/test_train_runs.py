@@ -157,3 +157,15 @@ def test_compile_option_trains_a_compiled_model(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert 0.0 <= json.loads((tmp_path / "r" / "metrics.json").read_text())["test/acc"] <= 1.0
+
+
+@pytest.mark.parametrize("bar", ["tqdm", "rich"])
+def test_the_progress_bar_counts_epochs_from_1_as_the_log_and_the_stop_line_do(tmp_path, bar):
+    """Issue 53: Lightning's bars say `Epoch 0` for the first epoch, which the epoch log and the interrupt line call
+    epoch 1."""
+    run = ["trainer.max_epochs=2", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "test=false"]
+    r = run_cli("train", f"progress_bar={bar}", *run, f"hydra.run.dir={tmp_path / 'r'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    shown = r.stdout + r.stderr
+    assert "Epoch 2" in shown and "Epoch 0" not in shown and "Epoch 1/1" not in shown
+    assert "Epoch 1:" in shown if bar == "tqdm" else "Epoch 2/2" in shown  # (rich, not on a terminal: its last state)

@@ -21,7 +21,6 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -29,7 +28,7 @@ from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
 from vitlab.data import sizes
 from vitlab.model.config import vit_config
 from vitlab.training import dino, sharding
-from vitlab.training.callbacks import NonFiniteLoss
+from vitlab.training.callbacks import NonFiniteLoss, RichBar, TQDMBar
 from vitlab.training.checkpoint_io import upgrade_hparams
 from vitlab.training.hardware import resolve_trainer
 from vitlab.training.health import AdaptiveGradientClipping
@@ -137,7 +136,7 @@ def progress_bar(choice: str) -> tuple[list, bool]:
         choice = "rich" if sys.stdout.isatty() else "none"
     if choice == "none":
         return [], False
-    return ([RichProgressBar()] if choice == "rich" else []), True
+    return [RichBar() if choice == "rich" else TQDMBar()], True  # (epochs counted from 1)
 
 
 def instantiate_group(group: DictConfig | None, extra: Any = None) -> list[Any]:

@@ -14,7 +14,8 @@ from weakref import proxy
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -321,3 +322,23 @@ def last_good_checkpoint(trainer: L.Trainer) -> str:
     if last:
         return f"the last good checkpoint is {last}"
     return f"no checkpoint was saved yet (the run directory {trainer.default_root_dir} keeps its log)"
+
+
+class RichBar(RichProgressBar):
+    """Lightning's rich bar with epochs counted from 1 (`Epoch 1/3`), as the epoch log and the line of a stopped run
+    count them."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        shown = f"Epoch {current_epoch + 1}" + (f"/{self.trainer.max_epochs}" if self.trainer.max_epochs else "")
+        return f"{shown:{len(self.validation_description)}}"  # (padded: no flicker beside "Validation")
+
+
+class TQDMBar(TQDMProgressBar):
+    """Lightning's tqdm bar with epochs counted from 1, as RichBar."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:  # Lightning's, but the description
+        if self._leave:
+            self.train_progress_bar = self.init_train_tqdm()
+        self.train_progress_bar.reset(total=convert_inf(self.total_train_batches))
+        self.train_progress_bar.initial = 0
+        self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch + 1}")
