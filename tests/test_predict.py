@@ -4,6 +4,7 @@ the checkpoint, vitlab reads the export (`model.pretrained=local-dir:`) or timm 
 create_transform)."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -83,3 +84,12 @@ def test_predict_and_the_timm_export_prepare_and_rank_photos_alike(ckpt, tmp_pat
         for ranked in (ours[str(path)], exported[str(path)]):
             assert [c for c, _ in ranked] == [c for c, _ in timms]
             np.testing.assert_allclose([v for _, v in ranked], [v for _, v in timms], atol=1e-5, rtol=0)
+    # Issue 53, point 13: the folder and its files as readable as a checkpoint (the umask's ordinary permissions).
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert folder.stat().st_mode & 0o7777 == 0o777 & ~umask
+    assert {f.name: f.stat().st_mode & 0o7777 for f in folder.iterdir()} == {
+        "config.json": 0o666 & ~umask,
+        "model.safetensors": 0o666 & ~umask,
+    }
+    assert ckpt.stat().st_mode & 0o7777 == 0o666 & ~umask

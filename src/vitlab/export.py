@@ -91,10 +91,16 @@ def export_timm(cfg: DictConfig) -> dict:
     (input size, crop_mode, crop_pct, interpolation, mean, std), the one vitlab.predict applies, so that timm's
     resolve_data_config and create_transform prepare an image as vitlab does. An objective=mae checkpoint gives its
     encoder (the decoder is MAE's, not timm's: format=mae writes both)."""
+    from vitlab.cli.rundir import check_writable
     from vitlab.convert.timm_dir import save_timm_dir
     from vitlab.training import build
 
     out = Path(cfg.output) if cfg.output else Path(cfg.paths.output_dir) / "timm"
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output {str(out)!r} is a file and format=timm writes a folder: choose another output")
+    if out.exists() and not cfg.overwrite:
+        raise UserError(f"output {str(out)!r} exists; choose another output or set overwrite=true")
+    check_writable(out.parent, "output", out)  # before the checkpoint is read
     module = build.load_for_inference(cfg.ckpt_path)
     if module.hparams.get("data"):
         module.model.pretrained_cfg.update(build.inference_datamodule(module, cfg.ckpt_path).preprocessing)
