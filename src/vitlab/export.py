@@ -41,13 +41,7 @@ def export(cfg: DictConfig) -> dict:
         return consolidate(cfg.ckpt_path, out)
     module = build.load_for_inference(cfg.ckpt_path)
     model, data = module.model, build.inference_datamodule(module, cfg.ckpt_path)
-    preprocessing = {
-        "input_size": [model.cfg.in_chans, *model.cfg.img_hw],
-        "mean": list(data.mean),
-        "std": list(data.std),
-        "eval_transform": module.hparams["data"].get("eval_transform"),
-        "dynamic_img_size": model.cfg.dynamic_img_size,
-    }
+    preprocessing = data.preprocessing | {"dynamic_img_size": model.cfg.dynamic_img_size}  # as format=timm writes it
     metadata = {"preprocessing": preprocessing, "class_names": module.hparams.get("class_names")}
     report = export(model.float(), out, atol=cfg.atol, metadata=metadata)
     report["ckpt_path"] = str(cfg.ckpt_path)
@@ -93,16 +87,23 @@ def export_mae(cfg: DictConfig) -> dict:
 def export_timm(cfg: DictConfig) -> dict:
     """format=timm: the checkpoint's ViT as the folder timm's `local-dir:` reads (config.json, model.safetensors),
     checked by loading it with timm.create_model('local-dir:<folder>', pretrained=True) and comparing the logits to
-    1e-5 (convert.timm_dir); the data's mean and std and the class names go into its pretrained_cfg. An
-    objective=mae checkpoint gives its encoder (the decoder is MAE's, not timm's: format=mae writes both)."""
+    1e-5 (convert.timm_dir); its pretrained_cfg holds the class names and the eval transform of the checkpoint's data
+    (input size, crop_mode, crop_pct, interpolation, mean, std), the one vitlab.predict applies, so that timm's
+    resolve_data_config and create_transform prepare an image as vitlab does. An objective=mae checkpoint gives its
+    encoder (the decoder is MAE's, not timm's: format=mae writes both)."""
+    from vitlab.cli.rundir import check_writable
     from vitlab.convert.timm_dir import save_timm_dir
     from vitlab.training import build
 
     out = Path(cfg.output) if cfg.output else Path(cfg.paths.output_dir) / "timm"
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output {str(out)!r} is a file and format=timm writes a folder: choose another output")
+    if out.exists() and not cfg.overwrite:
+        raise UserError(f"output {str(out)!r} exists; choose another output or set overwrite=true")
+    check_writable(out.parent, "output", out)  # before the checkpoint is read
     module = build.load_for_inference(cfg.ckpt_path)
-    if module.hparams.get("data"):  # the preprocessing it was trained with
-        data = build.inference_datamodule(module, cfg.ckpt_path)
-        module.model.pretrained_cfg.update(mean=tuple(data.mean), std=tuple(data.std))
+    if module.hparams.get("data"):
+        module.model.pretrained_cfg.update(build.inference_datamodule(module, cfg.ckpt_path).preprocessing)
     names, atol = module.hparams.get("class_names"), min(float(cfg.atol), 1e-5)
     report = save_timm_dir(module.model.float(), out, names, atol=atol, overwrite=cfg.overwrite)
     report |= {"ckpt_path": str(cfg.ckpt_path), "format": "timm"}

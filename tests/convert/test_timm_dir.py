@@ -2,6 +2,7 @@
 our logits in timm's own VisionTransformer, for each kind of architecture and for checkpoints of every objective."""
 
 import json
+import os
 
 import lightning as L
 import pytest
@@ -55,6 +56,21 @@ def test_a_folder_timm_would_not_read_back_is_refused(tmp_path):
     (tmp_path / "m").mkdir()
     with pytest.raises(UserError, match="exists; choose another output or set overwrite=true"):
         save_timm_dir(model, tmp_path / "m")
+
+
+def test_the_folder_is_as_readable_as_any_new_file(tmp_path):
+    """The folder and its files get the permissions the umask gives a checkpoint, not tempfile's 0700 folder and
+    safetensors' 0600 file (issue 53, point 13); an existing folder is replaced whole with overwrite."""
+    model = ViT(tiny())
+    for umask, modes in {0o022: (0o755, 0o644), 0o027: (0o750, 0o640)}.items():
+        old = os.umask(umask)
+        try:
+            save_timm_dir(model, tmp_path / "m", overwrite=True)
+        finally:
+            os.umask(old)
+        files = {f.name: f.stat().st_mode & 0o7777 for f in (tmp_path / "m").iterdir()}
+        assert ((tmp_path / "m").stat().st_mode & 0o7777, files) == (modes[0], dict.fromkeys(files, modes[1]))
+        assert sorted(files) == ["config.json", "model.safetensors"] and [p.name for p in tmp_path.iterdir()] == ["m"]
 
 
 OBJECTIVES = {

@@ -360,6 +360,17 @@ def test_unwritable_run_directory(unwritable, tmp_path):
     assert "choose a writable hydra.run.dir or paths.log_dir" in r.stderr
 
 
+@pytest.mark.parametrize("fmt, name", [("timm", "timm"), ("onnx", "model.onnx"), ("pt2", "model.pt2")])
+def test_export_where_nobody_may_write_is_one_line(ckpt, unwritable, tmp_path, fmt, name):
+    """format=timm refuses an output it cannot write as ONNX and pt2 do (issue 53, point 13): one line, exit 2, and
+    nothing left behind, neither in the folder nor a run directory."""
+    out = unwritable / "sub" / name
+    r = run_cli("export", f"ckpt_path={ckpt}", f"format={fmt}", f"output={out}", cwd=tmp_path)
+    assert_refused(r, f"error: output '{out}' cannot be written (", {}, tmp_path / "outputs")
+    assert r.stderr.strip().endswith("; choose another output")
+    assert list(unwritable.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["locked"]
+
+
 def test_unwritable_working_directory(unwritable):
     r = run_cli("train", cwd=unwritable)
     assert_refused(r, f"error: output directory '{unwritable / 'outputs'}' cannot be written (", {})

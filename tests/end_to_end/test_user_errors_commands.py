@@ -111,13 +111,14 @@ def test_a_bad_value_of_any_command_is_one_line_and_leaves_nothing(ckpt, tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]  # no strict.onnx, no shards, no temporary
 
 
-def test_export_onto_a_full_disk_says_what_to_do(ckpt, tmp_path):
+@pytest.mark.parametrize("fmt, name, kind", [("onnx", "model.onnx", "file"), ("timm", "timm", "folder")])
+def test_export_onto_a_full_disk_says_what_to_do(ckpt, tmp_path, fmt, name, kind):
     with tmpfs(tmp_path / "disk", "size=200k") as disk:
-        r = run_cli("export", f"ckpt_path={ckpt}", f"output={disk / 'model.onnx'}", cwd=tmp_path)
+        r = run_cli("export", f"ckpt_path={ckpt}", f"format={fmt}", f"output={disk / name}", cwd=tmp_path)
         assert_refused(
             r,
-            f"error: cannot write onnx export {disk / 'model.onnx'} (No space left on device); no model.onnx was "
-            "written, and no partial file is left; free space, or export elsewhere with output=<file>",
+            f"error: cannot write {fmt} export {disk / name} (No space left on device); no {name} was "
+            f"written, and no partial file is left; free space, or export elsewhere with output=<{kind}>",
             {},
             tmp_path / "outputs",
         )

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ from vitlab.convert.timm_args import timm_kwargs, timm_model_args, vitlab_args
 from vitlab.convert.timm_hub import timm_vit_names
 from vitlab.convert.weights import check_state_dict
 from vitlab.model import ViT, ViTConfig
+from vitlab.utils.atomic import atomic_dir
 from vitlab.utils.errors import UserError
 
 # Arguments timm takes as classes only: the architecture written in config.json must have ours.
@@ -103,7 +102,8 @@ def save_timm_dir(
     model: ViT, out: str | os.PathLike, label_names: list[str] | None = None, atol: float = 1e-5, overwrite=False
 ) -> dict[str, Any]:
     """Write `model` as a timm folder at `out` (config.json, model.safetensors), read back by timm and compared
-    (largest |logit difference| <= atol) before it is put in place. Returns what was written and measured."""
+    (largest |logit difference| <= atol) before it is put in place (utils.atomic.atomic_dir: with the permissions
+    of any new file). Returns what was written and measured."""
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -113,22 +113,19 @@ def save_timm_dir(
     config = timm_config(model, label_names, hint)
     state = check_state_dict(model.state_dict(), model.cfg)
     state = {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        diff = _timm_reads_it_back(model, tmp)
+    measured: dict[str, float] = {}
+
+    def write(folder: Path) -> None:
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        measured["diff"] = diff = _timm_reads_it_back(model, folder)
         if not diff <= atol:
             raise UserError(
                 f"timm's model of the folder is {diff:.3g} from ours (over {atol}): refused, nothing written"
             )
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return {"output": str(out), "architecture": config["architecture"], "max_abs_diff": diff}
+
+    atomic_dir(out, write, what="timm export", advice="free space, or export elsewhere with output=<folder>")
+    return {"output": str(out), "architecture": config["architecture"], "max_abs_diff": measured["diff"]}
 
 
 @torch.no_grad()

@@ -307,10 +307,10 @@ class ImageDataModule(DataModule):
         self.train_transform_args = dict(train_transform or {})
         self.train_tf = transforms.train_transform(self.img_size, self.mean, **self.train_transform_args)
         # null eval settings: this dataset's defaults (pretrained.apply_pretrained fills them from the weights first)
-        eval_settings = {"crop_pct": self.eval_crop_pct} | {
+        self.eval_settings = {"crop_pct": self.eval_crop_pct} | {
             k: v for k, v in (eval_transform or {}).items() if v is not None
         }
-        self.eval_tf = transforms.eval_transform(self.img_size, self.mean, **eval_settings)
+        self.eval_tf = transforms.eval_transform(self.img_size, self.mean, **self.eval_settings)
         self.train_settings = from_mapping(transforms.TrainTransform, train_transform or {}, "data.train_transform")
         s = self.train_settings
         self.to_input = transforms.DeviceTransform(
@@ -391,3 +391,9 @@ class ImageDataModule(DataModule):
     def predict_tensor(self, img) -> torch.Tensor:
         """One image (PIL or uint8 tensor) -> the (1, C, H, W) float32 batch the eval loader makes of it."""
         return self.device_transform((self.eval_tf(img).unsqueeze(0), None), train=False)[0]
+
+    @property
+    def preprocessing(self) -> dict[str, Any]:
+        """predict_tensor's (and the eval loader's) preparation in timm's pretrained_cfg names: what vitlab.export
+        writes, so that timm prepares an image as vitlab does."""
+        return transforms.timm_eval_cfg(self.img_size, self.channels, self.mean, self.std, **self.eval_settings)

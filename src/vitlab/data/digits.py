@@ -6,7 +6,9 @@ are uint8 0..255 in memory, as any other dataset's, and by default the whole set
 and augmented there a batch at a time (`data.on_device`, data/resident.py): a random shift of up to `shift`
 pixels at 8x8, then the resize to the model's img_size and, when set, a random rotation and zoom (per-image
 transforms would cost more than the tiny model). `data.on_device=false` reads them through the loader instead,
-shifted per image.
+shifted per image. Evaluation (val, test, vitlab.predict) is every dataset's eval transform at crop_pct 1 (the 8x8
+images resized whole, in PIL; a photo's shorter side resized and its centre cropped), the one preprocessing that
+vitlab.export records for timm (`ImageDataModule.preprocessing`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-from vitlab.data import transforms
 from vitlab.data.base import ImageDataModule
 from vitlab.data.resident import ArrayImages
 from vitlab.data.seeded import TransformDataset
@@ -50,7 +51,7 @@ class DigitsDataModule(ImageDataModule):
     mean = (0.3053,)  # of the images scaled to [0, 1] (pixel values 0..16)
     std = (0.3759,)
     class_names = [str(i) for i in range(10)]
-    eval_crop_pct = 1.0  # resized whole
+    eval_crop_pct = 1.0  # the test images resized whole; a photo's shorter side resized, its centre cropped
     native_hw = (8, 8)
 
     def __init__(
@@ -86,9 +87,6 @@ class DigitsDataModule(ImageDataModule):
         self.rotate, self.scale, self.shift = rotate, tuple(scale), shift
         self.val_fraction, self.test_fraction, self.split_seed = val_fraction, test_fraction, split_seed
         self.black = (0.0 - self.mean[0]) / self.std[0]  # the fill for pixels moved in by rotation and zoom
-        # 8x8 drawings, resized whole by torchvision as training resizes them: no photo's crop (data.eval_transform
-        # is refused), and the same pixels as before eval transforms followed timm's crop modes
-        self.eval_tf = transforms.whole_resize(self.img_size)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -125,8 +123,8 @@ class DigitsDataModule(ImageDataModule):
         return x, y
 
     def predict_tensor(self, img) -> torch.Tensor:
-        """A PIL image or tensor of a digit -> (1, 1, H, W): gray, 8x8 as uint8, then as the test images are
-        prepared."""
+        """A PIL image or tensor of a digit, of any size -> (1, 1, H, W): gray as uint8, then as the test images are
+        prepared (a photo's shorter side resized, its centre cropped: the preprocessing vitlab.export records)."""
         from torchvision.transforms.v2 import functional as TF
 
         x = TF.to_image(img)
@@ -134,4 +132,4 @@ class DigitsDataModule(ImageDataModule):
             x = TF.to_dtype(x, torch.uint8, scale=True)
         if x.shape[0] != 1:
             x = TF.rgb_to_grayscale(x[:3])
-        return super().predict_tensor(TF.resize(x, [8, 8], antialias=True))
+        return super().predict_tensor(x)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torchvision.transforms import InterpolationMode
@@ -208,10 +209,21 @@ def eval_transform(img_size: int | Sequence[int], mean: Sequence[float] = (0.5, 
     )
 
 
-def whole_resize(img_size: int | Sequence[int], interpolation: str = "bicubic") -> T.Compose:
-    """Every image resized whole to img_size by torchvision (uint8 in and out): digits' evaluation, whose training
-    resizes them so on the device (data/digits.py)."""
-    return T.Compose([T.ToImage(), _ResizeIfNeeded(as_hw(img_size, "data.img_size"), _interp(interpolation))])
+def timm_eval_cfg(
+    img_size: int | Sequence[int], channels: int, mean: Sequence[float], std: Sequence[float], **settings
+) -> dict[str, Any]:
+    """`eval_transform(img_size, mean, **settings)` and the normalisation by `mean`/`std` after it, in the names of
+    timm's pretrained_cfg: timm's resolve_data_config and create_transform make the same tensor of an image from it
+    (pixel for pixel: tests/data/test_transforms.py), so a model exported with it is fed as vitlab feeds it."""
+    t = from_mapping(EvalTransform, settings, "data.eval_transform")
+    return {
+        "input_size": (channels, *as_hw(img_size, "data.img_size")),
+        "interpolation": t.interpolation,
+        "crop_pct": t.crop_pct,
+        "crop_mode": t.crop_mode,
+        "mean": tuple(mean),
+        "std": tuple(std),
+    }
 
 
 class DeviceTransform:

@@ -1,7 +1,7 @@
 """Writing a file so that a crash, a `kill -9` or a full disk never leaves half of it where a good one
 was: into a temporary file beside the target, flushed and fsynced, optionally checked, then renamed
-over the target. Checkpoints (plugins.AtomicCheckpointIO), exported weights (convert.weights) and exported
-programs (convert.export, through a temporary directory) use it.
+over the target. Checkpoints (plugins.AtomicCheckpointIO), exported weights (convert.weights), exported
+programs (convert.export, through a temporary directory) and timm folders (convert.timm_dir) use it.
 No Lightning or Hydra here."""
 
 from __future__ import annotations
@@ -81,11 +81,49 @@ def atomic_files(
     return path
 
 
+def atomic_dir(
+    path: str | os.PathLike, write: Callable[[Path], None], what: str = "folder", advice: str = CHECKPOINT_ADVICE
+) -> Path:
+    """For a folder of files (timm's format): `write(tmp)` fills `.<name>.tmp-<pid>` beside `path`, checks it and
+    raises to refuse; then its files are fsynced and it is renamed into place, replacing a folder at `path`. The
+    folder and its files get the permissions the umask gives any new file, as a checkpoint has (writers that make
+    theirs 0600, safetensors', would leave a model nobody else on a shared machine can read). The temporary never
+    survives; a full disk is a UserError as in atomic_write."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path.parent)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.mkdir()  # 0777 less the umask (tempfile.mkdtemp's is 0700)
+        write(tmp)
+        for f in tmp.iterdir():
+            f.chmod(tmp.stat().st_mode & 0o666)  # what open() would have made: 0666 less the umask
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        _replace_dir(tmp, path)
+    except Exception as e:  # (safetensors' writer raises a SafetensorError of its own on a full disk)
+        _raise_disk_error(e, path, what, advice)
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _replace_dir(tmp: Path, path: Path) -> None:
+    """Rename the folder `tmp` onto `path`; a folder there is moved aside first (a rename replaces none but an empty
+    one) and removed once the new one is in place."""
+    old = path.with_name(f".{path.name}.old-{os.getpid()}")
+    if path.is_dir():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _raise_disk_error(e: BaseException, path: Path, what: str, advice: str = CHECKPOINT_ADVICE) -> None:
     disk = disk_error(e)
     if disk is None:
         return
-    kept = f"the previous {path.name} is intact" if path.is_file() else f"no {path.name} was written"
+    kept = f"the previous {path.name} is intact" if path.exists() else f"no {path.name} was written"
     raise UserError(
         f"cannot write {what} {path} ({disk.strerror or disk}); {kept}, and no partial file is left; {advice}"
     ) from e
@@ -100,11 +138,7 @@ def atomic_link(source: str | os.PathLike, path: str | os.PathLike) -> Path:
     if source.is_dir():
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(source, tmp, copy_function=_link_or_copy)
-        if path.is_dir():  # a directory is not replaced by rename: the old one moves aside first
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            os.replace(path, old)
-            shutil.rmtree(old)
-        os.replace(tmp, path)
+        _replace_dir(tmp, path)
         return path
     tmp.unlink(missing_ok=True)
     try:

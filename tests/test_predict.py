@@ -1,0 +1,95 @@
+"""vitlab.predict on photos that are not square (issue 53, point 12): a checkpoint and its own timm export are one
+model with one preprocessing, the eval transform of the data the checkpoint was trained with, whether vitlab reads
+the checkpoint, vitlab reads the export (`model.pretrained=local-dir:`) or timm does (resolve_data_config,
+create_transform)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import timm
+import torch
+from omegaconf import OmegaConf
+from PIL import Image
+from sklearn.datasets import load_digits
+from timm.data import create_transform, resolve_data_config
+
+from tests.helpers import digits_checkpoint, run_cli
+from vitlab import predict
+from vitlab.data.images import read_image
+from vitlab.training import build
+
+SIZES = [(40, 64), (90, 30), (120, 200)]  # (height, width) of the photos: wide, tall, wide
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return digits_checkpoint(tmp_path_factory)
+
+
+def _photos(folder):
+    """Three test digits drawn large on black RGB canvases of other aspect ratios, as a camera would give them."""
+    digits = load_digits()
+    paths = []
+    for i, (h, w) in enumerate(SIZES):
+        side = min(h, w)
+        digit = Image.fromarray((digits.images[i] * 255 / 16).astype(np.uint8)).resize((side, side), Image.NEAREST)
+        canvas = Image.new("L", (w, h))
+        canvas.paste(digit, ((w - side) // 2, (h - side) // 2))
+        canvas.convert("RGB").save(path := folder / f"photo{i}.png")
+        paths.append(path)
+    return paths
+
+
+def _predicted(ckpt_or_weights, photos, run_dir):
+    """`python -m vitlab.predict` as typed, every class ranked: {image: [(class, prob), ...]}."""
+    images = f"images=[{','.join(map(str, photos))}]"
+    r = run_cli("predict", ckpt_or_weights, images, "top_k=10", f"hydra.run.dir={run_dir}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranked = json.loads((run_dir / "predictions.json").read_text())
+    return {p["image"]: [(t["class"], t["prob"]) for t in p["top_k"]] for p in ranked}
+
+
+def test_predict_and_the_timm_export_prepare_and_rank_photos_alike(ckpt, tmp_path):
+    photos, folder = _photos(tmp_path), tmp_path / "timm"
+    r = run_cli("export", f"ckpt_path={ckpt}", "format=timm", f"output={folder}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # The one preprocessing: the eval transform of the data module the checkpoint stores.
+    module = build.load_for_inference(str(ckpt)).eval()
+    data = build.inference_datamodule(module, str(ckpt))
+    pretrained_cfg = json.loads((folder / "config.json").read_text())["pretrained_cfg"]
+    assert {k: pretrained_cfg[k] for k in data.preprocessing} == json.loads(json.dumps(data.preprocessing))
+    assert pretrained_cfg["crop_mode"] == "center" and pretrained_cfg["crop_pct"] == 1.0
+    theirs = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+    timm_tf = create_transform(**resolve_data_config(model=theirs))
+    from_ckpt = predict._checkpoint(OmegaConf.create({"ckpt_path": str(ckpt), "device": "cpu"}))[1]
+    local = OmegaConf.create({"model": {"pretrained": f"local-dir:{folder}", "img_size": None}, "device": "cpu"})
+    from_export = predict._pretrained(local)[1]
+    x = torch.cat([timm_tf(Image.open(p).convert("L"))[None] for p in photos])  # (3, 1, 8, 8)
+    for prepare in (from_ckpt, from_export, data.predict_tensor):
+        assert torch.equal(torch.cat([prepare(read_image(p, 1)) for p in photos]), x)
+    # ... which is what the test images went through: 8x8 digits pass unchanged, normalised.
+    test_images = data.first_images("test", 4)
+    pils = [Image.fromarray(data.test_set.base[i][0][0].numpy()) for i in data.test_set.indices[:4]]
+    assert torch.equal(torch.cat([timm_tf(img)[None] for img in pils]), test_images)
+    # The same classes and probabilities: predict on the checkpoint, on its export, and timm's model.
+    ours = _predicted(f"ckpt_path={ckpt}", photos, tmp_path / "p1")
+    exported = _predicted(f"model.pretrained=local-dir:{folder}", photos, tmp_path / "p2")
+    with torch.no_grad():
+        probs = theirs(x).softmax(-1)
+    for path, p in zip(photos, probs, strict=True):
+        top = p.topk(10)
+        timms = [(str(int(i)), float(v)) for v, i in zip(top.values, top.indices, strict=True)]
+        for ranked in (ours[str(path)], exported[str(path)]):
+            assert [c for c, _ in ranked] == [c for c, _ in timms]
+            np.testing.assert_allclose([v for _, v in ranked], [v for _, v in timms], atol=1e-5, rtol=0)
+    # Issue 53, point 13: the folder and its files as readable as a checkpoint (the umask's ordinary permissions).
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert folder.stat().st_mode & 0o7777 == 0o777 & ~umask
+    assert {f.name: f.stat().st_mode & 0o7777 for f in folder.iterdir()} == {
+        "config.json": 0o666 & ~umask,
+        "model.safetensors": 0o666 & ~umask,
+    }
+    assert ckpt.stat().st_mode & 0o7777 == 0o666 & ~umask
