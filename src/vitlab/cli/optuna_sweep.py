@@ -118,6 +118,9 @@ def _sweep(impl: Any, arguments: list[str]) -> None:
         fail(f"hydra.sweeper.n_trials {impl.n_trials!r} must be an integer >= 1: the number of trials of the study")
     distributions, fixed = _search_space(impl, arguments)
     study = _study(impl)
+    Path(impl.sweep_dir).mkdir(parents=True, exist_ok=True)  # (the study may be kept elsewhere)
+    # The sweep's config, as Hydra's grid sweeper saves it: a later sweep into this directory is held to its overrides.
+    OmegaConf.save(impl.config, Path(impl.sweep_dir) / "multirun.yaml")
     state = optuna.trial.TrialState
     earlier = study.get_trials(deepcopy=False)
     _reseed(impl, study, len(earlier))

@@ -1,11 +1,15 @@
 """The summary of a -m sweep: one row per job (its overrides, status and final metrics), written as each job
-ends, and the table printed when the sweep is over. A Hydra callback, configured in conf/hydra/default.yaml."""
+ends, and the table printed when the sweep is over. A Hydra callback, configured in conf/hydra/default.yaml.
+
+A sweep run again into its directory: another sweep refused before Hydra starts (`check_sweep_dir`), a job that
+ended skipped (`earlier_result`)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -166,6 +170,46 @@ def _best_trial(sweep_dir: Path, metric: str | None, sweeper: DictConfig) -> dic
     pick = max if sweeper.direction == "maximize" else min
     value, best = pick(trials, key=lambda t: t[0])
     return {"name": "optuna", "best_params": best, "best_value": value, "trials_ended": len(trials)}
+
+
+def check_sweep_dir(sweep_dir: str | None, argv: list[str], command: str) -> None:
+    """Before Hydra starts the sweep of `argv` into `sweep_dir`: refuse in one line one that is not the sweep the
+    directory holds, before anything in it is rewritten (Hydra rewrites multirun.yaml, and each job's .hydra/
+    before the job runs). `command`: the module, for the line that goes on with the directory's own sweep.
+
+    A sweep is the overrides that choose its jobs, as its multirun.yaml records them: the command's own
+    (hydra.overrides.task) and the sweeper's params (hydra.sweeper.params.*), in their order, which numbers the
+    jobs. The rest of hydra.* may change: the hydra.sweep.dir that the continue command adds (entry.py:
+    _summarize_sweep), an Optuna search's n_trials, the launcher. A directory without multirun.yaml is left to each
+    job's own check (`earlier_result`), as is a sweep directory with interpolations (the default: its time)."""
+    import yaml
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    if sweep_dir is None or "${" in sweep_dir:
+        return
+    record = Path(sweep_dir) / "multirun.yaml"
+    try:
+        node = OmegaConf.select(OmegaConf.load(record), "hydra.overrides") if record.is_file() else None
+        ours = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
+    except (yaml.YAMLError, HydraException):  # a record cut short by a kill; a malformed override (Hydra says so)
+        return
+    theirs = OmegaConf.to_container(node) if node is not None else None  # (as typed: interpolations unresolved)
+    task = [o.input_line for o in ours if not o.is_hydra_override()]
+    hydra = [o.input_line for o in ours if o.is_hydra_override()]
+    if theirs is None or _jobs_chosen_by(theirs["task"], theirs["hydra"]) == _jobs_chosen_by(task, hydra):
+        return
+    again = [
+        "python", "-m", command, "-m", *theirs["task"],
+        *(o for o in theirs["hydra"] if not o.startswith(("hydra.sweep.dir=", "hydra.mode="))),  # (Hydra's for -m)
+        f"hydra.sweep.dir={sweep_dir}",
+    ]  # fmt: skip
+    fail(f"hydra.sweep.dir {sweep_dir!r} holds another sweep, which goes on with: {shlex.join(again)}; give this one "
+         "a new hydra.sweep.dir")  # fmt: skip
+
+
+def _jobs_chosen_by(task: list[str], hydra: list[str]) -> list[str]:
+    return [*task, *(o for o in hydra if o.lstrip("+~").startswith("hydra.sweeper.params."))]
 
 
 def earlier_result(out: Path) -> dict[str, Any] | None:
