@@ -130,7 +130,8 @@ def test_another_sweep_into_a_sweeps_directory_is_refused_up_front_and_the_sweep
     """Issue 53: `-m optim.lr=5e-3 trainer.max_epochs=2` into the directory of `-m optim.lr=1e-3,3e-3` is one line,
     exit 2, before any job starts, every file there as it was (each job refused itself into its error.json, Hydra
     rewrote multirun.yaml, and the first sweep's own command then resumed its finished job 0 from last.ckpt). The
-    first sweep's command still goes on, its finished jobs skipped."""
+    first sweep's command still goes on, its finished jobs skipped; a job directory found holding another job's run
+    (the sweep's record gone) stops the sweep in one line, writing nothing there."""
     sweep = tmp_path / "sweep"
     command = ["-m", "optim.lr=1e-3,3e-3", *SHORT, "trainer.max_epochs=1", f"hydra.sweep.dir={sweep}"]
     other = ["-m", "optim.lr=5e-3", "trainer.max_epochs=2", f"hydra.sweep.dir={sweep}"]  # (as the issue typed it)
@@ -154,6 +155,14 @@ def test_another_sweep_into_a_sweeps_directory_is_refused_up_front_and_the_sweep
     assert _results(sweep) == results
     rows = json.loads((sweep / "summary.json").read_text())
     assert rows == json.loads(before[Path("summary.json")]) and [row["status"] for row in rows] == ["done", "done"]
+
+    (sweep / "multirun.yaml").unlink()  # no record of the sweep: job 0 finds another job's run in its directory
+    summary = (sweep / "summary.json").read_bytes()
+    r = run_cli("train", *other)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: {sweep / '0'} holds a run of other overrides (")
+    assert _results(sweep) == results and (sweep / "summary.json").read_bytes() == summary
+    assert not list(sweep.glob("*/error.json"))
 
 
 def test_a_trial_at_lr_10_is_pruned_by_the_median_pruner_before_its_last_epoch(tmp_path):

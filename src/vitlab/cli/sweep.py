@@ -2,7 +2,8 @@
 ends, and the table printed when the sweep is over. A Hydra callback, configured in conf/hydra/default.yaml.
 
 A sweep run again into its directory: another sweep refused before Hydra starts (`check_sweep_dir`), a job that
-ended skipped (`earlier_result`)."""
+ended skipped, its results never rewritten (`earlier_result`), a directory of another job's run refused
+(`refuse_other_job`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from vitlab.utils.errors import fail
+from vitlab.utils.errors import UserError, fail
 
 # What a finished job of each entry point writes in its directory: train, parity, benchmark.
 RESULT_FILES = ("metrics.json", "parity.json", "benchmark.json")
@@ -181,7 +182,7 @@ def check_sweep_dir(sweep_dir: str | None, argv: list[str], command: str) -> Non
     (hydra.overrides.task) and the sweeper's params (hydra.sweeper.params.*), in their order, which numbers the
     jobs. The rest of hydra.* may change: the hydra.sweep.dir that the continue command adds (entry.py:
     _summarize_sweep), an Optuna search's n_trials, the launcher. A directory without multirun.yaml is left to each
-    job's own check (`earlier_result`), as is a sweep directory with interpolations (the default: its time)."""
+    job's own check (`refuse_other_job`), as is a sweep directory with interpolations (the default: its time)."""
     import yaml
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -212,40 +213,51 @@ def _jobs_chosen_by(task: list[str], hydra: list[str]) -> list[str]:
     return [*task, *(o for o in hydra if o.lstrip("+~").startswith("hydra.sweeper.params."))]
 
 
+class OtherJobsRun(UserError):
+    """A sweep job's directory holds a run of another job: the whole sweep stops on this one line (cli/entry.py),
+    and nothing of it is written there, not even the error.json of a failed job."""
+
+
+def refuse_other_job(out: Path, overrides: list[str]) -> None:
+    """Refuse job directory `out` for the job of `overrides` (sorted) where it holds another job's run (other
+    overrides, as its JOB_FILE recorded them), or a finished run that recorded none: a finished job's results are
+    never rewritten, nor resumed into."""
+    record = out / JOB_FILE
+    if record.is_file() and (before := json.loads(record.read_text())) != overrides:
+        differ = [o for o in before if o not in overrides][:2] + [f"now {o}" for o in overrides if o not in before][:2]
+        raise OtherJobsRun(
+            f"{out} holds a run of other overrides ({', '.join(differ)}); continue a sweep with the command that "
+            "started it, or give a new hydra.sweep.dir"
+        )
+    if not record.is_file() and any((out / name).is_file() for name in RESULT_FILES):
+        raise OtherJobsRun(f"{out} holds a finished run of no recorded overrides; give a new hydra.sweep.dir")
+
+
 def earlier_result(out: Path) -> dict[str, Any] | None:
     """In a -m sweep run again into the same sweep directory, this job's metrics.json where it ended in an earlier run
-    (done or pruned): the job is skipped. A job directory that holds another job's run (other overrides, as its
-    JOB_FILE recorded them) is refused in one line, before anything of it is touched; an interrupted job of the same
-    overrides goes on from its checkpoint (training/resume.py: earlier_start)."""
+    (done or pruned; or failed after writing it): the job is skipped, its results never rewritten. A job directory
+    that holds another job's run is refused (`refuse_other_job`), before anything of it is touched; an interrupted
+    job of the same overrides goes on from its checkpoint (training/resume.py: earlier_start)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-
-    from vitlab.utils.errors import UserError
 
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return None
     now = sorted(HydraConfig.get().overrides.task)
+    refuse_other_job(out, now)
     record, mine = out / JOB_FILE, out / f".{JOB_FILE}.{os.getpid()}"
     mine.write_text(json.dumps(now))
     try:  # the job's first start: published whole (every rank of a Slurm job writes the same; one link wins)
         os.link(mine, record)
         return None
     except FileExistsError:
-        before = json.loads(record.read_text())
+        pass  # an earlier start's record (checked above), or another rank's of this start
     finally:
         mine.unlink()
-    if before != now:
-        differ = [o for o in before if o not in now][:2] + [f"now {o}" for o in now if o not in before][:2]
-        raise UserError(
-            f"{out} holds a run of other overrides ({', '.join(differ)}); continue a sweep with the command that "
-            "started it, or give a new hydra.sweep.dir"
-        )
-    metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").is_file() else None
-    if (out / "error.json").is_file():  # failed before: it runs again, and its row says how it ends this time
-        (out / "error.json").unlink()
+    if not (out / "metrics.json").is_file():
+        (out / "error.json").unlink(missing_ok=True)  # failed before: it runs again, its row says how it ends now
         return None
-    if metrics is None:
-        return None
+    metrics = json.loads((out / "metrics.json").read_text())
     how = f"pruned at epoch {metrics['pruned']['epoch']}" if metrics.get("pruned") else "done"
     logging.getLogger("vitlab.train").info(
         "sweep job %s ended in an earlier run of this sweep (%s): not run again; its result: %s",
