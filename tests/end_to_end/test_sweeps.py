@@ -8,6 +8,7 @@ import json
 import re
 import shlex
 import signal
+from pathlib import Path
 
 import optuna
 import pytest
@@ -107,10 +108,61 @@ def test_a_grid_sweep_killed_in_its_second_job_runs_only_the_others_again(tmp_pa
     # The table is sorted by the metric, best first.
     shown = [int(m) for m in re.findall(r"^│ (\d) ", r.stdout, re.M)]
     assert shown == sorted(range(3), key=lambda j: -rows[j]["val/acc_best"])
-    # Another sweep into the same directory is refused, and touches nothing.
+    # Another sweep into the same directory is refused (test_another_sweep_into_a_sweeps_directory_...: every file).
     r = run_cli("train", "-m", "optim.lr=5e-3,2e-3", *SHORT, f"hydra.sweep.dir={sweep}")
-    assert r.returncode == 2 and f"{sweep / '0'} holds a run of other overrides" in r.stderr
+    assert r.returncode == 2 and f"hydra.sweep.dir {str(sweep)!r} holds another sweep" in r.stderr
     assert (sweep / "0" / "metrics.json").read_bytes() == done
+
+
+def _files(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _results(sweep):
+    """The files of every job's results (metrics.json, csv/, checkpoints/) with their bytes."""
+    return {k: v for k, v in _files(sweep).items() if k.parts[0].isdigit() and k.parts[1] in RESULTS}
+
+
+RESULTS = ("metrics.json", "csv", "checkpoints")
+
+
+def test_another_sweep_into_a_sweeps_directory_is_refused_up_front_and_the_sweep_still_goes_on(tmp_path):
+    """Issue 53: `-m optim.lr=5e-3 trainer.max_epochs=2` into the directory of `-m optim.lr=1e-3,3e-3` is one line,
+    exit 2, before any job starts, every file there as it was (each job refused itself into its error.json, Hydra
+    rewrote multirun.yaml, and the first sweep's own command then resumed its finished job 0 from last.ckpt). The
+    first sweep's command still goes on, its finished jobs skipped; a job directory found holding another job's run
+    (the sweep's record gone) stops the sweep in one line, writing nothing there."""
+    sweep = tmp_path / "sweep"
+    command = ["-m", "optim.lr=1e-3,3e-3", *SHORT, "trainer.max_epochs=1", f"hydra.sweep.dir={sweep}"]
+    other = ["-m", "optim.lr=5e-3", "trainer.max_epochs=2", f"hydra.sweep.dir={sweep}"]  # (as the issue typed it)
+    r = run_cli("train", *command)
+    assert r.returncode == 0, r.stderr[-3000:]
+    before, results = _files(sweep), _results(sweep)
+    assert Path("0/metrics.json") in results and Path("1/checkpoints/last.ckpt") in results
+
+    r = run_cli("train", *other)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
+    said = re.fullmatch(rf"error: hydra.sweep.dir {re.escape(repr(str(sweep)))} holds another sweep, which goes on "
+                        r"with: (.*); give this one a new hydra.sweep.dir", lines[0])  # fmt: skip
+    assert said and shlex.split(said[1]) == ["python", "-m", "vitlab.train", *command]
+    assert _files(sweep) == before
+
+    r = run_cli("train", *command)  # the first sweep's own command
+    assert r.returncode == 0, r.stderr[-3000:]
+    for job in (0, 1):
+        assert f"sweep job {job} ended in an earlier run of this sweep (done): not run again" in r.stderr + r.stdout
+    assert _results(sweep) == results
+    rows = json.loads((sweep / "summary.json").read_text())
+    assert rows == json.loads(before[Path("summary.json")]) and [row["status"] for row in rows] == ["done", "done"]
+
+    (sweep / "multirun.yaml").unlink()  # no record of the sweep: job 0 finds another job's run in its directory
+    summary = (sweep / "summary.json").read_bytes()
+    r = run_cli("train", *other)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: {sweep / '0'} holds a run of other overrides (")
+    assert _results(sweep) == results and (sweep / "summary.json").read_bytes() == summary
+    assert not list(sweep.glob("*/error.json"))
 
 
 def test_a_trial_at_lr_10_is_pruned_by_the_median_pruner_before_its_last_epoch(tmp_path):

@@ -53,7 +53,8 @@ def entry_point(
     directory, and input errors reported as one line (the traceback only with HYDRA_FULL_ERROR=1). A plain run is
     checked before Hydra makes its run directory (rundir.prepare), every job again as it starts. In a -m sweep a job
     with bad input is reported and recorded, a job that fails on a bug keeps its traceback and is recorded too, and
-    the sweep goes on (SweepSummary lists every job at the end and makes the sweep exit 2, or 1 after a bug).
+    the sweep goes on (SweepSummary lists every job at the end and makes the sweep exit 2, or 1 after a bug); a job
+    whose directory holds another job's run stops the sweep in one line, writing nothing (sweep.refuse_other_job).
     `check`: the command's own further checks, where they need its package (cli/ imports no command)."""
 
     def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], Any]:
@@ -96,8 +97,12 @@ def _run_task(config_name: str, cfg: DictConfig, checked: Check, task: Callable[
         _summarize_sweep(cfg)
         raise
     except (KeyboardInterrupt, Exception) as e:
+        from vitlab.cli.sweep import OtherJobsRun
+
         if is_ctrl_c(e):  # Ctrl-C or SIGTERM outside training's own handling (utils/signals.py)
             _interrupted(cfg, config_name, e)
+        if isinstance(e, OtherJobsRun):  # nothing of this sweep goes there: no error.json, no summary
+            fail(one_line(e))
         cause = user_error(e) if isinstance(e, (*config_errors(), InstantiationException)) else None
         job = _sweep_job_dir()
         if os.environ.get("HYDRA_FULL_ERROR") == "1" or (cause is None and job is None):

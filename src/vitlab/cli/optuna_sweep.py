@@ -118,6 +118,9 @@ def _sweep(impl: Any, arguments: list[str]) -> None:
         fail(f"hydra.sweeper.n_trials {impl.n_trials!r} must be an integer >= 1: the number of trials of the study")
     distributions, fixed = _search_space(impl, arguments)
     study = _study(impl)
+    Path(impl.sweep_dir).mkdir(parents=True, exist_ok=True)  # (the study may be kept elsewhere)
+    # The sweep's config, as Hydra's grid sweeper saves it: a later sweep into this directory is held to its overrides.
+    OmegaConf.save(impl.config, Path(impl.sweep_dir) / "multirun.yaml")
     state = optuna.trial.TrialState
     earlier = study.get_trials(deepcopy=False)
     _reseed(impl, study, len(earlier))
@@ -140,6 +143,7 @@ def _sweep(impl: Any, arguments: list[str]) -> None:
         else:
             trials = [study.ask() for _ in range(min(to_go, impl.n_jobs))]
             overrides = impl._configure_trials(trials, distributions, fixed)
+        _own_directories(impl, trials, overrides)
         returns = impl.launcher.launch(overrides, initial_job_idx=trials[0].number)
         for trial, ret in zip(trials, returns, strict=True):
             outcome, values = _outcome(ret, Path(impl.sweep_dir) / str(trial.number))
@@ -154,6 +158,19 @@ def _sweep(impl: Any, arguments: list[str]) -> None:
             )  # fmt: skip
             break
     _results(impl, study)
+
+
+def _own_directories(impl: Any, trials: list, overrides: list) -> None:
+    """Refuse in one line, before Hydra writes into them (.hydra/), trial directories that hold another trial's run:
+    a study begun again (another study_name, its optuna.db removed) numbers its trials from 0 again."""
+    from vitlab.cli.sweep import refuse_other_job
+    from vitlab.utils.errors import UserError, fail, one_line
+
+    try:
+        for trial, job in zip(trials, overrides, strict=True):
+            refuse_other_job(Path(impl.sweep_dir) / str(trial.number), sorted(job))
+    except UserError as e:
+        fail(one_line(e))
 
 
 def _reseed(impl: Any, study: Any, earlier: int) -> None:

@@ -29,6 +29,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf, open_dict
 
 from vitlab.cli.config_tree import config_dir, refuse_unread_groups
+from vitlab.cli.sweep import check_sweep_dir
 from vitlab.utils.errors import UserError, config_errors, fail, one_line, user_error
 
 # Written into every run directory the moment a command claims it (see claim_run_dir).
@@ -342,7 +343,8 @@ def prepare(config_name: str, argv: list[str], check: Callable[[Any], None] | No
     directory, no .hydra/ of its own and a log file named after its rank. The primary composes once to report a
     bad override in one line, checks the config (`check`: the command's, vitlab.cli.entry.check_config), then makes
     sure its run directory is new and writable (plain runs; sweeps, Hydra's flags and HYDRA_FULL_ERROR=1 are left
-    to Hydra and to each job, which report them themselves)."""
+    to Hydra and to each job, which report them themselves). A sweep into the directory of another sweep is refused
+    before Hydra rewrites anything there (vitlab.cli.sweep.check_sweep_dir)."""
     rank = process_rank()
     if rank > 0:
         own = {
@@ -357,6 +359,8 @@ def prepare(config_name: str, argv: list[str], check: Callable[[Any], None] | No
     if run_dir is None and int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1) > 1 and _torchrun_store() is None:
         _primary_run_dir(rank)  # srun's task 0: its other tasks cannot follow it anywhere, so none starts
     flags = [a for a in argv if a.startswith("-")]
+    if flags and all(f in ("-m", "--multirun") for f in flags):  # HYDRA_FULL_ERROR=1 or not: its data is at stake
+        check_sweep_dir(_override_value(argv, "hydra.sweep.dir"), argv, f"vitlab.{config_name}")
     if os.environ.get("HYDRA_FULL_ERROR") == "1" or any(f not in ("-m", "--multirun") for f in flags):
         return argv
 
@@ -373,6 +377,8 @@ def prepare(config_name: str, argv: list[str], check: Callable[[Any], None] | No
         log_dir = OmegaConf.select(cfg, "paths.log_dir", throw_on_resolution_failure=False)
     except config_errors() as e:
         fail(_explain(e, config_name, overrides))
+    if (_override_value(argv, "hydra.mode") or getattr(cfg.hydra.mode, "name", None)) == "MULTIRUN":
+        check_sweep_dir(_override_value(argv, "hydra.sweep.dir"), argv, f"vitlab.{config_name}")  # (hparams_search=...)
     try:
         if check is not None:
             _check_as_job(cfg, check)

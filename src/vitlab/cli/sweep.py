@@ -1,11 +1,16 @@
 """The summary of a -m sweep: one row per job (its overrides, status and final metrics), written as each job
-ends, and the table printed when the sweep is over. A Hydra callback, configured in conf/hydra/default.yaml."""
+ends, and the table printed when the sweep is over. A Hydra callback, configured in conf/hydra/default.yaml.
+
+A sweep run again into its directory: another sweep refused before Hydra starts (`check_sweep_dir`), a job that
+ended skipped, its results never rewritten (`earlier_result`), a directory of another job's run refused
+(`refuse_other_job`)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,7 +18,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from vitlab.utils.errors import fail
+from vitlab.utils.errors import UserError, fail
 
 # What a finished job of each entry point writes in its directory: train, parity, benchmark.
 RESULT_FILES = ("metrics.json", "parity.json", "benchmark.json")
@@ -168,40 +173,91 @@ def _best_trial(sweep_dir: Path, metric: str | None, sweeper: DictConfig) -> dic
     return {"name": "optuna", "best_params": best, "best_value": value, "trials_ended": len(trials)}
 
 
+def check_sweep_dir(sweep_dir: str | None, argv: list[str], command: str) -> None:
+    """Before Hydra starts the sweep of `argv` into `sweep_dir`: refuse in one line one that is not the sweep the
+    directory holds, before anything in it is rewritten (Hydra rewrites multirun.yaml, and each job's .hydra/
+    before the job runs). `command`: the module, for the line that goes on with the directory's own sweep.
+
+    A sweep is the overrides that choose its jobs, as its multirun.yaml records them: the command's own
+    (hydra.overrides.task) and the sweeper's params (hydra.sweeper.params.*), in their order, which numbers the
+    jobs. The rest of hydra.* may change: the hydra.sweep.dir that the continue command adds (entry.py:
+    _summarize_sweep), an Optuna search's n_trials, the launcher. A directory without multirun.yaml is left to each
+    job's own check (`refuse_other_job`), as is a sweep directory with interpolations (the default: its time)."""
+    import yaml
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    if sweep_dir is None or "${" in sweep_dir:
+        return
+    record = Path(sweep_dir) / "multirun.yaml"
+    try:
+        node = OmegaConf.select(OmegaConf.load(record), "hydra.overrides") if record.is_file() else None
+        ours = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
+    except (yaml.YAMLError, HydraException):  # a record cut short by a kill; a malformed override (Hydra says so)
+        return
+    theirs = OmegaConf.to_container(node) if node is not None else None  # (as typed: interpolations unresolved)
+    task = [o.input_line for o in ours if not o.is_hydra_override()]
+    hydra = [o.input_line for o in ours if o.is_hydra_override()]
+    if theirs is None or _jobs_chosen_by(theirs["task"], theirs["hydra"]) == _jobs_chosen_by(task, hydra):
+        return
+    again = [
+        "python", "-m", command, "-m", *theirs["task"],
+        *(o for o in theirs["hydra"] if not o.startswith(("hydra.sweep.dir=", "hydra.mode="))),  # (Hydra's for -m)
+        f"hydra.sweep.dir={sweep_dir}",
+    ]  # fmt: skip
+    fail(f"hydra.sweep.dir {sweep_dir!r} holds another sweep, which goes on with: {shlex.join(again)}; give this one "
+         "a new hydra.sweep.dir")  # fmt: skip
+
+
+def _jobs_chosen_by(task: list[str], hydra: list[str]) -> list[str]:
+    return [*task, *(o for o in hydra if o.lstrip("+~").startswith("hydra.sweeper.params."))]
+
+
+class OtherJobsRun(UserError):
+    """A sweep job's directory holds a run of another job: the whole sweep stops on this one line (cli/entry.py),
+    and nothing of it is written there, not even the error.json of a failed job."""
+
+
+def refuse_other_job(out: Path, overrides: list[str]) -> None:
+    """Refuse job directory `out` for the job of `overrides` (sorted) where it holds another job's run (other
+    overrides, as its JOB_FILE recorded them), or a finished run that recorded none: a finished job's results are
+    never rewritten, nor resumed into."""
+    record = out / JOB_FILE
+    if record.is_file() and (before := json.loads(record.read_text())) != overrides:
+        differ = [o for o in before if o not in overrides][:2] + [f"now {o}" for o in overrides if o not in before][:2]
+        raise OtherJobsRun(
+            f"{out} holds a run of other overrides ({', '.join(differ)}); continue a sweep with the command that "
+            "started it, or give a new hydra.sweep.dir"
+        )
+    if not record.is_file() and any((out / name).is_file() for name in RESULT_FILES):
+        raise OtherJobsRun(f"{out} holds a finished run of no recorded overrides; give a new hydra.sweep.dir")
+
+
 def earlier_result(out: Path) -> dict[str, Any] | None:
     """In a -m sweep run again into the same sweep directory, this job's metrics.json where it ended in an earlier run
-    (done or pruned): the job is skipped. A job directory that holds another job's run (other overrides, as its
-    JOB_FILE recorded them) is refused in one line, before anything of it is touched; an interrupted job of the same
-    overrides goes on from its checkpoint (training/resume.py: earlier_start)."""
+    (done or pruned; or failed after writing it): the job is skipped, its results never rewritten. A job directory
+    that holds another job's run is refused (`refuse_other_job`), before anything of it is touched; an interrupted
+    job of the same overrides goes on from its checkpoint (training/resume.py: earlier_start)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-
-    from vitlab.utils.errors import UserError
 
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return None
     now = sorted(HydraConfig.get().overrides.task)
+    refuse_other_job(out, now)
     record, mine = out / JOB_FILE, out / f".{JOB_FILE}.{os.getpid()}"
     mine.write_text(json.dumps(now))
     try:  # the job's first start: published whole (every rank of a Slurm job writes the same; one link wins)
         os.link(mine, record)
         return None
     except FileExistsError:
-        before = json.loads(record.read_text())
+        pass  # an earlier start's record (checked above), or another rank's of this start
     finally:
         mine.unlink()
-    if before != now:
-        differ = [o for o in before if o not in now][:2] + [f"now {o}" for o in now if o not in before][:2]
-        raise UserError(
-            f"{out} holds a run of other overrides ({', '.join(differ)}); continue a sweep with the command that "
-            "started it, or give a new hydra.sweep.dir"
-        )
-    metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").is_file() else None
-    if (out / "error.json").is_file():  # failed before: it runs again, and its row says how it ends this time
-        (out / "error.json").unlink()
+    if not (out / "metrics.json").is_file():
+        (out / "error.json").unlink(missing_ok=True)  # failed before: it runs again, its row says how it ends now
         return None
-    if metrics is None:
-        return None
+    metrics = json.loads((out / "metrics.json").read_text())
     how = f"pruned at epoch {metrics['pruned']['epoch']}" if metrics.get("pruned") else "done"
     logging.getLogger("vitlab.train").info(
         "sweep job %s ended in an earlier run of this sweep (%s): not run again; its result: %s",
