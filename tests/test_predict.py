@@ -93,3 +93,9 @@ def test_predict_and_the_timm_export_prepare_and_rank_photos_alike(ckpt, tmp_pat
         "model.safetensors": 0o666 & ~umask,
     }
     assert ckpt.stat().st_mode & 0o7777 == 0o666 & ~umask
+    # Issue 53, point 15: the export given as ckpt_path is named for what it is, with the key that reads it.
+    r = run_cli("predict", f"ckpt_path={folder}", f"images=[{photos[0]}]", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: ckpt_path '{folder}' is a timm folder (vitlab.export format=timm writes them), not a training "
+        f"checkpoint: read it with model.pretrained=local-dir:{folder} instead of ckpt_path"
+    ]

@@ -20,20 +20,19 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from vitlab.cli.entry import entry_point, save_config
-from vitlab.cli.sweep import earlier_result, optimized_value
+from vitlab.cli.sweep import optimized_value
 from vitlab.utils.logs import describe_run, summarize
 
 log = logging.getLogger("vitlab.train")  # not __main__: the name the log lines show
 
 
 def train(cfg: DictConfig) -> float | None:
-    """Plan, build, fit, test, summarise (each decision in training.plan); `optimized_metric`'s value for a sweeper."""
+    """Plan, build, fit, test, summarise (each decision in training.plan); `optimized_metric`'s value for a sweeper.
+    (A sweep's job that ended in an earlier run of the sweep is skipped before this: vitlab.cli.entry.)"""
     from vitlab.training import auto_batch, build, resume
     from vitlab.training import plan as steps
 
     started, out = time.time(), Path(cfg.paths.output_dir)
-    if (before := earlier_result(out)) is not None:  # a sweep run again into its directory: this job had ended
-        return optimized_value(cfg.optimized_metric, before)
     plan = steps.plan(cfg)  # what the config settles: pretrained architecture, seed, a trial's pruning
     callbacks, show_bar = build.build_callbacks(cfg, extra=plan.pruning)
     trainer = build.build_trainer(cfg.trainer, callbacks=callbacks, logger=False, enable_progress_bar=show_bar)

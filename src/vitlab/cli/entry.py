@@ -81,10 +81,13 @@ def _run_task(config_name: str, cfg: DictConfig, checked: Check, task: Callable[
     """The task of a run or a sweep's job, its config checked first; bad input, a bug or a stop reported as
     entry_point says."""
     from vitlab.cli.rundir import task_started
+    from vitlab.cli.sweep import earlier_result, optimized_value
 
     quiet()
     task_started()
     try:
+        if (job := _sweep_job_dir()) and (before := earlier_result(job)) is not None:  # the sweep run again into
+            return optimized_value(cfg.get("optimized_metric"), before)  # its directory: this job had ended (at once)
         checked(cfg)
         if "trainer" in cfg:  # (a command that may start processes through Lightning)
             from vitlab.utils.signals import when_children_stop

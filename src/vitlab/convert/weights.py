@@ -150,6 +150,11 @@ def read_file(path: str | os.PathLike, label: str) -> Any:
     path, (noun, should_be, instead) = Path(path), FILE_KINDS[label]
     if is_sharded_checkpoint(path):
         return read_sharded_checkpoint(path)
+    if path.is_dir() and label == "ckpt_path" and (path / "config.json").is_file():  # timm's folder (an export)
+        raise MissingFileError(
+            f"ckpt_path {str(path)!r} is a timm folder (vitlab.export format=timm writes them), not a training "
+            f"checkpoint: read it with model.pretrained=local-dir:{path} instead of ckpt_path"
+        )
     if path.is_dir():
         raise MissingFileError(f"{label} {str(path)!r} is a directory; give {instead} in it")
     if not path.is_file():
