@@ -505,7 +505,7 @@ class ForbidHostReads(OrdinarySteps):
         self._mode: HostReads | None = None
 
     def on_train_start(self, trainer, pl_module):
-        from vitlab.training.callbacks import NonFiniteLoss
+        from vitlab.training.callbacks.standard import NonFiniteLoss
 
         for callback in trainer.callbacks:
             if isinstance(callback, NonFiniteLoss):

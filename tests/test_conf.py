@@ -9,9 +9,9 @@ from omegaconf import OmegaConf
 
 from vitlab.cli.config_tree import config_dir
 from vitlab.model.config import vit_config
-from vitlab.training import build
-from vitlab.training.build import build_trainer
 from vitlab.training.module import ViTModule
+from vitlab.training.run import build
+from vitlab.training.run.build import build_trainer
 
 CONF = config_dir()
 
@@ -125,7 +125,7 @@ def test_trainer_configs(compose_cfg, trainer):
     cfg = compose_cfg("train", [f"trainer={trainer}"])
     strategy = cfg.trainer.get("strategy")
     if isinstance(strategy, dict) or OmegaConf.is_dict(strategy):
-        strategy = instantiate(strategy)  # FSDP: vitlab's FSDP2 strategy object (training/sharding.py)
+        strategy = instantiate(strategy)  # FSDP: vitlab's FSDP2 strategy object (training/devices/sharding.py)
         assert type(strategy).__name__ == "FSDP2Strategy"
     if cfg.trainer.accelerator == "gpu" and torch.cuda.device_count() < cfg.trainer.devices:
         # Fewer GPUs here than it asks for: build the same trainer on CPU processes to check every other argument.

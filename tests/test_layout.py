@@ -35,7 +35,7 @@ SOURCES = {_module_name(p): p for p in SRC.rglob("*.py")}
 
 def _imports(path: Path) -> set[str]:
     """Every vitlab module `path` imports, at module level or inside functions ("from vitlab import run"
-    counts as vitlab.training.build, "from vitlab.data import transforms" as vitlab.data.transforms only)."""
+    counts as vitlab.training.run.build, "from vitlab.data import transforms" as vitlab.data.transforms only)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -71,6 +71,40 @@ def test_every_module_is_on_a_floor_and_imports_nothing_above_it():
         if _floor(imp) > _floor(name)
     )
     assert upward == []
+
+
+# vitlab.training's rooms (issue 52), lowest first; a room imports from its own or lower ones. callbacks/ and
+# objectives/ share a floor and import neither each other. What is not in a sub-package (module.py, optim.py,
+# checkpoint_io.py, pretrained.py) is the third floor.
+TRAINING_FLOORS = [{"devices"}, {"callbacks", "objectives"}, {""}, {"run"}]
+
+
+def _training_room(module: str) -> str:
+    rest = module.removeprefix("vitlab.training").lstrip(".").split(".")
+    return rest[0] if len(rest) > 1 or (SRC / "training" / rest[0]).is_dir() else ""
+
+
+def test_training_is_rooms_by_role_and_every_arrow_points_down():
+    """devices/ < callbacks/, objectives/ < the module and its recipe < run/ (each sub-package's __init__ says what
+    lives there and what it may import)."""
+    floor = {room: i for i, rooms in enumerate(TRAINING_FLOORS) for room in rooms}
+    assert {p.name for p in (SRC / "training").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(floor) - {""}
+
+    def wrong_way(name: str, imp: str) -> bool:
+        a, b = _training_room(name), _training_room(imp)
+        return floor[b] > floor[a] or (floor[b] == floor[a] == 1 and a != b)  # up, or across callbacks/objectives
+
+    wrong = sorted(
+        f"{name} imports {imp}"
+        for name, path in SOURCES.items()
+        if name.startswith("vitlab.training.") and _training_room(name) in floor
+        for imp in _imports(path)
+        if imp.startswith("vitlab.training.") and wrong_way(name, imp)
+    )
+    assert wrong == []
+    for room in set(floor) - {""}:
+        doc = ast.get_docstring(ast.parse((SRC / "training" / room / "__init__.py").read_text())) or ""
+        assert len(doc) > 200 and "import" in doc, f"training/{room}/__init__.py says what lives there and may import"
 
 
 def test_the_command_line_imports_no_command():
@@ -119,7 +153,8 @@ def test_no_two_modules_share_a_name_without_the_package_saying_why():
     from collections import Counter
 
     stems = Counter(p.stem for p in SRC.rglob("*.py") if p.stem not in ("__init__", "__main__"))
-    # model/config.py and benchmark/config.py; model/mae.py (MAE's network) and training/mae.py (its objective)
+    # model/config.py and benchmark/config.py; model/mae.py (MAE's network) and training/objectives/mae.py (its
+    # objective)
     assert {s for s, n in stems.items() if n > 1} <= {"config", "mae"}
 
 

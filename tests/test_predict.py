@@ -18,7 +18,7 @@ from timm.data import create_transform, resolve_data_config
 from tests.helpers import digits_checkpoint, run_cli
 from vitlab import predict
 from vitlab.data.images import read_image
-from vitlab.training import build
+from vitlab.training.run import build
 
 SIZES = [(40, 64), (90, 30), (120, 200)]  # (height, width) of the photos: wide, tall, wide
 

@@ -47,7 +47,7 @@ def test_train_writes_config_metrics_checkpoints_and_logs(trained):
 def test_a_log_file_shows_each_epoch_and_ends_with_where_the_results_are(trained):
     run_dir, metrics, output = trained
     lines = output.strip().splitlines()
-    epochs = [line for line in lines if "[vitlab.training.callbacks][INFO] - epoch " in line]
+    epochs = [line for line in lines if "[vitlab.training.callbacks.standard][INFO] - epoch " in line]
     assert [line.split(" - ")[1].split(" (")[0] for line in epochs] == ["epoch 1/3", "epoch 2/3", "epoch 3/3"]
     assert all("val/acc " in line and "train/loss " in line for line in epochs)
     assert lines[-2:] == [f"run directory: {run_dir}", f"best checkpoint: {metrics['tested_checkpoint']}"]
@@ -109,7 +109,7 @@ def test_export_onnx_as_typed_predicts_as_the_checkpoint(trained, tmp_path):
     second export to the same file is refused."""
     import onnxruntime
 
-    from vitlab.training import build
+    from vitlab.training.run import build
 
     _, metrics, _ = trained
     r = run_cli("export", f"ckpt_path={metrics['tested_checkpoint']}", cwd=tmp_path)
@@ -299,7 +299,8 @@ def test_fine_tunes_from_a_folder_as_timm_saves_one(compose_cfg, tmp_path):
 
     from vitlab.convert.timm_args import config_from_timm
     from vitlab.convert.weights import load_timm_weights
-    from vitlab.training import build, pretrained
+    from vitlab.training import pretrained
+    from vitlab.training.run import build
 
     folder = tmp_path / "siglip"
     theirs = timm.create_model("vit_base_patch16_siglip_224", depth=1, embed_dim=64, num_heads=2, img_size=32)

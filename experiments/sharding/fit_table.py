@@ -1,4 +1,4 @@
-"""Which ViT fits how many 80 GB GPUs under DDP and under FSDP, by vitlab's start-up estimate (training/memory.py):
+"""Which ViT fits how many 80 GB GPUs under DDP and under FSDP, by vitlab's start-up estimate (training/devices/memory.py):
 AdamW, bf16-mixed, the paper's resolution (224 px), with and without gradient checkpointing. The models are built
 on the meta device (no memory), so the biggest costs nothing here.
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from vitlab.model.config import ViTConfig
-from vitlab.training import memory
+from vitlab.training.devices import memory
 from vitlab.training.module import ViTModule
 
 HERE = Path(__file__).parent

@@ -1,5 +1,5 @@
 """Peak host memory per process of building a ViT for trainer=fsdp on 2 CPU processes (gloo): laid out on the meta
-device and initialised per shard (what trainer=fsdp does now, training/sharding.py), against built whole on the host
+device and initialised per shard (what trainer=fsdp does now, training/devices/sharding.py), against built whole on the host
 and then sharded (what it did before). Each process is a fresh interpreter (spawned); its peak resident set is
 `ru_maxrss`, measured after the model is sharded and initialised, beside the resident set once torch and vitlab are
 imported. Writes meta_init_memory.json.
@@ -31,7 +31,7 @@ def worker(rank: int, world: int, port: int, variant: str, way: str, out: str) -
 
     from vitlab.model import ViTConfig
     from vitlab.model.blocks import Block
-    from vitlab.training.sharding import materialize, networks_on_meta, new_vit
+    from vitlab.training.devices.sharding import materialize, networks_on_meta, new_vit
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -57,7 +57,7 @@ def check_classes(trained: list[str], data: list[str], ckpt_path: str) -> None:
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     from vitlab.evaluation import tasks
-    from vitlab.training import build
+    from vitlab.training.run import build
 
     if cfg.ckpt_path is None:  # model.pretrained=<timm name>: timm's weights, frozen features only
         return write_metrics(cfg, tasks.probe_pretrained(cfg))

@@ -25,7 +25,7 @@ from vitlab.utils.errors import UserError
 def export(cfg: DictConfig) -> dict:
     from vitlab.cli.rundir import check_writable
     from vitlab.convert.programs import FORMATS, export
-    from vitlab.training import build
+    from vitlab.training.run import build
 
     if cfg.format in ("mae", "timm"):  # a checkpoint's networks in another library's own layout
         return {"mae": export_mae, "timm": export_timm}[cfg.format](cfg)
@@ -70,7 +70,7 @@ def consolidate(ckpt_path: str, out: Path) -> dict:
 def export_mae(cfg: DictConfig) -> dict:
     """format=mae: the encoder and decoder of an objective=mae checkpoint in MAE's names, read back and compared."""
     from vitlab.convert.mae import export_mae as write_mae
-    from vitlab.training import build
+    from vitlab.training.run import build
 
     out = Path(cfg.output) if cfg.output else Path(cfg.paths.output_dir) / "mae_checkpoint.pth"
     if out.exists() and not cfg.overwrite:
@@ -93,7 +93,7 @@ def export_timm(cfg: DictConfig) -> dict:
     encoder (the decoder is MAE's, not timm's: format=mae writes both)."""
     from vitlab.cli.rundir import check_writable
     from vitlab.convert.timm_dir import save_timm_dir
-    from vitlab.training import build
+    from vitlab.training.run import build
 
     out = Path(cfg.output) if cfg.output else Path(cfg.paths.output_dir) / "timm"
     if out.exists() and not out.is_dir():

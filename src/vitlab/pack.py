@@ -16,7 +16,7 @@ from vitlab.utils.errors import Interrupted, is_ctrl_c
 @entry_point("pack")
 def main(cfg: DictConfig) -> dict:
     from vitlab.data.shards import pack
-    from vitlab.training import build
+    from vitlab.training.run import build
 
     datamodule = build.build_datamodule(cfg.data)
     datamodule.setup("fit")

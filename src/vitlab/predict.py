@@ -48,7 +48,7 @@ def predict(cfg: DictConfig) -> list[dict]:
 
 def _checkpoint(cfg: DictConfig) -> tuple:
     """A trained checkpoint's model, its test images' preparation, its class names."""
-    from vitlab.training import build
+    from vitlab.training.run import build
 
     module = build.load_for_inference(cfg.ckpt_path, map_location=cfg.device).eval()
     datamodule = build.inference_datamodule(module, cfg.ckpt_path)

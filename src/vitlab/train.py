@@ -27,10 +27,10 @@ log = logging.getLogger("vitlab.train")  # not __main__: the name the log lines 
 
 
 def train(cfg: DictConfig) -> float | None:
-    """Plan, build, fit, test, summarise (each decision in training.plan); `optimized_metric`'s value for a sweeper.
+    """Plan, build, fit, test, summarise (each decision in training.run.plan); `optimized_metric`'s value for a sweeper.
     (A sweep's job that ended in an earlier run of the sweep is skipped before this: vitlab.cli.entry.)"""
-    from vitlab.training import auto_batch, build, resume
-    from vitlab.training import plan as steps
+    from vitlab.training.run import auto_batch, build, resume
+    from vitlab.training.run import plan as steps
 
     started, out = time.time(), Path(cfg.paths.output_dir)
     plan = steps.plan(cfg)  # what the config settles: pretrained architecture, seed, a trial's pruning

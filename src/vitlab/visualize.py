@@ -22,8 +22,8 @@ from vitlab.cli.entry import entry_point
 def main(cfg: DictConfig) -> None:
     from vitlab.data.images import read_image
     from vitlab.evaluation.figures import plot_attention, plot_embeddings, plot_learning_curves, plot_reconstructions
-    from vitlab.training import build
-    from vitlab.training.mae import MAE
+    from vitlab.training.objectives.mae import MAE
+    from vitlab.training.run import build
 
     out = Path(cfg.paths.output_dir)
     written = []

@@ -85,7 +85,7 @@ def test_export_format_timm_for_every_objective(objective, compose_cfg, tmp_path
     """`vitlab.export format=timm` of a checkpoint: timm's model of the folder gives the checkpoint's logits (an MAE
     pretraining checkpoint: its encoder's features), with the data's mean and std and the class names."""
     from vitlab import export
-    from vitlab.training import build
+    from vitlab.training.run import build
 
     train = compose_cfg("train", [])  # digits: 8x8 grayscale, 10 classes
     overrides, objective_cfg = OBJECTIVES[objective]

@@ -129,9 +129,9 @@ def test_bad_crop_settings_are_one_line_each(settings, said):
 
 @pytest.mark.parametrize("data", ["digits", "fake", "imagefolder", "streaming"])
 def test_every_data_module_makes_the_views_of_its_training_batches(data, request):
-    """objective=dino's data modules (training.build.build_datamodule passes `multicrop`): training images un-augmented
-    and squared at the source size (on the device, or from the loader's workers), the views made there; validation
-    batches as ever."""
+    """objective=dino's data modules (training.run.build.build_datamodule passes `multicrop`): training images
+    un-augmented and squared at the source size (on the device, or from the loader's workers), the views made there;
+    validation batches as ever."""
     from types import SimpleNamespace
 
     from vitlab.data import DigitsDataModule, FakeDataModule, ImageFolderDataModule

@@ -16,7 +16,7 @@ from vitlab.data.seeded import TransformDataset
 from vitlab.data.sizes import ScheduledBatches, SizeSchedule, check_model
 from vitlab.data.transforms import train_transform
 from vitlab.model.config import ViTConfig
-from vitlab.training.build import global_batch
+from vitlab.training.run.build import global_batch
 from vitlab.utils.errors import UserError
 
 

@@ -19,7 +19,8 @@ FSDP = ["trainer=fsdp_cpu"]
 DDP = ["trainer=ddp_cpu", "trainer.devices=2"]
 # Every step's loss in the log; the network a little wider than digits' default so every block tensor splits.
 EQUAL = ["trainer.max_epochs=2", "trainer.log_every_n_steps=1", "trainer.deterministic=true", "progress_bar=none"]
-# Both runs clip adaptively (timm's AGC, training/health.py): FSDP2 clips its row shards as DDP clips whole tensors.
+# Both runs clip adaptively (timm's AGC, training/callbacks/health.py): FSDP2 clips its row shards as DDP clips whole
+# tensors.
 AGC = ["trainer.gradient_clip_algorithm=agc", "trainer.gradient_clip_val=0.02"]
 
 
@@ -108,9 +109,9 @@ def _column(run_dir, key) -> dict[int, float]:
 
 
 def test_the_health_norms_are_all_reduced_over_the_shards_to_ddps(ddp, fsdp):
-    """training/health.py under FSDP2: each process squares its half of every parameter and gradient, one all-reduce
-    sums them; the gradient norm (before clipping), the weights' norm and the update ratio of every step are DDP's.
-    The update ratio carries the key bias's noise-driven steps (test above): within 1e-4 of it."""
+    """training/callbacks/health.py under FSDP2: each process squares its half of every parameter and gradient, one
+    all-reduce sums them; the gradient norm (before clipping), the weights' norm and the update ratio of every step are
+    DDP's. The update ratio carries the key bias's noise-driven steps (test above): within 1e-4 of it."""
     for key, tolerance in (("train/grad_norm", 1e-5), ("train/param_norm", 1e-6), ("train/update_ratio", 1e-4)):
         a, b = _column(ddp, key), _column(fsdp, key)
         assert a.keys() == b.keys() and len(a) == 38, key

@@ -194,8 +194,8 @@ def test_a_requeued_or_timed_out_job_resumes_by_itself_and_equals_the_uninterrup
 
     text = log.read_text()
     assert text.count("holds a checkpoint of an earlier start") == 2, text[-3000:]
-    assert text.count("[vitlab.training.callbacks][INFO] - epoch 1/8") == 1  # trained from the start once only
-    assert text.count("[vitlab.training.callbacks][INFO] - epoch 8/8") == 1
+    assert text.count("[vitlab.training.callbacks.standard][INFO] - epoch 1/8") == 1  # trained from the start once only
+    assert text.count("[vitlab.training.callbacks.standard][INFO] - epoch 8/8") == 1
     runs = sorted((_sweep_dir(tmp_path) / "0" / "wandb").glob("offline-run-*"))  # one per start, named by time
     assert len(runs) == 3 and len({run.name.rsplit("-", 1)[1] for run in runs}) == 1
     # No step twice. (Slurm's requeue signals W&B's own process too: what that start had not written is lost, which

@@ -43,7 +43,7 @@ def test_the_data_is_checked_in_the_launching_process_before_any_other_starts(tm
 def test_a_run_the_machine_cannot_hold_is_refused_before_it_starts(tmp_path):
     """ViT-B/16 at 4,096 images a step needs ~450 GB per process (the start line's estimate): refused in one line
     naming the estimate, the memory there is and the keys that bring it down, not trained until the machine swaps
-    (issue 41). (`memory_check=false` starts it anyway: tests/training/test_memory.py.)"""
+    (issue 41). (`memory_check=false` starts it anyway: tests/training/devices/test_memory.py.)"""
     before = earlier_run(tmp_path)
     r = run_cli("train", "model=vit_b16", "data.batch_size=4096", cwd=tmp_path)
     said = "error: the run needs about 4"

@@ -163,7 +163,7 @@ def test_augment_recomputes_features_on_crops_and_flips_at_every_step(digits_ckp
     from vitlab.eval import evaluate
     from vitlab.evaluation.augmented import augmented_view
     from vitlab.evaluation.features import Layers
-    from vitlab.training import build
+    from vitlab.training.run import build
 
     seen = []
     real = Layers.extract

@@ -76,7 +76,7 @@ def test_fewshot_draws_shots_per_class_and_scores_the_test_split():
 
 def test_features_are_cached_once_resumed_and_reused(digits_ckpt, tmp_path):
     from vitlab.evaluation.features import source_id, split_features
-    from vitlab.training import build
+    from vitlab.training.run import build
 
     module = build.load_for_inference(digits_ckpt)
     dm = build.inference_datamodule(module, digits_ckpt)

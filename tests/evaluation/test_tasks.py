@@ -23,7 +23,7 @@ def test_timm_pretrained_weights_are_evaluated_without_a_checkpoint(compose_cfg,
 
     import vitlab.convert.weights as cw
     from vitlab.eval import evaluate
-    from vitlab.training import build
+    from vitlab.training.run import build
 
     reference = timm.create_model(NAME, pretrained=False, img_size=16, in_chans=1, num_classes=0).eval()
     monkeypatch.setattr(cw, "timm_pretrained_state_dict", lambda source: reference.state_dict())

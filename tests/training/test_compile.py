@@ -1,6 +1,6 @@
-"""compile=regional (training.objective.Objective.compile): each transformer block a training step runs is compiled in
-place and every block of one class shares one compiled graph, so the graphs (and the compile time) do not grow with
-depth, for each objective; with inductor the logits and gradients are eager's."""
+"""compile=regional (training.objectives.objective.Objective.compile): each transformer block a training step runs is
+compiled in place and every block of one class shares one compiled graph, so the graphs (and the compile time) do not
+grow with depth, for each objective; with inductor the logits and gradients are eager's."""
 
 import pytest
 import torch
@@ -46,8 +46,8 @@ def test_regional_compile_makes_one_graph_per_block_kind_at_any_depth(eager_back
 
 
 def test_regional_compile_compiles_every_block_the_step_runs_and_keeps_the_keys(eager_backend, compose_cfg):
-    from tests.training.test_dino import dino_cfg
-    from vitlab.training import build
+    from tests.training.objectives.test_dino import dino_cfg
+    from vitlab.training.run import build
 
     cfg = dino_cfg(compose_cfg, "compile=regional")
     module = build.build_module(cfg, build.build_datamodule(cfg.data, cfg))

@@ -55,7 +55,7 @@ def test_linear_probe_trains_only_the_head():
 def test_checkpoint_without_metric_states_loads_but_weights_stay_strict(tmp_path):
     import lightning
 
-    from vitlab.training.build import load_for_inference as load_checkpoint
+    from vitlab.training.run.build import load_for_inference as load_checkpoint
 
     m = ViTModule(model=tiny().to_dict())
     weights = {k: v for k, v in m.state_dict().items() if k.startswith("model.")}
@@ -110,7 +110,7 @@ def test_bce_is_timms_binary_cross_entropy_and_starts_the_head_bias_at_minus_log
 
 
 def test_a_bce_run_trains_from_the_command_line(compose_cfg):
-    from vitlab.training.build import build_datamodule, build_module
+    from vitlab.training.run.build import build_datamodule, build_module
 
     cfg = compose_cfg(
         "train", ["objective.loss=bce", "objective.bce_target_thresh=0.2", "objective.mixup.cutmix_alpha=1.0"]

@@ -12,8 +12,8 @@ from omegaconf import OmegaConf
 from tests.helpers import tiny
 from vitlab.cli.config_tree import config_dir
 from vitlab.model import ViT
-from vitlab.training.classification import ClassifyConfig
 from vitlab.training.module import ViTModule
+from vitlab.training.objectives.classification import ClassifyConfig
 from vitlab.training.optim import (
     PLATEAU_MODES,
     OptimConfig,
@@ -85,7 +85,7 @@ def test_optim_yaml_and_dataclass_are_one_source_of_defaults():
 
 @pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)` before")
 def test_a_module_built_in_python_trains_the_cli_default_recipe(compose_cfg):
-    from vitlab.training.build import build_datamodule, build_module
+    from vitlab.training.run.build import build_datamodule, build_module
 
     cfg = compose_cfg("train", [])
     cli = build_module(cfg, build_datamodule(cfg.data))
@@ -214,7 +214,7 @@ def test_settings_an_optimizer_does_not_have_are_refused():
 def test_lr_base_scales_with_the_global_batch_and_is_saved_in_the_config(compose_cfg, scale, expected, caplog):
     """DeiT's rule (lr = 5e-4 x batch / 512): the effective LR is logged and written into the config that
     config.yaml and the checkpoint keep."""
-    from vitlab.training.build import build_datamodule, build_module
+    from vitlab.training.run.build import build_datamodule, build_module
 
     overrides = ["optim.lr_base=5e-4", "optim.lr_base_size=512", f"optim.lr_base_scale={scale}"]
     cfg = compose_cfg("train", [*overrides, "data.batch_size=1024"])
@@ -228,7 +228,7 @@ def test_lr_base_scales_with_the_global_batch_and_is_saved_in_the_config(compose
 def test_lr_base_scales_with_batch_times_devices_times_nodes_times_accumulation(compose_cfg, caplog):
     """MAE's eff_batch_size = batch x accum_iter x world size: data.batch_size is already global (per device x devices
     x nodes), trainer.accumulate_grad_batches multiplies it; the global batch is logged and written beside the LR."""
-    from vitlab.training.build import resolve_lr
+    from vitlab.training.run.build import resolve_lr
 
     overrides = ["optim.lr_base=1.5e-4", "data.batch_size=512", "trainer.accumulate_grad_batches=8"]
     cfg = compose_cfg("train", [*overrides, "trainer.devices=8", "trainer.num_nodes=1"])

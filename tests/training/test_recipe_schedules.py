@@ -103,7 +103,7 @@ def run_schedule(cfg, epochs: int, steps: int, mae: bool = False) -> tuple[list[
 
 
 def recipe(compose_cfg, name: str | None, *overrides: str):
-    from vitlab.training.build import resolve_lr
+    from vitlab.training.run.build import resolve_lr
 
     cfg = compose_cfg("train", ([f"experiment={name}"] if name else []) + list(overrides))
     resolve_lr(cfg)  # lr_base x global batch / lr_base_size, as the run does

@@ -54,8 +54,8 @@ def test_each_recipe_is_its_table(compose_cfg, recipe):
     """Composed as the run composes it: with its real model.pretrained (timm's architecture and preprocessing read
     offline, what the recipe sets kept) and its LR scaled by the global batch."""
     from vitlab.model.config import vit_config
-    from vitlab.training.build import resolve_lr
     from vitlab.training.pretrained import apply_pretrained
+    from vitlab.training.run.build import resolve_lr
 
     cfg = compose_cfg("train", [f"experiment={recipe}"])
     apply_pretrained(cfg)
@@ -84,8 +84,8 @@ def test_each_recipe_builds_and_takes_a_step(compose_cfg, recipe, tree):
     """The recipe's pipeline on a small tree (its network shrunk, so without its pretrained weights, which would refuse
     a shrunk network): each optimizer group and the schedule, the workers' augmentation, the device half, MixUp, the
     loss, one optimizer step."""
-    from vitlab.training.build import build_datamodule, build_module
     from vitlab.training.optim import make_optimizer, make_scheduler
+    from vitlab.training.run.build import build_datamodule, build_module
 
     small = ["model.embed_dim=32", "model.depth=2", "model.num_heads=2", "model.pretrained=null"]
     if recipe.startswith("dino"):  # 32 px views, local 16 px; a head of 64 prototypes

@@ -26,9 +26,9 @@ from omegaconf import DictConfig, OmegaConf
 from vitlab.benchmark.config import BenchmarkConfig
 from vitlab.benchmark.measure import sync
 from vitlab.model.config import vit_config
-from vitlab.training import build
-from vitlab.training.hardware import resolve_trainer
+from vitlab.training.devices.hardware import resolve_trainer
 from vitlab.training.optim import OptimConfig
+from vitlab.training.run import build
 from vitlab.utils.errors import UserError
 
 PRECISION_OF_TRAINER = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16"}

@@ -17,8 +17,8 @@ from omegaconf import DictConfig
 
 from vitlab.benchmark.config import BenchmarkConfig
 from vitlab.benchmark.measure import pick_device, summarise, sync
-from vitlab.training import build
 from vitlab.training.optim import make_optimizer, make_scheduler
+from vitlab.training.run import build
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from vitlab.benchmark.config import BenchmarkConfig
 from vitlab.data.seeded import TransformDataset
 from vitlab.data.transforms import INTERPOLATIONS, TrainTransform
 from vitlab.model.config import as_hw
-from vitlab.training import build
+from vitlab.training.run import build
 from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)

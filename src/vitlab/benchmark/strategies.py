@@ -7,7 +7,7 @@ out, as end2end's) and reads each process's memory when the window closes:
   local shard);
 - `peak_mb`: CUDA's max_memory_allocated on a GPU; on a CPU the process's peak resident set (ru_maxrss: the Python
   process, libraries and all, so compare it between strategies, not with the state);
-- `estimate_mb`: training.memory's estimate for the run (what vitlab.train logs at start).
+- `estimate_mb`: training.devices.memory's estimate for the run (what vitlab.train logs at start).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Probe(Window):
             self._write(trainer, module)
 
     def _write(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        from vitlab.training import memory
+        from vitlab.training.devices import memory
 
         local = lambda t: getattr(t, "_local_tensor", t)  # noqa: E731  (a DTensor's shard)
         nbytes = lambda t: local(t).numel() * local(t).element_size()  # noqa: E731

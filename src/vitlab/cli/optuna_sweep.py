@@ -4,8 +4,9 @@ with a study that outlives the command, pruning, and a bad trial recorded as FAI
 - **The study persists**: `hydra.sweeper.storage` is the sweep directory's optuna.db by default. The same command
   with the same `hydra.sweep.dir` continues it: `n_trials` counts every trial of the study, finished ones are kept,
   and a trial that a kill left RUNNING runs again in its own directory, where the job resumes from its
-  checkpoint (training/resume.py: earlier_start) or starts over, and says which.
-- **Trial N runs in job directory N**, so that a job finds its trial (training/trial.py) and a re-run finds its
+  checkpoint (training/run/resume.py: earlier_start) or starts over, and says which.
+- **Trial N runs in job directory N**, so that a job finds its trial (training/callbacks/trial.py) and a re-run finds
+its
   directory.
 - **Pruning**: `hydra.sweeper.pruner=median|hyperband|successive_halving` with `hydra.sweeper.pruner_args`; a
   pruned job writes `pruned` into its metrics.json and is told to the study as PRUNED.
@@ -31,14 +32,14 @@ log = logging.getLogger(__name__)
 
 
 class OptunaSweeper(Sweeper):
-    """Hydra's OptunaSweeper's arguments, and `pruner`, `pruner_args` (training.pruners.PRUNERS)."""
+    """Hydra's OptunaSweeper's arguments, and `pruner`, `pruner_args` (training.callbacks.pruners.PRUNERS)."""
 
     def __init__(self, *args: Any, pruner: str | None = None, pruner_args: Any = None, **kwargs: Any) -> None:
         self.sweeper = _impl_class()(*args, **kwargs)
         self.sweeper.pruner_name, self.sweeper.pruner_args = pruner, dict(pruner_args or {})
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
-        from vitlab.training.pruners import make_pruner
+        from vitlab.training.callbacks.pruners import make_pruner
         from vitlab.utils.errors import UserError, fail, one_line
 
         try:  # a bad pruner, before any trial
@@ -86,7 +87,7 @@ def _search_space(impl: Any, arguments: list[str]) -> tuple[dict, dict]:
 def _study(impl: Any):
     import optuna
 
-    from vitlab.training.pruners import make_pruner
+    from vitlab.training.callbacks.pruners import make_pruner
 
     if impl.storage and str(impl.storage).startswith("sqlite:///"):
         Path(str(impl.storage)[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)

@@ -164,8 +164,8 @@ def check_train(cfg: DictConfig) -> None:
         vit_config(cfg.model)  # the model's values, before Lightning is imported: a refusal within a second
     check_clipping(cfg.trainer)
 
-    from vitlab.training.node_checks import check_devices, check_launch
-    from vitlab.training.sharding import check_request
+    from vitlab.training.devices.sharding import check_request
+    from vitlab.training.run.node_checks import check_devices, check_launch
 
     check_devices(cfg.trainer)  # before check_request reads them
     check_launch(cfg)  # a -m sweep of multi-process runs on a launcher that cannot start them

@@ -237,7 +237,7 @@ def earlier_result(out: Path) -> dict[str, Any] | None:
     """In a -m sweep run again into the same sweep directory, this job's metrics.json where it ended in an earlier run
     (done or pruned; or failed after writing it): the job is skipped, its results never rewritten. A job directory
     that holds another job's run is refused (`refuse_other_job`), before anything of it is touched; an interrupted
-    job of the same overrides goes on from its checkpoint (training/resume.py: earlier_start)."""
+    job of the same overrides goes on from its checkpoint (training/run/resume.py: earlier_start)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 

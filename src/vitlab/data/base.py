@@ -277,7 +277,7 @@ class ImageDataModule(DataModule):
         repeated_aug: int = 0,  # copies of each training image an epoch (timm's RepeatAugSampler; DeiT: 3); 0: off
         on_device: bool | str = "auto",  # hold the splits on the training device: true, false, auto (when they fit)
         on_device_gb: float = 4.0,  # auto's budget: the splits as uint8, in GB
-        multicrop: dict | None = None,  # objective=dino's views of each training batch (training.dino.data_views)
+        multicrop: dict | None = None,  # objective=dino's views of each batch (training.objectives.dino.data_views)
         train_img_sizes: list[int] | None = None,  # several training sizes, one a batch (data/sizes.py); None: one
         train_batch_sizes: list[int] | None = None,
         train_size_probs: list[float] | None = None,

@@ -9,7 +9,7 @@ images' own size, as per image). The loader gives the same batches in the same o
 and random erasing are the same code with the same draws (`transforms.DeviceTransform`). The shift and the flip are
 drawn a batch at a time here (`ShiftFlip`), from the datamodule's generator on the host, where the loader path draws
 them per image: the same distribution, other draws. Drawn on the host, they are the same on a CPU and a GPU, and
-the generator's state is checkpointed with the rest of each process's (training/rank_state.py), so a run resumes
+the generator's state is checkpointed with the rest of each process's (training/devices/rank_state.py), so a run resumes
 mid-epoch exactly.
 
 `decide` picks the path: `data.on_device=auto` holds the splits on the device when the training augmentation runs

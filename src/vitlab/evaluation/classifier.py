@@ -74,7 +74,7 @@ def score(cfg: DictConfig, source: str, device: torch.device) -> tuple[dict[str,
     """task=test on `source`'s own head: top-1, top-5 and the cross-entropy (fractions, as a checkpoint's test/acc)
     over a folder of class folders, or the data's test split (its val split, named so, where it has none), as timm's
     validate.py computes them; and which images those were."""
-    from vitlab.training import build
+    from vitlab.training.run import build
 
     fill_data(cfg, source)
     img_size = OmegaConf.to_container(cfg.model, resolve=True)["img_size"]

@@ -20,9 +20,9 @@ from vitlab.evaluation import classifier
 from vitlab.evaluation.features import Layers, _world, layers_of, source_id, split_features
 from vitlab.model import ViT
 from vitlab.model.config import vit_config
-from vitlab.training import build
-from vitlab.training.node_checks import check_devices
 from vitlab.training.pretrained import apply_pretrained
+from vitlab.training.run import build
+from vitlab.training.run.node_checks import check_devices
 from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)

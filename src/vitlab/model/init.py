@@ -95,8 +95,8 @@ def _mae_rule(name: str, m: nn.Module, cfg: ViTConfig) -> None:
 # One pass over the modules, children before their parent (a ResPost block sets its norms' weights after they are
 # reset), each module's own tensors set at its turn: PyTorch's defaults (or our layer's own, `reset_parameters`), then
 # the scheme's rule. The same pass initialises a model built on the host, on the meta device after `to_empty`, or one
-# block at a time (training/sharding.py): the same seed gives the same values, since every tensor is drawn whole in
-# the same order.
+# block at a time (training/devices/sharding.py): the same seed gives the same values, since every tensor is drawn whole
+# in the same order.
 
 WEIGHT_INITS: dict[str, Callable[[str, nn.Module, ViTConfig], None]] = {
     "": _timm_rule,
@@ -168,7 +168,7 @@ def init_weights_by_module(model: nn.Module, take: Callable[[nn.Module, nn.Modul
     """The values `init_weights` gives `model`, drawn one module at a time into a stand-in that holds that module's
     own tensors whole on `device` (its children are the model's), each handed to `take(module, stand_in)`: the same
     draws in the same order as a model built on the host, while only one module's tensors are ever whole here. For a
-    model whose tensors are elsewhere: on the meta device, or sharded (training/sharding.py keeps each process's
+    model whose tensors are elsewhere: on the meta device, or sharded (training/devices/sharding.py keeps each process's
     shard). `take` must put the values in place before the next module, whose init may read them (fix_init)."""
     for name, m in walk(model):
         stand_in = whole_copy(m, device)

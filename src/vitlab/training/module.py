@@ -1,8 +1,8 @@
 """ViTModule: the one LightningModule. It holds our ViT, calls its objective (`objective=classify|distill|mae|dino`,
-vitlab.training.objective) for the loss, the metrics and any network trained beside the ViT, keeps the metrics, and
-wires the optimisation recipe of vitlab.training.optim into Lightning. What guards a run is a callback of its own
-(training.callbacks: NonFiniteLoss, RankState), and Lightning workarounds live where the Trainer is built
-(training.build).
+vitlab.training.objectives.objective) for the loss, the metrics and any network trained beside the ViT, keeps the
+metrics, and wires the optimisation recipe of vitlab.training.optim into Lightning. What guards a run is a callback of
+its own (training.callbacks.standard: NonFiniteLoss, RankState), and Lightning workarounds live where the Trainer is
+built (training.run.build).
 
 Its constructor takes plain data only (dicts, lists, numbers), saved as the checkpoint's hyper-parameters, so
 `ViTModule.load_from_checkpoint(path)` rebuilds the model without Hydra and without executing anything from the file
@@ -22,11 +22,12 @@ from torch import nn
 from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
 from vitlab.model import ViTConfig
-from vitlab.training.classification import Classification
-from vitlab.training.dino import DINO
-from vitlab.training.distillation import Distillation
-from vitlab.training.mae import MAE
-from vitlab.training.objective import Objective
+from vitlab.training.devices.sharding import new_vit
+from vitlab.training.objectives.classification import Classification
+from vitlab.training.objectives.dino import DINO
+from vitlab.training.objectives.distillation import Distillation
+from vitlab.training.objectives.mae import MAE
+from vitlab.training.objectives.objective import Objective
 from vitlab.training.optim import (
     PLATEAU_MODES,
     OptimConfig,
@@ -35,7 +36,6 @@ from vitlab.training.optim import (
     make_scheduler,
     name_parameters,
 )
-from vitlab.training.sharding import new_vit
 from vitlab.utils.checks import compile_mode
 from vitlab.utils.errors import UserError
 
@@ -122,8 +122,8 @@ class ViTModule(L.LightningModule):
         return ("model.", *(f"{name}." for name in self.objective.extra_modules()))
 
     def configure_model(self) -> None:
-        """A sharded strategy (trainer=fsdp: training.sharding) shards the network the steps call, once. (Lightning
-        calls this without a Trainer too, loading a checkpoint for inference: nothing to shard then.)"""
+        """A sharded strategy (trainer=fsdp: training.devices.sharding) shards the network the steps call, once.
+        (Lightning calls this without a Trainer too, loading a checkpoint for inference: nothing to shard then.)"""
         shard = getattr(self._trainer.strategy, "shard", None) if self._trainer is not None else None
         if shard is not None and shard(self.objective.network(self.model)):
             self.objective.prepare(self.model)  # what it set on the weights, now that they exist
@@ -225,7 +225,7 @@ class ViTModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Metric states are bookkeeping, not weights: a checkpoint without them (older, or written elsewhere) starts
         # them fresh; the networks' own keys stay strictly checked.
-        if "state_dict" not in checkpoint:  # a sharded strategy has loaded it already (training.sharding)
+        if "state_dict" not in checkpoint:  # a sharded strategy has loaded it already (training.devices.sharding)
             return
         state = checkpoint["state_dict"]
         for key, value in self.state_dict().items():

@@ -132,8 +132,8 @@ def mae_cosine(step: int, warmup: float, total: int, min_ratio: float) -> float:
 def dino_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
     """LR factor of DINO's (and DINOv2's) utils.cosine_scheduler(lr, min_lr, epochs, niter, warmup_epochs)[step]:
     np.linspace(0, lr, warmup) (step 0 at 0, the warmup's last step at lr), then min_lr + (lr - min_lr) (1 + cos(pi i /
-    (total - warmup))) / 2 for i = 0 .. total - warmup - 1 (training.dino_losses.cosine_schedule)."""
-    from vitlab.training.dino_losses import cosine_schedule
+    (total - warmup))) / 2 for i = 0 .. total - warmup - 1 (training.objectives.dino_losses.cosine_schedule)."""
+    from vitlab.training.objectives.dino_losses import cosine_schedule
 
     return cosine_schedule(step, 1.0, min_ratio, total, int(warmup))
 

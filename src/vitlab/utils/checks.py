@@ -279,7 +279,7 @@ def compile_mode(value: bool | str | None) -> str | None:
     """The torch.compile mode of a `compile` setting: false/null = none, true = "default", or a mode name.
     `reduce-overhead` captures CUDA graphs: one launch per compiled region instead of one per kernel, for
     small models whose GPU step is launch-bound (the digits default). `regional` (default mode) compiles one
-    transformer block and reuses its code for every block (training.objective.Objective.compile)."""
+    transformer block and reuses its code for every block (training.objectives.objective.Objective.compile)."""
     if value is None or value is False:
         return None
     if value is True or value == "regional":

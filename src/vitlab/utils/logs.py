@@ -78,7 +78,7 @@ def quiet() -> None:
 def route_lightning_logs() -> None:
     """Lightning gives its loggers a stderr handler of their own on import (every line would show twice,
     once unformatted); send them through the root logger instead. Called again once Lightning is
-    imported (vitlab.training.build), since commands import it only when their task runs."""
+    imported (vitlab.training.run.build), since commands import it only when their task runs."""
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logger = logging.getLogger(name)
         logger.handlers.clear()

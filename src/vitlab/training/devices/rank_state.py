@@ -1,0 +1,164 @@
+"""What each process's training state adds to a checkpoint, so that a run resumed with N processes continues
+exactly as the uninterrupted one would have.
+
+Under DDP every process has random generators of its own (dropout, stochastic depth, MixUp, the on-device
+augmentation of `data.base.DataModule.rng`), its own loader position (in its share of the epoch's
+permutation) and its own running training metrics, while Lightning writes the checkpoint of rank 0 alone. Here
+each process's part is gathered to rank 0 when a checkpoint is written, and on resume each process takes its own
+back: the datamodule's and the loader's before Lightning restores them, the random generators and metrics just
+before the first batch (loaders and validation draw from the generators in between, exactly as the uninterrupted
+run did before that batch).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.trainer.states import TrainerFn
+
+log = logging.getLogger(__name__)
+
+KEY = "rank_states"
+
+
+def seed_process(trainer: L.Trainer) -> None:
+    """Every process draws random numbers of its own (dropout, stochastic depth, MixUp, augmentation), as timm's and
+    DeiT's training scripts seed them: rank r > 0 reseeds with seed + r, and rank 0 keeps its stream. Call it
+    once DDP is set up (Lightning resets every process to the run's seed there); the model's initial weights and the
+    data's shuffling seed come from the run's seed in every process."""
+    rank = trainer.global_rank
+    if rank == 0:
+        return
+    seed = torch.initial_seed() + rank
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    if hasattr(trainer.datamodule, "seed_process"):
+        trainer.datamodule.seed_process(seed)
+
+
+def save(trainer: L.Trainer, module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+    """Add every process's part to `checkpoint` (a collective: Lightning builds the checkpoint on every rank)."""
+    mine = {
+        "rng": _rng_states(),
+        "loader": _loader_state(checkpoint),
+        "datamodule": checkpoint.get(_datamodule_key(trainer)),
+        "metrics": _metric_states(module),
+    }
+    if trainer.world_size == 1 or not dist.is_initialized():
+        checkpoint[KEY] = [mine]
+        return
+    everyone = [None] * trainer.world_size if trainer.is_global_zero else None
+    dist.gather_object(mine, everyone, dst=0)
+    checkpoint[KEY] = everyone  # only rank 0 writes the file
+
+
+def take(trainer: L.Trainer, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    """This process's part of a loaded checkpoint: its datamodule state is loaded and its loader state put where
+    Lightning restores it from; the random generators and metrics are returned, for `restore` before the first
+    batch."""
+    parts = checkpoint.get(KEY)
+    if not parts:  # written before per-process states: rank 0's generator only
+        return {"rng": {"torch": checkpoint["rng_states"]["torch"]}} if "rng_states" in checkpoint else None
+    rank = trainer.global_rank
+    if len(parts) != trainer.world_size:
+        log.warning(
+            "the checkpoint was written by %d processes and resumes with %d: the data order and random draws "
+            "from here on differ from those of an uninterrupted run",
+            len(parts),
+            trainer.world_size,
+        )
+        rank, parts[0]["loader"] = 0, None  # another number of processes shares the data out differently
+    mine = parts[rank]
+    if mine["datamodule"] is not None:  # (Lightning has restored rank 0's before the callbacks see the checkpoint)
+        checkpoint[_datamodule_key(trainer)] = mine["datamodule"]
+        trainer.datamodule.load_state_dict(mine["datamodule"])
+    if mine["loader"] is not None:
+        checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = mine["loader"]
+    else:
+        checkpoint["loops"]["fit_loop"]["state_dict"].pop("combined_loader", None)
+    return mine
+
+
+def restore(module: L.LightningModule, mine: dict[str, Any]) -> None:
+    """Put back this process's random generators and running metrics (call just before the first batch)."""
+    if "python" in mine["rng"]:
+        _set_rng_states(_from_tensors(mine["rng"]))
+    else:  # an older checkpoint: torch's generator only
+        torch.set_rng_state(mine["rng"]["torch"])
+    if mine.get(
+        "metrics"
+    ):  # saved on the CPU; torchmetrics keeps a loaded state as it is, so each goes where its own is
+        here = {k: v.device for k, v in _metric_states(module, cpu=False).items()}
+        module.load_state_dict({k: v.to(here.get(k, v.device)) for k, v in mine["metrics"].items()}, strict=False)
+
+
+def _metric_states(module: L.LightningModule, cpu: bool = True) -> dict[str, torch.Tensor]:
+    """The module's state outside the network (its running metrics), without asking the network for its state: a
+    sharded one (FSDP) would gather its weights for that."""
+    return {
+        f"{name}.{key}": value.cpu() if cpu else value
+        for name, child in module.named_children()
+        if name != "model"
+        for key, value in child.state_dict().items()
+    }
+
+
+def _rng_states() -> dict[str, Any]:
+    # CUDA's generators only when CUDA is in use: reading them would start CUDA in a CPU run on a GPU machine.
+    states = _collect_rng_states(include_cuda=torch.cuda.is_available() and torch.cuda.is_initialized())
+    name, keys, pos, has_gauss, gauss = states["numpy"]
+    # weights_only loading takes tensors, not arrays; int64, since a uint32 tensor does not survive pickling
+    states["numpy"] = [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss]
+    return states
+
+
+def _from_tensors(states: dict[str, Any]) -> dict[str, Any]:
+    states = dict(states)
+    if "numpy" in states:
+        name, keys, pos, has_gauss, gauss = states["numpy"]
+        states["numpy"] = (name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss)
+    if "torch.cuda" in states and not torch.cuda.is_available():
+        del states["torch.cuda"]  # resumed on a machine without a GPU
+    return states
+
+
+def _loader_state(checkpoint: dict[str, Any]) -> Any:
+    return checkpoint["loops"]["fit_loop"]["state_dict"].get("combined_loader")
+
+
+def _datamodule_key(trainer: L.Trainer) -> str | None:
+    return type(trainer.datamodule).__qualname__ if trainer.datamodule is not None else None
+
+
+class RankState(L.Callback):
+    """The per-process state above, carried by every checkpoint of a fit (training.run.build adds this callback to every
+    Trainer it builds): each process reseeded once DDP is set up, its part gathered when a checkpoint is written, and
+    on resume taken back (datamodule and loader before Lightning restores them, the generators and metrics just
+    before the first batch)."""
+
+    def __init__(self) -> None:
+        self._mine: dict[str, Any] | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            seed_process(trainer)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        save(trainer, pl_module, checkpoint)
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:  # (Lightning calls it before testing from a checkpoint too)
+            self._mine = take(trainer, checkpoint)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if self._mine:
+            restore(pl_module, self._mine)
+            self._mine = None

@@ -1,0 +1,374 @@
+"""`objective=dino`: self-distillation pretraining as DINO runs it (Caron et al. 2021, facebookresearch/dino
+main_dino.py), with DINOv2's options (Oquab et al. 2023, facebookresearch/dinov2 train/ssl_meta_arch.py): iBOT's
+masked-patch loss, the KoLeo regulariser, Sinkhorn-Knopp targets. Labels are never read.
+
+A student (a ViT and DINO's head, trained) and a teacher (the same networks, an EMA of the student: no gradient) see
+the data module's multi-crop views (data/multicrop.py: 2 global, N local); the teacher the global ones. The loss is
+the cross-entropy of each student view against each teacher view but its own, the teacher's outputs centred (running
+mean, momentum 0.9) and sharpened (its temperature, warmed up), or balanced by Sinkhorn-Knopp. After each optimizer
+step the teacher moves towards the student (momentum cosine from `momentum_teacher` to 1); before it the weight decay
+follows its cosine (0.04 to 0.4), the gradients are clipped (3.0, each parameter's norm as DINO, or each network's as
+DINOv2) and the head's last layer gets none for the first `freeze_last_layer` epochs. The arithmetic is
+training/objectives/dino_losses.py's.
+
+The module's `model` is the teacher's backbone, the network DINO evaluates and releases: vitlab.eval (k-NN, linear,
+few-shot), callbacks=representation, model.pretrained=<the .ckpt> and vitlab.export read it. The student is
+`student.backbone.*`, `student.dino_head.*` (`student.ibot_head.*`, `student.mask_token`), the teacher's heads
+`teacher.*`, the centres `dino_loss.center` (`ibot_loss.center`). conf/objective/dino.yaml.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from vitlab.data.multicrop import MultiCropConfig, Views
+from vitlab.model import ViT, ViTConfig
+from vitlab.model.dino_head import DINOHead
+from vitlab.training.devices.sharding import new_vit
+from vitlab.training.objectives import dino_losses as L
+from vitlab.training.objectives.objective import Objective
+from vitlab.utils.checks import check_at_least, check_range, from_mapping
+from vitlab.utils.errors import UserError
+
+CENTERINGS = ("center", "sinkhorn_knopp")
+CLIP_MODES = ("parameter", "network")
+TEMP_WARMUPS = ("epoch", "step")
+
+
+@dataclass(frozen=True)
+class DINOConfig:
+    """conf/objective/dino.yaml: main_dino.py's argparse defaults; DINOv2's options off."""
+
+    out_dim: int = 65536
+    hidden_dim: int = 2048
+    bottleneck_dim: int = 256
+    head_layers: int = 3
+    norm_last_layer: bool = True  # the last layer's norms fixed at 1
+    freeze_last_layer: int = 1  # epochs without a gradient to the last layer
+    momentum_teacher: float = 0.996
+    momentum_teacher_end: float = 1.0
+    student_temp: float = 0.1
+    teacher_temp: float = 0.04
+    warmup_teacher_temp: float = 0.04
+    warmup_teacher_temp_epochs: int = 0
+    teacher_temp_warmup: str = "epoch"  # epoch (DINO: one value an epoch) | step (DINOv2: every iteration)
+    centering: str = "center"  # center | sinkhorn_knopp
+    center_momentum: float = 0.9
+    weight_decay_end: float | None = 0.4  # optim.weight_decay's cosine ends here; null: constant
+    clip_grad: float = 3.0  # 0: off (then trainer.gradient_clip_val applies)
+    clip_mode: str = "parameter"  # parameter (DINO) | network (DINOv2: backbone and heads, each its own norm)
+    dino_weight: float = 1.0
+    koleo_weight: float = 0.0  # DINOv2: 0.1
+    ibot_weight: float = 0.0  # DINOv2: 1.0
+    ibot_separate_head: bool = False
+    ibot_out_dim: int = 65536  # the separate patch head's prototypes
+    mask_probability: float = 0.5  # of the global crops, the share masked for iBOT
+    mask_ratio: tuple[float, float] = (0.1, 0.5)  # of a masked crop's patches
+    crops: Any = field(default_factory=dict)  # data/multicrop.py MultiCropConfig
+
+    def __post_init__(self):
+        for name in ("out_dim", "hidden_dim", "bottleneck_dim", "head_layers", "ibot_out_dim"):
+            check_at_least(f"objective.{name}", getattr(self, name), 1)
+        check_at_least("objective.freeze_last_layer", self.freeze_last_layer, 0)
+        check_at_least("objective.warmup_teacher_temp_epochs", self.warmup_teacher_temp_epochs, 0)
+        for name in ("momentum_teacher", "momentum_teacher_end", "center_momentum", "mask_probability"):
+            check_range(f"objective.{name}", getattr(self, name), 0, 1)
+        for name in ("student_temp", "teacher_temp", "warmup_teacher_temp"):
+            check_range(f"objective.{name}", getattr(self, name), 0, float("inf"), low_open=True, high_open=True)
+        for name in ("clip_grad", "dino_weight", "koleo_weight", "ibot_weight"):
+            check_at_least(f"objective.{name}", getattr(self, name), 0)
+        for name, allowed in (("centering", CENTERINGS), ("clip_mode", CLIP_MODES)):
+            if getattr(self, name) not in allowed:
+                raise UserError(f"objective.{name} {getattr(self, name)!r} is not one of {list(allowed)}")
+        if self.teacher_temp_warmup not in TEMP_WARMUPS:
+            raise UserError(f"objective.teacher_temp_warmup {self.teacher_temp_warmup!r} is not one of {TEMP_WARMUPS}")
+        if self.weight_decay_end is not None:
+            check_at_least("objective.weight_decay_end", self.weight_decay_end, 0)
+        low, high = self.mask_ratio
+        if not 0 <= low <= high <= 1:
+            raise UserError(f"objective.mask_ratio {list(self.mask_ratio)} must be [low, high] in [0, 1]")
+        object.__setattr__(self, "mask_ratio", (float(low), float(high)))
+        object.__setattr__(self, "crops", MultiCropConfig.from_dict(self.crops))
+
+
+def data_views(objective: Mapping[str, Any] | None, model: ViTConfig) -> dict[str, Any] | None:
+    """What the data module makes of each training batch under `objective` (its `data.multicrop`): DINO's views at
+    the model's size, with iBOT's masks on the model's patch grid; None for every other objective."""
+    if (objective or {}).get("name") != "dino":
+        return None
+    cfg = from_mapping(DINOConfig, {k: v for k, v in objective.items() if k != "name"}, "objective=dino")
+    crops = dict(objective.get("crops") or {})
+    crops["global_size"] = crops.get("global_size") or model.img_hw[0]
+    masks = {"probability": cfg.mask_probability if cfg.ibot_weight else 0.0, "ratio": list(cfg.mask_ratio)}
+    return {"crops": crops, "masks": masks | {"patch": list(model.patch_hw)}}
+
+
+class DINO(Objective):
+    name = "dino"
+    uses_labels = False
+    best = ("loss", "min")  # the same loss on the validation images, their views drawn alike every time
+
+    def __init__(self, options: Mapping[str, Any], model: ViTConfig):
+        self.cfg = c = from_mapping(DINOConfig, options, "objective=dino")
+        head = dict(hidden_dim=c.hidden_dim, bottleneck_dim=c.bottleneck_dim, nlayers=c.head_layers)
+        student = nn.Module()
+        student.backbone = new_vit(model)
+        student.dino_head = DINOHead(model.embed_dim, c.out_dim, norm_last_layer=c.norm_last_layer, **head)
+        if c.ibot_weight and c.ibot_separate_head:
+            student.ibot_head = DINOHead(model.embed_dim, c.ibot_out_dim, norm_last_layer=c.norm_last_layer, **head)
+        if c.ibot_weight:
+            student.mask_token = nn.Parameter(torch.zeros(1, model.embed_dim))  # dinov2's, zeros
+        self.student = student
+        self.teacher = nn.Module()  # the heads; the teacher's backbone is the module's `model`
+        for name in ("dino_head", "ibot_head"):
+            if hasattr(student, name):
+                self.teacher.add_module(name, copy.deepcopy(getattr(student, name)).requires_grad_(False))
+        self.dino_loss = L.DINOLoss(c.out_dim, c.student_temp, c.center_momentum)
+        patch_dim = c.ibot_out_dim if c.ibot_separate_head else c.out_dim
+        self.ibot_loss = L.DINOLoss(patch_dim, c.student_temp, c.center_momentum, patch=True) if c.ibot_weight else None
+        self.nets: _Nets | None = None
+        self.total_steps, self.steps_per_epoch, self.step = 1, 1, 0
+        self.decayed_groups: list[int] = []
+        self.weight_decay = 0.0
+        self.val_views: Views | None = None
+        self.norm: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # ---- set-up ----------------------------------------------------------------------------------------------
+    def check(self, model: ViTConfig, optim: Any) -> None:
+        if model.num_classes:
+            raise UserError(
+                f"objective=dino trains an encoder without a head: model.num_classes is {model.num_classes}; set "
+                "model.num_classes=0"
+            )
+        c = self.cfg.crops
+        sizes = {int(c.global_size or model.img_hw[0]), c.local_size if c.local_crops else model.img_hw[0]}
+        if sizes != {model.img_hw[0]} and not model.dynamic_img_size:
+            raise UserError(
+                f"objective=dino's crops of {sorted(sizes)} px need position embeddings at each size: set "
+                "model.dynamic_img_size=true"
+            )
+        if model.img_hw[0] != model.img_hw[1]:
+            raise UserError(f"objective=dino makes square crops: model.img_size {list(model.img_hw)} must be square")
+
+    def extra_modules(self) -> dict[str, nn.Module]:
+        losses = {"dino_loss": self.dino_loss} | ({"ibot_loss": self.ibot_loss} if self.ibot_loss else {})
+        return {"student": self.student, "teacher": self.teacher} | losses
+
+    def prepare(self, model: ViT) -> None:
+        """The teacher starts as the student (main_dino.py: teacher.load_state_dict(student.state_dict())): the
+        student's backbone takes the module's `model` (random, or the pretrained weights just loaded) and the teacher's
+        heads the student's; the teacher gets no gradient."""
+        with torch.no_grad():
+            for mine, theirs in _pairs(self.student.backbone, model):
+                L._local(mine).copy_(L._local(theirs))
+            for name, head in self.teacher.named_children():
+                for t, s in _pairs(head, getattr(self.student, name)):
+                    L._local(t).copy_(L._local(s))
+        model.requires_grad_(False)
+        self.teacher.requires_grad_(False)
+
+    def network(self, model: ViT) -> nn.Module:
+        return self._nets(model)
+
+    def optimized(self, model: ViT) -> nn.Module:
+        """The student: its backbone's parameters under the ViT's names (layer decay reads them), its heads beside."""
+        return _Student(self.student)
+
+    def _nets(self, model: ViT) -> _Nets:
+        if self.nets is None or self.nets.teacher is not model:
+            self.nets = _Nets(model, self)
+        return self.nets
+
+    def metrics(self, stage: str, num_classes: int) -> dict:
+        return {}
+
+    def compile(self, model: ViT, mode: str, regional: bool = False) -> None:
+        """The step runs the backbones' blocks alone (their forward_features, not the ViT's forward): always
+        regional."""
+        super().compile(model, mode, regional=True)
+
+    def blocks_run(self, model: ViT) -> list[nn.Module]:
+        return [*model.blocks, *self.student.backbone.blocks]
+
+    def fit_start(self, datamodule: Any, device: torch.device) -> None:
+        """The validation images' views: the training views' settings, the data's normalisation undone first."""
+        settings = getattr(datamodule, "multicrop_settings", None)
+        if settings is None:
+            raise UserError(f"objective=dino needs multi-crop views, and data {type(datamodule).__name__} makes none")
+        self.val_views = Views(settings, datamodule.mean, datamodule.std)
+        self.norm = tuple(torch.tensor(v, device=device).view(1, -1, 1, 1) for v in (datamodule.mean, datamodule.std))
+
+    def schedule(self, optimizer: torch.optim.Optimizer, total_steps: int, steps_per_epoch: int) -> None:
+        self.total_steps, self.steps_per_epoch = max(1, total_steps), max(1, steps_per_epoch)
+        self.decayed_groups = [i for i, g in enumerate(optimizer.param_groups) if g["weight_decay"] > 0]
+        self.weight_decay = max((g["weight_decay"] for g in optimizer.param_groups), default=0.0)
+
+    # ---- steps -----------------------------------------------------------------------------------------------
+    def temperature(self, step: int, epoch: int) -> float:
+        c = self.cfg
+        if c.teacher_temp_warmup == "step":  # dinov2's CosineScheduler(teacher_temp, teacher_temp, warmup, start)
+            warm = c.warmup_teacher_temp_epochs * self.steps_per_epoch
+            return L.cosine_schedule(
+                step, c.teacher_temp, c.teacher_temp, self.total_steps, warm, c.warmup_teacher_temp
+            )
+        return L.teacher_temperature(epoch, c.warmup_teacher_temp, c.teacher_temp, c.warmup_teacher_temp_epochs)
+
+    def training_loss(self, model: ViT, x, y, epoch: int) -> tuple[torch.Tensor, None]:
+        views, masks = x
+        return self._nets(model)(views, masks, self.temperature(self.step, epoch), True), None
+
+    def evaluation_loss(self, model: ViT, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The loss of views of the validation images drawn from a fixed seed (the same views every validation);
+        the centre is read, not updated."""
+        if self.val_views is None or self.norm is None:
+            raise RuntimeError("objective=dino evaluates its loss once fitting has begun (fit_start)")
+        images = (x * self.norm[1] + self.norm[0]).clamp(0, 1)
+        views, masks = self.val_views(images, torch.Generator().manual_seed(0))
+        return self._nets(model)(views, masks, self.cfg.teacher_temp, False), None
+
+    def step_start(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        """main_dino.py, before iteration `step`: the regularised groups' weight decay from wd_schedule."""
+        self.step = step
+        if self.cfg.weight_decay_end is None:
+            return
+        wd = L.cosine_schedule(step, self.weight_decay, self.cfg.weight_decay_end, self.total_steps)
+        for i in self.decayed_groups:
+            optimizer.param_groups[i]["weight_decay"] = wd
+
+    def clip_gradients(self, epoch: int) -> bool:
+        """DINO's, after the backward: clip (each parameter's norm, or each network's as DINOv2), then no gradient to
+        the last layer while it is frozen. True: the trainer's own clipping is not used."""
+        c, student = self.cfg, self.student
+        if c.clip_grad and c.clip_mode == "parameter":
+            L.clip_per_parameter(student.parameters(), c.clip_grad)
+        elif c.clip_grad:  # dinov2: each of the student's networks (the mask token is its backbone's)
+            token = [student.mask_token] if hasattr(student, "mask_token") else []
+            parts = [[*student.backbone.parameters(), *token]] + [
+                list(part.parameters()) for name, part in student.named_children() if name != "backbone"
+            ]
+            for part in parts:
+                torch.nn.utils.clip_grad_norm_([p for p in part if p.grad is not None], c.clip_grad)
+        if epoch < c.freeze_last_layer:
+            for name, p in student.named_parameters():
+                if "last_layer" in name:
+                    p.grad = None
+        return bool(c.clip_grad)
+
+    def step_end(self, model: ViT, step: int) -> None:
+        """The teacher's EMA step after optimizer step `step` (momentum_schedule[step])."""
+        m = L.cosine_schedule(step, self.cfg.momentum_teacher, self.cfg.momentum_teacher_end, self.total_steps)
+        pairs = _pairs(model, self.student.backbone) + [
+            pair for name, head in self.teacher.named_children() for pair in _pairs(head, getattr(self.student, name))
+        ]
+        L.ema_update([t for t, _ in pairs], [s for _, s in pairs], m)
+
+    def activation_shapes(self, model: ViTConfig) -> list[tuple[int, int, int, float]]:
+        """The student's blocks over every view (the teacher's forward keeps nothing), each view's head outputs
+        (logits, their softmax and gradient), and the image."""
+        c, full, prefix = self.cfg.crops, 8 + 2 * model.mlp_ratio, model.num_prefix_tokens
+        size = int(c.global_size or model.img_hw[0])
+        glob = prefix + (size // model.patch_hw[0]) * (size // model.patch_hw[1])
+        local = prefix + (c.local_size // model.patch_hw[0]) * (c.local_size // model.patch_hw[1])
+        views = [(2 * glob, model.embed_dim, model.depth, full)]
+        views += [(c.local_crops * local, model.embed_dim, model.depth, full)] if c.local_crops else []
+        image = (model.img_hw[0] * model.img_hw[1], model.in_chans, 1, 1)
+        return [*views, (2 + c.local_crops, self.cfg.out_dim, 1, 4), image]
+
+    def train_flops_per_image(self, model: ViTConfig) -> float:
+        """The student forward + backward of every view (3x), the teacher forward of the global ones."""
+        c = self.cfg.crops
+        local = model.replace(img_size=c.local_size, dynamic_img_size=True).flops_per_image() if c.local_crops else 0
+        return 3 * (2 * model.flops_per_image() + c.local_crops * local) + 2 * model.flops_per_image()
+
+
+def _pairs(a: nn.Module, b: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The parameters of two networks of one architecture, name by name."""
+    theirs = dict(b.named_parameters())
+    return [(p, theirs[name]) for name, p in a.named_parameters()]
+
+
+class _Student(nn.Module):
+    """The student as the optimizer's groups see it: the backbone's parameters under the ViT's own names."""
+
+    def __init__(self, student: nn.Module):
+        super().__init__()
+        backbone = student.backbone
+        for name, child in backbone.named_children():
+            self.add_module(name, child)
+        for name, p in backbone.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, child in student.named_children():
+            if name != "backbone":
+                self.add_module(name, child)
+        if hasattr(student, "mask_token"):
+            self.register_parameter("mask_token", student.mask_token)
+        self._no_decay = backbone.no_weight_decay() | {"mask_token"}
+
+    def no_weight_decay(self) -> set[str]:
+        return self._no_decay
+
+
+class _Nets(nn.Module):
+    """Teacher and student, their forward the loss: what a sharded strategy shards (every view passes through here)."""
+
+    def __init__(self, teacher: ViT, dino: DINO):
+        super().__init__()
+        self.teacher, self.student, self.teacher_heads = teacher, dino.student, dino.teacher
+        self.dino = dino  # its config and losses (not a submodule: the module registers those)
+
+    def _features(self, vit: ViT, x: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
+        """Final normed tokens of a batch, the masked patches (iBOT) replaced by the mask token before the position
+        embedding (dinov2's prepare_tokens_with_masks)."""
+        if masks is None:
+            return vit.forward_features(x)
+        token = self.student.mask_token
+
+        def mask(module, args, out):  # patch_embed's (B, h, w, D)
+            return torch.where(masks.view(out.shape[:3]).unsqueeze(-1), token.to(out.dtype), out)
+
+        handle = vit.patch_embed.register_forward_hook(mask)
+        try:
+            return vit.forward_features(x)
+        finally:
+            handle.remove()
+
+    def forward(self, views: list[torch.Tensor], masks: torch.Tensor | None, temp: float, update: bool):
+        c, dino, t = self.dino.cfg, self.dino, self.teacher
+        glob, locs = torch.cat(views[:2]), views[2:]
+        prefix = t.num_prefix_tokens
+        with torch.no_grad():
+            was = t.training
+            t.eval()  # no drop path in the teacher (main_dino.py builds it without)
+            t_tokens = self._features(t, glob)
+            t.train(was)
+            t_out = self.teacher_heads.dino_head(t.forward_head(t_tokens, pre_logits=True))
+            targets = dino.dino_loss.targets(t_out, temp, c.centering).chunk(2)
+            if update and c.centering == "center":
+                dino.dino_loss.update_center(t_out)
+            if masks is not None:
+                head = getattr(self.teacher_heads, "ibot_head", self.teacher_heads.dino_head)
+                t_patch = head(t_tokens[:, prefix:][masks])
+                count = torch.tensor(float(len(t_patch)), device=t_patch.device)
+                patch_targets = dino.ibot_loss.targets(t_patch, temp, c.centering, count)
+                if update and c.centering == "center":
+                    dino.ibot_loss.update_center(t_patch.unsqueeze(0))
+        s = self.student
+        s_tokens = self._features(s.backbone, glob, masks)
+        cls = [s.backbone.forward_head(s_tokens, pre_logits=True)]
+        if locs:  # DINO's MultiCropWrapper: the crops of one size in one forward
+            cls.append(s.backbone.forward_head(s.backbone.forward_features(torch.cat(locs)), pre_logits=True))
+        out = s.dino_head(torch.cat(cls)).chunk(len(views))
+        loss = c.dino_weight * dino.dino_loss(out, targets)
+        if c.koleo_weight:
+            loss = loss + c.koleo_weight * sum(L.koleo_loss(p) for p in cls[0].chunk(2))
+        if masks is not None:
+            head = getattr(s, "ibot_head", s.dino_head)
+            s_patch = head(s_tokens[:, prefix:][masks])
+            loss = loss + c.ibot_weight * L.ibot_loss(s_patch, patch_targets, masks, c.student_temp)
+        return loss

@@ -1,0 +1,211 @@
+"""`objective=distill`: knowledge distillation as DeiT trains it (Touvron et al. 2021; deit's losses.py
+`DistillationLoss`): a teacher in eval mode, without gradients, gives logits for each training batch (the same mixed
+images the student sees), and the student's loss is (1 - alpha) x its label loss + alpha x a distillation term:
+
+- `soft`: KL(student / tau || teacher / tau) x tau^2, summed and divided by the logits' count (DeiT's exactly; timm's
+  TokenDistillationTask divides by the batch alone, K times DeiT's for K classes);
+- `hard`: cross-entropy against the teacher's top class (DeiT's and timm's).
+
+A distilled student (`model.distilled=true`) distils through its distillation token's head, the class token's head
+learning from the labels (DeiT's "hard distillation" with the token); any other student distils through its one head
+(plain logit distillation, Hinton et al. 2015).
+
+The label loss is objective=classify's (its options: label smoothing, CE/BCE, MixUp/CutMix, which the teacher sees as
+the student does). The teacher is a vitlab training checkpoint (.ckpt) or a timm model name (its pretrained weights),
+wrapped in timm's DistillationTeacher (eval mode). Its input is made from the student's on the device: renormalised by
+timm's `normalize_input` with the teacher's own mean and std (its pretrained configuration; a checkpoint's data
+settings), resized to the teacher's input size. It is not part of the student's checkpoint: a resumed run loads it again
+from where the config says. Under DDP each process runs its own copy on its own shard. No Lightning or Hydra here.
+"""
+
+from __future__ import annotations
+
+import pydoc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vitlab.model import ViT, ViTConfig
+from vitlab.training.objectives.classification import Classification, ClassifyConfig
+from vitlab.utils.checks import check_range
+from vitlab.utils.errors import MissingFileError, UserError
+
+DISTILL_TYPES = ("soft", "hard")
+
+
+@dataclass(frozen=True)
+class DistillConfig(ClassifyConfig):
+    """conf/objective/distill.yaml: objective=classify's options and DeiT's --distillation-type, --distillation-alpha,
+    --distillation-tau, --teacher-model."""
+
+    type: str = "hard"  # DISTILL_TYPES
+    alpha: float = 0.5  # the distillation term's weight; the label loss gets 1 - alpha
+    tau: float = 1.0  # soft: the temperature
+    teacher: str | None = None  # a vitlab checkpoint (.ckpt) or a timm model name
+    teacher_pretrained: bool = True  # a timm name: its pretrained weights (false: random ones, to try the wiring)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.type not in DISTILL_TYPES:
+            raise UserError(f"objective.type {self.type!r} is not one of {list(DISTILL_TYPES)}")
+        check_range("objective.alpha", self.alpha, 0, 1)
+        check_range("objective.tau", self.tau, 0, float("inf"), low_open=True, high_open=True)
+        if not self.teacher:
+            raise UserError(
+                "objective=distill needs objective.teacher: a vitlab checkpoint (.ckpt) or a timm model name"
+            )
+
+
+class Distillation(Classification):
+    """The label loss of objective=classify, (1 - alpha) of it, plus alpha x the distillation term against the
+    teacher's logits on the same (mixed) images."""
+
+    name = "distill"
+    config_class = DistillConfig
+
+    def __init__(self, options: Mapping[str, Any], model: ViTConfig):
+        super().__init__(options, model)
+        # The teacher: loaded when fitting begins, never saved with the student nor wrapped by DDP (not a submodule).
+        self.teacher: Teacher | None = None
+        self.student_norm: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def prepare(self, model: ViT) -> None:
+        super().prepare(model)
+        if model.cfg.distilled:
+            model.set_distilled_training(True)  # training returns (class, distillation) logits apart
+
+    def setup_fit(self, num_classes: int) -> None:
+        self.teacher = load_teacher(self.cfg, num_classes)
+
+    def fit_start(self, datamodule: Any, device: torch.device) -> None:
+        """The teacher on this process's device, with the student's normalisation to undo."""
+        if len(datamodule.mean) != (channels := self.teacher.kd.mean_kd.shape[1]):
+            raise UserError(
+                f"objective.teacher takes {channels}-channel images, and the data has {len(datamodule.mean)}"
+            )
+        self.teacher.to(device)
+        self.student_norm = tuple(
+            torch.tensor(v, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+            for v in (datamodule.mean, datamodule.std)
+        )
+
+    def training_loss(
+        self, model: ViT, x: torch.Tensor, y: torch.Tensor, epoch: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.teacher is None or self.student_norm is None:
+            raise RuntimeError("distillation needs the teacher: fit the module with a Trainer (its setup loads it)")
+        x, target = self.mix(x, y, epoch)  # the teacher sees the images the student saw, mixed as they were
+        out = model(x)
+        logits, logits_kd = out if isinstance(out, tuple) else (out, out)  # distilled: the class token's, the other's
+        loss = distillation_loss(
+            self.label_loss(logits, target), logits_kd, self.teacher(x, *self.student_norm), self.cfg
+        )
+        if isinstance(out, tuple):
+            logits = (out[0] + out[1]) / 2  # the metrics read the two heads' average, as evaluation does
+        return loss, logits
+
+
+def distillation_loss(
+    label_loss: torch.Tensor, student: torch.Tensor, teacher: torch.Tensor, cfg: DistillConfig
+) -> torch.Tensor:
+    """DeiT's DistillationLoss, given the label loss and the logits the distillation term compares."""
+    if cfg.type == "soft":
+        T = cfg.tau
+        kd = (
+            F.kl_div(
+                F.log_softmax(student / T, dim=1), F.log_softmax(teacher / T, dim=1), reduction="sum", log_target=True
+            )
+            * (T * T)
+            / student.numel()
+        )
+    else:
+        kd = F.cross_entropy(student, teacher.argmax(dim=1))
+    return label_loss * (1 - cfg.alpha) + kd * cfg.alpha
+
+
+class Teacher(nn.Module):
+    """timm's DistillationTeacher around a frozen classifier, and the input size it takes: called on the student's
+    normalised batch (and the student's mean and std), it returns its logits."""
+
+    def __init__(self, model: nn.Module, input_hw: Sequence[int]):
+        from timm.task.distillation import DistillationTeacher
+
+        super().__init__()
+        self.kd = DistillationTeacher(model.requires_grad_(False))  # mean and std: the model's pretrained_cfg
+        self.input_hw = tuple(int(s) for s in input_hw)
+
+    def train(self, mode: bool = True) -> Teacher:
+        return super().train(False)  # always in eval mode (dropout, stochastic depth off)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+        channels = self.kd.mean_kd.shape[1]
+        if x.shape[1] != channels:
+            raise UserError(
+                f"objective.teacher takes {channels}-channel images, and the data has {x.shape[1]} channels"
+            )
+        x = self.kd.normalize_input(x, mean, std)
+        if tuple(x.shape[-2:]) != self.input_hw:
+            x = F.interpolate(x, size=self.input_hw, mode="bicubic", align_corners=False, antialias=True)
+        return self.kd(x).float()
+
+
+def load_teacher(cfg: DistillConfig, num_classes: int) -> Teacher:
+    """The teacher `cfg.teacher` names, checked to predict the student's `num_classes` classes."""
+    source = str(cfg.teacher)
+    teacher = (
+        _from_checkpoint(source)
+        if source.endswith(".ckpt")
+        else _from_timm(source, cfg.teacher_pretrained, num_classes)
+    )
+    classes = getattr(teacher.kd.model, "num_classes", None)
+    if classes != num_classes:
+        raise UserError(
+            f"objective.teacher {source!r} predicts {classes} classes and the student {num_classes}: a teacher of the "
+            "same classes is needed"
+        )
+    return teacher
+
+
+def _from_checkpoint(path: str) -> Teacher:
+    """A vitlab training checkpoint: its model (the weights the checkpoint holds: the best's, EMA's where chosen)
+    and its data's normalisation (the data module's own when the config left it null)."""
+    from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
+
+    if not Path(path).is_file() and not is_sharded_checkpoint(path):  # (read_checkpoint's message names ckpt_path)
+        raise MissingFileError(f"objective.teacher {path!r} does not exist: a vitlab checkpoint (.ckpt) or a timm name")
+    ckpt = read_checkpoint(path)
+    hp = ckpt["hyper_parameters"]
+    model = ViT(ViTConfig.from_dict(hp["model"]))
+    weights = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    model.load_state_dict(weights)
+    data = hp.get("data") or {}
+    kind = pydoc.locate(str(data.get("_target_", "")))
+    mean = data.get("mean") or getattr(kind, "mean", None)
+    std = data.get("std") or getattr(kind, "std", None)
+    if mean is None or std is None:
+        raise UserError(f"objective.teacher {path!r}: its checkpoint does not say how its images were normalised")
+    model.pretrained_cfg.update(mean=tuple(mean), std=tuple(std))
+    return Teacher(model, model.cfg.img_hw)
+
+
+def _from_timm(name: str, pretrained: bool, num_classes: int) -> Teacher:
+    """A timm model name: timm's model and weights (fetched through the hub, one-line error offline), its
+    pretrained configuration's mean, std and input size."""
+    import timm
+    from timm.data import resolve_data_config
+
+    from vitlab.convert.timm_hub import check_timm_name, from_the_hub
+
+    check_timm_name(name)
+    if pretrained:  # its own head: the classes it was trained on
+        with from_the_hub(name):
+            model = timm.create_model(name, pretrained=True)
+    else:
+        model = timm.create_model(name, pretrained=False, num_classes=num_classes)
+    return Teacher(model, resolve_data_config({}, model=model)["input_size"][-2:])

@@ -1,0 +1,191 @@
+"""Going on from a checkpoint: which one (the user's, `last`, or the one a restarted job left in its own run
+directory), whether this run can go on from it (one-line refusals of another architecture, batch size or a
+finished run), and, for a run stopped on a signal, what was saved and the command that resumes it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import signal
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
+from vitlab.model.config import DROPOUTS
+from vitlab.training.callbacks.standard import SaveOnInterrupt
+from vitlab.training.devices.sharding import requests_fsdp
+from vitlab.training.module import ViTModule
+from vitlab.training.pretrained import load_pretrained
+from vitlab.utils.atomic import remove_stale_temporaries
+from vitlab.utils.errors import MissingFileError, UserError
+from vitlab.utils.signals import pass_on
+
+log = logging.getLogger(__name__)
+
+# Regularisation (and gradient checkpointing) may change between a run and its resumption; the architecture may not.
+RESUME_MAY_DIFFER = {*DROPOUTS, "grad_checkpointing"}
+
+
+def starting_point(cfg: DictConfig, module: ViTModule) -> str | None:
+    """The checkpoint `vitlab.train` goes on from (the user's `ckpt_path`, refused if its run had finished; a restarted
+    job's own), or None after loading `model.pretrained`'s weights, if any, into the new module."""
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
+    if ckpt_path and is_sharded_checkpoint(ckpt_path) and not requests_fsdp(cfg.trainer):
+        raise UserError(
+            f"ckpt_path {ckpt_path!r} is a directory of shards: go on from it with trainer=fsdp, or make one file of "
+            f"it first (python -m vitlab.export ckpt_path={ckpt_path} format=ckpt), which any strategy reads"
+        )
+    if ckpt_path:  # a job that restarts, below, goes on to test even when it had finished
+        check_resumable(ckpt_path, module, cfg.trainer if cfg.train else None)
+    elif ckpt_path := earlier_start(Path(cfg.paths.output_dir)):
+        check_resumable(ckpt_path, module)
+    elif cfg.model.pretrained:
+        load_pretrained(module, cfg.model)  # objective=mae: the file's MAE decoder too
+    return ckpt_path
+
+
+def resolve_ckpt_path(ckpt_path: str | None, runs_dir: Path) -> str | None:
+    """The checkpoint to resume from: the file the user named, or for `last` the newest last.ckpt or
+    interrupted.ckpt among this task's earlier runs. Temporaries that a killed save left beside it are
+    removed."""
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "last":
+        ckpt_path = _newest(runs_dir.glob("*/checkpoints"))
+        if ckpt_path is None:
+            raise MissingFileError(f"ckpt_path=last: no last.ckpt or interrupted.ckpt under {runs_dir}/*/checkpoints")
+    if Path(ckpt_path).is_file() or is_sharded_checkpoint(ckpt_path):  # others: read_checkpoint names them
+        remove_stale_temporaries(Path(ckpt_path).parent)
+    return ckpt_path
+
+
+def earlier_start(run_dir: Path) -> str | None:
+    """The checkpoint to go on from when this run directory already holds one: the same job started again (Slurm
+    requeued or pre-empted it, or submitit resubmitted it at its time limit), which resumes where it stopped. A
+    new run never finds one: every command claims a new directory, and Lightning's DDP children start before
+    anything is saved."""
+    found = _newest([run_dir / "checkpoints"])
+    if found:
+        restart = os.environ.get("SLURM_RESTART_COUNT")
+        log.info(
+            "%s holds a checkpoint of an earlier start%s: resuming from %s",
+            run_dir,
+            f" (Slurm restart {restart})" if restart else "",
+            found,
+        )
+        remove_stale_temporaries(Path(found).parent)
+    return found
+
+
+def _newest(folders) -> str | None:
+    """The newest last.ckpt or interrupted.ckpt in `folders`."""
+    found = [
+        p
+        for folder in folders
+        for p in (folder / "last.ckpt", folder / "interrupted.ckpt")
+        if p.is_file() or is_sharded_checkpoint(p)
+    ]
+    return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
+
+
+def check_resumable(ckpt_path: str, module: ViTModule, trainer_cfg: DictConfig | None = None) -> None:
+    """Refuse, in one line, a checkpoint this run cannot go on from: another architecture or class count (before
+    Lightning fails deep inside load_state_dict), another batch size (its saved position in the epoch and its
+    learning-rate schedule count steps of the batch it had) or, given the run's trainer settings, a run that
+    had already finished (it would train nothing), or another optimizer or schedule setting (the saved state and
+    schedule go on: a new learning rate would be silently ignored)."""
+    ckpt = read_checkpoint(ckpt_path, weights=False)  # a directory of shards: its metadata only
+    theirs = ckpt["hyper_parameters"]["model"]
+    ours = module.hparams["model"]
+    diff = {k: (theirs.get(k), ours[k]) for k in ours if theirs.get(k) != ours[k] and k not in RESUME_MAY_DIFFER}
+    if diff:
+        shown = ", ".join(f"{k}={a!r} (this run: {b!r})" for k, (a, b) in list(diff.items())[:4])
+        raise UserError(f"ckpt_path {ckpt_path!r} was trained with a different model: {shown}")
+    batch = (
+        (ckpt["hyper_parameters"].get("data") or {}).get("batch_size"),
+        (module.hparams.get("data") or {}).get("batch_size"),
+    )
+    if None not in batch and batch[0] != batch[1]:
+        raise UserError(
+            f"ckpt_path {ckpt_path!r} was trained with data.batch_size={batch[0]} (this run: {batch[1]}): its place "
+            f"in the epoch and its learning-rate schedule count steps of {batch[0]} images; resume with "
+            f"data.batch_size={batch[0]}"
+        )
+    for group in ("optim", "scheduler"):  # the optimizer's state and the schedule go on as they were saved
+        saved, given = ckpt["hyper_parameters"].get(group) or {}, module.hparams.get(group) or {}
+        changed = [k for k in given if k in saved and saved[k] != given[k]]
+        if changed:
+            shown = ", ".join(f"{group}.{k}={saved[k]!r} (this run: {given[k]!r})" for k in changed[:4])
+            raise UserError(
+                f"ckpt_path {ckpt_path!r} was trained with {shown}: a resume goes on with the checkpoint's optimizer "
+                "state and learning-rate schedule, and the new value would not be applied; drop the override to "
+                "resume, or train anew without ckpt_path"
+            )
+    epochs = ckpt.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+    done = max(epochs.get("processed", 0), epochs.get("completed", 0))
+    limit = trainer_cfg.get("max_epochs") if trainer_cfg is not None else None
+    if limit and limit > 0 and done >= limit:
+        raise UserError(
+            f"ckpt_path {ckpt_path!r} is of a run that had finished ({done} of {limit} epochs): nothing is left to "
+            f"train; raise trainer.max_epochs to train on, or test it: python -m vitlab.eval ckpt_path={ckpt_path}"
+        )
+
+
+def resume_command(ckpt_path: Path) -> str:
+    """This run's command line (its own overrides, as typed) with ckpt_path set to `ckpt_path`. A job of a sweep
+    resumes as a single run: its overrides are its own values, and hydra.mode=RUN keeps a config that asks for
+    a sweep (hparams_search=...) from starting a new one."""
+    hydra_cfg = HydraConfig.get()
+    overrides = [o for o in hydra_cfg.overrides.task if not o.lstrip("+~").startswith(("ckpt_path=", "hydra.mode="))]
+    single = ["hydra.mode=RUN"] if hydra_cfg.mode == RunMode.MULTIRUN else []
+    return shlex.join([*launcher(), "-m", "vitlab.train", *overrides, *single, f"ckpt_path={ckpt_path}"])
+
+
+def launcher() -> list[str]:
+    """How this run's processes were started, for its resume line: torchrun's (as this node started them: on several
+    nodes, node 0's line, each other node with its own --node-rank), else `python`."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return ["python"]
+    nodes, per_node = int(env.get("GROUP_WORLD_SIZE") or 1), env.get("LOCAL_WORLD_SIZE") or "1"
+    if nodes == 1:
+        return ["torchrun", "--standalone", f"--nproc-per-node={per_node}"]
+    where = [f"--master-addr={env.get('MASTER_ADDR', '127.0.0.1')}", f"--master-port={env.get('MASTER_PORT', 29500)}"]
+    return [
+        "torchrun",
+        f"--nnodes={nodes}",
+        f"--node-rank={env.get('GROUP_RANK', 0)}",
+        f"--nproc-per-node={per_node}",
+        *where,
+    ]
+
+
+def stopped(trainer: L.Trainer) -> NoReturn:
+    """Training stopped on a signal: say what was saved and the command that resumes it, pass the signal on to the
+    handler that was there before (submitit's requeues a Slurm job) and exit with 128 + the signal's number."""
+    saved = next((cb.saved for cb in trainer.callbacks if isinstance(cb, SaveOnInterrupt) and cb.saved), None)
+    if saved is None:  # callbacks without save_on_interrupt: Lightning's own SIGTERM handling
+        if trainer.is_global_zero:
+            print("stopped by SIGTERM; no checkpoint saved (callbacks without save_on_interrupt)", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGTERM)
+    if trainer.is_global_zero:
+        name, path, command = signal.Signals(saved["signal"]).name, saved["path"], resume_command(saved["path"])
+        said = {"signal": name, "step": saved["step"], "epoch": saved["epoch"] + 1, "checkpoint": str(path)}
+        out = Path(HydraConfig.get().runtime.output_dir)  # beside the checkpoint, for a sweep's summary
+        (out / "interrupted.json").write_text(json.dumps(said | {"resume": command}, indent=2))
+        print(
+            f"interrupted by {name} at step {saved['step']} (epoch {saved['epoch'] + 1}): saved {path}; resume with: "
+            f"{command}",
+            file=sys.stderr,
+            flush=True,
+        )
+    pass_on(saved["signal"])
+    raise SystemExit(128 + saved["signal"])

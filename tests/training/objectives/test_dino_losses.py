@@ -1,0 +1,361 @@
+"""DINO's and DINOv2's arithmetic against the references' code, written out here from facebookresearch/dino
+(main_dino.py DINOLoss, vision_transformer.py DINOHead, utils.py cosine_scheduler / clip_gradients, the EMA step of
+train_one_epoch) and facebookresearch/dinov2 (loss/dino_clstoken_loss.py, loss/ibot_patch_loss.py, loss/koleo_loss.py,
+data/masking.py, data/collate.py; one process: their all_reduce calls are the identity). Same weights, same inputs:
+equal to 1e-6 (the schedules to 1e-12, the masks exactly)."""
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vitlab.data.multicrop import block_mask, collate_masks
+from vitlab.model.dino_head import DINOHead
+from vitlab.training.objectives import dino_losses as L
+from vitlab.training.optim import dino_cosine
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*weight_norm.*:FutureWarning", "ignore:.*weight_norm.*:UserWarning")
+
+
+# ---- the references, as written there ------------------------------------------------------------------------
+class RefDINOHead(nn.Module):
+    """dino vision_transformer.py DINOHead (use_bn=False)."""
+
+    def __init__(self, in_dim, out_dim, norm_last_layer=True, nlayers=3, hidden_dim=2048, bottleneck_dim=256):
+        super().__init__()
+        layers = [nn.Linear(in_dim, hidden_dim), nn.GELU()]
+        for _ in range(nlayers - 2):
+            layers += [nn.Linear(hidden_dim, hidden_dim), nn.GELU()]
+        layers.append(nn.Linear(hidden_dim, bottleneck_dim))
+        self.mlp = nn.Sequential(*layers)
+        self.last_layer = nn.utils.weight_norm(nn.Linear(bottleneck_dim, out_dim, bias=False))
+        self.last_layer.weight_g.data.fill_(1)
+        if norm_last_layer:
+            self.last_layer.weight_g.requires_grad = False
+
+    def forward(self, x):
+        x = self.mlp(x)
+        x = nn.functional.normalize(x, dim=-1, p=2)
+        return self.last_layer(x)
+
+
+class RefDINOLoss(nn.Module):
+    """dino main_dino.py DINOLoss, one process."""
+
+    def __init__(self, out_dim, ncrops, warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs, nepochs,
+                 student_temp=0.1, center_momentum=0.9):  # fmt: skip
+        super().__init__()
+        self.student_temp, self.center_momentum, self.ncrops = student_temp, center_momentum, ncrops
+        self.register_buffer("center", torch.zeros(1, out_dim))
+        self.teacher_temp_schedule = np.concatenate((
+            np.linspace(warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs),
+            np.ones(nepochs - warmup_teacher_temp_epochs) * teacher_temp,
+        ))  # fmt: skip
+
+    def forward(self, student_output, teacher_output, epoch):
+        student_out = student_output / self.student_temp
+        student_out = student_out.chunk(self.ncrops)
+        temp = self.teacher_temp_schedule[epoch]
+        teacher_out = F.softmax((teacher_output - self.center) / temp, dim=-1)
+        teacher_out = teacher_out.detach().chunk(2)
+        total_loss, n_loss_terms = 0, 0
+        for iq, q in enumerate(teacher_out):
+            for v in range(len(student_out)):
+                if v == iq:
+                    continue
+                loss = torch.sum(-q * F.log_softmax(student_out[v], dim=-1), dim=-1)
+                total_loss += loss.mean()
+                n_loss_terms += 1
+        total_loss /= n_loss_terms
+        self.update_center(teacher_output)
+        return total_loss
+
+    @torch.no_grad()
+    def update_center(self, teacher_output):
+        batch_center = torch.sum(teacher_output, dim=0, keepdim=True)
+        batch_center = batch_center / (len(teacher_output) * 1)
+        self.center = self.center * self.center_momentum + batch_center * (1 - self.center_momentum)
+
+
+def ref_cosine_scheduler(base_value, final_value, epochs, niter_per_ep, warmup_epochs=0, start_warmup_value=0):
+    """dino utils.py cosine_scheduler."""
+    warmup_schedule = np.array([])
+    warmup_iters = warmup_epochs * niter_per_ep
+    if warmup_epochs > 0:
+        warmup_schedule = np.linspace(start_warmup_value, base_value, warmup_iters)
+    iters = np.arange(epochs * niter_per_ep - warmup_iters)
+    schedule = final_value + 0.5 * (base_value - final_value) * (1 + np.cos(np.pi * iters / len(iters)))
+    schedule = np.concatenate((warmup_schedule, schedule))
+    assert len(schedule) == epochs * niter_per_ep
+    return schedule
+
+
+def ref_sinkhorn_knopp_teacher(teacher_output, teacher_temp, n_iterations=3, n_masked_patches_tensor=None):
+    """dinov2 DINOLoss.sinkhorn_knopp_teacher (iBOTPatchLoss's with n_masked_patches_tensor), one process."""
+    teacher_output = teacher_output.float()
+    Q = torch.exp(teacher_output / teacher_temp).t()
+    B = Q.shape[1] * 1 if n_masked_patches_tensor is None else n_masked_patches_tensor
+    K = Q.shape[0]
+    sum_Q = torch.sum(Q)
+    Q /= sum_Q
+    for _ in range(n_iterations):
+        sum_of_rows = torch.sum(Q, dim=1, keepdim=True)
+        Q /= sum_of_rows
+        Q /= K
+        Q /= torch.sum(Q, dim=0, keepdim=True)
+        Q /= B
+    Q *= B
+    return Q.t()
+
+
+def ref_dinov2_dino_loss(student_output_list, teacher_out_softmaxed_centered_list, student_temp=0.1):
+    """dinov2 DINOLoss.forward."""
+    total_loss = 0
+    for s in student_output_list:
+        lsm = F.log_softmax(s / student_temp, dim=-1)
+        for t in teacher_out_softmaxed_centered_list:
+            loss = torch.sum(t * lsm, dim=-1)
+            total_loss -= loss.mean()
+    return total_loss
+
+
+def ref_ibot_forward_masked(student_patch_tokens_masked, teacher_patch_tokens_masked, student_masks_flat,
+                            student_temp=0.1):  # fmt: skip
+    """dinov2 iBOTPatchLoss.forward_masked (masks_weight None)."""
+    t, s = teacher_patch_tokens_masked, student_patch_tokens_masked
+    loss = torch.sum(t * F.log_softmax(s / student_temp, dim=-1), dim=-1)
+    masks_weight = (
+        (1 / student_masks_flat.sum(-1).clamp(min=1.0)).unsqueeze(-1).expand_as(student_masks_flat)[student_masks_flat]
+    )
+    loss = loss * masks_weight
+    return -loss.sum() / student_masks_flat.shape[0]
+
+
+class RefKoLeoLoss(nn.Module):
+    """dinov2 KoLeoLoss."""
+
+    def __init__(self):
+        super().__init__()
+        self.pdist = nn.PairwiseDistance(2, eps=1e-8)
+
+    def pairwise_NNs_inner(self, x):
+        dots = torch.mm(x, x.t())
+        n = x.shape[0]
+        dots.view(-1)[:: (n + 1)].fill_(-1)
+        _, I = torch.max(dots, dim=1)  # noqa: E741
+        return I
+
+    def forward(self, student_output, eps=1e-8):
+        student_output = F.normalize(student_output, eps=eps, p=2, dim=-1)
+        I = self.pairwise_NNs_inner(student_output)  # noqa: E741
+        distances = self.pdist(student_output, student_output[I])
+        return -torch.log(distances + eps).mean()
+
+
+class RefMaskingGenerator:
+    """dinov2 data/masking.py MaskingGenerator (numpy mask), its draws from the module-level `random`."""
+
+    def __init__(self, input_size, num_masking_patches=None, min_num_patches=4, max_num_patches=None,
+                 min_aspect=0.3, max_aspect=None):  # fmt: skip
+        self.height, self.width = input_size
+        self.min_num_patches = min_num_patches
+        self.max_num_patches = num_masking_patches if max_num_patches is None else max_num_patches
+        max_aspect = max_aspect or 1 / min_aspect
+        self.log_aspect_ratio = (math.log(min_aspect), math.log(max_aspect))
+
+    def _mask(self, mask, max_mask_patches):
+        delta = 0
+        for _ in range(10):
+            target_area = random.uniform(self.min_num_patches, max_mask_patches)
+            aspect_ratio = math.exp(random.uniform(*self.log_aspect_ratio))
+            h = int(round(math.sqrt(target_area * aspect_ratio)))
+            w = int(round(math.sqrt(target_area / aspect_ratio)))
+            if w < self.width and h < self.height:
+                top = random.randint(0, self.height - h)
+                left = random.randint(0, self.width - w)
+                num_masked = mask[top : top + h, left : left + w].sum()
+                if 0 < h * w - num_masked <= max_mask_patches:
+                    for i in range(top, top + h):
+                        for j in range(left, left + w):
+                            if mask[i, j] == 0:
+                                mask[i, j] = 1
+                                delta += 1
+                if delta > 0:
+                    break
+        return delta
+
+    def __call__(self, num_masking_patches=0):
+        mask = np.zeros(shape=(self.height, self.width), dtype=bool)
+        mask_count = 0
+        while mask_count < num_masking_patches:
+            max_mask_patches = min(num_masking_patches - mask_count, self.max_num_patches)
+            delta = self._mask(mask, max_mask_patches)
+            if delta == 0:
+                break
+            mask_count += delta
+        return mask
+
+
+def ref_collate_masks(B, N, mask_ratio_tuple, mask_probability, mask_generator):
+    """dinov2 collate_data_and_cast's masks."""
+    n_samples_masked = int(B * mask_probability)
+    probs = torch.linspace(*mask_ratio_tuple, n_samples_masked + 1)
+    masks_list = []
+    for i in range(0, n_samples_masked):
+        prob_min, prob_max = probs[i], probs[i + 1]
+        masks_list.append(torch.BoolTensor(mask_generator(int(N * random.uniform(prob_min, prob_max)))))
+    for _ in range(n_samples_masked, B):
+        masks_list.append(torch.BoolTensor(mask_generator(0)))
+    random.shuffle(masks_list)
+    return torch.stack(masks_list).flatten(1)
+
+
+# ---- the head ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("norm_last_layer", [True, False])
+def test_the_head_is_dinos_with_its_keys_and_outputs(norm_last_layer):
+    torch.manual_seed(0)
+    ours = DINOHead(24, 50, hidden_dim=32, bottleneck_dim=16, nlayers=3, norm_last_layer=norm_last_layer)
+    ref = RefDINOHead(24, 50, norm_last_layer=norm_last_layer, hidden_dim=32, bottleneck_dim=16)
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    with torch.no_grad():
+        ours.last_layer.weight_g.mul_(torch.rand(50, 1) + 0.5)  # a trained g, not all ones
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(7, 24)
+    torch.testing.assert_close(ours(x), ref(x), atol=1e-6, rtol=1e-6)
+    trained = {n for n, p in ours.named_parameters() if p.requires_grad}
+    assert trained == {n for n, p in ref.named_parameters() if p.requires_grad}
+    assert ("last_layer.weight_g" in trained) is not norm_last_layer
+
+
+# ---- the losses -------------------------------------------------------------------------------------------------
+def test_the_dino_loss_and_its_centre_are_main_dinos_over_epochs_of_warming_temperature():
+    torch.manual_seed(0)
+    K, B, ncrops, epochs = 40, 6, 5, 6
+    ref = RefDINOLoss(K, ncrops, 0.04, 0.07, 3, epochs)
+    ours = L.DINOLoss(K)
+    for epoch in range(epochs):
+        student, teacher = torch.randn(ncrops * B, K) * 3, torch.randn(2 * B, K) * 3
+        temp = L.teacher_temperature(epoch, 0.04, 0.07, 3)
+        assert temp == pytest.approx(ref.teacher_temp_schedule[epoch], abs=1e-15)
+        expected = ref(student, teacher, epoch)
+        targets = ours.targets(teacher, temp, "center").chunk(2)
+        got = ours(student.chunk(ncrops), targets)
+        ours.update_center(teacher)
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(ours.center, ref.center, atol=1e-7, rtol=1e-6)
+
+
+def test_dinov2s_global_and_local_terms_add_up_to_the_same_loss():
+    """ssl_meta_arch.forward_backward: local crops against both teacher views, the global crops against the other
+    one (teacher views swapped), scaled by 1 / (2 + 2 x locals) and x 2: DINO's mean over pairs."""
+    torch.manual_seed(1)
+    K, B, n_local = 30, 4, 3
+    teacher = torch.softmax(torch.randn(2 * B, K) / 0.07, -1)
+    s_global, s_local = torch.randn(2 * B, K), torch.randn(n_local * B, K)
+    t = teacher.view(2, B, K)
+    swapped = torch.cat((t[1], t[0]))
+    terms = 2 * n_local + 2
+    local = ref_dinov2_dino_loss(s_local.chunk(n_local), t) / terms
+    glob = ref_dinov2_dino_loss([s_global], [swapped]) * 2 / terms
+    ours = L.DINOLoss(K)(list(s_global.chunk(2)) + list(s_local.chunk(n_local)), list(teacher.chunk(2)))
+    torch.testing.assert_close(ours, local + glob, atol=1e-6, rtol=1e-6)
+
+
+def test_sinkhorn_knopp_is_dinov2s_for_class_tokens_and_masked_patches():
+    torch.manual_seed(2)
+    teacher = torch.randn(12, 20) * 2
+    torch.testing.assert_close(L.sinkhorn_knopp(teacher, 0.07), ref_sinkhorn_knopp_teacher(teacher, 0.07))
+    patches, count = teacher[:9] * 0.5, torch.tensor(9.0)  # (its exp overflows float32 past ~88: the reference's too)
+    expected = ref_sinkhorn_knopp_teacher(patches, 0.04, n_masked_patches_tensor=count)
+    torch.testing.assert_close(L.sinkhorn_knopp(patches, 0.04, count=count), expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(L.DINOLoss(20).targets(teacher, 0.07, "sinkhorn_knopp"), L.sinkhorn_knopp(teacher, 0.07))
+
+
+def test_the_ibot_loss_and_its_patch_centre_are_dinov2s():
+    torch.manual_seed(3)
+    masks = torch.zeros(4, 9, dtype=torch.bool)
+    masks[0, [1, 2, 5]] = True
+    masks[2, [0, 8]] = True  # images 1 and 3 unmasked
+    M, K = int(masks.sum()), 16
+    student, teacher_logits = torch.randn(M, K), torch.randn(M, K)
+    loss = L.DINOLoss(K, patch=True)
+    targets = loss.targets(teacher_logits, 0.07, "center")
+    torch.testing.assert_close(targets, F.softmax(teacher_logits / 0.07, -1))
+    expected = ref_ibot_forward_masked(student, targets, masks)
+    torch.testing.assert_close(L.ibot_loss(student, targets, masks, 0.1), expected, atol=1e-6, rtol=1e-6)
+    loss.update_center(teacher_logits.unsqueeze(0))  # iBOTPatchLoss.reduce_center_update / apply_center_update
+    center = torch.zeros(1, 1, K) * 0.9 + torch.sum(teacher_logits.unsqueeze(0).mean(1), dim=0, keepdim=True) * 0.1
+    torch.testing.assert_close(loss.center, center, atol=1e-7, rtol=1e-6)
+
+
+def test_koleo_is_dinov2s():
+    torch.manual_seed(4)
+    x = torch.randn(10, 8)
+    torch.testing.assert_close(L.koleo_loss(x), RefKoLeoLoss()(x), atol=1e-6, rtol=1e-6)
+
+
+# ---- schedules, the EMA step, clipping -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "base, final, epochs, niter, warmup, start",
+    [(0.996, 1.0, 7, 5, 0, 0), (0.04, 0.4, 4, 3, 0, 0), (5e-4, 1e-6, 12, 4, 3, 0), (0.07, 0.07, 6, 2, 2, 0.04)],
+)
+def test_every_schedule_is_cosine_scheduler_step_by_step(base, final, epochs, niter, warmup, start):
+    expected = ref_cosine_scheduler(base, final, epochs, niter, warmup, start)
+    total = epochs * niter
+    ours = [L.cosine_schedule(i, base, final, total, warmup * niter, start) for i in range(total)]
+    np.testing.assert_allclose(ours, expected, rtol=1e-12, atol=1e-15)
+    if start == 0:  # the learning rate's LambdaLR factor, x lr
+        lr = [base * dino_cosine(i, warmup * niter, total, final / base) for i in range(total)]
+        np.testing.assert_allclose(lr, expected, rtol=1e-12, atol=1e-15)
+
+
+def test_the_ema_step_is_main_dinos():
+    torch.manual_seed(5)
+    student, teacher = nn.Linear(5, 3), nn.Linear(5, 3)
+    ref = [p.detach().clone() for p in teacher.parameters()]
+    m = 0.9961
+    for param_q, param_k in zip(student.parameters(), ref, strict=True):  # main_dino.py train_one_epoch
+        param_k.mul_(m).add_((1 - m) * param_q.detach().data)
+    L.ema_update(list(teacher.parameters()), list(student.parameters()), m)
+    for ours, expected in zip(teacher.parameters(), ref, strict=True):
+        torch.testing.assert_close(ours.detach(), expected, atol=1e-7, rtol=1e-6)
+
+
+def test_clipping_is_dinos_per_parameter():
+    torch.manual_seed(6)
+    net = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 2))
+    for p in net.parameters():
+        p.grad = torch.randn_like(p) * torch.rand(()) * 5
+    expected = []
+    for p in net.parameters():  # utils.clip_gradients
+        g = p.grad.clone()
+        param_norm = g.norm(2)
+        clip_coef = 3.0 / (param_norm + 1e-6)
+        expected.append(g * clip_coef if clip_coef < 1 else g)
+    L.clip_per_parameter(net.parameters(), 3.0)
+    for p, e in zip(net.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad, e, atol=1e-6, rtol=1e-6)
+    assert any(e.norm() < 3.0 for e in expected) and any(p.grad.norm() == pytest.approx(3.0) for p in net.parameters())
+
+
+# ---- iBOT's masks -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("hw, count", [((8, 8), 20), ((14, 14), 90), ((4, 4), 7), ((6, 6), 0)])
+def test_block_masks_are_dinov2s_draw_for_draw(hw, count):
+    n = hw[0] * hw[1]
+    random.seed(7)
+    expected = RefMaskingGenerator(hw, max_num_patches=0.5 * n)(count)
+    ours = block_mask(hw, count, random.Random(7), max_patches=0.5 * n)
+    assert ours.numpy().tolist() == expected.tolist()
+
+
+def test_a_batchs_masks_are_dinov2s_collate():
+    random.seed(8)
+    hw = (6, 6)
+    expected = ref_collate_masks(10, 36, (0.1, 0.5), 0.5, RefMaskingGenerator(hw, max_num_patches=0.5 * 36))
+    ours = collate_masks(10, hw, 0.5, (0.1, 0.5), random.Random(8))
+    assert torch.equal(ours, expected)
+    assert (ours.sum(1) > 0).sum() == 5

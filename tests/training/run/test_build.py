@@ -1,0 +1,23 @@
+"""What build.py makes from a config, where a test of the whole command would only see it in passing."""
+
+from omegaconf import OmegaConf
+
+from vitlab.training.run.build import build_loggers
+
+
+def test_a_wandb_logger_asks_wandb_for_no_anonymous_setting(tmp_path):
+    """Lightning passes anonymous=None to wandb.init, and W&B warns on every run that the setting has no effect
+    (issue 53): the logger is built without it, and its other settings as given."""
+    group = OmegaConf.create(
+        {
+            "wandb": {
+                "_target_": "lightning.pytorch.loggers.WandbLogger",
+                "save_dir": str(tmp_path),
+                "offline": True,
+                "project": "vitlab",
+            }
+        }  # fmt: skip
+    )
+    (logger,) = build_loggers(group)
+    assert "anonymous" not in logger._wandb_init
+    assert logger._wandb_init["project"] == "vitlab" and logger._wandb_init["dir"] == str(tmp_path)
