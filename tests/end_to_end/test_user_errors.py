@@ -271,6 +271,11 @@ def test_bad_input_is_one_line(ckpt, tmp_path, case):
         (["trainer.gradient_clip_algorithm=value"], "error: trainer.gradient_clip_algorithm=value needs"),
         (["-m", "hparams_search=digits_optuna", "hydra.sweeper.pruner=medain"], "error: hydra.sweeper.pruner='medain'"),
         (["seed=-1"], "error: seed -1 must be an integer in"),
+        (["trainer.max_epochs=abc"], "error: trainer.max_epochs 'abc' must be an integer >= -1 or null"),
+        (["trainer.accumulate_grad_batches=0"], "error: trainer.accumulate_grad_batches 0 must be an integer >= 1"),
+        (["data.batch_size=0"], "error: data.batch_size 0 must be 'auto' or an integer >= 1"),
+        (["optim.lr=-1"], "error: optim.lr -1 must be a number >= 0"),
+        (["scheduler.warmup_epochs=-1"], "error: scheduler.warmup_epochs -1 must be a number >= 0"),
     ],
 )
 def test_a_bad_value_is_refused_before_torch_or_lightning_is_imported(tmp_path, args, said):

@@ -11,6 +11,7 @@ both `top_k ... must be an integer >= 1`, before a checkpoint is read.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypedDict
@@ -26,6 +27,7 @@ from vitlab.utils.checks import (
     PositiveInt,
     PositiveNumber,
     Seed,
+    check_arguments,
     check_clipping,
     check_device,
 )
@@ -159,9 +161,16 @@ class BenchmarkSettings(TypedDict):
 
 def check_train(cfg: DictConfig) -> None:
     from vitlab.model.config import vit_config
+    from vitlab.training.optim import OptimConfig, SchedulerConfig
+    from vitlab.training.run.ranges import DataRanges, TrainerValues
 
+    # What can be checked before torch, Lightning and timm are imported (seconds): a refusal within a second.
     if not cfg.model.get("pretrained"):  # (timm's architecture replaces the group's once read: training.pretrained)
-        vit_config(cfg.model)  # the model's values, before Lightning is imported: a refusal within a second
+        vit_config(cfg.model)
+    OptimConfig.check_early(OmegaConf.to_container(cfg.optim, resolve=True))  # (its name: at the build)
+    SchedulerConfig.from_dict(OmegaConf.to_container(cfg.scheduler, resolve=True))
+    check_arguments(TrainerValues, _present(cfg.trainer, TrainerValues), "trainer")  # (Lightning's types: later)
+    check_arguments(DataRanges, _present(cfg.data, DataRanges), "data")
     check_clipping(cfg.trainer)
 
     from vitlab.training.devices.sharding import check_request
@@ -170,6 +179,12 @@ def check_train(cfg: DictConfig) -> None:
     check_devices(cfg.trainer)  # before check_request reads them
     check_launch(cfg)  # a -m sweep of multi-process runs on a launcher that cannot start them
     check_request(cfg.trainer, cfg.get("callbacks"))  # trainer=fsdp: what cannot shard (its note is logged by train)
+
+
+def _present(node: DictConfig, schema: Any) -> dict[str, Any]:
+    """The keys of `schema` that `node` has, resolved."""
+    values = OmegaConf.to_container(node, resolve=True)
+    return {k: values[k] for k in typing.get_type_hints(schema) if k in values}
 
 
 def check_eval(cfg: DictConfig) -> None:

@@ -18,13 +18,14 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from vitlab.utils.checks import check_at_least, check_range, from_mapping, is_number
 from vitlab.utils.errors import UserError, close_matches
+
+if TYPE_CHECKING:  # torch is imported where an optimizer is made: the configs are checked before it (issue 53)
+    import torch
+    from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,11 @@ class OptimConfig:
     fused: bool | None = True  # one fused kernel for all parameters, where the optimizer has one (torch's)
 
     def __post_init__(self):
+        self.check_values()
+        optimizer_info(self.name)  # a name timm has (timm's import: seconds)
+
+    def check_values(self) -> None:
+        """Every value but the optimizer's name, which needs timm."""
         for key in ("lr", "weight_decay", "momentum"):
             check_at_least(f"optim.{key}", getattr(self, key))
         check_at_least("optim.eps", self.eps, optional=True)
@@ -70,11 +76,23 @@ class OptimConfig:
             object.__setattr__(self, "betas", tuple(self.betas))
         if self.fused not in (True, False, None):
             raise UserError(f"optim.fused {self.fused!r} must be true, false or null")
-        optimizer_info(self.name)  # a name timm has
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> OptimConfig:
         return from_mapping(cls, values, "optim")
+
+    @staticmethod
+    def check_early(values: Mapping[str, Any]) -> None:
+        """`values`' keys and every value but the name, before timm (and torch) are imported: a refusal at once."""
+        _OptimValues.from_dict(values)
+
+
+@dataclass(frozen=True)
+class _OptimValues(OptimConfig):
+    """OptimConfig checked without its name (OptimConfig.check_early)."""
+
+    def __post_init__(self):
+        self.check_values()
 
 
 def layer_id(name: str, depth: int) -> int:
@@ -329,6 +347,8 @@ def make_scheduler(optimizer: torch.optim.Optimizer, s: SchedulerConfig, total_s
         lr = optimizer.defaults["lr"]
         min_ratio = s.min_lr_ratio if s.name == "warmup_cosine" else (s.min_lr / lr if lr else 0.0)
         schedule = functools.partial(LAMBDA_SCHEDULES[s.name], warmup=warmup, total=total_steps, min_ratio=min_ratio)
+        import torch
+
         return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     from timm.scheduler import create_scheduler_v2
 

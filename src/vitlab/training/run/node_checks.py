@@ -8,11 +8,10 @@ devices a trainer asks for, and a sweep's launch.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated, Any, Literal, TypedDict
+from typing import Any, Literal
 
 import lightning as L
 import torch
-from annotated_types import Ge, Interval
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import get_object
@@ -22,11 +21,8 @@ from omegaconf.errors import InterpolationKeyError
 
 from vitlab.data.base import DataModule
 from vitlab.data.imagefolder import ImageFolderDataModule, check_class_folders
+from vitlab.training.run.ranges import DataRanges, TrainerValues
 from vitlab.utils.checks import (
-    Fraction,
-    NonNegativeInt,
-    NonNegativeNumber,
-    PositiveInt,
     check_arguments,
     check_clipping,
 )
@@ -82,36 +78,10 @@ def check_launch(cfg: DictConfig) -> None:
         )
 
 
-class TrainerRanges(TypedDict):
-    """Lightning's Trainer arguments with the ranges its documentation gives and its constructor leaves unchecked
-    (accumulate_grad_batches=0 divides by zero in estimated_stepping_batches, log_every_n_steps=0 at the first
-    logging step, once a run directory and processes exist) or checks in a sentence of its own; the types are
-    Lightning's. `precision: auto` is vitlab's (training/devices/hardware.py)."""
+class TrainerRanges(TrainerValues):
+    """TrainerValues, and `precision` as Lightning types it (`auto` is vitlab's: training/devices/hardware.py)."""
 
     precision: Literal["auto"] | _PRECISION_INPUT | None
-    num_nodes: PositiveInt
-    fast_dev_run: bool | NonNegativeInt
-    max_epochs: Annotated[int, Ge(-1)] | None  # -1: no limit
-    min_epochs: NonNegativeInt | None
-    max_steps: Annotated[int, Ge(-1)]  # -1: no limit
-    min_steps: NonNegativeInt | None
-    limit_train_batches: NonNegativeInt | Fraction | None  # a count of batches, or a fraction of them
-    limit_val_batches: NonNegativeInt | Fraction | None
-    limit_test_batches: NonNegativeInt | Fraction | None
-    limit_predict_batches: NonNegativeInt | Fraction | None
-    overfit_batches: NonNegativeInt | Fraction
-    val_check_interval: PositiveInt | Annotated[float, Interval(gt=0, le=1)] | str | dict[str, int] | None
-    check_val_every_n_epoch: PositiveInt | None
-    num_sanity_val_steps: Annotated[int, Ge(-1)] | None  # -1: every validation batch
-    log_every_n_steps: PositiveInt | None
-    accumulate_grad_batches: PositiveInt
-    gradient_clip_val: NonNegativeNumber | None
-    gradient_clip_algorithm: Literal["value", "norm", "agc"] | None  # agc: training.callbacks.health
-    reload_dataloaders_every_n_epochs: NonNegativeInt
-
-
-class DataRanges(TypedDict):
-    batch_size: PositiveInt | Literal["auto"]  # auto: vitlab.train chooses it (training.run.auto_batch)
 
 
 # A target -> the narrower (or wider) types of some of its arguments (check_arguments' `narrower`).

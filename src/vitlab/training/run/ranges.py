@@ -1,0 +1,43 @@
+"""The ranges vitlab holds Lightning's Trainer and the data modules' batch size to, declared without importing either
+(the commands check them before torch and Lightning are imported: a bad value is refused at once), and checked again
+with the rest of the node against its target (node_checks.py)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, TypedDict
+
+from annotated_types import Ge, Interval
+
+from vitlab.utils.checks import Fraction, NonNegativeInt, NonNegativeNumber, PositiveInt
+
+
+class TrainerValues(TypedDict):
+    """Lightning's Trainer arguments with the ranges its documentation gives and its constructor leaves unchecked
+    (accumulate_grad_batches=0 divides by zero in estimated_stepping_batches, log_every_n_steps=0 at the first
+    logging step, once a run directory and processes exist) or checks in a sentence of its own; the types are
+    Lightning's (precision: node_checks.TrainerRanges, which needs Lightning's import). Checked before torch and
+    Lightning are imported (cli/schemas.py), and with the rest against Lightning's Trainer (node_checks)."""
+
+    num_nodes: PositiveInt
+    fast_dev_run: bool | NonNegativeInt
+    max_epochs: Annotated[int, Ge(-1)] | None  # -1: no limit
+    min_epochs: NonNegativeInt | None
+    max_steps: Annotated[int, Ge(-1)]  # -1: no limit
+    min_steps: NonNegativeInt | None
+    limit_train_batches: NonNegativeInt | Fraction | None  # a count of batches, or a fraction of them
+    limit_val_batches: NonNegativeInt | Fraction | None
+    limit_test_batches: NonNegativeInt | Fraction | None
+    limit_predict_batches: NonNegativeInt | Fraction | None
+    overfit_batches: NonNegativeInt | Fraction
+    val_check_interval: PositiveInt | Annotated[float, Interval(gt=0, le=1)] | str | dict[str, int] | None
+    check_val_every_n_epoch: PositiveInt | None
+    num_sanity_val_steps: Annotated[int, Ge(-1)] | None  # -1: every validation batch
+    log_every_n_steps: PositiveInt | None
+    accumulate_grad_batches: PositiveInt
+    gradient_clip_val: NonNegativeNumber | None
+    gradient_clip_algorithm: Literal["value", "norm", "agc"] | None  # agc: training.callbacks.health
+    reload_dataloaders_every_n_epochs: NonNegativeInt
+
+
+class DataRanges(TypedDict):
+    batch_size: PositiveInt | Literal["auto"]  # auto: vitlab.train chooses it (training.run.auto_batch)
