@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 
-from tests.helpers import ROOT, TESTS_ON_PATH, extra_callback, run_cli
+from tests.helpers import ROOT, TESTS_ON_PATH, ctrl_c_as_in_a_terminal, extra_callback, run_cli
 
 SHORT = ["trainer.max_epochs=1", "trainer.limit_train_batches=2", "progress_bar=none"]
 TWO = ["trainer=ddp_cpu", "trainer.devices=2"]
@@ -29,6 +29,7 @@ def stop_when(args: list[str], said: str, signum: int, cwd) -> tuple[int, str]:
         text=True,
         start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=ctrl_c_as_in_a_terminal,
     )
     printed = []
     for line in p.stdout:
@@ -38,6 +39,21 @@ def stop_when(args: list[str], said: str, signum: int, cwd) -> tuple[int, str]:
             break
     printed.append(p.stdout.read())
     return p.wait(timeout=300), "".join(printed)
+
+
+def as_in_a_terminal(args: list[str], env: dict) -> subprocess.CompletedProcess:
+    """`python -m vitlab.<args>` as a terminal starts it: a process group of its own, and SIGINT's default action
+    whatever this test process inherited (an xdist worker ignores SIGINT, and so would the command)."""
+    return subprocess.run(
+        [sys.executable, "-m", f"vitlab.{args[0]}", *args[1:]],
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        start_new_session=True,
+        preexec_fn=ctrl_c_as_in_a_terminal,
+    )
 
 
 def test_a_stop_while_two_processes_start_says_so_and_the_same_command_runs_again(tmp_path):
@@ -61,7 +77,7 @@ def test_a_stop_while_testing_the_best_checkpoint_keeps_the_fits_metrics_and_nam
     are in metrics.json, exit 130, and the line's vitlab.eval command, run as typed, tests that checkpoint."""
     kill = extra_callback("kill", "SignalAtStep", step=1, signum="SIGINT", group=True, hook="on_test_batch_start")
     run = tmp_path / "run"
-    r = run_cli("train", *SHORT, "data.batch_size=64", *kill, f"hydra.run.dir={run}", own_group=True)
+    r = as_in_a_terminal(["train", *SHORT, "data.batch_size=64", *kill, f"hydra.run.dir={run}"], TESTS_ON_PATH)
     assert r.returncode == 128 + signal.SIGINT, r.stderr[-3000:]
     (best,) = (run / "checkpoints").glob("epoch_*.ckpt")
     metrics = run / "metrics.json"
@@ -100,15 +116,7 @@ def test_a_stop_while_a_search_draws_its_plots_shows_its_table_and_says_what_is_
     sweep = tmp_path / "sweep"
     env = {"PYTHONPATH": os.pathsep.join([str(here), TESTS_ON_PATH["PYTHONPATH"]])}
     command = ["-m", "hparams_search=digits_optuna", "debug=limit", "progress_bar=none", "hydra.sweeper.n_trials=2"]
-    r = subprocess.run(  # (a process of its own: sitecustomize is read at Python's start)
-        [sys.executable, "-m", "vitlab.train", *command, f"hydra.sweep.dir={sweep}"],
-        env={**os.environ, **env},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        start_new_session=True,
-    )
+    r = as_in_a_terminal(["train", *command, f"hydra.sweep.dir={sweep}"], env)  # (sitecustomize: read at start)
     assert r.returncode == 128 + signal.SIGINT, r.stderr[-3000:]
     assert r.stderr.strip().splitlines()[-1] == (
         f"error: stopped by Ctrl-C (SIGINT) while drawing the sweep's plots: every job's result is kept in {sweep} "
