@@ -36,6 +36,7 @@ MLP_LAYERS = ("mlp", "swiglu", "swiglu_packed")
 ATTN_LAYERS = ("attn", "diff")
 BLOCK_FNS = ("block", "parallel_scaling", "diff_parallel_scaling", "res_post", "parallel_things")
 POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "sincos2d_mae", "none")
+POS_EMBED_RESAMPLE = ("timm", "dino")  # how a learned one is resampled (model/posemb.py: resample_grid)
 WEIGHT_INITS = ("", "jax", "jax_nlhb", "moco", "mae", "skip")  # timm's modes and MAE's
 # The regularisation fields: probabilities in [0, 1), free to change when a run is resumed.
 # Keys of a config's model group that are the commands', not ViTConfig fields.
@@ -102,6 +103,10 @@ class ViTConfig:
     # 'learn', 'sincos1d' (fixed, Vaswani's table over the tokens), 'sincos2d' (fixed, big_vision's, patches only),
     # 'sincos2d_mae' (fixed, MAE's frequencies, zero rows for the prefix tokens; its decoder's table follows) or 'none'
     pos_embed: str = "learn"
+    # how a learned pos_embed is resampled to another grid (another image size, dynamic_img_size's batches): 'timm'
+    # (timm's resample_abs_pos_embed) or 'dino' (DINO's and DINOv2's interpolate_pos_encoding: +0.1 in the scale
+    # factor, no antialias), which their recipes and weights use (model/posemb.py)
+    pos_embed_resample: str = "timm"
     drop_rate: float = 0.0  # before the head
     pos_drop_rate: float = 0.0
     patch_drop_rate: float = 0.0  # training drops this fraction of the patch tokens (FLIP; timm's PatchDropout)
@@ -199,6 +204,8 @@ class ViTConfig:
                 f"distilled=true reads the class and distillation tokens (DeiT): it needs global_pool 'token' (got "
                 f"{self.global_pool!r}) and no reg_tokens (got {self.reg_tokens})"
             )
+        if self.pos_embed_resample not in POS_EMBED_RESAMPLE:
+            raise UserError(f"pos_embed_resample {self.pos_embed_resample!r} is not one of {list(POS_EMBED_RESAMPLE)}")
         if self.pos_embed not in POS_EMBEDS:
             raise UserError(f"pos_embed {self.pos_embed!r} is not one of {list(POS_EMBEDS)}")
         if self.pos_embed in ("sincos2d", "sincos2d_mae") and self.embed_dim % 4:

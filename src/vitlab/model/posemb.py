@@ -2,7 +2,8 @@
 the table of position embeddings a config picks from (POS_EMBEDS).
 
 Fixed tables (1-D sinusoid, big_vision's and MAE's 2-D sin-cos) are recomputed at any size; learned ones are resampled
-bicubically on their grid, exactly as timm's `resample_abs_pos_embed`.
+bicubically on their grid by one of two rules (POS_EMBED_RESAMPLE): timm's `resample_abs_pos_embed` (the default), or
+DINO's and DINOv2's `interpolate_pos_encoding`, which their weights were trained and evaluated with.
 """
 
 from __future__ import annotations
@@ -59,14 +60,24 @@ POS_EMBEDS = {
 }
 
 
+# How a learned table is resampled to another grid (the config's pos_embed_resample, one of POS_EMBED_RESAMPLE):
+# - "timm": timm's resample_abs_pos_embed, bicubic with antialias to the exact grid;
+# - "dino": DINO's vision_transformer.py and DINOv2's models/vision_transformer.py interpolate_pos_encoding (DINOv2 with
+#   interpolate_offset=0.1, interpolate_antialias=False, its default and its hub's non-register models): bicubic
+#   without antialias at the scale factor (n + 0.1) / old, the table as it is at its own grid. (DINOv2's register
+#   models use offset 0 and antialias: timm's rule.)
+DINO_OFFSET = 0.1  # DINO's "small number to avoid floating point error in the interpolation" (dino issue #8)
+
+
 def resample_pos_embed(
     posemb: torch.Tensor,  # (1, prefix + h*w, D)
     new_size: Sequence[int],
     old_size: Sequence[int] | None = None,
     num_prefix_tokens: int = 1,
+    rule: str = "timm",
 ) -> torch.Tensor:
-    """Resample the patch rows of a position embedding to a new grid (bicubic, antialiased, in fp32),
-    keeping the prefix rows, exactly as timm's `resample_abs_pos_embed`. Without `old_size` the rows are read
+    """Resample the patch rows of a position embedding to a new grid (in fp32), keeping the prefix rows, by `rule`
+    (POS_EMBED_RESAMPLE; "timm": exactly as timm's `resample_abs_pos_embed`). Without `old_size` the rows are read
     as the grid of the new one's aspect ratio (square for a square model, as timm assumes)."""
     new_size = (int(new_size[0]), int(new_size[1]))
     n_old = posemb.shape[1] - num_prefix_tokens
@@ -74,7 +85,7 @@ def resample_pos_embed(
     old_size = (int(old_size[0]), int(old_size[1]))
     if old_size == new_size:
         return posemb
-    return resample_grid(posemb, new_size, old_size, num_prefix_tokens)
+    return resample_grid(posemb, new_size, old_size, num_prefix_tokens, rule)
 
 
 def grid_like(n: int, like: Sequence[int]) -> tuple[int, int]:
@@ -87,12 +98,19 @@ def grid_like(n: int, like: Sequence[int]) -> tuple[int, int]:
     return h, n // h
 
 
-def resample_grid(posemb: torch.Tensor, new_size, old_size, num_prefix_tokens: int) -> torch.Tensor:
-    # No shortcut for new_size == old_size (bicubic at scale 1 is exact), so traced sizes stay symbolic.
+def resample_grid(posemb: torch.Tensor, new_size, old_size, num_prefix_tokens: int, rule: str = "timm") -> torch.Tensor:
+    # timm's rule has no shortcut for new_size == old_size (bicubic at scale 1 is exact), so traced sizes stay
+    # symbolic; DINO's scale factor is not 1 there, and its code returns the table unchanged.
+    if rule == "dino" and tuple(new_size) == tuple(old_size):
+        return posemb
     prefix, grid = posemb[:, :num_prefix_tokens], posemb[:, num_prefix_tokens:]
     dim = posemb.shape[-1]
     grid = grid.float().reshape(1, old_size[0], old_size[1], dim).permute(0, 3, 1, 2)  # (1, D, h, w)
-    grid = F.interpolate(grid, size=new_size, mode="bicubic", antialias=True)
+    if rule == "dino":
+        scale = ((new_size[0] + DINO_OFFSET) / old_size[0], (new_size[1] + DINO_OFFSET) / old_size[1])
+        grid = F.interpolate(grid, scale_factor=scale, mode="bicubic")  # (their output: floor(n + 0.1) = n rows)
+    else:
+        grid = F.interpolate(grid, size=new_size, mode="bicubic", antialias=True)
     grid = grid.permute(0, 2, 3, 1).flatten(1, 2).to(posemb.dtype)
     return torch.cat([prefix, grid], dim=1) if num_prefix_tokens else grid
 

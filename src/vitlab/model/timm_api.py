@@ -157,7 +157,9 @@ class TimmAPI:
             self.patch_embed.proj, self.patch_embed.patch_size = proj, P
         if self.pos_embed is not None and new.grid_size != old.grid_size:
             if isinstance(self.pos_embed, nn.Parameter):
-                pe = resample_pos_embed(self.pos_embed.detach(), new.grid_size, old.grid_size, new.pos_prefix_rows)
+                pe = resample_pos_embed(
+                    self.pos_embed.detach(), new.grid_size, old.grid_size, new.pos_prefix_rows, new.pos_embed_resample
+                )
                 self.pos_embed = nn.Parameter(pe, requires_grad=self.pos_embed.requires_grad)
             else:  # fixed: recomputed for the new grid
                 pe = POS_EMBEDS[new.pos_embed](new.grid_size, new.pos_prefix_rows, new.embed_dim, self.pos_embed.device)

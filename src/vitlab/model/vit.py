@@ -73,12 +73,14 @@ def recompute_region(block: nn.Module) -> Recompute:
 
 
 @torch.fx.wrap  # FX records one call: the grid comes from the input's shape
-def _pos_embed_at(pos_embed: torch.Tensor, tokens: torch.Tensor, kind: str, trained_grid, num_prefix: int):
+def _pos_embed_at(
+    pos_embed: torch.Tensor, tokens: torch.Tensor, kind: str, trained_grid, num_prefix: int, rule: str = "timm"
+):
     """The position embedding for the grid of `tokens` (B, h, w, D) (dynamic_img_size): a learned one resampled
-    from its trained grid (as timm's resample_abs_pos_embed), a fixed one recomputed."""
+    from its trained grid by `rule` (timm's resample_abs_pos_embed, or DINO's), a fixed one recomputed."""
     h, w = tokens.shape[1], tokens.shape[2]
     if kind == "learn":
-        return resample_grid(pos_embed, (h, w), trained_grid, num_prefix)
+        return resample_grid(pos_embed, (h, w), trained_grid, num_prefix, rule)
     return POS_EMBEDS[kind]((h, w), num_prefix, pos_embed.shape[-1], device=pos_embed.device).to(pos_embed.dtype)
 
 
@@ -173,7 +175,7 @@ class ViT(TimmAPI, nn.Module):
         x = self.patch_embed(x)  # (B, h, w, D)
         pos = self.pos_embed
         if pos is not None and cfg.dynamic_img_size:  # this input's grid, from its shape
-            pos = _pos_embed_at(pos, x, cfg.pos_embed, cfg.grid_size, cfg.pos_prefix_rows)
+            pos = _pos_embed_at(pos, x, cfg.pos_embed, cfg.grid_size, cfg.pos_prefix_rows, cfg.pos_embed_resample)
         x = x.flatten(1, 2)  # (B, h*w, D)
         tokens = (self.cls_token, self.dist_token, self.reg_token)
         prefix = [t.expand(x.shape[0], -1, -1) for t in tokens if t is not None]
@@ -268,4 +270,5 @@ def _resample_pos_embed_on_load(module: ViT, state_dict: dict, prefix: str, *arg
     if module.cfg.pos_embed != "learn":  # fixed: recomputed, never resampled as a grid
         state_dict[key] = ours.detach().clone()
         return
-    state_dict[key] = resample_pos_embed(theirs, module.cfg.grid_size, None, module.cfg.pos_prefix_rows)
+    cfg = module.cfg
+    state_dict[key] = resample_pos_embed(theirs, cfg.grid_size, None, cfg.pos_prefix_rows, cfg.pos_embed_resample)
