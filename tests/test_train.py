@@ -242,7 +242,7 @@ def test_any_timm_vit_fine_tunes_from_its_name(compose_cfg, tmp_path, monkeypatc
     load (timm's download replaced by random weights of the same model: no network in tests)."""
     import timm
 
-    import vitlab.convert.weights as ct
+    import vitlab.convert.source as ct
     from vitlab.convert.timm_args import config_from_timm
 
     name = "vit_small_patch14_reg4_dinov2.lvd142m"
@@ -297,8 +297,8 @@ def test_fine_tunes_from_a_folder_as_timm_saves_one(compose_cfg, tmp_path):
     import timm
     from timm.models._hub import save_for_hf
 
+    from vitlab.convert.source import load_timm_weights
     from vitlab.convert.timm_args import config_from_timm
-    from vitlab.convert.weights import load_timm_weights
     from vitlab.training import pretrained
     from vitlab.training.run import build
 

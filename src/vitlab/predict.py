@@ -58,13 +58,14 @@ def _checkpoint(cfg: DictConfig) -> tuple:
 
 def _pretrained(cfg: DictConfig) -> tuple:
     """timm's weights with their own head, their eval transform, and their class names where timm knows them."""
+    from vitlab.convert.source import resolve
     from vitlab.evaluation import classifier
 
-    source = cfg.model.pretrained
-    model = classifier.classifier(source, OmegaConf.to_container(cfg.model, resolve=True)["img_size"])
-    model = model.to(cfg.device)
-    prepare: Callable = classifier.preprocess(source, model.cfg.img_hw)
-    return model, prepare, classifier.class_names(source, model.cfg.num_classes)
+    img_size = OmegaConf.to_container(cfg.model, resolve=True)["img_size"]  # null: the size they were trained at
+    weights = resolve(cfg.model.pretrained, run={"img_size": img_size})  # the one look at timm or the folder
+    model = classifier.classifier(weights).to(cfg.device)
+    prepare: Callable = classifier.preprocess(weights, model.cfg.img_hw)
+    return model, prepare, classifier.class_names(weights, model.cfg.num_classes)
 
 
 @entry_point("predict")

@@ -41,7 +41,7 @@ def train(cfg: DictConfig) -> float | None:
     plan.batch_size_auto = auto_batch.choose(cfg, trainer, datamodule) if auto else None  # (before the LR uses it)
     module = build.build_module(cfg, datamodule)
     plan.estimate = steps.check_memory(cfg, trainer, module, datamodule)
-    plan.start = resume.starting_point(cfg, module)  # a checkpoint to go on from, or pretrained weights loaded
+    plan.start = resume.starting_point(cfg, module, plan.weights)  # a checkpoint to go on from, or the weights loaded
     trainer.loggers = loggers = build.build_loggers(cfg.get("logger"), resume_from=plan.start)
     _announce(cfg, trainer, module, plan.estimate, out)
     metrics, best = plan.first_metrics(), ""

@@ -14,8 +14,9 @@ import pytest
 import timm
 import torch
 
+from vitlab.convert.source import load_timm_weights
 from vitlab.convert.timm_args import config_from_timm
-from vitlab.convert.weights import load_timm_weights, read_weights
+from vitlab.convert.weights import read_weights
 from vitlab.model import ViT, ViTConfig
 from vitlab.model.dino_head import DINOHead
 

@@ -11,7 +11,8 @@ import torch
 
 from tests.helpers import mae_state_dict_like_maes
 from vitlab.convert.mae import export_mae, mae_keys, mae_state_dict
-from vitlab.convert.weights import load_timm_weights, read_weights
+from vitlab.convert.source import load_timm_weights
+from vitlab.convert.weights import read_weights
 from vitlab.model import ViT, ViTConfig
 from vitlab.model.mae import MAEConfig, MAEDecoder
 from vitlab.utils.errors import UserError

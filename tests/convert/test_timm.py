@@ -7,6 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.helpers import ROOT, tiny
+from vitlab.convert.source import load_timm_weights
 from vitlab.convert.timm_args import config_from_timm, create_timm_model, timm_model_args
 from vitlab.convert.timm_hub import timm_pretrained_state_dict
 from vitlab.convert.weights import (
@@ -14,7 +15,6 @@ from vitlab.convert.weights import (
     expected_shapes,
     export_timm,
     fit_state_dict,
-    load_timm_weights,
     read_state_dict,
 )
 from vitlab.model import ViT
@@ -219,7 +219,7 @@ def test_pretrained_cfg_follows_the_weights_loaded_by_name(monkeypatch):
     """A model loaded with timm's weights by name carries their pretrained_cfg (what the data transforms use),
     read from timm's registry; a fresh model carries timm's ViT defaults."""
 
-    import vitlab.convert.weights as ct
+    import vitlab.convert.source as ct
 
     name = "vit_base_patch16_clip_224.openai"
     cfg = config_from_timm(name, depth=1, num_classes=5, img_size=32)

@@ -8,9 +8,9 @@ import pytest
 import torch
 from timm.layers import resample_patch_embed
 
-import vitlab.convert.weights as weights
+import vitlab.convert.source as source
 from tests.helpers import tiny
-from vitlab.convert.weights import load_timm_weights
+from vitlab.convert.source import load_timm_weights
 from vitlab.model import ViT
 from vitlab.utils.errors import UserError
 
@@ -47,10 +47,10 @@ def test_resample_patch_resamples_the_filters_as_timm_and_the_grid(tmp_path):
 
 
 def test_timm_weights_are_named_as_timms(monkeypatch):
-    monkeypatch.setattr(weights, "timm_pretrained_state_dict", lambda name: ViT(tiny(patch_size=4)).state_dict())
+    monkeypatch.setattr(source, "timm_pretrained_state_dict", lambda name: ViT(tiny(patch_size=4)).state_dict())
     preprocessing = {"mean": (0.5,) * 3, "std": (0.5,) * 3, "crop_pct": 0.9, "crop_mode": "center"}
     monkeypatch.setattr(
-        weights, "timm_pretrained_cfg", lambda name: {"tag": name, "interpolation": "bicubic"} | preprocessing
+        source, "timm_pretrained_cfg", lambda name: {"tag": name, "interpolation": "bicubic"} | preprocessing
     )
     with pytest.raises(UserError, match=r"^timm's weights of vit_tiny_patch4\.x state dict does not fit .* set model"):
         load_timm_weights(ViT(tiny(patch_size=8)), "vit_tiny_patch4.x")

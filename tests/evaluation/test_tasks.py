@@ -21,7 +21,7 @@ def test_timm_pretrained_weights_are_evaluated_without_a_checkpoint(compose_cfg,
 
     import timm
 
-    import vitlab.convert.weights as cw
+    import vitlab.convert.source as cw
     from vitlab.eval import evaluate
     from vitlab.training.run import build
 

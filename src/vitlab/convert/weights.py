@@ -25,7 +25,6 @@ from torch import nn
 
 from vitlab.convert import dino_weights as dino
 from vitlab.convert.mae import describe_decoder, load_decoder, split_decoder
-from vitlab.convert.timm_hub import PREPROCESSING, timm_pretrained_cfg, timm_pretrained_state_dict
 from vitlab.model import ViT, ViTConfig, resample_pos_embed
 from vitlab.utils.atomic import atomic_write
 from vitlab.utils.errors import MissingFileError, UserError
@@ -295,28 +294,21 @@ def read_checkpoint(path: str | os.PathLike, weights: bool = True) -> dict[str, 
     return ckpt
 
 
-def load_timm_weights(
+def load_state(
     model: ViT,
-    source: str,
+    sd: StateDict,
+    mae_decoder: StateDict,
+    src: str,
     *,
     reset_head: bool | None = None,
     decoder: nn.Module | None = None,
     resample_patch: bool = False,
 ) -> None:
-    """Load pretrained weights into `model`: `source` is a local file (vitlab's checkpoint, timm's or MAE's weights),
-    or a timm model name (downloaded through timm when online). The pos_embed is resampled to the model's img_size;
+    """Load a state dict `sd` (and an MAE decoder's, possibly empty) into `model`, named `src` in logs and errors (what
+    convert.source's `Weights.load_into` reads once). The pos_embed is resampled to the model's img_size;
     `resample_patch` resamples patch filters of another size. `reset_head`: keep the model's fresh head; None decides
     by whether the checkpoint's head fits. `decoder` (objective=mae's) takes the file's MAE decoder, so pretraining
     goes on; without it an MAE decoder in the file is left out, and said so."""
-    if is_weights_file(source):
-        sd, mae_decoder, kind = read_weights(source)
-        src = f"{kind} {str(source)!r}"
-    else:
-        sd, mae_decoder, src = timm_pretrained_state_dict(source), {}, f"timm's weights of {source}"
-        pretrained = timm_pretrained_cfg(source)
-        model.pretrained_cfg.update(
-            {k: pretrained[k] for k in PREPROCESSING if k != "input_size"}, tag=pretrained["tag"]
-        )
     if reset_head is None:
         head = sd.get("head.weight")
         reset_head = head is None or not isinstance(model.head, nn.Linear) or head.shape != model.head.weight.shape

@@ -15,12 +15,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from vitlab.convert.timm_args import config_from_timm
-from vitlab.convert.timm_hub import timm_pretrained_cfg
-from vitlab.convert.weights import load_timm_weights
+from vitlab.convert.source import Weights
 from vitlab.data import transforms
 from vitlab.model import ViT, ViTConfig
-from vitlab.model.config import as_hw
 from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -28,66 +25,61 @@ log = logging.getLogger(__name__)
 EVAL_KEYS = ("crop_pct", "crop_mode", "interpolation")
 
 
-def classifier(source: str, img_size: Any = None) -> ViT:
-    """`source`'s weights, head included, in our ViT at `img_size` (None: the size they were trained at), in eval
-    mode: what timm.create_model(source, pretrained=True) computes."""
-    model = ViT(classifier_config(source, img_size))
+def classifier(weights: Weights) -> ViT:
+    """The weights (resolved at the size to run at: `resolve(source, run={"img_size": ...})`), head included, in our
+    ViT, in eval mode: what timm.create_model(source, pretrained=True) computes."""
+    if weights.is_file:
+        raise UserError(
+            f"model.pretrained={weights.source}: a weights file carries no preprocessing to run its head with; give a "
+            "timm name or a timm folder (local-dir:<folder>, with its config.json)"
+        )
+    model = ViT(ViTConfig.from_dict(weights.arch))
     if not model.cfg.num_classes:
-        raise UserError(f"model.pretrained={source} has no classifier head (num_classes 0): nothing to predict")
-    load_timm_weights(model, source, reset_head=False)
+        raise UserError(f"model.pretrained={weights.source} has no classifier head (num_classes 0): nothing to predict")
+    weights.load_into(model, reset_head=False)
     return model.eval()
 
 
-def classifier_config(source: str, img_size: Any = None) -> ViTConfig:
-    """The architecture of `source`'s weights at `img_size` (None: theirs), read from timm (no weights loaded)."""
-    overrides = {"img_size": list(as_hw(img_size, "model.img_size"))} if img_size is not None else {}
-    return config_from_timm(source, **overrides)
-
-
-def preprocess(source: str, img_hw: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A uint8 (C, H, W) image -> the (1, C, H, W) input `source`'s weights expect: their eval transform and
-    normalisation, the two halves an evaluation DataModule runs (its workers', then the device's)."""
-    pre = timm_pretrained_cfg(source)
+def preprocess(weights: Weights, img_hw: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A uint8 (C, H, W) image -> the (1, C, H, W) input the weights expect: their eval transform and normalisation,
+    the two halves an evaluation DataModule runs (its workers', then the device's)."""
+    pre = weights.preprocessing
     eval_tf = transforms.eval_transform(img_hw, pre["mean"], **{k: pre[k] for k in EVAL_KEYS})
     to_input = transforms.DeviceTransform(pre["mean"], pre["std"])
     return lambda img: to_input(eval_tf(img).unsqueeze(0), train=False)
 
 
-def weights_img_size(source: str) -> list[int]:
-    """The (height, width) `source`'s weights were trained at (their pretrained config's input_size)."""
-    return list(timm_pretrained_cfg(source)["input_size"][1:])
-
-
-def fill_data(cfg: DictConfig, source: str) -> None:
+def fill_data(cfg: DictConfig, weights: Weights) -> None:
     """The run's model.img_size, where null, becomes the weights' (data.img_size follows it); the data's mean, std and
     eval transform left null become the weights' (training.pretrained's fill)."""
     from vitlab.training.pretrained import pretrained_preprocessing
 
     with open_dict(cfg):
         if OmegaConf.select(cfg, "model.img_size") is None:
-            cfg.model.img_size = weights_img_size(source)
-        taken = pretrained_preprocessing(cfg.data, timm_pretrained_cfg(source), cfg.data.get("channels", 3))
-    log.info("model.pretrained=%s: preprocessing %s", source, ", ".join(f"data.{k}={v}" for k, v in taken.items()))
+            cfg.model.img_size = list(weights.preprocessing["input_size"][1:])
+        taken = pretrained_preprocessing(cfg.data, weights.preprocessing, cfg.data.get("channels", 3))
+    log.info(
+        "model.pretrained=%s: preprocessing %s", weights.source, ", ".join(f"data.{k}={v}" for k, v in taken.items())
+    )
 
 
-def score(cfg: DictConfig, source: str, device: torch.device) -> tuple[dict[str, float], str]:
-    """task=test on `source`'s own head: top-1, top-5 and the cross-entropy (fractions, as a checkpoint's test/acc)
-    over a folder of class folders, or the data's test split (its val split, named so, where it has none), as timm's
-    validate.py computes them; and which images those were."""
+def score(cfg: DictConfig, weights: Weights, device: torch.device) -> tuple[dict[str, float], str]:
+    """task=test on the weights' own head (resolved at model.img_size; null: their own): top-1, top-5 and the
+    cross-entropy (fractions, as a checkpoint's test/acc) over a folder of class folders, or the data's test split (its
+    val split, named so, where it has none), as timm's validate.py computes them; and which images those were."""
     from vitlab.training.run import build
 
-    fill_data(cfg, source)
-    img_size = OmegaConf.to_container(cfg.model, resolve=True)["img_size"]
+    fill_data(cfg, weights)
     datamodule = build.build_datamodule(cfg.data)
     dataset, split = _split(datamodule, _class_folders_alone(cfg.data))
-    arch = classifier_config(source, img_size)
+    source, arch = weights.source, ViTConfig.from_dict(weights.arch)
     if (datamodule.num_classes, datamodule.channels) != (arch.num_classes, arch.in_chans):
         raise UserError(
             f"the data has {datamodule.num_classes} classes and {datamodule.channels} channels, and "
             f"model.pretrained={source}'s head {arch.num_classes} classes of {arch.in_chans}-channel images: task=test "
             "scores the weights' own head, on class folders that are its classes"
         )
-    model = classifier(source, img_size).to(device)
+    model = classifier(weights).to(device)
     hits, loss, n = torch.zeros(2, dtype=torch.long), 0.0, 0
     with torch.no_grad():
         for batch in datamodule._loader(dataset, train=False):
@@ -129,14 +121,12 @@ def _split(datamodule, class_folders_alone: bool) -> tuple[Any, str]:
     return datamodule.test_set, datamodule.splits.get("test", "the test split")
 
 
-def class_names(source: str, num_classes: int) -> list[str]:
+def class_names(weights: Weights, num_classes: int) -> list[str]:
     """The head's class names: a saved folder's label_names (its config.json), else ImageNet's descriptions for an
     ImageNet-sized head (timm.data.ImageNetInfo, as timm's inference.py names them), else the indices."""
     from timm.data import ImageNetInfo, infer_imagenet_subset
 
-    from vitlab.convert.timm_hub import TIMM_SOURCES, source_config
-
-    names = source_config(source)[0].get("label_names") if source.startswith(TIMM_SOURCES) else None
+    names = weights.label_names
     if names and len(names) == num_classes:
         return list(names)
     subset = infer_imagenet_subset({"num_classes": num_classes})

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from vitlab.convert.weights import is_weights_file, load_timm_weights
+from vitlab.convert.source import Weights, resolve
 from vitlab.evaluation import classifier
 from vitlab.evaluation.features import Layers, _world, layers_of, source_id, split_features
 from vitlab.model import ViT
@@ -72,28 +72,29 @@ def probe_pretrained(cfg: DictConfig) -> dict | None:
     if "_target_" not in cfg.data:
         raise UserError(f"model.pretrained={source} needs the data to evaluate on: data=<name>")
     if cfg.task == "test":
-        return score_pretrained(cfg, source)
+        return score_pretrained(cfg, resolve(source, run={"img_size": OmegaConf.select(cfg, "model.img_size")}))
     if OmegaConf.select(cfg, "model.img_size") is None:
         raise UserError(f"task={cfg.task} on model.pretrained={source} needs the model's size: model=<name>")
     with open_dict(cfg):  # the model takes the data's channels, and no head: the features never reach one
         cfg.model.in_chans, cfg.model.num_classes = cfg.data.get("channels", 3), 0
-    apply_pretrained(cfg)  # timm's architecture, and the data's mean/std/crop left null become the weights'
+    weights = apply_pretrained(cfg)  # resolved once: timm's architecture, and the data's mean/std/crop left null
     datamodule = build.build_datamodule(cfg.data)
     datamodule.setup("test")
     model = ViT(vit_config(cfg.model))
-    load_timm_weights(model, source, reset_head=True)
+    weights.load_into(model, reset_head=True)
     data = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k not in LOADER_KEYS}
-    weights = source_id(source) if is_weights_file(source) else {"pretrained": source}
-    ident = weights | {"model": OmegaConf.to_container(cfg.model, resolve=True), "data": data}
-    name = Path(source).stem if is_weights_file(source) else source.replace("/", "_").replace(":", "_")
+    named = source_id(source) if weights.is_file else {"pretrained": source}
+    ident = named | {"model": OmegaConf.to_container(cfg.model, resolve=True), "data": data}
+    name = Path(source).stem if weights.is_file else source.replace("/", "_").replace(":", "_")
     cache = Path(cfg.features_dir) if cfg.features_dir else Path(cfg.paths.log_dir) / "features" / name
     return probe(cfg, model, datamodule, ident, cache, launch(cfg.trainer))
 
 
-def score_pretrained(cfg: DictConfig, source: str) -> dict:
-    """task=test on timm's weights: their own head on the data's images, in this one process, as timm's validate.py
-    scores them (evaluation.classifier)."""
-    if is_weights_file(source):
+def score_pretrained(cfg: DictConfig, weights: Weights) -> dict:
+    """task=test on timm's weights (resolved once, `weights`): their own head on the data's images, in this one
+    process, as timm's validate.py scores them (evaluation.classifier)."""
+    source = weights.source
+    if weights.is_file:
         raise UserError(
             f"task=test on model.pretrained={source}: a weights file carries no preprocessing to score it with; give "
             "a timm name or a timm folder (local-dir:<folder>, with its config.json)"
@@ -101,7 +102,7 @@ def score_pretrained(cfg: DictConfig, source: str) -> dict:
     t = cfg.trainer
     if t.get("num_nodes", 1) != 1 or t.get("devices", 1) not in (1, "1"):
         raise UserError("task=test on model.pretrained runs in one process: set trainer.devices=1")
-    metrics, images = classifier.score(cfg, source, launch(cfg.trainer))
+    metrics, images = classifier.score(cfg, weights, launch(cfg.trainer))
     log.info("model.pretrained=%s on %s: %s", source, images, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return metrics
 

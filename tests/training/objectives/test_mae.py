@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import assert_same_run, interrupt, resume, run_cli
-from vitlab.convert.weights import load_timm_weights
+from vitlab.convert.source import load_timm_weights
 from vitlab.model import ViT, ViTConfig
 from vitlab.training.module import ViTModule
 from vitlab.training.objectives.mae import MAE

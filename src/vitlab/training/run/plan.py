@@ -19,6 +19,7 @@ from typing import Any
 import lightning as L
 from omegaconf import DictConfig
 
+from vitlab.convert.source import Weights
 from vitlab.training import pretrained
 from vitlab.training.callbacks import trial
 from vitlab.training.devices import memory, sharding
@@ -36,6 +37,7 @@ class Plan:
     batch_size_auto: dict | None = None  # what data.batch_size=auto chose, and why
     estimate: memory.Estimate | None = None  # memory per process, and notes on what the settings cost
     start: str | None = None  # the checkpoint fit goes on from; None: from scratch, or pretrained weights loaded
+    weights: Weights | None = None  # model.pretrained, resolved once (convert.source): loaded where the run starts
 
     def first_metrics(self) -> dict[str, Any]:
         return {"batch_size_auto": self.batch_size_auto} if self.batch_size_auto else {}
@@ -46,9 +48,9 @@ def plan(cfg: DictConfig) -> Plan:
     name> takes timm's architecture and preprocessing into the config; the seed; an Optuna trial's pruning."""
     if said := sharding.check_request(cfg.trainer, cfg.get("callbacks")):
         log.info(said)
-    pretrained.apply_pretrained(cfg)
+    weights = pretrained.apply_pretrained(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    return Plan(pruning=[trial.PruneTrial(cfg.optimized_metric)] if trial.sweep_pruner()[0] else [])
+    return Plan(pruning=[trial.PruneTrial(cfg.optimized_metric)] if trial.sweep_pruner()[0] else [], weights=weights)
 
 
 def check_memory(cfg: DictConfig, trainer: L.Trainer, module: Any, datamodule: Any) -> memory.Estimate:

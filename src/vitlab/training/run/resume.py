@@ -18,6 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from vitlab.convert.source import Weights
 from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
 from vitlab.model.config import DROPOUTS
 from vitlab.training.callbacks.standard import SaveOnInterrupt
@@ -34,9 +35,10 @@ log = logging.getLogger(__name__)
 RESUME_MAY_DIFFER = {*DROPOUTS, "grad_checkpointing"}
 
 
-def starting_point(cfg: DictConfig, module: ViTModule) -> str | None:
+def starting_point(cfg: DictConfig, module: ViTModule, weights: Weights | None = None) -> str | None:
     """The checkpoint `vitlab.train` goes on from (the user's `ckpt_path`, refused if its run had finished; a restarted
-    job's own), or None after loading `model.pretrained`'s weights, if any, into the new module."""
+    job's own), or None after loading `model.pretrained`'s weights, if any, into the new module (`weights`: the value
+    the plan resolved; resolved here when not given)."""
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
     if ckpt_path and is_sharded_checkpoint(ckpt_path) and not requests_fsdp(cfg.trainer):
         raise UserError(
@@ -48,7 +50,7 @@ def starting_point(cfg: DictConfig, module: ViTModule) -> str | None:
     elif ckpt_path := earlier_start(Path(cfg.paths.output_dir)):
         check_resumable(ckpt_path, module)
     elif cfg.model.pretrained:
-        load_pretrained(module, cfg.model)  # objective=mae: the file's MAE decoder too
+        load_pretrained(module, cfg.model, weights)  # objective=mae: the file's MAE decoder too
     return ckpt_path
 
 
