@@ -22,7 +22,8 @@ import wheels  # noqa: E402
 def dry_run(tmp_path_factory):
     """points.py --dry-run with the import recorder that `make gpu-wheels` uses: (results, the recorded imports)."""
     out, imports = tmp_path_factory.mktemp("gpu"), tmp_path_factory.mktemp("imports")
-    env = {**os.environ, "VITLAB_RECORD_IMPORTS": str(imports), "PYTHONPATH": str(GPU / "record")}
+    path = os.pathsep.join(filter(None, [str(GPU / "record"), os.environ.get("PYTHONPATH")]))  # (the rest kept)
+    env = {**os.environ, "VITLAB_RECORD_IMPORTS": str(imports), "PYTHONPATH": path}
     r = subprocess.run(
         [sys.executable, str(GPU / "points.py"), str(out), "--dry-run"],
         cwd=REPO,
