@@ -233,34 +233,30 @@ def _interrupted(cfg: DictConfig, command: str, e: BaseException) -> None:
 
 
 def _stop_line(cfg: DictConfig, command: str, name: str) -> tuple[str, bool]:
-    """(the line that says what a stop kept and what to run next, whether this process says it): in a sweep, the
-    summary so far; a run directory that holds no result yet removed, so that the same command runs again. Rank 0
-    says it."""
+    """(the line that says what a stop kept and what to run next, whether this process says it: rank 0): in a sweep,
+    the summary so far; a run directory that holds no result yet removed, so that the same command runs again."""
     from hydra.core.hydra_config import HydraConfig
 
     from vitlab.cli.rundir import discard_if_unused, process_rank
 
     _summarize_sweep(cfg)
-    job = _sweep_job_dir()
+    job, says = _sweep_job_dir(), process_rank() == 0
     log_dir = OmegaConf.select(cfg, "paths.log_dir", throw_on_resolution_failure=False)
-    removed = job is None and discard_if_unused(log_dir)
     if job is not None:
-        return f"{command} stopped by {name}: sweep job {job.name} did not end", process_rank() == 0
-    out = Path(HydraConfig.get().runtime.output_dir)
-    if removed:
+        return f"{command} stopped by {name}: sweep job {job.name} did not end", says
+    if discard_if_unused(log_dir):
         began = " before training began" if command == "train" else ""
         return (
             f"{command} stopped by {name}{began}: nothing was saved (its run directory held only what a start "
             "writes, and is removed); run the same command again"
-        ), process_rank() == 0
+        ), says
+    out = Path(HydraConfig.get().runtime.output_dir)
     last = out / "checkpoints" / "last.ckpt"
     if command == "train" and last.is_file():
         from vitlab.training.run.resume import resume_command
 
-        return f"{command} stopped by {name}: {out} keeps what it wrote; go on with: {resume_command(last)}", (
-            process_rank() == 0
-        )
-    return f"{command} stopped by {name}: {out} keeps what it wrote", process_rank() == 0
+        return f"{command} stopped by {name}: {out} keeps what it wrote; go on with: {resume_command(last)}", says
+    return f"{command} stopped by {name}: {out} keeps what it wrote", says
 
 
 def _stopped_after_sweep() -> None:

@@ -11,7 +11,7 @@ import shlex
 import signal
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from vitlab.convert.source import Weights
 from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
-from vitlab.model.config import DROPOUTS
+from vitlab.model.config import DROPOUTS, ViTConfig
 from vitlab.training.callbacks.standard import SaveOnInterrupt
 from vitlab.training.devices.sharding import requests_fsdp
 from vitlab.training.module import ViTModule
@@ -98,6 +98,13 @@ def _newest(folders) -> str | None:
     return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
 
 
+def _model_defaults() -> dict[str, Any]:
+    """ViTConfig's defaults: what a checkpoint written before a field existed trained with."""
+    import dataclasses
+
+    return {f.name: f.default for f in dataclasses.fields(ViTConfig) if f.default is not dataclasses.MISSING}
+
+
 def check_resumable(ckpt_path: str, module: ViTModule, trainer_cfg: DictConfig | None = None) -> None:
     """Refuse, in one line, a checkpoint this run cannot go on from: another architecture or class count (before
     Lightning fails deep inside load_state_dict), another batch size (its saved position in the epoch and its
@@ -105,7 +112,7 @@ def check_resumable(ckpt_path: str, module: ViTModule, trainer_cfg: DictConfig |
     had already finished (it would train nothing), or another optimizer or schedule setting (the saved state and
     schedule go on: a new learning rate would be silently ignored)."""
     ckpt = read_checkpoint(ckpt_path, weights=False)  # a directory of shards: its metadata only
-    theirs = ckpt["hyper_parameters"]["model"]
+    theirs = _model_defaults() | ckpt["hyper_parameters"]["model"]  # (a key added since: the default it trained with)
     ours = module.hparams["model"]
     diff = {k: (theirs.get(k), ours[k]) for k in ours if theirs.get(k) != ours[k] and k not in RESUME_MAY_DIFFER}
     if diff:
