@@ -241,7 +241,7 @@ def test_dinov2s_parameter_groups_are_get_params_groups_with_decay(compose_cfg):
     differ = {names[i]: (ours[i], theirs[i]) for i in ours if ours[i][1] != theirs[i][1] or
               abs(ours[i][0] - theirs[i][0]) > 1e-12}  # fmt: skip
     assert differ == {}
-    assert ours[id(student.mask_token)][0] == pytest.approx(0.9 ** 3)  # layer 0 of 2 blocks
+    assert ours[id(student.mask_token)][0] == pytest.approx(0.9**3)  # layer 0 of 2 blocks
     assert ours[id(student.patch_embed.proj.weight)][0] == pytest.approx(0.2 * 0.9**3)
     # the separate iBOT head's own bottleneck; every block's drop path at the rate (drop_path_uniform)
     assert module.objective.student.ibot_head.last_layer.weight_v.shape[1] == 12
