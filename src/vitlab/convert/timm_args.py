@@ -52,6 +52,7 @@ def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
     d = cfg.to_dict()
     del d["norm_eps"], d["grad_checkpointing"]  # timm: set_grad_checkpointing(), not an argument
     del d["pos_embed_resample"]  # timm resamples by its own rule (DINO's: only in vitlab, model/posemb.py)
+    del d["drop_path_uniform"]  # timm's drop path grows with depth (training only: the network is the same)
     del d["distilled"]  # timm: another class (VisionTransformerDistilled, create_timm_model)
     d["img_size"], d["patch_size"] = cfg.img_hw, cfg.patch_hw
     if cfg.pos_embed == "sincos2d":

@@ -113,6 +113,7 @@ class ViTConfig:
     proj_drop_rate: float = 0.0
     attn_drop_rate: float = 0.0
     drop_path_rate: float = 0.0  # stochastic depth, linear in depth from 0 to this value
+    drop_path_uniform: bool = False  # every block at drop_path_rate instead (DINOv2's student.drop_path_uniform)
     dynamic_img_size: bool = False  # accept any input size, resampling pos_embed per batch
     dynamic_img_pad: bool = False  # pad inputs (right, bottom, zeros) to a multiple of patch_size, as timm
     norm_eps: float = 1e-6
@@ -232,6 +233,7 @@ class ViTConfig:
             "scale_mlp_norm",
             "pool_include_prefix",
             "fix_init",
+            "drop_path_uniform",
         )
         floats = ("mlp_ratio", "norm_eps", *DROPOUTS)
         for name in ints:

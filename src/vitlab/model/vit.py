@@ -148,6 +148,7 @@ class ViT(TimmAPI, nn.Module):
         self.norm_pre = norm(cfg, D) if cfg.pre_norm else nn.Identity()
         # Stochastic depth grows linearly with depth (timm's torch.linspace, float32 included).
         dpr = torch.linspace(0, cfg.drop_path_rate, cfg.depth, device="cpu").tolist()
+        dpr = [cfg.drop_path_rate] * cfg.depth if cfg.drop_path_uniform else dpr  # (DINOv2's drop_path_uniform)
         self.blocks = nn.Sequential(*[BLOCKS[cfg.block_fn](cfg, dpr[i], i) for i in range(cfg.depth)])
         self.norm = norm(cfg, D) if cfg.final_norm and not cfg.use_fc_norm else nn.Identity()
         self.attn_pool = AttentionPool(cfg) if cfg.global_pool == "map" else None

@@ -52,6 +52,7 @@ class OptimConfig:
     eps: float | None = None  # null: the optimizer's own (AdamW's: 1e-8)
     opt_args: dict[str, Any] = field(default_factory=dict)  # any other argument of the optimizer: {nesterov: true}
     layer_decay: float | None = None  # e.g. 0.75: block i's LR scaled by layer_decay ** (depth - i)
+    patch_embed_lr_mult: float = 1.0  # the patch embedding's LR scaled by this too (DINOv2's optim.patch_embed_lr_mult)
     fused: bool | None = True  # one fused kernel for all parameters, where the optimizer has one (torch's)
 
     def __post_init__(self):
@@ -70,6 +71,7 @@ class OptimConfig:
             raise UserError(f"optim.lr_base_scale {self.lr_base_scale!r} is not one of {list(LR_BASE_SCALES)}")
         if self.layer_decay is not None:
             check_range("optim.layer_decay", self.layer_decay, 0, 1, low_open=True)
+        check_range("optim.patch_embed_lr_mult", self.patch_embed_lr_mult, 0, 1, low_open=True)
         if self.betas is not None:
             if len(self.betas) not in (2, 3) or not all(is_number(b) and 0 <= b < 1 for b in self.betas):
                 raise UserError(f"optim.betas {list(self.betas)} must be two numbers in [0, 1) (three for adan)")
@@ -96,9 +98,9 @@ class _OptimValues(OptimConfig):
 
 
 def layer_id(name: str, depth: int) -> int:
-    """Depth of a parameter for layer-wise LR decay (BEiT): embeddings 0, block i -> i + 1, the rest
-    (final norm, head) depth + 1."""
-    if name.startswith(("cls_token", "reg_token", "dist_token", "pos_embed", "patch_embed", "norm_pre")):
+    """Depth of a parameter for layer-wise LR decay (BEiT): embeddings 0 (the tokens, iBOT's mask token among them,
+    as dinov2's get_vit_lr_decay_rate), block i -> i + 1, the rest (final norm, head) depth + 1."""
+    if name.startswith(("cls_token", "reg_token", "dist_token", "mask_token", "pos_embed", "patch_embed", "norm_pre")):
         return 0
     if name.startswith("blocks."):
         return int(name.split(".")[1]) + 1
@@ -106,21 +108,29 @@ def layer_id(name: str, depth: int) -> int:
 
 
 def param_groups(
-    model: nn.Module, lr: float, weight_decay: float, layer_decay: float | None = None, decay_tokens: bool = False
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    layer_decay: float | None = None,
+    decay_tokens: bool = False,
+    patch_embed_lr_mult: float = 1.0,
 ) -> list[dict]:
     """AdamW groups: no weight decay on norms, biases, LayerScale, position embeddings and class/register
     tokens (every 1-D parameter, plus model.no_weight_decay()), or with `decay_tokens` on every parameter but the
-    1-D ones (MAE's pretraining); with `layer_decay`, block i's LR is scaled by layer_decay ** (depth + 1 - (i + 1))."""
+    1-D ones (MAE's pretraining); with `layer_decay`, block i's LR is scaled by layer_decay ** (depth + 1 - (i + 1));
+    the patch embedding's also by `patch_embed_lr_mult` (DINOv2)."""
     skip, depth = set() if decay_tokens else model.no_weight_decay(), len(model.blocks)
-    groups: dict[tuple[int, bool], dict] = {}
+    groups: dict[tuple[int, bool, bool], dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         no_decay = p.ndim <= 1 or name in skip
         layer = layer_id(name, depth) if layer_decay else depth + 1
         scale = layer_decay ** (depth + 1 - layer) if layer_decay else 1.0
+        patch = name.startswith("patch_embed.") and patch_embed_lr_mult != 1.0
+        scale *= patch_embed_lr_mult if patch else 1.0
         group = groups.setdefault(
-            (layer, no_decay),
+            (layer, no_decay, patch),
             {"params": [], "names": [], "lr": lr * scale, "weight_decay": 0.0 if no_decay else weight_decay},
         )
         group["params"].append(p)
@@ -262,7 +272,7 @@ def make_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
     from timm.optim import create_optimizer_v2
 
     info = optimizer_info(o.name)
-    groups = param_groups(model, o.lr, o.weight_decay, o.layer_decay, o.decay_tokens)
+    groups = param_groups(model, o.lr, o.weight_decay, o.layer_decay, o.decay_tokens, o.patch_embed_lr_mult)
     for g in groups:
         g.pop("names")
     kwargs = dict(o.opt_args)

@@ -198,3 +198,51 @@ def test_pretraining_from_weights_starts_student_and_teacher_from_them(compose_c
     for name, value in weights.items():
         assert torch.equal(module.model.state_dict()[name], value), name
         assert torch.equal(module.objective.student.backbone.state_dict()[name], value), name
+
+
+def test_dinov2s_parameter_groups_are_get_params_groups_with_decay(compose_cfg):
+    """DINOv2's optimizer (issue 54, point 3), against its dinov2/utils/param_groups.py (tests/reference/, verbatim)
+    applied to the same student: every parameter's learning-rate multiplier (layer decay 0.9, the mask token and the
+    tokens in layer 0's group, the patch embedding's x 0.2) and whether it decays (not biases, norms, LayerScale)."""
+    import sys
+
+    from tests.model.test_posemb_rules import REFERENCE
+    from vitlab.training.optim import OptimConfig, make_optimizer
+
+    sys.path.insert(0, str(REFERENCE / "dinov2"))
+    try:
+        from dinov2.utils.param_groups import get_params_groups_with_decay  # noqa: PLC0415
+    finally:
+        sys.path.remove(str(REFERENCE / "dinov2"))
+    cfg = dino_cfg(
+        compose_cfg, "objective.ibot_weight=1.0", "objective.ibot_separate_head=true", "objective.ibot_out_dim=24",
+        "objective.ibot_bottleneck_dim=12", "model.init_values=1e-5", "model.reg_tokens=2", "optim.layer_decay=0.9",
+        "optim.patch_embed_lr_mult=0.2", "optim.decay_tokens=true", "model.drop_path_rate=0.3",
+        "model.drop_path_uniform=true",
+    )  # fmt: skip
+    module = build.build_module(cfg, build.build_datamodule(cfg.data, cfg))
+    student = module.objective.optimized(module.model)
+    o = OptimConfig.from_dict(OmegaConf.to_container(cfg.optim, resolve=True))
+    optimizer = make_optimizer(student, o)
+    ours = {id(p): (g["lr"] / o.lr, g["weight_decay"] > 0) for g in optimizer.param_groups for p in g["params"]}
+
+    class AsDinov2Names:  # the student under DINOv2's names: timm's (and our) reg_token is its register_tokens
+        blocks = student.blocks
+
+        def named_parameters(self):
+            return ((n.replace("reg_token", "register_tokens"), p) for n, p in student.named_parameters())
+
+    theirs = {
+        id(d["params"]): (d["lr_multiplier"], d["wd_multiplier"] > 0)
+        for d in get_params_groups_with_decay(AsDinov2Names(), lr_decay_rate=0.9, patch_embed_lr_mult=0.2)
+    }
+    names = {id(p): n for n, p in student.named_parameters()}
+    assert ours.keys() == theirs.keys()
+    differ = {names[i]: (ours[i], theirs[i]) for i in ours if ours[i][1] != theirs[i][1] or
+              abs(ours[i][0] - theirs[i][0]) > 1e-12}  # fmt: skip
+    assert differ == {}
+    assert ours[id(student.mask_token)][0] == pytest.approx(0.9**3)  # layer 0 of 2 blocks
+    assert ours[id(student.patch_embed.proj.weight)][0] == pytest.approx(0.2 * 0.9**3)
+    # the separate iBOT head's own bottleneck; every block's drop path at the rate (drop_path_uniform)
+    assert module.objective.student.ibot_head.last_layer.weight_v.shape[1] == 12
+    assert [b.drop_path1.p for b in module.objective.student.backbone.blocks] == [0.3, 0.3]

@@ -68,6 +68,8 @@ class DINOConfig:
     ibot_weight: float = 0.0  # DINOv2: 1.0
     ibot_separate_head: bool = False
     ibot_out_dim: int = 65536  # the separate patch head's prototypes
+    ibot_hidden_dim: int | None = None  # the separate patch head's width; null: hidden_dim (dinov2's ibot.head_*)
+    ibot_bottleneck_dim: int | None = None  # its bottleneck; null: bottleneck_dim (dinov2's vitl14.yaml: 256 vs 384)
     mask_probability: float = 0.5  # of the global crops, the share masked for iBOT
     mask_ratio: tuple[float, float] = (0.1, 0.5)  # of a masked crop's patches
     crops: Any = field(default_factory=dict)  # data/multicrop.py MultiCropConfig
@@ -75,6 +77,8 @@ class DINOConfig:
     def __post_init__(self):
         for name in ("out_dim", "hidden_dim", "bottleneck_dim", "head_layers", "ibot_out_dim"):
             check_at_least(f"objective.{name}", getattr(self, name), 1)
+        for name in ("ibot_hidden_dim", "ibot_bottleneck_dim"):
+            check_at_least(f"objective.{name}", getattr(self, name), 1, optional=True)
         check_at_least("objective.freeze_last_layer", self.freeze_last_layer, 0)
         check_at_least("objective.warmup_teacher_temp_epochs", self.warmup_teacher_temp_epochs, 0)
         for name in ("momentum_teacher", "momentum_teacher_end", "center_momentum", "mask_probability"):
@@ -121,7 +125,9 @@ class DINO(Objective):
         student.backbone = new_vit(model)
         student.dino_head = DINOHead(model.embed_dim, c.out_dim, norm_last_layer=c.norm_last_layer, **head)
         if c.ibot_weight and c.ibot_separate_head:
-            student.ibot_head = DINOHead(model.embed_dim, c.ibot_out_dim, norm_last_layer=c.norm_last_layer, **head)
+            ibot = head | {"hidden_dim": c.ibot_hidden_dim or c.hidden_dim}
+            ibot |= {"bottleneck_dim": c.ibot_bottleneck_dim or c.bottleneck_dim}
+            student.ibot_head = DINOHead(model.embed_dim, c.ibot_out_dim, norm_last_layer=c.norm_last_layer, **ibot)
         if c.ibot_weight:
             student.mask_token = nn.Parameter(torch.zeros(1, model.embed_dim))  # dinov2's, zeros
         self.student = student
