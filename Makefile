@@ -32,7 +32,7 @@ test: install             ## the whole suite, as CI runs it, then its 15 slowest
 test-durations: install   ## the whole suite, writing each file's seconds to tests/durations.json (commit it)
 	$(BIN)/python -m pytest $(PARALLEL) --record-durations=tests/durations.json $(ARGS)
 
-test-fast: install        ## every unit folder, without tests/end_to_end/'s command-line suites (~3.5 min on 2 cores)
+test-fast: install        ## every unit folder, without tests/end_to_end/'s command-line suites (~4 min on 2 cores)
 	$(BIN)/python -m pytest $(PARALLEL) --ignore=tests/end_to_end $(ARGS)
 
 lint: install
