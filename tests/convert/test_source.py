@@ -100,3 +100,29 @@ def test_a_sharded_vitlab_checkpoint_is_read_whole(tmp_path):
     encoder, _, origin = resolve(str(folder)).tensors
     assert origin == f"vitlab checkpoint {str(folder)!r}"
     assert all(torch.equal(encoder[k], v) for k, v in sd.items())
+
+
+def test_a_files_position_table_rule_is_the_one_its_code_used_and_the_run_takes_it(tmp_path, compose_cfg):
+    """Issue 54, point 2: DINOv2's hub weights without registers and DINO's training checkpoints were made (and are
+    evaluated by their code) with interpolate_pos_encoding's rule; DINOv2's register models and everything else with
+    timm's; a vitlab checkpoint carries its own. model.pretrained=<such a file> makes the run's model take it."""
+    from vitlab.training.pretrained import apply_pretrained
+
+    backbone = ViT(tiny(embed_dim=16, num_heads=2, depth=1)).state_dict()
+    dinov2 = dict(backbone) | {"mask_token": torch.zeros(1, 16)}
+    files = {
+        "dinov2.pth": (dinov2, "dino"),
+        "dinov2_reg4.pth": (dinov2 | {"register_tokens": torch.zeros(1, 4, 16)}, "timm"),
+        "dino_full_checkpoint.pth": ({"teacher": {f"backbone.{k}": v for k, v in backbone.items()},
+                                      "student": {}}, "dino"),  # fmt: skip
+        "dino_deitsmall16_pretrain.pth": (backbone, "timm"),  # timm's names alone: nothing says it is DINO's
+        "vitlab.ckpt": ({"state_dict": {f"model.{k}": v for k, v in backbone.items()},
+                         "hyper_parameters": {"model": {"pos_embed_resample": "dino"}}}, "dino"),  # fmt: skip
+    }
+    for name, (content, rule) in files.items():
+        torch.save(content, tmp_path / name)
+        assert resolve(str(tmp_path / name)).posemb_rule == rule, name
+    cfg = compose_cfg("train", [f"model.pretrained={tmp_path / 'dinov2.pth'}"])
+    assert cfg.model.pos_embed_resample == "timm"
+    apply_pretrained(cfg)
+    assert cfg.model.pos_embed_resample == "dino"

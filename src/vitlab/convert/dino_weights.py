@@ -48,3 +48,17 @@ def from_dinov2(sd: StateDict) -> StateDict:
     from timm.models.vision_transformer import _convert_dinov2
 
     return _convert_dinov2(dict(sd), None)
+
+
+def posemb_rule(obj: object) -> str:
+    """How the position table of the weights in `obj` (a file's contents, as read) is resampled by the code that
+    trained them (model/posemb.py): DINO's training checkpoints and DINOv2's weights without registers "dino" (their
+    interpolate_pos_encoding; DINOv2's hub: interpolate_offset 0.1, no antialias); DINOv2's register models (offset 0,
+    antialias) and everything else "timm". DINO's bare `dino_*_pretrain.pth` is timm's names alone: nothing says
+    it is DINO's (model.pos_embed_resample=dino says it)."""
+    if is_dino_training_checkpoint(obj):
+        return "dino"
+    sd = obj.get("model", obj) if isinstance(obj, dict) else obj
+    if isinstance(sd, dict) and is_dinov2(sd) and not any(k.startswith("register_tokens") for k in sd):
+        return "dino"
+    return "timm"

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
+from vitlab.convert import dino_weights as dino
 from vitlab.convert.timm_args import RUN_FIELDS, config_from_args, timm_model_args
 from vitlab.convert.timm_hub import (
     PREPROCESSING,
@@ -23,7 +24,7 @@ from vitlab.convert.timm_hub import (
     timm_pretrained_cfg,
     timm_pretrained_state_dict,
 )
-from vitlab.convert.weights import StateDict, expected_shapes, is_weights_file, load_state, read_weights
+from vitlab.convert.weights import StateDict, expected_shapes, is_weights_file, load_state, read_file, read_weights
 from vitlab.model import ViT, ViTConfig
 from vitlab.model.config import as_hw
 from vitlab.utils.errors import UserError
@@ -54,8 +55,8 @@ class Weights:
     kept: dict[str, Any] = dataclasses.field(default_factory=dict)  # the user's fields kept over timm's architecture
     timm_name: str | None = None  # the registered architecture timm builds for `source`
     label_names: tuple[str, ...] | None = None  # a saved folder's class names (its config.json)
-    # How a position table of another grid is fitted (convert.weights.fit_state_dict): timm's bicubic, antialiased
-    # resampling of a square grid, prefix rows kept. Every source today; DINO's or DINOv2's may want their own.
+    # How a position table of another grid is resampled by the code that made the weights (model/posemb.py, the
+    # model's pos_embed_resample): "dino" for DINO's training checkpoints and DINOv2's files without registers.
     posemb_rule: str = "timm"
 
     @functools.cached_property
@@ -89,7 +90,7 @@ def resolve(
     the user set: the command line, the experiment) kept where the weights can serve them, and refused in one line
     where they cannot (`resample_patch`: patch filters of another size are resampled)."""
     if is_weights_file(source):
-        return Weights(source)
+        return Weights(source, posemb_rule=_file_posemb_rule(source))
     preprocessing = timm_pretrained_cfg(source)  # (checks the name: one line with the closest names)
     name = timm_architecture(source)
     labels = source_config(source)[0].get("label_names") if source.startswith(TIMM_SOURCES) else None
@@ -108,6 +109,22 @@ def resolve(
             _check_servable(source, arch, kept, resample_patch)
             arch.update(kept)
     return Weights(source, False, preprocessing, arch, kept, name, tuple(labels) if labels else None)
+
+
+def _file_posemb_rule(path: str) -> str:
+    """The rule of a weights file's position table: the one a vitlab checkpoint's model config carries, or the one
+    DINO's and DINOv2's files were made with (dino_weights.posemb_rule); read memory-mapped (the tensors' data
+    untouched). A missing or unreadable file says so when it is loaded; a directory of shards is "timm"."""
+    import os
+
+    if not os.path.isfile(path):
+        return "timm"
+    try:
+        obj = read_file(path, "weights file")
+    except UserError:
+        return "timm"
+    stored = obj.get("hyper_parameters", {}).get("model", {}) if isinstance(obj, dict) else {}  # a vitlab checkpoint
+    return stored.get("pos_embed_resample") or dino.posemb_rule(obj)
 
 
 def load_timm_weights(

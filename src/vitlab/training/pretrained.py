@@ -36,6 +36,7 @@ def apply_pretrained(cfg: DictConfig) -> Weights | None:
     requested = {k: model[k] for k in explicit_model_keys() if k in model}
     weights = resolve(source, run=run_fields, requested=requested, resample_patch=bool(model.get("resample_patch")))
     if weights.is_file:
+        _take_posemb_rule(cfg, weights, "pos_embed_resample" in requested)
         return weights
     arch, yours = weights.arch, weights.kept
     changed = sorted(k for k, v in arch.items() if cfg.model.get(k) != v)
@@ -51,6 +52,17 @@ def apply_pretrained(cfg: DictConfig) -> Weights | None:
         ", ".join(f"data.{k}={v}" for k, v in taken.items()) or "none taken (set in the data config)",
     )
     return weights
+
+
+def _take_posemb_rule(cfg: DictConfig, weights: Weights, yours: bool) -> None:
+    """A file whose code resampled its position table otherwise (DINO's, DINOv2's): the model takes that rule, unless
+    the run sets model.pos_embed_resample itself."""
+    if weights.posemb_rule == cfg.model.get("pos_embed_resample", "timm") or yours:
+        return
+    with open_dict(cfg):
+        cfg.model.pos_embed_resample = weights.posemb_rule
+    log.info("model.pretrained=%s: model.pos_embed_resample=%s, as the code that made these weights resamples its "
+             "position table", weights.source, weights.posemb_rule)  # fmt: skip
 
 
 def explicit_model_keys() -> set[str]:
