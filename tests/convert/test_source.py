@@ -113,11 +113,18 @@ def test_a_files_position_table_rule_is_the_one_its_code_used_and_the_run_takes_
     files = {
         "dinov2.pth": (dinov2, "dino"),
         "dinov2_reg4.pth": (dinov2 | {"register_tokens": torch.zeros(1, 4, 16)}, "timm"),
-        "dino_full_checkpoint.pth": ({"teacher": {f"backbone.{k}": v for k, v in backbone.items()},
-                                      "student": {}}, "dino"),  # fmt: skip
+        "dino_full_checkpoint.pth": (
+            {"teacher": {f"backbone.{k}": v for k, v in backbone.items()}, "student": {}},
+            "dino",
+        ),  # fmt: skip
         "dino_deitsmall16_pretrain.pth": (backbone, "timm"),  # timm's names alone: nothing says it is DINO's
-        "vitlab.ckpt": ({"state_dict": {f"model.{k}": v for k, v in backbone.items()},
-                         "hyper_parameters": {"model": {"pos_embed_resample": "dino"}}}, "dino"),  # fmt: skip
+        "vitlab.ckpt": (
+            {
+                "state_dict": {f"model.{k}": v for k, v in backbone.items()},
+                "hyper_parameters": {"model": {"pos_embed_resample": "dino"}},
+            },
+            "dino",
+        ),  # fmt: skip
     }
     for name, (content, rule) in files.items():
         torch.save(content, tmp_path / name)
