@@ -4,6 +4,7 @@ tests, and test-only Lightning callbacks (loaded into real `python -m vitlab.tra
 
 import contextlib
 import copy
+import importlib
 import json
 import os
 import re
@@ -163,6 +164,18 @@ def ctrl_c_as_in_a_terminal() -> None:
     as a terminal starts it, whatever this test process inherited (a script's background job, `nohup ... &` or a CI
     runner may start the suite with SIGINT ignored, and the command would then ignore the test's Ctrl-C)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def reference(repo: str, module: str):
+    """A module of a reference implementation vendored verbatim under tests/reference/<repo>/ (its README: which
+    commit, which license), imported as its own code imports itself (`dino`'s files are top-level modules, `dinov2` a
+    package), so that a test holds vitlab to the reference's code rather than to a copy typed out here."""
+    path = str(ROOT / "tests" / "reference" / repo)
+    sys.path.insert(0, path)
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.path.remove(path)
 
 
 def extra_callback(name: str, target: str, **params) -> list[str]:

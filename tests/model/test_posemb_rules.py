@@ -3,34 +3,23 @@ own `interpolate_pos_encoding` gives it (tests/reference/: their code, vendored 
 at DINO's 96-px local crops and at 224 px from DINOv2's 518-px grid; timm's rule (the default) differs there, and
 their register models (interpolate_offset=0, antialias) are timm's rule."""
 
-import sys
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import reference
 from vitlab.convert.dino_weights import from_dinov2
 from vitlab.convert.timm_args import config_from_timm
 from vitlab.model import ViT, ViTConfig
 
-REFERENCE = Path(__file__).parents[1] / "reference"
 pytestmark = pytest.mark.filterwarnings("ignore:xFormers is not available")  # (DINOv2's layers, on a CPU)
 
 
 @pytest.fixture(scope="module")
 def references():
-    """DINO's vision_transformer.py (which imports its utils.py as `utils`) and the dinov2 package, importable."""
-    paths = [str(REFERENCE / "dino"), str(REFERENCE / "dinov2")]
-    sys.path[:0] = paths
-    try:
-        import vision_transformer as dino_vits  # noqa: PLC0415
-        from dinov2.models import vision_transformer as dinov2_vits  # noqa: PLC0415
-
-        yield dino_vits, dinov2_vits
-    finally:
-        for path in paths:
-            sys.path.remove(path)
+    """DINO's vision_transformer.py and DINOv2's models/vision_transformer.py, vendored verbatim (tests/reference/)."""
+    return reference("dino", "vision_transformer"), reference("dinov2", "dinov2.models.vision_transformer")
 
 
 def _ours(cfg: ViTConfig, state_dict: dict, rule: str) -> ViT:
@@ -70,11 +59,10 @@ def test_dinov2_weights_at_224_give_dinov2s_features(references, registers):
     _, dinov2_vits = references
     torch.manual_seed(0)
     dino_rule = registers == 0
-    from dinov2.layers import MemEffAttention, NestedTensorBlock  # noqa: PLC0415
-
+    layers = reference("dinov2", "dinov2.layers")
     theirs = dinov2_vits.DinoVisionTransformer(  # their vit_small (the hub's arguments), 2 blocks
         patch_size=14, img_size=518, embed_dim=384, depth=2, num_heads=6, mlp_ratio=4, init_values=1.0,
-        block_fn=partial(NestedTensorBlock, attn_class=MemEffAttention), block_chunks=0,
+        block_fn=partial(layers.NestedTensorBlock, attn_class=layers.MemEffAttention), block_chunks=0,
         num_register_tokens=registers, interpolate_offset=0.1 if dino_rule else 0.0,
         interpolate_antialias=not dino_rule,
     ).eval()  # fmt: skip

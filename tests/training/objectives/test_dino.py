@@ -9,13 +9,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf, open_dict
 
-from tests.training.objectives.test_dino_losses import ref_cosine_scheduler
+from tests.helpers import reference
 from vitlab.convert.weights import read_weights
 from vitlab.training.module import ViTModule
 from vitlab.training.run import build
 from vitlab.utils.errors import UserError
 
 EPOCHS, STEPS = 3, 3
+cosine_scheduler = reference("dino", "utils").cosine_scheduler  # vendored verbatim (tests/reference/)
 
 
 def dino_cfg(compose_cfg, *overrides):
@@ -103,8 +104,8 @@ def run(compose_cfg_module):
 def test_lr_weight_decay_and_teacher_temperature_follow_main_dinos_schedules_step_by_step(run):
     cfg, steps, temps, _, _ = run
     assert len(steps) == EPOCHS * STEPS
-    lr = ref_cosine_scheduler(cfg.optim.lr, cfg.scheduler.min_lr, EPOCHS, STEPS, warmup_epochs=1)
-    wd = ref_cosine_scheduler(0.04, 0.4, EPOCHS, STEPS)
+    lr = cosine_scheduler(cfg.optim.lr, cfg.scheduler.min_lr, EPOCHS, STEPS, warmup_epochs=1)
+    wd = cosine_scheduler(0.04, 0.4, EPOCHS, STEPS)
     for it, step in enumerate(steps):
         assert step["lr"] == pytest.approx([lr[it]] * len(step["lr"]), rel=1e-9, abs=1e-15), it
         decayed = [w for w in step["wd"] if w > 0]
@@ -116,7 +117,7 @@ def test_lr_weight_decay_and_teacher_temperature_follow_main_dinos_schedules_ste
 
 def test_the_teacher_is_the_students_ema_with_the_momentum_schedule(run):
     _, steps, _, _, _ = run
-    momentum = ref_cosine_scheduler(0.99, 1.0, EPOCHS, STEPS)
+    momentum = cosine_scheduler(0.99, 1.0, EPOCHS, STEPS)
     moved = 0
     for it, step in enumerate(steps):
         m = momentum[it]
@@ -204,16 +205,9 @@ def test_dinov2s_parameter_groups_are_get_params_groups_with_decay(compose_cfg):
     """DINOv2's optimizer (issue 54, point 3), against its dinov2/utils/param_groups.py (tests/reference/, verbatim)
     applied to the same student: every parameter's learning-rate multiplier (layer decay 0.9, the mask token and the
     tokens in layer 0's group, the patch embedding's x 0.2) and whether it decays (not biases, norms, LayerScale)."""
-    import sys
-
-    from tests.model.test_posemb_rules import REFERENCE
     from vitlab.training.optim import OptimConfig, make_optimizer
 
-    sys.path.insert(0, str(REFERENCE / "dinov2"))
-    try:
-        from dinov2.utils.param_groups import get_params_groups_with_decay  # noqa: PLC0415
-    finally:
-        sys.path.remove(str(REFERENCE / "dinov2"))
+    get_params_groups_with_decay = reference("dinov2", "dinov2.utils.param_groups").get_params_groups_with_decay
     cfg = dino_cfg(
         compose_cfg, "objective.ibot_weight=1.0", "objective.ibot_separate_head=true", "objective.ibot_out_dim=24",
         "objective.ibot_bottleneck_dim=12", "model.init_values=1e-5", "model.reg_tokens=2", "optim.layer_decay=0.9",

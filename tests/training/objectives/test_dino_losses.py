@@ -1,9 +1,11 @@
-"""DINO's and DINOv2's arithmetic against the references' code, written out here from facebookresearch/dino
-(main_dino.py DINOLoss, vision_transformer.py DINOHead, utils.py cosine_scheduler / clip_gradients, the EMA step of
-train_one_epoch) and facebookresearch/dinov2 (loss/dino_clstoken_loss.py, loss/ibot_patch_loss.py, loss/koleo_loss.py,
-data/masking.py, data/collate.py; one process: their all_reduce calls are the identity). Same weights, same inputs:
-equal to 1e-6 (the schedules to 1e-12, the masks exactly)."""
+"""DINO's and DINOv2's arithmetic against the references' code: dino's vision_transformer.py DINOHead and utils.py
+cosine_scheduler and clip_gradients imported from tests/reference/ (vendored verbatim); written out here from
+facebookresearch/dino (main_dino.py DINOLoss, the EMA step of train_one_epoch) and facebookresearch/dinov2
+(loss/dino_clstoken_loss.py, loss/ibot_patch_loss.py, loss/koleo_loss.py, data/masking.py, data/collate.py; one
+process: their all_reduce calls are the identity). Same weights, same inputs: equal to 1e-6 (the schedules to 1e-12,
+the masks exactly)."""
 
+import copy
 import math
 import random
 
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.helpers import reference
 from vitlab.data.multicrop import block_mask, collate_masks
 from vitlab.model.dino_head import DINOHead
 from vitlab.training.objectives import dino_losses as L
@@ -22,27 +25,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*weight_norm.*:FutureWarning", 
 
 
 # ---- the references, as written there ------------------------------------------------------------------------
-class RefDINOHead(nn.Module):
-    """dino vision_transformer.py DINOHead (use_bn=False)."""
-
-    def __init__(self, in_dim, out_dim, norm_last_layer=True, nlayers=3, hidden_dim=2048, bottleneck_dim=256):
-        super().__init__()
-        layers = [nn.Linear(in_dim, hidden_dim), nn.GELU()]
-        for _ in range(nlayers - 2):
-            layers += [nn.Linear(hidden_dim, hidden_dim), nn.GELU()]
-        layers.append(nn.Linear(hidden_dim, bottleneck_dim))
-        self.mlp = nn.Sequential(*layers)
-        self.last_layer = nn.utils.weight_norm(nn.Linear(bottleneck_dim, out_dim, bias=False))
-        self.last_layer.weight_g.data.fill_(1)
-        if norm_last_layer:
-            self.last_layer.weight_g.requires_grad = False
-
-    def forward(self, x):
-        x = self.mlp(x)
-        x = nn.functional.normalize(x, dim=-1, p=2)
-        return self.last_layer(x)
-
-
 class RefDINOLoss(nn.Module):
     """dino main_dino.py DINOLoss, one process."""
 
@@ -79,19 +61,6 @@ class RefDINOLoss(nn.Module):
         batch_center = torch.sum(teacher_output, dim=0, keepdim=True)
         batch_center = batch_center / (len(teacher_output) * 1)
         self.center = self.center * self.center_momentum + batch_center * (1 - self.center_momentum)
-
-
-def ref_cosine_scheduler(base_value, final_value, epochs, niter_per_ep, warmup_epochs=0, start_warmup_value=0):
-    """dino utils.py cosine_scheduler."""
-    warmup_schedule = np.array([])
-    warmup_iters = warmup_epochs * niter_per_ep
-    if warmup_epochs > 0:
-        warmup_schedule = np.linspace(start_warmup_value, base_value, warmup_iters)
-    iters = np.arange(epochs * niter_per_ep - warmup_iters)
-    schedule = final_value + 0.5 * (base_value - final_value) * (1 + np.cos(np.pi * iters / len(iters)))
-    schedule = np.concatenate((warmup_schedule, schedule))
-    assert len(schedule) == epochs * niter_per_ep
-    return schedule
 
 
 def ref_sinkhorn_knopp_teacher(teacher_output, teacher_temp, n_iterations=3, n_masked_patches_tensor=None):
@@ -219,7 +188,9 @@ def ref_collate_masks(B, N, mask_ratio_tuple, mask_probability, mask_generator):
 def test_the_head_is_dinos_with_its_keys_and_outputs(norm_last_layer):
     torch.manual_seed(0)
     ours = DINOHead(24, 50, hidden_dim=32, bottleneck_dim=16, nlayers=3, norm_last_layer=norm_last_layer)
-    ref = RefDINOHead(24, 50, norm_last_layer=norm_last_layer, hidden_dim=32, bottleneck_dim=16)
+    ref = reference("dino", "vision_transformer").DINOHead(
+        24, 50, norm_last_layer=norm_last_layer, hidden_dim=32, bottleneck_dim=16
+    )
     assert list(ours.state_dict()) == list(ref.state_dict())
     with torch.no_grad():
         ours.last_layer.weight_g.mul_(torch.rand(50, 1) + 0.5)  # a trained g, not all ones
@@ -304,7 +275,7 @@ def test_koleo_is_dinov2s():
     [(0.996, 1.0, 7, 5, 0, 0), (0.04, 0.4, 4, 3, 0, 0), (5e-4, 1e-6, 12, 4, 3, 0), (0.07, 0.07, 6, 2, 2, 0.04)],
 )
 def test_every_schedule_is_cosine_scheduler_step_by_step(base, final, epochs, niter, warmup, start):
-    expected = ref_cosine_scheduler(base, final, epochs, niter, warmup, start)
+    expected = reference("dino", "utils").cosine_scheduler(base, final, epochs, niter, warmup, start)
     total = epochs * niter
     ours = [L.cosine_schedule(i, base, final, total, warmup * niter, start) for i in range(total)]
     np.testing.assert_allclose(ours, expected, rtol=1e-12, atol=1e-15)
@@ -330,12 +301,11 @@ def test_clipping_is_dinos_per_parameter():
     net = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 2))
     for p in net.parameters():
         p.grad = torch.randn_like(p) * torch.rand(()) * 5
-    expected = []
-    for p in net.parameters():  # utils.clip_gradients
-        g = p.grad.clone()
-        param_norm = g.norm(2)
-        clip_coef = 3.0 / (param_norm + 1e-6)
-        expected.append(g * clip_coef if clip_coef < 1 else g)
+    theirs = copy.deepcopy(net)
+    for mine, their in zip(net.parameters(), theirs.parameters(), strict=True):
+        their.grad = mine.grad.clone()  # (deepcopy leaves gradients out)
+    reference("dino", "utils").clip_gradients(theirs, 3.0)
+    expected = [p.grad for p in theirs.parameters()]
     L.clip_per_parameter(net.parameters(), 3.0)
     for p, e in zip(net.parameters(), expected, strict=True):
         torch.testing.assert_close(p.grad, e, atol=1e-6, rtol=1e-6)
