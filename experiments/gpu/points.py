@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -35,18 +36,24 @@ class Command:
 
     module: str  # python -m <module>, or a script path relative to the repository
     args: dict[str, str]
-    dry: dict[str, str] = field(default_factory=dict)
+    dry: dict[str, str | None | bool] = field(default_factory=dict)
     run_dir: bool = True  # a Hydra command: it gets hydra.run.dir
 
     def argv(self, dry: bool, run_dir: Path) -> list[str]:
-        """Hydra overrides as key=value; options (`-k`, `--key`) as key, value; a value of None: the key alone."""
+        """Hydra overrides as key=value; options (`-k`, `--key`) as key, value; a value of None: the key alone, of
+        False (in `dry`): the key dropped. `{run_dir}` in a value is this command's run directory, `{work}` the
+        point's (shared by its commands: one writes a folder, the next reads it)."""
         values = {**self.args, **(self.dry if dry else {})}
         parts = []
         for key, value in values.items():
+            if value is False:
+                continue
+            if value is not None:
+                value = value.replace("{run_dir}", str(run_dir)).replace("{work}", str(run_dir.parent))
             if value is None:
                 parts.append(key)
             elif key.startswith("-"):
-                parts += [key, value.replace("{run_dir}", str(run_dir))]
+                parts += [key, value]
             else:
                 parts.append(f"{key}={value}")
         parts = [p for part in parts for p in (gpu_tests() if part == "{gpu_tests}" else [part])]
@@ -194,6 +201,74 @@ POINTS = [
         [end2end((*FAKE_B16, "compile=true"), (*FAKE_TINY, "compile=true"))],
     ),
     Point(
+        "timm_train",
+        "throughput",
+        "timm's train.py against vitlab.train on one folder of JPEGs (B/16, batch 256, bf16, eager, 15 workers)",
+        300,
+        150,
+        [
+            Command(
+                "experiments/gpu/jpeg_folder.py",
+                {"--out": "{work}/jpegs", "--train": "5120", "--val": "512", "--classes": "10"},
+                {"--train": "32", "--val": "8", "--classes": "2", "--size": "48x36"},
+                run_dir=False,
+            ),
+            Command(
+                "experiments/gpu/reference/timm_train.py",  # timm's own, as its users run it: defaults but these
+                {
+                    "--data-dir": "{work}/jpegs",
+                    "--val-split": "val",
+                    "--model": "vit_base_patch16_224",
+                    "--num-classes": "10",
+                    "-b": "256",
+                    "--epochs": "3",
+                    "--warmup-epochs": "0",
+                    "--amp": None,
+                    "--amp-dtype": "bfloat16",
+                    "-j": "15",
+                    "--pin-mem": None,
+                    "--log-interval": "5",
+                    "--checkpoint-hist": "1",
+                    "--output": "{run_dir}",
+                },
+                {
+                    "--device": "cpu",
+                    "--model-kwargs": "depth=1",
+                    "-b": "8",
+                    "--epochs": "1",
+                    "-j": "1",
+                    "--amp": False,
+                    "--amp-dtype": False,
+                    "--pin-mem": False,
+                },
+                run_dir=False,
+            ),  # fmt: skip
+            end2end(
+                (
+                    "model=vit_b16",
+                    "data=imagefolder",
+                    "data.data_dir={work}/jpegs",
+                    "data.on_device=false",
+                    "data.batch_size=256",
+                    "data.num_workers=15",
+                    "data.train_transform.color_jitter=0.4",
+                    "trainer=gpu",
+                ),
+                (
+                    "model=vit_b16",
+                    *TINY,
+                    "data=imagefolder",
+                    "data.data_dir={work}/jpegs",
+                    "data.on_device=false",
+                    "data.batch_size=8",
+                    "data.num_workers=1",
+                    "data.train_transform.color_jitter=0.4",
+                    "trainer=cpu",
+                ),
+            ),  # timm's defaults: RandomResizedCrop 0.08-1, flip, colour jitter 0.4; 3 epochs of 20 steps
+        ],
+    ),
+    Point(
         "selective_compiled",
         "checkpointing",
         "ViT-L/16 selective checkpointing under compile=regional against none and every block (bf16, batch 64)",
@@ -282,11 +357,23 @@ POINTS = [
 ]
 
 
+# timm's train.py, an epoch's last line: "Train: 2 [  19/20 (100%)]  Loss: ... Time: 0.1s, 2.5/s  (avg s, avg/s) ..."
+TIMM_TRAIN_LINE = re.compile(
+    r"Train: (?P<epoch>\d+) \[\s*(?P<step>\d+)/(?P<steps>\d+) \(100%\)\].*?"
+    r"Time: [\d.]+s,\s*[\d.]+/s\s+\((?P<avg_s>[\d.]+)s,\s*(?P<avg_rate>[\d.]+)/s\)"
+)
+
+
 def result_of(run_dir: Path, log: str) -> object:
     """What a command measured: its benchmark.json or metrics.json, else the JSON lines it printed."""
     for name in ("benchmark.json", "metrics.json", "results_cuda.json", "results_cpu.json"):
         if (run_dir / name).is_file():
             return json.loads((run_dir / name).read_text())
+    timm = [m.groupdict() for m in TIMM_TRAIN_LINE.finditer(log)]
+    if timm:  # timm's train.py: the last epoch's last line holds that epoch's average step
+        last = timm[-1]
+        return {"timm_train": {"epoch": int(last["epoch"]), "steps": int(last["steps"]),
+                               "step_s": float(last["avg_s"]), "images_per_s": float(last["avg_rate"])}}  # fmt: skip
     rows = []
     for line in log.splitlines():
         if line.startswith("{"):
@@ -329,9 +416,10 @@ def main() -> None:
     p.add_argument("out", type=Path)
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU: every command's start, quickly")
     p.add_argument("--deadline", type=float, default=560, help="seconds for all points together")
-    p.add_argument("--only", default="", help="comma-separated point names (all by default)")
+    p.add_argument("--only", default="", help="comma-separated point names, run in that order (all by default)")
     a = p.parse_args()
-    chosen = [q for q in POINTS if not a.only or q.name in a.only.split(",")]
+    by_name = {q.name: q for q in POINTS}  # --only a,b: those, in that order (a lease's left minutes, spent first)
+    chosen = [by_name[n] for n in a.only.split(",") if n in by_name] if a.only else POINTS
     unknown = set(filter(None, a.only.split(","))) - {q.name for q in POINTS}
     if unknown:
         sys.exit(f"--only {sorted(unknown)}: not points; they are {[q.name for q in POINTS]}")

@@ -49,6 +49,10 @@ def describe(point: dict) -> list[str]:
                 f"{r['train']['images_per_s']:,.0f} img/s, bare step {r['bare_step']['images_per_s']:,.0f} img/s, "
                 f"ratio {r['ratios']['train/bare_step']:.3f}"
             )
+        elif isinstance(r, dict) and "timm_train" in r:  # timm's train.py, its last epoch's average
+            t = r["timm_train"]
+            lines.append(f"timm's train.py: epoch {t['epoch']} ({t['steps']} steps) {t['step_s'] * 1000:.0f} ms/step, "
+                         f"{t['images_per_s']:,.0f} img/s")  # fmt: skip
         elif isinstance(r, dict) and r.get("task") == "strategies":
             parts = [
                 f"{name} {row['step_ms']:.1f} ms/step, {row['images_per_s']:,.0f} img/s, "
