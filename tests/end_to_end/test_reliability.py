@@ -38,9 +38,10 @@ def test_ckpt_path_last_finds_the_newest_checkpoint(uninterrupted, tmp_path):
 
 
 # On the CPU the loss is read every step: the run stops before the update. On a GPU it is read at log steps
-# (every 5 here): the bad step is named, and the weights after it are never saved.
+# (every 5 here): the bad step (12) is named, and it is read after the batch that makes global_step 15, the first
+# multiple of 5 past it (the lease of 2026-11-27 measured it); the weights after the bad step are never saved.
 GPU_RUN = [o for o in RUN if not o.startswith("trainer.accelerator")] + ["trainer=gpu"]
-STOPPED = {"cpu": "stopped before the update", "gpu": "the weights from then on (step 14) were not saved"}
+STOPPED = {"cpu": "stopped before the update", "gpu": "the weights from then on (step 15) were not saved"}
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
