@@ -360,7 +360,7 @@ POINTS = [
 # timm's train.py, an epoch's last line: "Train: 2 [  19/20 (100%)]  Loss: ... Time: 0.1s, 2.5/s  (avg s, avg/s) ..."
 TIMM_TRAIN_LINE = re.compile(
     r"Train: (?P<epoch>\d+) \[\s*(?P<step>\d+)/(?P<steps>\d+) \(100%\)\].*?"
-    r"Time: [\d.]+s,\s*[\d.]+/s\s+\((?P<avg_s>[\d.]+)s,\s*(?P<avg_rate>[\d.]+)/s\)"
+    r"Time: (?P<last_s>[\d.]+)s,\s*[\d.]+/s\s+\((?P<avg_s>[\d.]+)s,\s*(?P<avg_rate>[\d.]+)/s\)"
 )
 
 
@@ -370,10 +370,17 @@ def result_of(run_dir: Path, log: str) -> object:
         if (run_dir / name).is_file():
             return json.loads((run_dir / name).read_text())
     timm = [m.groupdict() for m in TIMM_TRAIN_LINE.finditer(log)]
-    if timm:  # timm's train.py: the last epoch's last line holds that epoch's average step
-        last = timm[-1]
-        return {"timm_train": {"epoch": int(last["epoch"]), "steps": int(last["steps"]),
-                               "step_s": float(last["avg_s"]), "images_per_s": float(last["avg_rate"])}}  # fmt: skip
+    if timm:  # timm's train.py: the last epoch's last line holds that epoch's average step (its first batch's wait
+        last = timm[-1]  # for the loader included) and the last step's time (the steady state)
+        return {
+            "timm_train": {
+                "epoch": int(last["epoch"]),
+                "steps": int(last["steps"]),
+                "step_s": float(last["avg_s"]),
+                "images_per_s": float(last["avg_rate"]),
+                "last_step_s": float(last["last_s"]),
+            }
+        }
     rows = []
     for line in log.splitlines():
         if line.startswith("{"):

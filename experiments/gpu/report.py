@@ -26,7 +26,8 @@ def merge(paths: list[Path]) -> dict:
         report = json.loads(path.read_text())
         merged.setdefault("environment", report["environment"])
         points = merged.setdefault("points", {})
-        for point in report["points"]:
+        listed = report["points"]  # a lease's results.json lists them; a merged results_<gpu>_<date>.json maps them
+        for point in listed.values() if isinstance(listed, dict) else listed:
             if point["name"] not in points or not str(point.get("status", "")).startswith("skipped"):
                 points[point["name"]] = point
     return merged
@@ -51,8 +52,9 @@ def describe(point: dict) -> list[str]:
             )
         elif isinstance(r, dict) and "timm_train" in r:  # timm's train.py, its last epoch's average
             t = r["timm_train"]
-            lines.append(f"timm's train.py: epoch {t['epoch']} ({t['steps']} steps) {t['step_s'] * 1000:.0f} ms/step, "
-                         f"{t['images_per_s']:,.0f} img/s")  # fmt: skip
+            last = f", its last step {t['last_step_s'] * 1000:.0f} ms" if "last_step_s" in t else ""
+            lines.append(f"timm's train.py: epoch {t['epoch']} ({t['steps']} steps) {t['step_s'] * 1000:.0f} ms/step "
+                         f"on average, {t['images_per_s']:,.0f} img/s{last}")  # fmt: skip
         elif isinstance(r, dict) and r.get("task") == "strategies":
             parts = [
                 f"{name} {row['step_ms']:.1f} ms/step, {row['images_per_s']:,.0f} img/s, "
@@ -80,7 +82,12 @@ def describe(point: dict) -> list[str]:
             lines.append(f"{shown}trained, {r.get('train/samples_per_sec', 0):,.0f} img/s at the end, "
                          f"{r['wall_time_s']:.1f} s")  # fmt: skip
         elif isinstance(r, dict) and "rows" in r:  # regional_compile/measure.py
-            lines.append("; ".join(f"depth {x['depth']} {x['mode']}: {json.dumps(x)[:80]}" for x in r["rows"]))
+            rows = [
+                f"depth {x['depth']} {x['mode']}: compile {x['compile_s']:.1f} s, step {1000 * x['step_s']:.1f} ms, "
+                f"{x['graphs']} graph(s)"
+                for x in r["rows"]
+            ]
+            lines.append("; ".join(rows))
         else:
             outcome = next((x for x in reversed(command["log_tail"]) if re.search(r"passed|failed|error", x)), "")
             lines.append(f"exit 0 in {command['seconds']} s {outcome.strip()}")
