@@ -99,14 +99,21 @@ class _Items(Dataset):
             path, label = self.base.samples[index]
             data = Path(path).read_bytes()
             decode_image(data, path)  # a file training could not read is named now, not mid-run
-            return {"image": data, "label": label, "name": str(Path(path).relative_to(self.root))}
+            return {"image": _blob(data), "label": label, "name": str(Path(path).relative_to(self.root))}
         img, label = self.base[index]
         if not isinstance(img, Image.Image):  # a uint8 (C, H, W) tensor
             array = np.asarray(img.permute(1, 2, 0))
             img = Image.fromarray(array[..., 0] if array.shape[-1] == 1 else array)
         buffer = io.BytesIO()
         img.save(buffer, format="PNG")
-        return {"image": buffer.getvalue(), "label": int(label), "name": str(index)}
+        return {"image": _blob(buffer.getvalue()), "label": int(label), "name": str(index)}
+
+
+def _blob(data: bytes) -> np.ndarray:
+    """An encoded image as a uint8 array: LitData keeps arrays in its own item format. Raw bytes beside an int and a
+    str make a row LitData 0.2.76 writes as an Arrow footer alone once pyarrow is installed (as `datasets` brings it),
+    and such chunks read from an object store come back empty. The reader takes either (`bytes(item["image"])`)."""
+    return np.frombuffer(data, dtype=np.uint8)
 
 
 @contextlib.contextmanager
