@@ -125,25 +125,34 @@ class MultiCrop:
         self, x: torch.Tensor, size: int, scale: tuple[float, float], which: int, generator: torch.Generator | None
     ) -> torch.Tensor:
         """One view of every image: its draws (host), then the crop, flip, jitter, grayscale, blur, solarisation."""
-        c, n = self.cfg, len(x)
-        boxes = resized_crop_boxes(n, x.shape[-2:], scale, c.ratio, generator)
-        flip = torch.rand(n, generator=generator) < c.hflip
-        jitter = torch.rand(n, generator=generator) < c.color_jitter_prob
-        factors, order = jitter_params(n, c.color_jitter, generator)
-        gray = torch.rand(n, generator=generator) < c.grayscale_prob
-        blur = torch.rand(n, generator=generator) < c.blur_prob[which]
-        sigma = torch.empty(n).uniform_(*c.blur_sigma, generator=generator)
-        solarize = torch.rand(n, generator=generator) < c.solarize_prob[which]
-        dev = x.device
-        out = crop_resize(x, boxes.to(dev), flip.to(dev), size)
+        return self.apply(x, size, which, self.draw(len(x), x.shape[-2:], scale, which, generator))
+
+    def draw(
+        self, n: int, hw: Sequence[int], scale: tuple[float, float], which: int, generator: torch.Generator | None
+    ) -> dict[str, torch.Tensor]:
+        """A view's random choices for n images of `hw`, in their order; `boxes` (n, 4): top, left, height, width."""
+        c = self.cfg
+        d = {"boxes": resized_crop_boxes(n, hw, scale, c.ratio, generator)}
+        d["flip"] = torch.rand(n, generator=generator) < c.hflip
+        d["jitter"] = torch.rand(n, generator=generator) < c.color_jitter_prob
+        d["factors"], d["order"] = jitter_params(n, c.color_jitter, generator)
+        d["gray"] = torch.rand(n, generator=generator) < c.grayscale_prob
+        d["blur"] = torch.rand(n, generator=generator) < c.blur_prob[which]
+        d["sigma"] = torch.empty(n).uniform_(*c.blur_sigma, generator=generator)
+        d["solarize"] = torch.rand(n, generator=generator) < c.solarize_prob[which]
+        return d
+
+    def apply(self, x: torch.Tensor, size: int, which: int, d: dict[str, torch.Tensor]) -> torch.Tensor:
+        c, dev = self.cfg, x.device
+        out = crop_resize(x, d["boxes"].to(dev), d["flip"].to(dev), size)
         if c.color_jitter_prob:
-            out = torch.where(_rows(jitter, dev), color_jitter(out, factors.to(dev), order.to(dev)), out)
+            out = torch.where(_rows(d["jitter"], dev), color_jitter(out, d["factors"].to(dev), d["order"].to(dev)), out)
         if c.grayscale_prob and out.shape[1] == 3:
-            out = torch.where(_rows(gray, dev), grayscale(out).expand_as(out), out)
+            out = torch.where(_rows(d["gray"], dev), grayscale(out).expand_as(out), out)
         if c.blur_prob[which]:
-            out = torch.where(_rows(blur, dev), gaussian_blur(out, c.blur_kernel, sigma.to(dev)), out)
+            out = torch.where(_rows(d["blur"], dev), gaussian_blur(out, c.blur_kernel, d["sigma"].to(dev)), out)
         if c.solarize_prob[which]:
-            out = torch.where(_rows(solarize, dev), torch.where(out >= SOLARIZE, 1.0 - out, out), out)
+            out = torch.where(_rows(d["solarize"], dev), torch.where(out >= SOLARIZE, 1.0 - out, out), out)
         return out
 
 
