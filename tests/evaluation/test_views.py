@@ -1,7 +1,7 @@
-"""`python -m vitlab.visualize what=views` (evaluation/views.py): on a folder of 400 x 300 photos objective=dino's global
-crops are cut from the whole image, as DINO's are (their boxes reach its left and right borders and their areas span
-DINO's scales of the whole image); digits keep the on-device path from a square, and the log line says which path;
-the classifier's crop is its RandomResizedCrop's box; what cannot make views is one line."""
+"""`python -m vitlab.visualize what=views` (evaluation/views.py): on a folder of 400 x 300 photos objective=dino's
+global crops are cut from the whole image, as DINO's are (their boxes reach its left and right borders and their
+areas span DINO's scales of the whole image); digits keep the on-device path from a square, and the log line says
+which path; the classifier's crop is its RandomResizedCrop's box; what cannot make views is one line."""
 
 import json
 import logging
@@ -35,8 +35,8 @@ def views_of(compose_cfg, tmp_path, overrides, num_images=4, draws=1):
 
 def test_dinos_global_crops_reach_the_borders_of_the_whole_photo_at_dinos_scales(compose_cfg, tmp_path, photos, caplog):
     with caplog.at_level(logging.INFO, logger="vitlab.data.image_views"):
-        info = views_of(compose_cfg, tmp_path, ["data=imagefolder", f"data.data_dir={photos}", "objective=dino", *SMALL],
-                        draws=40)  # fmt: skip
+        folder = ["data=imagefolder", f"data.data_dir={photos}", "objective=dino", *SMALL]
+        info = views_of(compose_cfg, tmp_path, folder, draws=40)
     assert "cut from each whole decoded image in the loader's workers" in caplog.text
     assert info["path"].startswith("workers") and (tmp_path / "out" / "views.png").is_file()
     assert {tuple(image["source_size"]) for image in info["images"]} == {(300, 400)}
