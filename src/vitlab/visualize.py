@@ -6,7 +6,9 @@
   Figure 7) and the principal components of the patch-embedding filters (Figure 7, left);
 - ckpt_path of an MAE pretraining run (objective=mae): its reconstructions of `num_images` test images (original,
   masked input, prediction, prediction with the visible patches);
-- run_dir: the learning curves (loss, accuracy, learning rate) from the run's CSV log.
+- run_dir: the learning curves (loss, accuracy, learning rate) from the run's CSV log;
+- what=views data=<name> model=<name> objective=<dino|classify|distill>: what training shows the model, the views of
+  `num_images` training images (each drawn `draws` times): views.png and views.json (evaluation/views.py).
 """
 
 from __future__ import annotations
@@ -16,9 +18,22 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from vitlab.cli.entry import entry_point
+from vitlab.utils.errors import UserError
 
 
-@entry_point("visualize")
+def check_views(cfg: DictConfig) -> None:
+    """what=views: an objective whose views are drawn, named before the data is read."""
+    from vitlab.evaluation.views import OBJECTIVES
+
+    name = cfg.objective.get("name") if cfg.what == "views" else None
+    if name is not None and name not in OBJECTIVES:
+        raise UserError(
+            f"what=views draws the views of objective={'|'.join(OBJECTIVES)}; objective={name} makes none of its "
+            "own to draw (objective=mae masks patches inside the model: visualize its checkpoint's reconstructions)"
+        )
+
+
+@entry_point("visualize", check=check_views)
 def main(cfg: DictConfig) -> None:
     from vitlab.data.images import read_image
     from vitlab.evaluation.figures import plot_attention, plot_embeddings, plot_learning_curves, plot_reconstructions
@@ -27,6 +42,11 @@ def main(cfg: DictConfig) -> None:
 
     out = Path(cfg.paths.output_dir)
     written = []
+    if cfg.what == "views":
+        from vitlab.evaluation.views import draw_views
+
+        dm = build.build_datamodule(cfg.data, cfg)
+        written += draw_views(dm, cfg.objective.name, cfg.num_images, cfg.draws, out)
     if cfg.ckpt_path:
         module = build.load_for_inference(cfg.ckpt_path).eval()
         img = read_image(cfg.image, module.model.cfg.in_chans) if cfg.image else None  # before any figure

@@ -129,9 +129,9 @@ def test_bad_crop_settings_are_one_line_each(settings, said):
 
 @pytest.mark.parametrize("data", ["digits", "fake", "imagefolder", "streaming"])
 def test_every_data_module_makes_the_views_of_its_training_batches(data, request):
-    """objective=dino's data modules (training.run.build.build_datamodule passes `multicrop`): training images
-    un-augmented and squared at the source size (on the device, or from the loader's workers), the views made there;
-    validation batches as ever."""
+    """objective=dino's data modules (training.run.build.build_datamodule passes `multicrop`): photos (a folder,
+    shards) give views cut from each whole image in the workers; data held at one size gives its images squared at the
+    source size, the views made on the device; validation batches as ever."""
     from types import SimpleNamespace
 
     from vitlab.data import DigitsDataModule, FakeDataModule, ImageFolderDataModule
@@ -157,7 +157,12 @@ def test_every_data_module_makes_the_views_of_its_training_batches(data, request
     )  # fmt: skip
     dm.setup("fit")
     x, y = next(iter(dm.train_dataloader()))
-    assert x.dtype == torch.uint8 and tuple(x.shape[-2:]) == (16, 16)
+    if data in ("imagefolder", "streaming"):  # photos: the views cut in the workers from each whole image, as uint8
+        assert [(v.dtype, tuple(v.shape[-2:])) for v in x] == [(torch.uint8, (16, 16))] * 2 + [
+            (torch.uint8, (8, 8))
+        ] * 2
+    else:  # held at one size: the images squared, the views cut on the device
+        assert x.dtype == torch.uint8 and tuple(x.shape[-2:]) == (16, 16)
     (crops, masks), labels = dm.device_transform((x, y), train=True)
     assert masks is None and torch.equal(labels, y)
     assert [tuple(v.shape) for v in crops] == [(4, dm.channels, 16, 16)] * 2 + [(4, dm.channels, 8, 8)] * 2

@@ -124,10 +124,12 @@ class ExportSettings(TypedDict):
 
 class VisualizeSettings(TypedDict):
     task_name: str
+    what: Literal["figures", "views"]
     ckpt_path: str | None
     image: str | None
     run_dir: str | None
     num_images: PositiveInt
+    draws: PositiveInt
 
 
 class ParitySettings(TypedDict):
@@ -216,6 +218,15 @@ def check_predict(cfg: DictConfig) -> None:
 
 
 def check_visualize(cfg: DictConfig) -> None:
+    if cfg.what == "views":
+        missing = [g for g in ("data", "model", "objective") if cfg.get(g) is None]
+        if missing or cfg.ckpt_path or cfg.run_dir or cfg.image:
+            raise UserError(
+                "what=views draws the training views of data=<name> model=<name> objective=<dino|classify|distill> "
+                f"(as vitlab.train takes them){'; missing: ' + ' '.join(missing) if missing else ''}; ckpt_path, "
+                "image and run_dir are for what=figures"
+            )
+        return
     if not (cfg.run_dir or cfg.ckpt_path):
         raise UserError("give ckpt_path=<checkpoint> [image=<file>] and/or run_dir=<training run directory>")
     if cfg.image and not cfg.ckpt_path:

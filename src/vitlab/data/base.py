@@ -22,8 +22,7 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import Dataset, DistributedSampler, Sampler, Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from vitlab.data import resident, sizes, transforms
-from vitlab.data.multicrop import Views
+from vitlab.data import image_views, resident, sizes, transforms
 from vitlab.data.resident import ResidentImages, already_batched
 from vitlab.data.seeded import RepeatSampler, RepeatSeededSampler, SeededSampler, TransformDataset, init_worker
 from vitlab.model.config import as_hw
@@ -287,8 +286,8 @@ class ImageDataModule(DataModule):
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
-        if multicrop is not None:  # the training images un-augmented, square at the crops' source size: the views
-            train_transform = {"random_resized_crop": None, "hflip": 0.0}  # are made on the device (data/multicrop.py)
+        if multicrop is not None:  # objective=dino: its views are the training augmentation (data/image_views.py)
+            train_transform = {"random_resized_crop": None, "hflip": 0.0}
         if repeated_aug < 0 or repeated_aug == 1:
             raise UserError(f"data.repeated_aug {repeated_aug} must be 0 (off) or a number of copies >= 2")
         if on_device is not True and on_device is not False and on_device != "auto":
@@ -318,9 +317,8 @@ class ImageDataModule(DataModule):
         )
         self.shift_flip = resident.ShiftFlip(s.shift, s.hflip)  # training's random ops, on the device
         self.multicrop_settings, self.views = multicrop, None
-        if multicrop is not None:
-            self.views = Views(multicrop, self.mean, self.std)
-            self.train_tf = transforms.eval_transform(self.views.crop.source_size, self.mean, crop_pct=1.0)
+        if multicrop is not None:  # cut from each whole image in the workers, or from a square on the device
+            self.views, self.train_tf = image_views.setup(self, multicrop)
 
     def _assign_splits(self, train: Any, val: Any, test: Any | None, val_fraction: float, split_seed: int) -> None:
         """The three splits of a dataset given as train, val and (maybe) test: with `val_fraction`, a held-out slice
@@ -377,6 +375,8 @@ class ImageDataModule(DataModule):
         training batch is shifted and flipped first; resized where kept at its own size; randomly erased in
         training."""
         x, y = batch[:2]
+        if train and self.views is not None and isinstance(x, list):  # objective=dino, views cut in the workers
+            return self.views.normalised(x, self.rng), y
         if train and self.views is not None:  # objective=dino: the views (and iBOT's masks) of every image
             return self.views(x.to(torch.float32).div_(255), self.rng), y
         if train and self.resides:

@@ -15,10 +15,12 @@ repeats it; no antialiasing when a local crop shrinks), the colour operations as
 GaussianBlur(kernel 9, sigma 0.1-2) (DINOv2's; DINO's PIL radius is the same sigma, computed by box filters), the
 solarisation as PIL's (values >= 128/255 inverted). Images enter as float in [0, 1] and leave normalised.
 
-The data module feeds it the images un-augmented (decoded, the shorter side resized to `source_size` and centre-cropped
-to a square: data/base.py), in the loaders' workers or held on the device; `Views` adds iBOT's block masks of the
-global crops (dinov2 data/masking.py MaskingGenerator and data/collate.py, drawn from a random.Random seeded from the
-same generator). No Lightning or Hydra here.
+This is the path of data held in memory at one size (digits, CIFAR, fake): the data module feeds it the images
+un-augmented (the shorter side resized to `source_size` and centre-cropped to a square: data/image_views.py `setup`),
+held on the device or from the loaders' workers. Photos of their own sizes (image folders, shards) are cut from each
+whole image in the workers instead, as DINO's code cuts them (data/image_views.py), and only normalised here
+(`Views.normalised`). `Views` adds iBOT's block masks of the global crops (dinov2 data/masking.py MaskingGenerator and
+data/collate.py, drawn from a random.Random seeded from the same generator). No Lightning or Hydra here.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class MultiCropConfig:
     DINOv2's scales are (0.32, 1) and (0.05, 0.32). Three-value settings are (global 1, global 2, local)."""
 
     global_size: int | None = None  # None: model.img_size
-    source_size: int | None = None  # each training image, square, before its views are cut; None: global_size
+    source_size: int | None = None  # on-device path: each image squared at this size first; None: global_size
     local_size: int = 96
     local_crops: int = 8  # DINO's --local_crops_number
     global_scale: tuple[float, float] = (0.4, 1.0)
@@ -123,25 +125,34 @@ class MultiCrop:
         self, x: torch.Tensor, size: int, scale: tuple[float, float], which: int, generator: torch.Generator | None
     ) -> torch.Tensor:
         """One view of every image: its draws (host), then the crop, flip, jitter, grayscale, blur, solarisation."""
-        c, n = self.cfg, len(x)
-        boxes = resized_crop_boxes(n, x.shape[-2:], scale, c.ratio, generator)
-        flip = torch.rand(n, generator=generator) < c.hflip
-        jitter = torch.rand(n, generator=generator) < c.color_jitter_prob
-        factors, order = jitter_params(n, c.color_jitter, generator)
-        gray = torch.rand(n, generator=generator) < c.grayscale_prob
-        blur = torch.rand(n, generator=generator) < c.blur_prob[which]
-        sigma = torch.empty(n).uniform_(*c.blur_sigma, generator=generator)
-        solarize = torch.rand(n, generator=generator) < c.solarize_prob[which]
-        dev = x.device
-        out = crop_resize(x, boxes.to(dev), flip.to(dev), size)
+        return self.apply(x, size, which, self.draw(len(x), x.shape[-2:], scale, which, generator))
+
+    def draw(
+        self, n: int, hw: Sequence[int], scale: tuple[float, float], which: int, generator: torch.Generator | None
+    ) -> dict[str, torch.Tensor]:
+        """A view's random choices for n images of `hw`, in their order; `boxes` (n, 4): top, left, height, width."""
+        c = self.cfg
+        d = {"boxes": resized_crop_boxes(n, hw, scale, c.ratio, generator)}
+        d["flip"] = torch.rand(n, generator=generator) < c.hflip
+        d["jitter"] = torch.rand(n, generator=generator) < c.color_jitter_prob
+        d["factors"], d["order"] = jitter_params(n, c.color_jitter, generator)
+        d["gray"] = torch.rand(n, generator=generator) < c.grayscale_prob
+        d["blur"] = torch.rand(n, generator=generator) < c.blur_prob[which]
+        d["sigma"] = torch.empty(n).uniform_(*c.blur_sigma, generator=generator)
+        d["solarize"] = torch.rand(n, generator=generator) < c.solarize_prob[which]
+        return d
+
+    def apply(self, x: torch.Tensor, size: int, which: int, d: dict[str, torch.Tensor]) -> torch.Tensor:
+        c, dev = self.cfg, x.device
+        out = crop_resize(x, d["boxes"].to(dev), d["flip"].to(dev), size)
         if c.color_jitter_prob:
-            out = torch.where(_rows(jitter, dev), color_jitter(out, factors.to(dev), order.to(dev)), out)
+            out = torch.where(_rows(d["jitter"], dev), color_jitter(out, d["factors"].to(dev), d["order"].to(dev)), out)
         if c.grayscale_prob and out.shape[1] == 3:
-            out = torch.where(_rows(gray, dev), grayscale(out).expand_as(out), out)
+            out = torch.where(_rows(d["gray"], dev), grayscale(out).expand_as(out), out)
         if c.blur_prob[which]:
-            out = torch.where(_rows(blur, dev), gaussian_blur(out, c.blur_kernel, sigma.to(dev)), out)
+            out = torch.where(_rows(d["blur"], dev), gaussian_blur(out, c.blur_kernel, d["sigma"].to(dev)), out)
         if c.solarize_prob[which]:
-            out = torch.where(_rows(solarize, dev), torch.where(out >= SOLARIZE, 1.0 - out, out), out)
+            out = torch.where(_rows(d["solarize"], dev), torch.where(out >= SOLARIZE, 1.0 - out, out), out)
         return out
 
 
@@ -271,14 +282,27 @@ class Views:
         self.masks = dict(settings.get("masks") or {})
 
     def __call__(self, x: torch.Tensor, generator: torch.Generator | None) -> tuple[list[torch.Tensor], Any]:
-        views = self.crop(x, generator)
+        return self.crop(x, generator), self._masks(len(x), x.device, generator)
+
+    def normalised(
+        self, views: list[torch.Tensor], generator: torch.Generator | None
+    ) -> tuple[list[torch.Tensor], Any]:
+        """Views cut in the loader's workers (data/image_views.py), uint8 (B, C, size, size) each: normalised, with
+        iBOT's masks drawn here as on the on-device path."""
+        x = views[0]
+        mean = torch.tensor(self.crop.mean, device=x.device).view(1, -1, 1, 1)
+        std = torch.tensor(self.crop.std, device=x.device).view(1, -1, 1, 1)
+        out = [(v.to(torch.float32).div_(255) - mean) / std for v in views]
+        return out, self._masks(len(x), x.device, generator)
+
+    def _masks(self, n: int, device: torch.device, generator: torch.Generator | None) -> torch.Tensor | None:
         p = self.masks.get("probability", 0.0)
         if not p:
-            return views, None
+            return None
         size, patch = self.crop.global_size, self.masks["patch"]
         rng = random.Random(int(torch.randint(2**62, (), generator=generator)))
-        masks = collate_masks(2 * len(x), (size // patch[0], size // patch[1]), p, tuple(self.masks["ratio"]), rng)
-        return views, masks.to(x.device)
+        masks = collate_masks(2 * n, (size // patch[0], size // patch[1]), p, tuple(self.masks["ratio"]), rng)
+        return masks.to(device)
 
 
 # ---- iBOT's masks ------------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2 as T
 
-from vitlab.data import transforms
+from vitlab.data import image_views, transforms
 from vitlab.data.seeded import TransformDataset, init_worker
 from vitlab.utils.errors import UserError
 
@@ -140,7 +140,7 @@ def stored_transform(train_tf: T.Compose) -> T.Compose:
 def decide(dm: Any) -> bool:
     """Whether `dm`'s splits are held on its device (`dm.on_device`: True, False or "auto"), said in one log line.
     `dm` is an ImageDataModule (data/base.py): its settings, splits and device."""
-    if not dm.can_reside:
+    if not dm.can_reside or isinstance(dm.train_tf, image_views.ImageViews):  # (views cut per image: in workers)
         return False
     if dm.on_device is False:
         log.info("data.on_device=false: the loader's workers read the images, a batch at a time")

@@ -1,0 +1,126 @@
+"""What training shows the model (`python -m vitlab.visualize what=views`): the views a data module and an objective
+make of a few training images, as a picture (each image with its crops' boxes, then the views) and as `views.json`
+(every crop's box in the source image's pixels, x0, y0, x1, y1, and the size it is resized to), so that a user can
+see them and a test can check them.
+
+- objective=dino: its multi-crop views, cut from each whole image in the loader's workers (photos) or from the image's
+  square on the device (data held at one size: the boxes mapped back to the image through the resize and centre crop)
+  (data/image_views.py, data/multicrop.py);
+- objective=classify | distill: the training transform's random resized crop (the whole image where there is none).
+
+`draws`: each image's views drawn that many times (the picture shows the first). No Hydra here.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from torchvision.transforms import v2 as T
+
+from vitlab.data.image_views import ImageViews, square_box
+from vitlab.utils.errors import UserError
+
+OBJECTIVES = ("dino", "classify", "distill")  # the objectives whose views are drawn here
+
+
+def training_views(dm: Any, objective: str, index: int, seed: int) -> list[dict[str, Any]]:
+    """The views of training image `index` of `dm` (set up) under `objective`, drawn from `seed`: each a dict of
+    `image` (float (C, h, w) in [0, 1]), `box` [x0, y0, x1, y1] in the source image's pixels and `size` [h, w]."""
+    if objective not in OBJECTIVES:
+        raise UserError(
+            f"what=views draws the views of objective={'|'.join(OBJECTIVES)}; objective={objective} makes none of "
+            "its own (objective=mae masks patches of the classifier's crops inside the model)"
+        )
+    split = dm.train_set
+    img, _ = split.base[split.indices[index]]
+    img = T.ToImage()(img).as_subclass(torch.Tensor)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if isinstance(dm.train_tf, ImageViews):  # photos: cut from the whole image in the workers
+        return [
+            {"image": v.float() / 255, "box": info["box"], "size": info["size"], "flip": info["flip"]}
+            for v, info in dm.train_tf.cut(img)
+        ]
+    if objective == "dino":  # on the device, from the image's square
+        return _device_views(dm, img, seed)
+    return [_classifier_view(dm.train_tf, img)]
+
+
+def _device_views(dm: Any, img: torch.Tensor, seed: int) -> list[dict[str, Any]]:
+    crop, square = dm.views.crop, dm.train_tf(img).as_subclass(torch.Tensor)
+    x, g = square[None].float() / 255, torch.Generator().manual_seed(seed)
+    out = []
+    for size, scale, which in crop.views():
+        d = crop.draw(1, x.shape[-2:], scale, which, g)
+        top, left, h, w = d["boxes"][0].tolist()
+        box = square_box(tuple(img.shape[-2:]), crop.source_size, [left, top, left + w, top + h])
+        view = crop.apply(x, size, which, d)[0]
+        out.append({"image": view, "box": [round(v, 2) for v in box], "size": [size, size], "flip": bool(d["flip"])})
+    return out
+
+
+def _classifier_view(pipeline: T.Compose, img: torch.Tensor) -> dict[str, Any]:
+    """The training pipeline op by op, its RandomResizedCrop's box recorded (torchvision's make_params)."""
+    H, W = img.shape[-2:]
+    box, x = [0, 0, W, H], img
+    for op in pipeline.transforms:
+        if isinstance(op, T.RandomResizedCrop):
+            p = op.make_params([x])
+            box = [p["left"], p["top"], p["left"] + p["width"], p["top"] + p["height"]]
+            x = op.transform(x, p)
+        else:
+            x = op(x)
+    x = x.as_subclass(torch.Tensor)
+    return {"image": x.float() / 255, "box": box, "size": list(x.shape[-2:])}
+
+
+def draw_views(dm: Any, objective: str, num_images: int, draws: int, out_dir: Path, seed: int = 0) -> list[Path]:
+    """views.png and views.json of the first `num_images` training images of `dm`, each drawn `draws` times."""
+    dm.setup("fit")
+    n = min(num_images, len(dm.train_set))
+    record, first = [], []
+    for i in range(n):
+        split = dm.train_set
+        img, _ = split.base[split.indices[i]]
+        h, w = T.ToImage()(img).shape[-2:]
+        runs = [training_views(dm, objective, i, seed * 1_000_003 + i * 1_000 + k) for k in range(draws)]
+        first.append((T.ToImage()(img).as_subclass(torch.Tensor), runs[0]))
+        strip = [[{k: v for k, v in view.items() if k != "image"} for view in run] for run in runs]
+        record.append({"index": i, "source_size": [int(h), int(w)], "draws": strip})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    info = {"objective": objective, "data": type(dm).__name__, "path": _path(dm, objective), "images": record}
+    (out_dir / "views.json").write_text(json.dumps(info, indent=1))
+    return [_plot(first, out_dir / "views.png"), out_dir / "views.json"]
+
+
+def _path(dm: Any, objective: str) -> str:
+    if isinstance(dm.train_tf, ImageViews):
+        return "workers: cut from each whole image"
+    return "device: cut from each image's square" if objective == "dino" else "workers: the training transform"
+
+
+def _plot(first: list, path: Path) -> Path:
+    from vitlab.evaluation.figures import _pyplot, _save
+
+    plt = _pyplot()
+    cols = 1 + max(len(views) for _, views in first)
+    fig, axes = plt.subplots(len(first), cols, figsize=(2 * cols, 2 * len(first)), squeeze=False)
+    for row, (img, views) in zip(axes, first, strict=True):
+        row[0].imshow(_hwc(img.float() / 255), cmap="gray")
+        for k, view in enumerate(views):
+            x0, y0, x1, y1 = view["box"]
+            colour = "red" if k < 2 else "yellow"
+            row[0].add_patch(plt.Rectangle((x0, y0), x1 - x0, y1 - y0, fill=False, color=colour, linewidth=1))
+            row[k + 1].imshow(_hwc(view["image"]), cmap="gray")
+        for ax in row:
+            ax.axis("off")
+    return _save(fig, path)
+
+
+def _hwc(x: torch.Tensor):
+    x = x.clamp(0, 1).permute(1, 2, 0).numpy()
+    return x[..., 0] if x.shape[-1] == 1 else x
