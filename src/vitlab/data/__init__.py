@@ -3,7 +3,9 @@
 from vitlab.data.cifar import CIFAR10DataModule, CIFAR100DataModule
 from vitlab.data.digits import DigitsDataModule
 from vitlab.data.fake import FakeDataModule
+from vitlab.data.hf import HFDataModule
 from vitlab.data.imagefolder import ImageFolderDataModule
+from vitlab.data.lists import ListDataModule
 from vitlab.data.streaming import StreamingDataModule
 
 __all__ = [
@@ -11,6 +13,8 @@ __all__ = [
     "CIFAR100DataModule",
     "DigitsDataModule",
     "FakeDataModule",
+    "HFDataModule",
     "ImageFolderDataModule",
+    "ListDataModule",
     "StreamingDataModule",
 ]
