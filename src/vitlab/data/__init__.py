@@ -7,6 +7,7 @@ from vitlab.data.hf import HFDataModule
 from vitlab.data.imagefolder import ImageFolderDataModule
 from vitlab.data.lists import ListDataModule
 from vitlab.data.streaming import StreamingDataModule
+from vitlab.data.wds import WDSDataModule
 
 __all__ = [
     "CIFAR10DataModule",
@@ -17,4 +18,5 @@ __all__ = [
     "ImageFolderDataModule",
     "ListDataModule",
     "StreamingDataModule",
+    "WDSDataModule",
 ]
