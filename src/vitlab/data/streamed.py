@@ -170,12 +170,13 @@ class StreamedSplit(IterableDataset):
                 yield sample
 
     def _cycle(self, epoch: int, reader: int, readers: int) -> Iterator[tuple[str, Any, int]]:
-        """This reader's samples, round its shards again and again, each pass in a new order."""
+        """This reader's samples, round its shards (dealt once an epoch) again and again, each pass in a new order."""
         n = self.source.n_shards
+        order = _permuted(list(range(n)), mix(self.seed, epoch))
+        mine = order[reader::readers] if n >= readers else order
         for turn in itertools.count():
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(mix(self.seed, epoch, turn))).tolist()
             found = 0
-            for shard in order[reader::readers] if n >= readers else order:
+            for shard in mine if turn == 0 else _permuted(mine, mix(self.seed, epoch, reader, turn)):
                 for sample in self._kept(shard):
                     if n >= readers or found % readers == reader:
                         yield sample
@@ -207,3 +208,7 @@ class StreamedSplit(IterableDataset):
             log.warning("skipped sample %s, which cannot be decoded (%d skipped in this reader): %s", name,
                         self.skipped, e)  # fmt: skip
             return None
+
+
+def _permuted(items: list, seed: int) -> list:
+    return [items[i] for i in torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()]
