@@ -33,7 +33,9 @@ def module(shards, rank=0, world=1, epoch=0, **settings) -> WDSDataModule:
 
 
 def samples(batches):
-    return [(bytes(x.flatten().numpy()), int(y)) for images, labels in batches for x, y in zip(images, labels)]
+    return [
+        (bytes(x.flatten().numpy()), int(y)) for images, labels in batches for x, y in zip(images, labels, strict=True)
+    ]
 
 
 def test_pack_writes_every_split_and_evaluation_reads_the_folder_s_images_in_order(folder, wds_shards):
@@ -84,7 +86,9 @@ def test_a_training_stream_resumed_mid_epoch_continues_exactly(wds_shards, worke
     resumed = module(wds_shards, num_workers=workers, num_train=120).train_dataloader()
     resumed.load_state_dict(state)
     rest = list(resumed)
-    assert len(rest) == 9 and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(rest, full[6:]))
+    assert len(rest) == 9 and all(
+        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(rest, full[6:], strict=True)
+    )
 
 
 def test_a_corrupt_sample_is_skipped_and_counted_or_stops_the_run(folder, tmp_path, caplog):

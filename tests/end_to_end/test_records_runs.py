@@ -1,5 +1,5 @@
 """data=wds and data=hf data.streaming=true, the longer runs: a streamed run interrupted mid-epoch resumes exactly,
-in one process and in two (DDP on the CPU); the shards and the dataset are the `folder` fixture's (tests/conftest.py)."""
+in one process and in two (DDP on the CPU), on the `folder` fixture's images (tests/conftest.py)."""
 
 import pytest
 

@@ -31,12 +31,14 @@ log = logging.getLogger(__name__)
 
 IMAGE_KEYS, LABEL_KEYS = ("image", "img"), ("label", "labels", "fine_label")
 VAL_SPLITS = ("validation", "val", "valid")
+SIZES: dict[str, dict[str, int]] = {}  # a saved dataset's split sizes, by its path, when it is streamed
 STREAM_SHARDS = 64  # shards a saved dataset is cut into when streamed, to deal out to processes and workers
 
 
 @functools.lru_cache(maxsize=8)
 def load(name: str, config: str | None = None, streaming: bool = False, cache_dir: str | None = None) -> dict:
-    """The dataset's splits {name: Dataset or IterableDataset}."""
+    """The dataset's splits {name: Dataset or IterableDataset}; a saved dataset streamed keeps its splits' sizes in
+    SIZES."""
     import datasets
 
     path = Path(name).expanduser()
@@ -44,6 +46,7 @@ def load(name: str, config: str | None = None, streaming: bool = False, cache_di
         saved = datasets.load_from_disk(str(path))
         splits = dict(saved) if isinstance(saved, datasets.DatasetDict) else {"train": saved}
         if streaming:
+            SIZES[str(path)] = {k: len(v) for k, v in splits.items()}
             splits = {
                 k: v.to_iterable_dataset(num_shards=min(STREAM_SHARDS, max(1, len(v)))) for k, v in splits.items()
             }
@@ -157,14 +160,16 @@ class HFStream:
         self.index = {n: i for i, n in enumerate(names)} if names else None
 
     def read(self, shard: int):
-        for i, row in enumerate(self.split.shard(num_shards=self.n_shards, index=shard)):
+        # (.iter, not iteration: that deals the shards out to the loader's workers once more, as we have)
+        rows = self.split.shard(num_shards=self.n_shards, index=shard).iter(batch_size=64)
+        pairs = (pair for b in rows for pair in zip(b[self.image_key], b[self.label_key], strict=True))
+        for i, (image, label) in enumerate(pairs):
             name = f"{self.where} shard {shard} row {i}"
-            label = row[self.label_key]
             if isinstance(label, str) and self.index is not None and label in self.index:
                 label = self.index[label]
             if not isinstance(label, int) or isinstance(label, bool):
                 raise UserError(f"{name} has the label {label!r}: labels must be integers or the class names")
-            yield name, row[self.image_key], label
+            yield name, image, label
 
 
 class HFDataModule(RecordsDataModule):
@@ -226,8 +231,12 @@ class HFDataModule(RecordsDataModule):
     def _epoch_size(self, chosen: dict) -> int:
         if self.num_train is not None:
             return self.num_train
+        saved = SIZES.get(str(Path(self.name).expanduser()), {}).get(self.split_names["train"])
         info = chosen["train"].info.splits or {}
         split = info.get(self.split_names["train"])
+        if saved:
+            self.num_train = saved
+            return saved
         if split is None or not split.num_examples:
             raise UserError(f"{self.name} does not say how many training samples it streams: give data.num_train")
         self.num_train = split.num_examples
@@ -236,7 +245,8 @@ class HFDataModule(RecordsDataModule):
     def _stream(self, chosen: dict, where: dict, image: str, label: str):
         names = self.class_names or None
         sources = {where[r]: HFStream(split, image, label, names, where[r]) for r, split in chosen.items()}
-        count = {where[r]: len(s) if hasattr(s, "__len__") else None for r, s in chosen.items()}
+        saved = SIZES.get(str(Path(self.name).expanduser()), {})
+        count = {where[r]: saved.get(self.split_names[r]) for r in chosen}
 
         def make(split: str, train: bool, holdout):
             size = self._epoch_size(chosen) if train else (count[split] if holdout is None else None)
