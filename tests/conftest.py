@@ -152,3 +152,43 @@ def shards_run(shards, tmp_path_factory):
     """SHARDS_RUN on the shards in one process, trained once per pytest run (tests/data/test_streaming.py compares
     it with other runs; tests/end_to_end/test_streaming_runs.py resumes to it)."""
     return trained(tmp_path_factory, "streaming", "data=streaming", f"data.data_dir={shards}", *SHARDS_RUN)
+
+
+# The `folder` fixture's images in the other readers' formats (data=hf, data=list, data=wds), made once per pytest run.
+@pytest.fixture(scope="session")
+def records(folder, tmp_path_factory):
+    """The folder's splits as a saved Hugging Face DatasetDict (records/saved: an Image feature holding each file's
+    bytes, a ClassLabel), as parquet files (records/parquet) and as CSV lists of its files (records/<split>.csv);
+    the same images in the same order (ImageFolder's: class folders, then names)."""
+
+    def make(root):
+        import datasets
+
+        features = datasets.Features(image=datasets.Image(), label=datasets.ClassLabel(names=["a", "b", "c"]))
+        splits = {}
+        for split in ("train", "val", "test"):
+            files = sorted((folder / split).glob("*/*.png"))
+            columns = {"image": [{"bytes": f.read_bytes(), "path": f.name} for f in files],
+                       "label": [["a", "b", "c"].index(f.parent.name) for f in files]}  # fmt: skip
+            splits["validation" if split == "val" else split] = datasets.Dataset.from_dict(columns, features=features)
+            rows = [f"{os.path.relpath(f, root)},{f.parent.name}" for f in files]
+            (root / f"{split}.csv").write_text("\n".join(["path,label", *rows]) + "\n")
+        datasets.DatasetDict(splits).save_to_disk(str(root / "saved"))
+        (root / "parquet").mkdir()
+        for name, split in splits.items():
+            split.to_parquet(str(root / "parquet" / f"{name}.parquet"))
+
+    return once(tmp_path_factory, "records", make)
+
+
+@pytest.fixture(scope="session")
+def wds_shards(folder, tmp_path_factory):
+    """The folder's splits as WebDataset tars of 20 samples (python -m vitlab.pack format=wds): 4 a split."""
+
+    def pack(root):
+        out = root / "wds"
+        r = run_cli("pack", "format=wds", "shard_size=20", "data=imagefolder", f"data.data_dir={folder}", f"out={out}",
+                    "workers=2", cwd=root)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    return once(tmp_path_factory, "wds", pack) / "wds"

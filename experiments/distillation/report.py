@@ -31,7 +31,9 @@ def main(out: Path) -> None:
     print(f"teacher: test/acc {teacher['test/acc']:.4f}, {params(teacher['tested_checkpoint']):,} parameters, "
           f"{teacher['wall_time_s']:.0f} s")  # fmt: skip
     print()
-    print("| student | params | seeds | test/acc per seed | test/acc mean (std) | val/acc_best mean | time per run (s) |")
+    print(
+        "| student | params | seeds | test/acc per seed | test/acc mean (std) | val/acc_best mean | time per run (s) |"
+    )
     print("|---|---|---|---|---|---|---|")
     results = {}
     for name, label in CONDITIONS.items():

@@ -44,8 +44,12 @@ class PipelineConfig:
     shards: str | None = None  # the same training images packed by python -m vitlab.pack: adds a `streaming` loader
     # data.train_transform.auto_augment values: a `vitlab[<policy>]` loader each, the data config otherwise the same
     policies: tuple[str, ...] = ()
+    # the same training images in other readers' formats, `<data=name>=<where>`: hf=<saved dataset>,
+    # list=<train csv/jsonl>, wds=<brace pattern of train shards> (a loader each, the data config otherwise the same)
+    readers: tuple[str, ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "readers", tuple(self.readers or ()))
         _count("pipeline.batches", self.batches, 1)
         _count("pipeline.warmup_batches", self.warmup_batches, 0)
         _count("pipeline.rounds", self.rounds, 1)

@@ -10,6 +10,8 @@ prefetch (vitlab.train's data config):
   random-resized-crop (or resize) and flip on uint8: no auto-augment, no checks, no fallbacks;
 - `streaming` (with `benchmark.pipeline.shards`): the train loader of data=streaming over the same images
   packed by `python -m vitlab.pack`, with every other setting of the data config;
+- `hf`, `list`, `wds` (with `benchmark.pipeline.readers=[hf=<saved dataset>,list=<csv>,wds=<pattern>]`): the train
+  loader of data=hf, data=list, data=wds over the same images, with every other setting of the data config;
 - `vitlab[<policy>]` (with `benchmark.pipeline.policies`): the datamodule's train loader with
   `data.train_transform.auto_augment=<policy>` (timm's policy strings, torchvision's randaugment/trivialaugment),
   every other setting the same: what each augmentation policy costs the workers.
@@ -70,7 +72,29 @@ class Ceiling(Dataset):
         return self.augment(img), label
 
 
-def loaders(dm, data_cfg: DictConfig, shards: str | None = None, policies: tuple[str, ...] = ()) -> dict[str, Any]:
+# data=<name> of benchmark.pipeline.readers -> its module and the key that says where the images are
+READERS = {"hf": ("vitlab.data.HFDataModule", "name"), "list": ("vitlab.data.ListDataModule", "train_file"),
+           "wds": ("vitlab.data.WDSDataModule", "urls")}  # fmt: skip
+
+
+def reader_loader(dm, data_cfg: DictConfig, reader: str):
+    """The train loader of `reader` (`<data=name>=<where>`) with the data config's other settings."""
+    kind, _, where = reader.partition("=")
+    if kind not in READERS or not where:
+        raise UserError(f"benchmark.pipeline.readers entry {reader!r} must be hf=<path>, list=<file> or wds=<pattern>")
+    same = OmegaConf.to_container(data_cfg, resolve=True)
+    for key in ("check_images", "unlabeled", "data_dir", "val_fraction"):  # a folder's settings
+        same.pop(key, None)
+    target, key = READERS[kind]
+    other = build.build_datamodule(OmegaConf.create(same | {"_target_": target, key: where,
+                                                            "num_classes": dm.num_classes}))  # fmt: skip
+    other.setup("fit")
+    return other.train_dataloader()
+
+
+def loaders(
+    dm, data_cfg: DictConfig, shards: str | None = None, policies: tuple[str, ...] = (), readers: tuple[str, ...] = ()
+) -> dict[str, Any]:
     train = dm.train_set
     settings = dm.train_settings
     before = [T.ToDtype(torch.float32, scale=True), T.Normalize(list(dm.mean), list(dm.std))]
@@ -99,6 +123,8 @@ def loaders(dm, data_cfg: DictConfig, shards: str | None = None, policies: tuple
                 f"{len(train)}: pack the same images (python -m vitlab.pack with the same data settings)"
             )
         found["streaming"] = streaming.train_dataloader()
+    for reader in readers:
+        found[reader.partition("=")[0]] = reader_loader(dm, data_cfg, reader)
     for policy in policies:
         other = build.build_datamodule(OmegaConf.merge(data_cfg, {"train_transform": {"auto_augment": policy}}))
         other.setup("fit")
@@ -122,7 +148,7 @@ def bench_pipeline(train_cfg: DictConfig, b: BenchmarkConfig) -> dict[str, Any]:
     data_cfg = OmegaConf.merge(train_cfg.data, {"on_device": False})  # the loader's workers are what is timed
     dm = build.build_datamodule(data_cfg)
     dm.setup("fit")
-    contenders = loaders(dm, data_cfg, b.pipeline.shards, b.pipeline.policies)
+    contenders = loaders(dm, data_cfg, b.pipeline.shards, b.pipeline.policies, b.pipeline.readers)
     p = b.pipeline
     need = p.warmup_batches + p.batches
     if len(contenders["vitlab"]) < need:

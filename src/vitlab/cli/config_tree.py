@@ -44,7 +44,9 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("cwd", os.getcwd)
     if not OmegaConf.has_resolver("class_folders"):
         OmegaConf.register_new_resolver("class_folders", class_folders)
-    for name, resolver in (("slurm_gpus", slurm_gpus), ("slurm_cpus", slurm_cpus), ("shard_classes", shard_classes)):
+    named = (("slurm_gpus", slurm_gpus), ("slurm_cpus", slurm_cpus), ("shard_classes", shard_classes),
+             ("data_classes", data_classes))  # fmt: skip
+    for name, resolver in named:
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, resolver)
 
@@ -54,6 +56,18 @@ def shard_classes(data_dir: str) -> int:
     from vitlab.data.streaming import shard_classes as count
 
     return count(data_dir)
+
+
+def data_classes(*, _parent_) -> int:
+    """`${data_classes:}`: the number of classes of the data a data=hf or data=list config names (the module's
+    `count_classes`, given the config's keys it takes), so the model's head is sized from the data."""
+    import inspect
+
+    from hydra.utils import get_object
+
+    count = inspect.getmodule(get_object(str(_parent_._target_))).count_classes
+    keys = [k for k in inspect.signature(count).parameters if k in _parent_]
+    return count(**{k: _parent_[k] for k in keys})
 
 
 def class_folders(data_dir: str) -> int:

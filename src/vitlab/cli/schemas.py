@@ -153,6 +153,8 @@ class PackSettings(TypedDict):
     overwrite: bool
     workers: PositiveInt | None
     chunk_bytes: ByteSize | PositiveInt  # LitData's: bytes, or a size such as 64MB
+    format: Literal["litdata", "wds"]
+    shard_size: PositiveInt  # format=wds: samples a tar
     model: PackModel
 
 

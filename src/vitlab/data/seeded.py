@@ -41,20 +41,26 @@ class TransformDataset(Dataset):
             return transform(img), label
         seed, i = key
         img, label = self.base[self.indices[i]]
-        # Without loader workers this runs in the training process, whose own draws (dropout, MixUp) go on after it.
-        saved = None
-        if get_worker_info() is None:
-            saved = (torch.default_generator.get_state(), random.getstate(), np.random.get_state())
-        torch.default_generator.manual_seed(seed)  # (torch.manual_seed would also seed every GPU: 70 us an image)
-        random.seed(seed)
-        np.random.seed(seed % 2**32)  # timm's RandAugment and AugMix draw from numpy too
-        try:
-            return transform(img), label
-        finally:
-            if saved is not None:
-                torch.default_generator.set_state(saved[0])
-                random.setstate(saved[1])
-                np.random.set_state(saved[2])
+        return seeded(seed, transform, img), label
+
+
+def seeded(seed: int, transform, img):
+    """`transform(img)` with torch's, Python's and numpy's generators seeded with `seed` alone (data/streamed.py
+    augments each streamed image so too)."""
+    # Without loader workers this runs in the training process, whose own draws (dropout, MixUp) go on after it.
+    saved = None
+    if get_worker_info() is None:
+        saved = (torch.default_generator.get_state(), random.getstate(), np.random.get_state())
+    torch.default_generator.manual_seed(seed)  # (torch.manual_seed would also seed every GPU: 70 us an image)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)  # timm's RandAugment and AugMix draw from numpy too
+    try:
+        return transform(img)
+    finally:
+        if saved is not None:
+            torch.default_generator.set_state(saved[0])
+            random.setstate(saved[1])
+            np.random.set_state(saved[2])
 
 
 class SeededSampler(DistributedSampler):
@@ -64,7 +70,7 @@ class SeededSampler(DistributedSampler):
 
     def __iter__(self):
         for i in super().__iter__():
-            yield _mix(self.seed, self.epoch, i), i
+            yield mix(self.seed, self.epoch, i), i
 
 
 class RepeatSampler(RepeatAugSampler, DistributedSampler):
@@ -87,10 +93,10 @@ class RepeatSeededSampler(RepeatSampler):
 
     def __iter__(self):
         for k, i in enumerate(super().__iter__()):
-            yield _mix(self.seed, self.epoch, i, self.rank + k * self.num_replicas), i
+            yield mix(self.seed, self.epoch, i, self.rank + k * self.num_replicas), i
 
 
-def _mix(*numbers: int) -> int:
+def mix(*numbers: int) -> int:
     """A 63-bit seed from `numbers` (splitmix64 steps): neighbouring inputs give unrelated seeds."""
     h = 0
     for n in numbers:

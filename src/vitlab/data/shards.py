@@ -26,14 +26,24 @@ from torch.utils.data import Dataset
 from vitlab.data.images import decode_image
 from vitlab.data.seeded import TransformDataset, init_worker
 from vitlab.data.streaming import INFO
+from vitlab.data.wds import write_shards
 from vitlab.utils.atomic import disk_error
 from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
 
-def pack(datamodule, out: Path, overwrite: bool = False, workers: int | None = None, chunk_bytes: str = "64MB") -> dict:
-    """Write every split of `datamodule` (set up) as shards in `out`; returns the description saved beside them."""
+def pack(
+    datamodule,
+    out: Path,
+    overwrite: bool = False,
+    workers: int | None = None,
+    chunk_bytes: str = "64MB",
+    format: str = "litdata",
+    shard_size: int = 10000,
+) -> dict:
+    """Write every split of `datamodule` (set up) as shards in `out`, LitData's or (format wds) WebDataset's tars of
+    `shard_size` samples; returns the description saved beside them."""
     if out.exists() and not overwrite:
         raise UserError(f"out {str(out)!r} already exists; give a new folder, or overwrite=true to replace it")
     splits = {"train": datamodule.train_set, "val": datamodule.val_set, "test": datamodule.test_set}
@@ -43,6 +53,12 @@ def pack(datamodule, out: Path, overwrite: bool = False, workers: int | None = N
     shutil.rmtree(tmp, ignore_errors=True)
     info = {"format": 1, "class_names": list(datamodule.class_names), "channels": datamodule.channels, "splits": {}}
     try:
+        if format == "wds":
+            tmp.mkdir()
+            items = {name: _items(split, workers or os.cpu_count() or 1) for name, split in splits.items()}
+            info = write_shards(items, tmp, datamodule.class_names, shard_size)
+            _replace(tmp, out)
+            return info
         for name, split in splits.items():
             log.info("packing %s: %d images into %s", name, len(split), out / name)
             _write(split, tmp / name, workers or os.cpu_count() or 1, chunk_bytes)
@@ -65,13 +81,19 @@ def pack(datamodule, out: Path, overwrite: bool = False, workers: int | None = N
     return info
 
 
+def _items(split: TransformDataset, workers: int):
+    """The split's items, in order, read (and checked) by loader workers."""
+    from torch.utils.data import DataLoader
+
+    return DataLoader(_Items(split), batch_size=None, num_workers=workers, worker_init_fn=init_worker)
+
+
 def _write(split: TransformDataset, folder: Path, workers: int, chunk_bytes: str) -> None:
     """The split's items, in order, as LitData chunks in `folder`: loader workers read (and check) the images,
     LitData's writer chunks them here. A bar on a terminal, a line per tenth in a log."""
     from litdata.streaming.writer import BinaryWriter
-    from torch.utils.data import DataLoader
 
-    items = DataLoader(_Items(split), batch_size=None, num_workers=workers, worker_init_fn=init_worker)
+    items = _items(split, workers)
     folder.mkdir(parents=True)
     writer = BinaryWriter(str(folder), chunk_bytes=chunk_bytes)
     with _progress(len(split), folder.name) as advance:

@@ -1,0 +1,113 @@
+"""Lists of images (`data=list`, timm's `--dataset` of an image-and-label file): a CSV with a header, or JSON Lines,
+one image a row, its path (relative to the list's own folder, or absolute) and its label (a class index, or a class
+name: the names sorted are the classes, as an image folder's). `data.train_file`, with `data.val_file` and
+`data.test_file` where there are such lists (no val_file: a slice of train validates, data/records.py).
+
+Every image is read by `data.images.read_image`, as an image folder's are: the same files give the same pixels.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from vitlab.data.images import read_image
+from vitlab.data.records import RecordsDataModule, label_indices
+from vitlab.utils.errors import MissingFileError, UserError
+
+log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=16)
+def read_list(file: str, image_key: str = "path", label_key: str = "label") -> tuple[list[str], list[Any]]:
+    """The (paths, labels) of a CSV or JSONL list; a path is made absolute against the list's folder."""
+    path = Path(file).expanduser()
+    if not path.is_file():
+        raise MissingFileError(f"image list {file!r} does not exist")
+    if path.suffix.lower() not in (".csv", ".jsonl", ".tsv"):
+        raise UserError(f"image list {file!r} is neither a .csv (or .tsv) nor a .jsonl file")
+    with open(path, newline="") as f:
+        if path.suffix.lower() == ".jsonl":
+            rows = [_json_row(line, path, n) for n, line in enumerate(f, start=1) if line.strip()]
+        else:
+            rows = list(csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ","))
+    if not rows:
+        raise UserError(f"image list {file!r} holds no images")
+    for key, what in ((image_key, "image"), (label_key, "label")):
+        if key not in rows[0]:
+            raise UserError(
+                f"image list {file!r} has no column {key!r}; its columns: {', '.join(rows[0])} (name the {what} "
+                f"column with data.{what}_key)"
+            )
+    root = path.parent
+    paths = [str(root / row[image_key]) for row in rows]
+    labels = [row[label_key] for row in rows]
+    if path.suffix.lower() != ".jsonl" and all(str(v).lstrip("-").isdigit() for v in labels):
+        labels = [int(v) for v in labels]  # (a CSV's numbers are text)
+    return paths, labels
+
+
+def _json_row(line: str, path: Path, n: int) -> dict:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"line {n} of image list {str(path)!r} is not JSON ({e.msg})") from None
+    if not isinstance(row, dict):
+        raise UserError(f"line {n} of image list {str(path)!r} is not a JSON object")
+    return row
+
+
+def count_classes(train_file: str, image_key: str = "path", label_key: str = "label") -> int:
+    """`${data_classes:}` for data=list: the classes of the training list's labels."""
+    paths, labels = read_list(str(train_file), image_key, label_key)
+    return len(label_indices(labels, f"the labels of {train_file}")[1])
+
+
+class ListedImages(Dataset):
+    def __init__(self, paths: list[str], labels: list[int], channels: int = 3):
+        self.paths, self.labels, self.channels = paths, labels, channels
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int):
+        return read_image(self.paths[i], self.channels), self.labels[i]
+
+
+class ListDataModule(RecordsDataModule):
+    decodes_files = True
+
+    def __init__(
+        self,
+        train_file: str,
+        num_classes: int,
+        val_file: str | None = None,  # null: a slice of train validates (data.val_fraction, 10% when null)
+        test_file: str | None = None,  # null: nothing is tested
+        image_key: str = "path",
+        label_key: str = "label",
+        **kwargs: Any,
+    ):
+        super().__init__(num_classes=num_classes, data_dir=str(Path(train_file).parent), **kwargs)
+        self.files = {"train": train_file, "val": val_file, "test": test_file}
+        self.image_key, self.label_key = image_key, label_key
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        made, names = {}, None
+        for role, file in self.files.items():
+            if file is None:
+                continue
+            paths, labels = read_list(str(file), self.image_key, self.label_key)
+            labels, names = label_indices(labels, f"the labels of {file}", names)
+            made[role] = ListedImages(paths, labels, self.channels)
+        self._check_classes(names, str(self.files["train"]))
+        log.info("%s images in %d classes", ", ".join(f"{len(d):,} {r}" for r, d in made.items()), len(names))
+        where = {role: str(file) for role, file in self.files.items() if file is not None}
+        self._set_map_splits(made["train"], made.get("val"), made.get("test"), where)

@@ -1,0 +1,133 @@
+"""data=wds (data/wds.py) over tars written by `python -m vitlab.pack format=wds` from the `folder` fixture, and the
+streamed splits it reads them through (data/streamed.py): evaluation yields the folder's images and labels in its
+order; training streams are fixed by the seed, shared out without overlap in equal steps, and resume mid-epoch exactly
+(two loader workers); corrupt samples are skipped and counted, or stop the run; bad input is one line."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vitlab.data import ImageFolderDataModule, WDSDataModule
+from vitlab.data.wds import INFO
+from vitlab.utils.errors import MissingFileError, UserError
+
+PLAIN = {"random_resized_crop": None, "hflip": 0.0}  # training images as they are (12 px): a sample is its pixels
+
+
+def urls(shards, split):
+    return str(shards / f"{split}-{{000000..000003}}.tar")
+
+
+def module(shards, rank=0, world=1, epoch=0, **settings) -> WDSDataModule:
+    settings = {"val_urls": urls(shards, "val"), "num_workers": 2, "shuffle_buffer": 16} | settings
+    dm = WDSDataModule(urls=urls(shards, "train"), num_classes=3, img_size=12, batch_size=8, **settings)
+    epochs = SimpleNamespace(current=SimpleNamespace(processed=epoch))
+    dm.trainer = SimpleNamespace(
+        world_size=world, global_rank=rank, num_devices=world, fit_loop=SimpleNamespace(epoch_progress=epochs)
+    )
+    dm.trainer.strategy = SimpleNamespace(root_device=SimpleNamespace(type="cpu"))
+    dm.setup("fit")
+    return dm
+
+
+def samples(batches):
+    return [
+        (bytes(x.flatten().numpy()), int(y)) for images, labels in batches for x, y in zip(images, labels, strict=True)
+    ]
+
+
+def test_pack_writes_every_split_and_evaluation_reads_the_folder_s_images_in_order(folder, wds_shards):
+    info = json.loads((wds_shards / INFO).read_text())
+    assert info["class_names"] == ["a", "b", "c"] and info["splits"] == {"train": 72, "val": 72, "test": 72}
+    assert info["urls"]["train"] == "train-{000000..000003}.tar"
+    ref = ImageFolderDataModule(data_dir=str(folder), num_classes=3, img_size=8)
+    dm = WDSDataModule(urls=urls(wds_shards, "train"), val_urls=urls(wds_shards, "val"),
+                       test_urls=urls(wds_shards, "test"), num_classes=3, img_size=8, batch_size=8)  # fmt: skip
+    ref.setup("fit"), dm.setup("fit")
+    assert dm.num_train == 72 and dm.class_names == ["a", "b", "c"]
+    for split in ("train", "val", "test"):
+        theirs = ref.eval_view(split)
+        ours = list(dm.eval_view(split).place(0, 0, 1, 8))
+        assert len(ours) == len(theirs) == 72
+        assert all(torch.equal(x, theirs[i][0]) and y == theirs[i][1] for i, (x, y) in enumerate(ours))
+    loader = dm.val_dataloader()
+    assert samples(loader) == samples([(x.unsqueeze(0), torch.tensor([y])) for x, y in dm.eval_view("val")])
+
+
+def test_training_streams_are_fixed_by_the_seed_and_shared_out_without_overlap_in_equal_steps(wds_shards):
+    torch.manual_seed(0)
+    shares = [samples(module(wds_shards, rank, 2, train_transform=PLAIN).train_dataloader()) for rank in (0, 1)]
+    assert len(shares[0]) == len(shares[1]) == 36  # 9 batches of 4 (the global batch of 8 over 2) each
+    # Each of the 4 readers (2 processes x 2 workers) reads a shard no other reads (a reader whose shard is shorter than
+    # its share goes round it again: an epoch is data.num_train samples, as timm's)
+    assert not set(shares[0]) & set(shares[1])
+    torch.manual_seed(0)
+    assert samples(module(wds_shards, 0, 2, train_transform=PLAIN).train_dataloader()) == shares[0]
+    torch.manual_seed(0)
+    other_epoch = samples(module(wds_shards, 0, 2, epoch=1, train_transform=PLAIN).train_dataloader())
+    assert other_epoch != shares[0]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_training_stream_resumed_mid_epoch_continues_exactly(wds_shards, workers):
+    torch.manual_seed(0)
+    full = list(module(wds_shards, num_workers=workers, num_train=120).train_dataloader())  # more than a pass
+    assert len(full) == 15
+    torch.manual_seed(0)
+    loader = module(wds_shards, num_workers=workers, num_train=120).train_dataloader()
+    it = iter(loader)
+    for _ in range(6):
+        next(it)
+    state = loader.state_dict()
+    del it
+    torch.manual_seed(0)
+    resumed = module(wds_shards, num_workers=workers, num_train=120).train_dataloader()
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert len(rest) == 9 and all(
+        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(rest, full[6:], strict=True)
+    )
+
+
+def test_a_corrupt_sample_is_skipped_and_counted_or_stops_the_run(folder, tmp_path, caplog):
+    from webdataset import TarWriter
+
+    good = sorted((folder / "train" / "a").glob("*.png"))[:3]
+    with TarWriter(str(tmp_path / "s-0.tar")) as tar:
+        for i, f in enumerate(good):
+            data = f.read_bytes() if i != 1 else f.read_bytes()[:40]  # the second cut short
+            tar.write({"__key__": f"{i:04d}", "png": data, "cls": b"0"})
+    args = {"urls": str(tmp_path / "s-0.tar"), "num_classes": 1, "num_train": 2, "img_size": 8, "batch_size": 1}
+    dm = WDSDataModule(**args, val_urls=str(tmp_path / "s-0.tar"), num_workers=0)
+    dm.setup("fit")
+    assert (
+        len(list(dm.eval_view("val").place(0, 0, 1, 1))) == 2
+        and "0001, which cannot be decoded (1 skipped in this reader)" in caplog.text
+    )
+    dm = WDSDataModule(**args, val_urls=str(tmp_path / "s-0.tar"), num_workers=0, corrupt="error")
+    dm.setup("fit")
+    with pytest.raises(UserError, match=r"s-0.tar 0001' cannot be decoded .* \(data.corrupt=skip leaves such"):
+        list(dm.eval_view("val").place(0, 0, 1, 1))
+
+
+def test_bad_input_is_one_line(wds_shards, tmp_path):
+    args = {"num_classes": 3, "img_size": 8}
+    with pytest.raises(UserError, match=r"data.urls \[\] names no shards"):
+        WDSDataModule(urls=[], **args)
+    with pytest.raises(
+        MissingFileError, match=r"data.val_urls: shard '.*/val-000008.tar' does not exist \(and 1 more\)$"
+    ):
+        WDSDataModule(urls=urls(wds_shards, "train"), val_urls=str(wds_shards / "val-{000008..000009}.tar"), **args)
+    (tmp_path / "t.tar").write_bytes((wds_shards / "train-000000.tar").read_bytes())
+    with pytest.raises(UserError, match="data.num_train is needed"):
+        WDSDataModule(urls=str(tmp_path / "t.tar"), **args)
+    with pytest.raises(UserError, match="data.corrupt 'maybe' must be skip or error"):
+        WDSDataModule(urls=urls(wds_shards, "train"), corrupt="maybe", **args)
+    dm = WDSDataModule(urls=str(tmp_path / "t.tar"), num_train=8, label_key="label", **args)
+    dm.setup("fit")
+    with pytest.raises(
+        UserError, match=r"has no integer 'label' member \(None\); name the label's with data.label_key"
+    ):
+        next(iter(dm.eval_view("val").place(0, 0, 1, 1)))
