@@ -94,8 +94,13 @@ def test_model_configs(compose_cfg, model):
 
 
 @pytest.mark.parametrize("data", options("data"))
-def test_data_configs(compose_cfg, data, tmp_path):
+def test_data_configs(compose_cfg, data, tmp_path, request):
     extra = []
+    if data in ("hf", "list"):  # their class count is read from the data: the folder's (3 classes) as records
+        records = request.getfixturevalue("records")
+        extra = [f"data.name={records / 'saved'}" if data == "hf" else f"data.train_file={records / 'train.csv'}"]
+    if data == "wds":  # and from the description python -m vitlab.pack format=wds writes beside the tars
+        extra = [f'data.urls="{request.getfixturevalue("wds_shards") / "train-{000000..000003}.tar"}"']
     if data == "imagefolder":  # its class count is read from the folder
         for cls in ("cat", "dog", "eel"):
             (tmp_path / "tree" / "train" / cls).mkdir(parents=True)
@@ -107,7 +112,7 @@ def test_data_configs(compose_cfg, data, tmp_path):
     cfg = compose_cfg("train", [f"data={data}", "model=vit_cifar", *extra])
     mc, dm, *_ = build_everything(cfg)
     assert dm.img_size == mc.img_size == 32
-    if data in ("imagefolder", "streaming"):
+    if data in ("imagefolder", "streaming", "hf", "list", "wds"):
         assert dm.num_classes == mc.num_classes == 3
 
 

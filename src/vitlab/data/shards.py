@@ -98,7 +98,7 @@ def _write(split: TransformDataset, folder: Path, workers: int, chunk_bytes: str
     writer = BinaryWriter(str(folder), chunk_bytes=chunk_bytes)
     with _progress(len(split), folder.name) as advance:
         for i, item in enumerate(items):
-            writer.add_item(i, item)
+            writer.add_item(i, {**item, "image": _blob(item["image"])})
             advance()
     writer.done()
     writer.merge()
@@ -121,14 +121,14 @@ class _Items(Dataset):
             path, label = self.base.samples[index]
             data = Path(path).read_bytes()
             decode_image(data, path)  # a file training could not read is named now, not mid-run
-            return {"image": _blob(data), "label": label, "name": str(Path(path).relative_to(self.root))}
+            return {"image": data, "label": label, "name": str(Path(path).relative_to(self.root))}
         img, label = self.base[index]
         if not isinstance(img, Image.Image):  # a uint8 (C, H, W) tensor
             array = np.asarray(img.permute(1, 2, 0))
             img = Image.fromarray(array[..., 0] if array.shape[-1] == 1 else array)
         buffer = io.BytesIO()
         img.save(buffer, format="PNG")
-        return {"image": _blob(buffer.getvalue()), "label": int(label), "name": str(index)}
+        return {"image": buffer.getvalue(), "label": int(label), "name": str(index)}
 
 
 def _blob(data: bytes) -> np.ndarray:
