@@ -4,7 +4,7 @@ describe.
 - `reference/config.md`, from `conf/`: every command's config file, then every group, its options (each file's
   first comment line) and each option's file as it is, the group's `_base` (the defaults its options extend) first.
 - `experiments/<study>/...`, read where they are: each study's README.md (its table) and the files it links (plots,
-  `timm_zoo.md`), one nav entry per study under "Benchmarks and experiments".
+  `timm_zoo.md`), one nav entry per study under "Benchmarks and experiments", "Studies".
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from mkdocs.structure.files import File, Files, InclusionLevel
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
 EXPERIMENTS = ROOT / "experiments"
-NAV_SECTION = "Benchmarks and experiments"
+NAV_SECTION = "Studies"  # under "Benchmarks and experiments"
 PULLED = {".md", ".png", ".svg", ".jpg"}  # what an experiment's page shows or links
 
 
@@ -26,9 +26,15 @@ def studies() -> list[Path]:
 
 
 def on_config(config):
-    for entry in config.nav or []:
-        if isinstance(entry, dict) and NAV_SECTION in entry:
-            entry[NAV_SECTION] += [f"experiments/{s.name}/README.md" for s in studies()]
+    def fill(entries):
+        for entry in entries:
+            for title, inner in entry.items() if isinstance(entry, dict) else ():
+                if title == NAV_SECTION:
+                    inner += [f"experiments/{s.name}/README.md" for s in studies()]
+                elif isinstance(inner, list):
+                    fill(inner)
+
+    fill(config.nav or [])
     return config
 
 
@@ -48,13 +54,20 @@ def on_files(files: Files, config) -> Files:
 
 
 def _description(text: str) -> str:
-    """A file's first comment line that is not a Hydra directive: what the option is."""
+    """A file's leading comment, Hydra's directives and indented examples left out: what the option is. As HTML
+    entities where Markdown would read markup (`<name>`, `[...]`, `|` in a table)."""
+    said = []
     for line in text.splitlines():
-        if line.startswith("#") and not line.startswith("# @package"):
-            return re.sub(r"([|\[\]<>*_])", r"\\\1", line.lstrip("# ").strip())  # as text, not markup
-        if line.strip() and not line.startswith("#"):
+        if not line.startswith("#"):
             break
-    return ""
+        words = line[1:].strip()
+        if line.startswith(("# @package", "#   ")) or not words:
+            if said:
+                break
+            continue
+        said.append(words)
+    escaped = {"<": "&lt;", ">": "&gt;", "[": "&#91;", "]": "&#93;", "|": "&#124;", "*": "&#42;", "_": "&#95;"}
+    return "".join(escaped.get(c, c) for c in " ".join(said))
 
 
 def _train_defaults() -> dict[str, str]:
@@ -70,7 +83,8 @@ def _train_defaults() -> dict[str, str]:
 
 
 def _yaml_block(path: Path) -> list[str]:
-    return ['```yaml title="conf/' + path.relative_to(CONF).as_posix() + '"', path.read_text().rstrip(), "```", ""]
+    title = f'```yaml title="conf/{path.relative_to(CONF).as_posix()}"'
+    return [title, *path.read_text().rstrip().splitlines(), "```", ""]
 
 
 def config_reference() -> str:
@@ -87,7 +101,7 @@ def config_reference() -> str:
         "",
     ]
     for path in sorted(CONF.glob("*.yaml")):
-        out += [f"### `vitlab.{path.stem}` {{#command-{path.stem}}}", "", _description(path.read_text()), ""]
+        out += [f"### `vitlab.{path.stem}` {{#command-{path.stem}}}", ""]
         out += _yaml_block(path)
     chosen = _train_defaults()
     groups = sorted({p.parent for p in CONF.rglob("*.yaml") if p.parent != CONF and p.parent.name != "local"})
