@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.14.1 torchvision==0.29.1
 ARGS   ?=
 
-.PHONY: install train test test-durations test-fast lint parity benchmark gpu-dry-run gpu-wheels clean
+.PHONY: install train test test-durations test-fast docs lint parity benchmark gpu-dry-run gpu-wheels clean
 
 install: $(STAMP)
 
@@ -35,6 +35,13 @@ test-durations: install   ## the whole suite, writing each file's seconds to tes
 test-fast: install        ## every unit folder, without tests/end_to_end/'s command-line suites (~4 min on 2 cores)
 	$(BIN)/python -m pytest $(PARALLEL) --ignore=tests/end_to_end $(ARGS)
 
+# The documentation site (mkdocs.yml): docs/ and the pages generated from conf/ and experiments/, built into site/ with
+# --strict (as make test builds it), then served with live reload; offline. DOCS_ADDR=0.0.0.0:8000 to reach it remotely.
+DOCS_ADDR ?= 127.0.0.1:8000
+docs: install             ## build the documentation into site/ and serve it at http://$(DOCS_ADDR)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr $(DOCS_ADDR)
+
 lint: install
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
@@ -58,5 +65,5 @@ gpu-wheels: install       ## .whl/: the wheels the GPU image lacks, for the devi
 	$(BIN)/python experiments/gpu/wheels.py download $(GPU_DRY)-imports .whl
 
 clean:
-	rm -rf outputs multirun lightning_logs wandb .pytest_cache .ruff_cache
+	rm -rf outputs multirun lightning_logs wandb site .pytest_cache .ruff_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

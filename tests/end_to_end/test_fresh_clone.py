@@ -1,5 +1,5 @@
-"""The README's commands as a new user types them, from a fresh clone: no hydra.sweep.dir, no
-hydra.run.dir, real image files (issue 10, "Broken for users")."""
+"""The documented commands (tests/helpers.py: documented) as a new user types them, from a fresh clone: no
+hydra.sweep.dir, no hydra.run.dir, real image files (issue 10, "Broken for users")."""
 
 import contextlib
 import json
@@ -14,7 +14,7 @@ import torch
 import yaml
 from PIL import Image
 
-from tests.helpers import ROOT, earlier_run, image_tree, run_cli
+from tests.helpers import ROOT, documented, earlier_run, image_tree, run_cli
 
 
 @contextlib.contextmanager
@@ -42,7 +42,7 @@ def sweep_as_typed(where: str, tmp_path: Path, *args: str):
 @pytest.mark.parametrize("where", ["repo root", "another directory"])
 def test_readme_grid_sweep_runs_as_typed(tmp_path, where):
     """Each job its own directory (0, 1) with its metrics, and a summary in the order of the grid, also printed."""
-    args = ("-m", "model.drop_path_rate=0,0.1", "trainer.max_epochs=1")
+    args = (*documented("train", "-m", "model.drop_path_rate=0,0.1"), "trainer.max_epochs=1")
     with sweep_as_typed(where, tmp_path, *args) as (sweep, r):
         summary = json.loads((sweep / "summary.json").read_text())
         assert [s["status"] for s in summary] == ["done", "done"]
@@ -55,7 +55,7 @@ def test_readme_grid_sweep_runs_as_typed(tmp_path, where):
 @pytest.mark.parametrize("where", ["repo root", "another directory"])
 def test_readme_optuna_search_runs_as_typed(tmp_path, where):
     """Optuna's result is the best trial's: its value and the parameters the search space names."""
-    args = ("hparams_search=digits_optuna", "hydra.sweeper.n_trials=2", "trainer.max_epochs=1")
+    args = (*documented("train", "hparams_search=digits_optuna"), "hydra.sweeper.n_trials=2", "trainer.max_epochs=1")
     with sweep_as_typed(where, tmp_path, *args) as (sweep, _):
         result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
         summary = json.loads((sweep / "summary.json").read_text())

@@ -16,11 +16,11 @@ from pathlib import Path
 import optuna
 import pytest
 
-from tests.helpers import ROOT, assert_same_run, extra_callback, run_cli, wandb_steps
+from tests.helpers import ROOT, assert_same_run, documented, extra_callback, run_cli, wandb_steps
 
 CLUSTER = ROOT / "tests" / "cluster" / "slurm-localhost.sh"
 SHORT = ["trainer.max_epochs=2", "data.batch_size=128", "progress_bar=none", "trainer.deterministic=true"]
-SWEEP = ["-m", "hydra/launcher=slurm", "trainer=ddp_cpu", "trainer.devices=2"]  # the README's, on CPUs
+SWEEP = list(documented("train", "-m", "hydra/launcher=slurm", "trainer=ddp_cpu", "trainer.devices=2"))  # on CPUs
 
 
 @pytest.fixture(scope="module")

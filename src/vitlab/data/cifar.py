@@ -19,6 +19,9 @@ from vitlab.utils.errors import MissingFileError, UserError
 
 
 class CIFAR10DataModule(ImageDataModule):
+    """`data=cifar10`: CIFAR-10's 50,000 training images less `val_size` held out (seeded by `split_seed`) for
+    validation, and its 10,000 test images; downloaded into `data_dir` once when online."""
+
     num_classes = 10
     channels = 3
     mean = (0.4914, 0.4822, 0.4465)
@@ -81,6 +84,8 @@ class CIFAR10DataModule(ImageDataModule):
 
 
 class CIFAR100DataModule(CIFAR10DataModule):
+    """`data=cifar100`: CIFAR-100, split as CIFAR-10 is."""
+
     num_classes = 100
     mean = (0.5071, 0.4865, 0.4409)
     std = (0.2673, 0.2564, 0.2762)

@@ -12,6 +12,8 @@ from vitlab.utils.errors import UserError
 
 
 class RandomImages(Dataset):
+    """`n` random uint8 images of `hw` with random labels, each drawn from `seed` and its index: the same every read."""
+
     def __init__(self, n: int, channels: int, hw: tuple[int, int], num_classes: int, seed: int):
         self.n, self.shape, self.num_classes, self.seed = n, (channels, *hw), num_classes, seed
 
@@ -25,6 +27,8 @@ class RandomImages(Dataset):
 
 
 class FakeDataModule(ImageDataModule):
+    """`data=fake`: random images and labels of any size, class count and number, for benchmarks and tests."""
+
     eval_crop_pct = 1.0
 
     def __init__(

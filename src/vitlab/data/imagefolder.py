@@ -57,6 +57,10 @@ def check_class_folders(data_dir: str, num_classes: int, unlabeled: bool = False
 
 
 class ImageFolderDataModule(ImageDataModule):
+    """`data=imagefolder`: `data_dir/{train,val}[/test]/<class>/<image>` (ImageNet's layout), the class folders
+    checked against `num_classes`; `val_fraction` holds a seeded share of train/ out to validate on, `unlabeled`
+    reads every image at any depth for pretraining without labels."""
+
     channels = 3
     mean = (0.485, 0.456, 0.406)  # ImageNet
     std = (0.229, 0.224, 0.225)

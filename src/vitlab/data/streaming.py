@@ -33,6 +33,7 @@ INFO = "vitlab-shards.json"  # beside the splits: class names, channels, split s
 
 
 def is_remote(url: str) -> bool:
+    """Whether `url` names an object store (`s3://`, `gs://`, `azure://`) rather than a folder."""
     return "://" in str(url)
 
 
@@ -82,6 +83,9 @@ class ShardImages(Dataset):
 
 
 class StreamingDataModule(ImageDataModule):
+    """`data=streaming`: the LitData shards `python -m vitlab.pack` writes, read from a folder or an object store
+    (chunks cached in `cache_dir`, at most `max_cache_size`) through the image folder's pipeline and sampler."""
+
     channels = 3
     mean = (0.485, 0.456, 0.406)  # ImageNet
     std = (0.229, 0.224, 0.225)

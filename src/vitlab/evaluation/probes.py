@@ -56,6 +56,7 @@ def knn_predict(
 
 
 def knn_accuracy(train, train_labels, test, test_labels, num_classes, ks=KNN_KS, temperature=0.07) -> dict[int, float]:
+    """Top-1 accuracy of `knn_predict`'s weighted vote on `test`, for each k of `ks`."""
     preds = knn_predict(train, train_labels, test, num_classes, ks, temperature)
     return {k: (p == test_labels).float().mean().item() for k, p in preds.items()}
 
@@ -101,6 +102,7 @@ def lsr_fit(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2_reg: float) -
 
 
 def lsr_predict(x: torch.Tensor, w: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """The class `lsr_fit`'s ridge solution `w` gives each row of `x` (whitened by the few-shot set's `mean`, `std`)."""
     return (F.pad((x.double() - mean) / std, (0, 1), value=BIAS_CONSTANT) @ w).argmax(1)
 
 

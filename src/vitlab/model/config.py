@@ -68,6 +68,9 @@ def parse_variant(variant: str) -> dict[str, float]:
 
 @dataclass
 class ViTConfig:
+    """Every choice the ViT is built from, with timm's argument names; `from_variant("B/16", ...)` takes a row of
+    `VARIANTS`. Validated in `__post_init__`: a bad value is a one-line `ValueError` naming the field."""
+
     img_size: int | tuple[int, int] = 224  # int for square images, (H, W) otherwise
     patch_size: int | tuple[int, int] = 16  # int for square patches, (H, W) otherwise
     in_chans: int = 3

@@ -57,6 +57,9 @@ def build_objective(options: dict[str, Any] | None, model: ViTConfig, unlabeled:
 
 
 class ViTModule(L.LightningModule):
+    """The one LightningModule: a ViT, the objective that computes its loss (`OBJECTIVES`), and the optimizer and
+    schedule; its hyper-parameters are plain data, so a checkpoint rebuilds it without Hydra."""
+
     def __init__(
         self,
         model: ViTConfig | dict[str, Any],  # a dict: the plain data a checkpoint carries

@@ -92,6 +92,9 @@ class ClassifyConfig:
 
 
 class Classification(Objective):
+    """`objective=classify`: the head's logits against the labels, softmax cross-entropy (with label smoothing, or
+    soft targets under MixUp/CutMix) or sigmoid binary cross-entropy (`ClassifyConfig.loss`)."""
+
     name = "classify"
     config_class = ClassifyConfig
 

@@ -114,6 +114,9 @@ def data_views(objective: Mapping[str, Any] | None, model: ViTConfig) -> dict[st
 
 
 class DINO(Objective):
+    """`objective=dino`: Caron et al.'s self-distillation, a student and DINO's head against their EMA teacher on
+    each image's views, with DINOv2's options (Sinkhorn-Knopp centring, KoLeo, iBOT's masked-patch loss)."""
+
     name = "dino"
     uses_labels = False
     best = ("loss", "min")  # the same loss on the validation images, their views drawn alike every time

@@ -23,6 +23,9 @@ from vitlab.utils.errors import UserError
 
 
 class MAE(Objective):
+    """`objective=mae`: He et al.'s masked autoencoder; the encoder sees the kept patches, a light decoder predicts
+    every patch's pixels, and the loss is the mean squared error on the masked ones."""
+
     name = "mae"
     uses_labels = False
     best = ("loss", "min")

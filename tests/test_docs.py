@@ -1,0 +1,147 @@
+"""The documentation site (mkdocs.yml, docs/): it builds with --strict (a broken link or anchor, a missing page, a
+reference mkdocstrings cannot resolve fails), its generated pages cover what they must, and every command it shows
+parses against the config tree as typed (tests/helpers.py: documented_commands, the one list of them), composed as
+`--cfg job` composes it."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ValueType
+
+from tests.helpers import DOC_PAGES, ROOT, documented_commands
+from vitlab.cli.config_tree import config_dir, register_resolvers
+
+COMMANDS = documented_commands()
+CONF = ROOT / "conf"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    out = tmp_path_factory.mktemp("site")
+    r = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-5000:]
+    return out
+
+
+def test_the_site_builds_with_strict(site):
+    assert (site / "index.html").is_file() and (site / "search" / "search_index.json").is_file()
+
+
+def test_the_config_reference_has_every_group_and_option(site):
+    page = (site / "reference" / "config" / "index.html").read_text()
+    for path in CONF.rglob("*.yaml"):
+        if path.parent.name != "local":
+            assert f"conf/{path.relative_to(CONF).as_posix()}" in page, path
+
+
+def test_every_study_is_a_page_with_its_plots(site):
+    for readme in ROOT.glob("experiments/*/README.md"):
+        study = readme.parent
+        assert (site / "experiments" / study.name / "index.html").is_file(), study.name
+        for png in study.rglob("*.png"):
+            assert (site / png.relative_to(ROOT)).is_file(), png
+
+
+@pytest.mark.parametrize(
+    "page, names",
+    [
+        ("model", ["create_model", "ViT", "ViTConfig"]),
+        ("objectives", ["Objective", "Classification", "Distillation", "MAE", "DINO"]),
+        (
+            "data",
+            [
+                "DigitsDataModule",
+                "CIFAR10DataModule",
+                "CIFAR100DataModule",
+                "ImageFolderDataModule",
+                "StreamingDataModule",
+                "FakeDataModule",
+            ],
+        ),
+        ("evaluation", ["tasks", "probe", "knn_accuracy", "linear_grid", "fewshot_accuracy"]),
+    ],
+)
+def test_the_api_reference_covers(site, page, names):
+    """Each object has its own heading (mkdocstrings' anchor: its full path), so it shows with its docstring."""
+    html = (site / "reference" / "api" / page / "index.html").read_text()
+    for name in names:
+        assert re.search(rf'id="(vitlab\.[\w.]*\.)?{re.escape(name)}"', html), name
+
+
+def test_the_readme_is_a_front_door():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+    assert DOC_PAGES[0] == ROOT / "README.md" and any(where.startswith("README.md:") for where, _, _ in COMMANDS)
+
+
+def one_job(args: list[str]) -> list[str]:
+    """A sweep's command as its first job: without -m/--multirun, each swept key at its first value (Hydra takes
+    --cfg or -m, not both)."""
+    if not {"-m", "--multirun"} & set(args):
+        return args
+    args = [a for a in args if a not in ("-m", "--multirun")]
+    parsed = OverridesParser.create().parse_overrides(args)
+    job = []
+    for text, override in zip(args, parsed, strict=True):
+        if override.is_sweep_override():
+            key = text.split("=", 1)[0]
+            if override.value_type == ValueType.INTERVAL_SWEEP:
+                first = str(override.value().start)
+            else:
+                first = next(iter(override.sweep_string_iterator()))
+            text = f"{key}={first}"
+        job.append(text)
+    return job
+
+
+def jobs() -> dict[tuple[str, tuple[str, ...]], list[str]]:
+    """Each distinct command line to check (the README's also in docs/, placeholders alike), and where it is shown."""
+    seen: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+    for where, command, args in COMMANDS:
+        seen.setdefault((command, tuple(one_job(args))), []).append(where)
+    return seen
+
+
+JOBS = jobs()
+
+
+@pytest.fixture(scope="module")
+def compose_as_typed():
+    """Hydra's compose over conf/, as `python -m vitlab.<command> ... --cfg job` composes before it prints: the
+    same config tree and resolvers, in this process (a tenth of a second a command, not the half second of a
+    command started for each)."""
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        yield lambda command, args: compose(command, overrides=list(args), return_hydra_config=True)
+    GlobalHydra.instance().clear()
+
+
+@pytest.mark.parametrize("command, args", list(JOBS), ids=[wheres[0] for wheres in JOBS.values()])
+def test_every_documented_command_parses_against_the_config_tree(compose_as_typed, command, args):
+    """Every group option and key of the command exists (a placeholder such as <ckpt> stands for a value)."""
+    try:
+        compose_as_typed(command, args)
+    except Exception as e:
+        shown = ", ".join(JOBS[command, args])
+        pytest.fail(f"{shown}: python -m vitlab.{command} {' '.join(args)}: {type(e).__name__}: {e}")
+
+
+def test_a_documented_command_prints_its_config_with_cfg_job():
+    """The same check through the command line itself, once: what the docs promise a reader can do."""
+    (command, args), _ = next(iter(JOBS.items()))
+    argv = [sys.executable, "-m", f"vitlab.{command}", *args, "--cfg", "job"]  # started bare: no torch to import
+    r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "model:" in r.stdout, r.stderr[-2000:]
