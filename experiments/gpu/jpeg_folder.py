@@ -11,6 +11,7 @@ by every CPU at once; the same seed writes the same files.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -48,6 +49,7 @@ def main() -> None:
     with ProcessPoolExecutor(os.cpu_count()) as pool:
         list(pool.map(write, jobs, chunksize=64))
     print(f"wrote {len(jobs)} JPEGs ({width}x{height}, {a.classes} classes) under {a.out}", flush=True)
+    print(json.dumps({"jpegs": len(jobs), "train": a.train, "val": a.val, "classes": a.classes, "size": a.size}))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,8 @@ def describe(point: dict) -> list[str]:
                 f"{r['train']['images_per_s']:,.0f} img/s, bare step {r['bare_step']['images_per_s']:,.0f} img/s, "
                 f"ratio {r['ratios']['train/bare_step']:.3f}"
             )
+        elif isinstance(r, list) and r and "jpegs" in r[0]:  # jpeg_folder.py
+            lines.append(f"{r[0]['jpegs']:,} JPEGs of {r[0]['size']} written in {command['seconds']} s")
         elif isinstance(r, dict) and "timm_train" in r:  # timm's train.py, its last epoch's average
             t = r["timm_train"]
             last = f", its last step {t['last_step_s'] * 1000:.0f} ms" if "last_step_s" in t else ""
