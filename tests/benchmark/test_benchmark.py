@@ -164,7 +164,7 @@ def test_overhead_mode_times_lightning_and_a_plain_loop(tmp_path: Path):
     assert refused.returncode == 2 and "benchmark.train_overrides" in refused.stderr
 
 
-def test_pipeline_times_the_train_loader_against_the_old_one_and_a_decode_and_crop_ceiling(tmp_path: Path):
+def test_pipeline_times_the_train_loader_against_the_old_one_timms_and_a_decode_and_crop_ceiling(tmp_path: Path):
     from tests.helpers import image_tree
 
     image_tree(tmp_path / "photos", per_class=8, size=(30, 40))
@@ -204,7 +204,7 @@ def test_pipeline_times_the_train_loader_against_the_old_one_and_a_decode_and_cr
         "train_images": 16,
     }
     assert set(report["results"]) == {
-        "vitlab", "float32_workers", "ceiling", "streaming", "vitlab[rand-m9-mstd0.5-inc1]", "vitlab[3a]"
+        "vitlab", "float32_workers", "ceiling", "timm", "streaming", "vitlab[rand-m9-mstd0.5-inc1]", "vitlab[3a]"
     }  # fmt: skip
     for name, row in report["results"].items():
         assert len(row["images_per_s_rounds"]) == 2 and row["images_per_s"] > 0
@@ -271,3 +271,30 @@ def test_end2end_window_leaves_out_validation_and_epoch_ends(monkeypatch):
     step(5)  # t1 = 20
     assert trainer.should_stop and w.images == 12
     assert w.paused == 10.0 and w.seconds == 10.0
+
+
+def test_timm_loader_gives_timms_uint8_batches_of_the_same_images(tmp_path: Path):
+    from timm.data.loader import fast_collate
+
+    from tests.helpers import image_tree
+    from vitlab.benchmark.pipeline import timm_loader
+    from vitlab.data.imagefolder import ImageFolderDataModule
+
+    image_tree(tmp_path / "photos", per_class=4, size=(30, 40))
+    settings = {"color_jitter": 0.4, "grayscale_prob": 0.2}
+    dm = ImageFolderDataModule(
+        data_dir=str(tmp_path / "photos"), num_classes=2, img_size=16, batch_size=4, num_workers=0, on_device=False,
+        train_transform=settings,
+    )  # fmt: skip
+    dm.setup("fit")
+    loader = timm_loader(dm)
+    assert loader.collate_fn is fast_collate and loader.batch_size == 4 and len(loader) == len(dm.train_dataloader())
+    x, y = next(iter(loader))
+    assert x.dtype == torch.uint8 and x.shape == (4, 3, 16, 16) and y.dtype == torch.int64
+    tf = repr(loader.dataset.transform)
+    assert "bilinear bicubic" in tf and "ColorJitter" in tf and "RandomGrayscale" in tf
+    shifted = ImageFolderDataModule(
+        data_dir=str(tmp_path / "photos"), num_classes=2, img_size=16, batch_size=4, train_transform={"shift": 2},
+    )  # fmt: skip
+    shifted.setup("fit")
+    assert timm_loader(shifted) is None  # timm has no shift: no row rather than another pipeline under its name
