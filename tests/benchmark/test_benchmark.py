@@ -243,12 +243,13 @@ def test_end2end_divides_vitlab_trains_steady_state_by_the_bare_step(tmp_path: P
 def test_end2end_window_leaves_out_validation_and_epoch_ends(monkeypatch):
     """Lightning validates after an epoch's last batch, before on_train_epoch_end: the window pauses at whichever
     comes first (a first validation under torch.compile compiles for seconds) and goes on with training, at the
-    next epoch's start or, after a validation inside an epoch, at its next batch."""
+    next epoch's start or, after a validation inside an epoch, at its next batch. An epoch's start to its first batch
+    (the loader refilling) stays in, and is summed apart."""
     from types import SimpleNamespace
 
     from vitlab.benchmark import end2end
 
-    clock = iter([0.0, 2.0, 11.0, 12.0, 13.0, 20.0, 21.0]).__next__
+    clock = iter([0.0, 2.0, 11.0, 11.5, 12.0, 13.0, 14.0, 15.0, 20.0, 21.0]).__next__
     monkeypatch.setattr(end2end.time, "perf_counter", clock)
     monkeypatch.setattr(end2end, "sync", lambda device: None)
     w, module, trainer = end2end.Window(start=2, steps=3), SimpleNamespace(device="cpu"), SimpleNamespace()
@@ -264,13 +265,15 @@ def test_end2end_window_leaves_out_validation_and_epoch_ends(monkeypatch):
     w.on_validation_end(trainer, module)
     w.on_train_epoch_end(trainer, module)  # already paused: no clock read
     w.on_train_epoch_start(trainer, module)  # 11: 9 s left out
+    w.on_train_batch_start(trainer, module, batch, 0)  # 11.5: the epoch's first batch came after 0.5 s
     step(4)
     w.on_validation_start(trainer, module)  # 12: a validation inside the epoch
     w.on_train_batch_start(trainer, module, batch, 0)  # 13: 1 s left out
-    w.on_train_epoch_start(trainer, module)  # not paused: nothing changes
+    w.on_train_epoch_start(trainer, module)  # 14, not paused: an epoch start, counted
+    w.on_train_batch_start(trainer, module, batch, 0)  # 15: its first batch
     step(5)  # t1 = 20
     assert trainer.should_stop and w.images == 12
-    assert w.paused == 10.0 and w.seconds == 10.0
+    assert w.paused == 10.0 and w.seconds == 10.0 and w.epoch_starts == 1.5
 
 
 def test_timm_loader_gives_timms_uint8_batches_of_the_same_images(tmp_path: Path):
