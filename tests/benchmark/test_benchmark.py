@@ -164,7 +164,7 @@ def test_overhead_mode_times_lightning_and_a_plain_loop(tmp_path: Path):
     assert refused.returncode == 2 and "benchmark.train_overrides" in refused.stderr
 
 
-def test_pipeline_times_the_train_loader_against_the_old_one_and_a_decode_and_crop_ceiling(tmp_path: Path):
+def test_pipeline_times_the_train_loader_against_the_old_one_timms_and_a_decode_and_crop_ceiling(tmp_path: Path):
     from tests.helpers import image_tree
 
     image_tree(tmp_path / "photos", per_class=8, size=(30, 40))
@@ -204,7 +204,7 @@ def test_pipeline_times_the_train_loader_against_the_old_one_and_a_decode_and_cr
         "train_images": 16,
     }
     assert set(report["results"]) == {
-        "vitlab", "float32_workers", "ceiling", "streaming", "vitlab[rand-m9-mstd0.5-inc1]", "vitlab[3a]"
+        "vitlab", "float32_workers", "ceiling", "timm", "streaming", "vitlab[rand-m9-mstd0.5-inc1]", "vitlab[3a]"
     }  # fmt: skip
     for name, row in report["results"].items():
         assert len(row["images_per_s_rounds"]) == 2 and row["images_per_s"] > 0
@@ -243,12 +243,13 @@ def test_end2end_divides_vitlab_trains_steady_state_by_the_bare_step(tmp_path: P
 def test_end2end_window_leaves_out_validation_and_epoch_ends(monkeypatch):
     """Lightning validates after an epoch's last batch, before on_train_epoch_end: the window pauses at whichever
     comes first (a first validation under torch.compile compiles for seconds) and goes on with training, at the
-    next epoch's start or, after a validation inside an epoch, at its next batch."""
+    next epoch's start or, after a validation inside an epoch, at its next batch. An epoch's start to its first batch
+    (the loader refilling) stays in, and is summed apart."""
     from types import SimpleNamespace
 
     from vitlab.benchmark import end2end
 
-    clock = iter([0.0, 2.0, 11.0, 12.0, 13.0, 20.0, 21.0]).__next__
+    clock = iter([0.0, 2.0, 11.0, 11.5, 12.0, 13.0, 14.0, 15.0, 20.0, 21.0]).__next__
     monkeypatch.setattr(end2end.time, "perf_counter", clock)
     monkeypatch.setattr(end2end, "sync", lambda device: None)
     w, module, trainer = end2end.Window(start=2, steps=3), SimpleNamespace(device="cpu"), SimpleNamespace()
@@ -264,10 +265,39 @@ def test_end2end_window_leaves_out_validation_and_epoch_ends(monkeypatch):
     w.on_validation_end(trainer, module)
     w.on_train_epoch_end(trainer, module)  # already paused: no clock read
     w.on_train_epoch_start(trainer, module)  # 11: 9 s left out
+    w.on_train_batch_start(trainer, module, batch, 0)  # 11.5: the epoch's first batch came after 0.5 s
     step(4)
     w.on_validation_start(trainer, module)  # 12: a validation inside the epoch
     w.on_train_batch_start(trainer, module, batch, 0)  # 13: 1 s left out
-    w.on_train_epoch_start(trainer, module)  # not paused: nothing changes
+    w.on_train_epoch_start(trainer, module)  # 14, not paused: an epoch start, counted
+    w.on_train_batch_start(trainer, module, batch, 0)  # 15: its first batch
     step(5)  # t1 = 20
     assert trainer.should_stop and w.images == 12
-    assert w.paused == 10.0 and w.seconds == 10.0
+    assert w.paused == 10.0 and w.seconds == 10.0 and w.epoch_starts == 1.5
+
+
+def test_timm_loader_gives_timms_uint8_batches_of_the_same_images(tmp_path: Path):
+    from timm.data.loader import fast_collate
+
+    from tests.helpers import image_tree
+    from vitlab.benchmark.pipeline import timm_loader
+    from vitlab.data.imagefolder import ImageFolderDataModule
+
+    image_tree(tmp_path / "photos", per_class=4, size=(30, 40))
+    settings = {"color_jitter": 0.4, "grayscale_prob": 0.2}
+    dm = ImageFolderDataModule(
+        data_dir=str(tmp_path / "photos"), num_classes=2, img_size=16, batch_size=4, num_workers=0, on_device=False,
+        train_transform=settings,
+    )  # fmt: skip
+    dm.setup("fit")
+    loader = timm_loader(dm)
+    assert loader.collate_fn is fast_collate and loader.batch_size == 4 and len(loader) == len(dm.train_dataloader())
+    x, y = next(iter(loader))
+    assert x.dtype == torch.uint8 and x.shape == (4, 3, 16, 16) and y.dtype == torch.int64
+    tf = repr(loader.dataset.transform)
+    assert "bilinear bicubic" in tf and "ColorJitter" in tf and "RandomGrayscale" in tf
+    shifted = ImageFolderDataModule(
+        data_dir=str(tmp_path / "photos"), num_classes=2, img_size=16, batch_size=4, train_transform={"shift": 2},
+    )  # fmt: skip
+    shifted.setup("fit")
+    assert timm_loader(shifted) is None  # timm has no shift: no row rather than another pipeline under its name

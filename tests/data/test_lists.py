@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.data.test_hf import assert_same_items, items
+from tests.data.test_hf_datasets import assert_same_items, items
 from tests.helpers import SHARDS_RUN, assert_same_run, run_cli
 from vitlab.data import ImageFolderDataModule, ListDataModule
 from vitlab.data.lists import count_classes

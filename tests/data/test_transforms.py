@@ -293,3 +293,31 @@ def test_eval_resize_keeps_the_aspect_ratio_by_default_as_dinov2():
         eval_transform(32, crop_mode="letterbox")
     with pytest.raises(ValueError, match=r"interpolation 'cubic' is not one of \['nearest', 'bilinear', 'bicubic'"):
         eval_transform(32, interpolation="cubic")
+
+
+@pytest.mark.parametrize("hue", [None, 0.1])
+def test_colour_jitter_is_torchvisions_pixel_for_pixel(hue):
+    """The workers' ColorJitter (one float32 buffer, truncated in place) draws as torchvision's does and makes the
+    same uint8 pixels, in any order of the adjustments; a batch's contrast is each image's own."""
+    from torchvision import tv_tensors
+
+    from vitlab.data.transforms import ColorJitter
+
+    ours, theirs = ColorJitter(0.4, 0.4, 0.4, hue), T.ColorJitter(0.4, 0.4, 0.4, hue)
+    g = torch.Generator().manual_seed(0)
+    images = [torch.randint(0, 256, (3, 24, 20), dtype=torch.uint8, generator=g) for _ in range(12)]
+    images += [torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8, generator=g)]
+    for seed, img in enumerate(images):
+        for kind in (torch.Tensor, tv_tensors.Image):
+            x = img if kind is torch.Tensor else tv_tensors.Image(img)
+            torch.manual_seed(seed)
+            a = ours(x)
+            torch.manual_seed(seed)
+            b = theirs(x)
+            assert type(a) is type(b) and a.dtype == torch.uint8 and torch.equal(a, b), (seed, kind)
+    gray = torch.randint(0, 256, (1, 8, 8), dtype=torch.uint8)  # 1 channel, float: torchvision's own path
+    torch.manual_seed(0)
+    a = ours(gray)
+    torch.manual_seed(0)
+    assert torch.equal(a, theirs(gray))
+    assert "ColorJitter" in repr(train_transform(32, color_jitter=0.4).transforms[-1])

@@ -6,7 +6,9 @@ model, per-device batch, precision and compile setting, in one process:
   at epoch boundaries inside it), so the timer adds no wait of its own to a step; steps before the
   window (start-up, compilation, the first batches) are untimed. A window may span epochs: the time
   from one training epoch's last step to the next one's start (validation and its first compilation,
-  checkpoints) is left out, the next epoch's first batches (the loader restarting) are counted.
+  checkpoints) is left out, the next epoch's first batches (the loader restarting) are counted, and
+  reported too (`epoch_starts_s`: from each epoch's start to its first batch, the workers refilling, one batch of
+  images in each worker, before a step can run; timm's train.py counts it in its first step of an epoch).
 - `bare_step`: `task=models`' training step of the same model on one synthetic batch already on the
   device (forward, backward, AdamW).
 
@@ -36,12 +38,13 @@ PRECISION_OF_TRAINER = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16"}
 
 class Window(L.Callback):
     """Synchronise and read the clock after step `start` and after step `start + steps`, then stop;
-    epoch ends inside the window (validation, checkpoints) are left out."""
+    epoch ends inside the window (validation, checkpoints) are left out; epoch starts (until the first batch) are
+    counted, and summed apart in `epoch_starts`."""
 
     def __init__(self, start: int, steps: int):
         self.start, self.steps = start, steps
-        self.t0 = self.t1 = self._paused_at = None
-        self.images, self.paused = 0, 0.0
+        self.t0 = self.t1 = self._paused_at = self._epoch_at = None
+        self.images, self.paused, self.epoch_starts = 0, 0.0, 0.0
 
     def _active(self) -> bool:
         return self.t0 is not None and self.t1 is None
@@ -68,20 +71,29 @@ class Window(L.Callback):
         self._pause(module)
 
     def on_train_epoch_start(self, trainer, module) -> None:
-        self._resume()
+        if self._active():
+            self._epoch_at = self._resume()
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-        self._resume()
+        if self._paused_at is None and self._epoch_at is None:
+            return
+        now = self._resume()
+        if self._epoch_at is not None:  # this epoch's first batch: the time its loader took to hand it over
+            self.epoch_starts += now - self._epoch_at
+            self._epoch_at = None
 
     def _pause(self, module) -> None:
         if self._active() and self._paused_at is None:
             sync(module.device)
             self._paused_at = time.perf_counter()
 
-    def _resume(self) -> None:
+    def _resume(self) -> float:
+        """The clock, read once; a pause ends at it."""
+        now = time.perf_counter()
         if self._paused_at is not None:
-            self.paused += time.perf_counter() - self._paused_at
+            self.paused += now - self._paused_at
             self._paused_at = None
+        return now
 
     @property
     def seconds(self) -> float:
@@ -141,7 +153,12 @@ def bench_end2end(train_cfg: DictConfig, b: BenchmarkConfig, device: torch.devic
         "precision": precision,
         "compile": bare.compile,
         "device": str(device),
-        "train": {**train, "seconds": seconds, "epoch_ends_left_out_s": window.paused},
+        "train": {
+            **train,
+            "seconds": seconds,
+            "epoch_ends_left_out_s": window.paused,
+            "epoch_starts_s": window.epoch_starts,
+        },  # fmt: skip
         "bare_step": {"images_per_s": step["images_per_s"], "median_ms": step["median_ms"]},
         "ratios": {"train/bare_step": train["images_per_s"] / step["images_per_s"]},
     }
@@ -155,5 +172,6 @@ def print_report(report: dict[str, Any]) -> None:
     console.print(
         f"end to end ({report['device']}, batch {report['batch_size']}, {report['precision']}, compile "
         f"{report['compile']}): vitlab.train {t['images_per_s']:.1f} images/s over {t['steps']} steps; bare step "
-        f"{s['images_per_s']:.1f} images/s; train / bare step = {report['ratios']['train/bare_step']:.3f}"
+        f"{s['images_per_s']:.1f} images/s; train / bare step = {report['ratios']['train/bare_step']:.3f}; "
+        f"{t['epoch_starts_s']:.2f} s of the window waited for epochs' first batches"
     )

@@ -6,6 +6,11 @@ prefetch (vitlab.train's data config):
   `data.on_device=false` (data that fits is otherwise held on the device, with no loader workers to time);
 - `float32_workers`: the same, plus what the workers did before uint8 batches: ToDtype(float32),
   Normalize and RandomErasing per image (the pipeline this one replaced, kept to measure against);
+- `timm` (image folders, with random-resized-crop): timm's train.py loader on the same files, sampler, batch and
+  workers: PIL decode, `timm.data.create_transform(is_training=True, use_prefetcher=True)` with the data config's
+  crop scale, flip, colour jitter, grayscale, blur and timm policy, and train.py's default `random` interpolation
+  (bilinear or bicubic, drawn per image), uint8 out, batched by `fast_collate` (its prefetcher normalises on the
+  device, as `vitlab`'s batches are normalised there);
 - `ceiling`: a bare loader that only decodes (torchvision's libjpeg-turbo for files) and applies the same
   random-resized-crop (or resize) and flip on uint8: no auto-augment, no checks, no fallbacks;
 - `streaming` (with `benchmark.pipeline.shards`): the train loader of data=streaming over the same images
@@ -35,7 +40,7 @@ from torchvision.transforms import v2 as T
 
 from vitlab.benchmark.config import BenchmarkConfig
 from vitlab.data.seeded import TransformDataset
-from vitlab.data.transforms import INTERPOLATIONS, TrainTransform
+from vitlab.data.transforms import INTERPOLATIONS, TORCHVISION_AUGMENTS, TrainTransform
 from vitlab.model.config import as_hw
 from vitlab.training.run import build
 from vitlab.utils.errors import UserError
@@ -92,6 +97,45 @@ def reader_loader(dm, data_cfg: DictConfig, reader: str):
     return other.train_dataloader()
 
 
+class TimmFolder(Dataset):
+    """timm's ImageDataset of the training images, as train.py builds it: each file opened by PIL and converted to
+    RGB, then timm's training transform (uint8 out, for its prefetcher). Takes the (seed, index) keys of vitlab's
+    sampler and ignores the seed (timm draws from the worker's generators)."""
+
+    def __init__(self, data: TransformDataset, transform):
+        self.samples, self.indices, self.transform = data.base.samples, data.indices, transform
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, key: int | tuple[int, int]):
+        from PIL import Image
+
+        path, label = self.samples[self.indices[key if isinstance(key, int) else key[1]]]
+        with open(path, "rb") as f:
+            img = Image.open(f).convert("RGB")
+        return self.transform(img), label
+
+
+def timm_loader(dm):
+    """timm's train.py loader of `dm`'s training images (`TimmFolder`, `fast_collate`) with `dm`'s sampler, batch,
+    workers and prefetch; None where timm has no equivalent (images not from files, no random-resized-crop)."""
+    from timm.data import create_transform
+    from timm.data.loader import fast_collate
+
+    s = dm.train_settings
+    if not hasattr(dm.train_set.base, "samples") or not s.random_resized_crop or s.shift:
+        return None
+    aa = s.auto_augment if s.auto_augment not in TORCHVISION_AUGMENTS else None
+    tf = create_transform(
+        tuple(dm.img_hw), is_training=True, use_prefetcher=True, scale=s.random_resized_crop, hflip=s.hflip,
+        color_jitter=s.color_jitter, color_jitter_prob=s.color_jitter_prob if s.color_jitter else None,
+        grayscale_prob=s.grayscale_prob, gaussian_blur_prob=s.gaussian_blur_prob, auto_augment=aa,
+        interpolation="random", mean=dm.mean, std=dm.std,
+    )  # fmt: skip
+    return dm._loader(TimmFolder(dm.train_set, tf), train=True, collate_fn=fast_collate)
+
+
 def loaders(
     dm, data_cfg: DictConfig, shards: str | None = None, policies: tuple[str, ...] = (), readers: tuple[str, ...] = ()
 ) -> dict[str, Any]:
@@ -106,6 +150,8 @@ def loaders(
         "float32_workers": dm._loader(old, train=True),
         "ceiling": dm._loader(Ceiling(train, dm.img_size, settings), train=True),
     }
+    if (timm := timm_loader(dm)) is not None:
+        found["timm"] = timm
     if shards:
         same = OmegaConf.to_container(data_cfg, resolve=True)
         same.pop("check_images", None)  # a folder's settings: the shards' images were all decoded when packed,
