@@ -209,7 +209,7 @@ POINTS = [
         [
             Command(
                 "experiments/gpu/jpeg_folder.py",
-                {"--out": "{work}/jpegs", "--train": "5120", "--val": "512", "--classes": "10"},
+                {"--out": "{work}/jpegs", "--train": "5120", "--val": "512", "--classes": "10", "--size": "500x375"},
                 {"--train": "32", "--val": "8", "--classes": "2", "--size": "48x36"},
                 run_dir=False,
             ),
@@ -217,6 +217,7 @@ POINTS = [
                 "experiments/gpu/reference/timm_train.py",  # timm's own, as its users run it: defaults but these
                 {
                     "--data-dir": "{work}/jpegs",
+                    "--device": "cuda",
                     "--val-split": "val",
                     "--model": "vit_base_patch16_224",
                     "--num-classes": "10",

@@ -42,10 +42,12 @@ def test_every_point_runs_its_commands_at_tiny_sizes(dry_run):
         assert point["status"] == "ok", (point["name"], point["commands"][-1]["log_tail"][-10:])
         for command in point["commands"]:
             assert command["rc"] == 0 and command["result"] is not None or point["name"] == "pytest_gpu"
-    # the dry run swaps sizes, not commands: what it adds beyond the GPU's overrides are sizes (steps, repeats, depth)
+    # the dry run swaps sizes, not commands: what it adds beyond the GPU's overrides are sizes (steps, repeats, depth;
+    # timm's train.py's network through --model-kwargs)
     for point in points.POINTS:
         for command in point.commands:
-            assert all(k in command.args or k.startswith(("benchmark.", "model.")) for k in command.dry), command.dry
+            sizes = ("benchmark.", "model.", "--model-kwargs")
+            assert all(k in command.args or k.startswith(sizes) for k in command.dry), command.dry
 
 
 def test_the_wheels_carried_are_what_the_script_imports_and_the_image_lacks(dry_run):
