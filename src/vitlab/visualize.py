@@ -7,7 +7,7 @@
 - ckpt_path of an MAE pretraining run (objective=mae): its reconstructions of `num_images` test images (original,
   masked input, prediction, prediction with the visible patches);
 - run_dir: the learning curves (loss, accuracy, learning rate) from the run's CSV log;
-- what=views data=<name> model=<name> objective=<dino|classify|distill>: what training shows the model, the views of
+- what=views data=<name> model=<name> objective=<dino|classify|distill|mae>: what training shows the model, the views of
   `num_images` training images (each drawn `draws` times): views.png and views.json (evaluation/views.py).
 """
 
@@ -27,10 +27,7 @@ def check_views(cfg: DictConfig) -> None:
 
     name = cfg.objective.get("name") if cfg.what == "views" else None
     if name is not None and name not in OBJECTIVES:
-        raise UserError(
-            f"what=views draws the views of objective={'|'.join(OBJECTIVES)}; objective={name} makes none of its "
-            "own to draw (objective=mae masks patches inside the model: visualize its checkpoint's reconstructions)"
-        )
+        raise UserError(f"what=views draws the views of objective={'|'.join(OBJECTIVES)}, not objective={name}")
 
 
 @entry_point("visualize", check=check_views)
@@ -46,7 +43,8 @@ def main(cfg: DictConfig) -> None:
         from vitlab.evaluation.views import draw_views
 
         dm = build.build_datamodule(cfg.data, cfg)
-        written += draw_views(dm, cfg.objective.name, cfg.num_images, cfg.draws, out)
+        mae = (cfg.model.patch_size, cfg.objective.mask_ratio) if cfg.objective.name == "mae" else None
+        written += draw_views(dm, cfg.objective.name, cfg.num_images, cfg.draws, out, mae=mae)
     if cfg.ckpt_path:
         module = build.load_for_inference(cfg.ckpt_path).eval()
         img = read_image(cfg.image, module.model.cfg.in_chans) if cfg.image else None  # before any figure

@@ -29,3 +29,40 @@ def test_a_streamed_hugging_face_run_in_two_processes_interrupted_mid_epoch_resu
     assert r.returncode == 0, r.stderr[-3000:]
     command = interrupt(args, tmp_path, "SIGTERM", 12)
     assert_same_run(full, resume(command, tmp_path))
+
+
+SHORT = ["model.img_size=8", "data.batch_size=8", "data.num_workers=2", "trainer.max_epochs=1", "progress_bar=none"]
+SMALL_DINO = ["objective=dino", "objective.crops.local_size=4", "objective.crops.local_crops=2",
+              "objective.out_dim=64", "objective.hidden_dim=32", "objective.bottleneck_dim=16"]  # fmt: skip
+OBJECTIVES = {"dino": SMALL_DINO, "mae": ["objective=mae"], "classify": []}
+
+
+def _reader(name, records, shards):
+    return {
+        "hf": ["data=hf", f"data.name={records / 'saved'}"],
+        "list": ["data=list", *(f"data.{s}_file={records / f'{s}.csv'}" for s in ("train", "val", "test"))],
+        "wds": _wds(shards),
+    }[name]
+
+
+@pytest.mark.parametrize(("reader", "objective"), [("hf", "dino"), ("wds", "dino"), ("list", "mae"), ("wds", "mae")])
+def test_each_reader_trains_each_objective(records, wds_shards, tmp_path, reader, objective):
+    """Issue 55 point 4: every objective on every reader (DINO's views cut in the workers from each whole image, MAE
+    on the classifier's crops; classify is the equivalence and resume tests' own)."""
+    r = run_cli("train", *_reader(reader, records, wds_shards), *OBJECTIVES[objective], *SHORT,
+                f"hydra.run.dir={tmp_path}")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    if objective == "dino":
+        assert "cut from each whole decoded image in the loader's workers" in (tmp_path / "train.log").read_text()
+
+
+def test_a_sharded_run_on_a_saved_dataset_and_its_evaluation_on_it(records, tmp_path):
+    """FSDP2 in two processes on data=hf, then `vitlab.eval` of its checkpoint on the same dataset's test split."""
+    hf = _reader("hf", records, None)
+    r = run_cli("train", *hf, *SHORT, "trainer=fsdp_cpu", "trainer.devices=2", f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpt = next((tmp_path / "run" / "checkpoints").glob("*.ckpt"))
+    r = run_cli("eval", f"ckpt_path={ckpt}", *hf, f"hydra.run.dir={tmp_path / 'eval'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "test/acc" in (tmp_path / "eval" / "metrics.json").read_text()

@@ -1,7 +1,8 @@
 """`python -m vitlab.visualize what=views` (evaluation/views.py): on a folder of 400 x 300 photos objective=dino's
 global crops are cut from the whole image, as DINO's are (their boxes reach its left and right borders and their
 areas span DINO's scales of the whole image); digits keep the on-device path from a square, and the log line says
-which path; the classifier's crop is its RandomResizedCrop's box; what cannot make views is one line."""
+which path; the classifier's crop is its RandomResizedCrop's box; MAE's adds the patches its encoder does not see; what
+cannot make views is one line."""
 
 import json
 import logging
@@ -75,7 +76,6 @@ def test_the_classifiers_view_is_its_random_resized_crop(compose_cfg, tmp_path, 
 @pytest.mark.parametrize(
     "overrides, said",
     [
-        (["objective=mae", "data=digits", "model=vit_digits"], "objective=mae makes none of its own to draw"),
         (["objective=dino", "model=vit_digits"], "missing: data"),
     ],
 )
@@ -87,8 +87,25 @@ def test_what_cannot_make_views_is_one_line(compose_cfg, overrides, said):
     assert said in str(e.value) and "\n" not in str(e.value)
 
 
-def test_what_views_from_the_command_line(tmp_path):
-    r = run_cli("visualize", "what=views", "data=digits", "model=vit_digits", "objective=mae",
+def test_what_views_from_the_command_line_shows_maes_mask(tmp_path):
+    """objective=mae: the classifier's crop with the patches its encoder does not see (mask_ratio 0.75 of the 4 x 4
+    patches of a 16-px digit at patch 4: 12 masked, as encode_visible keeps int(16 * 0.25) = 4)."""
+    r = run_cli("visualize", "what=views", "data=digits", "model=vit_digits", "objective=mae", "num_images=2",
                 f"hydra.run.dir={tmp_path}")  # fmt: skip
-    assert r.returncode != 0 and "objective=mae makes none of its own to draw" in r.stderr
-    assert "Traceback" not in r.stderr
+    assert r.returncode == 0, r.stderr[-3000:]
+    info = json.loads((tmp_path / "views.json").read_text())
+    assert info["objective"] == "mae" and (tmp_path / "views.png").is_file()
+    for image in info["images"]:
+        (view,) = image["draws"][0]
+        assert view["patch"] == 4 and len(view["masked_patches"]) == 12 and len(set(view["masked_patches"])) == 12
+        assert all(0 <= k < 16 for k in view["masked_patches"])
+
+
+def test_an_objective_without_views_is_one_line(compose_cfg):
+    from vitlab.evaluation.views import training_views
+
+    cfg = compose_cfg("visualize", ["what=views", "data=digits", "model=vit_digits", "objective=classify"])
+    dm = build.build_datamodule(cfg.data, cfg)
+    dm.setup("fit")
+    with pytest.raises(UserError, match=r"objective=dino\|classify\|distill\|mae, not objective=ibot$"):
+        training_views(dm, "ibot", 0, 0)

@@ -224,7 +224,7 @@ def check_visualize(cfg: DictConfig) -> None:
         missing = [g for g in ("data", "model", "objective") if cfg.get(g) is None]
         if missing or cfg.ckpt_path or cfg.run_dir or cfg.image:
             raise UserError(
-                "what=views draws the training views of data=<name> model=<name> objective=<dino|classify|distill> "
+                "what=views draws the training views of data=<name> model=<name> objective=<dino|classify|distill|mae> "
                 f"(as vitlab.train takes them){'; missing: ' + ' '.join(missing) if missing else ''}; ckpt_path, "
                 "image and run_dir are for what=figures"
             )

@@ -6,7 +6,9 @@ see them and a test can check them.
 - objective=dino: its multi-crop views, cut from each whole image in the loader's workers (photos) or from the image's
   square on the device (data held at one size: the boxes mapped back to the image through the resize and centre crop)
   (data/image_views.py, data/multicrop.py);
-- objective=classify | distill: the training transform's random resized crop (the whole image where there is none).
+- objective=classify | distill: the training transform's random resized crop (the whole image where there is none);
+- objective=mae: that crop, and the patches MAE's random masking removes from it (model/mae.py `random_masking`, the
+  draw its encoder makes: `mask_ratio` of the patches), greyed in the picture and listed in `masked_patches`.
 
 `draws`: each image's views drawn that many times (the picture shows the first). No Hydra here.
 """
@@ -22,19 +24,20 @@ import torch
 from torchvision.transforms import v2 as T
 
 from vitlab.data.image_views import ImageViews, square_box
+from vitlab.model.mae import random_masking
 from vitlab.utils.errors import UserError
 
-OBJECTIVES = ("dino", "classify", "distill")  # the objectives whose views are drawn here
+OBJECTIVES = ("dino", "classify", "distill", "mae")  # the objectives whose views are drawn here
 
 
-def training_views(dm: Any, objective: str, index: int, seed: int) -> list[dict[str, Any]]:
+def training_views(
+    dm: Any, objective: str, index: int, seed: int, mae: tuple[int, float] | None = None
+) -> list[dict[str, Any]]:
     """The views of training image `index` of `dm` (set up) under `objective`, drawn from `seed`: each a dict of
-    `image` (float (C, h, w) in [0, 1]), `box` [x0, y0, x1, y1] in the source image's pixels and `size` [h, w]."""
+    `image` (float (C, h, w) in [0, 1]), `box` [x0, y0, x1, y1] in the source image's pixels and `size` [h, w];
+    objective=mae (`mae`: the model's patch size and the objective's mask_ratio) adds `masked_patches`."""
     if objective not in OBJECTIVES:
-        raise UserError(
-            f"what=views draws the views of objective={'|'.join(OBJECTIVES)}; objective={objective} makes none of "
-            "its own (objective=mae masks patches of the classifier's crops inside the model)"
-        )
+        raise UserError(f"what=views draws the views of objective={'|'.join(OBJECTIVES)}, not objective={objective}")
     split = dm.train_set
     img, _ = split.base[split.indices[index]]
     img = T.ToImage()(img).as_subclass(torch.Tensor)
@@ -47,7 +50,20 @@ def training_views(dm: Any, objective: str, index: int, seed: int) -> list[dict[
         ]
     if objective == "dino":  # on the device, from the image's square
         return _device_views(dm, img, seed)
-    return [_classifier_view(dm.train_tf, img)]
+    view = _classifier_view(dm.train_tf, img)
+    return [_masked(view, *mae) if objective == "mae" else view]
+
+
+def _masked(view: dict[str, Any], patch: int, mask_ratio: float) -> dict[str, Any]:
+    """The crop with the patches MAE's encoder does not see greyed (its random_masking, `mask_ratio` of them)."""
+    (h, w), image = view["size"], view["image"].clone()
+    gw, n = w // patch, (h // patch) * (w // patch)
+    kept, _ = random_masking(1, n, int(n * (1 - mask_ratio)))  # as encode_visible keeps them
+    masked = sorted(set(range(n)) - set(kept[0].tolist()))
+    for k in masked:
+        r, c = divmod(k, gw)
+        image[:, r * patch : (r + 1) * patch, c * patch : (c + 1) * patch] = 0.5
+    return view | {"image": image, "masked_patches": masked, "patch": patch}
 
 
 def _device_views(dm: Any, img: torch.Tensor, seed: int) -> list[dict[str, Any]]:
@@ -78,8 +94,11 @@ def _classifier_view(pipeline: T.Compose, img: torch.Tensor) -> dict[str, Any]:
     return {"image": x.float() / 255, "box": box, "size": list(x.shape[-2:])}
 
 
-def draw_views(dm: Any, objective: str, num_images: int, draws: int, out_dir: Path, seed: int = 0) -> list[Path]:
-    """views.png and views.json of the first `num_images` training images of `dm`, each drawn `draws` times."""
+def draw_views(
+    dm: Any, objective: str, num_images: int, draws: int, out_dir: Path, seed: int = 0, mae: tuple | None = None
+) -> list[Path]:
+    """views.png and views.json of the first `num_images` training images of `dm`, each drawn `draws` times
+    (`mae`: objective=mae's patch size and mask ratio)."""
     dm.setup("fit")
     n = min(num_images, len(dm.train_set))
     record, first = [], []
@@ -87,7 +106,7 @@ def draw_views(dm: Any, objective: str, num_images: int, draws: int, out_dir: Pa
         split = dm.train_set
         img, _ = split.base[split.indices[i]]
         h, w = T.ToImage()(img).shape[-2:]
-        runs = [training_views(dm, objective, i, seed * 1_000_003 + i * 1_000 + k) for k in range(draws)]
+        runs = [training_views(dm, objective, i, seed * 1_000_003 + i * 1_000 + k, mae) for k in range(draws)]
         first.append((T.ToImage()(img).as_subclass(torch.Tensor), runs[0]))
         strip = [[{k: v for k, v in view.items() if k != "image"} for view in run] for run in runs]
         record.append({"index": i, "source_size": [int(h), int(w)], "draws": strip})
@@ -100,6 +119,8 @@ def draw_views(dm: Any, objective: str, num_images: int, draws: int, out_dir: Pa
 def _path(dm: Any, objective: str) -> str:
     if isinstance(dm.train_tf, ImageViews):
         return "workers: cut from each whole image"
+    if objective == "mae":
+        return "workers: the training transform; the encoder's patch mask drawn as model/mae.py random_masking"
     return "device: cut from each image's square" if objective == "dino" else "workers: the training transform"
 
 
