@@ -25,7 +25,10 @@ from vitlab.utils.errors import UserError
 def data_config(cfg: DictConfig, stored: dict | None, ckpt_path: str) -> DictConfig:
     """The data group to test on: a chosen `data=<name>`, or the checkpoint's own with the non-null
     `data.<key>` overrides of the command line applied."""
-    if "_target_" in cfg.data:
+    if "_target_" in cfg.data:  # eval.yaml's data.data_dir placeholder stays null beside a group that names its data
+        if "data_dir" in cfg.data and cfg.data.data_dir is None:  # another way (data=hf's name, data=wds's urls)
+            with open_dict(cfg.data):
+                del cfg.data["data_dir"]
         return cfg.data
     if not stored or "_target_" not in stored:
         raise UserError(f"checkpoint {ckpt_path!r} stores no data config; choose one with data=<name>")

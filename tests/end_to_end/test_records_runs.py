@@ -33,8 +33,12 @@ def test_a_streamed_hugging_face_run_in_two_processes_interrupted_mid_epoch_resu
 
 SHORT = ["model.img_size=8", "data.batch_size=8", "data.num_workers=2", "trainer.max_epochs=1", "progress_bar=none"]
 SMALL_DINO = ["objective=dino", "objective.crops.local_size=4", "objective.crops.local_crops=2",
-              "objective.out_dim=64", "objective.hidden_dim=32", "objective.bottleneck_dim=16"]  # fmt: skip
-OBJECTIVES = {"dino": SMALL_DINO, "mae": ["objective=mae"], "classify": []}
+              "objective.crops.blur_kernel=3", "objective.out_dim=64", "objective.hidden_dim=32",
+              "objective.bottleneck_dim=16"]  # fmt: skip
+OBJECTIVES = {
+    "dino": [*SMALL_DINO, "model.num_classes=0", "model.dynamic_img_size=true"],
+    "mae": ["objective=mae", "model.num_classes=0"],
+}
 
 
 def _reader(name, records, shards):

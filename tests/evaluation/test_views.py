@@ -88,8 +88,8 @@ def test_what_cannot_make_views_is_one_line(compose_cfg, overrides, said):
 
 
 def test_what_views_from_the_command_line_shows_maes_mask(tmp_path):
-    """objective=mae: the classifier's crop with the patches its encoder does not see (mask_ratio 0.75 of the 4 x 4
-    patches of a 16-px digit at patch 4: 12 masked, as encode_visible keeps int(16 * 0.25) = 4)."""
+    """objective=mae: the classifier's crop with the patches its encoder does not see (mask_ratio 0.75 of the 2 x 2
+    patches of an 8-px digit at patch 4: 3 masked, as encode_visible keeps int(4 * 0.25) = 1)."""
     r = run_cli("visualize", "what=views", "data=digits", "model=vit_digits", "objective=mae", "num_images=2",
                 f"hydra.run.dir={tmp_path}")  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
@@ -97,8 +97,8 @@ def test_what_views_from_the_command_line_shows_maes_mask(tmp_path):
     assert info["objective"] == "mae" and (tmp_path / "views.png").is_file()
     for image in info["images"]:
         (view,) = image["draws"][0]
-        assert view["patch"] == 4 and len(view["masked_patches"]) == 12 and len(set(view["masked_patches"])) == 12
-        assert all(0 <= k < 16 for k in view["masked_patches"])
+        assert view["size"] == [8, 8] and view["patch"] == 4 and len(set(view["masked_patches"])) == 3
+        assert all(0 <= k < 4 for k in view["masked_patches"])
 
 
 def test_an_objective_without_views_is_one_line(compose_cfg):

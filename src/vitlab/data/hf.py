@@ -173,6 +173,9 @@ class HFStream:
 
 
 class HFDataModule(RecordsDataModule):
+    decodes_files = True  # an Image column holds each photo's encoded file (decoded in the loader's workers, at its own
+    # size: objective=dino cuts its views from each whole image, as from a folder's)
+
     def __init__(
         self,
         name: str,

@@ -1,5 +1,6 @@
 """What build.py makes from a config, where a test of the whole command would only see it in passing."""
 
+import pytest
 from omegaconf import OmegaConf
 
 from vitlab.training.run.build import build_loggers
@@ -21,3 +22,30 @@ def test_a_wandb_logger_asks_wandb_for_no_anonymous_setting(tmp_path):
     (logger,) = build_loggers(group)
     assert "anonymous" not in logger._wandb_init
     assert logger._wandb_init["project"] == "vitlab" and logger._wandb_init["dir"] == str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "monitor", "mode"),
+    [
+        (["objective=mae", "model.num_classes=0"], "val/loss", "min"),  # logs no accuracy: its own best
+        (["objective=dino", "model.num_classes=0"], "val/loss", "min"),
+        ([], "val/acc", "max"),  # the classifier keeps the default
+        (
+            (
+                ["objective=mae", "model.num_classes=0", "callbacks.model_checkpoint.monitor=val/x"],
+                "val/x",
+                "max",
+            ),  # kept
+            "train/loss",
+            "max",
+        ),
+    ],
+)
+def test_the_best_checkpoint_follows_an_objective_without_accuracy(compose_cfg, overrides, monitor, mode):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from vitlab.training.run.build import build_callbacks
+
+    callbacks, _ = build_callbacks(compose_cfg("train", overrides))
+    (best,) = [c for c in callbacks if isinstance(c, ModelCheckpoint) and c.monitor is not None]
+    assert (best.monitor, best.mode) == (monitor, mode)

@@ -7,6 +7,7 @@ imports another.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 import logging
@@ -33,7 +34,7 @@ from vitlab.training.checkpoint_io import upgrade_hparams
 from vitlab.training.devices import sharding
 from vitlab.training.devices.hardware import resolve_trainer
 from vitlab.training.devices.rank_state import RankState
-from vitlab.training.module import ViTModule
+from vitlab.training.module import OBJECTIVES, ViTModule
 from vitlab.training.objectives import dino
 from vitlab.training.optim import OptimConfig, scaled_lr
 from vitlab.training.run.node_checks import check_devices, check_node
@@ -232,7 +233,24 @@ def _lifecycle(target: Any) -> tuple[Any, Any]:
 def build_callbacks(cfg: DictConfig, extra: Sequence[L.Callback] = ()) -> tuple[list[L.Callback], bool]:
     """The configured callbacks (conf/callbacks), the progress bar's and `extra`; and whether a bar is shown."""
     bars, show_bar = progress_bar(cfg.progress_bar)
-    return instantiate_group(cfg.get("callbacks")) + bars + [RunIds(), *extra], show_bar
+    return instantiate_group(checkpoint_follows_objective(cfg).get("callbacks")) + bars + [RunIds(), *extra], show_bar
+
+
+def checkpoint_follows_objective(cfg: DictConfig) -> DictConfig:
+    """The default choice of the best checkpoint (val/acc, highest) under an objective that logs no accuracy (MAE,
+    DINO without its k-NN callback): that objective's own (val/loss, lowest), said in a line; a monitor set in a
+    recipe or on the command line is kept."""
+    node = (cfg.get("callbacks") or {}).get("model_checkpoint")
+    watched, mode = OBJECTIVES[(cfg.get("objective") or {}).get("name", "classify")].best
+    if node is None or node.get("monitor") != "val/acc" or watched == "acc":
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        cfg.callbacks.model_checkpoint.monitor, cfg.callbacks.model_checkpoint.mode = f"val/{watched}", mode
+    if rank_zero_only.rank == 0:
+        log.info("objective=%s logs no val/acc: the best checkpoint is the one of the %s val/%s", cfg.objective.name,
+                 "lowest" if mode == "min" else "highest", watched)  # fmt: skip
+    return cfg
 
 
 @contextlib.contextmanager
