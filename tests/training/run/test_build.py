@@ -24,6 +24,9 @@ def test_a_wandb_logger_asks_wandb_for_no_anonymous_setting(tmp_path):
     assert logger._wandb_init["project"] == "vitlab" and logger._wandb_init["dir"] == str(tmp_path)
 
 
+CHECKPOINT = "callbacks.model_checkpoint"
+
+
 @pytest.mark.parametrize(
     ("overrides", "monitor", "mode"),
     [
@@ -32,7 +35,11 @@ def test_a_wandb_logger_asks_wandb_for_no_anonymous_setting(tmp_path):
         ([], "val/acc", "max"),  # the classifier keeps the default
         (
             (
-                ["objective=mae", "model.num_classes=0", "callbacks.model_checkpoint.monitor=val/x"],
+                (
+                    ["objective=mae", "model.num_classes=0", f"{CHECKPOINT}.monitor=train/loss"],
+                    "train/loss",
+                    "max",
+                ),  # kept
                 "val/x",
                 "max",
             ),  # kept
