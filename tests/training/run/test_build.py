@@ -33,19 +33,7 @@ CHECKPOINT = "callbacks.model_checkpoint"
         (["objective=mae", "model.num_classes=0"], "val/loss", "min"),  # logs no accuracy: its own best
         (["objective=dino", "model.num_classes=0"], "val/loss", "min"),
         ([], "val/acc", "max"),  # the classifier keeps the default
-        (
-            (
-                (
-                    ["objective=mae", "model.num_classes=0", f"{CHECKPOINT}.monitor=train/loss"],
-                    "train/loss",
-                    "max",
-                ),  # kept
-                "val/x",
-                "max",
-            ),  # kept
-            "train/loss",
-            "max",
-        ),
+        (["objective=mae", "model.num_classes=0", f"{CHECKPOINT}.monitor=train/loss"], "train/loss", "max"),  # kept
     ],
 )
 def test_the_best_checkpoint_follows_an_objective_without_accuracy(compose_cfg, overrides, monitor, mode):
