@@ -1,6 +1,6 @@
 """DINO's and DINOv2's arithmetic against the references' code: dino's vision_transformer.py DINOHead and utils.py
-cosine_scheduler and clip_gradients imported from tests/reference/ (vendored verbatim); written out here from
-facebookresearch/dino (main_dino.py DINOLoss, the EMA step of train_one_epoch) and facebookresearch/dinov2
+cosine_scheduler and clip_gradients, and main_dino.py's DINOLoss, imported from tests/reference/ (vendored verbatim);
+written out here from facebookresearch/dino (the EMA step of train_one_epoch) and facebookresearch/dinov2
 (loss/dino_clstoken_loss.py, loss/ibot_patch_loss.py, loss/koleo_loss.py, data/masking.py, data/collate.py; one
 process: their all_reduce calls are the identity). Same weights, same inputs: equal to 1e-6 (the schedules to 1e-12,
 the masks exactly)."""
@@ -25,42 +25,20 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*weight_norm.*:FutureWarning", 
 
 
 # ---- the references, as written there ------------------------------------------------------------------------
-class RefDINOLoss(nn.Module):
-    """dino main_dino.py DINOLoss, one process."""
+@pytest.fixture
+def one_process(tmp_path):
+    """A process group of one (gloo), so main_dino.py's DINOLoss runs unmodified: its all_reduce and world size are
+    the identity and 1, as in a one-GPU run of DINO."""
+    import torch.distributed as dist
 
-    def __init__(self, out_dim, ncrops, warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs, nepochs,
-                 student_temp=0.1, center_momentum=0.9):  # fmt: skip
-        super().__init__()
-        self.student_temp, self.center_momentum, self.ncrops = student_temp, center_momentum, ncrops
-        self.register_buffer("center", torch.zeros(1, out_dim))
-        self.teacher_temp_schedule = np.concatenate((
-            np.linspace(warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs),
-            np.ones(nepochs - warmup_teacher_temp_epochs) * teacher_temp,
-        ))  # fmt: skip
-
-    def forward(self, student_output, teacher_output, epoch):
-        student_out = student_output / self.student_temp
-        student_out = student_out.chunk(self.ncrops)
-        temp = self.teacher_temp_schedule[epoch]
-        teacher_out = F.softmax((teacher_output - self.center) / temp, dim=-1)
-        teacher_out = teacher_out.detach().chunk(2)
-        total_loss, n_loss_terms = 0, 0
-        for iq, q in enumerate(teacher_out):
-            for v in range(len(student_out)):
-                if v == iq:
-                    continue
-                loss = torch.sum(-q * F.log_softmax(student_out[v], dim=-1), dim=-1)
-                total_loss += loss.mean()
-                n_loss_terms += 1
-        total_loss /= n_loss_terms
-        self.update_center(teacher_output)
-        return total_loss
-
-    @torch.no_grad()
-    def update_center(self, teacher_output):
-        batch_center = torch.sum(teacher_output, dim=0, keepdim=True)
-        batch_center = batch_center / (len(teacher_output) * 1)
-        self.center = self.center * self.center_momentum + batch_center * (1 - self.center_momentum)
+    if dist.is_initialized():  # another test's group: leave it
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def ref_sinkhorn_knopp_teacher(teacher_output, teacher_temp, n_iterations=3, n_masked_patches_tensor=None):
@@ -203,10 +181,10 @@ def test_the_head_is_dinos_with_its_keys_and_outputs(norm_last_layer):
 
 
 # ---- the losses -------------------------------------------------------------------------------------------------
-def test_the_dino_loss_and_its_centre_are_main_dinos_over_epochs_of_warming_temperature():
+def test_the_dino_loss_and_its_centre_are_main_dinos_over_epochs_of_warming_temperature(one_process):
     torch.manual_seed(0)
     K, B, ncrops, epochs = 40, 6, 5, 6
-    ref = RefDINOLoss(K, ncrops, 0.04, 0.07, 3, epochs)
+    ref = reference("dino", "main_dino").DINOLoss(K, ncrops, 0.04, 0.07, 3, epochs)
     ours = L.DINOLoss(K)
     for epoch in range(epochs):
         student, teacher = torch.randn(ncrops * B, K) * 3, torch.randn(2 * B, K) * 3
