@@ -1,8 +1,8 @@
 """DINO's and DINOv2's arithmetic against the references' code: dino's vision_transformer.py DINOHead and utils.py
 cosine_scheduler and clip_gradients, and main_dino.py's DINOLoss, imported from tests/reference/ (vendored verbatim);
-written out here from facebookresearch/dino (the EMA step of train_one_epoch) and facebookresearch/dinov2
-(loss/dino_clstoken_loss.py, loss/ibot_patch_loss.py, loss/koleo_loss.py, data/masking.py, data/collate.py; one
-process: their all_reduce calls are the identity). Same weights, same inputs: equal to 1e-6 (the schedules to 1e-12,
+DINOv2's loss/ (DINOLoss, iBOTPatchLoss, KoLeoLoss) too; written out here from facebookresearch/dino (the EMA step
+of train_one_epoch) and facebookresearch/dinov2 (data/masking.py, data/collate.py: their package's data/__init__
+imports its datasets and loaders). Same weights, same inputs: equal to 1e-6 (the schedules to 1e-12,
 the masks exactly)."""
 
 import copy
@@ -41,66 +41,9 @@ def one_process(tmp_path):
         dist.destroy_process_group()
 
 
-def ref_sinkhorn_knopp_teacher(teacher_output, teacher_temp, n_iterations=3, n_masked_patches_tensor=None):
-    """dinov2 DINOLoss.sinkhorn_knopp_teacher (iBOTPatchLoss's with n_masked_patches_tensor), one process."""
-    teacher_output = teacher_output.float()
-    Q = torch.exp(teacher_output / teacher_temp).t()
-    B = Q.shape[1] * 1 if n_masked_patches_tensor is None else n_masked_patches_tensor
-    K = Q.shape[0]
-    sum_Q = torch.sum(Q)
-    Q /= sum_Q
-    for _ in range(n_iterations):
-        sum_of_rows = torch.sum(Q, dim=1, keepdim=True)
-        Q /= sum_of_rows
-        Q /= K
-        Q /= torch.sum(Q, dim=0, keepdim=True)
-        Q /= B
-    Q *= B
-    return Q.t()
-
-
-def ref_dinov2_dino_loss(student_output_list, teacher_out_softmaxed_centered_list, student_temp=0.1):
-    """dinov2 DINOLoss.forward."""
-    total_loss = 0
-    for s in student_output_list:
-        lsm = F.log_softmax(s / student_temp, dim=-1)
-        for t in teacher_out_softmaxed_centered_list:
-            loss = torch.sum(t * lsm, dim=-1)
-            total_loss -= loss.mean()
-    return total_loss
-
-
-def ref_ibot_forward_masked(student_patch_tokens_masked, teacher_patch_tokens_masked, student_masks_flat,
-                            student_temp=0.1):  # fmt: skip
-    """dinov2 iBOTPatchLoss.forward_masked (masks_weight None)."""
-    t, s = teacher_patch_tokens_masked, student_patch_tokens_masked
-    loss = torch.sum(t * F.log_softmax(s / student_temp, dim=-1), dim=-1)
-    masks_weight = (
-        (1 / student_masks_flat.sum(-1).clamp(min=1.0)).unsqueeze(-1).expand_as(student_masks_flat)[student_masks_flat]
-    )
-    loss = loss * masks_weight
-    return -loss.sum() / student_masks_flat.shape[0]
-
-
-class RefKoLeoLoss(nn.Module):
-    """dinov2 KoLeoLoss."""
-
-    def __init__(self):
-        super().__init__()
-        self.pdist = nn.PairwiseDistance(2, eps=1e-8)
-
-    def pairwise_NNs_inner(self, x):
-        dots = torch.mm(x, x.t())
-        n = x.shape[0]
-        dots.view(-1)[:: (n + 1)].fill_(-1)
-        _, I = torch.max(dots, dim=1)  # noqa: E741
-        return I
-
-    def forward(self, student_output, eps=1e-8):
-        student_output = F.normalize(student_output, eps=eps, p=2, dim=-1)
-        I = self.pairwise_NNs_inner(student_output)  # noqa: E741
-        distances = self.pdist(student_output, student_output[I])
-        return -torch.log(distances + eps).mean()
+def dinov2_losses():
+    """dinov2/loss/ (vendored, unmodified; one process: their all_reduce calls are skipped when no group is set)."""
+    return reference("dinov2", "dinov2.loss")
 
 
 class RefMaskingGenerator:
@@ -208,18 +151,20 @@ def test_dinov2s_global_and_local_terms_add_up_to_the_same_loss():
     t = teacher.view(2, B, K)
     swapped = torch.cat((t[1], t[0]))
     terms = 2 * n_local + 2
-    local = ref_dinov2_dino_loss(s_local.chunk(n_local), t) / terms
-    glob = ref_dinov2_dino_loss([s_global], [swapped]) * 2 / terms
+    local = dinov2_losses().DINOLoss(K)(s_local.chunk(n_local), t) / terms
+    glob = dinov2_losses().DINOLoss(K)([s_global], [swapped]) * 2 / terms
     ours = L.DINOLoss(K)(list(s_global.chunk(2)) + list(s_local.chunk(n_local)), list(teacher.chunk(2)))
     torch.testing.assert_close(ours, local + glob, atol=1e-6, rtol=1e-6)
 
 
-def test_sinkhorn_knopp_is_dinov2s_for_class_tokens_and_masked_patches():
+def test_sinkhorn_knopp_is_dinov2s_for_class_tokens_and_masked_patches(one_process):
     torch.manual_seed(2)
     teacher = torch.randn(12, 20) * 2
-    torch.testing.assert_close(L.sinkhorn_knopp(teacher, 0.07), ref_sinkhorn_knopp_teacher(teacher, 0.07))
+    torch.testing.assert_close(
+        L.sinkhorn_knopp(teacher, 0.07), dinov2_losses().DINOLoss(20).sinkhorn_knopp_teacher(teacher, 0.07)
+    )
     patches, count = teacher[:9] * 0.5, torch.tensor(9.0)  # (its exp overflows float32 past ~88: the reference's too)
-    expected = ref_sinkhorn_knopp_teacher(patches, 0.04, n_masked_patches_tensor=count)
+    expected = dinov2_losses().iBOTPatchLoss(20).sinkhorn_knopp_teacher(patches, 0.04, n_masked_patches_tensor=count)
     torch.testing.assert_close(L.sinkhorn_knopp(patches, 0.04, count=count), expected, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(L.DINOLoss(20).targets(teacher, 0.07, "sinkhorn_knopp"), L.sinkhorn_knopp(teacher, 0.07))
 
@@ -234,17 +179,18 @@ def test_the_ibot_loss_and_its_patch_centre_are_dinov2s():
     loss = L.DINOLoss(K, patch=True)
     targets = loss.targets(teacher_logits, 0.07, "center")
     torch.testing.assert_close(targets, F.softmax(teacher_logits / 0.07, -1))
-    expected = ref_ibot_forward_masked(student, targets, masks)
+    expected = dinov2_losses().iBOTPatchLoss(K).forward_masked(student, targets, masks)
     torch.testing.assert_close(L.ibot_loss(student, targets, masks, 0.1), expected, atol=1e-6, rtol=1e-6)
     loss.update_center(teacher_logits.unsqueeze(0))  # iBOTPatchLoss.reduce_center_update / apply_center_update
     center = torch.zeros(1, 1, K) * 0.9 + torch.sum(teacher_logits.unsqueeze(0).mean(1), dim=0, keepdim=True) * 0.1
     torch.testing.assert_close(loss.center, center, atol=1e-7, rtol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:.*torch.cuda.amp.autocast.*:FutureWarning")  # theirs, as written
 def test_koleo_is_dinov2s():
     torch.manual_seed(4)
     x = torch.randn(10, 8)
-    torch.testing.assert_close(L.koleo_loss(x), RefKoLeoLoss()(x), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(L.koleo_loss(x), dinov2_losses().KoLeoLoss()(x), atol=1e-6, rtol=1e-6)
 
 
 # ---- schedules, the EMA step, clipping -----------------------------------------------------------------------
