@@ -46,11 +46,8 @@ def check_classes(trained: list[str], data: list[str], ckpt_path: str) -> None:
     """Labels are indices: a folder whose classes are named or ordered differently would be scored
     against the wrong classes."""
     if trained and data and list(trained) != list(data):
-        diff = (
-            next(i for i, (a, b) in enumerate(zip(trained, data, strict=False)) if a != b)
-            if (len(trained) == len(data))
-            else min(len(trained), len(data))
-        )
+        pairs = enumerate(zip(trained, data, strict=False))
+        diff = next((i for i, (a, b) in pairs if a != b), min(len(trained), len(data)))
         raise UserError(
             f"the data's classes {data[:5]}{'...' if len(data) > 5 else ''} are not the {len(trained)} classes "
             f"checkpoint {ckpt_path!r} was trained on {trained[:5]}{'...' if len(trained) > 5 else ''} "
