@@ -58,7 +58,7 @@ def train(cfg: DictConfig) -> float | None:
     if trainer.is_global_zero:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
         summarize(metrics, best, out)
-    return optimized_value(cfg.optimized_metric, metrics, warn=trainer.is_global_zero)
+    return optimized_value(build.optimized_metric(cfg), metrics, warn=trainer.is_global_zero)
 
 
 def _announce(cfg: DictConfig, trainer, module, estimate, out: Path) -> None:

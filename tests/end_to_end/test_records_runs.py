@@ -57,6 +57,7 @@ def test_each_reader_trains_each_objective(records, wds_shards, tmp_path, reader
                 f"hydra.run.dir={tmp_path}")  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert "was not logged" not in (tmp_path / "train.log").read_text()  # its result: val/loss_best, not val/acc_best
     if objective == "dino":
         assert "cut from each whole decoded image in the loader's workers" in (tmp_path / "train.log").read_text()
 

@@ -236,6 +236,20 @@ def build_callbacks(cfg: DictConfig, extra: Sequence[L.Callback] = ()) -> tuple[
     return instantiate_group(checkpoint_follows_objective(cfg).get("callbacks")) + bars + [RunIds(), *extra], show_bar
 
 
+def optimized_metric(cfg: DictConfig) -> str | None:
+    """`optimized_metric`; in a single run its default (val/acc_best) follows an objective that logs no accuracy
+    (val/loss_best), as the best checkpoint does. A sweep keeps what it was given: its direction goes with it."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    key, (watched, _) = (
+        cfg.get("optimized_metric"),
+        OBJECTIVES[(cfg.get("objective") or {}).get("name", "classify")].best,
+    )
+    single = not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN
+    return f"val/{watched}_best" if key == "val/acc_best" and watched != "acc" and single else key
+
+
 def checkpoint_follows_objective(cfg: DictConfig) -> DictConfig:
     """The default choice of the best checkpoint (val/acc, highest) under an objective that logs no accuracy (MAE,
     DINO without its k-NN callback): that objective's own (val/loss, lowest), said in a line; a monitor set in a
