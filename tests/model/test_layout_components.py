@@ -5,9 +5,10 @@ builder a name, so the two cannot drift apart."""
 import pytest
 
 from vitlab.model import config
+from vitlab.model.attention import ATTENTIONS
 from vitlab.model.blocks import BLOCKS
 from vitlab.model.init import WEIGHT_INITS
-from vitlab.model.layers import ACTIVATIONS, ATTENTIONS, MLPS, NORMS, POOLS
+from vitlab.model.layers import ACTIVATIONS, MLPS, NORMS, POOLS
 from vitlab.model.posemb import POS_EMBEDS
 
 # config.py's name tuple -> the table that builds its names

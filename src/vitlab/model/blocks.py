@@ -12,17 +12,9 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from vitlab.model.attention import ATTENTIONS, _Differential, _Softmax
 from vitlab.model.config import ViTConfig
-from vitlab.model.layers import (
-    ACTIVATIONS,
-    ATTENTIONS,
-    MLPS,
-    _Differential,
-    _Softmax,
-    norm,
-    scale_and_drop,
-    stochastic_depth,
-)
+from vitlab.model.layers import ACTIVATIONS, MLPS, norm, scale_and_drop, stochastic_depth
 
 
 class _AttnThenMlp(nn.Module):
@@ -30,10 +22,14 @@ class _AttnThenMlp(nn.Module):
     the two branches; `rows` is handled here (the attention branch returns the first `rows` tokens)."""
 
     def forward(
-        self, x: torch.Tensor, rows: int | None = None, attn_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
+        self,
+        x: torch.Tensor,
+        rows: int | None = None,
+        attn_mask: torch.Tensor | None = None,
+        rope: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D); rope: this block's RoPE table (model/rope.py)
         shortcut = x if rows is None else x[:, :rows]
-        x = shortcut + self._attn_branch(x, rows, attn_mask)
+        x = shortcut + self._attn_branch(x, rows, attn_mask, rope)
         return x + self._mlp_branch(x)
 
 
@@ -49,14 +45,45 @@ class Block(_AttnThenMlp):
         self.mlp = MLPS[cfg.mlp_layer](cfg)
         self.ls2, self.drop_path2 = scale_and_drop(cfg, drop_path)
 
-    def _attn_branch(self, x: torch.Tensor, rows: int | None, attn_mask: torch.Tensor | None) -> torch.Tensor:
-        return self.drop_path1(self.ls1(self.attn(self.norm1(x), rows, attn_mask)))
+    def _attn_branch(self, x: torch.Tensor, rows: int | None, attn_mask, rope=None) -> torch.Tensor:
+        return self.drop_path1(self.ls1(self.attn(self.norm1(x), rows, attn_mask, rope)))
 
     def _mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
-    def attention_map(self, x: torch.Tensor) -> torch.Tensor:
-        return self.attn.attention_map(self.norm1(x))
+    def attention_map(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
+        return self.attn.attention_map(self.norm1(x), rope)
+
+
+class EvaBlock(Block):
+    """timm's EvaBlock: the pre-norm block, its LayerScale the block's own gamma_1 / gamma_2 (timm's keys), multiplied
+    in before stochastic depth; attn_layer 'eva' or 'attn' (timm's attn_type 'rope'), any MLP of the table (EVA02's
+    SwiGLU with its sub-LN: mlp_layer 'swiglu' with scale_mlp_norm)."""
+
+    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0):
+        nn.Module.__init__(self)
+        D, self.init_values = cfg.embed_dim, cfg.init_values
+        self.norm1 = norm(cfg, D)
+        self.attn = ATTENTIONS[cfg.attn_layer](cfg, layer)
+        self.gamma_1 = nn.Parameter(torch.empty(D)) if cfg.init_values is not None else None
+        self.drop_path1 = stochastic_depth(drop_path)
+        self.norm2 = norm(cfg, D)
+        self.mlp = MLPS[cfg.mlp_layer](cfg)
+        self.gamma_2 = nn.Parameter(torch.empty(D)) if cfg.init_values is not None else None
+        self.drop_path2 = stochastic_depth(drop_path)
+
+    def reset_parameters(self) -> None:  # init.py resets every layer (after to_empty too)
+        for gamma in (self.gamma_1, self.gamma_2):
+            if gamma is not None:
+                nn.init.constant_(gamma, self.init_values)
+
+    def _attn_branch(self, x: torch.Tensor, rows: int | None, attn_mask, rope=None) -> torch.Tensor:
+        x = self.attn(self.norm1(x), rows, attn_mask, rope)
+        return self.drop_path1(x if self.gamma_1 is None else self.gamma_1 * x)
+
+    def _mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.mlp(self.norm2(x))
+        return self.drop_path2(x if self.gamma_2 is None else self.gamma_2 * x)
 
 
 class ResPostBlock(_AttnThenMlp):
@@ -78,14 +105,14 @@ class ResPostBlock(_AttnThenMlp):
             nn.init.constant_(self.norm1.weight, self.init_values)
             nn.init.constant_(self.norm2.weight, self.init_values)
 
-    def _attn_branch(self, x: torch.Tensor, rows: int | None, attn_mask: torch.Tensor | None) -> torch.Tensor:
-        return self.drop_path1(self.norm1(self.attn(x, rows, attn_mask)))
+    def _attn_branch(self, x: torch.Tensor, rows: int | None, attn_mask, rope=None) -> torch.Tensor:
+        return self.drop_path1(self.norm1(self.attn(x, rows, attn_mask, rope)))
 
     def _mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop_path2(self.norm2(self.mlp(x)))
 
-    def attention_map(self, x: torch.Tensor) -> torch.Tensor:
-        return self.attn.attention_map(x)
+    def attention_map(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
+        return self.attn.attention_map(x, rope)
 
 
 class ParallelThingsBlock(_AttnThenMlp):
@@ -105,14 +132,15 @@ class ParallelThingsBlock(_AttnThenMlp):
         )
         self.ffns = nn.ModuleList([branch("mlp", MLPS[cfg.mlp_layer](cfg)) for _ in range(num_parallel)])
 
-    def _attn_branch(self, x: torch.Tensor, rows: int | None, attn_mask: torch.Tensor | None) -> torch.Tensor:
-        return torch.stack([b.drop_path(b.ls(b.attn(b.norm(x), rows, attn_mask))) for b in self.attns]).sum(dim=0)
+    def _attn_branch(self, x: torch.Tensor, rows: int | None, attn_mask, rope=None) -> torch.Tensor:
+        branches = [b.drop_path(b.ls(b.attn(b.norm(x), rows, attn_mask, rope))) for b in self.attns]
+        return torch.stack(branches).sum(dim=0)
 
     def _mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
         return torch.stack([ffn(x) for ffn in self.ffns]).sum(dim=0)
 
-    def attention_map(self, x: torch.Tensor) -> torch.Tensor:  # the mean of the branches' maps
-        return torch.stack([b.attn.attention_map(b.norm(x)) for b in self.attns]).mean(dim=0)
+    def attention_map(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:  # the branches' mean
+        return torch.stack([b.attn.attention_map(b.norm(x), rope) for b in self.attns]).mean(dim=0)
 
 
 class _ParallelScaling(nn.Module):
@@ -141,7 +169,11 @@ class _ParallelScaling(nn.Module):
         return (hidden, *self._heads(q, k, v))
 
     def forward(
-        self, x: torch.Tensor, rows: int | None = None, attn_mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        rows: int | None = None,
+        attn_mask: torch.Tensor | None = None,
+        rope: None = None,  # (config.py refuses RoPE here)
     ) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
         hidden, q, k, v = self._project(x)
         if rows is not None:
@@ -149,7 +181,7 @@ class _ParallelScaling(nn.Module):
         y = self._out(self._attend(q, k, v, rows, attn_mask), self.mlp_drop(self.mlp_act(hidden)))
         return x + self.drop_path(self.ls(y))
 
-    def attention_map(self, x: torch.Tensor) -> torch.Tensor:
+    def attention_map(self, x: torch.Tensor, rope: None = None) -> torch.Tensor:
         _, q, k, _ = self._project(x)
         return self._map(q, k)
 
@@ -200,4 +232,5 @@ BLOCKS = {
     "diff_parallel_scaling": DiffParallelScalingBlock,
     "res_post": ResPostBlock,
     "parallel_things": ParallelThingsBlock,
+    "eva": EvaBlock,
 }

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vitlab.model.rope_config import check_rope
 from vitlab.utils.errors import UnknownArgumentError, UnsupportedRequestError, UserError
 
 # width, depth, heads; MLP ratio 4 (ViT paper Table 1; Ti from DeiT Table 1), except giant and gigantic: their MLP
@@ -33,11 +34,11 @@ GLOBAL_POOLS = ("token", "avg", "max", "avgmax", "map", "")
 ACT_LAYERS = ("gelu", "gelu_tanh", "quick_gelu", "silu")
 NORM_LAYERS = ("layernorm", "rmsnorm")
 MLP_LAYERS = ("mlp", "swiglu", "swiglu_packed")
-ATTN_LAYERS = ("attn", "diff")
-BLOCK_FNS = ("block", "parallel_scaling", "diff_parallel_scaling", "res_post", "parallel_things")
+ATTN_LAYERS = ("attn", "diff", "eva")
+BLOCK_FNS = ("block", "parallel_scaling", "diff_parallel_scaling", "res_post", "parallel_things", "eva")
 POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "sincos2d_mae", "none")
 POS_EMBED_RESAMPLE = ("timm", "dino")  # how a learned one is resampled (model/posemb.py: resample_grid)
-WEIGHT_INITS = ("", "jax", "jax_nlhb", "moco", "mae", "skip")  # timm's modes and MAE's
+WEIGHT_INITS = ("", "jax", "jax_nlhb", "moco", "mae", "eva", "skip")  # timm's modes, MAE's and timm's Eva's
 # The regularisation fields: probabilities in [0, 1), free to change when a run is resumed.
 # Keys of a config's model group that are the commands', not ViTConfig fields.
 MODEL_EXTRA_KEYS = ("variant", "timm_name", "pretrained", "resample_patch")
@@ -79,7 +80,10 @@ class ViTConfig:
     depth: int = 12
     num_heads: int = 12
     mlp_ratio: float = 4.0
+    mlp_hidden_dim: int | None = None  # the MLP's hidden width (fc1's), else int(embed_dim * mlp_ratio) (timm's Eva)
     qkv_bias: bool = True
+    qkv_fused: bool = True  # one qkv projection; False: q_proj, k_proj, v_proj (timm's Eva and AttentionRope)
+    qkv_bias_separate: bool = False  # attn_layer 'eva': the q/v biases added after the projection, not inside it
     qk_norm: bool = False
     init_values: float | None = None  # LayerScale (CaiT); None switches it off
     class_token: bool = True
@@ -91,7 +95,8 @@ class ViTConfig:
     final_norm: bool = True  # False: no norm after the blocks (nor fc_norm), as timm
     act_layer: str = "gelu"  # gelu (exact) | gelu_tanh | quick_gelu (CLIP) | silu
     norm_layer: str = "layernorm"  # layernorm | rmsnorm (every norm of the network, qk_norm's too)
-    attn_layer: str = "attn"  # attn | diff (differential attention, Ye et al. 2024)
+    # attn | diff (differential attention, Ye et al. 2024) | eva (EVA's: no key bias, timm's q_bias / v_bias keys)
+    attn_layer: str = "attn"
     mlp_layer: str = "mlp"  # mlp | swiglu (fc1_g, fc1_x) | swiglu_packed (one fc1, halves: act(a) * b)
     proj_bias: bool = True  # biases of the attention projection and the MLP's linear layers
     embed_norm: bool = False  # a norm (norm_layer) after the patch embedding (AIMv2)
@@ -100,7 +105,8 @@ class ViTConfig:
     pool_include_prefix: bool = False  # avg/max/avgmax/map pools over the prefix tokens too
     # block (pre-norm, the paper's) | parallel_scaling (ViT-22B: attention and MLP in parallel) |
     # diff_parallel_scaling (the same with differential attention and one output projection) | res_post
-    # (post-norm residuals, Swin V2) | parallel_things (two attention, then two MLP branches, Touvron et al. 2022)
+    # (post-norm residuals, Swin V2) | parallel_things (two attention, then two MLP branches, Touvron et al. 2022) |
+    # eva (timm's EvaBlock: the pre-norm block with LayerScale as gamma_1 / gamma_2)
     block_fn: str = "block"
     pre_norm: bool = False  # LayerNorm before the blocks (CLIP); drops the patch-embedding bias
     # 'learn', 'sincos1d' (fixed, Vaswani's table over the tokens), 'sincos2d' (fixed, big_vision's, patches only),
@@ -110,6 +116,22 @@ class ViTConfig:
     # (timm's resample_abs_pos_embed) or 'dino' (DINO's and DINOv2's interpolate_pos_encoding: +0.1 in the scale
     # factor, no antialias), which their recipes and weights use (model/posemb.py)
     pos_embed_resample: str = "timm"
+    # Rotary position embedding (RoPE, Su et al. 2021; for images Heo et al. 2024, EVA02, DINOv3) on the patch tokens'
+    # queries and keys in every attention, prefix tokens left as they are; beside pos_embed or with pos_embed 'none'.
+    # '' (off) | axial | mixed | dinov3 (ROPES; model/rope.py). Computed for each input's grid (dynamic_img_size).
+    rope: str = ""
+    rope_temperature: float = 10_000.0  # axial/dinov3: the frequencies' (periods') base; mixed: its magnitudes'
+    rope_ref_feat_shape: int | tuple[int, int] | None = None  # axial: positions rescaled to this grid (EVA02's)
+    rope_grid_offset: float = 0.0  # added to every position (PE: 1)
+    rope_grid_indexing: str = "ij"  # ij: channels (row, column); xy: (column, row) (rope-vit, PE)
+    rope_rotate_half: bool = False  # rotate the halves of each head (DINOv3), not interleaved pairs
+    rope_normalize_coords: str = "separate"  # dinov3: positions in [-1, 1] over each side, the shorter or longer
+    rope_period_range: tuple[float, float] | None = None  # dinov3: (min, max) period instead of the temperature's
+    rope_shift_coords: float | None = None  # training only: positions shifted by U(-s, s) (DINOv3's augmentation)
+    rope_jitter_coords: float | None = None  # training only: each axis scaled by log-uniform [1/J, J]
+    rope_rescale_coords: float | None = None  # training only: both axes scaled by log-uniform [1/R, R]
+    attn_pool_num_heads: int | None = None  # global_pool 'map': its heads (None: num_heads)
+    attn_pool_mlp_ratio: float | None = None  # global_pool 'map': its MLP's ratio (None: mlp_ratio)
     drop_rate: float = 0.0  # before the head
     pos_drop_rate: float = 0.0
     patch_drop_rate: float = 0.0  # training drops this fraction of the patch tokens (FLIP; timm's PatchDropout)
@@ -130,6 +152,9 @@ class ViTConfig:
     grid_size: tuple[int, int] = field(init=False)  # derived: patches along H and W
 
     def __post_init__(self) -> None:
+        for name in ("rope_ref_feat_shape", "rope_period_range"):
+            if isinstance(getattr(self, name), list):
+                setattr(self, name, tuple(getattr(self, name)))
         for name in ("img_size", "patch_size"):  # [h, w] from YAML is a tuple from here on (in messages too)
             size = getattr(self, name)
             if isinstance(size, (list, tuple)) and len(size) == 2:
@@ -194,12 +219,14 @@ class ViTConfig:
         if self.differential and (self.embed_dim // self.num_heads) % 2:
             head = self.embed_dim // self.num_heads
             raise UserError(f"differential attention halves each head: embed_dim / num_heads {head} must be even")
-        if self.fix_init and self.block_fn not in ("block", "res_post"):
-            raise UserError("fix_init scales the attention and MLP projections of block_fn 'block' or 'res_post' only")
-        if self.mlp_layer == "swiglu_packed" and int(self.embed_dim * self.mlp_ratio) % 2:
+        if self.fix_init and self.block_fn not in ("block", "res_post", "eva"):
             raise UserError(
-                f"mlp_layer 'swiglu_packed' splits its {int(self.embed_dim * self.mlp_ratio)} hidden features in "
-                "two halves: embed_dim * mlp_ratio must be even"
+                "fix_init scales the attention and MLP projections of block_fn 'block', 'res_post' or 'eva' only"
+            )
+        if self.mlp_layer == "swiglu_packed" and self.mlp_hidden % 2:
+            raise UserError(
+                f"mlp_layer 'swiglu_packed' splits its {self.mlp_hidden} hidden features in "
+                "two halves: embed_dim * mlp_ratio (or mlp_hidden_dim) must be even"
             )
         if self.global_pool == "token" and not self.class_token:
             raise UserError("global_pool 'token' needs class_token=true; use global_pool 'avg' without it")
@@ -216,29 +243,28 @@ class ViTConfig:
             raise UserError(f"pos_embed {self.pos_embed!r} needs embed_dim divisible by 4, got {self.embed_dim}")
         if self.pos_embed == "sincos1d" and self.embed_dim % 2:
             raise UserError(f"pos_embed 'sincos1d' needs an even embed_dim, got {self.embed_dim}")
+        if self.attn_layer == "eva" and self.block_fn in ("parallel_scaling", "diff_parallel_scaling"):
+            raise UserError(f"attn_layer 'eva' is a separate attention: block_fn {self.block_fn!r} has its own")
+        if self.qkv_bias_separate and (self.attn_layer != "eva" or not self.qkv_fused):
+            raise UserError("qkv_bias_separate adds attn_layer 'eva''s q/v biases after its fused qkv projection only")
+        if not self.qkv_fused and (self.attn_layer == "diff" or self.block_fn.endswith("parallel_scaling")):
+            raise UserError(f"qkv_fused false (q_proj, k_proj, v_proj) is for attn_layer 'attn' or 'eva', not "
+                            f"{self.attn_layer!r} in block_fn {self.block_fn!r}")  # fmt: skip
+        if self.rope != "":
+            check_rope(self)  # (a rope that is not a string included)
 
     def _check_types(self) -> None:
         # Hydra hands over whatever YAML parsed; catch "depth: 12.5" or "qk_norm: yes please" here.
         ints = ("in_chans", "num_classes", "embed_dim", "depth", "num_heads", "reg_tokens")
-        bools = (
-            "qkv_bias",
-            "qk_norm",
-            "class_token",
-            "distilled",
-            "no_embed_class",
-            "pre_norm",
-            "dynamic_img_size",
-            "dynamic_img_pad",
-            "final_norm",
-            "proj_bias",
-            "embed_norm",
-            "scale_attn_norm",
-            "scale_mlp_norm",
-            "pool_include_prefix",
-            "fix_init",
-            "drop_path_uniform",
-        )
-        floats = ("mlp_ratio", "norm_eps", *DROPOUTS)
+        for name in ("mlp_hidden_dim", "attn_pool_num_heads"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise UserError(f"{name} {v!r} must be a positive integer, or null")
+        bools = ("qkv_bias", "qk_norm", "class_token", "distilled", "no_embed_class", "pre_norm", "dynamic_img_size",
+                 "dynamic_img_pad", "final_norm", "proj_bias", "embed_norm", "scale_attn_norm", "scale_mlp_norm",
+                 "pool_include_prefix", "fix_init", "drop_path_uniform", "qkv_fused", "qkv_bias_separate",
+                 "rope_rotate_half")  # fmt: skip
+        floats = ("mlp_ratio", "norm_eps", "rope_temperature", "rope_grid_offset", *DROPOUTS)
         for name in ints:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
@@ -269,6 +295,11 @@ class ViTConfig:
     @property
     def patch_hw(self) -> tuple[int, int]:
         return as_hw(self.patch_size, "patch_size")
+
+    @property
+    def mlp_hidden(self) -> int:
+        """The MLP's hidden width (fc1's output): mlp_hidden_dim, else int(embed_dim * mlp_ratio)."""
+        return self.mlp_hidden_dim or int(self.embed_dim * self.mlp_ratio)
 
     @property
     def num_patches(self) -> int:
@@ -335,35 +366,16 @@ class ViTConfig:
         return self.num_patches + self.num_prefix_tokens
 
     def flops_per_image(self) -> int:
-        """Forward FLOPs (multiply-add = 2) of one image as `ViT.forward` computes them: every block but the last on
-        all N tokens; the last, under a class-token head, on the rows the head reads (`block_flops`); the patch
-        embedding 2*Np*P^2*C*D; the pool and head (norms, adds and activations ignored). MFU divides by this: counting
-        the whole last block overstated a DeiT-Ti's work by 7% (torch's FlopCounterMode agrees with this count,
-        tests/model/test_config.py)."""
-        n, d, k = self.num_tokens(), self.embed_dim, self.num_classes
-        rows = 1 + int(self.distilled) if self.global_pool == "token" else n  # ViT.forward's last_rows
-        blocks = (self.depth - 1) * self.block_flops(n, n) + self.block_flops(n, rows)
-        embed = 2 * self.num_patches * self.patch_hw[0] * self.patch_hw[1] * self.in_chans * d
-        pooled = self.num_tokens() if self.pool_include_prefix else self.num_patches
-        head = {"token": 2 * d * k * (1 + int(self.distilled)), "": 2 * n * d * k}.get(self.global_pool, 2 * d * k)
-        if self.global_pool == "map":  # attention pool: keys and values of the pooled tokens, one query, its MLP
-            hidden = int(d * self.mlp_ratio)
-            head += 2 * pooled * 2 * d * d + 4 * pooled * d + 2 * (2 * d * d + 2 * d * hidden)
-        return blocks + embed + head
+        """Forward FLOPs of one image as `ViT.forward` computes them (model/cost.py)."""
+        from vitlab.model.cost import flops_per_image
+
+        return flops_per_image(self)
 
     def block_flops(self, n: int, rows: int) -> int:
-        """Forward FLOPs of one block on n tokens of which the first `rows` are updated (blocks.py): keys and values
-        of every token, queries, output projection and MLP of the rows; attention 4*rows*N*D (q k^T, then a v).
-        The fused blocks (ViT-22B's) project every token into the MLP's hidden features with q, k and v."""
-        d, hidden = self.embed_dim, int(self.embed_dim * self.mlp_ratio)
-        # attention: q k^T and (attention) v, 2 rows N D each; differential attention: two half-width q k^T, v twice
-        attend = (6 if self.differential else 4) * rows * n * d
-        if self.block_fn in ("parallel_scaling", "diff_parallel_scaling"):
-            return 2 * n * d * (hidden + 3 * d) + 2 * rows * (d * d + hidden * d) + attend
-        # MLP weights: mlp D->Dm->D; swiglu two D->Dm and Dm->D; swiglu_packed D->Dm and Dm/2->D
-        mlp = {"mlp": 2 * d * hidden, "swiglu": 3 * d * hidden, "swiglu_packed": d * hidden + hidden // 2 * d}
-        per_branch = 2 * (3 * n * d * d + rows * d * d + rows * mlp[self.mlp_layer]) + attend
-        return per_branch * (2 if self.block_fn == "parallel_things" else 1)  # two of each branch
+        """Forward FLOPs of one block on n tokens of which the first `rows` are updated (model/cost.py)."""
+        from vitlab.model.cost import block_flops
+
+        return block_flops(self, n, rows)
 
 
 def vit_config(model: Mapping[str, Any]) -> ViTConfig:

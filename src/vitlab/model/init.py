@@ -91,6 +91,18 @@ def _mae_rule(name: str, m: nn.Module, cfg: ViTConfig) -> None:
             nn.init.zeros_(m.bias)
 
 
+def _eva_rule(name: str, m: nn.Module, cfg: ViTConfig) -> None:
+    """timm's Eva's: trunc-normal 0.02 Linears with zero biases, the head's then scaled by its head_init_scale 0.001
+    (the class and register tokens trunc-normal 0.02 too, in _init_root; fix_init, which Eva always applies, is the
+    config's own switch)."""
+    _timm_rule(name, m, cfg)
+    if isinstance(m, nn.Linear) and name == "head":
+        m.weight.mul_(EVA_HEAD_INIT_SCALE)
+        m.bias.mul_(EVA_HEAD_INIT_SCALE)
+
+
+EVA_HEAD_INIT_SCALE = 0.001  # timm's Eva(head_init_scale=0.001)
+
 # ---- the schemes, per model ----------------------------------------------------------------------------
 # One pass over the modules, children before their parent (a ResPost block sets its norms' weights after they are
 # reset), each module's own tensors set at its turn: PyTorch's defaults (or our layer's own, `reset_parameters`), then
@@ -104,6 +116,7 @@ WEIGHT_INITS: dict[str, Callable[[str, nn.Module, ViTConfig], None]] = {
     "jax_nlhb": _jax_rule,
     "moco": _moco_rule,
     "mae": _mae_rule,
+    "eva": _eva_rule,
     "skip": lambda name, m, cfg: None,  # every layer keeps PyTorch's own initialisation
 }
 
@@ -151,10 +164,10 @@ def _init_root(model: nn.Module) -> None:
     for tok in (model.cls_token, model.reg_token):
         if tok is not None:
             nn.init.zeros_(tok) if skip else nn.init.normal_(tok, std=1e-6)
-    if cfg.weight_init == "mae":
+    if cfg.weight_init in ("mae", "eva"):  # MAE's N(0, 0.02); timm's Eva's trunc-normal 0.02
         for tok in (model.cls_token, model.reg_token, model.dist_token):
             if tok is not None:
-                nn.init.normal_(tok, std=0.02)
+                (nn.init.normal_ if cfg.weight_init == "mae" else nn.init.trunc_normal_)(tok, std=0.02)
 
 
 def init_weights(model: nn.Module, reset: bool = True) -> None:

@@ -1,12 +1,11 @@
 """The layers a ViT is built from, one table per config choice: norms (NORMS), activations (ACTIVATIONS),
-poolings (POOLS), attention (ATTENTIONS), MLPs (MLPS), plus stochastic depth, patch dropout, LayerScale, the
-attention pool and the patch embedding. Parameter names are timm's.
+poolings (POOLS), MLPs (MLPS), plus stochastic depth, patch dropout, LayerScale and the patch embedding; attention
+(ATTENTIONS) and the attention pool are in attention.py. Parameter names are timm's.
 Shapes: B batch, N tokens (prefix + patches), D embed_dim, H heads, Dh head dim, P patch size.
 """
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import torch
@@ -90,7 +89,11 @@ class PatchDropout(nn.Module):
         self.p, self.num_prefix_tokens = p, num_prefix_tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, prefix + L, D) -> (B, prefix + kept, D)
-        return _drop_patches(x, self.p, self.num_prefix_tokens) if self.training else x
+        return _drop_patches(x, self.p, self.num_prefix_tokens)[0] if self.training else x
+
+    def forward_with_kept(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """In training: the tokens and the indices of the kept patches (B, kept) (a RoPE table follows them)."""
+        return _drop_patches(x, self.p, self.num_prefix_tokens)
 
 
 def random_order(n: int, length: int, device=None) -> torch.Tensor:
@@ -99,12 +102,12 @@ def random_order(n: int, length: int, device=None) -> torch.Tensor:
 
 
 @torch.fx.wrap  # the kept count comes from the input's shape
-def _drop_patches(x: torch.Tensor, p: float, num_prefix: int) -> torch.Tensor:
+def _drop_patches(x: torch.Tensor, p: float, num_prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
     prefix, x = x[:, :num_prefix], x[:, num_prefix:]
     L = x.shape[1]
     keep = random_order(x.shape[0], L, x.device)[:, : max(1, int(L * (1.0 - p)))]
     x = x.gather(1, keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-    return torch.cat([prefix, x], dim=1)
+    return torch.cat([prefix, x], dim=1), keep
 
 
 class LayerScale(nn.Module):
@@ -128,132 +131,6 @@ def scale_and_drop(cfg: ViTConfig, drop_path: float) -> tuple[nn.Module, nn.Modu
     ls = LayerScale(cfg.embed_dim, cfg.init_values) if cfg.init_values else nn.Identity()
     return ls, stochastic_depth(drop_path)
 
-
-# ---- attention ---------------------------------------------------------------------------------------
-# Every attention path takes `rows`: with it only the first `rows` tokens query (every token is still a key and
-# value), so the output is (B, rows, D). A class-token head reads one row of the last block (ViT.forward).
-
-
-@torch.fx.wrap  # traced with or without a mask
-def _mask_rows(attn_mask: torch.Tensor | None, rows: int) -> torch.Tensor | None:
-    """The mask of the first `rows` queries; None, or a mask with no query axis, as it is."""
-    return attn_mask if attn_mask is None or attn_mask.ndim < 2 else attn_mask[..., :rows, :]
-
-
-def _queries(q: torch.Tensor, attn_mask: torch.Tensor | None, rows: int | None) -> tuple:
-    """The first `rows` queries (..., rows, Dh) and their rows of the mask; every query without `rows`."""
-    return (q, attn_mask) if rows is None else (q[..., :rows, :], _mask_rows(attn_mask, rows))
-
-
-class _MultiHead(nn.Module):
-    """What every attention keeps per head: their number and width, the score scale 1/sqrt(Dh), the q/k norms and
-    the attention dropout. `_attend` and `_map` come from `_Softmax` or `_Differential`."""
-
-    def _init_heads(self, cfg: ViTConfig, head_dim: int) -> None:
-        self.num_heads, self.head_dim = cfg.num_heads, head_dim
-        self.scale = head_dim**-0.5  # SDPA's default scale too
-        self.attn_drop = cfg.attn_drop_rate
-        self.q_norm, self.k_norm = qk_norms(cfg, head_dim)
-
-
-class _Softmax(_MultiHead):
-    """softmax(q k^T / sqrt(Dh)) v over q, k, v (B, H, N, Dh), by SDPA (flash/mem-efficient kernels)."""
-
-    def _attend(self, q, k, v, rows: int | None, attn_mask: torch.Tensor | None) -> torch.Tensor:  # (B, rows|N, D)
-        """`attn_mask`: SDPA's, broadcastable to (B, H, N, N), bool (True attends) or added to the scores."""
-        q, attn_mask = _queries(q, attn_mask, rows)  # (B, H, rows, Dh)
-        drop = self.attn_drop if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=drop).transpose(1, 2).flatten(2)
-
-    def _map(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # (B, H, N, N), rows summing to 1
-        return ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
-
-
-class _Differential(_MultiHead):
-    """Differential attention (Ye et al. 2024, "Differential Transformer"; timm's DiffAttention): each head
-    splits q and k in two halves of Dh/2 and attends twice with values of width Dh,
-    softmax(q1 k1^T) v - lambda softmax(q2 k2^T) v, then an RMSNorm per head and a scale of (1 - lambda_init);
-    lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, lambda_init = 0.8 - 0.6 exp(-0.3 layer). Shared by
-    DiffAttention and DiffParallelScalingBlock, which build the heads with head_dim Dh/2, then call
-    `_init_differential` for the parameters below (timm's names)."""
-
-    LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
-
-    def _init_differential(self, cfg: ViTConfig, layer: int) -> None:
-        for name in self.LAMBDAS:
-            self.register_parameter(name, nn.Parameter(torch.empty(self.head_dim).normal_(std=0.1)))
-        self.sub_norm = nn.RMSNorm(2 * self.head_dim, eps=1e-5)
-        self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer)
-
-    def reset_parameters(self) -> None:  # the lambdas, then what a parallel block's other base holds (mlp_bias)
-        for name in self.LAMBDAS:
-            nn.init.normal_(getattr(self, name), std=0.1)
-        if hasattr(super(), "reset_parameters"):
-            super().reset_parameters()
-
-    def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        halves = (self.num_heads, 2, self.head_dim)
-        q = self.q_norm(q.unflatten(-1, halves).permute(0, 2, 3, 1, 4))  # (B, H, 2, N, Dh/2)
-        k = self.k_norm(k.unflatten(-1, halves).permute(0, 2, 3, 1, 4))
-        return q, k, v.unflatten(-1, (self.num_heads, 2 * self.head_dim)).transpose(1, 2)  # v: (B, H, N, Dh)
-
-    def _lambda(self) -> torch.Tensor:
-        l1, l2 = (self.lambda_q1 * self.lambda_k1).sum(-1), (self.lambda_q2 * self.lambda_k2).sum(-1)
-        return l1.float().exp() - l2.float().exp() + self.lambda_init
-
-    def _attend(self, q, k, v, rows: int | None, attn_mask: torch.Tensor | None) -> torch.Tensor:  # (B, rows|N, D)
-        q, attn_mask = _queries(q, attn_mask, rows)  # (B, H, 2, rows, Dh/2)
-        drop = self.attn_drop if self.training else 0.0
-        a1, a2 = (F.scaled_dot_product_attention(q[:, :, i], k[:, :, i], v, attn_mask, drop) for i in (0, 1))
-        x = self.sub_norm(a1 - self._lambda().type_as(a1) * a2) * (1 - self.lambda_init)
-        return x.transpose(1, 2).flatten(2)
-
-    def _map(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # the differential map (may be negative)
-        maps = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)  # (B, H, 2, N, N)
-        return maps[:, :, 0] - self._lambda().type_as(maps) * maps[:, :, 1]
-
-
-class Attention(_Softmax):
-    """Multi-head self-attention with one fused qkv projection."""
-
-    def __init__(self, cfg: ViTConfig, layer: int = 0, head_dim: int | None = None):  # layer: ATTENTIONS' signature
-        super().__init__()
-        dim = cfg.embed_dim
-        self.qkv = nn.Linear(dim, 3 * dim, bias=cfg.qkv_bias)  # rows ordered q; k; v
-        self._init_heads(cfg, head_dim or dim // cfg.num_heads)
-        self.norm = norm(cfg, dim) if cfg.scale_attn_norm else nn.Identity()
-        self.proj = nn.Linear(dim, dim, bias=cfg.proj_bias)
-        self.proj_drop = nn.Dropout(cfg.proj_drop_rate)
-
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)  # each (B, H, N, Dh), views: no copy
-        return self.q_norm(q), self.k_norm(k), v
-
-    def forward(
-        self, x: torch.Tensor, rows: int | None = None, attn_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
-        return self.proj_drop(self.proj(self.norm(self._attend(*self._qkv(x), rows, attn_mask))))
-
-    def attention_map(self, x: torch.Tensor) -> torch.Tensor:
-        """The attention probabilities (B, H, N, N). For visualisation only; the forward pass never
-        materialises them."""
-        return self._map(*self._qkv(x)[:2])
-
-
-class DiffAttention(_Differential, Attention):
-    """Attention with the differential attention of `_Differential` in place of softmax attention."""
-
-    def __init__(self, cfg: ViTConfig, layer: int = 0):
-        super().__init__(cfg, layer, head_dim=cfg.embed_dim // cfg.num_heads // 2)  # v keeps the full head width
-        self._init_differential(cfg, layer)
-
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        return self._heads(q, k, v)
-
-
-ATTENTIONS = {"attn": Attention, "diff": DiffAttention}  # config.py: attn_layer; built with (cfg, layer index)
 
 # ---- MLPs --------------------------------------------------------------------------------------------
 
@@ -285,7 +162,7 @@ class Mlp(_Mlp):
     """fc1 -> activation -> fc2 (the paper's MLP; GELU unless the config names another)."""
 
     def __init__(self, cfg: ViTConfig):
-        hidden = int(cfg.embed_dim * cfg.mlp_ratio)
+        hidden = cfg.mlp_hidden
         super().__init__(cfg, dict(fc1=_fc(cfg, hidden)), hidden)
 
     def _hidden(self, x: torch.Tensor) -> torch.Tensor:
@@ -296,7 +173,7 @@ class SwiGLU(_Mlp):
     """Gated MLP (Shazeer 2020): act(fc1_g x) * fc1_x x -> fc2, timm's `SwiGLU`."""
 
     def __init__(self, cfg: ViTConfig):
-        hidden = int(cfg.embed_dim * cfg.mlp_ratio)
+        hidden = cfg.mlp_hidden
         super().__init__(cfg, dict(fc1_g=_fc(cfg, hidden), fc1_x=_fc(cfg, hidden)), hidden)
 
     def _hidden(self, x: torch.Tensor) -> torch.Tensor:
@@ -308,7 +185,7 @@ class SwiGLUPacked(_Mlp):
     the width, timm's `SwiGLUPacked` (DINOv2 giant)."""
 
     def __init__(self, cfg: ViTConfig):
-        hidden = int(cfg.embed_dim * cfg.mlp_ratio)
+        hidden = cfg.mlp_hidden
         super().__init__(cfg, dict(fc1=_fc(cfg, hidden)), hidden // 2)
 
     def _hidden(self, x: torch.Tensor) -> torch.Tensor:
@@ -318,32 +195,7 @@ class SwiGLUPacked(_Mlp):
 
 MLPS = {"mlp": Mlp, "swiglu": SwiGLU, "swiglu_packed": SwiGLUPacked}  # config.py: mlp_layer; built with (cfg)
 
-# ---- the attention pool and the patch embedding ------------------------------------------------------
-
-
-class AttentionPool(nn.Module):
-    """Multi-head attention pooling with one learned query (SigLIP's 'map' head; timm's AttentionPoolLatent):
-    the latent query attends over the patch tokens, then a residual MLP on the pooled token."""
-
-    def __init__(self, cfg: ViTConfig):
-        super().__init__()
-        D = cfg.embed_dim
-        self.num_heads, self.head_dim = cfg.num_heads, D // cfg.num_heads
-        self.latent = nn.Parameter(torch.zeros(1, 1, D))
-        self.q = nn.Linear(D, D)
-        self.kv = nn.Linear(D, 2 * D)
-        self.proj = nn.Linear(D, D)
-        self.norm = norm(cfg, D)
-        self.mlp = Mlp(cfg.replace(proj_bias=True, proj_drop_rate=0.0))  # timm's: biases on, no dropout
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D) -> (B, D)
-        heads = (self.num_heads, self.head_dim)
-        q = self.q(self.latent.expand(x.shape[0], -1, -1)).unflatten(-1, heads).transpose(1, 2)  # (B, H, 1, Dh)
-        k, v = self.kv(x).unflatten(-1, (2, *heads)).permute(2, 0, 3, 1, 4).unbind(0)
-        x = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)  # (B, 1, D)
-        x = self.proj(x)
-        x = x + self.mlp(self.norm(x))
-        return x[:, 0]
+# ---- the patch embedding ------------------------------------------------------
 
 
 class PatchEmbed(nn.Module):

@@ -23,6 +23,7 @@ from vitlab.model.blocks import Block
 from vitlab.model.config import ViTConfig
 from vitlab.model.layers import random_order
 from vitlab.model.posemb import posemb_sincos_2d, posemb_sincos_2d_mae
+from vitlab.model.rope import keep_rows
 from vitlab.model.vit import ViT
 from vitlab.utils.checks import check_range, from_mapping
 from vitlab.utils.errors import UserError
@@ -101,13 +102,14 @@ def masked_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> 
 def encode_visible(vit: ViT, images: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ViT on `keep` random patches of each image (and its prefix tokens): (latent (B, prefix + keep, D) after
     the final norm, mask (B, N) with 1 on the removed patches, restore (B, N))."""
-    x = vit.embed(images)  # patch_drop must be off: this masking takes its place
+    x, rope = vit.embed_with_rope(images)  # patch_drop must be off: this masking takes its place
     prefix, patches = x[:, : vit.num_prefix_tokens], x[:, vit.num_prefix_tokens :]
     n, num_patches = patches.shape[:2]
     kept, restore = random_masking(n, num_patches, keep, patches.device)
     x = torch.cat([prefix, patches.gather(1, kept.unsqueeze(-1).expand(-1, -1, patches.shape[-1]))], dim=1)
+    rope = keep_rows(rope, kept) if rope is not None else None  # the kept patches' rows of the RoPE table
     for i, blk in enumerate(vit.blocks):
-        x = vit._block(blk, x, i=i)
+        x = vit._block(blk, x, i=i, rope=rope)
     mask = torch.ones(n, num_patches, device=images.device)
     mask[:, :keep] = 0
     return vit.norm(x), mask.gather(1, restore), restore

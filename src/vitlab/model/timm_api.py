@@ -81,7 +81,8 @@ class TimmAPI:
         )
 
     def no_weight_decay(self) -> set[str]:
-        return {"pos_embed", "cls_token", "reg_token", "dist_token"}
+        rope = {"rope.freqs"} if self.rope is not None and self.rope.per_block else set()  # (timm's Eva's)
+        return {"pos_embed", "cls_token", "reg_token", "dist_token"} | rope
 
     def group_matcher(self, coarse: bool = False) -> dict:
         """Parameter groups by depth, as timm's: the embeddings, then each block, then the rest (timm.optim's
@@ -191,9 +192,9 @@ class TimmAPI:
         take, last = take_indices(len(self.blocks), indices)
         B, H, W = x.shape[0], x.shape[-2], x.shape[-1]
         blocks = self.blocks[: last + 1] if stop_early else self.blocks
-        feats, x = [], self.embed(x)
+        (x, rope), feats = self.embed_with_rope(x), []
         for i, blk in enumerate(blocks):
-            x = self._block(blk, x, None, attn_mask)
+            x = self._block(blk, x, None, attn_mask, i, rope)
             if i in take:
                 feats.append(self.norm(x) if norm else x)
         n = self.num_prefix_tokens
@@ -239,9 +240,10 @@ class TimmAPI:
         if unknown:
             raise ValueError(f"unknown layer {unknown[0]!r}; use 'patch_embed', 'embed', 'blocks.<i>' or 'norm'")
         out = {"patch_embed": self.patch_embed(x).flatten(1, 2)} if "patch_embed" in wanted else {}
-        out["embed"] = x = self.embed(x)
+        x, rope = self.embed_with_rope(x)
+        out["embed"] = x
         for i, blk in enumerate(self.blocks):
-            out[f"blocks.{i}"] = x = self._block(blk, x)
+            out[f"blocks.{i}"] = x = self._block(blk, x, i=i, rope=rope)
         out["norm"] = self.norm(x)
         return {name: out[name] for name in wanted}
 

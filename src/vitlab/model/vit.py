@@ -15,10 +15,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from vitlab.model import init
+from vitlab.model.attention import AttentionPool
 from vitlab.model.blocks import BLOCKS
 from vitlab.model.config import ViTConfig
-from vitlab.model.layers import POOLS, AttentionPool, PatchDropout, PatchEmbed, norm
+from vitlab.model.layers import POOLS, PatchDropout, PatchEmbed, norm
 from vitlab.model.posemb import POS_EMBEDS, resample_grid, resample_pos_embed
+from vitlab.model.rope import Rope, keep_rows
 from vitlab.model.timm_api import TimmAPI
 
 # ---- inputs ----------------------------------------------------------------------------------------
@@ -58,10 +60,10 @@ class Recompute(nn.Module):
         super().__init__()
         self.__dict__["block"] = block
 
-    def forward(self, x: torch.Tensor, rows: int | None, attn_mask: torch.Tensor | None, selective: bool):
+    def forward(self, x: torch.Tensor, rows: int | None, attn_mask: torch.Tensor | None, selective: bool, rope=None):
         if selective:  # (dynamo traces a context_fn only when it is named in the call)
-            return checkpoint(self.block, x, rows, attn_mask, use_reentrant=False, context_fn=_selective_contexts)
-        return checkpoint(self.block, x, rows, attn_mask, use_reentrant=False)
+            return checkpoint(self.block, x, rows, attn_mask, rope, use_reentrant=False, context_fn=_selective_contexts)
+        return checkpoint(self.block, x, rows, attn_mask, rope, use_reentrant=False)
 
 
 def recompute_region(block: nn.Module) -> Recompute:
@@ -145,6 +147,7 @@ class ViT(TimmAPI, nn.Module):
         self.patch_drop = (
             PatchDropout(cfg.patch_drop_rate, self.num_prefix_tokens) if cfg.patch_drop_rate else nn.Identity()
         )
+        self.rope = Rope(cfg) if cfg.rope else None  # rotary position embedding (model/rope.py)
         self.norm_pre = norm(cfg, D) if cfg.pre_norm else nn.Identity()
         # Stochastic depth grows linearly with depth (timm's torch.linspace, float32 included).
         dpr = torch.linspace(0, cfg.drop_path_rate, cfg.depth, device="cpu").tolist()
@@ -171,9 +174,15 @@ class ViT(TimmAPI, nn.Module):
     # ---- forward ---------------------------------------------------------------------------------
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> tokens (B, N, D): patches, prefix tokens, position embedding."""
+        return self.embed_with_rope(x)[0]
+
+    def embed_with_rope(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Images -> (tokens (B, N, D), the RoPE table of their patches, or None): what the blocks take. With patch
+        dropout the table keeps the kept patches' rows (model/rope.py: keep_rows)."""
         cfg = self.cfg
         _check_input_size(x, cfg.img_hw, cfg.patch_hw, cfg.dynamic_img_size, cfg.dynamic_img_pad)
         x = self.patch_embed(x)  # (B, h, w, D)
+        rope = self.rope(x) if self.rope is not None else None  # this grid's
         pos = self.pos_embed
         if pos is not None and cfg.dynamic_img_size:  # this input's grid, from its shape
             pos = _pos_embed_at(pos, x, cfg.pos_embed, cfg.grid_size, cfg.pos_prefix_rows, cfg.pos_embed_resample)
@@ -188,7 +197,11 @@ class ViT(TimmAPI, nn.Module):
         else:  # patches only (DeiT-III, big_vision): add then concat
             x = x + pos
             x = torch.cat(prefix + [x], dim=1) if prefix else x
-        return self.norm_pre(self.patch_drop(self.pos_drop(x)))
+        x = self.pos_drop(x)
+        if rope is not None and isinstance(self.patch_drop, PatchDropout) and self.training:
+            x, keep = self.patch_drop.forward_with_kept(x)
+            return self.norm_pre(x), keep_rows(rope, keep)
+        return self.norm_pre(self.patch_drop(x)), rope
 
     def _block(
         self,
@@ -197,24 +210,28 @@ class ViT(TimmAPI, nn.Module):
         rows: int | None = None,
         attn_mask: torch.Tensor | None = None,
         i: int = 0,
+        rope: torch.Tensor | None = None,
     ):
         """Block `i`, recomputed in the backward pass where gradient checkpointing says: true every block, N every N-th
-        (blocks N-1, 2N-1, ...: the others keep their activations), selective every block's cheap ops."""
+        (blocks N-1, 2N-1, ...: the others keep their activations), selective every block's cheap ops. `rope`: the
+        model's RoPE table (embed_with_rope), of which mixed RoPE's block `i` takes its own."""
+        if rope is not None and self.rope.per_block:
+            rope = rope[i]
         mode = self.grad_checkpointing
         if not mode or not torch.is_grad_enabled():
-            return blk(x, rows, attn_mask)
+            return blk(x, rows, attn_mask, rope)
         if mode in (True, "selective") or (i + 1) % mode == 0:
-            return recompute_region(blk)(x, rows, attn_mask, mode == "selective")
-        return blk(x, rows, attn_mask)
+            return recompute_region(blk)(x, rows, attn_mask, mode == "selective", rope)
+        return blk(x, rows, attn_mask, rope)
 
     def forward_features(
         self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, last_rows: int | None = None
     ) -> torch.Tensor:
         """Images -> final normed tokens (B, N, D); with `last_rows`, the last block computes and returns
         only the first `last_rows` tokens (B, last_rows, D)."""
-        x = self.embed(x)
+        x, rope = self.embed_with_rope(x)
         for i, blk in enumerate(self.blocks):
-            x = self._block(blk, x, last_rows if i == len(self.blocks) - 1 else None, attn_mask, i)
+            x = self._block(blk, x, last_rows if i == len(self.blocks) - 1 else None, attn_mask, i, rope)
         return self.norm(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
@@ -252,10 +269,11 @@ class ViT(TimmAPI, nn.Module):
     def attention_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every block's attention probabilities, [(B, H, N, N)] * depth (dropout off)."""
         maps = []
-        x = self.embed(x)
-        for blk in self.blocks:
-            maps.append(blk.attention_map(x))
-            x = blk(x)
+        x, rope = self.embed_with_rope(x)
+        for i, blk in enumerate(self.blocks):
+            table = rope[i] if rope is not None and self.rope.per_block else rope
+            maps.append(blk.attention_map(x, table))
+            x = blk(x, None, None, table)
         return maps
 
 

@@ -1,0 +1,234 @@
+"""The attention layers, one table (ATTENTIONS, config.py's attn_layer): softmax attention with a fused or separate
+q/k/v projection (timm's Attention / AttentionRope), EVA's (no key bias; timm's EvaAttention), differential attention
+(timm's DiffAttention), and the attention pool of the 'map' head. RoPE (model/rope.py) rotates the queries and keys
+of the first two. Parameter names are timm's.
+Shapes: B batch, N tokens (prefix + patches), D embed_dim, H heads, Dh head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vitlab.model.config import ViTConfig
+from vitlab.model.layers import Mlp, norm, qk_norms
+from vitlab.model.rope import apply_rope
+
+# ---- self-attention ---------------------------------------------------------------------------------------
+# Every attention path takes `rows`: with it only the first `rows` tokens query (every token is still a key and
+# value), so the output is (B, rows, D). A class-token head reads one row of the last block (ViT.forward).
+
+
+@torch.fx.wrap  # traced with or without a mask
+def _mask_rows(attn_mask: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """The mask of the first `rows` queries; None, or a mask with no query axis, as it is."""
+    return attn_mask if attn_mask is None or attn_mask.ndim < 2 else attn_mask[..., :rows, :]
+
+
+def _queries(q: torch.Tensor, attn_mask: torch.Tensor | None, rows: int | None) -> tuple:
+    """The first `rows` queries (..., rows, Dh) and their rows of the mask; every query without `rows`."""
+    return (q, attn_mask) if rows is None else (q[..., :rows, :], _mask_rows(attn_mask, rows))
+
+
+class _MultiHead(nn.Module):
+    """What every attention keeps per head: their number and width, the score scale 1/sqrt(Dh), the q/k norms and
+    the attention dropout. `_attend` and `_map` come from `_Softmax` or `_Differential`."""
+
+    def _init_heads(self, cfg: ViTConfig, head_dim: int) -> None:
+        self.num_heads, self.head_dim = cfg.num_heads, head_dim
+        self.scale = head_dim**-0.5  # SDPA's default scale too
+        self.attn_drop = cfg.attn_drop_rate
+        self.q_norm, self.k_norm = qk_norms(cfg, head_dim)
+
+
+class _Softmax(_MultiHead):
+    """softmax(q k^T / sqrt(Dh)) v over q, k, v (B, H, N, Dh), by SDPA (flash/mem-efficient kernels)."""
+
+    def _attend(self, q, k, v, rows: int | None, attn_mask: torch.Tensor | None) -> torch.Tensor:  # (B, rows|N, D)
+        """`attn_mask`: SDPA's, broadcastable to (B, H, N, N), bool (True attends) or added to the scores."""
+        q, attn_mask = _queries(q, attn_mask, rows)  # (B, H, rows, Dh)
+        drop = self.attn_drop if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=drop).transpose(1, 2).flatten(2)
+
+    def _map(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # (B, H, N, N), rows summing to 1
+        return ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+
+
+class _Differential(_MultiHead):
+    """Differential attention (Ye et al. 2024, "Differential Transformer"; timm's DiffAttention): each head
+    splits q and k in two halves of Dh/2 and attends twice with values of width Dh,
+    softmax(q1 k1^T) v - lambda softmax(q2 k2^T) v, then an RMSNorm per head and a scale of (1 - lambda_init);
+    lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, lambda_init = 0.8 - 0.6 exp(-0.3 layer). Shared by
+    DiffAttention and DiffParallelScalingBlock, which build the heads with head_dim Dh/2, then call
+    `_init_differential` for the parameters below (timm's names)."""
+
+    LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+
+    def _init_differential(self, cfg: ViTConfig, layer: int) -> None:
+        for name in self.LAMBDAS:
+            self.register_parameter(name, nn.Parameter(torch.empty(self.head_dim).normal_(std=0.1)))
+        self.sub_norm = nn.RMSNorm(2 * self.head_dim, eps=1e-5)
+        self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer)
+
+    def reset_parameters(self) -> None:  # the lambdas, then what a parallel block's other base holds (mlp_bias)
+        for name in self.LAMBDAS:
+            nn.init.normal_(getattr(self, name), std=0.1)
+        if hasattr(super(), "reset_parameters"):
+            super().reset_parameters()
+
+    def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        halves = (self.num_heads, 2, self.head_dim)
+        q = self.q_norm(q.unflatten(-1, halves).permute(0, 2, 3, 1, 4))  # (B, H, 2, N, Dh/2)
+        k = self.k_norm(k.unflatten(-1, halves).permute(0, 2, 3, 1, 4))
+        return q, k, v.unflatten(-1, (self.num_heads, 2 * self.head_dim)).transpose(1, 2)  # v: (B, H, N, Dh)
+
+    def _lambda(self) -> torch.Tensor:
+        l1, l2 = (self.lambda_q1 * self.lambda_k1).sum(-1), (self.lambda_q2 * self.lambda_k2).sum(-1)
+        return l1.float().exp() - l2.float().exp() + self.lambda_init
+
+    def _attend(self, q, k, v, rows: int | None, attn_mask: torch.Tensor | None) -> torch.Tensor:  # (B, rows|N, D)
+        q, attn_mask = _queries(q, attn_mask, rows)  # (B, H, 2, rows, Dh/2)
+        drop = self.attn_drop if self.training else 0.0
+        a1, a2 = (F.scaled_dot_product_attention(q[:, :, i], k[:, :, i], v, attn_mask, drop) for i in (0, 1))
+        x = self.sub_norm(a1 - self._lambda().type_as(a1) * a2) * (1 - self.lambda_init)
+        return x.transpose(1, 2).flatten(2)
+
+    def _map(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # the differential map (may be negative)
+        maps = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)  # (B, H, 2, N, N)
+        return maps[:, :, 0] - self._lambda().type_as(maps) * maps[:, :, 1]
+
+
+class Attention(_Softmax):
+    """Multi-head self-attention with one fused qkv projection, or (qkv_fused false) q_proj, k_proj and v_proj (timm's
+    AttentionRope). With a RoPE table (model/rope.py) the patch tokens' queries and keys are rotated after their
+    norms, the prefix tokens' left as they are."""
+
+    def __init__(self, cfg: ViTConfig, layer: int = 0, head_dim: int | None = None):  # layer: ATTENTIONS' signature
+        super().__init__()
+        dim = cfg.embed_dim
+        self._projections(cfg)
+        self._init_heads(cfg, head_dim or dim // cfg.num_heads)
+        self.num_prefix_tokens, self.rotate_half = cfg.num_prefix_tokens, cfg.rope_rotate_half
+        self.norm = norm(cfg, dim) if cfg.scale_attn_norm else nn.Identity()
+        self.proj = nn.Linear(dim, dim, bias=cfg.proj_bias)
+        self.proj_drop = nn.Dropout(cfg.proj_drop_rate)
+
+    def _projections(self, cfg: ViTConfig, k_bias: bool = True) -> None:
+        dim, bias = cfg.embed_dim, cfg.qkv_bias
+        if cfg.qkv_fused:
+            self.qkv = nn.Linear(dim, 3 * dim, bias=bias)  # rows ordered q; k; v
+        else:
+            self.qkv = None
+            self.q_proj, self.k_proj = nn.Linear(dim, dim, bias=bias), nn.Linear(dim, dim, bias=bias and k_bias)
+            self.v_proj = nn.Linear(dim, dim, bias=bias)
+
+    def _fused(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, 3D)
+        return self.qkv(x)
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv is not None:
+            qkv = self._fused(x).unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv.unbind(0)  # each (B, H, N, Dh), views: no copy
+        else:
+            heads = (self.num_heads, self.head_dim)
+            q, k, v = (p(x).unflatten(-1, heads).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        return self.q_norm(q), self.k_norm(k), v
+
+    def _rotated(self, x: torch.Tensor, rope: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        q, k, v = self._qkv(x)
+        if rope is None:
+            return q, k, v
+        n = self.num_prefix_tokens
+        return apply_rope(q, rope, n, self.rotate_half), apply_rope(k, rope, n, self.rotate_half), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rows: int | None = None,
+        attn_mask: torch.Tensor | None = None,
+        rope: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # (B, N, D) -> (B, rows or N, D)
+        return self.proj_drop(self.proj(self.norm(self._attend(*self._rotated(x, rope), rows, attn_mask))))
+
+    def attention_map(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention probabilities (B, H, N, N). For visualisation only; the forward pass never
+        materialises them."""
+        return self._map(*self._rotated(x, rope)[:2])
+
+
+class EvaAttention(Attention):
+    """EVA's attention (timm's EvaAttention): the keys have no bias; fused, the qkv projection has none and the query
+    and value biases are parameters of their own (q_bias, v_bias: timm's keys), added inside the projection or after
+    it (qkv_bias_separate); unfused, k_proj has no bias."""
+
+    def _projections(self, cfg: ViTConfig, k_bias: bool = False) -> None:
+        super()._projections(cfg.replace(qkv_bias=False) if cfg.qkv_fused else cfg, k_bias=False)
+        self.qkv_bias_separate = cfg.qkv_bias_separate
+        fused_bias = cfg.qkv_fused and cfg.qkv_bias
+        self.q_bias = nn.Parameter(torch.zeros(cfg.embed_dim)) if fused_bias else None
+        self.register_buffer("k_bias", torch.zeros(cfg.embed_dim) if fused_bias else None, persistent=False)
+        self.v_bias = nn.Parameter(torch.zeros(cfg.embed_dim)) if fused_bias else None
+
+    def reset_parameters(self) -> None:  # init.py resets every layer (after to_empty too)
+        for bias in (self.q_bias, self.k_bias, self.v_bias):
+            if bias is not None:
+                nn.init.zeros_(bias)
+
+    def _fused(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, 3D), in timm's order of operations
+        if self.q_bias is None:
+            return self.qkv(x)
+        bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
+        if self.qkv_bias_separate:
+            return self.qkv(x) + bias
+        return F.linear(x, weight=self.qkv.weight, bias=bias)
+
+
+class DiffAttention(_Differential, Attention):
+    """Attention with the differential attention of `_Differential` in place of softmax attention."""
+
+    def __init__(self, cfg: ViTConfig, layer: int = 0):
+        super().__init__(cfg, layer, head_dim=cfg.embed_dim // cfg.num_heads // 2)  # v keeps the full head width
+        self._init_differential(cfg, layer)
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self._heads(q, k, v)
+
+
+ATTENTIONS = {
+    "attn": Attention,
+    "diff": DiffAttention,
+    "eva": EvaAttention,
+}  # config.py: attn_layer; built with (cfg, layer index)
+
+# ---- the attention pool ----
+
+
+class AttentionPool(nn.Module):
+    """Multi-head attention pooling with one learned query (SigLIP's 'map' head; timm's AttentionPoolLatent):
+    the latent query attends over the patch tokens, then a residual MLP on the pooled token."""
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        D = cfg.embed_dim
+        self.num_heads = cfg.attn_pool_num_heads or cfg.num_heads
+        self.head_dim = D // self.num_heads
+        self.latent = nn.Parameter(torch.zeros(1, 1, D))
+        self.q = nn.Linear(D, D)
+        self.kv = nn.Linear(D, 2 * D)
+        self.proj = nn.Linear(D, D)
+        self.norm = norm(cfg, D)
+        ratio = cfg.attn_pool_mlp_ratio or cfg.mlp_ratio  # timm's: biases on, no dropout, its own ratio
+        self.mlp = Mlp(cfg.replace(proj_bias=True, proj_drop_rate=0.0, mlp_ratio=ratio, mlp_hidden_dim=None))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D) -> (B, D)
+        heads = (self.num_heads, self.head_dim)
+        q = self.q(self.latent.expand(x.shape[0], -1, -1)).unflatten(-1, heads).transpose(1, 2)  # (B, H, 1, Dh)
+        k, v = self.kv(x).unflatten(-1, (2, *heads)).permute(2, 0, 3, 1, 4).unbind(0)
+        x = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)  # (B, 1, D)
+        x = self.proj(x)
+        x = x + self.mlp(self.norm(x))
+        return x[:, 0]

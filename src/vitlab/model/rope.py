@@ -1,0 +1,210 @@
+"""Rotary position embeddings (RoPE) of the patch tokens: the table of config.py's `rope` choices (ROPES below) and
+how attention applies them. The choices and their checks are in rope_config.py (no torch).
+
+A RoPE table holds, for each patch, the sines and cosines of the angles its queries' and keys' channel pairs are
+rotated by: (N, 2*Dh), [sin | cos], one angle per pair, the pairs interleaved ([f0, f0, f1, f1, ...]) or, with
+rope_rotate_half, in two halves ([f0, f1, ..., f0, f1, ...]). Each pair's angle is position x frequency, a quarter
+of the head's channels per axis. Axial and DINOv3 tables are the same for every head and block; mixed RoPE's
+frequencies are learned per block and head, (depth, H, N, 2*Dh). The class and register tokens are not rotated.
+Every step (grid, frequencies, float32 sin/cos, layout) follows timm.layers.pos_embed_sincos in its order of
+operations, so the tables equal timm's bit for bit.
+Shapes: B batch, H heads, N patches, Dh head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from vitlab.model.config import ViTConfig, as_hw
+
+
+class RopeSpec(NamedTuple):
+    """What a table is computed from (config.py's rope fields), as plain values (FX records them in its graph)."""
+
+    kind: str
+    head_dim: int
+    temperature: float
+    ref: tuple[int, int] | None
+    offset: float
+    indexing: str
+    rotate_half: bool
+    normalize: str
+    periods: tuple[float, float] | None
+    shift: float | None
+    jitter: float | None
+    rescale: float | None
+
+    @classmethod
+    def of(cls, cfg: ViTConfig) -> RopeSpec:
+        ref = as_hw(cfg.rope_ref_feat_shape, "rope_ref_feat_shape") if cfg.rope_ref_feat_shape is not None else None
+        periods = tuple(cfg.rope_period_range) if cfg.rope_period_range is not None else None
+        offset = 0.0 if cfg.rope == "mixed" else float(cfg.rope_grid_offset)  # (timm's mixed RoPE has none)
+        return cls(cfg.rope, cfg.embed_dim // cfg.num_heads, float(cfg.rope_temperature), ref, offset,
+                   cfg.rope_grid_indexing, cfg.rope_rotate_half, cfg.rope_normalize_coords, periods,
+                   cfg.rope_shift_coords, cfg.rope_jitter_coords, cfg.rope_rescale_coords)  # fmt: skip
+
+
+def rope_grid(shape, spec: RopeSpec, device=None) -> torch.Tensor:  # (h, w, 2) float32 positions
+    """Each patch's two coordinates: its row and column indices (+ rope_grid_offset; rescaled so that the grid spans
+    rope_ref_feat_shape, EVA02's), or DINOv3's patch centres in [-1, 1]. 'xy' lists (column, row) instead."""
+    shape, ref = list(shape), spec.ref and list(spec.ref)
+    if spec.indexing == "xy":
+        shape, ref = shape[::-1], ref and ref[::-1]
+    if spec.kind == "dinov3":  # patch centres, normalised by each side (or the shorter / longer one), then to [-1, 1]
+        denom = {"separate": shape, "min": [min(shape)] * 2, "max": [max(shape)] * 2}[spec.normalize]
+        t = [(torch.arange(0.5, s, device=device, dtype=torch.float32) + spec.offset) / float(d)
+             for s, d in zip(shape, denom, strict=True)]  # fmt: skip
+    else:
+        t = [torch.arange(s, device=device, dtype=torch.int64).to(torch.float32) + spec.offset for s in shape]
+        if ref:
+            t = [x / f * r for x, f, r in zip(t, shape, ref, strict=True)]
+    grid = torch.stack(torch.meshgrid(t, indexing=spec.indexing), dim=-1).to(torch.float32)
+    return 2.0 * grid - 1.0 if spec.kind == "dinov3" else grid
+
+
+def augment_coords(coords: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """DINOv3's training-time augmentations of the positions (..., 2), one draw for every patch of the batch: a shift
+    U(-s, s) per axis, a log-uniform scale per axis in [1/J, J], then one for both in [1/R, R] (timm's order)."""
+    axes, kw = coords.shape[-1], dict(device=coords.device, dtype=coords.dtype)
+    if spec.shift is not None:
+        coords = coords + torch.empty(axes, **kw).uniform_(-float(spec.shift), float(spec.shift))
+    if spec.jitter is not None:
+        j = math.log(float(spec.jitter))
+        coords = coords * torch.empty(axes, **kw).uniform_(-j, j).exp()
+    if spec.rescale is not None:
+        r = math.log(float(spec.rescale))
+        coords = coords * torch.empty(1, **kw).uniform_(-r, r).exp()
+    return coords
+
+
+def _layout(x: torch.Tensor, rotate_half: bool) -> torch.Tensor:  # (..., Dh/2) -> (..., Dh)
+    return torch.cat([x, x], dim=-1) if rotate_half else x.repeat_interleave(2, -1)
+
+
+def _sin_cos(angles: torch.Tensor, rotate_half: bool) -> torch.Tensor:  # (..., Dh/2) -> (..., 2*Dh)
+    return torch.cat([_layout(angles.sin(), rotate_half), _layout(angles.cos(), rotate_half)], dim=-1)
+
+
+def axial_bands(head_dim: int, temperature: float) -> torch.Tensor:  # (Dh/4,)
+    """Axial RoPE's frequencies 1 / temperature^(i / (Dh/4)), i < Dh/4 (timm's freq_bands, step 1)."""
+    n = head_dim // 4
+    return 1.0 / (temperature ** (torch.arange(0, n, 1, dtype=torch.int64).to(torch.float32) / n))
+
+
+def dinov3_periods(spec: RopeSpec) -> torch.Tensor:  # (Dh/4,)
+    """DINOv3's periods: temperature^(2i / (Dh/2)), or geometric from the min to the max period."""
+    n = spec.head_dim // 4
+    if spec.periods is not None:
+        lo, hi = spec.periods
+        return lo * ((hi / lo) ** torch.linspace(0, 1, n, dtype=torch.float32))
+    return spec.temperature ** (2.0 * torch.arange(n, dtype=torch.float32) / (spec.head_dim // 2))
+
+
+def mixed_freqs(head_dim: int, depth: int, num_heads: int, temperature: float) -> torch.Tensor:
+    """RoPE-Mixed's initial frequencies (2, depth, H, Dh/2): magnitudes 1 / temperature^(4i / Dh) along a random
+    direction per block and head, and the perpendicular one (Heo et al. 2024, Eq. 9; timm's init_random_2d_freqs)."""
+    mag = 1.0 / (temperature ** (torch.arange(0, head_dim, 4, dtype=torch.float32) / head_dim))[None, None]
+    angles = torch.rand(depth, num_heads, 1, dtype=torch.float32) * 2 * torch.pi
+    fx = torch.cat([mag * torch.cos(angles), mag * torch.cos(angles + torch.pi / 2)], dim=-1)
+    fy = torch.cat([mag * torch.sin(angles), mag * torch.sin(angles + torch.pi / 2)], dim=-1)
+    return torch.stack([fx, fy], dim=0)
+
+
+def rope_table(shape, spec: RopeSpec, augment: bool = False, freqs: torch.Tensor | None = None, device=None):
+    """The table of a (h, w) grid: (N, 2*Dh) [sin | cos] in float32, or mixed RoPE's (depth, H, N, 2*Dh) from its
+    frequencies `freqs` (in their dtype). `augment`: DINOv3's coordinate augmentations (training)."""
+    coords = rope_grid(shape, spec, freqs.device if freqs is not None else device)  # (h, w, 2)
+    if spec.kind == "dinov3":
+        coords = coords.flatten(0, -2)  # (N, 2)
+    if augment:
+        coords = augment_coords(coords, spec)
+    if spec.kind == "axial":
+        pos = coords.unsqueeze(-1) * axial_bands(spec.head_dim, spec.temperature).to(coords.device)  # (h, w, 2, Dh/4)
+        sin = _layout(pos.sin().flatten(-2).flatten(0, -2), spec.rotate_half)
+        return torch.cat([sin, _layout(pos.cos().flatten(-2).flatten(0, -2), spec.rotate_half)], dim=-1)
+    if spec.kind == "dinov3":
+        periods = dinov3_periods(spec).to(coords.device)
+        return _sin_cos((2 * math.pi * coords[:, :, None] / periods[None, None, :]).flatten(1), spec.rotate_half)
+    coords = coords.reshape(-1, 2)  # mixed: angle = x f_x + y f_y, per block and head
+    t_x, t_y, f = coords[:, 0].contiguous(), coords[:, 1].contiguous(), freqs.float()
+    angles = t_x.unsqueeze(-1) * f[0].unsqueeze(-2) + t_y.unsqueeze(-1) * f[1].unsqueeze(-2)  # (depth, H, N, Dh/2)
+    return _sin_cos(angles, False).to(freqs.dtype)
+
+
+class Rope(nn.Module):
+    """The model's RoPE table for the patch tokens (B, h, w, D) of a batch: `forward` -> (N, 2*Dh), or (depth, H, N,
+    2*Dh) for mixed RoPE (`per_block`). Without dynamic_img_size the table of the config's grid is kept (a buffer,
+    not saved: timm's cache); with it every batch's grid is computed, as timm's; in training the DINOv3 augmentations
+    draw new positions for each batch. Mixed RoPE's learned frequencies are its one parameter, `freqs` (timm's key
+    rope.freqs)."""
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.cfg, self.spec = cfg, RopeSpec.of(cfg)
+        self.per_block = cfg.rope == "mixed"
+        self.augments = any(v is not None for v in (cfg.rope_shift_coords, cfg.rope_jitter_coords,
+                                                      cfg.rope_rescale_coords))  # fmt: skip
+        if self.per_block:
+            self.freqs = nn.Parameter(torch.empty(2, cfg.depth, cfg.num_heads, self.spec.head_dim // 2))
+        cached = None if self.per_block else torch.empty(cfg.num_patches, 2 * self.spec.head_dim)
+        self.register_buffer("cached", cached, persistent=False)
+
+    def reset_parameters(self) -> None:  # init.py resets every layer (after to_empty too)
+        cfg = self.cfg
+        with torch.no_grad():
+            if self.per_block:
+                self.freqs.copy_(mixed_freqs(self.spec.head_dim, cfg.depth, cfg.num_heads, cfg.rope_temperature))
+            else:
+                self.cached.copy_(rope_table(cfg.grid_size, self.spec))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # tokens (B, h, w, D)
+        augment = self.training and self.augments
+        if self.per_block:
+            return _table_at(tokens, self.spec, augment, self.freqs)
+        if augment or self.cfg.dynamic_img_size:
+            return _table_at(tokens, self.spec, augment, self.cached)  # float32, as timm's
+        return self.cached
+
+
+@torch.fx.wrap  # FX records one call: the grid comes from the input's shape
+def _table_at(tokens: torch.Tensor, spec: RopeSpec, augment: bool, like: torch.Tensor) -> torch.Tensor:
+    freqs = like if spec.kind == "mixed" else None
+    return rope_table((tokens.shape[1], tokens.shape[2]), spec, augment, freqs, device=like.device)
+
+
+# ---- applying a table --------------------------------------------------------------------------------
+
+
+def _rotate(x: torch.Tensor, rotate_half: bool) -> torch.Tensor:
+    """Each channel pair (a, b) -> (-b, a): the halves of the head, or interleaved neighbours (timm's rot)."""
+    if rotate_half:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([-x2, x1], dim=-1)
+    return torch.stack([-x[..., 1::2], x[..., ::2]], -1).reshape(x.shape)
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor, num_prefix: int, rotate_half: bool) -> torch.Tensor:
+    """Queries or keys (B, H, prefix + N, Dh) rotated by a table (N, 2*Dh), (H, N, 2*Dh) or with a batch axis; the
+    prefix tokens as they are (timm's EvaAttention / AttentionRope)."""
+    sin, cos = table.chunk(2, -1)
+    patches = x[:, :, num_prefix:]
+    rotated = (patches * cos + _rotate(patches, rotate_half) * sin).to(x.dtype)
+    return torch.cat([x[:, :, :num_prefix], rotated], dim=2)
+
+
+def keep_rows(table: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The table's rows of the kept patches `keep` (B, n) of each image (patch dropout, MAE's masking): (N, 2*Dh) ->
+    (B, 1, n, 2*Dh); mixed (depth, H, N, 2*Dh) -> (depth, B, H, n, 2*Dh)."""
+    table = table.unsqueeze(-3) if table.ndim == 2 else table  # (1, N, C) or (depth, H, N, C)
+    table = table.unsqueeze(-4)  # a batch axis before the heads
+    shape = list(table.shape)
+    shape[-4], shape[-2] = keep.shape[0], keep.shape[1]
+    index = keep[:, None, :, None] if table.ndim == 4 else keep[None, :, None, :, None]
+    return table.expand(*table.shape[:-4], keep.shape[0], *table.shape[-3:]).gather(-2, index.expand(shape))
+
+
+ROPES = {"axial": Rope, "mixed": Rope, "dinov3": Rope}  # config.py's rope ('' none); built with (cfg)

@@ -1,0 +1,71 @@
+"""The RoPE choices of ViTConfig (config.py) and what contradicts them, without torch (model/rope.py builds them).
+
+RoPE rotates pairs of channels of each head by angles that grow with the patch's row and column (Su et al. 2021;
+for images Heo et al. 2024 "Rotary Position Embedding for Vision Transformer", EVA02, DINOv3). The choices follow
+timm's Eva arguments (timm.layers.pos_embed_sincos): `axial` is RotaryEmbeddingCat (fixed frequencies per axis,
+EVA02's rescale to `rope_ref_feat_shape`), `mixed` RotaryEmbeddingMixed (learned frequencies per block and head,
+rope-vit's RoPE-Mixed), `dinov3` RotaryEmbeddingDinoV3 (positions in [-1, 1], periods, training-time coordinate
+augmentations).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from vitlab.utils.errors import UserError
+
+if TYPE_CHECKING:
+    from vitlab.model.config import ViTConfig
+
+# config.py's rope: '' none | axial (timm's RotaryEmbeddingCat: EVA02,
+# rope-vit, PE) | mixed (learned per-head frequencies, RotaryEmbeddingMixed) | dinov3 (RotaryEmbeddingDinoV3)
+ROPES = ("", "axial", "mixed", "dinov3")
+ROPE_GRID_INDEXING = ("ij", "xy")
+ROPE_NORMALIZE_COORDS = ("separate", "min", "max")
+ROPE_AUGMENTATIONS = ("rope_shift_coords", "rope_jitter_coords", "rope_rescale_coords")
+
+
+def check_rope(self: ViTConfig) -> None:
+    """RoPE rotates pairs of channels of each head along two axes: what contradicts it is refused."""
+    head = self.embed_dim // self.num_heads
+    if self.rope not in ROPES:
+        raise UserError(f"rope {self.rope!r} is not one of {list(ROPES)} ('' = none)")
+    if head % 4:
+        raise UserError(
+            f"rope {self.rope!r} rotates channel pairs along two axes: embed_dim / num_heads {head} "
+            f"(embed_dim {self.embed_dim}, num_heads {self.num_heads}) must be divisible by 4"
+        )
+    if self.pos_embed == "sincos1d":
+        raise UserError("rope with pos_embed 'sincos1d' (a 1-D table over the tokens): use pos_embed 'none', "
+                            "'learn', 'sincos2d' or 'sincos2d_mae' beside it")  # fmt: skip
+    if self.block_fn in ("parallel_scaling", "diff_parallel_scaling") or self.attn_layer == "diff":
+        raise UserError(
+            f"rope rotates the queries and keys of attn_layer 'attn' or 'eva' in block_fn 'block', "
+            f"'eva', 'res_post' or 'parallel_things', not {self.attn_layer!r} in {self.block_fn!r}"
+        )
+    for name, allowed in (("rope_grid_indexing", ROPE_GRID_INDEXING),
+                              ("rope_normalize_coords", ROPE_NORMALIZE_COORDS)):  # fmt: skip
+        if getattr(self, name) not in allowed:
+            raise UserError(f"{name} {getattr(self, name)!r} is not one of {list(allowed)}")
+    ref = self.rope_ref_feat_shape
+    if ref is not None and (self.rope != "axial" or min(_hw(ref)) < 1):
+        raise UserError(f"rope_ref_feat_shape {ref!r} is the grid axial RoPE's positions are rescaled to: "
+                            f"positive [height, width] with rope 'axial' (got rope {self.rope!r})")  # fmt: skip
+    if self.rope == "mixed" and self.rope_rotate_half:
+        raise UserError("rope 'mixed' rotates interleaved channel pairs: rope_rotate_half must be false")
+    periods = self.rope_period_range
+    if periods is not None and (self.rope != "dinov3" or len(periods) != 2 or not 0 < periods[0] <= periods[1]):
+        raise UserError(f"rope_period_range {periods!r} must be [min, max] with 0 < min <= max, with rope 'dinov3'")
+    if self.rope_temperature <= 0:
+        raise UserError(f"rope_temperature {self.rope_temperature} must be > 0")
+    for name, least in zip(ROPE_AUGMENTATIONS, (0.0, 1.0, 1.0), strict=True):
+        v = getattr(self, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not least <= v < math.inf):
+            raise UserError(f"{name} {v!r} must be a finite number >= {least:g}, or null (off)")
+
+
+def _hw(size) -> tuple[int, int]:
+    from vitlab.model.config import as_hw
+
+    return as_hw(size, "rope_ref_feat_shape")
