@@ -40,3 +40,17 @@ def block_flops(self: ViTConfig, n: int, rows: int) -> int:
     mlp = {"mlp": 2 * d * hidden, "swiglu": 3 * d * hidden, "swiglu_packed": d * hidden + hidden // 2 * d}
     per_branch = 2 * (3 * n * d * d + rows * d * d + rows * mlp[self.mlp_layer]) + attend
     return per_branch * (2 if self.block_fn == "parallel_things" else 1)  # two of each branch
+
+
+def activation_values(self: ViTConfig) -> float:
+    """Values per token and width that one block keeps for the backward pass (training.devices.memory's estimate
+    multiplies by tokens, width and bytes; measured with saved-tensor hooks, tests/training/devices/test_memory.py):
+    8 for the norms, qkv, attention and projection; the MLP's hidden features twice (fc1's output and its
+    activation; swiglu four times: both branches, the activation and the product), once more under scale_mlp_norm;
+    2 for LayerScale (each branch's output before its scale); RoPE's rotated queries and keys, which attention keeps
+    beside the projection (3; mixed RoPE 5.5: its learned table and the rotated copies its gradient needs)."""
+    d, hidden = self.embed_dim, self.mlp_hidden
+    inner = hidden / 2 if self.mlp_layer == "swiglu_packed" else hidden  # the features the MLP's fc2 reads
+    mlp = (4 * hidden if self.mlp_layer == "swiglu" else 2 * hidden) + (inner if self.scale_mlp_norm else 0)
+    rope = {"": 0.0, "mixed": 5.5}.get(self.rope, 3.0)
+    return 8 + mlp / d + (2 if self.init_values is not None else 0) + rope

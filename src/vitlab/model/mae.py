@@ -124,18 +124,7 @@ class MAEDecoder(nn.Module):
     def __init__(self, encoder: ViTConfig, cfg: MAEConfig):
         super().__init__()
         self.num_prefix_tokens = encoder.num_prefix_tokens
-        block_cfg = dataclasses.replace(
-            encoder,
-            embed_dim=cfg.decoder_embed_dim,
-            depth=cfg.decoder_depth,
-            num_heads=cfg.decoder_num_heads,
-            drop_path_rate=0.0,
-            proj_drop_rate=0.0,
-            attn_drop_rate=0.0,
-            init_values=None,
-            mlp_ratio=4.0,
-            mlp_layer="mlp",
-        )
+        block_cfg = decoder_block_config(encoder, cfg)
         self.decoder_embed = nn.Linear(encoder.embed_dim, cfg.decoder_embed_dim)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, cfg.decoder_embed_dim))
         self.encoder_cfg = encoder  # (what the fixed table follows)
@@ -157,18 +146,36 @@ class MAEDecoder(nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
-    def forward(self, latent: torch.Tensor, restore: torch.Tensor) -> torch.Tensor:
-        """(B, prefix + kept, D) encoder tokens -> (B, N, ph * pw * C) predicted pixels of every patch."""
+    def forward(self, latent: torch.Tensor, restore: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
+        """(B, prefix + kept, D) encoder tokens -> (B, N, ph * pw * C) predicted pixels of every patch; `grid`: the
+        images' patch grid when it is not the encoder config's (dynamic_img_size), its fixed table computed there."""
         x = self.decoder_embed(latent)
         p = self.num_prefix_tokens
         n, num_patches = restore.shape
         masked = self.mask_token.to(x.dtype).expand(n, num_patches - (x.shape[1] - p), -1)
         patches = torch.cat([x[:, p:], masked], dim=1)
         patches = patches.gather(1, restore.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # back in image order
-        x = torch.cat([x[:, :p], patches], dim=1) + self.decoder_pos_embed.to(x.dtype)
+        table = self.decoder_pos_embed
+        if grid is not None and tuple(grid) != self.encoder_cfg.grid_size:
+            (ph, pw), enc = self.encoder_cfg.patch_hw, self.encoder_cfg
+            table = decoder_pos_table(enc.replace(img_size=[grid[0] * ph, grid[1] * pw]), x.shape[-1]).to(x.device)
+        x = torch.cat([x[:, :p], patches], dim=1) + table.to(x.dtype)
         for blk in self.decoder_blocks:
             x = blk(x)
         return self.decoder_pred(self.decoder_norm(x))[:, p:]
+
+
+def decoder_block_config(encoder: ViTConfig, cfg: MAEConfig) -> ViTConfig:
+    """The decoder's blocks (model/blocks.py's pre-norm Block): the encoder's config at the decoder's width and depth,
+    MLP ratio 4 without LayerScale or dropout, as MAE's; and without what belongs to the encoder alone: its RoPE (the
+    decoder's positions are its fixed table), its MLP's width (mlp_hidden_dim), EVA's separate q/k/v."""
+    rope_off = {f.name: f.default for f in dataclasses.fields(ViTConfig) if f.name.startswith("rope")}
+    attn = "attn" if encoder.attn_layer == "eva" else encoder.attn_layer
+    return dataclasses.replace(
+        encoder, **rope_off, embed_dim=cfg.decoder_embed_dim, depth=cfg.decoder_depth,
+        num_heads=cfg.decoder_num_heads, drop_path_rate=0.0, proj_drop_rate=0.0, attn_drop_rate=0.0, init_values=None,
+        mlp_ratio=4.0, mlp_hidden_dim=None, mlp_layer="mlp", attn_layer=attn, qkv_fused=True, qkv_bias_separate=False,
+    )  # fmt: skip
 
 
 def decoder_pos_table(encoder: ViTConfig, dim: int) -> torch.Tensor:
@@ -181,20 +188,16 @@ def decoder_pos_table(encoder: ViTConfig, dim: int) -> torch.Tensor:
 
 
 def flops_per_image(encoder: ViTConfig, cfg: MAEConfig) -> int:
-    """Forward FLOPs of one image (multiply-add = 2; as ViTConfig.flops_per_image counts a standard block): the
-    patch embedding of every patch, the encoder's blocks on the prefix and kept tokens, the decoder's blocks on
-    every token, its projection in and its pixel prediction out."""
-
-    def blocks(depth: int, n: int, d: int, hidden: int) -> int:
-        return depth * (2 * n * (4 * d * d + 2 * d * hidden) + 4 * n * n * d)
-
+    """Forward FLOPs of one image (multiply-add = 2; each block as ViTConfig.block_flops counts it, the encoder's
+    attention, MLP and SwiGLU included): the patch embedding of every patch, the encoder's blocks on the prefix and
+    kept tokens, the decoder's blocks on every token, its projection in and its pixel prediction out."""
     d, dd, patches = encoder.embed_dim, cfg.decoder_embed_dim, encoder.num_patches
     ph, pw = encoder.patch_hw
     n_enc, n_dec = encoder.num_prefix_tokens + cfg.kept(patches), encoder.num_tokens()
     embed = 2 * patches * ph * pw * encoder.in_chans * d
-    enc = blocks(encoder.depth, n_enc, d, int(d * encoder.mlp_ratio))
+    enc = encoder.depth * encoder.block_flops(n_enc, n_enc)
     dec = (
-        blocks(cfg.decoder_depth, n_dec, dd, 4 * dd)
+        cfg.decoder_depth * decoder_block_config(encoder, cfg).block_flops(n_dec, n_dec)
         + 2 * n_enc * d * dd
         + 2 * patches * dd * ph * pw * encoder.in_chans
     )
@@ -205,7 +208,8 @@ def mae_forward(
     vit: ViT, decoder: MAEDecoder, images: torch.Tensor, cfg: MAEConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, predicted pixels (B, N, ph * pw * C), mask (B, N)) of a batch, as MAE's `forward`."""
-    num_patches = math.prod(vit.cfg.grid_size)
-    latent, mask, restore = encode_visible(vit, images, cfg.kept(num_patches))
-    pred = decoder(latent, restore)
+    (ph, pw), (h, w) = vit.cfg.patch_hw, images.shape[-2:]
+    grid = (h // ph, w // pw)  # this batch's (the config's, or another under dynamic_img_size)
+    latent, mask, restore = encode_visible(vit, images, cfg.kept(math.prod(grid)))
+    pred = decoder(latent, restore, grid)
     return masked_mse(pred, pixel_target(images, vit.cfg.patch_hw, cfg.norm_pix_loss), mask), pred, mask

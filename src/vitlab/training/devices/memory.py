@@ -7,11 +7,12 @@ which model fits how many GPUs under DDP and FSDP comes from it):
   FSDP each holds 1/world, plus the units gathered in flight: the root's own parameters (embeddings, norms, head)
   and two blocks (the one computing and the one prefetched), and their unsharded gradients;
 - activations: what autograd saves for backward, per image, dominated by the blocks: (8 + 2 x mlp_ratio) x width
-  values per token per block (measured on this CPU with saved-tensor hooks), 4 bytes each in fp32; under bf16
-  autocast 4.5 bytes on a CPU (measured: CPU autocast keeps some tensors in both precisions) and 2.2 on a GPU
-  (from the H100's measured peak: ViT-B/16, batch 256, bf16, 16.7 GB; experiments/throughput); with gradient
-  checkpointing a block keeps only its input (one value per token per width), and one block is recomputed at a
-  time. MAE's encoder sees its kept patches only and its decoder all of them (Objective.activation_shapes).
+  values per token per block, more with LayerScale, SwiGLU and RoPE (model/cost.py: activation_values; measured on
+  this CPU with saved-tensor hooks), 4 bytes each in fp32; under bf16 autocast 4.5 bytes on a CPU (measured: CPU
+  autocast keeps some tensors in both precisions) and 2.2 on a GPU (from the H100's measured peak: ViT-B/16, batch
+  256, bf16, 16.7 GB; experiments/throughput); with gradient checkpointing a block keeps only its input (one value
+  per token per width), and one block is recomputed at a time. MAE's encoder sees its kept patches only and its
+  decoder all of them (Objective.activation_shapes).
 
 Left out: the allocator's fragmentation and caching, CUDA's context (~0.5 GB), temporary buffers inside a kernel,
 the data loader. tests/training/devices/test_memory.py checks the activation term against autograd's saved tensors.

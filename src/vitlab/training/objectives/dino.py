@@ -29,6 +29,7 @@ from torch import nn
 
 from vitlab.data.multicrop import MultiCropConfig, Views
 from vitlab.model import ViT, ViTConfig
+from vitlab.model.cost import activation_values
 from vitlab.model.dino_head import DINOHead
 from vitlab.training.devices.sharding import new_vit
 from vitlab.training.objectives import dino_losses as L
@@ -280,7 +281,7 @@ class DINO(Objective):
     def activation_shapes(self, model: ViTConfig) -> list[tuple[int, int, int, float]]:
         """The student's blocks over every view (the teacher's forward keeps nothing), each view's head outputs
         (logits, their softmax and gradient), and the image."""
-        c, full, prefix = self.cfg.crops, 8 + 2 * model.mlp_ratio, model.num_prefix_tokens
+        c, full, prefix = self.cfg.crops, activation_values(model), model.num_prefix_tokens
         size = int(c.global_size or model.img_hw[0])
         glob = prefix + (size // model.patch_hw[0]) * (size // model.patch_hw[1])
         local = prefix + (c.local_size // model.patch_hw[0]) * (c.local_size // model.patch_hw[1])

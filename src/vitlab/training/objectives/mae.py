@@ -16,6 +16,7 @@ from torch import nn
 from torchmetrics import Metric
 
 from vitlab.model import ViT, ViTConfig
+from vitlab.model.cost import activation_values
 from vitlab.model.mae import MAEConfig, MAEDecoder, flops_per_image, mae_forward
 from vitlab.training.objectives.objective import Objective
 from vitlab.utils.checks import from_mapping
@@ -43,8 +44,6 @@ class MAE(Objective):
             )
         if model.patch_drop_rate:
             raise UserError("objective=mae masks the patches itself: set model.patch_drop_rate=0")
-        if model.dynamic_img_size:
-            raise UserError("objective=mae needs a fixed image size: set model.dynamic_img_size=false")
         if optim.layer_decay:
             raise UserError(
                 "objective=mae pretrains without layer decay (MAE's fine-tuning uses it): set optim.layer_decay=null"
@@ -56,12 +55,13 @@ class MAE(Objective):
     def activation_shapes(self, model: ViTConfig) -> list[tuple[int, int, int, float]]:
         """The encoder on the prefix tokens and the kept patches, the decoder on every patch; and around them, every
         patch embedded before masking, and the decoder's input and prediction."""
-        tokens, c, full = model.num_prefix_tokens + model.num_patches, self.cfg, 8 + 2 * model.mlp_ratio
+        tokens, c, full = model.num_prefix_tokens + model.num_patches, self.cfg, activation_values(model)
         encoder = (model.num_prefix_tokens + c.kept(model.num_patches), model.embed_dim, model.depth, full)
         pixels = model.in_chans * model.patch_hw[0] * model.patch_hw[1]
         around = [(tokens, model.embed_dim, 1, 2), (tokens, c.decoder_embed_dim, 1, 2), (tokens, pixels, 1, 3)]
         image = (model.img_hw[0] * model.img_hw[1], model.in_chans, 1, 1)
-        return [encoder, (tokens, c.decoder_embed_dim, c.decoder_depth, full), *around, image]
+        decoder = (tokens, c.decoder_embed_dim, c.decoder_depth, 16.0)  # plain pre-norm blocks, MLP ratio 4
+        return [encoder, decoder, *around, image]
 
     def network(self, model: ViT) -> nn.Module:
         """Encoder and decoder together, MAE's forward theirs: what a sharded strategy shards (the ViT's forward

@@ -17,6 +17,7 @@ from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 
 from vitlab.model import ViT, ViTConfig
+from vitlab.model.cost import activation_values
 from vitlab.model.vit import recompute_region
 
 
@@ -81,10 +82,11 @@ class Objective:
 
     def activation_shapes(self, model: ViTConfig) -> list[tuple[int, int, int, float]]:
         """(tokens, width, blocks, values kept per token and width) of the blocks a training step runs, for
-        training.devices.memory's estimate: 8 + 2 x mlp_ratio for a block; a class-token head's last block computes the
-        class rows only and keeps its input, normed input and keys/values of every token (5); and the image, which the
-        patch embedding keeps (its pixels as tokens of width in_chans)."""
-        tokens, full = model.num_prefix_tokens + model.num_patches, 8 + 2 * model.mlp_ratio
+        training.devices.memory's estimate: model/cost.py's activation_values for a block (8 + 2 x mlp_ratio, more
+        with LayerScale, SwiGLU, RoPE); a class-token head's last block computes the class rows only and keeps its
+        input, normed input and keys/values of every token (5); and the image, which the patch embedding keeps (its
+        pixels as tokens of width in_chans)."""
+        tokens, full = model.num_prefix_tokens + model.num_patches, activation_values(model)
         image = (model.img_hw[0] * model.img_hw[1], model.in_chans, 1, 1)
         if model.global_pool != "token":
             return [(tokens, model.embed_dim, model.depth, full), image]
