@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from vitlab.convert.timm_hub import check_timm_name, from_the_hub, timm_architecture, timm_vit_names
+from vitlab.convert.timm_hub import check_timm_name, from_the_hub, timm_architecture, timm_eva_names, timm_model_names
 from vitlab.model import ViTConfig
 from vitlab.model.config import DROPOUTS
 from vitlab.utils.errors import UnknownArgumentError, UnsupportedRequestError, UserError, close_matches
@@ -49,7 +49,13 @@ TIMM_UNSUPPORTED = {
 def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
     """Arguments of timm's VisionTransformer that build the same network as `cfg`. A fixed sin-cos
     embedding becomes a learned one with the same values (timm has no fixed one)."""
-    d = cfg.to_dict()
+    from vitlab.convert.timm_eva import EVA_ONLY_FIELDS, is_eva_config
+
+    if is_eva_config(cfg):
+        raise UserError(
+            "this config is one of timm's Eva (eva module), not its VisionTransformer: convert.timm_eva.eva_kwargs"
+        )
+    d = {k: v for k, v in cfg.to_dict().items() if k not in EVA_ONLY_FIELDS and not k.startswith("rope_")}
     del d["norm_eps"], d["grad_checkpointing"]  # timm: set_grad_checkpointing(), not an argument
     del d["pos_embed_resample"]  # timm resamples by its own rule (DINO's: only in vitlab, model/posemb.py)
     del d["drop_path_uniform"]  # timm's drop path grows with depth (training only: the network is the same)
@@ -77,10 +83,10 @@ def timm_model_args(name: str, **overrides: Any) -> dict[str, Any]:
     import timm
 
     arch = timm_architecture(name)
-    names = timm_vit_names()
+    names = timm_model_names()
     if arch not in names:
         raise UserError(
-            f"{arch!r} is not an architecture of timm's vision_transformer or deit modules ({len(names)} are)"
+            f"{arch!r} is not an architecture of timm's vision_transformer, deit or eva modules ({len(names)} are)"
             + (f"; did you mean {close}?" if (close := close_matches(arch, names)) else "")
         )
     check_timm_name(name, weights=False)
@@ -110,11 +116,14 @@ def timm_builds(build: Callable[..., Any]) -> Iterator[None]:
     """Within the block, timm's factory calls `build(**kwargs)` where it would construct its VisionTransformer (the
     arguments it resolved for the name, DeiT's distilled class as `distilled=True`); one thread at a time."""
     import timm.models.deit as deit
+    import timm.models.eva as eva
     import timm.models.vision_transformer as tv
 
-    # Each module's own name for the class (deit imports VisionTransformer), DeiT's distilled one with its token.
+    # Each module's own name for the class (deit imports VisionTransformer), DeiT's distilled one with its token, and
+    # the eva module's Eva (its arguments are read by config_from_args, which knows the architecture).
     classes = [(tv, "VisionTransformer", build), (deit, "VisionTransformer", build),
-               (deit, "VisionTransformerDistilled", lambda **kw: build(**kw, distilled=True))]  # fmt: skip
+               (deit, "VisionTransformerDistilled", lambda **kw: build(**kw, distilled=True)),
+               (eva, "Eva", build)]  # fmt: skip
     with _BUILDS:
         real = [getattr(module, cls) for module, cls, _ in classes]
         try:
@@ -192,11 +201,15 @@ def config_from_timm(name: str, **overrides: Any) -> ViTConfig:
 
 
 def config_from_args(arch: str, args: dict[str, Any]) -> ViTConfig:
-    """The ViTConfig of timm's VisionTransformer arguments `args` (for architecture `arch`, named in errors). A
-    keyword no ViT takes is an UnknownArgumentError (a TypeError, as timm's constructor raises); an architecture
-    our ViT cannot express a UserError saying which argument."""
+    """The ViTConfig of timm's VisionTransformer arguments `args` (for architecture `arch`, named in errors), or its
+    Eva's for an architecture of timm's eva module (convert/timm_eva.py). A keyword no ViT takes is an
+    UnknownArgumentError (a TypeError, as timm's constructor raises); an architecture our ViT cannot express a
+    UserError saying which argument."""
+    from vitlab.convert.timm_eva import eva_config_fields
+
     try:
-        return ViTConfig.from_dict(vitlab_args(args))
+        fields = eva_config_fields(arch, args) if arch in timm_eva_names() else vitlab_args(args)
+        return ViTConfig.from_dict(fields)
     except UnknownArgumentError:
         raise
     except UserError as e:  # (what timm asserts stays an AssertionError: UnsupportedRequestError)
@@ -214,13 +227,17 @@ def create_timm_model(cfg: ViTConfig, name: str | None = None, pretrained: bool 
     VisionTransformer. Pretrained weights come through timm's own hub download."""
     import timm
     from timm.models.deit import VisionTransformerDistilled
+    from timm.models.eva import Eva
     from timm.models.vision_transformer import VisionTransformer
 
-    kwargs = timm_kwargs(cfg)
+    from vitlab.convert.timm_eva import eva_kwargs, is_eva_config
+
+    eva = is_eva_config(cfg)
+    kwargs = eva_kwargs(cfg) if eva else timm_kwargs(cfg)
     if name is None:
         if pretrained:
             raise UserError("pretrained weights need a timm model name")
-        return (VisionTransformerDistilled if cfg.distilled else VisionTransformer)(**kwargs)
+        return (Eva if eva else VisionTransformerDistilled if cfg.distilled else VisionTransformer)(**kwargs)
     check_timm_name(name)
     if not pretrained:
         return timm.create_model(name, **kwargs)

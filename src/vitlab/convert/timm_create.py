@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from vitlab.convert.timm_args import config_from_args, timm_builds
-from vitlab.convert.timm_hub import from_the_hub, timm_architecture, timm_vit_names
+from vitlab.convert.timm_hub import from_the_hub, timm_architecture, timm_model_names
 from vitlab.model import ViT
 from vitlab.utils.errors import UserError, close_matches
 
@@ -43,11 +43,11 @@ def create_model(
     import timm
 
     arch = timm_architecture(model_name)
-    names = timm_vit_names()
+    names = timm_model_names()
     if arch not in names:
         close = close_matches(arch, names)
         raise UserError(
-            f"{arch!r} is not a ViT of timm's vision_transformer or deit modules, which vitlab's ViT expresses"
+            f"{arch!r} is not a ViT of timm's vision_transformer, deit or eva modules, which vitlab's ViT expresses"
             + (f"; did you mean {close}?" if close else "")
         )
 

@@ -28,6 +28,22 @@ def timm_vit_names() -> list[str]:
     return [name for module in TIMM_VIT_MODULES for name in timm.list_models(module=module)]
 
 
+# timm's module of RoPE ViTs (EVA, EVA02, rope-vit, PE, DINOv3, ...: its Eva class; convert/timm_eva.py)
+TIMM_EVA_MODULE = "eva"
+
+
+def timm_eva_names() -> list[str]:
+    """Every architecture registered in timm's eva module."""
+    import timm
+
+    return timm.list_models(module=TIMM_EVA_MODULE)
+
+
+def timm_model_names() -> list[str]:
+    """Every architecture `vitlab.create_model` answers: timm's plain ViTs and its eva module's."""
+    return timm_vit_names() + timm_eva_names()
+
+
 # Where timm.create_model reads a model from instead of its registry: a folder as timm saves one (config.json
 # with the architecture, its arguments and pretrained_cfg, and the weights), or a Hugging Face repository.
 TIMM_SOURCES = ("local-dir:", "hf-hub:")

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from vitlab.convert import dino_weights as dino
+from vitlab.convert import timm_eva
 from vitlab.convert.mae import describe_decoder, load_decoder, split_decoder
 from vitlab.model import ViT, ViTConfig, resample_pos_embed
 from vitlab.utils.atomic import atomic_write
@@ -249,7 +250,8 @@ def read_weights(path: str | os.PathLike) -> tuple[StateDict, StateDict, str]:
     bare state dict, or one inside 'state_dict' / 'model' / 'state_dict_ema' (Lightning's and timm's training
     checkpoints; MAE's released weights and main_pretrain.py checkpoints); a vitlab checkpoint's `model.*` and
     `decoder.*` (its other entries left out, and said so: an objective=dino run's `model.*` is its teacher); DINO's
-    training checkpoints (the teacher's backbone) and DINOv2's hub weights (convert/dino_weights.py)."""
+    training checkpoints (the teacher's backbone) and DINOv2's hub weights (convert/dino_weights.py), DINOv3's hub
+    weights (convert/timm_eva.py)."""
     obj = read_file(path, "weights file")
     if dino.is_dino_training_checkpoint(obj):
         return dino.teacher_backbone(obj, path), {}, "DINO checkpoint"
@@ -268,6 +270,8 @@ def read_weights(path: str | os.PathLike) -> tuple[StateDict, StateDict, str]:
         return {k[len("model.") :]: v for k, v in obj.items() if k.startswith("model.")}, decoder, "vitlab checkpoint"
     if dino.is_dinov2(obj):
         return dino.from_dinov2(obj), {}, "DINOv2 weights"
+    if timm_eva.is_dinov3(obj):  # DINOv3's hub layout (convert/timm_eva.py)
+        return timm_eva.from_dinov3(obj, path), {}, "DINOv3 weights"
     encoder, decoder = split_decoder(obj)
     return encoder, decoder, "MAE checkpoint" if decoder else "weights file"
 

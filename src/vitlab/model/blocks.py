@@ -69,7 +69,8 @@ class EvaBlock(Block):
         self.drop_path1 = stochastic_depth(drop_path)
         self.norm2 = norm(cfg, D)
         self.mlp = MLPS[cfg.mlp_layer](cfg)
-        self.gamma_2 = nn.Parameter(torch.empty(D)) if cfg.init_values is not None else None
+        mlp_scale = cfg.init_values is not None and not cfg.attn_only_layer_scale
+        self.gamma_2 = nn.Parameter(torch.empty(D)) if mlp_scale else None
         self.drop_path2 = stochastic_depth(drop_path)
 
     def reset_parameters(self) -> None:  # init.py resets every layer (after to_empty too)

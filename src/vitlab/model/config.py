@@ -86,6 +86,7 @@ class ViTConfig:
     qkv_bias_separate: bool = False  # attn_layer 'eva': the q/v biases added after the projection, not inside it
     qk_norm: bool = False
     init_values: float | None = None  # LayerScale (CaiT); None switches it off
+    attn_only_layer_scale: bool = False  # block_fn 'eva': LayerScale on the attention branch only (Sapiens2)
     class_token: bool = True
     reg_tokens: int = 0  # "Vision Transformers Need Registers"
     distilled: bool = False  # DeiT's distillation token and second head (head_dist); the logits average both heads
@@ -263,7 +264,7 @@ class ViTConfig:
         bools = ("qkv_bias", "qk_norm", "class_token", "distilled", "no_embed_class", "pre_norm", "dynamic_img_size",
                  "dynamic_img_pad", "final_norm", "proj_bias", "embed_norm", "scale_attn_norm", "scale_mlp_norm",
                  "pool_include_prefix", "fix_init", "drop_path_uniform", "qkv_fused", "qkv_bias_separate",
-                 "rope_rotate_half")  # fmt: skip
+                 "attn_only_layer_scale", "rope_rotate_half")  # fmt: skip
         floats = ("mlp_ratio", "norm_eps", "rope_temperature", "rope_grid_offset", *DROPOUTS)
         for name in ints:
             v = getattr(self, name)

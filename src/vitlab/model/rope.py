@@ -55,9 +55,11 @@ def rope_grid(shape, spec: RopeSpec, device=None) -> torch.Tensor:  # (h, w, 2) 
     if spec.indexing == "xy":
         shape, ref = shape[::-1], ref and ref[::-1]
     if spec.kind == "dinov3":  # patch centres, normalised by each side (or the shorter / longer one), then to [-1, 1]
-        denom = {"separate": shape, "min": [min(shape)] * 2, "max": [max(shape)] * 2}[spec.normalize]
-        t = [(torch.arange(0.5, s, device=device, dtype=torch.float32) + spec.offset) / float(d)
-             for s, d in zip(shape, denom, strict=True)]  # fmt: skip
+        denom = shape if spec.normalize == "separate" else [(min if spec.normalize == "min" else max)(shape)] * 2
+        t = [
+            (torch.arange(s, device=device).to(torch.float32) + 0.5 + spec.offset) / d
+            for s, d in zip(shape, denom, strict=True)
+        ]  # fmt: skip  (timm's arange(0.5, s): the same values)
     else:
         t = [torch.arange(s, device=device, dtype=torch.int64).to(torch.float32) + spec.offset for s in shape]
         if ref:
@@ -160,6 +162,12 @@ class Rope(nn.Module):
                 self.freqs.copy_(mixed_freqs(self.spec.head_dim, cfg.depth, cfg.num_heads, cfg.rope_temperature))
             else:
                 self.cached.copy_(rope_table(cfg.grid_size, self.spec))
+
+    def set_grid(self, cfg: ViTConfig) -> None:
+        """Another image or patch size (ViT.set_input_size): the kept table recomputed for the new grid."""
+        self.cfg = cfg
+        if not self.per_block:
+            self.cached = rope_table(cfg.grid_size, self.spec, device=self.cached.device).to(self.cached.dtype)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # tokens (B, h, w, D)
         augment = self.training and self.augments

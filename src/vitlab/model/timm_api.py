@@ -166,6 +166,8 @@ class TimmAPI:
                 pe = POS_EMBEDS[new.pos_embed](new.grid_size, new.pos_prefix_rows, new.embed_dim, self.pos_embed.device)
                 self.pos_embed = pe.to(self.pos_embed.dtype)
         self.cfg = new
+        if self.rope is not None:  # its table follows the grid
+            self.rope.set_grid(new)
         self.patch_embed.img_size, self.patch_embed.grid_size = new.img_hw, new.grid_size
         self.pretrained_cfg["input_size"] = (new.in_chans, *new.img_hw)
 
