@@ -1,0 +1,63 @@
+"""Every objective on the RoPE model files (conf/model: DINOv3, EVA02, RoPE-Mixed), shrunk to depth 2 and 32 wide on
+16 px digits, through vitlab.train's own build (data module, ViTModule, Lightning): classify, distill (a teacher of the
+same family, the classify run's checkpoint), MAE (the encoder on its kept patches, the RoPE table's rows of those
+patches) and DINO, whose local crops are 2x2 patches: RoPE's table must be that grid's, not the global views'."""
+
+import lightning as L
+import pytest
+import torch
+
+from vitlab.training.run import build
+
+# One file of each family: shrunk, vit_b16_dinov3 and eva02_s14 are these (tests/test_conf.py composes and builds them,
+# tests/convert/test_timm.py holds every file to the config timm builds for its name)
+ROPE_MODELS = ["vit_s16_dinov3", "eva02_ti14", "vit_b16_rope_mixed"]
+TINY = ["model.depth=2", "model.embed_dim=32", "model.num_heads=2", "model.img_size=16", "model.patch_size=4",
+        "data.batch_size=8", "progress_bar=none"]  # fmt: skip
+
+
+def tiny(model: str) -> list[str]:
+    swiglu = ["model.mlp_hidden_dim=170"] if model.startswith("eva02") else []  # 2 x int(32 x 8/3): timm's packed fc1
+    return [f"model={model}", *TINY, *swiglu]
+
+
+def fit(cfg, path=None, steps=1):
+    """`steps` training steps of vitlab.train's module and data on the CPU: the module, and the RoPE tables its ViTs made
+    (their shapes: the grids they were computed for)."""
+    torch.manual_seed(0)
+    dm = build.build_datamodule(cfg.data, cfg)
+    module = build.build_module(cfg, dm)
+    tables = []
+    for vit in {id(m): m for m in module.modules() if hasattr(m, "rope") and m.rope is not None}.values():
+        vit.rope.register_forward_hook(lambda _m, _i, out: tables.append(tuple(out.shape)))
+    student = module.objective.student.backbone if cfg.objective.name == "dino" else module.model  # (dino: the EMA)
+    before = [p.detach().clone() for p in student.parameters()]
+    trainer = L.Trainer(max_epochs=1, limit_train_batches=steps, limit_val_batches=0, logger=False, accelerator="cpu",
+                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(module, datamodule=dm)
+    moved = [not torch.equal(a, b) for a, b in zip(before, student.parameters(), strict=True)]
+    assert sum(moved) > len(moved) // 2, "the step trained most of the encoder"
+    if path:
+        trainer.save_checkpoint(path)
+    return module, tables
+
+
+@pytest.mark.parametrize("model", ROPE_MODELS)
+def test_every_objective_trains_the_rope_models(compose_cfg, tmp_path, model):
+    grid, head = 16, 16 * 2  # a 4x4 grid of 16 px / 4; head dim 32 / 2 heads, sin and cos
+    per_block = (2, 2) if model.endswith("mixed") else ()  # mixed RoPE: a table per block and head
+    _, tables = fit(compose_cfg("train", tiny(model)), tmp_path / "classify.ckpt")
+    assert set(tables) == {(*per_block, grid, head)}
+    distill = [f"objective.teacher={tmp_path / 'classify.ckpt'}", "objective.type=soft"]
+    fit(compose_cfg("train", [*tiny(model), "objective=distill", *distill]))
+
+    mae = ["objective=mae", "model.num_classes=0", "objective.decoder_embed_dim=16", "objective.decoder_depth=1",
+           "objective.decoder_num_heads=2"]  # fmt: skip
+    _, tables = fit(compose_cfg("train", [*tiny(model), *mae]))
+    assert set(tables) == {(*per_block, grid, head)}  # (encode_visible takes the kept patches' rows of it)
+
+    dino = ["experiment=dino_pretrain_digits", "objective.out_dim=32", "objective.hidden_dim=16",
+            "objective.bottleneck_dim=8", "objective.crops.local_crops=2", "callbacks=none"]  # fmt: skip
+    _, tables = fit(compose_cfg("train", [*tiny(model), *dino]), steps=2)  # (DINO's learning rate starts at 0)
+    local = 2 * 2  # 8 px local crops of 4 px patches
+    assert set(tables) == {(*per_block, grid, head), (*per_block, local, head)}  # the student's and the teacher's
