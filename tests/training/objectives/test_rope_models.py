@@ -22,8 +22,8 @@ def tiny(model: str) -> list[str]:
 
 
 def fit(cfg, path=None, steps=1):
-    """`steps` training steps of vitlab.train's module and data on the CPU: the module, and the RoPE tables its ViTs made
-    (their shapes: the grids they were computed for)."""
+    """`steps` training steps of vitlab.train's module and data on the CPU: the module, and the RoPE tables its ViTs
+    made (their shapes: the grids they were computed for)."""
     torch.manual_seed(0)
     dm = build.build_datamodule(cfg.data, cfg)
     module = build.build_module(cfg, dm)
