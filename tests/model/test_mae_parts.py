@@ -156,3 +156,51 @@ def test_maes_initialisation():
     assert torch.count_nonzero(blk.attn.qkv.bias) == 0 and torch.equal(blk.norm1.weight, torch.ones(768))
     head = ViT(cfg.replace(num_classes=10)).head  # main_finetune.py: trunc_normal_(head.weight, std=2e-5)
     assert head.weight.std().item() == pytest.approx(2e-5, rel=0.1) and torch.count_nonzero(head.bias) == 0
+
+
+class _KeepThese(torch.nn.Module):
+    """timm's PatchDropoutWithIndices keeping the given patches (its prefix tokens kept, as timm keeps them)."""
+
+    def __init__(self, kept: torch.Tensor, prefix: int):
+        super().__init__()
+        self.kept, self.prefix = kept, prefix
+
+    def forward(self, x):
+        patches = x[:, self.prefix :].gather(1, self.kept.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        return torch.cat([x[:, : self.prefix], patches], dim=1), self.kept
+
+
+@pytest.mark.parametrize(
+    "name", ["vit_small_patch16_dinov3", "eva02_tiny_patch14_224", "vit_base_patch16_rope_mixed_224"]
+)
+def test_the_encoder_rotates_the_kept_patches_by_their_own_grid_positions_as_timms_eva(name):
+    """MAE's masking with RoPE: each kept patch rotated by the row and column it came from (the RoPE table's rows of
+    the kept patches), as timm's Eva rotates the patches its patch dropout keeps (apply_keep_indices_nlc); also the
+    decoder builds (plain blocks whatever the encoder's) and the whole forward runs at another grid
+    (dynamic_img_size)."""
+    from vitlab.convert.timm_args import config_from_timm, create_timm_model
+    from vitlab.convert.weights import check_state_dict
+
+    small = dict(depth=2, embed_dim=32, num_heads=2, img_size=32, patch_size=8, num_classes=0)
+    cfg = config_from_timm(name, **small)
+    vit = ViT(cfg).eval()
+    with torch.no_grad():  # LayerScale's 1e-5 would hide the attention (and where its keys sit) under the tolerance
+        [p.fill_(0.5) for n, p in vit.named_parameters() if "gamma" in n]
+    theirs = create_timm_model(cfg).eval()
+    theirs.load_state_dict(check_state_dict(vit.state_dict(), cfg))
+    x, keep = torch.randn(3, 3, 32, 32), 5
+    torch.manual_seed(1)
+    kept, _ = random_masking(3, 16, keep)
+    theirs.patch_drop = _KeepThese(kept, cfg.num_prefix_tokens)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        latent, mask, _ = encode_visible(vit, x, keep)
+        expected = theirs.forward_features(x)
+    torch.testing.assert_close(latent, expected, rtol=0, atol=1e-5)
+    assert mask.sum(1).tolist() == [16 - keep] * 3 and not torch.equal(kept, torch.arange(keep).expand(3, -1))
+    decoder = MAEDecoder(cfg, MAEConfig(decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2))
+    grid = (48 // 8, 32 // 8)
+    loss, pred, _ = mae_forward(
+        ViT(cfg.replace(dynamic_img_size=True)), decoder, torch.randn(2, 3, 48, 32), MAEConfig()
+    )
+    assert pred.shape == (2, grid[0] * grid[1], 8 * 8 * 3) and loss.isfinite()
