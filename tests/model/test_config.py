@@ -100,7 +100,37 @@ def _sdpa_on_cpu(query, key, value, *args, out_shape=None, **kwargs) -> int:
         {"block_fn": "parallel_things", "mlp_layer": "swiglu"},
         {"attn_layer": "diff", "mlp_layer": "swiglu_packed"},
         {"img_size": [32, 48]},
-    ],
+        # RoPE (elementwise: no matmul FLOPs of its own) with EVA's attention, LayerScale, SwiGLU, separate q/k/v
+        {
+            "rope": "dinov3",
+            "rope_rotate_half": True,
+            "attn_layer": "eva",
+            "block_fn": "eva",
+            "init_values": 1e-5,
+            "reg_tokens": 4,
+            "pos_embed": "none",
+            "global_pool": "avg",
+            "fc_norm": False,
+        },
+        {
+            "rope": "axial",
+            "mlp_layer": "swiglu_packed",
+            "act_layer": "silu",
+            "mlp_hidden_dim": 170,
+            "global_pool": "avg",
+            "attn_layer": "eva",
+            "qkv_fused": False,
+        },
+        {
+            "rope": "mixed",
+            "pos_embed": "none",
+            "block_fn": "eva",
+            "init_values": 1e-5,
+            "mlp_layer": "swiglu",
+            "scale_mlp_norm": True,
+            "mlp_hidden_dim": 96,
+        },
+    ],  # fmt: skip
 )
 def test_flops_per_image_is_what_torchs_flop_counter_counts_in_our_forward(kwargs):
     """MFU divides by flops_per_image: it must count the work `ViT.forward` does (the class rows only in the last

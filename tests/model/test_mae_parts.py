@@ -204,3 +204,23 @@ def test_the_encoder_rotates_the_kept_patches_by_their_own_grid_positions_as_tim
         ViT(cfg.replace(dynamic_img_size=True)), decoder, torch.randn(2, 3, 48, 32), MAEConfig()
     )
     assert pred.shape == (2, grid[0] * grid[1], 8 * 8 * 3) and loss.isfinite()
+
+
+def test_maes_flops_are_what_torchs_flop_counter_counts_with_a_swiglu_rope_encoder():
+    """MFU divides by model/mae.py's flops_per_image: the encoder's blocks as block_flops counts them (EVA02's packed
+    SwiGLU here, not a GELU MLP of mlp_ratio), the decoder's plain ones (prefix rows of its prediction left out)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tests.model.test_config import _sdpa_on_cpu, aten
+    from vitlab.model.mae import flops_per_image
+
+    enc = ViTConfig(img_size=32, patch_size=4, num_classes=0, embed_dim=32, depth=2, num_heads=2, rope="axial",
+                    mlp_layer="swiglu_packed", act_layer="silu", mlp_hidden_dim=170, attn_layer="eva", block_fn="eva",
+                    init_values=1e-5, global_pool="avg")  # fmt: skip
+    cfg = MAEConfig(decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2)
+    vit, decoder = ViT(enc).eval(), MAEDecoder(enc, cfg)
+    sdpa = {aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_on_cpu}
+    with FlopCounterMode(display=False, custom_mapping=sdpa) as fc, torch.no_grad():
+        mae_forward(vit, decoder, torch.randn(2, 3, 32, 32), cfg)
+    prefix_rows = 2 * 16 * 4 * 4 * 3  # the decoder predicts the class token's pixels too, then drops them
+    assert flops_per_image(enc, cfg) + prefix_rows == pytest.approx(fc.get_total_flops() / 2, rel=1e-6)

@@ -38,6 +38,42 @@ def saved_bytes(module: ViTModule, x: torch.Tensor, autocast: bool = False) -> i
             {"name": "mae", "decoder_embed_dim": 64, "decoder_depth": 4, "decoder_num_heads": 4},
             "32-true",
         ),
+        # the RoPE files' blocks (conf/model: DINOv3, EVA02, RoPE-Mixed): LayerScale, SwiGLU and RoPE keep more
+        (
+            dict(
+                rope="dinov3",
+                rope_rotate_half=True,
+                init_values=1e-5,
+                attn_layer="eva",
+                block_fn="eva",
+                reg_tokens=4,
+                pos_embed="none",
+                global_pool="avg",
+                fc_norm=False,
+            ),
+            {},
+            "32-true",
+        ),  # fmt: skip
+        (
+            dict(rope="axial", mlp_layer="swiglu_packed", act_layer="silu", mlp_hidden_dim=170, global_pool="avg"),
+            {},
+            "32-true",
+        ),  # fmt: skip
+        (
+            dict(
+                rope="mixed",
+                init_values=1e-5,
+                block_fn="eva",
+                pos_embed="none",
+                num_classes=0,
+                img_size=64,
+                patch_size=4,
+                embed_dim=96,
+                depth=6,
+            ),
+            {"name": "mae", "decoder_embed_dim": 64, "decoder_depth": 4, "decoder_num_heads": 4},
+            "32-true",
+        ),  # fmt: skip
     ],
 )
 def test_the_activation_estimate_is_what_autograd_keeps(model, objective, precision):
