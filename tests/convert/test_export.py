@@ -56,3 +56,46 @@ def test_user_errors(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="ONNX export needs onnx, onnxscript: pip install"):
         export(model, tmp_path / "m.onnx")
     assert list(tmp_path.iterdir()) == []
+
+
+ROPE_NAMES = ["vit_small_patch16_dinov3", "eva02_tiny_patch14_224", "vit_base_patch16_rope_mixed_224"]
+
+
+def rope_model(name: str) -> ViT:
+    """A RoPE file's architecture (conf/model: DINOv3, EVA02, RoPE-Mixed) at depth 2, any image size; LayerScale at
+    0.5, as its 1e-5 would hide the blocks (and their rotations) under the tolerance."""
+    from vitlab.convert.timm_args import config_from_timm
+
+    torch.manual_seed(0)
+    model = ViT(config_from_timm(name, **ROPE_SMALL, dynamic_img_size=True)).eval()
+    with torch.no_grad():
+        [p.fill_(0.5) for n, p in model.named_parameters() if "gamma" in n]
+    return model
+
+
+ROPE_SMALL = dict(depth=2, embed_dim=32, num_heads=2, img_size=32, patch_size=8, num_classes=5)
+
+
+# DINOv3's table computed from the input's grid (rotated halves), RoPE-Mixed's from its learned per-block frequencies:
+# the two paths an exporter traces (EVA02's axial table is DINOv3's path with other frequencies); one format each
+@pytest.mark.parametrize("name, suffix", [(ROPE_NAMES[0], ".onnx"), (ROPE_NAMES[2], ".pt2")])
+def test_rope_models_export_with_the_rope_table_traced_from_the_inputs_grid(tmp_path, name, suffix):
+    """ONNX run by onnxruntime, .pt2 reloaded, each checked against the model at other sizes than the exported one."""
+    report = export(rope_model(name), tmp_path / f"m{suffix}")
+    assert report["max_abs_diff"] <= 1e-4 and len({tuple(c["input_shape"][2:]) for c in report["checks"]}) > 2
+
+
+@pytest.mark.parametrize("name", ROPE_NAMES)
+def test_rope_models_export_to_a_file_timms_model_of_the_name_loads(tmp_path, name):
+    import timm
+    from safetensors.torch import load_file
+
+    from vitlab.convert.weights import export_timm
+
+    model = rope_model(name)
+    export_timm(model, tmp_path / "m.safetensors", timm_name=name)
+    theirs = timm.create_model(name, pretrained=False, **ROPE_SMALL, dynamic_img_size=True).eval()
+    theirs.load_state_dict(load_file(str(tmp_path / "m.safetensors")))
+    x = torch.randn(2, 3, 48, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(x), model(x), atol=1e-5, rtol=0)
