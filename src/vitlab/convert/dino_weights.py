@@ -39,9 +39,11 @@ def teacher_backbone(ckpt: dict, path: object) -> StateDict:
 
 
 def is_dinov2(sd: StateDict) -> bool:
-    """A DINOv2 backbone: its mask token (1, D) and no MAE decoder (whose mask token is (1, 1, D))."""
+    """A DINOv2 backbone: its mask token (1, D) and no MAE decoder (whose mask token is (1, 1, D)), nor DINOv3's storage
+    tokens or RoPE periods (convert/timm_eva.py)."""
     token = sd.get("mask_token")
-    return token is not None and token.dim() == 2 and not any(k.startswith("decoder_") for k in sd)
+    dinov3 = "storage_tokens" in sd or "rope_embed.periods" in sd
+    return token is not None and token.dim() == 2 and not dinov3 and not any(k.startswith("decoder_") for k in sd)
 
 
 def from_dinov2(sd: StateDict) -> StateDict:

@@ -53,8 +53,6 @@ ATTN_TYPES = {"eva": "eva", "rope": "attn"}  # Eva's attn_type (EvaAttention, At
 def eva_config_fields(arch: str, args: dict[str, Any]) -> dict[str, Any]:
     """timm's Eva arguments `args` (of architecture `arch`) as ViTConfig fields. A keyword Eva does not take is an
     UnknownArgumentError (a TypeError, as Eva's constructor raises), one our ViT does not build a UserError."""
-    from vitlab.convert.timm_args import _norm
-
     unknown = sorted(set(args) - set(EVA_SAME) - set(EVA_RENAMED) - set(EVA_DERIVED))
     if unknown:
         raise UnknownArgumentError(
@@ -91,6 +89,15 @@ def eva_config_fields(arch: str, args: dict[str, Any]) -> dict[str, Any]:
     out.update(_norms(a))
     out["pool_include_prefix"] = a["global_pool"] == "map"  # Eva's attention pool reads every token
     return out
+
+
+def _norm(value: Any) -> dict[str, Any]:
+    """Eva's norm_layer (timm's LayerNorm or RmsNorm, a partial with its eps, or a name) as norm_layer and norm_eps."""
+    kind = getattr(value, "func", value)
+    name = (kind if isinstance(kind, str) else getattr(kind, "__name__", type(kind).__name__)).lower()
+    if name not in ("layernorm", "rmsnorm"):
+        raise UserError(f"norm_layer={name!r}")
+    return dict(norm_layer=name, norm_eps=getattr(value, "keywords", {}).get("eps", 1e-6))
 
 
 def _refuse(a: dict[str, Any]) -> None:

@@ -3,10 +3,9 @@ memory estimate divide by these; config.py's `flops_per_image` and `block_flops`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from vitlab.model.config import ViTConfig
+ViTConfig = Any  # (config.py imports this module: a ViTConfig, not imported here)
 
 
 def flops_per_image(self: ViTConfig) -> int:

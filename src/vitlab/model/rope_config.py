@@ -11,12 +11,11 @@ augmentations).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 from vitlab.utils.errors import UserError
 
-if TYPE_CHECKING:
-    from vitlab.model.config import ViTConfig
+ViTConfig = Any  # (config.py imports this module: a ViTConfig, not imported here)
 
 # config.py's rope: '' none | axial (timm's RotaryEmbeddingCat: EVA02,
 # rope-vit, PE) | mixed (learned per-head frequencies, RotaryEmbeddingMixed) | dinov3 (RotaryEmbeddingDinoV3)
@@ -49,7 +48,7 @@ def check_rope(self: ViTConfig) -> None:
         if getattr(self, name) not in allowed:
             raise UserError(f"{name} {getattr(self, name)!r} is not one of {list(allowed)}")
     ref = self.rope_ref_feat_shape
-    if ref is not None and (self.rope != "axial" or min(_hw(ref)) < 1):
+    if ref is not None and (self.rope != "axial" or not _positive_pair(ref)):
         raise UserError(f"rope_ref_feat_shape {ref!r} is the grid axial RoPE's positions are rescaled to: "
                             f"positive [height, width] with rope 'axial' (got rope {self.rope!r})")  # fmt: skip
     if self.rope == "mixed" and self.rope_rotate_half:
@@ -65,7 +64,7 @@ def check_rope(self: ViTConfig) -> None:
             raise UserError(f"{name} {v!r} must be a finite number >= {least:g}, or null (off)")
 
 
-def _hw(size) -> tuple[int, int]:
-    from vitlab.model.config import as_hw
-
-    return as_hw(size, "rope_ref_feat_shape")
+def _positive_pair(size: Any) -> bool:
+    """An int n >= 1 or a pair of them (a grid, as config.as_hw reads one)."""
+    sizes = [size] if isinstance(size, int) else list(size) if isinstance(size, (list, tuple)) else [None, None, None]
+    return len(sizes) in (1, 2) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)

@@ -1,0 +1,148 @@
+"""RoPE in our ViT (model/rope.py, issue 63 point 1): each table equals the one timm's module computes
+(timm.layers.pos_embed_sincos: RotaryEmbeddingCat, RotaryEmbeddingMixed, RotaryEmbeddingDinoV3) for options no
+registered name uses together, DINOv3's training-time augmentations draw as timm's and only in training, a model of
+our own RoPE config equals timm's Eva of the same arguments, and a RoPE option that contradicts the rest is one line
+naming the value."""
+
+import pytest
+import torch
+from timm.layers.pos_embed_sincos import RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMixed
+from timm.models.eva import Eva
+
+from tests.helpers import tiny
+from vitlab.convert.timm_eva import eva_kwargs
+from vitlab.model import ViT, ViTConfig
+from vitlab.model.rope import Rope, keep_rows
+from vitlab.utils.errors import UserError
+
+AUGMENT = dict(rope_shift_coords=0.5, rope_jitter_coords=1.5, rope_rescale_coords=2.0)
+TIMM_AUGMENT = dict(shift_coords=0.5, jitter_coords=1.5, rescale_coords=2.0)
+HEAD = 8  # tiny(): embed_dim 32, 4 heads
+
+
+def ours(**rope) -> Rope:
+    return Rope(tiny(dynamic_img_size=True, **rope))
+
+
+def table(rope: Rope, hw, seed: int = 0) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return rope(torch.zeros(1, *hw, 32))
+
+
+CASES = {
+    "axial_reference_grid_offset_xy_half": (
+        dict(rope="axial", rope_temperature=100.0, rope_ref_feat_shape=(3, 5), rope_grid_offset=1.0,
+             rope_grid_indexing="xy", rope_rotate_half=True),
+        lambda: RotaryEmbeddingCat(HEAD, temperature=100.0, in_pixels=False, ref_feat_shape=[3, 5], grid_offset=1.0,
+                                   grid_indexing="xy", rotate_half=True),
+    ),
+    "dinov3_periods_min_offset": (
+        dict(rope="dinov3", rope_period_range=(0.5, 50.0), rope_normalize_coords="min", rope_grid_offset=0.25),
+        lambda: RotaryEmbeddingDinoV3(HEAD, min_period=0.5, max_period=50.0, normalize_coords="min", grid_offset=0.25,
+                                      rotate_half=False),
+    ),
+    "dinov3_temperature_max_xy_augmented": (
+        dict(rope="dinov3", rope_temperature=100.0, rope_normalize_coords="max", rope_grid_indexing="xy",
+             rope_rotate_half=True, **AUGMENT),
+        lambda: RotaryEmbeddingDinoV3(HEAD, temperature=100.0, normalize_coords="max", grid_indexing="xy",
+                                      rotate_half=True, **TIMM_AUGMENT),
+    ),
+    "axial_augmented": (
+        dict(rope="axial", **AUGMENT),
+        lambda: RotaryEmbeddingCat(HEAD, in_pixels=False, **TIMM_AUGMENT),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tables_are_timms_and_augmented_in_training_only(case):
+    cfg, make_theirs = CASES[case]
+    mine, theirs = ours(**cfg), make_theirs()
+    for hw in [(3, 5), (6, 2)]:
+        for training in (False, True):
+            mine.train(training), theirs.train(training)
+            torch.manual_seed(1)
+            reference = theirs.get_embed(list(hw))
+            assert torch.equal(table(mine, hw, seed=1), reference)
+        augments = any(k in cfg for k in AUGMENT)
+        assert torch.equal(table(mine.eval(), hw), table(mine.train(), hw, seed=2)) is not augments
+
+
+def test_mixed_tables_are_timms_from_the_same_frequencies():
+    mine = ours(rope="mixed", rope_temperature=10.0, **AUGMENT)
+    theirs = RotaryEmbeddingMixed(32, depth=2, num_heads=4, temperature=10.0, grid_indexing="ij", **TIMM_AUGMENT)
+    mine.reset_parameters()
+    assert mine.freqs.shape == theirs.freqs.shape == (2, 2, 4, HEAD // 2)
+    with torch.no_grad():
+        theirs.freqs.copy_(mine.freqs)
+    for training in (False, True):
+        mine.train(training), theirs.train(training)
+        torch.manual_seed(3)
+        reference = theirs.get_embed([4, 3])
+        assert torch.equal(table(mine, (4, 3), seed=3), reference)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        dict(rope="axial", rope_rotate_half=True, rope_ref_feat_shape=(2, 6), attn_layer="eva", qkv_fused=False),
+        dict(rope="mixed", pos_embed="learn", no_embed_class=True, reg_tokens=2, global_pool="avg"),
+        dict(rope="dinov3", rope_grid_offset=0.5, reg_tokens=1, init_values=1e-5, qkv_bias=False),
+    ],
+    ids=["axial", "mixed", "dinov3"],
+)
+def test_a_rope_config_of_our_own_is_timms_eva(rope):
+    """Our configs (not registered names) against timm's Eva of `eva_kwargs`: logits at the config's size, and with
+    dynamic_img_size at another, the class and register tokens left unrotated in both."""
+    for dynamic, hw in ((False, (32, 32)), (True, (24, 40))):
+        cfg = tiny(block_fn="eva", weight_init="eva", fix_init=True, pos_embed="none", dynamic_img_size=dynamic)
+        cfg = cfg.replace(**rope, pool_include_prefix=False)
+        torch.manual_seed(0)
+        model = ViT(cfg).eval()
+        theirs = Eva(**eva_kwargs(cfg)).eval()
+        theirs.load_state_dict(model.state_dict())
+        x = torch.randn(2, 3, *hw)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), theirs(x), atol=1e-5, rtol=0)
+            torch.testing.assert_close(model.forward_features(x), theirs.forward_features(x), atol=1e-5, rtol=0)
+
+
+def test_kept_rows_follow_patch_dropout():
+    rope = ours(rope="axial")
+    full = table(rope, (4, 4))  # (16, 2*Dh)
+    keep = torch.tensor([[3, 0, 7], [15, 2, 9]])
+    kept = keep_rows(full, keep)
+    assert kept.shape == (2, 1, 3, 2 * HEAD) and torch.equal(kept[1, 0, 0], full[15])
+    mixed = ours(rope="mixed")
+    mixed.reset_parameters()
+    per_block = table(mixed, (4, 4))  # (depth, H, 16, 2*Dh)
+    assert torch.equal(keep_rows(per_block, keep)[1, 0, 3, 2], per_block[1, 3, 7])  # block 1, image 0, head 3
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        (dict(rope="axial", rope_ref_feat_shape=[0, 14]), r"rope_ref_feat_shape \(0, 14\)"),  # not a grid
+        (dict(rope="dinov3", rope_ref_feat_shape=16), r"rope_ref_feat_shape 16 .* with rope 'axial'"),  # not its grid
+        (dict(rope="mixed", embed_dim=36, num_heads=6), r"embed_dim / num_heads 6 .* divisible by 4"),
+        (dict(rope="axial", pos_embed="sincos1d"), r"rope with pos_embed 'sincos1d'"),
+        (dict(rope="mixed", rope_rotate_half=True), r"rope 'mixed' .* rope_rotate_half must be false"),
+        (dict(rope="axial", block_fn="parallel_scaling"), r"not 'attn' in 'parallel_scaling'"),
+        (dict(rope="rotary"), r"rope 'rotary' is not one of \['', 'axial', 'mixed', 'dinov3'\]"),
+        (dict(rope="dinov3", rope_jitter_coords=0.5), r"rope_jitter_coords 0.5 must be a finite number >= 1"),
+        (dict(rope="axial", rope_period_range=[1.0, 10.0]), r"rope_period_range \(1.0, 10.0\) .* with rope 'dinov3'"),
+        (dict(rope="dinov3", rope_grid_indexing="yx"), r"rope_grid_indexing 'yx' is not one of \['ij', 'xy'\]"),
+        (dict(qkv_bias_separate=True), r"qkv_bias_separate adds attn_layer 'eva''s"),
+    ],
+)
+def test_a_rope_option_that_contradicts_the_rest_is_one_line_naming_it(fields, named):
+    with pytest.raises(UserError, match=named) as e:
+        ViTConfig(**{**dict(embed_dim=64, num_heads=4, img_size=32, patch_size=8), **fields})
+    assert "\n" not in str(e.value)
+
+
+def test_rope_fields_round_trip_as_plain_data():
+    cfg = tiny(rope="axial", rope_ref_feat_shape=[4, 6], block_fn="eva", attn_layer="eva", init_values=1e-5)
+    assert cfg.rope_ref_feat_shape == (4, 6) and ViTConfig.from_dict(cfg.to_dict()) == cfg
+    assert ViT(cfg).no_weight_decay() == {"pos_embed", "cls_token", "reg_token", "dist_token"}
+    assert "rope.freqs" in ViT(tiny(rope="mixed")).no_weight_decay()
