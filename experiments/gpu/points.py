@@ -193,6 +193,26 @@ POINTS = [
         ],
     ),
     Point(
+        "b16_dinov3_compiled",
+        "rope",
+        "vitlab's compiled DINOv3 B/16 step (RoPE, storage tokens) against timm's compiled (bf16, batch 256)",
+        240,
+        120,
+        [
+            Command(
+                "vitlab.benchmark",
+                overrides(
+                    model="vit_b16_dinov3",
+                    benchmark__batch_size="256",
+                    benchmark__precision="bf16",
+                    benchmark__compile="true",
+                    benchmark__modes="[train]",
+                ),
+                TINY_BENCH,
+            )
+        ],
+    ),
+    Point(
         "b16_end2end_compiled",
         "throughput",
         "vitlab.train end to end, compiled, against its compiled bare step",
