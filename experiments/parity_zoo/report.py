@@ -1,6 +1,7 @@
 """Table and plot for experiments/parity_zoo from a `vitlab.parity -m` sweep directory.
 
 python experiments/parity_zoo/report.py outputs/parity_zoo
+python experiments/parity_zoo/report.py outputs/parity_zoo_rope --rows   # the table's rows only (no slips, no plot)
 """
 
 import json
@@ -59,7 +60,7 @@ def slips(cfg: ViTConfig) -> dict[str, list[float]]:
     return out
 
 
-def main(sweep: Path) -> None:
+def main(sweep: Path, rows_only: bool = False) -> None:
     reports = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/parity.json"), key=lambda p: int(p.parent.name))]
     cols = [
         "model",
@@ -79,7 +80,9 @@ def main(sweep: Path) -> None:
     for r in reports:
         c, layers = r["model"]["config"], r["layers"]
         blocks = max(v["max_abs"] for k, v in layers.items() if k.startswith("blocks."))
-        name = f"{c['embed_dim']}/{c['depth']}/{c['patch_size']}@{c['img_size']}"
+        name = f"{c['embed_dim']}/{c['depth']}/{c['patch_size']}@{c['img_size']}" + (
+            f" {c['rope']} RoPE" * bool(c.get("rope"))
+        )
         print(
             f"| {name} | {r['model']['timm_name'] or '(VisionTransformer)'} | {num_params(c) / 1e6:.1f} | "
             f"{layers['patch_embed']['max_abs']:.1e} | {blocks:.1e} | {layers['features']['max_abs']:.1e} | "
@@ -88,6 +91,8 @@ def main(sweep: Path) -> None:
         )
         ys = [v["max_abs"] for v in layers.values()]
         ax.plot(range(len(ys)), [max(y, 1e-12) for y in ys], marker="o", label=r["model"]["timm_name"] or name)
+    if rows_only:
+        return
     for label, ys in slips(ViTConfig.from_variant("B/16")).items():
         ax.plot(range(len(ys)), [max(y, 1e-12) for y in ys], ls=":", marker="x", label=f"ViT-B/16 vs timm with {label}")
         print(
@@ -110,4 +115,4 @@ def main(sweep: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), rows_only="--rows" in sys.argv[2:])

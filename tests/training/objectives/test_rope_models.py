@@ -42,12 +42,29 @@ def fit(cfg, path=None, steps=1):
     return module, tables
 
 
+def evaluate_every_task(compose_cfg, ckpt):
+    """vitlab.eval's tasks on the checkpoint: its classifier (test) and its frozen features (k-NN, DINOv2's linear
+    protocol on the last blocks' class tokens and the patch tokens' average, few-shot), the features cached once."""
+    from vitlab.eval import evaluate
+
+    features = ckpt.parent / "features"
+    small = {"knn": ["knn.k=[5]"], "fewshot": ["fewshot.shots=[2]", "fewshot.seeds=[0]"],
+             "linear": ["linear.iterations=3", "linear.lrs=[0.01]", "linear.n_last_blocks=[2]", "linear.batch_size=32"],
+             "test": []}  # fmt: skip
+    for task, options in small.items():
+        args = [f"ckpt_path={ckpt}", f"task={task}", f"features_dir={features}", "progress_bar=none", *options]
+        metrics = evaluate(compose_cfg("eval", args, output_dir=ckpt.parent / task))
+        scores = [v for k, v in metrics.items() if k.split("/")[-1].startswith(("acc", "top1", "1shot", "2shot"))]
+        assert scores and all(0.0 <= v <= 1.0 for v in scores), (task, metrics)
+
+
 @pytest.mark.parametrize("model", ROPE_MODELS)
 def test_every_objective_trains_the_rope_models(compose_cfg, tmp_path, model):
     grid, head = 16, 16 * 2  # a 4x4 grid of 16 px / 4; head dim 32 / 2 heads, sin and cos
     per_block = (2, 2) if model.endswith("mixed") else ()  # mixed RoPE: a table per block and head
     _, tables = fit(compose_cfg("train", tiny(model)), tmp_path / "classify.ckpt")
     assert set(tables) == {(*per_block, grid, head)}
+    evaluate_every_task(compose_cfg, tmp_path / "classify.ckpt")
     distill = [f"objective.teacher={tmp_path / 'classify.ckpt'}", "objective.type=soft"]
     fit(compose_cfg("train", [*tiny(model), "objective=distill", *distill]))
 
