@@ -185,6 +185,8 @@ class ViTConfig:
             raise UserError(f"mlp_ratio {self.mlp_ratio} must be > 0")
         if self.global_pool is None:
             self.global_pool = ""
+        if self.rope is None:  # (YAML's null: no RoPE)
+            self.rope = ""
         if self.global_pool not in GLOBAL_POOLS:
             # (an AssertionError too, as timm's VisionTransformer asserts the pool: timm's tests expect one)
             raise UnsupportedRequestError(
