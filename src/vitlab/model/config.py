@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vitlab.model.rope_config import check_rope
+from vitlab.model.rope_config import check_kv_heads, check_rope
 from vitlab.utils.errors import UnknownArgumentError, UnsupportedRequestError, UserError
 
 # width, depth, heads; MLP ratio 4 (ViT paper Table 1; Ti from DeiT Table 1), except giant and gigantic: their MLP
@@ -84,6 +84,8 @@ class ViTConfig:
     qkv_bias: bool = True
     qkv_fused: bool = True  # one qkv projection; False: q_proj, k_proj, v_proj (timm's Eva and AttentionRope)
     qkv_bias_separate: bool = False  # attn_layer 'eva': the q/v biases added after the projection, not inside it
+    # grouped-query attention (qkv_fused false): key/value heads, for every block or one per block (Sapiens2); None: H
+    num_kv_heads: int | tuple[int, ...] | None = None
     qk_norm: bool = False
     init_values: float | None = None  # LayerScale (CaiT); None switches it off
     attn_only_layer_scale: bool = False  # block_fn 'eva': LayerScale on the attention branch only (Sapiens2)
@@ -153,7 +155,7 @@ class ViTConfig:
     grid_size: tuple[int, int] = field(init=False)  # derived: patches along H and W
 
     def __post_init__(self) -> None:
-        for name in ("rope_ref_feat_shape", "rope_period_range"):
+        for name in ("rope_ref_feat_shape", "rope_period_range", "num_kv_heads"):
             if isinstance(getattr(self, name), list):
                 setattr(self, name, tuple(getattr(self, name)))
         for name in ("img_size", "patch_size"):  # [h, w] from YAML is a tuple from here on (in messages too)
@@ -248,6 +250,8 @@ class ViTConfig:
             raise UserError(f"pos_embed 'sincos1d' needs an even embed_dim, got {self.embed_dim}")
         if self.attn_layer == "eva" and self.block_fn in ("parallel_scaling", "diff_parallel_scaling"):
             raise UserError(f"attn_layer 'eva' is a separate attention: block_fn {self.block_fn!r} has its own")
+        if self.num_kv_heads is not None:
+            check_kv_heads(self)
         if self.qkv_bias_separate and (self.attn_layer != "eva" or not self.qkv_fused):
             raise UserError("qkv_bias_separate adds attn_layer 'eva''s q/v biases after its fused qkv projection only")
         if not self.qkv_fused and (self.attn_layer == "diff" or self.block_fn.endswith("parallel_scaling")):
@@ -356,10 +360,7 @@ class ViTConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain data (no tuples, no derived fields): what a checkpoint stores."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-        for key in ("img_size", "patch_size"):
-            if isinstance(d[key], tuple):
-                d[key] = list(d[key])
-        return d
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}  # (sizes, grids: YAML's lists)
 
     def replace(self, **changes: Any) -> ViTConfig:
         return ViTConfig.from_dict({**self.to_dict(), **changes})
