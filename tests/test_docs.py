@@ -106,15 +106,18 @@ def one_job(args: list[str]) -> list[str]:
     return job
 
 
-def jobs() -> dict[tuple[str, tuple[str, ...]], list[str]]:
-    """Each distinct command line to check (the README's also in docs/, placeholders alike), and where it is shown."""
+def jobs(mine: bool = False) -> dict[tuple[str, tuple[str, ...]], list[str]]:
+    """Each distinct command line to check (the README's also in docs/, placeholders alike), and where it is shown;
+    `mine`: those with a user's --config-dir (docs/training/your-configs.md), the others without."""
     seen: dict[tuple[str, tuple[str, ...]], list[str]] = {}
     for where, command, args in COMMANDS:
-        seen.setdefault((command, tuple(one_job(args))), []).append(where)
+        if ("--config-dir" in args) == mine:
+            seen.setdefault((command, tuple(one_job(args))), []).append(where)
     return seen
 
 
-JOBS = jobs()
+JOBS, JOBS_MINE = jobs(), jobs(mine=True)
+MY_FILE = re.compile(r"```yaml\n# (my_configs/[\w/.-]+\.yaml)\n(.*?)```", re.DOTALL)
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +140,31 @@ def test_every_documented_command_parses_against_the_config_tree(compose_as_type
     except Exception as e:
         shown = ", ".join(JOBS[command, args])
         pytest.fail(f"{shown}: python -m vitlab.{command} {' '.join(args)}: {type(e).__name__}: {e}")
+
+
+@pytest.mark.parametrize("command, args", list(JOBS_MINE), ids=[wheres[0] for wheres in JOBS_MINE.values()])
+def test_every_documented_command_with_a_users_tree_parses(tmp_path, command, args):
+    """The commands with `--config-dir my_configs`, composed over the files the docs show for that folder (each
+    ```yaml block that begins `# my_configs/<file>`), as the command composes them."""
+    from vitlab.cli.config_tree import read_user_config_dir, without_config_dir
+
+    shown = [m.groups() for page in DOC_PAGES for m in MY_FILE.finditer(page.read_text())]
+    assert shown, "no page shows the files of my_configs/"
+    for name, text in shown:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
+
+    register_resolvers()
+    read_user_config_dir(["--config-dir", str(tmp_path / args[args.index("--config-dir") + 1])])
+    backup = get_gh_backup()  # (compose_as_typed's Hydra, kept for the tests after this one)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            compose(command, overrides=without_config_dir(list(args)), return_hydra_config=True)
+    finally:
+        read_user_config_dir([])
+        restore_gh_from_backup(backup)
 
 
 def test_a_documented_command_prints_its_config_with_cfg_job():
