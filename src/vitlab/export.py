@@ -93,8 +93,7 @@ def export_timm(cfg: DictConfig) -> dict:
     resolve_data_config and create_transform prepare an image as vitlab does. An objective=mae checkpoint gives its
     encoder (the decoder is MAE's, not timm's: format=mae writes both)."""
     from vitlab.cli.rundir import check_writable
-    from vitlab.convert import publish
-    from vitlab.convert.timm_dir import save_timm_dir
+    from vitlab.convert import publish, timm_dir
     from vitlab.training.run import build
 
     out = Path(cfg.output) if cfg.output else Path(cfg.paths.output_dir) / "timm"
@@ -103,25 +102,15 @@ def export_timm(cfg: DictConfig) -> dict:
     if out.exists() and not cfg.overwrite:
         raise UserError(f"output {str(out)!r} exists; choose another output or set overwrite=true")
     check_writable(out.parent, "output", out)  # before the checkpoint is read
-    if cfg.push_to_hub:
-        publish.check_can_push(cfg.push_to_hub)  # offline, no token: said now, nothing exported
+    card = publish.card_writer(cfg.ckpt_path, out, cfg.push_to_hub, cfg.license, cfg.datasets)  # (can it push? now)
     module = build.load_for_inference(cfg.ckpt_path)
     if module.hparams.get("data"):
         module.model.pretrained_cfg.update(build.inference_datamodule(module, cfg.ckpt_path).preprocessing)
-    names, atol, model = module.hparams.get("class_names"), min(float(cfg.atol), 1e-5), module.model.float()
-    run, source = publish.Run.of_checkpoint(cfg.ckpt_path), f"hf-hub:{cfg.push_to_hub}" if cfg.push_to_hub else None
-
-    def card(config: dict, checked: dict) -> str:  # README.md, the Hub's model card, written inside the folder
-        return publish.model_card(config, checked, run, source=source or f"local-dir:{out.resolve()}",
-                                  license=cfg.license, datasets=list(cfg.datasets or []) or None,
-                                  params=sum(p.numel() for p in model.parameters()))  # fmt: skip
-
-    report = save_timm_dir(model, out, names, atol=atol, overwrite=cfg.overwrite, card=card)
+    names, atol = module.hparams.get("class_names"), min(float(cfg.atol), 1e-5)
+    report = timm_dir.save_timm_dir(module.model.float(), out, names, atol=atol, overwrite=cfg.overwrite, card=card)
     report |= {"ckpt_path": str(cfg.ckpt_path), "format": "timm"}
     print(f"wrote {out}: timm.create_model('local-dir:{out}', pretrained=True), |diff| {report['max_abs_diff']:.2g}")
-    if cfg.push_to_hub:
-        report["commit_url"] = publish.push_folder(out, cfg.push_to_hub, cfg.private, cfg.revision)
-        print(f"pushed {out} to the Hub: timm.create_model('{source}', pretrained=True) ({report['commit_url']})")
+    report["commit_url"] = publish.push_folder(out, cfg.push_to_hub, cfg.private, cfg.revision)  # (None: not pushed)
     return report
 
 

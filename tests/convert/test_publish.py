@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import lightning as L
 import pytest
+import timm
 import torch
 import yaml
 from huggingface_hub import ModelCard, constants
@@ -153,6 +154,8 @@ def test_the_card_is_the_hubs_format_with_the_runs_test_metrics(compose_cfg, run
     assert f'timm.create_model("local-dir:{out}", pretrained=True)' in card.text
     assert f'vitlab.create_model("local-dir:{out}", pretrained=True)' in card.text
     assert "| objective | classify |" in card.text and "| optimizer | adamw, lr 0.001" in card.text
+    theirs = timm.create_model(f"local-dir:{out}", pretrained=True)
+    assert f"| parameters | {sum(p.numel() for p in theirs.parameters()):,} |" in card.text
 
 
 def test_a_checkpoint_outside_a_run_gets_a_card_that_says_so(compose_cfg, run_ckpt, tmp_path):

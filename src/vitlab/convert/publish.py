@@ -10,12 +10,15 @@ all of it or none; offline or without a token it is refused in one line before a
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vitlab.utils.errors import OfflineError, UserError
 
+log = logging.getLogger(__name__)
 TAGS = ["image-classification", "timm", "vitlab", "vision-transformer"]
 # A metric's name in metrics.json (after its split) -> the Hub's metric type (model-index)
 METRIC_TYPES = {"acc": "accuracy", "acc_top5": "top_5_accuracy", "loss": "loss"}
@@ -68,9 +71,30 @@ def check_can_push(repo_id: str) -> None:
         )
 
 
-def push_folder(folder: Path, repo_id: str, private: bool = False, revision: str | None = None) -> str:
+def card_writer(
+    ckpt_path: str | Path, out: Path, repo_id: str | None = None, license: str | None = None, datasets: Any = None
+) -> Callable[[dict[str, Any], dict[str, Any]], str]:
+    """`card(config, checked)` for timm_dir.save_timm_dir: the model card of the folder `out` exported from
+    `ckpt_path` (its run read now), naming the folder as timm loads it: from the Hub where it is pushed to `repo_id`,
+    which is checked first (check_can_push: before anything is exported)."""
+    if repo_id:
+        check_can_push(repo_id)
+    run = Run.of_checkpoint(ckpt_path)
+    source = f"hf-hub:{repo_id}" if repo_id else f"local-dir:{Path(out).resolve()}"
+    datasets = list(datasets or []) or None
+
+    def card(config: dict[str, Any], checked: dict[str, Any]) -> str:
+        return model_card(config, checked, run, source=source, license=license, datasets=datasets)
+
+    return card
+
+
+def push_folder(folder: Path, repo_id: str | None, private: bool = False, revision: str | None = None) -> str | None:
     """Upload `folder` to the Hub model repo `repo_id` (made if missing, `private` then) in one commit on `revision`
-    (a branch, made from main if missing); the commit's URL. A failure is one line: nothing was committed."""
+    (a branch, made from main if missing); the commit's URL (None: no repo_id, nothing pushed). A failure is one
+    line: nothing was committed."""
+    if not repo_id:
+        return None
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
@@ -87,6 +111,8 @@ def push_folder(folder: Path, repo_id: str, private: bool = False, revision: str
         raise UserError(
             f"push_to_hub={repo_id} failed ({first}); nothing was committed to the Hub, the folder is in {folder}"
         ) from e
+    log.info("pushed %s to the Hub: timm.create_model('hf-hub:%s', pretrained=True) (%s)", folder, repo_id,
+             commit.commit_url)  # fmt: skip
     return commit.commit_url
 
 
@@ -98,10 +124,9 @@ def model_card(
     source: str,
     license: str | None = None,
     datasets: list[str] | None = None,
-    params: int | None = None,
 ) -> str:
     """README.md of a timm folder. `config`: its config.json; `checked`: timm's read-back (architecture,
-    max_abs_diff, atol); `source`: how timm names the folder (`hf-hub:<repo id>` or `local-dir:<folder>`)."""
+    max_abs_diff, atol, parameters); `source`: how timm names the folder (`hf-hub:<repo id>`, `local-dir:<folder>`)."""
     from huggingface_hub import ModelCard, ModelCardData
 
     name = source.split(":", 1)[1].rstrip("/").rsplit("/", 1)[-1]
@@ -116,7 +141,7 @@ def model_card(
     )
     parts = [
         f"# {name}\n\nA Vision Transformer trained with vitlab (PyTorch Lightning + Hydra), saved in timm's format.",
-        _architecture(config, params),
+        _architecture(config, checked.get("parameters")),
         _results(run),
         _training(run),
         _parity(config, checked, source),

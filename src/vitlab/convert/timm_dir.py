@@ -110,7 +110,7 @@ def save_timm_dir(
     """Write `model` as a timm folder at `out` (config.json, model.safetensors), read back by timm and compared
     (largest |logit difference| <= atol) before it is put in place (utils.atomic.atomic_dir: with the permissions
     of any new file). `card(config, checked)`: the folder's README.md (convert.publish.model_card), from config.json
-    and the check (architecture, max_abs_diff, atol). Returns what was written and measured."""
+    and the check (architecture, max_abs_diff, atol, parameters). Returns what was written and measured."""
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -131,7 +131,8 @@ def save_timm_dir(
                 f"timm's model of the folder is {diff:.3g} from ours (over {atol}): refused, nothing written"
             )
         if card is not None:
-            checked = {"architecture": config["architecture"], "max_abs_diff": diff, "atol": atol}
+            checked = {"architecture": config["architecture"], "max_abs_diff": diff, "atol": atol,
+                       "parameters": sum(p.numel() for p in model.parameters())}  # fmt: skip
             (folder / "README.md").write_text(card(config, checked))
 
     atomic_dir(out, write, what="timm export", advice="free space, or export elsewhere with output=<folder>")
