@@ -36,6 +36,7 @@ def installed(tmp_path_factory) -> Path:
             shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
         else:
             shutil.copy2(ROOT / name, source / name)
+    (source / "conf" / "local" / "default.yaml").write_text("# one machine's own settings: never in a wheel\n")
     _pip("wheel", str(source), "--no-deps", "--no-build-isolation", "-q", "-w", str(root / "wheels"), cwd=root)
     (wheel,) = (root / "wheels").glob("vitlab-*.whl")
     _pip("install", "--no-deps", "-q", "--target", str(root / "site"), str(wheel), cwd=root)
@@ -66,6 +67,7 @@ def test_the_wheel_carries_the_configs_and_the_console_script(installed):
     shipped = {p.relative_to(conf) for p in conf.rglob("*.yaml")}
     ours = {p.relative_to(ROOT / "conf") for p in (ROOT / "conf").rglob("*.yaml") if p.parent.name != "local"}
     assert shipped == ours  # every config, and no machine's own conf/local/*.yaml
+    assert (conf / "local" / "README.md").is_file() and not (conf / "local" / "default.yaml").exists()
     assert all((conf / p).read_bytes() == (ROOT / "conf" / p).read_bytes() for p in ours)
     assert (installed / "hydra_plugins" / "vitlab_user_configs.py").is_file() and (
         installed / "bin" / "vitlab"
