@@ -5,6 +5,7 @@ parses against the config tree as typed (tests/helpers.py: documented_commands, 
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -145,3 +146,57 @@ def test_a_documented_command_prints_its_config_with_cfg_job():
     argv = [sys.executable, "-m", f"vitlab.{command}", *args, "--cfg", "job"]  # started bare: no torch to import
     r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "model:" in r.stdout, r.stderr[-2000:]
+
+
+# --- the site read in a browser ---------------------------------------------------------------------------------
+
+# Every code block on every page, the collapsed ones (the config reference's files) opened: its width and the width
+# it is shown in, and the text material's copy button takes (innerText while it marks the block data-md-copying).
+CODE_BLOCKS_JS = """() => {
+  document.querySelectorAll('details').forEach(d => d.open = true);
+  return [...document.querySelectorAll('.md-typeset pre > code')].map(code => {
+    const shown = [code.scrollWidth, code.clientWidth];
+    code.setAttribute('data-md-copying', '');
+    const copied = code.innerText;
+    code.removeAttribute('data-md-copying');
+    return {shown, copied, text: code.textContent};
+  });
+}"""
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    """Debian's Chromium (`apt-get install chromium`) driven by Playwright (the dev extra); Playwright's own browser
+    builds are never downloaded. Skipped, with the reason, where either is missing."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install '.[dev]')")
+    exe = next(filter(None, map(shutil.which, ("chromium", "chromium-browser"))), None)
+    if exe is None:
+        pytest.skip("no Chromium to render the site in (apt-get install chromium)")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe)
+        yield browser
+        browser.close()
+
+
+def test_no_code_block_is_cut_off_at_1280_px(site, chromium):
+    """At 1280 px (a laptop), every code block shows all its columns: long lines wrap (stylesheets/extra.css)
+    instead of hiding past the block's right edge behind a scroll bar; and the copy button still copies each line
+    once, as written."""
+    page = chromium.new_page(viewport={"width": 1280, "height": 900})
+    cut, copied_wrong, blocks = [], [], 0
+    for html in sorted(site.rglob("*.html")):
+        if html.name == "404.html":
+            continue
+        page.goto(html.as_uri())
+        for i, block in enumerate(page.evaluate(CODE_BLOCKS_JS)):
+            blocks += 1
+            where = f"{html.relative_to(site).parent.as_posix()} block {i}: {block['text'][:60]!r}"
+            scroll, shown = block["shown"]
+            if scroll > shown:
+                cut.append(f"{where} ({scroll} px in {shown})")
+            if block["copied"].rstrip() != block["text"].rstrip():
+                copied_wrong.append(where)
+    page.close()
+    assert blocks > 300, blocks  # the pages were read (388 blocks on 2026-11-28)
+    assert not cut, "\n".join(cut)
+    assert not copied_wrong, "\n".join(copied_wrong)
