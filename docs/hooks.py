@@ -55,21 +55,48 @@ def on_files(files: Files, config) -> Files:
 # --- the config reference ---------------------------------------------------------------------------------------
 
 
+ESCAPED = {"<": "&lt;", ">": "&gt;", "[": "&#91;", "]": "&#93;", "|": "&#124;", "*": "&#42;", "_": "&#95;"}
+
+
+def _escape(text: str) -> str:
+    """As HTML entities where Markdown would read markup (`<name>`, `[...]`, `|` in a table, `_` and `*`)."""
+    return "".join(ESCAPED.get(c, c) for c in text)
+
+
+def _example(line: str) -> str:
+    """An indented example line of a leading comment (`#   python -m ...   # what it does`): the command as code, what
+    follows it after two spaces or more as words."""
+    command, note = (re.split(r"\s{2,}", line.strip(), maxsplit=1) + [""])[:2]
+    note = note.removeprefix("#").strip()
+    if note.startswith("(") and note.endswith(")"):
+        note = note[1:-1]
+    return f"<code>{_escape(command)}</code>" + (f" ({_escape(note)})" if note else "")
+
+
 def _description(text: str) -> str:
-    """A file's leading comment, Hydra's directives and indented examples left out: what the option is. As HTML
-    entities where Markdown would read markup (`<name>`, `[...]`, `|` in a table)."""
-    said = []
+    """A file's leading comment (Hydra's `# @package` left out), to its first blank comment line: what the option
+    is, in a table cell. Its indented example lines (the commands a sentence ending in ':' introduces) are kept, as
+    code, so that no note ends on a dangling ':'; a `\\`-continued example is one command."""
+    parts: list[str] = []
+    examples: list[str] = []
     for line in text.splitlines():
-        if not line.startswith("#"):
+        if not line.startswith("#") or (line.strip() == "#" and parts):
             break
         words = line[1:].strip()
-        if line.startswith(("# @package", "#   ")) or not words:
-            if said:
-                break
+        if line.startswith("# @package") or not words:
             continue
-        said.append(words)
-    escaped = {"<": "&lt;", ">": "&gt;", "[": "&#91;", "]": "&#93;", "|": "&#124;", "*": "&#42;", "_": "&#95;"}
-    return "".join(escaped.get(c, c) for c in " ".join(said))
+        if line.startswith("#   ") and examples and examples[-1].endswith("\\"):
+            examples[-1] = examples[-1][:-1].rstrip() + " " + words  # the continued line
+        elif line.startswith("#   "):
+            examples.append(words)
+        else:
+            if examples:
+                parts.append("; ".join(map(_example, examples)) + ".")
+                examples = []
+            parts.append(_escape(words))
+    if examples:
+        parts.append("; ".join(map(_example, examples)))
+    return " ".join(parts)
 
 
 def _train_defaults() -> dict[str, str]:

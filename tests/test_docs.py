@@ -82,6 +82,34 @@ def test_the_api_reference_covers(site, page, names):
         assert re.search(rf'id="(vitlab\.[\w.]*\.)?{re.escape(name)}"', html), name
 
 
+def _text(html: str) -> str:
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", html)).strip()
+
+
+def test_every_entry_of_the_api_reference_says_what_it_is(site):
+    """Each object on the Python API pages (a class, function, field, table) has a description under its heading:
+    a config dataclass's fields theirs from the comment beside or above them (docs/griffe_comments.py), a method or
+    property its docstring."""
+    bare = []
+    for page in sorted((site / "reference" / "api").glob("*/index.html")):
+        for entry in page.read_text().split('<div class="doc doc-object')[1:]:  # up to the next (a member) or the end
+            heading = re.search(r'<h\d id="([^"]+)"', entry)
+            contents = entry.partition('class="doc doc-contents')[2].partition(">")[2]
+            if heading and not _text(contents):
+                bare.append(f"{page.parent.name}: {heading.group(1)}")
+    assert not bare, "no description: " + ", ".join(bare)
+
+
+def test_every_option_of_the_config_reference_has_a_note_that_ends(site):
+    """A group's table gives each option its file's leading comment, examples included: none is empty, none ends on
+    the ':' that introduced the commands it left out."""
+    page = (site / "reference" / "config" / "index.html").read_text()
+    rows = re.findall(r"<tr>\s*<td>(.*?)</td>\s*<td>(.*?)</td>\s*</tr>", page, re.S)
+    assert len(rows) > 70, len(rows)  # every option of every group (79 on 2026-11-28)
+    unfinished = [f"{_text(option)}: {_text(note)[-60:]!r}" for option, note in rows if _text(note)[-1:] in ("", ":")]
+    assert not unfinished, "\n".join(unfinished)
+
+
 def test_the_readme_is_a_front_door():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
     assert DOC_PAGES[0] == ROOT / "README.md" and any(where.startswith("README.md:") for where, _, _ in COMMANDS)
