@@ -2,7 +2,8 @@
 describe.
 
 - `reference/config.md`, from `conf/`: every command's config file, then every group, its options (each file's
-  leading comment, its example commands as code) and each option's file as it is, the group's `_base` (the defaults its options extend) first.
+  leading comment, its example commands as code) and each option's file as it is, the group's `_base` (the
+  defaults its options extend) first.
 - `experiments/<study>/...`, read where they are: each study's README.md (its table) and the files it links (plots,
   `timm_zoo.md`), one nav entry per study under "Benchmarks and experiments", "Studies".
 """
