@@ -5,7 +5,8 @@ describe.
   leading comment, its example commands as code) and each option's file as it is, the group's `_base` (the
   defaults its options extend) first.
 - `experiments/<study>/...`, read where they are: each study's README.md (its table) and the files it links (plots,
-  `timm_zoo.md`), one nav entry per study under "Benchmarks and experiments", "Studies".
+  `timm_zoo.md`), one nav entry per study under "Benchmarks and experiments", "Studies" (but for a README that
+  mkdocs.yml's nav places itself: experiments/gpu/, the script a lent GPU runs, is not a study).
 """
 
 from __future__ import annotations
@@ -26,12 +27,23 @@ def studies() -> list[Path]:
     return sorted(p.parent for p in EXPERIMENTS.glob("*/README.md"))
 
 
+def _nav_pages(entries) -> set[str]:
+    """Every page mkdocs.yml's nav names."""
+    pages = set()
+    for entry in entries:
+        for inner in entry.values() if isinstance(entry, dict) else [entry]:
+            pages |= _nav_pages(inner) if isinstance(inner, list) else {inner}
+    return pages
+
+
 def on_config(config):
+    placed = _nav_pages(config.nav or [])  # a study's page that mkdocs.yml puts elsewhere (the GPU script's) stays there
+
     def fill(entries):
         for entry in entries:
             for title, inner in entry.items() if isinstance(entry, dict) else ():
                 if title == NAV_SECTION:
-                    inner += [f"experiments/{s.name}/README.md" for s in studies()]
+                    inner += [page for s in studies() if (page := f"experiments/{s.name}/README.md") not in placed]
                 elif isinstance(inner, list):
                     fill(inner)
 

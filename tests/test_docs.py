@@ -3,11 +3,15 @@ reference mkdocstrings cannot resolve fails), its generated pages cover what the
 parses against the config tree as typed (tests/helpers.py: documented_commands, the one list of them), composed as
 `--cfg job` composes it."""
 
+import functools
+import http.server
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
+import urllib.parse
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -211,6 +215,7 @@ def test_no_code_block_is_cut_off_at_1280_px(site, chromium):
     instead of hiding past the block's right edge behind a scroll bar; and the copy button still copies each line
     once, as written."""
     page = chromium.new_page(viewport={"width": 1280, "height": 900})
+    page.route("**/*.js", lambda route: route.abort())  # widths are the stylesheets' (material's scripts: 40% longer)
     cut, copied_wrong, blocks = [], [], 0
     for html in sorted(site.rglob("*.html")):
         if html.name == "404.html":
@@ -228,3 +233,44 @@ def test_no_code_block_is_cut_off_at_1280_px(site, chromium):
     assert blocks > 300, blocks  # the pages were read (388 blocks on 2026-11-28)
     assert not cut, "\n".join(cut)
     assert not copied_wrong, "\n".join(copied_wrong)
+
+
+# What a reader types into the search box -> the page that must come first (issue 64: "make train" did not find
+# Getting started in 12 results, "resume training" Reliability in 6; "install" ranked the GPU script's page first).
+SEARCHES = {
+    "make train": "getting-started/",
+    "install": "getting-started/",
+    "own photos": "getting-started/",
+    "resume training": "reliability/",
+    "slurm": "scaling-out/",
+}
+RESULT_PAGES_JS = """() => [...document.querySelectorAll('.md-search-result__list > .md-search-result__item > a')]
+  .map(a => new URL(a.href).pathname)"""
+
+
+@pytest.fixture(scope="module")
+def served(site):
+    """The site over HTTP on a free local port, as `make docs` serves it (the search worker fetches its index)."""
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(site)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}/"
+    server.shutdown()
+
+
+def test_the_search_box_finds_the_page_a_reader_means(served, chromium):
+    """Material's search, run in the browser as a reader runs it (`?q=` fills the box): each query's first page."""
+    page = chromium.new_page(viewport={"width": 1280, "height": 900})
+    wrong = {}
+    for query, expected in SEARCHES.items():
+        page.goto(f"{served}?q={urllib.parse.quote(query)}")
+        page.wait_for_function("() => /matching/i.test(document.querySelector('.md-search-result__meta').textContent)")
+        found = page.evaluate(RESULT_PAGES_JS)
+        if not found or found[0] != f"/{expected}":
+            wrong[query] = found[:5]
+    page.close()
+    assert not wrong, f"expected first: {SEARCHES}; found: {wrong}"
