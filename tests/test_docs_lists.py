@@ -5,7 +5,9 @@ in an install command to pyproject.toml's. A field, config file or module added 
 
 import ast
 import dataclasses
+import importlib.util
 import re
+import types
 
 import pytest
 import yaml
@@ -125,3 +127,52 @@ def test_every_extra_an_install_command_names_exists():
         for extra in group.split(",")
     }
     assert not [(page, extra) for page, extra in sorted(named) if extra not in extras], extras
+
+
+def headings(text: str):
+    """The Markdown headings of a page, fenced code left out (a `# comment` there is not one)."""
+    fenced = False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6} ", line):
+            yield line
+
+
+def test_no_heading_is_a_bare_issue_number():
+    """A reader of the site has no issue tracker: titles say what a section holds, not which issue asked for it."""
+    pages = [*DOCS.rglob("*.md"), *ROOT.glob("experiments/*/README.md")]
+    bare = [
+        f"{p.relative_to(ROOT)}: {h}"
+        for p in pages
+        for h in headings(p.read_text())
+        if re.search(r"(?i)\bissues? \d", h)
+    ]
+    assert not bare, "\n".join(bare)
+
+
+def test_the_gpu_script_is_not_among_the_studies():
+    """docs/hooks.py fills the nav's "Studies" with every experiments/*/README.md that mkdocs.yml does not place."""
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    nav = hooks.on_config(types.SimpleNamespace(nav=yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])).nav
+
+    def section(entries, title):
+        for entry in entries:
+            for name, inner in entry.items() if isinstance(entry, dict) else ():
+                if name == title:
+                    return inner
+                if isinstance(inner, list) and (found := section(inner, title)) is not None:
+                    return found
+
+    studies = section(nav, "Studies")
+    assert "experiments/gpu/README.md" not in studies and len(studies) >= 10, studies
+    assert "experiments/gpu/README.md" in hooks._nav_pages(nav)  # placed elsewhere, not dropped
+
+
+def test_getting_started_names_the_python_and_torch_it_installs():
+    page = (DOCS / "getting-started.md").read_text()
+    python = re.search(r'requires-python = ">=([\d.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    torch = re.search(r"TORCH\s+\?= torch==([\d.]+)", (ROOT / "Makefile").read_text()).group(1)
+    assert f"Python {python} or newer" in page and f"torch {torch}" in page, (python, torch)
