@@ -37,7 +37,7 @@ def _nav_pages(entries) -> set[str]:
 
 
 def on_config(config):
-    placed = _nav_pages(config.nav or [])  # a study's page that mkdocs.yml puts elsewhere (the GPU script's) stays there
+    placed = _nav_pages(config.nav or [])  # a study page mkdocs.yml puts elsewhere (the GPU script) stays there
 
     def fill(entries):
         for entry in entries:
