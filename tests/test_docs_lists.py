@@ -12,7 +12,7 @@ import types
 import yaml
 
 from tests.helpers import ROOT
-from vitlab.model import config
+from vitlab.model import config, rope_config
 from vitlab.model.config import ViTConfig
 
 DOCS = ROOT / "docs"
@@ -32,6 +32,9 @@ CHOICES = {
     "pos_embed_resample": config.POS_EMBED_RESAMPLE,
     "weight_init": config.WEIGHT_INITS,
     "global_pool": config.GLOBAL_POOLS,
+    "rope": rope_config.ROPES,
+    "rope_grid_indexing": rope_config.ROPE_GRID_INDEXING,
+    "rope_normalize_coords": rope_config.ROPE_NORMALIZE_COORDS,
 }
 
 

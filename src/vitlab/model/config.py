@@ -119,10 +119,8 @@ class ViTConfig:
     # (timm's resample_abs_pos_embed) or 'dino' (DINO's and DINOv2's interpolate_pos_encoding: +0.1 in the scale
     # factor, no antialias), which their recipes and weights use (model/posemb.py)
     pos_embed_resample: str = "timm"
-    # Rotary position embedding (RoPE, Su et al. 2021; for images Heo et al. 2024, EVA02, DINOv3) on the patch tokens'
-    # queries and keys in every attention, prefix tokens left as they are; beside pos_embed or with pos_embed 'none'.
-    # '' (off) | axial | mixed | dinov3 (ROPES; model/rope.py). Computed for each input's grid (dynamic_img_size).
-    rope: str = ""
+    # RoPE (Heo et al. 2024; EVA02, DINOv3) on the patch tokens' queries and keys, beside pos_embed or with 'none':
+    rope: str = ""  # '' (off) | axial | mixed | dinov3 (model/rope.py), computed for each input's grid
     rope_temperature: float = 10_000.0  # axial/dinov3: the frequencies' (periods') base; mixed: its magnitudes'
     rope_ref_feat_shape: int | tuple[int, int] | None = None  # axial: positions rescaled to this grid (EVA02's)
     rope_grid_offset: float = 0.0  # added to every position (PE: 1)
@@ -187,8 +185,7 @@ class ViTConfig:
             raise UserError(f"mlp_ratio {self.mlp_ratio} must be > 0")
         if self.global_pool is None:
             self.global_pool = ""
-        if self.rope is None:  # (YAML's null: no RoPE)
-            self.rope = ""
+        self.rope = "" if self.rope is None else self.rope  # (YAML's null: no RoPE)
         if self.global_pool not in GLOBAL_POOLS:
             # (an AssertionError too, as timm's VisionTransformer asserts the pool: timm's tests expect one)
             raise UnsupportedRequestError(
