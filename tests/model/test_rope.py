@@ -146,3 +146,18 @@ def test_rope_fields_round_trip_as_plain_data():
     assert cfg.rope_ref_feat_shape == (4, 6) and ViTConfig.from_dict(cfg.to_dict()) == cfg
     assert ViT(cfg).no_weight_decay() == {"pos_embed", "cls_token", "reg_token", "dist_token"}
     assert "rope.freqs" in ViT(tiny(rope="mixed")).no_weight_decay()
+
+
+def test_evas_init_draws_as_timms_eva():
+    """weight_init 'eva' (timm's Eva.init_weights): Linears trunc-normal 0.02, class and register tokens trunc-normal
+    0.02 (not timm ViT's 1e-6), the head scaled by 0.001, fix_init's depth scaling of the output projections."""
+    cfg = tiny(embed_dim=64, depth=4, num_classes=1000, reg_tokens=4, block_fn="eva", attn_layer="eva", init_values=0.1,
+               weight_init="eva", fix_init=True, rope="dinov3", pos_embed="none")  # fmt: skip
+    torch.manual_seed(0)
+    model = ViT(cfg)
+    torch.manual_seed(0)
+    theirs = Eva(**eva_kwargs(cfg))
+    for name in ("head.weight", "cls_token", "reg_token", "blocks.0.attn.qkv.weight", "blocks.3.attn.proj.weight"):
+        ours_std, their_std = model.get_parameter(name).std().item(), theirs.get_parameter(name).std().item()
+        assert abs(ours_std / their_std - 1) < 0.2, (name, ours_std, their_std)
+    assert model.head.weight.std() < 1e-4 and torch.equal(model.blocks[0].gamma_1, theirs.blocks[0].gamma_1)

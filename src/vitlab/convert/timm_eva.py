@@ -23,7 +23,7 @@ EVA_SAME = (
     "attn_drop_rate", "drop_path_rate", "init_values", "class_token", "no_embed_class", "dynamic_img_size",
     "dynamic_img_pad", "attn_pool_num_heads", "attn_pool_mlp_ratio", "attn_only_layer_scale", "rope_grid_offset",
     "rope_grid_indexing", "rope_temperature", "rope_rotate_half", "rope_shift_coords", "rope_jitter_coords",
-    "rope_rescale_coords",
+    "rope_rescale_coords", "num_kv_heads",
 )  # fmt: skip
 EVA_RENAMED = {
     "num_reg_tokens": "reg_tokens",  # DINOv3's storage tokens, placed after the class token as timm places them
@@ -35,12 +35,11 @@ EVA_RENAMED = {
 # Eva's arguments that decide several fields (eva_config reads them)
 EVA_DERIVED = (
     "attn_type", "swiglu_mlp", "swiglu_align_to", "norm_layer", "use_abs_pos_emb", "use_rot_pos_emb", "rope_type",
-    "use_post_norm", "use_post_transformer_norm", "use_fc_norm", "num_kv_heads", "head_init_scale",
+    "use_post_norm", "use_post_transformer_norm", "use_fc_norm", "head_init_scale",
     "rope_mrope_section",
 )  # fmt: skip
 # Arguments our ViT does not build, with the values that mean "not used", and why (the docs' list of names left out)
 EVA_REFUSED = {
-    "num_kv_heads": "grouped-query attention (fewer key/value heads than query heads: Sapiens2 L/H/g/5B)",
     "rope_type": "rope_type 'mrope' (Qwen2-VL's multimodal RoPE) and 'base'",
     "rope_mrope_section": "MRoPE's sections",
     "head_init_scale": "a head init scale other than Eva's 0.001",
@@ -88,6 +87,10 @@ def eva_config_fields(arch: str, args: dict[str, Any]) -> dict[str, Any]:
     out.update(_rope(a))
     out.update(_norms(a))
     out["pool_include_prefix"] = a["global_pool"] == "map"  # Eva's attention pool reads every token
+    kv = a.get("num_kv_heads")
+    if kv is not None and not isinstance(kv, int):
+        kv = tuple(kv)  # (one per block, Sapiens2's; all of them num_heads: plain multi-head attention)
+    out["num_kv_heads"] = None if kv is None or set(kv if isinstance(kv, tuple) else (kv,)) == {a["num_heads"]} else kv
     return out
 
 
@@ -101,10 +104,6 @@ def _norm(value: Any) -> dict[str, Any]:
 
 
 def _refuse(a: dict[str, Any]) -> None:
-    kv = a.get("num_kv_heads")
-    if kv is not None and any(h != a["num_heads"] for h in ((kv,) if isinstance(kv, int) else kv)):
-        shown = str(kv) if len(str(kv)) < 40 else f"{str(kv)[:40]}...)"
-        raise UserError(f"num_kv_heads={shown}: {EVA_REFUSED['num_kv_heads']}")
     if a.get("use_rot_pos_emb") and a["rope_type"] not in ROPE_TYPES:
         raise UserError(f"rope_type={a['rope_type']!r}: {EVA_REFUSED['rope_type']}")
     if a.get("rope_mrope_section") is not None:
@@ -206,7 +205,7 @@ def from_dinov3(sd: dict[str, torch.Tensor], path: object = "weights file") -> d
 
 # ViTConfig fields only an Eva has, with their "off" values: a config that sets one is an Eva's (timm_kwargs refuses it)
 EVA_ONLY_FIELDS = dict(mlp_hidden_dim=None, qkv_fused=True, qkv_bias_separate=False, attn_only_layer_scale=False,
-                       rope="", attn_pool_num_heads=None, attn_pool_mlp_ratio=None)  # fmt: skip
+                       rope="", attn_pool_num_heads=None, attn_pool_mlp_ratio=None, num_kv_heads=None)  # fmt: skip
 
 
 def is_eva_config(cfg: ViTConfig) -> bool:

@@ -109,21 +109,24 @@ class Attention(_Softmax):
     def __init__(self, cfg: ViTConfig, layer: int = 0, head_dim: int | None = None):  # layer: ATTENTIONS' signature
         super().__init__()
         dim = cfg.embed_dim
-        self._projections(cfg)
+        self._projections(cfg, layer=layer)
         self._init_heads(cfg, head_dim or dim // cfg.num_heads)
         self.num_prefix_tokens, self.rotate_half = cfg.num_prefix_tokens, cfg.rope_rotate_half
         self.norm = norm(cfg, dim) if cfg.scale_attn_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim, bias=cfg.proj_bias)
         self.proj_drop = nn.Dropout(cfg.proj_drop_rate)
 
-    def _projections(self, cfg: ViTConfig, k_bias: bool = True) -> None:
+    def _projections(self, cfg: ViTConfig, k_bias: bool = True, layer: int = 0) -> None:
         dim, bias = cfg.embed_dim, cfg.qkv_bias
+        kv = cfg.num_kv_heads if not isinstance(cfg.num_kv_heads, tuple) else cfg.num_kv_heads[layer]
+        self.num_kv_heads = kv or cfg.num_heads  # grouped-query attention: fewer key/value heads, each shared
+        kv_dim = dim // cfg.num_heads * self.num_kv_heads
         if cfg.qkv_fused:
             self.qkv = nn.Linear(dim, 3 * dim, bias=bias)  # rows ordered q; k; v
         else:
             self.qkv = None
-            self.q_proj, self.k_proj = nn.Linear(dim, dim, bias=bias), nn.Linear(dim, dim, bias=bias and k_bias)
-            self.v_proj = nn.Linear(dim, dim, bias=bias)
+            self.q_proj, self.k_proj = nn.Linear(dim, dim, bias=bias), nn.Linear(dim, kv_dim, bias=bias and k_bias)
+            self.v_proj = nn.Linear(dim, kv_dim, bias=bias)
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, 3D)
         return self.qkv(x)
@@ -133,16 +136,20 @@ class Attention(_Softmax):
             qkv = self._fused(x).unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)
             q, k, v = qkv.unbind(0)  # each (B, H, N, Dh), views: no copy
         else:
-            heads = (self.num_heads, self.head_dim)
-            q, k, v = (p(x).unflatten(-1, heads).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+            q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+            kv = (self.num_kv_heads, self.head_dim)
+            k, v = (p(x).unflatten(-1, kv).transpose(1, 2) for p in (self.k_proj, self.v_proj))
         return self.q_norm(q), self.k_norm(k), v
 
     def _rotated(self, x: torch.Tensor, rope: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         q, k, v = self._qkv(x)
-        if rope is None:
-            return q, k, v
-        n = self.num_prefix_tokens
-        return apply_rope(q, rope, n, self.rotate_half), apply_rope(k, rope, n, self.rotate_half), v
+        if rope is not None:
+            n = self.num_prefix_tokens
+            q, k = apply_rope(q, rope, n, self.rotate_half), apply_rope(k, rope, n, self.rotate_half)
+        if self.num_kv_heads != self.num_heads:  # each key/value head serves its group of query heads (as timm's)
+            groups = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return q, k, v
 
     def forward(
         self,
@@ -164,8 +171,8 @@ class EvaAttention(Attention):
     and value biases are parameters of their own (q_bias, v_bias: timm's keys), added inside the projection or after
     it (qkv_bias_separate); unfused, k_proj has no bias."""
 
-    def _projections(self, cfg: ViTConfig, k_bias: bool = False) -> None:
-        super()._projections(cfg.replace(qkv_bias=False) if cfg.qkv_fused else cfg, k_bias=False)
+    def _projections(self, cfg: ViTConfig, k_bias: bool = False, layer: int = 0) -> None:
+        super()._projections(cfg.replace(qkv_bias=False) if cfg.qkv_fused else cfg, k_bias=False, layer=layer)
         self.qkv_bias_separate = cfg.qkv_bias_separate
         fused_bias = cfg.qkv_fused and cfg.qkv_bias
         self.q_bias = nn.Parameter(torch.zeros(cfg.embed_dim)) if fused_bias else None

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vitlab.model.rope_config import check_rope
+from vitlab.model.rope_config import check_kv_heads, check_rope
 from vitlab.utils.errors import UnknownArgumentError, UnsupportedRequestError, UserError
 
 # width, depth, heads; MLP ratio 4 (ViT paper Table 1; Ti from DeiT Table 1), except giant and gigantic: their MLP
@@ -74,20 +74,22 @@ class ViTConfig:
 
     img_size: int | tuple[int, int] = 224  # int for square images, (H, W) otherwise
     patch_size: int | tuple[int, int] = 16  # int for square patches, (H, W) otherwise
-    in_chans: int = 3
+    in_chans: int = 3  # input channels (1 for grey images)
     num_classes: int = 1000  # 0: no head, forward returns pooled features
-    embed_dim: int = 768
-    depth: int = 12
-    num_heads: int = 12
-    mlp_ratio: float = 4.0
+    embed_dim: int = 768  # token width D (the variant's)
+    depth: int = 12  # number of blocks
+    num_heads: int = 12  # attention heads; embed_dim must divide by it
+    mlp_ratio: float = 4.0  # the MLP's hidden width over embed_dim
     mlp_hidden_dim: int | None = None  # the MLP's hidden width (fc1's), else int(embed_dim * mlp_ratio) (timm's Eva)
-    qkv_bias: bool = True
+    qkv_bias: bool = True  # biases of the query, key and value projections
     qkv_fused: bool = True  # one qkv projection; False: q_proj, k_proj, v_proj (timm's Eva and AttentionRope)
     qkv_bias_separate: bool = False  # attn_layer 'eva': the q/v biases added after the projection, not inside it
-    qk_norm: bool = False
+    # grouped-query attention (qkv_fused false): key/value heads, for every block or one per block (Sapiens2); None: H
+    num_kv_heads: int | tuple[int, ...] | None = None
+    qk_norm: bool = False  # a norm (norm_layer) on each head's queries and keys (ViT-22B)
     init_values: float | None = None  # LayerScale (CaiT); None switches it off
     attn_only_layer_scale: bool = False  # block_fn 'eva': LayerScale on the attention branch only (Sapiens2)
-    class_token: bool = True
+    class_token: bool = True  # a learned class token before the patches
     reg_tokens: int = 0  # "Vision Transformers Need Registers"
     distilled: bool = False  # DeiT's distillation token and second head (head_dist); the logits average both heads
     no_embed_class: bool = False  # position embedding for patches only (DeiT-III, big_vision)
@@ -117,10 +119,8 @@ class ViTConfig:
     # (timm's resample_abs_pos_embed) or 'dino' (DINO's and DINOv2's interpolate_pos_encoding: +0.1 in the scale
     # factor, no antialias), which their recipes and weights use (model/posemb.py)
     pos_embed_resample: str = "timm"
-    # Rotary position embedding (RoPE, Su et al. 2021; for images Heo et al. 2024, EVA02, DINOv3) on the patch tokens'
-    # queries and keys in every attention, prefix tokens left as they are; beside pos_embed or with pos_embed 'none'.
-    # '' (off) | axial | mixed | dinov3 (ROPES; model/rope.py). Computed for each input's grid (dynamic_img_size).
-    rope: str = ""
+    # RoPE (Heo et al. 2024; EVA02, DINOv3) on the patch tokens' queries and keys, beside pos_embed or with 'none':
+    rope: str = ""  # '' (off) | axial | mixed | dinov3 (model/rope.py), computed for each input's grid
     rope_temperature: float = 10_000.0  # axial/dinov3: the frequencies' (periods') base; mixed: its magnitudes'
     rope_ref_feat_shape: int | tuple[int, int] | None = None  # axial: positions rescaled to this grid (EVA02's)
     rope_grid_offset: float = 0.0  # added to every position (PE: 1)
@@ -134,15 +134,15 @@ class ViTConfig:
     attn_pool_num_heads: int | None = None  # global_pool 'map': its heads (None: num_heads)
     attn_pool_mlp_ratio: float | None = None  # global_pool 'map': its MLP's ratio (None: mlp_ratio)
     drop_rate: float = 0.0  # before the head
-    pos_drop_rate: float = 0.0
+    pos_drop_rate: float = 0.0  # dropout after the position embedding is added
     patch_drop_rate: float = 0.0  # training drops this fraction of the patch tokens (FLIP; timm's PatchDropout)
-    proj_drop_rate: float = 0.0
-    attn_drop_rate: float = 0.0
+    proj_drop_rate: float = 0.0  # dropout after the attention output projection and after each MLP layer
+    attn_drop_rate: float = 0.0  # dropout on the attention weights
     drop_path_rate: float = 0.0  # stochastic depth, linear in depth from 0 to this value
     drop_path_uniform: bool = False  # every block at drop_path_rate instead (DINOv2's student.drop_path_uniform)
     dynamic_img_size: bool = False  # accept any input size, resampling pos_embed per batch
     dynamic_img_pad: bool = False  # pad inputs (right, bottom, zeros) to a multiple of patch_size, as timm
-    norm_eps: float = 1e-6
+    norm_eps: float = 1e-6  # every norm's epsilon (timm's ViTs: 1e-6)
     # '' (timm's), 'jax', 'jax_nlhb' (head bias -log K), 'moco', 'mae' (MAE's models_mae.py), 'skip' (PyTorch's own)
     weight_init: str = ""
     fix_init: bool = False  # divide each block's output projections by sqrt(2 * (layer + 1)) (timm's fix_init)
@@ -153,7 +153,7 @@ class ViTConfig:
     grid_size: tuple[int, int] = field(init=False)  # derived: patches along H and W
 
     def __post_init__(self) -> None:
-        for name in ("rope_ref_feat_shape", "rope_period_range"):
+        for name in ("rope_ref_feat_shape", "rope_period_range", "num_kv_heads"):
             if isinstance(getattr(self, name), list):
                 setattr(self, name, tuple(getattr(self, name)))
         for name in ("img_size", "patch_size"):  # [h, w] from YAML is a tuple from here on (in messages too)
@@ -185,6 +185,7 @@ class ViTConfig:
             raise UserError(f"mlp_ratio {self.mlp_ratio} must be > 0")
         if self.global_pool is None:
             self.global_pool = ""
+        self.rope = "" if self.rope is None else self.rope  # (YAML's null: no RoPE)
         if self.global_pool not in GLOBAL_POOLS:
             # (an AssertionError too, as timm's VisionTransformer asserts the pool: timm's tests expect one)
             raise UnsupportedRequestError(
@@ -246,6 +247,8 @@ class ViTConfig:
             raise UserError(f"pos_embed 'sincos1d' needs an even embed_dim, got {self.embed_dim}")
         if self.attn_layer == "eva" and self.block_fn in ("parallel_scaling", "diff_parallel_scaling"):
             raise UserError(f"attn_layer 'eva' is a separate attention: block_fn {self.block_fn!r} has its own")
+        if self.num_kv_heads is not None:
+            check_kv_heads(self)
         if self.qkv_bias_separate and (self.attn_layer != "eva" or not self.qkv_fused):
             raise UserError("qkv_bias_separate adds attn_layer 'eva''s q/v biases after its fused qkv projection only")
         if not self.qkv_fused and (self.attn_layer == "diff" or self.block_fn.endswith("parallel_scaling")):
@@ -291,10 +294,12 @@ class ViTConfig:
     # ---- derived values -------------------------------------------------------------------------
     @property
     def img_hw(self) -> tuple[int, int]:
+        """img_size as (height, width)."""
         return as_hw(self.img_size, "img_size")
 
     @property
     def patch_hw(self) -> tuple[int, int]:
+        """patch_size as (height, width)."""
         return as_hw(self.patch_size, "patch_size")
 
     @property
@@ -304,10 +309,12 @@ class ViTConfig:
 
     @property
     def num_patches(self) -> int:
+        """Patch tokens of an img_size image: grid_size's product."""
         return self.grid_size[0] * self.grid_size[1]
 
     @property
     def num_prefix_tokens(self) -> int:
+        """Tokens before the patches: the class token, DeiT's distillation token, the registers."""
         return int(self.class_token) + int(self.distilled) + self.reg_tokens
 
     @property
@@ -317,6 +324,7 @@ class ViTConfig:
 
     @property
     def use_fc_norm(self) -> bool:
+        """Whether a norm follows the pool (fc_norm, or by its None rule) instead of the blocks' final norm."""
         return self.global_pool in ("avg", "max", "avgmax") if self.fc_norm is None else self.fc_norm
 
     @property
@@ -345,6 +353,7 @@ class ViTConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ViTConfig:
+        """A config from plain data (a checkpoint's, `to_dict`'s); an unknown key is refused, naming the allowed."""
         names = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -354,16 +363,15 @@ class ViTConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain data (no tuples, no derived fields): what a checkpoint stores."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-        for key in ("img_size", "patch_size"):
-            if isinstance(d[key], tuple):
-                d[key] = list(d[key])
-        return d
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}  # (sizes, grids: YAML's lists)
 
     def replace(self, **changes: Any) -> ViTConfig:
+        """A copy with these fields changed, validated anew (derived values recomputed)."""
         return ViTConfig.from_dict({**self.to_dict(), **changes})
 
     # ---- cost model -----------------------------------------------------------------------------
     def num_tokens(self) -> int:
+        """Tokens the blocks see at img_size: patches and prefix tokens."""
         return self.num_patches + self.num_prefix_tokens
 
     def flops_per_image(self) -> int:

@@ -1,4 +1,5 @@
-"""The RoPE choices of ViTConfig (config.py) and what contradicts them, without torch (model/rope.py builds them).
+"""The RoPE choices of ViTConfig (config.py) and what contradicts them, without torch (model/rope.py builds them),
+and the check of grouped-query attention's key/value heads (the other option timm's Eva brought).
 
 RoPE rotates pairs of channels of each head by angles that grow with the patch's row and column (Su et al. 2021;
 for images Heo et al. 2024 "Rotary Position Embedding for Vision Transformer", EVA02, DINOv3). The choices follow
@@ -68,3 +69,16 @@ def _positive_pair(size: Any) -> bool:
     """An int n >= 1 or a pair of them (a grid, as config.as_hw reads one)."""
     sizes = [size] if isinstance(size, int) else list(size) if isinstance(size, (list, tuple)) else [None, None, None]
     return len(sizes) in (1, 2) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)
+
+
+def check_kv_heads(self: ViTConfig) -> None:
+    """Grouped-query attention (num_kv_heads): each block's key/value heads divide the query heads, on q_proj /
+    k_proj / v_proj apart (timm's AttentionRope)."""
+    kv = self.num_kv_heads
+    heads = [kv] * self.depth if isinstance(kv, int) and not isinstance(kv, bool) else kv
+    ok = isinstance(heads, (list, tuple)) and len(heads) == self.depth
+    if not ok or not all(isinstance(h, int) and h >= 1 and self.num_heads % h == 0 for h in heads):
+        raise UserError(f"num_kv_heads {kv!r} must divide num_heads {self.num_heads}: an int, or one per block "
+                        f"({self.depth}), or null")  # fmt: skip
+    if self.qkv_fused or self.attn_layer != "attn":
+        raise UserError(f"num_kv_heads {kv!r} (grouped-query attention) needs qkv_fused false and attn_layer 'attn'")

@@ -228,7 +228,9 @@ class TimmAPI:
         if prune_head:
             self.fc_norm = nn.Identity()
             self.reset_classifier(0, "")
-        self.cfg = self.cfg.replace(depth=last + 1, **self._built_norms())
+        kv = self.cfg.num_kv_heads  # (one per block: the kept blocks')
+        kv = kv[: last + 1] if isinstance(kv, tuple) else kv
+        self.cfg = self.cfg.replace(depth=last + 1, num_kv_heads=kv, **self._built_norms())
         return take
 
     def intermediates_by_name(self, x: torch.Tensor, layers: Sequence[int | str] = (-1,)) -> dict[str, torch.Tensor]:
