@@ -1,6 +1,6 @@
 """Every objective on the RoPE model files (conf/model: DINOv3, EVA02, RoPE-Mixed), shrunk to depth 2 and 32 wide on
 16 px digits, through vitlab.train's own build (data module, ViTModule, Lightning): classify, distill (a teacher of the
-same family, the classify run's checkpoint), MAE (the encoder on its kept patches, the RoPE table's rows of those
+same family, the classify run's checkpoint; and vitlab.eval's every task on it), MAE (the encoder on its kept patches, the RoPE table's rows of those
 patches) and DINO, whose local crops are 2x2 patches: RoPE's table must be that grid's, not the global views'."""
 
 import lightning as L
@@ -49,7 +49,7 @@ def evaluate_every_task(compose_cfg, ckpt):
 
     features = ckpt.parent / "features"
     small = {"knn": ["knn.k=[5]"], "fewshot": ["fewshot.shots=[2]", "fewshot.seeds=[0]"],
-             "linear": ["linear.iterations=3", "linear.lrs=[0.01]", "linear.n_last_blocks=[2]", "linear.batch_size=32"],
+             "linear": ["linear.iterations=1", "linear.lrs=[0.01]", "linear.n_last_blocks=[2]", "linear.batch_size=32"],
              "test": []}  # fmt: skip
     for task, options in small.items():
         args = [f"ckpt_path={ckpt}", f"task={task}", f"features_dir={features}", "progress_bar=none", *options]
@@ -64,7 +64,8 @@ def test_every_objective_trains_the_rope_models(compose_cfg, tmp_path, model):
     per_block = (2, 2) if model.endswith("mixed") else ()  # mixed RoPE: a table per block and head
     _, tables = fit(compose_cfg("train", tiny(model)), tmp_path / "classify.ckpt")
     assert set(tables) == {(*per_block, grid, head)}
-    evaluate_every_task(compose_cfg, tmp_path / "classify.ckpt")
+    if model == "vit_s16_dinov3":  # (the tasks read forward_features and forward_intermediates: one family's enough)
+        evaluate_every_task(compose_cfg, tmp_path / "classify.ckpt")
     distill = [f"objective.teacher={tmp_path / 'classify.ckpt'}", "objective.type=soft"]
     fit(compose_cfg("train", [*tiny(model), "objective=distill", *distill]))
 
