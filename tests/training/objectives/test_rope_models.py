@@ -1,7 +1,8 @@
 """Every objective on the RoPE model files (conf/model: DINOv3, EVA02, RoPE-Mixed), shrunk to depth 2 and 32 wide on
-16 px digits, through vitlab.train's own build (data module, ViTModule, Lightning): classify, distill (a teacher of the
-same family, the classify run's checkpoint; and vitlab.eval's every task on it), MAE (the encoder on its kept patches, the RoPE table's rows of those
-patches) and DINO, whose local crops are 2x2 patches: RoPE's table must be that grid's, not the global views'."""
+16 px digits, through vitlab.train's own build (data module, ViTModule, Lightning): classify (and vitlab.eval's every
+task on its checkpoint), distill (a teacher of the same family, that checkpoint), MAE (the encoder on its kept patches,
+the RoPE table's rows of those patches) and DINO, whose local crops are 2x2 patches: RoPE's table must be that grid's,
+not the global views'."""
 
 import lightning as L
 import pytest
