@@ -173,6 +173,7 @@ class HFStream:
 
 
 class HFDataModule(RecordsDataModule):
+    takes_folds = True  # data.folds=K data.fold=i (data/folds.py)
     decodes_files = True  # an Image column holds each photo's encoded file (decoded in the loader's workers, at its own
     # size: objective=dino cuts its views from each whole image, as from a folder's)
 

@@ -81,6 +81,7 @@ class ListedImages(Dataset):
 
 
 class ListDataModule(RecordsDataModule):
+    takes_folds = True  # data.folds=K data.fold=i (data/folds.py)
     decodes_files = True
 
     def __init__(

@@ -19,7 +19,8 @@ from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError
 
-from vitlab.data.base import DataModule
+from vitlab.data.base import DataModule, ImageDataModule
+from vitlab.data.folds import check_folds
 from vitlab.data.imagefolder import ImageFolderDataModule, check_class_folders
 from vitlab.training.run.ranges import DataRanges, TrainerValues
 from vitlab.utils.checks import (
@@ -93,8 +94,15 @@ def _class_folders(values: dict[str, Any]) -> None:
         check_class_folders(values["data_dir"], values["num_classes"], bool(values.get("unlabeled")))
 
 
+def _folds(values: dict[str, Any]) -> None:
+    """data.fold one of data.folds' folds (a -m sweep's job: before its directory holds anything)."""
+    folds, fold = values.get("folds", 0), values.get("fold", 0)
+    if isinstance(folds, int) and isinstance(fold, int):
+        check_folds(folds, fold)
+
+
 # A target -> what else its values must satisfy, checked before it is built (the files they name).
-BEFORE_BUILD: dict[type, Any] = {ImageFolderDataModule: _class_folders}
+BEFORE_BUILD: dict[type, Any] = {ImageFolderDataModule: _class_folders, ImageDataModule: _folds}
 
 
 def check_node(node: DictConfig, key: str) -> None:
