@@ -95,6 +95,7 @@ class EvalSettings(TypedDict):
     ckpt_path: str | None
     progress_bar: ProgressBar
     task: Literal["test", "knn", "linear", "fewshot"]
+    tta: Literal["none", "flip", "flip_crops"]  # task=test of a checkpoint (vitlab.evaluation.tta)
     features_dir: str | None
     layers: int | NonEmpty[int] | None
     knn: KnnSettings
@@ -197,7 +198,13 @@ def _present(node: DictConfig, schema: Any) -> dict[str, Any]:
 
 
 def check_eval(cfg: DictConfig) -> None:
-    """Model overrides beside a checkpoint would be ignored: its model is the one the checkpoint stores."""
+    """Model overrides beside a checkpoint would be ignored: its model is the one the checkpoint stores; tta averages
+    a checkpoint's classifier over views (task=test)."""
+    if cfg.tta != "none" and (cfg.task != "test" or cfg.ckpt_path is None):
+        raise UserError(
+            f"tta={cfg.tta} averages the logits of a checkpoint's classifier over views: give ckpt_path=<file.ckpt> "
+            f"with task=test (this is task={cfg.task}{'' if cfg.ckpt_path else ' without ckpt_path'}), or tta=none"
+        )
     if cfg.ckpt_path is not None and _model_given(cfg):
         from hydra.core.hydra_config import HydraConfig
 
