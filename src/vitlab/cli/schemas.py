@@ -128,6 +128,19 @@ class ExportSettings(TypedDict):
     revision: str | None
 
 
+class AverageSettings(TypedDict):
+    task_name: str
+    method: Literal["average", "uniform_soup", "greedy_soup"]
+    run_dir: str | None
+    top_k: PositiveInt | None
+    ckpt_paths: NonEmpty[str] | None
+    sweep_dir: str | None
+    use_ema: bool
+    output: str | None
+    overwrite: bool
+    progress_bar: ProgressBar
+
+
 class VisualizeSettings(TypedDict):
     task_name: str
     what: Literal["figures", "views"]
@@ -274,6 +287,7 @@ SCHEMAS: dict[str, tuple[type, Callable[[DictConfig], Any]]] = {
     "eval": (EvalSettings, check_eval),
     "predict": (PredictSettings, check_predict),
     "export": (ExportSettings, _nothing),
+    "average": (AverageSettings, _nothing),  # its further checks: vitlab.average's check_average
     "visualize": (VisualizeSettings, check_visualize),
     "parity": (ParitySettings, check_parity),
     "pack": (PackSettings, check_pack),

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from vitlab.convert.source import Weights
 from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
@@ -45,6 +45,11 @@ def starting_point(cfg: DictConfig, module: ViTModule, weights: Weights | None =
             f"ckpt_path {ckpt_path!r} is a directory of shards: go on from it with trainer=fsdp, or make one file of "
             f"it first (python -m vitlab.export ckpt_path={ckpt_path} format=ckpt), which any strategy reads"
         )
+    if ckpt_path and "averaged" in read_checkpoint(ckpt_path, weights=False):  # vitlab.average's: weights alone
+        log.info("ckpt_path %s is an average of checkpoints (vitlab.average), without a training state to go on "
+                 "from: training starts anew from its weights, as with model.pretrained=<file>", ckpt_path)  # fmt: skip
+        load_pretrained(module, OmegaConf.create({"pretrained": ckpt_path}))
+        return None
     if ckpt_path:  # a job that restarts, below, goes on to test even when it had finished
         check_resumable(ckpt_path, module, cfg.trainer if cfg.train else None)
     elif ckpt_path := earlier_start(Path(cfg.paths.output_dir)):
