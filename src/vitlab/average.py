@@ -41,7 +41,7 @@ def average(cfg: DictConfig) -> dict:
     check_writable(out.parent, "output", out)  # before the checkpoints are read
     record: dict = {"method": cfg.method}
     if soup:
-        ckpt, record = make_soup(cfg.method, cfg.sweep_dir, cfg.trainer, cfg.progress_bar)
+        ckpt, record = make_soup(cfg.method, cfg.sweep_dir, cfg.device)
     else:
         chosen = best_checkpoints(cfg.run_dir, cfg.top_k) if cfg.run_dir else [(p, None) for p in cfg.ckpt_paths]
         ckpt = average_checkpoints([p for p, _ in chosen], use_ema=cfg.use_ema)
@@ -59,6 +59,9 @@ def average(cfg: DictConfig) -> dict:
 
 def check_average(cfg: DictConfig) -> None:
     """What to average, given one way: run_dir with top_k, or ckpt_paths (method=average); sweep_dir (a soup)."""
+    from vitlab.utils.checks import check_device
+
+    check_device("device", cfg.device)
     given = {k for k in ("run_dir", "ckpt_paths", "sweep_dir") if cfg.get(k) is not None}
     if cfg.method != "average":
         if given != {"sweep_dir"}:

@@ -138,7 +138,7 @@ class AverageSettings(TypedDict):
     use_ema: bool
     output: str | None
     overwrite: bool
-    progress_bar: ProgressBar
+    device: str  # cpu, cuda, cuda:<i> that this machine has (vitlab.average's check_average)
 
 
 class VisualizeSettings(TypedDict):

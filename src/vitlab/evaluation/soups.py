@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from vitlab.convert.averaging import network_weights
 from vitlab.convert.weights import read_checkpoint
@@ -90,29 +90,34 @@ def check_same_split(data: list[dict[str, Any]], jobs: list[str]) -> None:
 
 
 class Scorer:
-    """Scores weights on the validation or test split of the best ingredient's data, in one module and Trainer."""
+    """Scores weights on the validation or test split of the best ingredient's data: top-1 accuracy and mean
+    cross-entropy of the model's logits on the split's eval images (what vitlab.train logs as val/acc, val/loss), on
+    `device`, with one module whose weights are replaced."""
 
-    def __init__(self, best: str, trainer_cfg: DictConfig, progress: str):
+    def __init__(self, best: str, device: str):
         from vitlab.training.run import build
 
         self.module = build.load_for_inference(best)
-        if "acc" not in self.module.objective.metrics("val", self.module.model.cfg.num_classes):
+        if not self.module.objective.uses_labels or not self.module.model.cfg.num_classes:
             raise UserError(f"a soup is chosen by validation accuracy, and {best!r} has no classifier to score")
-        self.prefixes = self.module.network_prefixes
+        self.prefixes, self.device = self.module.network_prefixes, torch.device(device)
         self.datamodule = build.inference_datamodule(self.module, best)
-        bars, show_bar = build.progress_bar(progress)
-        self.trainer = build.build_trainer(
-            trainer_cfg, logger=False, callbacks=bars, enable_progress_bar=show_bar, enable_checkpointing=False
-        )
+        self.datamodule.setup("test")
 
     def weights(self, path: str) -> dict[str, torch.Tensor]:
         return network_weights(read_checkpoint(path)["state_dict"], self.prefixes)
 
+    @torch.no_grad()
     def __call__(self, weights: dict[str, torch.Tensor], split: str = "val") -> dict[str, float]:
         self.module.load_state_dict(weights, strict=False)
-        run = self.trainer.validate if split == "val" else self.trainer.test
-        (metrics,) = run(self.module, datamodule=self.datamodule, verbose=False)
-        return {k: float(v) for k, v in metrics.items() if k.startswith(f"{split}/") and not k.endswith("_best")}
+        model, dm = self.module.model.eval().to(self.device), self.datamodule
+        hits, loss, n = 0, 0.0, 0
+        for batch in dm.val_dataloader() if split == "val" else dm.test_dataloader():
+            x, y = dm.device_transform(dm.transfer_batch_to_device(batch, self.device, 0), train=False)
+            logits = model(x).float()  # (B, classes)
+            loss += float(torch.nn.functional.cross_entropy(logits, y, reduction="sum"))
+            hits, n = hits + int((logits.argmax(-1) == y).sum()), n + len(y)
+        return {f"{split}/acc": hits / n, f"{split}/loss": loss / n}
 
 
 def _mean(total: dict[str, torch.Tensor], count: int, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -163,7 +168,7 @@ def cook(method: str, found: list[Ingredient], score: Scorer) -> tuple[list[Ingr
     return soup, steps, best
 
 
-def make_soup(method: str, sweep_dir: str, trainer_cfg: DictConfig, progress: str) -> tuple[dict, dict[str, Any]]:
+def make_soup(method: str, sweep_dir: str, device: str) -> tuple[dict, dict[str, Any]]:
     """(the soup's checkpoint, its soup.json record): the sweep's ingredients checked, scored, souped (`cook`),
     averaged from their files (convert.averaging) and the soup scored on the test split once."""
     from vitlab.convert.averaging import average_checkpoints, check_compatible
@@ -171,11 +176,11 @@ def make_soup(method: str, sweep_dir: str, trainer_cfg: DictConfig, progress: st
     found = ingredients(sweep_dir)
     data = [read_checkpoint(i.checkpoint, weights=False)["hyper_parameters"].get("data") or {} for i in found]
     check_same_split(data, [i.job for i in found])
-    score = Scorer(found[0].checkpoint, trainer_cfg, progress)
+    score = Scorer(found[0].checkpoint, device)
     check_compatible([score.weights(i.checkpoint) for i in found], [f"job {i.job}" for i in found])
     soup, steps, val = cook(method, found, score)
     ckpt = average_checkpoints([i.checkpoint for i in soup])
-    has_test = getattr(score.datamodule, "test_set", None) is not None or not hasattr(score.datamodule, "test_set")
+    has_test = getattr(score.datamodule, "test_set", True) is not None  # (scored once, the soup alone)
     test = score(network_weights(ckpt["state_dict"], score.prefixes), "test") if has_test else {}
     ckpt["averaged"] |= {"method": method, "sweep_dir": str(Path(sweep_dir).resolve()), "jobs": [i.job for i in soup]}
     record = {
