@@ -59,8 +59,22 @@ def test_top_k_average_equals_timms_avg_checkpoints_and_the_mean_of_the_files(ru
         sys.argv = saved
     theirs = torch.load(out, weights_only=True)
     assert all(torch.equal(ours["state_dict"][k], theirs[k]) for k in mean)
-    metrics = evaluate(compose_cfg("eval", [f"ckpt_path={tmp_path / 'avg' / 'averaged.ckpt'}", "progress_bar=none"]))
+    averaged = tmp_path / "avg" / "averaged.ckpt"
+    metrics = evaluate(compose_cfg("eval", [f"ckpt_path={averaged}", "progress_bar=none"]))
     assert 0 <= metrics["test/acc"] <= 1  # vitlab.eval takes it as any checkpoint
+
+
+def test_train_with_an_average_as_ckpt_path_starts_from_its_weights(run, tmp_path, compose_cfg):
+    """Nothing to resume (no optimizer, no loops): training starts anew from the average's weights."""
+    from vitlab.convert.averaging import average_checkpoints
+    from vitlab.training.run import build, resume
+
+    averaged = tmp_path / "averaged.ckpt"
+    torch.save(average_checkpoints([str(p) for p in sorted((run / "checkpoints").glob("epoch_*.ckpt"))]), averaged)
+    cfg = compose_cfg("train", ["debug=limit", f"ckpt_path={averaged}"])
+    module = build.build_module(cfg, build.build_datamodule(cfg.data, cfg))
+    assert resume.starting_point(cfg, module) is None  # not a checkpoint Lightning resumes
+    assert torch.equal(module.model.head.weight, read_checkpoint(averaged)["state_dict"]["model.head.weight"])
 
 
 def _sweep(root, run, jobs: int):

@@ -141,9 +141,11 @@ def _add(total: dict[str, torch.Tensor] | None, weights: dict[str, torch.Tensor]
 def cook(method: str, found: list[Ingredient], score: Scorer) -> tuple[list[Ingredient], list[dict[str, Any]], dict]:
     """(the soup's ingredients, the greedy steps, the soup's validation metrics): every ingredient scored on
     validation, sorted best first, then the soup of `method` made and scored."""
+    shared = set.intersection(*(set(i.overrides) for i in found))  # (the log names what sets each apart)
     for ing in found:
         ing.val_acc = score(score.weights(ing.checkpoint))["val/acc"]
-        log.info("ingredient job %s (%s): val/acc %.4f", ing.job, " ".join(ing.overrides), ing.val_acc)
+        own = " ".join(o for o in ing.overrides if o not in shared)
+        log.info("ingredient job %s (%s): val/acc %.4f", ing.job, own, ing.val_acc)
     found.sort(key=lambda i: -i.val_acc)  # stable: ties keep the sweep's order
     first = score.weights(found[0].checkpoint)
     total, soup, steps = _add(None, first), [found[0]], []
