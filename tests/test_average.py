@@ -137,7 +137,11 @@ def test_bad_input_is_one_line_and_nothing_is_written(run, tmp_path, compose_cfg
     other["state_dict"]["model.head.weight"] = torch.zeros(3, 64)
     torch.save(other, tmp_path / "other.ckpt")
     one = _sweep(tmp_path / "one", run, 1)
+    two_starts = _sweep(tmp_path / "two", run, 2)
+    (two_starts / "1" / "config.yaml").write_text(yaml.safe_dump({"model": {"pretrained": "/weights/other.ckpt"}}))
     cases = {
+        f"sweep_dir={two_starts}": r"soup ingredients are fine-tunes of one pretrained start \(model.pretrained\): "
+        "job 0 started from /weights/start.ckpt, job 1 from /weights/other.ckpt; soup the jobs of one start",
         f"ckpt_paths=[{run}/checkpoints/epoch_000.ckpt,{tmp_path}/other.ckpt]": "are not of one architecture: "
         r"model.head.weight is \(10, 64\) in one and \(3, 64\) in the other; average checkpoints of one model",
         f"sweep_dir={one}": f"a soup needs at least two ingredients, and sweep_dir '{one}' has 1 finished job with a "
