@@ -225,6 +225,10 @@ class ViTModule(L.LightningModule):
     def on_test_epoch_end(self) -> None:
         self._log_epoch("test")
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The epochs the run was to train: a resume of it once it had finished says so (training.run.resume).
+        checkpoint["max_epochs"] = self.trainer.max_epochs
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Metric states are bookkeeping, not weights: a checkpoint without them (older, or written elsewhere) starts
         # them fresh; the networks' own keys stay strictly checked.
