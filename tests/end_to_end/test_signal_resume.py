@@ -104,7 +104,7 @@ def digits(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def digits_two(tmp_path_factory):
-    return _run(tmp_path_factory, [*DIGITS, *TWO])
+    return trained(tmp_path_factory, "resumable-two", *DIGITS, *TWO)  # test_fresh_processes.py's too
 
 
 @pytest.fixture(scope="module")
