@@ -30,10 +30,24 @@ log = logging.getLogger(__name__)
 class LoopTimes:
     """Per epoch, the seconds of each training step, end to end (from the previous step's end, or the
     epoch's start: data loading and every hook included), and of the whole epoch (validation and
-    checkpoints included)."""
+    checkpoints included). Beside the wall clock, the CPU seconds this process spent on each step
+    (time.process_time, every thread of it): what load from other processes on a shared machine moves
+    far less than the wall clock (loader workers, other processes, are not in it)."""
 
     step_s: list[list[float]] = field(default_factory=list)
     epoch_s: list[float] = field(default_factory=list)
+    step_cpu_s: list[list[float]] = field(default_factory=list)
+
+    def epoch_started(self) -> None:
+        self.step_s.append([])
+        self.step_cpu_s.append([])
+        self._last, self._last_cpu = time.perf_counter(), time.process_time()
+
+    def step_ended(self) -> None:
+        now, cpu = time.perf_counter(), time.process_time()
+        self.step_s[-1].append(now - self._last)
+        self.step_cpu_s[-1].append(cpu - self._last_cpu)
+        self._last, self._last_cpu = now, cpu
 
 
 class LoopTimer(L.Callback):
@@ -42,14 +56,12 @@ class LoopTimer(L.Callback):
 
     def on_train_epoch_start(self, trainer, module) -> None:
         sync(module.device)
-        self._start = self._last = time.perf_counter()
-        self.times.step_s.append([])
+        self._start = time.perf_counter()
+        self.times.epoch_started()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         sync(module.device)
-        now = time.perf_counter()
-        self.times.step_s[-1].append(now - self._last)
-        self._last = now
+        self.times.step_ended()
 
     def on_train_epoch_end(self, trainer, module) -> None:
         sync(module.device)
@@ -126,8 +138,8 @@ def run_plain(train_cfg: DictConfig, epochs: int) -> LoopTimes:
     scheduler = make_scheduler(optimizer, module.scheduler_cfg, epochs * len(train_loader), epochs)
     times = LoopTimes()
     for _ in range(epochs):
-        start = last = time.perf_counter()
-        times.step_s.append([])
+        start = time.perf_counter()
+        times.epoch_started()
         model.train()
         loss_sum = correct = seen = 0  # running training loss and accuracy, as any loop reports them
         for batch in train_loader:
@@ -141,9 +153,7 @@ def run_plain(train_cfg: DictConfig, epochs: int) -> LoopTimes:
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             sync(device)
-            now = time.perf_counter()
-            times.step_s[-1].append(now - last)
-            last = now
+            times.step_ended()
         model.eval()
         train_correct, correct, total = correct, 0, 0
         with torch.no_grad():
@@ -169,17 +179,20 @@ def bench_overhead(train_cfg: DictConfig, b: BenchmarkConfig) -> dict[str, Any]:
     runners = {"lightning": run_lightning, "bare_lightning": run_bare_lightning, "plain": run_plain}
     per_step: dict[str, list[float]] = {name: [] for name in runners}
     per_epoch: dict[str, list[float]] = {name: [] for name in runners}
+    per_step_cpu: dict[str, list[float]] = {name: [] for name in runners}
     steps: dict[str, list[int]] = {}
     for r in range(b.overhead.rounds):
         for name in list(runners) if r % 2 == 0 else list(runners)[::-1]:
             times = runners[name](train_cfg, epochs)
             per_step[name] += [t for epoch in times.step_s[1:] for t in epoch]
             per_epoch[name] += times.epoch_s[1:]
+            per_step_cpu[name] += [t for epoch in times.step_cpu_s[1:] for t in epoch]
             steps[name] = [len(epoch) for epoch in times.step_s[1:]]
             log.info("round %d %s: %s s per epoch", r, name, [round(t, 3) for t in times.epoch_s])
     results = {
         name: {
             "step": summarise(per_step[name]),
+            "step_cpu": summarise(per_step_cpu[name]),
             "epoch": summarise(per_epoch[name]),
             "steps_per_epoch": statistics.median(steps[name]),
         }
@@ -189,6 +202,7 @@ def bench_overhead(train_cfg: DictConfig, b: BenchmarkConfig) -> dict[str, Any]:
     ratios = {
         f"lightning/{floor}": {
             "step_time": light["step"]["median_ms"] / results[floor]["step"]["median_ms"],
+            "step_cpu_time": light["step_cpu"]["median_ms"] / results[floor]["step_cpu"]["median_ms"],
             "epoch_time": light["epoch"]["median_ms"] / results[floor]["epoch"]["median_ms"],
         }
         for floor in ("plain", "bare_lightning")
@@ -202,12 +216,16 @@ def print_report(report: dict[str, Any]) -> None:
 
     console = Console(width=140)
     table = Table(title="vitlab.train's Lightning loop vs a bare LightningModule and a plain loop (medians)")
-    for col in ("loop", "ms / train step", "s / epoch (val + ckpt incl.)", "steps / epoch"):
+    for col in ("loop", "ms / train step", "CPU ms / train step", "s / epoch (val + ckpt incl.)", "steps / epoch"):
         table.add_column(col)
     for name, r in report["results"].items():
         step, epoch = r["step"]["median_ms"], r["epoch"]["median_ms"] / 1e3
-        table.add_row(name, f"{step:.3f}", f"{epoch:.3f}", str(r["steps_per_epoch"]))
+        cpu = r["step_cpu"]["median_ms"]
+        table.add_row(name, f"{step:.3f}", f"{cpu:.3f}", f"{epoch:.3f}", str(r["steps_per_epoch"]))
     console.print(table)
     for name, ratio in report["ratios"].items():
-        console.print(f"{name} time: {ratio['step_time']:.3f} per step, {ratio['epoch_time']:.3f} per epoch")
+        console.print(
+            f"{name} time: {ratio['step_time']:.3f} per step ({ratio['step_cpu_time']:.3f} in CPU time), "
+            f"{ratio['epoch_time']:.3f} per epoch"
+        )
     console.print("(the bare LightningModule validates nothing and saves no checkpoint: its epochs are train only)")
