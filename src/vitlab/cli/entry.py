@@ -134,8 +134,8 @@ def _stopped_in_hydra(config_name: str, e: KeyboardInterrupt) -> None:
     name, signum = stop_name(e)
     if rundir.process_rank() > 0:
         raise SystemExit(128 + signum)
-    if rundir.CLAIMED is not None:
-        rundir.discard_if_unused(None, rundir.CLAIMED)
+    if rundir.CLAIMED:
+        rundir.discard_if_unused(None, rundir.CLAIMED[-1])
     fail(f"{config_name} stopped by {name} before it started: nothing was written", 128 + signum)
 
 

@@ -34,7 +34,7 @@ from vitlab.utils.errors import UserError, config_errors, fail, one_line, user_e
 
 # Written into every run directory the moment a command claims it (see claim_run_dir).
 CLAIM_FILE = ".vitlab-run"
-CLAIMED: Path | None = None  # the run directory this process claimed, once it has
+CLAIMED: list[Path] = []  # the run directory this process claimed (claim_run_dir), once it has
 # The log of another process of the same launch (`<command>_rank<k>.log`): started with the same hydra.run.dir by
 # torchrun or srun, it may write this before rank 0 has claimed the directory (issue 53).
 SECONDARY_LOG = re.compile(r"\w+_rank[1-9]\d*\.log")
@@ -196,10 +196,9 @@ def claim_run_dir(path: Path) -> None:
     )
     if fd is None:
         raise reused
-    global CLAIMED
     with os.fdopen(fd, "w") as f:
         f.write(f"{os.getpid()} {' '.join(sys.argv)}\n")
-    CLAIMED = path
+    CLAIMED.append(path)
     # An earlier run from before claim files; the other processes' logs of this launch are not one.
     if any(p.name != CLAIM_FILE and not SECONDARY_LOG.fullmatch(p.name) for p in path.iterdir()):
         (path / CLAIM_FILE).unlink()
