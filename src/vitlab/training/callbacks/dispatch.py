@@ -15,6 +15,8 @@ import lightning as L
 from lightning.pytorch.callbacks import Checkpoint, EarlyStopping
 from lightning.pytorch.trainer import call
 
+MONITORING = (EarlyStopping, Checkpoint)  # Lightning's two "monitoring" kinds, asked for or left out at an epoch's end
+
 
 def call_callback_hooks(
     trainer: L.Trainer, hook_name: str, *args: Any, monitoring_callbacks: bool | None = None, **kwargs: Any
@@ -26,8 +28,7 @@ def call_callback_hooks(
         pl_module._current_fx_name = hook_name
     empty = getattr(L.Callback, hook_name, None)
     for callback in trainer.callbacks:
-        monitoring = isinstance(callback, (EarlyStopping, Checkpoint))  # Lightning's two "monitoring" kinds
-        if monitoring_callbacks is not None and monitoring_callbacks != monitoring:
+        if monitoring_callbacks is not None and monitoring_callbacks != isinstance(callback, MONITORING):
             continue
         fn = getattr(callback, hook_name)
         if callable(fn) and (empty is None or getattr(fn, "__func__", None) is not empty):
