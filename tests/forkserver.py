@@ -3,7 +3,8 @@
 directory, environment, process group and output files) and runs it as the interpreter would (`runpy`, the module as
 __main__; an uncaught exception, SystemExit or Ctrl-C ends it as it ends `python -m`). Each command then starts in
 well under a second instead of the ~6 s these imports take on a CPU of the suite's machine; what it runs is the
-same code, vitlab's own modules imported fresh in the child.
+same code, vitlab's own modules imported fresh in the child, with random generators of its own (Python's, numpy's and
+torch's seeded anew from entropy: a run that forgot to seed differs from the next, as a test of two runs must see).
 
 Only an environment the libraries would have read alike at import is served here (run_cli compares it with this
 process's own); any other, and any call where this process is not there, runs as a real subprocess. The imports
