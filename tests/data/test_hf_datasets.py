@@ -31,6 +31,21 @@ def test_a_saved_dataset_and_its_parquet_yield_the_folder_s_images_and_labels_in
     assert dm.splits["val"].endswith("[validation]")
 
 
+def test_a_streamed_saved_dataset_yields_the_folder_s_images_and_labels_in_order(folder, records, tmp_path):
+    """data.streaming=true reads the same rows through the streamed splits (data/streamed.py): each split's images and
+    labels, one by one, are the folder's (a label a row off would pass a count or a training run that only ends)."""
+    ref = ImageFolderDataModule(data_dir=str(folder), num_classes=3, img_size=8)
+    dm = HFDataModule(name=str(records / "saved"), num_classes=3, img_size=8, streaming=True, cache_dir=str(tmp_path))
+    ref.setup("fit"), dm.setup("fit")
+    assert dm.num_train == 72 and dm.class_names == ["a", "b", "c"]
+    for split in ("train", "val", "test"):
+        theirs = ref.eval_view(split)
+        ours = list(dm.eval_view(split).place(0, 0, 1, 8))
+        assert len(ours) == len(theirs) == 72
+        assert [y for _, y in ours] == [theirs[i][1] for i in range(72)]
+        assert all(torch.equal(x, theirs[i][0]) for i, (x, _) in enumerate(ours))
+
+
 def test_training_on_a_saved_dataset_equals_training_on_the_folder(records, shards_run, tmp_path):
     """shards_run trains on the folder's shards, which train as the folder itself (tests/data/test_streaming.py)."""
     r = run_cli("train", "data=hf", f"data.name={records / 'saved'}", *SHARDS_RUN, f"hydra.run.dir={tmp_path / 'hf'}")

@@ -84,8 +84,10 @@ def _run_task(config_name: str, cfg: DictConfig, checked: Check, task: Callable[
     from vitlab.cli.rundir import task_started
     from vitlab.cli.sweep import earlier_result, optimized_value
 
+    global _began
     quiet()
     task_started()
+    _began = True
     try:
         if (job := _sweep_job_dir()) and (before := earlier_result(job)) is not None:  # the sweep run again into
             return optimized_value(cfg.get("optimized_metric"), before)  # its directory: this job had ended (at once)
@@ -118,6 +120,25 @@ def _run_task(config_name: str, cfg: DictConfig, checked: Check, task: Callable[
         return _record_failed_job(job, one_line(cause))
 
 
+_began = False  # whether a task (a run, a sweep's job) has begun in this process
+
+
+def _stopped_in_hydra(config_name: str, e: KeyboardInterrupt) -> None:
+    """Ctrl-C or SIGTERM while Hydra composes the config or makes the run directory, before the task began: exit
+    128 + the signal. The first process of a launch says so in one line, having removed the run directory it claimed
+    (which holds nothing yet), so that the same command runs again; any other (Lightning's second process, composing
+    its own config as the group's signal reaches it) ends without a word: the first one reports the stop
+    (utils.signals.when_children_stop, or its own handling)."""
+    from vitlab.cli import rundir
+
+    name, signum = stop_name(e)
+    if rundir.process_rank() > 0:
+        raise SystemExit(128 + signum)
+    if rundir.CLAIMED:
+        rundir.discard_if_unused(None, rundir.CLAIMED[-1])
+    fail(f"{config_name} stopped by {name} before it started: nothing was written", 128 + signum)
+
+
 def _run_command(config_name: str, checked: Check, guarded: Callable[[DictConfig], Any]) -> Any:
     """The command line: checked before Hydra starts (rundir.prepare), then Hydra's main with `guarded` as its
     task; Ctrl-C and SIGTERM raise CtrlC throughout, and are quiet once the work is done."""
@@ -138,7 +159,12 @@ def _run_command(config_name: str, checked: Check, guarded: Callable[[DictConfig
                 name, signum = stop_name(e)
                 fail(f"{config_name} stopped by {name} before it started: nothing was written", 128 + signum)
             hydra_main = hydra.main(version_base="1.3", config_path=str(conf), config_name=config_name)
-            returned = hydra_main(guarded)()
+            try:
+                returned = hydra_main(guarded)()
+            except KeyboardInterrupt as e:
+                if _began:
+                    raise
+                _stopped_in_hydra(config_name, e)
         _stopped_after_sweep()
         return returned
     finally:

@@ -34,6 +34,7 @@ from vitlab.utils.errors import UserError, config_errors, fail, one_line, user_e
 
 # Written into every run directory the moment a command claims it (see claim_run_dir).
 CLAIM_FILE = ".vitlab-run"
+CLAIMED: list[Path] = []  # the run directory this process claimed (claim_run_dir), once it has
 # The log of another process of the same launch (`<command>_rank<k>.log`): started with the same hydra.run.dir by
 # torchrun or srun, it may write this before rank 0 has claimed the directory (issue 53).
 SECONDARY_LOG = re.compile(r"\w+_rank[1-9]\d*\.log")
@@ -96,13 +97,13 @@ def _holds_results(out: Path) -> bool:
     return bool(unknown) or any((out / "checkpoints").glob("*")) or (out / "csv" / "metrics.csv").exists()
 
 
-def discard_if_unused(log_dir: str | None) -> bool:
+def discard_if_unused(log_dir: str | None, out: Path | None = None) -> bool:
     """A run stopped by bad input or a signal before it had any result (no checkpoint, no metric, no output file)
     leaves no directory, and no folder above it up to `log_dir` that it left empty. (The error is on stderr.)
-    Whether it was removed."""
+    Whether it was removed. `out`: that directory, where Hydra's job has none yet (CLAIMED, before the task)."""
     from hydra.core.hydra_config import HydraConfig
 
-    out = Path(HydraConfig.get().runtime.output_dir)
+    out = out or Path(HydraConfig.get().runtime.output_dir)
     if process_rank() > 0 or not out.is_dir() or _holds_results(out):
         return False
     root = logging.getLogger()
@@ -197,6 +198,7 @@ def claim_run_dir(path: Path) -> None:
         raise reused
     with os.fdopen(fd, "w") as f:
         f.write(f"{os.getpid()} {' '.join(sys.argv)}\n")
+    CLAIMED.append(path)
     # An earlier run from before claim files; the other processes' logs of this launch are not one.
     if any(p.name != CLAIM_FILE and not SECONDARY_LOG.fullmatch(p.name) for p in path.iterdir()):
         (path / CLAIM_FILE).unlink()
