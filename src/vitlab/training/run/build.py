@@ -28,7 +28,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
 from vitlab.data import sizes
 from vitlab.model.config import vit_config
-from vitlab.training.callbacks import dispatch
 from vitlab.training.callbacks.health import AdaptiveGradientClipping
 from vitlab.training.callbacks.standard import NonFiniteLoss, RichBar, TQDMBar
 from vitlab.training.checkpoint_io import upgrade_hparams
@@ -321,7 +320,6 @@ def build_trainer(trainer_cfg: DictConfig, **kwargs: Any) -> L.Trainer:
     """The Lightning Trainer of the config. Lightning's own refusal of a setting becomes one line: a
     device request this machine cannot serve names what there is; any other names the setting."""
     check_devices(trainer_cfg)
-    dispatch.install()
     if (chosen := resolve_trainer(trainer_cfg)) and rank_zero_only.rank == 0:  # 'auto' is ours: Lightning's next
         log.info(chosen)
     check_node(trainer_cfg, "trainer")
