@@ -35,8 +35,12 @@ NORM_LAYERS = ("layernorm", "rmsnorm")
 MLP_LAYERS = ("mlp", "swiglu", "swiglu_packed")
 ATTN_LAYERS = ("attn", "diff")
 BLOCK_FNS = ("block", "parallel_scaling", "diff_parallel_scaling", "res_post", "parallel_things")
-POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "sincos2d_mae", "none")
+POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "sincos2d_mae", "factorized", "none")
 POS_EMBED_RESAMPLE = ("timm", "dino")  # how a learned one is resampled (model/posemb.py: resample_grid)
+# NaFlex (naflex=true, timm's naflexvit): how its learned table is resampled to each image's grid (F.interpolate's and
+# grid_sample's modes), and the position embeddings it takes ('factorized': one table per axis, NaViT's)
+NAFLEX_INTERP_MODES = ("bicubic", "bilinear")
+NAFLEX_POS_EMBEDS = ("learn", "factorized", "none")
 WEIGHT_INITS = ("", "jax", "jax_nlhb", "moco", "mae", "skip")  # timm's modes and MAE's
 # The regularisation fields: probabilities in [0, 1), free to change when a run is resumed.
 # Keys of a config's model group that are the commands', not ViTConfig fields.
@@ -127,9 +131,21 @@ class ViTConfig:
     # the same numbers. true: every block; N: every N-th block; "selective": every block keeps its matmul and
     # attention outputs and recomputes the rest. Not part of the architecture: a run may resume with it switched.
     grad_checkpointing: bool | int | str = False
+    # NaFlex (SigLIP 2, timm's naflexvit; model/naflex.py): the patch projection is a Linear on flattened (ph, pw, C)
+    # patches under timm's `embeds.*` keys, the learned table covers patches only on its own grid and is resampled
+    # to each image's grid; the model takes images of any size or the dict of patches, coordinates and validity.
+    naflex: bool = False
+    pos_embed_grid_size: tuple[int, int] | None = None  # naflex: the table's grid (None: img_size // patch_size)
+    pos_embed_interp_mode: str = "bicubic"  # naflex: bicubic | bilinear, the resampling to an image's grid
+    pos_embed_ar_preserving: bool = False  # naflex: resample to a square of the longer side, then crop (top-left)
+    pos_embed_antialias: bool = True  # naflex: antialias when the table is shrunk
+    pos_embed_align_corners: bool = False  # naflex: align_corners of the resampling
+    pos_embed_use_grid_sample: bool = False  # naflex: sample the table at each patch's coordinates (grid_sample)
     grid_size: tuple[int, int] = field(init=False)  # derived: patches along H and W
 
     def __post_init__(self) -> None:
+        if isinstance(self.pos_embed_grid_size, list):
+            self.pos_embed_grid_size = tuple(self.pos_embed_grid_size)
         for name in ("img_size", "patch_size"):  # [h, w] from YAML is a tuple from here on (in messages too)
             size = getattr(self, name)
             if isinstance(size, (list, tuple)) and len(size) == 2:
@@ -216,6 +232,24 @@ class ViTConfig:
             raise UserError(f"pos_embed {self.pos_embed!r} needs embed_dim divisible by 4, got {self.embed_dim}")
         if self.pos_embed == "sincos1d" and self.embed_dim % 2:
             raise UserError(f"pos_embed 'sincos1d' needs an even embed_dim, got {self.embed_dim}")
+        self._check_naflex()
+
+    def _check_naflex(self) -> None:
+        if not self.naflex:
+            if self.pos_embed == "factorized":
+                raise UserError("pos_embed 'factorized' is NaFlex's (naflex=true)")
+            return
+        if self.pos_embed not in NAFLEX_POS_EMBEDS:
+            raise UserError(f"naflex takes pos_embed {list(NAFLEX_POS_EMBEDS)}, not {self.pos_embed!r}")
+        if self.pos_embed_interp_mode not in NAFLEX_INTERP_MODES:
+            raise UserError(
+                f"pos_embed_interp_mode {self.pos_embed_interp_mode!r} is not one of {list(NAFLEX_INTERP_MODES)}"
+            )
+        if self.distilled:
+            raise UserError("naflex=true has no distillation token (distilled=false)")
+        grid = self.pos_embed_grid_size
+        if grid is not None and not (len(grid) == 2 and all(_is_int(n) and n >= 1 for n in grid)):
+            raise UserError(f"pos_embed_grid_size {grid!r} must be [height, width] of positive ints")
 
     def _check_types(self) -> None:
         # Hydra hands over whatever YAML parsed; catch "depth: 12.5" or "qk_norm: yes please" here.
@@ -237,6 +271,11 @@ class ViTConfig:
             "pool_include_prefix",
             "fix_init",
             "drop_path_uniform",
+            "naflex",
+            "pos_embed_ar_preserving",
+            "pos_embed_antialias",
+            "pos_embed_align_corners",
+            "pos_embed_use_grid_sample",
         )
         floats = ("mlp_ratio", "norm_eps", *DROPOUTS)
         for name in ints:
@@ -275,6 +314,11 @@ class ViTConfig:
         return self.grid_size[0] * self.grid_size[1]
 
     @property
+    def pos_grid(self) -> tuple[int, int]:
+        """NaFlex: the grid of the learned position table (pos_embed_grid_size, else the image's)."""
+        return self.pos_embed_grid_size or self.grid_size
+
+    @property
     def num_prefix_tokens(self) -> int:
         return int(self.class_token) + int(self.distilled) + self.reg_tokens
 
@@ -289,8 +333,8 @@ class ViTConfig:
 
     @property
     def embeds_prefix(self) -> bool:
-        """Whether pos_embed has rows for the class/register tokens (timm's original layout)."""
-        return self.pos_embed in ("learn", "sincos1d", "sincos2d_mae") and not self.no_embed_class
+        """Whether pos_embed has rows for the class/register tokens (timm's original layout; never NaFlex's)."""
+        return self.pos_embed in ("learn", "sincos1d", "sincos2d_mae") and not self.no_embed_class and not self.naflex
 
     @property
     def pos_prefix_rows(self) -> int:
@@ -322,7 +366,7 @@ class ViTConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain data (no tuples, no derived fields): what a checkpoint stores."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-        for key in ("img_size", "patch_size"):
+        for key in ("img_size", "patch_size", "pos_embed_grid_size"):
             if isinstance(d[key], tuple):
                 d[key] = list(d[key])
         return d
