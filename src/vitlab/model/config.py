@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vitlab.model.naflex_config import check_naflex
 from vitlab.utils.errors import UnknownArgumentError, UnsupportedRequestError, UserError
 
 # width, depth, heads; MLP ratio 4 (ViT paper Table 1; Ti from DeiT Table 1), except giant and gigantic: their MLP
@@ -37,10 +38,6 @@ ATTN_LAYERS = ("attn", "diff")
 BLOCK_FNS = ("block", "parallel_scaling", "diff_parallel_scaling", "res_post", "parallel_things")
 POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "sincos2d_mae", "factorized", "none")
 POS_EMBED_RESAMPLE = ("timm", "dino")  # how a learned one is resampled (model/posemb.py: resample_grid)
-# NaFlex (naflex=true, timm's naflexvit): how its learned table is resampled to each image's grid (F.interpolate's and
-# grid_sample's modes), and the position embeddings it takes ('factorized': one table per axis, NaViT's)
-NAFLEX_INTERP_MODES = ("bicubic", "bilinear")
-NAFLEX_POS_EMBEDS = ("learn", "factorized", "none")
 WEIGHT_INITS = ("", "jax", "jax_nlhb", "moco", "mae", "skip")  # timm's modes and MAE's
 # The regularisation fields: probabilities in [0, 1), free to change when a run is resumed.
 # Keys of a config's model group that are the commands', not ViTConfig fields.
@@ -131,21 +128,18 @@ class ViTConfig:
     # the same numbers. true: every block; N: every N-th block; "selective": every block keeps its matmul and
     # attention outputs and recomputes the rest. Not part of the architecture: a run may resume with it switched.
     grad_checkpointing: bool | int | str = False
-    # NaFlex (SigLIP 2, timm's naflexvit; model/naflex.py): the patch projection is a Linear on flattened (ph, pw, C)
-    # patches under timm's `embeds.*` keys, the learned table covers patches only on its own grid and is resampled
-    # to each image's grid; the model takes images of any size or the dict of patches, coordinates and validity.
+    # NaFlex (SigLIP 2, timm's naflexvit; model/naflex.py): a Linear on (ph, pw, C) patches, timm's `embeds.*` keys, the
+    # patches' table resampled to each image's grid; takes images of any size or the dict of patches (NaFlex's loader)
     naflex: bool = False
     pos_embed_grid_size: tuple[int, int] | None = None  # naflex: the table's grid (None: img_size // patch_size)
     pos_embed_interp_mode: str = "bicubic"  # naflex: bicubic | bilinear, the resampling to an image's grid
-    pos_embed_ar_preserving: bool = False  # naflex: resample to a square of the longer side, then crop (top-left)
+    pos_embed_ar_preserving: bool = False  # naflex: resample to a square of the longer side, crop top-left
     pos_embed_antialias: bool = True  # naflex: antialias when the table is shrunk
     pos_embed_align_corners: bool = False  # naflex: align_corners of the resampling
     pos_embed_use_grid_sample: bool = False  # naflex: sample the table at each patch's coordinates (grid_sample)
     grid_size: tuple[int, int] = field(init=False)  # derived: patches along H and W
 
     def __post_init__(self) -> None:
-        if isinstance(self.pos_embed_grid_size, list):
-            self.pos_embed_grid_size = tuple(self.pos_embed_grid_size)
         for name in ("img_size", "patch_size"):  # [h, w] from YAML is a tuple from here on (in messages too)
             size = getattr(self, name)
             if isinstance(size, (list, tuple)) and len(size) == 2:
@@ -232,24 +226,7 @@ class ViTConfig:
             raise UserError(f"pos_embed {self.pos_embed!r} needs embed_dim divisible by 4, got {self.embed_dim}")
         if self.pos_embed == "sincos1d" and self.embed_dim % 2:
             raise UserError(f"pos_embed 'sincos1d' needs an even embed_dim, got {self.embed_dim}")
-        self._check_naflex()
-
-    def _check_naflex(self) -> None:
-        if not self.naflex:
-            if self.pos_embed == "factorized":
-                raise UserError("pos_embed 'factorized' is NaFlex's (naflex=true)")
-            return
-        if self.pos_embed not in NAFLEX_POS_EMBEDS:
-            raise UserError(f"naflex takes pos_embed {list(NAFLEX_POS_EMBEDS)}, not {self.pos_embed!r}")
-        if self.pos_embed_interp_mode not in NAFLEX_INTERP_MODES:
-            raise UserError(
-                f"pos_embed_interp_mode {self.pos_embed_interp_mode!r} is not one of {list(NAFLEX_INTERP_MODES)}"
-            )
-        if self.distilled:
-            raise UserError("naflex=true has no distillation token (distilled=false)")
-        grid = self.pos_embed_grid_size
-        if grid is not None and not (len(grid) == 2 and all(_is_int(n) and n >= 1 for n in grid)):
-            raise UserError(f"pos_embed_grid_size {grid!r} must be [height, width] of positive ints")
+        check_naflex(self)  # model/naflex_config.py
 
     def _check_types(self) -> None:
         # Hydra hands over whatever YAML parsed; catch "depth: 12.5" or "qk_norm: yes please" here.
