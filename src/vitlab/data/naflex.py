@@ -61,7 +61,9 @@ class NaFlexSchedule(SizeSchedule):
             if naflex.get("max_seq_len") is not None:
                 raise UserError("data.naflex.max_seq_len needs data.naflex.seq_lens (the training budgets)")
             return None
-        patch_hw = as_hw(naflex.get("patch_size", 16), "data.naflex.patch_size")
+        if naflex.get("patch_size") is None:
+            raise UserError("data.naflex.patch_size is null: give it, or a model.patch_size (the model's patches)")
+        patch_hw = as_hw(naflex["patch_size"], "data.naflex.patch_size")
         if not isinstance(seq_lens, Sequence) or not seq_lens:
             raise UserError(f"data.naflex.seq_lens {seq_lens!r} must be a non-empty list of patch counts")
         for s in seq_lens:
@@ -85,6 +87,14 @@ class NaFlexSchedule(SizeSchedule):
                    batch_size)  # fmt: skip
 
     # ---- what sizes.py asks of a schedule --------------------------------------------------------------
+    def batches(self, sampler, batch_size: int, world: int, epochs, seed: int):
+        if any(b % world for b in self.batch_sizes):
+            raise UserError(
+                f"NaFlex's global batch sizes {list(self.batch_sizes)} (one per data.naflex.seq_lens) must each be "
+                f"divisible by the {world} processes: set data.naflex.batch_divisor to a multiple of {world}"
+            )
+        return super().batches(sampler, batch_size, world, epochs, seed)
+
     def describe(self, batches, world: int) -> str:
         per_len = [b * world for b in batches.batch_sizes]
         return (
