@@ -18,6 +18,7 @@ No Hydra, OmegaConf or Lightning here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -103,11 +104,11 @@ class NaFlexSchedule(SizeSchedule):
             f"an epoch"
         )
 
+    view_args: tuple = ((0.08, 1.0), (0.75, 4 / 3), 0.5, "bicubic")  # the crop's scale, ratio, flip, interpolation
+
     def loading(self, dm: Any) -> tuple[list, list]:
         """The per-choice training transforms and collates of a data module (ImageDataModule)."""
-        s = dm.train_settings
-        scale = tuple(s.random_resized_crop or (1.0, 1.0))
-        made = [train_transform(n, self.patch_hw, scale, self.ratio, s.hflip, s.interpolation) for n in self.seq_lens]
+        made = [train_transform(n, self.patch_hw, *self.view_args) for n in self.seq_lens]
         world = dm.trainer.world_size if dm.trainer is not None else 1
         return made, [Collate(self, world)] * len(self.seq_lens)
 
@@ -207,5 +208,24 @@ def setup(dm: Any, naflex: dict | None) -> None:
     if dm.size_schedule is not None or dm.views is not None:
         raise UserError("data.naflex.seq_lens sets the training sizes: drop data.train_img_sizes / objective=dino")
     interpolation = dm.eval_settings.get("interpolation") or "bicubic"
-    dm.size_schedule, dm.resides = schedule, False
+    t = dm.train_settings
+    view = (tuple(t.random_resized_crop or (1.0, 1.0)), schedule.ratio, t.hflip, t.interpolation)
+    dm.size_schedule, dm.resides = dataclasses.replace(schedule, view_args=view), False
     dm.eval_tf = eval_transform(schedule.max_seq_len, schedule.patch_hw, interpolation)
+
+
+def to_device(x, device):
+    """A model input (images, or a NaFlex batch's dict) on `device`."""
+    return {k: v.to(device) for k, v in x.items()} if isinstance(x, dict) else x.to(device)
+
+
+def for_model(naflex: Any, model: Any) -> dict:
+    """data.naflex for a run of `model` (a ViTConfig), before any work: refused for a model without NaFlex, its patch
+    size the model's where the data config leaves it null."""
+    if not model.naflex:
+        raise UserError(
+            "data.naflex.seq_lens feeds NaFlex batches (patches, coordinates, masks): the model needs "
+            "model.naflex=true (a naflexvit, e.g. model=naflexvit_b16)"
+        )
+    plain = {k: list(v) if isinstance(v, Sequence) and not isinstance(v, str) else v for k, v in naflex.items()}
+    return plain | {"patch_size": plain.get("patch_size") or list(model.patch_hw)}
