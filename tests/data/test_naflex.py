@@ -130,6 +130,6 @@ def test_a_model_without_naflex_is_refused_before_any_work():
         check_model(schedule, ViTConfig(img_size=32, depth=1, embed_dim=32, num_heads=2), "classify")
     naflex = ViTConfig(img_size=32, depth=1, embed_dim=32, num_heads=2, naflex=True, class_token=False,
                        global_pool="avg")  # fmt: skip
-    with pytest.raises(UserError, match="objective=classify"):
+    with pytest.raises(UserError, match="objective=classify or distill, not objective=mae"):
         check_model(schedule, naflex, "mae")
     check_model(schedule, naflex, "classify")

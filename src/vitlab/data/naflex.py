@@ -118,8 +118,8 @@ class NaFlexSchedule(SizeSchedule):
                 "data.naflex.seq_lens feeds NaFlex batches (patches, coordinates, masks): the model needs "
                 "model.naflex=true (a naflexvit, e.g. model=naflexvit_b16)"
             )
-        if objective not in ("classify",):
-            raise UserError(f"data.naflex trains objective=classify, not objective={objective}")
+        if objective not in ("classify", "distill"):  # MAE's masks and DINO's crops are square images' own
+            raise UserError(f"data.naflex trains objective=classify or distill, not objective={objective}")
         if tuple(model.patch_hw) != self.patch_hw:
             raise UserError(f"data.naflex.patch_size {list(self.patch_hw)} is not model.patch_size {model.patch_size}")
 
