@@ -10,6 +10,7 @@ from timm.data.naflex_transforms import patchify_image
 import vitlab
 from vitlab.convert.timm_args import config_from_timm
 from vitlab.model import ViT, ViTConfig
+from vitlab.model.naflex_config import pos_grid
 from vitlab.utils.errors import UserError
 
 SMALL = dict(depth=2, embed_dim=32, num_heads=2, num_classes=5)
@@ -104,7 +105,7 @@ def _kw(batch):
 def test_config_reads_timm_naflex_arguments_and_refuses_what_it_cannot_express():
     cfg = config_from_timm("naflexvit_base_patch16_parfac_gap")
     assert (cfg.naflex, cfg.pos_embed, cfg.pos_embed_ar_preserving, cfg.reg_tokens) == (True, "factorized", True, 4)
-    assert cfg.pos_grid == (16, 16) and cfg.img_hw == (256, 256)
+    assert pos_grid(cfg) == (16, 16) and cfg.img_hw == (256, 256)
     with pytest.raises(UserError, match="rope_type='axial'"):
         config_from_timm("naflexvit_base_patch16_gap", rope_type="axial")
     with pytest.raises(UserError, match="pos_embed 'factorized' is NaFlex's"):

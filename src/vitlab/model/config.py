@@ -128,8 +128,7 @@ class ViTConfig:
     # the same numbers. true: every block; N: every N-th block; "selective": every block keeps its matmul and
     # attention outputs and recomputes the rest. Not part of the architecture: a run may resume with it switched.
     grad_checkpointing: bool | int | str = False
-    # NaFlex (SigLIP 2, timm's naflexvit; model/naflex.py): a Linear on (ph, pw, C) patches, timm's `embeds.*` keys, the
-    # patches' table resampled to each image's grid; takes images of any size or the dict of patches (NaFlex's loader)
+    # NaFlex (timm's naflexvit; model/naflex.py): timm's `embeds.*`, each image's grid, images or NaFlex's dict
     naflex: bool = False
     pos_embed_grid_size: tuple[int, int] | None = None  # naflex: the table's grid (None: img_size // patch_size)
     pos_embed_interp_mode: str = "bicubic"  # naflex: bicubic | bilinear, the resampling to an image's grid
@@ -249,10 +248,6 @@ class ViTConfig:
             "fix_init",
             "drop_path_uniform",
             "naflex",
-            "pos_embed_ar_preserving",
-            "pos_embed_antialias",
-            "pos_embed_align_corners",
-            "pos_embed_use_grid_sample",
         )
         floats = ("mlp_ratio", "norm_eps", *DROPOUTS)
         for name in ints:
@@ -292,11 +287,6 @@ class ViTConfig:
     def num_patches(self) -> int:
         """Patch tokens of an img_size image: grid_size's product."""
         return self.grid_size[0] * self.grid_size[1]
-
-    @property
-    def pos_grid(self) -> tuple[int, int]:
-        """NaFlex: the grid of the learned position table (pos_embed_grid_size, else the image's)."""
-        return self.pos_embed_grid_size or self.grid_size
 
     @property
     def num_prefix_tokens(self) -> int:

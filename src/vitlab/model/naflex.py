@@ -18,6 +18,7 @@ from torch import nn
 
 from vitlab.model.config import ViTConfig
 from vitlab.model.layers import norm, random_order
+from vitlab.model.naflex_config import pos_grid
 
 NAFLEX_KEYS = ("patches", "patch_coord", "patch_valid")
 
@@ -92,7 +93,7 @@ class NaFlexEmbeds(nn.Module):
         self.reg_token = nn.Parameter(torch.zeros(1, cfg.reg_tokens, D)) if cfg.reg_tokens else None
         self.proj = nn.Linear(ph * pw * cfg.in_chans, D, bias=not cfg.pre_norm)
         self.norm = norm(cfg, D) if cfg.embed_norm else nn.Identity()
-        h, w = cfg.pos_grid
+        h, w = pos_grid(cfg)
         self.pos_embed = nn.Parameter(torch.zeros(1, h, w, D)) if cfg.pos_embed == "learn" else None
         if cfg.pos_embed == "factorized":
             self.pos_embed_y = nn.Parameter(torch.zeros(1, h, D))

@@ -11,6 +11,12 @@ from vitlab.utils.errors import UserError
 # embeddings NaFlex takes ('factorized': one table per axis, NaViT's)
 NAFLEX_INTERP_MODES = ("bicubic", "bilinear")
 NAFLEX_POS_EMBEDS = ("learn", "factorized", "none")
+NAFLEX_BOOLS = (
+    "pos_embed_ar_preserving",
+    "pos_embed_antialias",
+    "pos_embed_align_corners",
+    "pos_embed_use_grid_sample",
+)
 
 
 def check_naflex(cfg: Any) -> None:
@@ -18,6 +24,9 @@ def check_naflex(cfg: Any) -> None:
     YAML list for pos_embed_grid_size becomes a tuple."""
     if isinstance(cfg.pos_embed_grid_size, list):
         cfg.pos_embed_grid_size = tuple(cfg.pos_embed_grid_size)
+    for name in NAFLEX_BOOLS:
+        if not isinstance(getattr(cfg, name), bool):
+            raise UserError(f"{name} {getattr(cfg, name)!r} must be true or false")
     if not cfg.naflex:
         if cfg.pos_embed == "factorized":
             raise UserError("pos_embed 'factorized' is NaFlex's (naflex=true)")
@@ -33,3 +42,8 @@ def check_naflex(cfg: Any) -> None:
     ints = isinstance(grid, tuple) and len(grid) == 2 and all(type(n) is int and n >= 1 for n in grid)
     if grid is not None and not ints:
         raise UserError(f"pos_embed_grid_size {grid!r} must be [height, width] of positive ints")
+
+
+def pos_grid(cfg: Any) -> tuple[int, int]:
+    """NaFlex: the grid of the learned position table (pos_embed_grid_size, else the image's)."""
+    return cfg.pos_embed_grid_size or cfg.grid_size
