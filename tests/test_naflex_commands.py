@@ -77,10 +77,14 @@ def test_views_are_drawn_at_each_views_own_size(photos, tmp_path):
             assert abs(np.log((w / h) / ((x1 - x0) / (y1 - y0)))) < np.log((max(h, w) + 16) / max(h, w)) + 0.35
 
 
-def test_a_model_without_naflex_is_refused_in_one_line(photos, tmp_path):
+def test_bad_input_is_refused_in_one_line(photos, tmp_path):
+    """A model without NaFlex, a budget below one patch, a length whose batch the memory estimate says will not fit."""
     r = run_cli("train", "model=vit_ti16", "data=imagefolder", f"data.data_dir={photos}",
                 "data.naflex.seq_lens=[16,36]", f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
     assert_refused(r, "error: data.naflex.seq_lens feeds NaFlex batches")
     r = run_cli("train", *NAFLEX, f"data.data_dir={photos}", "data.naflex.seq_lens=[0,16]",
                 f"hydra.run.dir={tmp_path / 'run2'}")  # fmt: skip
     assert_refused(r, "error: data.naflex.seq_lens [0, 16]: 0 is not a positive number of patches")
+    r = run_cli("train", *NAFLEX, f"data.data_dir={photos}", "data.naflex.seq_lens=[16,4000000]",
+                f"hydra.run.dir={tmp_path / 'run3'}")  # fmt: skip
+    assert_refused(r, "error: the run needs about")
