@@ -123,13 +123,45 @@ def padding_waste(images, budgets=((16,), (36,), (64,), (16, 36, 64))) -> dict:
     return out
 
 
+def throughput(images, rounds: int = 3, steps: int = 10) -> dict:
+    """Training tokens a second of each way on the same batches, the ways interleaved round by round (a shared
+    machine's load falls on all three alike): the median over rounds of padded and valid tokens a second."""
+    torch.manual_seed(0)
+    model = ViT(ViTConfig(**MODEL))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx = torch.randperm(len(images))[: steps * BATCH].view(steps, BATCH)
+    data = {way: as_inputs(images, way) for way in ("naflex", "square", "crop")}
+    rates = {way: [] for way in data}
+    for _ in range(rounds):
+        for way, d in data.items():
+            start, valid = time.perf_counter(), 0
+            for batch_idx in idx:
+                batch = take(d, batch_idx)
+                loss = model(batch).logsumexp(-1).mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                valid += int(batch["patch_valid"].sum())
+            seconds = time.perf_counter() - start
+            rates[way].append((steps * BATCH * SEQ / seconds, valid / seconds))
+    return {way: {"tokens_per_s": float(np.median([r[0] for r in v])),
+                  "valid_tokens_per_s": float(np.median([r[1] for r in v]))} for way, v in rates.items()}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--throughput-only", action="store_true", help="add the interleaved timing to results.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
     images, labels, aspects = canvases()
+    if args.throughput_only:
+        results = json.loads((HERE / "results.json").read_text())
+        results["throughput"] = throughput(images)
+        (HERE / "results.json").write_text(json.dumps(results, indent=1))
+        print(results["throughput"])
+        return
     train_idx, test_idx = train_test_split(np.arange(len(images)), test_size=0.2, stratify=labels, random_state=0)
     train_idx, test_idx = torch.as_tensor(train_idx), torch.as_tensor(test_idx)
     results = {"epochs": args.epochs, "seeds": args.seeds, "runs": {}, "padding_waste": padding_waste(images)}
@@ -140,6 +172,7 @@ def main() -> None:
         ]
         accs = [r["acc"] for r in results["runs"][way]]
         print(f"{way}: acc {np.mean(accs):.4f} +- {np.std(accs):.4f}", flush=True)
+    results["throughput"] = throughput(images)
     (HERE / "results.json").write_text(json.dumps(results, indent=1))
     plot(results)
 
@@ -157,10 +190,10 @@ def plot(results: dict) -> None:
         means = [np.mean([r["per_aspect"][a] for r in runs]) for a in ASPECT_NAMES]
         ax.bar(np.arange(3) + (k - 1) * 0.27, means, 0.27, label=way)
     ax.set_xticks(range(3), ASPECT_NAMES)
-    ax.set_ylim(0.5, 1.0)
+    ax.set_ylim(0.0, 1.0)
     ax.set_ylabel("test accuracy")
     ax.set_title(f"digits on canvases, 16 tokens an image, {results['epochs']} epochs, {len(results['seeds'])} seeds")
-    ax.legend(loc="lower left")
+    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(HERE / "naflex.png", dpi=120)
 
