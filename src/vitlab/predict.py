@@ -22,6 +22,7 @@ def predict(cfg: DictConfig) -> list[dict]:
     import torch
 
     from vitlab.data.images import read_image
+    from vitlab.data.naflex import to_device
 
     model, prepare, names = _checkpoint(cfg) if cfg.ckpt_path is not None else _pretrained(cfg)
     if cfg.top_k > len(names):  # (it was clamped silently)
@@ -33,7 +34,7 @@ def predict(cfg: DictConfig) -> list[dict]:
     results = []
     for path, img in zip(images, pixels, strict=True):
         with torch.no_grad():
-            probs = model(prepare(img).to(cfg.device)).float().softmax(-1)[0]
+            probs = model(to_device(prepare(img), cfg.device)).float().softmax(-1)[0]  # (NaFlex: a dict)
         top = probs.topk(cfg.top_k)
         ranked = [
             {"class": names[i], "index": int(i), "prob": float(p)} for p, i in zip(top.values, top.indices, strict=True)

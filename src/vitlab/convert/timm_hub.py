@@ -17,8 +17,9 @@ import torch
 from vitlab.utils.downloads import downloading
 from vitlab.utils.errors import MissingFileError, UserError, close_matches
 
-# timm's modules of plain ViTs: `vision_transformer`, and `deit` (DeiT's, distilled ones included, and DeiT III's)
-TIMM_VIT_MODULES = ("vision_transformer", "deit")
+# timm's modules of plain ViTs: `vision_transformer`, `deit` (DeiT's, distilled ones included, and DeiT III's), and
+# `naflexvit` (NaFlex: images at their own aspect ratio, model/naflex.py)
+TIMM_VIT_MODULES = ("vision_transformer", "deit", "naflexvit")
 
 
 def timm_vit_names() -> list[str]:

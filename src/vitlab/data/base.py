@@ -19,11 +19,12 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import Dataset, DistributedSampler, Sampler, Subset
+from torch.utils.data import Dataset, DistributedSampler, Sampler, Subset, default_collate
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitlab.data import folds as folds_module
 from vitlab.data import image_views, resident, sizes, transforms
+from vitlab.data import naflex as naflex_loading
 from vitlab.data.folds import held_out  # noqa: F401  (where the datasets and tests import it from)
 from vitlab.data.resident import ResidentImages, already_batched
 from vitlab.data.seeded import RepeatSampler, RepeatSeededSampler, SeededSampler, TransformDataset, init_worker
@@ -209,13 +210,10 @@ class DataModule(L.LightningDataModule):
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         return self.device_transform(batch, train=self.trainer is not None and self.trainer.training)
 
-    def device_transform(self, batch, train: bool):
-        """A batch, once on the device, to the model's normalised float32 input. A plain training loop calls it as
-        Lightning does."""
+    def device_transform(self, batch, train: bool):  # a batch on the device -> the model's input (Lightning calls it)
         raise NotImplementedError
 
-    def predict_tensor(self, img) -> torch.Tensor:
-        """One image (PIL or tensor) -> the (1, C, H, W) float32 batch the test images are made into."""
+    def predict_tensor(self, img) -> torch.Tensor:  # one image (PIL or tensor) -> the batch test images are made into
         raise NotImplementedError
 
     def first_images(self, split: str, n: int) -> torch.Tensor:
@@ -281,6 +279,7 @@ class ImageDataModule(DataModule):
         train_size_random_mix: float = 0.1,
         folds: int = 0,  # k-fold: the training split cut into this many class-stratified folds (data/folds.py)
         fold: int = 0,  # ...of which this one validates
+        naflex: dict | None = None,  # images at their own aspect ratio, batches of variable length (data/naflex.py)
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
@@ -319,6 +318,7 @@ class ImageDataModule(DataModule):
         self.multicrop_settings, self.views = multicrop, None
         if multicrop is not None:  # cut from each whole image in the workers, or from a square on the device
             self.views, self.train_tf = image_views.setup(self, multicrop)
+        naflex_loading.setup(self, naflex)
 
     def _assign_splits(self, train: Any, val: Any, test: Any | None, val_fraction: float, split_seed: int) -> None:
         """The three splits of a dataset given as train, val and (maybe) test: with `val_fraction`, a held-out slice
@@ -371,10 +371,11 @@ class ImageDataModule(DataModule):
         return super()._train_sampler(dataset, world, rank)
 
     def device_transform(self, batch, train: bool):
-        """A uint8 batch, once on the device, to the model's normalised float32 input: held on the device, the
-        training batch is shifted and flipped first; resized where kept at its own size; randomly erased in
-        training."""
+        """A uint8 batch, once on the device, to the model's normalised float32 input: held on the device, the training
+        batch is shifted and flipped first; resized where kept at its own size; randomly erased in training."""
         x, y = batch[:2]
+        if isinstance(x, dict):  # NaFlex's padded patches (data/naflex.py)
+            return naflex_loading.normalise(x, self.mean, self.std), y
         if train and self.views is not None and isinstance(x, list):  # objective=dino, views cut in the workers
             return self.views.normalised(x, self.rng), y
         if train and self.views is not None:  # objective=dino: the views (and iBOT's masks) of every image
@@ -390,7 +391,7 @@ class ImageDataModule(DataModule):
 
     def predict_tensor(self, img) -> torch.Tensor:
         """One image (PIL or uint8 tensor) -> the (1, C, H, W) float32 batch the eval loader makes of it."""
-        return self.device_transform((self.eval_tf(img).unsqueeze(0), None), train=False)[0]
+        return self.device_transform((default_collate([self.eval_tf(img)]), None), train=False)[0]
 
     @property
     def preprocessing(self) -> dict[str, Any]:

@@ -90,6 +90,8 @@ def layers_of(model, blocks, avgpool: bool = False) -> Layers:
         raise UserError(
             f"layers={given} reads class tokens and the model has none (class_token=false); set layers=null"
         )
+    if model.cfg.naflex:  # blocks' tokens of padded NaFlex batches: not read here
+        raise UserError(f"layers={given} reads blocks' tokens of square images; a NaFlex model: set layers=null")
     return Layers(tuple(sorted({b % depth for b in blocks})), avgpool)
 
 
