@@ -28,7 +28,8 @@ from typing import Any
 from hydra.errors import HydraException
 from omegaconf import OmegaConf, open_dict
 
-from vitlab.cli.config_tree import config_dir, refuse_unread_groups
+from vitlab.cli.config_tree import config_dir, groups_read, refuse_unread_groups
+from vitlab.cli.overrides import quoting_hint, refuse_repeated, refuse_unread_keys
 from vitlab.cli.sweep import check_sweep_dir
 from vitlab.utils.errors import UserError, config_errors, fail, one_line, user_error
 
@@ -267,30 +268,13 @@ def _check_as_job(cfg, check: Callable[[Any], None]) -> None:
         HydraConfig.instance().cfg = None  # the job's own is set by Hydra
 
 
-def quoted_for_hydra(value: str) -> str:
-    """`value` as typed, quoted as Hydra's grammar takes it: a list's elements each (`[a, b]` -> `["a", "b"]`:
-    the list quoted whole would be one string), anything else whole."""
-    inner = value[1:-1] if value.startswith("[") and value.endswith("]") else None
-    if inner is None:
-        return f'"{value}"'
-    items = [item.strip() for item in inner.split(",")] if inner.strip() else []
-    return "[" + ", ".join(item if item.isascii() else f'"{item.strip(chr(34) + chr(39))}"' for item in items) + "]"
-
-
 def _explain(e: Exception, config_name: str, overrides: list[str]) -> str:
     """Hydra's report of a bad override in one line, in other words where its own would mislead: an unknown key
     (Hydra's hint, `+key=...`, only leads to a second error) names the keys there are; a value with characters
     the override grammar does not take unquoted says how to quote it."""
-    from hydra.errors import OverrideParseException
-
     text = str(e)
-    odd = [o for o in overrides if not o.isascii()]
-    if isinstance(e, OverrideParseException) and odd:
-        key, _, value = odd[0].partition("=")
-        return (
-            f"{odd[0]}: an unquoted value may hold only ASCII characters; quote it for Hydra as well as for the "
-            f"shell: '{key}={quoted_for_hydra(value)}'"
-        )
+    if (hint := quoting_hint(overrides)) is not None:
+        return hint
     unknown = re.match(r"Could not override '([^']+)'", text)
     if unknown and "not in struct" in str(e.__cause__):
         key = unknown[1]
@@ -366,6 +350,8 @@ def prepare(config_name: str, argv: list[str], check: Callable[[Any], None] | No
 
     overrides = [a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/")) and not a.startswith("-")]
     refuse_unread_groups(config_name, overrides)
+    refuse_repeated(overrides)
+    refuse_unread_keys(config_name, overrides, groups_read(config_name), lambda o: _compose(config_name, o))
     if flags:  # a sweep: what every job would refuse alike (a misspelt key) is said once; the jobs check the rest
         _compose_first_job(config_name, overrides)
         return argv

@@ -109,7 +109,7 @@ class PredictSettings(TypedDict):
     ckpt_path: str | None
     model: PretrainedModel
     images: str | NonEmpty[str]
-    top_k: PositiveInt
+    top_k: PositiveInt | None  # null: min(5, the model's classes)
     device: str  # cpu, cuda, cuda:<i> that this machine has (check_predict)
 
 

@@ -132,7 +132,15 @@ class RecordsDataModule(ImageDataModule):
     def eval_view(self, split: str) -> Dataset:
         dataset = getattr(self, f"{split}_set")
         if isinstance(dataset, StreamedSplit):
-            return dataset.as_eval(self.eval_tf)
+            view = dataset.as_eval(self.eval_tf)
+            if view.num_samples is None:  # (the training split: its epoch's count is no size)
+                counted = self.__dict__.setdefault("_counted", {})
+                if split not in counted:
+                    counted[split] = view.count()
+                    log.info("%s split: %d samples (counted: its shards read once, nothing decoded)", split,
+                             counted[split])  # fmt: skip
+                view.num_samples = counted[split]
+            return view
         return super().eval_view(split)
 
     def first_images(self, split: str, n: int) -> torch.Tensor:
