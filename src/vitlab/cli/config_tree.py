@@ -65,6 +65,14 @@ def data_classes(*, _parent_) -> int:
 
     from hydra.utils import get_object
 
+    from vitlab.utils.errors import UserError
+
+    if missing := [str(k) for k in _parent_ if OmegaConf.is_missing(_parent_, k)]:  # (before the module's import)
+        raise UserError(
+            f"data.{missing[0]} must be given: this data config ({_parent_._target_}) has no default for it "
+            f"(data.{missing[0]}=...)"
+        )
+
     count = inspect.getmodule(get_object(str(_parent_._target_))).count_classes
     keys = [k for k in inspect.signature(count).parameters if k in _parent_]
     return count(**{k: _parent_[k] for k in keys})

@@ -147,12 +147,26 @@ def check_config(cfg: DictConfig, schema: Any = None, check: Check | None = None
     if schema is not None:
         values = {k: _plain(cfg[k]) for k in typing.get_type_hints(schema) if k in cfg}
         check_arguments(schema, values, "")
+    _check_data_dir(cfg)
     if check is not None:  # (the checks that need no Lightning first: their refusals come within a second)
         check(cfg)
     if "_target_:" in OmegaConf.to_yaml(cfg):
         from vitlab.training.run.node_checks import check_nodes  # (Lightning: only for a config that builds something)
 
         check_nodes(cfg)
+
+
+def _check_data_dir(cfg: DictConfig) -> None:
+    """A data.data_dir that is not there (and is not to be downloaded into), said before the data module's package
+    (torch, Lightning) is imported to count its classes or read it."""
+    from vitlab.utils.errors import MissingFileError
+
+    data = cfg.get("data")
+    if not OmegaConf.is_dict(data) or data.get("download") is True:
+        return
+    data_dir = OmegaConf.select(data, "data_dir", default=None, throw_on_resolution_failure=False)
+    if data_dir is not None and not Path(str(data_dir)).expanduser().exists():
+        raise MissingFileError(f"data.data_dir {str(data_dir)!r} does not exist")
 
 
 def _plain(value: Any) -> Any:

@@ -116,7 +116,7 @@ class PredictSettings(TypedDict):
 class ExportSettings(TypedDict):
     task_name: str
     ckpt_path: str
-    format: str  # its names: vitlab.export's (convert.programs.FORMATS)
+    format: Literal["onnx", "pt2", "mae", "ckpt", "timm"]  # convert.programs.FORMATS' and vitlab.export's own
     output: str | None
     overwrite: bool
     atol: NonNegativeNumber
@@ -166,9 +166,10 @@ class BenchmarkSettings(TypedDict):
 def check_train(cfg: DictConfig) -> None:
     from vitlab.model.config import vit_config
     from vitlab.training.optim import OptimConfig, SchedulerConfig
-    from vitlab.training.run.ranges import DataRanges, TrainerValues
+    from vitlab.training.run.ranges import DataRanges, TrainerValues, check_devices
 
     # What can be checked before torch, Lightning and timm are imported (seconds): a refusal within a second.
+    _check_ckpt_path(cfg.ckpt_path, "last")
     if not cfg.model.get("pretrained"):  # (timm's architecture replaces the group's once read: training.pretrained)
         vit_config(cfg.model)
     OptimConfig.check_early(OmegaConf.to_container(cfg.optim, resolve=True))  # (its name: at the build)
@@ -176,11 +177,11 @@ def check_train(cfg: DictConfig) -> None:
     check_arguments(TrainerValues, _present(cfg.trainer, TrainerValues), "trainer")  # (Lightning's types: later)
     check_arguments(DataRanges, _present(cfg.data, DataRanges), "data")
     check_clipping(cfg.trainer)
+    check_devices(cfg.trainer)  # (torch only where the machine may have a GPU) before check_request reads them
 
     from vitlab.training.devices.sharding import check_request
-    from vitlab.training.run.node_checks import check_devices, check_launch
+    from vitlab.training.run.node_checks import check_launch
 
-    check_devices(cfg.trainer)  # before check_request reads them
     check_launch(cfg)  # a -m sweep of multi-process runs on a launcher that cannot start them
     check_request(cfg.trainer, cfg.get("callbacks"))  # trainer=fsdp: what cannot shard (its note is logged by train)
 
@@ -191,8 +192,21 @@ def _present(node: DictConfig, schema: Any) -> dict[str, Any]:
     return {k: values[k] for k in typing.get_type_hints(schema) if k in values}
 
 
+def _check_ckpt_path(path: str | None, *special: str) -> None:
+    """A checkpoint named that is not there, said before torch is imported (convert.weights.read_file's words)."""
+    from vitlab.utils.errors import MissingFileError
+
+    if path is not None and str(path) not in special and not Path(str(path)).expanduser().exists():
+        raise MissingFileError(f"ckpt_path {str(path)!r} does not exist")
+
+
+def check_export(cfg: DictConfig) -> None:
+    _check_ckpt_path(cfg.ckpt_path)
+
+
 def check_eval(cfg: DictConfig) -> None:
     """Model overrides beside a checkpoint would be ignored: its model is the one the checkpoint stores."""
+    _check_ckpt_path(cfg.ckpt_path)
     if cfg.ckpt_path is not None and _model_given(cfg):
         from hydra.core.hydra_config import HydraConfig
 
@@ -211,6 +225,7 @@ def _model_given(cfg: DictConfig) -> bool:
 
 
 def check_predict(cfg: DictConfig) -> None:
+    _check_ckpt_path(cfg.ckpt_path)
     check_device("device", cfg.device)
     if (cfg.ckpt_path is None) == (cfg.model.pretrained is None):
         raise UserError(
@@ -231,6 +246,7 @@ def check_visualize(cfg: DictConfig) -> None:
         return
     if not (cfg.run_dir or cfg.ckpt_path):
         raise UserError("give ckpt_path=<checkpoint> [image=<file>] and/or run_dir=<training run directory>")
+    _check_ckpt_path(cfg.ckpt_path)
     if cfg.image and not cfg.ckpt_path:
         raise UserError("image=... needs ckpt_path=<checkpoint> of the model to look inside")
 
@@ -261,7 +277,7 @@ SCHEMAS: dict[str, tuple[type, Callable[[DictConfig], Any]]] = {
     "train": (TrainSettings, check_train),
     "eval": (EvalSettings, check_eval),
     "predict": (PredictSettings, check_predict),
-    "export": (ExportSettings, _nothing),
+    "export": (ExportSettings, check_export),
     "visualize": (VisualizeSettings, check_visualize),
     "parity": (ParitySettings, check_parity),
     "pack": (PackSettings, check_pack),

@@ -57,9 +57,10 @@ class RecordsDataModule(ImageDataModule):
         self.class_names: list[str] = []
 
     def _check_classes(self, class_names: list[str], where: str) -> None:
-        if self.num_classes and len(class_names) > self.num_classes:
+        if self.num_classes and len(class_names) != self.num_classes:  # (an image folder's refusal too)
             raise UserError(
-                f"data.num_classes {self.num_classes} is fewer than the {len(class_names)} classes of {where}"
+                f"data.num_classes {self.num_classes} does not match the {len(class_names)} classes of {where}; "
+                "leave data.num_classes out to take the data's count"
             )
         self.class_names = class_names
 
