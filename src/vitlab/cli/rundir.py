@@ -305,21 +305,29 @@ def _objective_option(key: str, config_name: str, overrides: list[str]) -> str |
     others = [o for o in overrides if not o.lstrip("+~").startswith("objective=")]
     try:
         current = _compose(config_name, overrides).objective.name
-        for name in sorted(p.stem for p in (config_dir() / "objective").glob("*.yaml")):
-            node = _compose(config_name, [*others, f"objective={name}"]).objective
-            if OmegaConf.select(node, option, default=_NONE) is not _NONE:
-                if name == current:
-                    return f"{key} is an option of the objective (objective={name}): give it as objective.{option}=..."
-                return (
-                    f"{key} is an option of objective={name}, and this run's objective is {current}: give it as "
-                    f"objective={name} objective.{option}=..."
-                )
+        having = [name for name in sorted(p.stem for p in (config_dir() / "objective").glob("*.yaml"))
+                  if _has(_compose(config_name, [*others, f"objective={name}"]).objective, option)]  # fmt: skip
     except config_errors():
         return None
+    if current in having:
+        return f"{key} is an option of the objective (objective={current}): give it as objective.{option}=..."
+    if having:  # (every objective that has it: mask_ratio is MAE's and DINO's)
+        which = " and ".join(f"objective={name}" for name in having)
+        chosen = having[0] if len(having) == 1 else f"<{'|'.join(having)}>"
+        return (
+            f"{key} is an option of {which}, and this run's objective is {current}: give it as objective={chosen} "
+            f"objective.{option}=..."
+        )
     return None
 
 
-_NONE = object()
+def _has(node: Any, dotted: str) -> bool:
+    """Whether `node` has the key `dotted`, its value given or required (`???`: objective=distill's teacher)."""
+    for part in dotted.split("."):
+        if not OmegaConf.is_dict(node) or part not in node.keys():
+            return False
+        node = node._get_node(part)
+    return True
 
 
 def prepare(config_name: str, argv: list[str], check: Callable[[Any], None] | None = None) -> list[str]:

@@ -27,6 +27,12 @@ QUIET_WARNINGS = (
     r"Grad strides do not match bucket view strides",
     r"Experiment logs directory .* exists and is not empty",
     r"Checkpoint directory .* exists and is not empty",
+    # Lightning's caution that an IterableDataset's __len__ may be wrong under several loader workers: vitlab's
+    # streamed splits (data/streamed.py) give each worker its share and count it, so the length is exact.
+    r"Your `IterableDataset` has `__len__` defined",
+    # timm's deprecation of PlateauLRScheduler, which tells timm's users to pick a fixed schedule: scheduler.name=
+    # plateau is the user's choice here. (Its note stands: a resumed run's patience and cooldown counters restart.)
+    r"PlateauLRScheduler is deprecated",
 )
 
 
