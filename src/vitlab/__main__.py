@@ -15,6 +15,10 @@ COMMANDS = sorted(
     or (m.ispkg and (Path(vitlab.__path__[0]) / m.name / "__main__.py").is_file())
 )
 
+USAGE = f"python -m vitlab <command> [overrides], a command one of {COMMANDS}; python -m vitlab.<command> --help"
+if len(sys.argv) == 2 and sys.argv[1] in ("-h", "--help"):  # (asked for: not an error)
+    print(f"usage: {USAGE}")
+    raise SystemExit(0)
 if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
     given = f"{sys.argv[1]!r} is not a vitlab command" if len(sys.argv) > 1 else "no command given"
     print(f"error: {given}; one of {COMMANDS}: python -m vitlab <command> [overrides]", file=sys.stderr)

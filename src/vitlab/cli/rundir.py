@@ -287,6 +287,12 @@ def _explain(e: Exception, config_name: str, overrides: list[str]) -> str:
             there = None
         if (elsewhere := _objective_option(key, config_name, rest)) is not None:
             return elsewhere
+        if config_name == "eval" and key.startswith("model.") and (ckpt := _override_value(rest, "ckpt_path")):
+            return (
+                f"{key}: the model of ckpt_path {ckpt!r} is taken from the checkpoint (the one it stores), not set "
+                "here; drop it, or evaluate timm's weights instead: model.pretrained=<timm name> data=<name> without "
+                "ckpt_path"
+            )
         if there is not None:
             keys = sorted(k for k in there if not str(k).startswith("_"))
             more = f"; add another argument of its {there._target_} with +{key}=..." if "_target_" in there else ""

@@ -177,6 +177,14 @@ def check_train(cfg: DictConfig) -> None:
     check_arguments(TrainerValues, _present(cfg.trainer, TrainerValues), "trainer")  # (Lightning's types: later)
     check_arguments(DataRanges, _present(cfg.data, DataRanges), "data")
     check_clipping(cfg.trainer)
+    if cfg.train and cfg.trainer.get("max_epochs") == 0:  # (Lightning trains nothing and the run ends as if done)
+        raise UserError("trainer.max_epochs=0 trains nothing: give 1 or more (-1: until max_steps), or train=false "
+                        "to test a checkpoint without training")  # fmt: skip
+    if cfg.freeze_backbone and cfg.objective.get("name") in ("mae", "dino"):
+        raise UserError(
+            f"freeze_backbone=true trains only the classifier head, and objective={cfg.objective.name} pretrains the "
+            "encoder without one: nothing would learn; drop freeze_backbone"
+        )
     check_devices(cfg.trainer)  # (torch only where the machine may have a GPU) before check_request reads them
 
     from vitlab.training.devices.sharding import check_request

@@ -179,7 +179,6 @@ class WDSDataModule(RecordsDataModule):
 
         self._set_streamed_splits(make, names, self.num_train, sizes)
 
-
     def teardown(self, stage: str) -> None:
         """The count at the end of fit or test: each shard that could not be read whole was said once."""
         reported = self.__dict__.setdefault("_reported", {})

@@ -118,12 +118,20 @@ RESULTS = (
 def summarize(metrics: dict, best_checkpoint: str, run_dir) -> None:
     """The last lines of a run: its results and where they are."""
     splits = metrics.get("splits") or {}
-    shown = ", ".join(
-        f"{k} {metrics[k]:.4f}" + (f" on {splits[split]}" if split in splits else "")
+    results = ", ".join(
+        f"{k} {shown(metrics[k])}" + (f" on {splits[split]}" if split in splits else "")
         for k, split in RESULTS["val/acc_best" not in metrics and "val/loss_best" in metrics]
         if k in metrics
     )
-    logging.getLogger("vitlab.train").info("done in %.1f s%s", metrics["wall_time_s"], f": {shown}" if shown else "")
+    logging.getLogger("vitlab.train").info(
+        "done in %.1f s%s", metrics["wall_time_s"], f": {results}" if results else ""
+    )
     print(f"run directory: {run_dir}", flush=True)
     if best_checkpoint:
         print(f"best checkpoint: {best_checkpoint}", flush=True)
+
+
+def shown(value: float) -> str:
+    """A metric as the console shows it: 4 decimals, or 3 significant digits where those would show 0.0000 (a
+    learning rate of 2e-05)."""
+    return f"{value:.3g}" if value and abs(value) < 5e-4 else f"{value:.4f}"
