@@ -182,3 +182,29 @@ def test_timm_and_lightning_notes_nobody_acts_on_are_filtered_narrowly():
         warnings.warn(lightning_note, stacklevel=1)
         warnings.warn("another deprecation", FutureWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == ["another deprecation"]
+
+
+def test_wds_validation_held_out_of_one_shard_that_holds_none_is_refused(wds_shards, tmp_path):
+    """Point 9: one shard (20 samples) and validation held out of it validated on nothing (val/loss nan, a "best"
+    checkpoint chosen, exit 0): refused in one line before training, nothing left behind."""
+    r = run_cli("train", "data=wds", f"data.urls={wds_shards / 'train-000000.tar'}", "model.img_size=8",
+                "data.batch_size=4", "data.num_workers=0", cwd=tmp_path)  # fmt: skip
+    said = "error: the validation slice held out of the training data is empty: data.val_fraction 0.1 of its 20 "
+    assert_refused(r, said, {}, tmp_path / "outputs")
+
+
+def test_records_with_more_classes_a_label_column_as_images_or_a_bom(records, tmp_path):
+    """Point 13: data.num_classes beyond the classes present on data=hf and data=list (an image folder refuses it), the
+    image key naming the label column (a pyarrow traceback), a CSV that Excel saved with a BOM."""
+    saved = records / "saved"
+    r = run_cli("train", "data=hf", f"data.name={saved}", "data.num_classes=5", "model.img_size=8", cwd=tmp_path)
+    assert_refused(r, f"error: data.num_classes 5 does not match the 3 classes of {saved} [train]; leave", {})
+    r = run_cli("train", "data=hf", f"data.name={saved}", "data.image_key=label", "model.img_size=8", cwd=tmp_path)
+    said = f"error: data.image_key 'label' is a column of {saved} [train] that holds class labels, not images; its "
+    assert_refused(r, said, {})
+    bom = tmp_path / "excel.csv"
+    bom.write_bytes(b"\xef\xbb\xbf" + (records / "train.csv").read_text().replace("\n", "\r\n").encode())
+    r = run_cli("train", "data=list", f"data.train_file={bom}", "data.num_classes=5", "model.img_size=8", cwd=tmp_path)
+    assert_refused(
+        r, f"error: data.num_classes 5 does not match the 3 classes of {bom}; leave", {}, tmp_path / "outputs"
+    )
