@@ -2,9 +2,11 @@
 describe.
 
 - `reference/config.md`, from `conf/`: every command's config file, then every group, its options (each file's
-  first comment line) and each option's file as it is, the group's `_base` (the defaults its options extend) first.
+  leading comment, its example commands as code) and each option's file as it is, the group's `_base` (the
+  defaults its options extend) first.
 - `experiments/<study>/...`, read where they are: each study's README.md (its table) and the files it links (plots,
-  `timm_zoo.md`), one nav entry per study under "Benchmarks and experiments", "Studies".
+  `timm_zoo.md`), one nav entry per study under "Benchmarks and experiments", "Studies" (but for a README that
+  mkdocs.yml's nav places itself: experiments/gpu/, the script a lent GPU runs, is not a study).
 """
 
 from __future__ import annotations
@@ -25,12 +27,23 @@ def studies() -> list[Path]:
     return sorted(p.parent for p in EXPERIMENTS.glob("*/README.md"))
 
 
+def _nav_pages(entries) -> set[str]:
+    """Every page mkdocs.yml's nav names."""
+    pages = set()
+    for entry in entries:
+        for inner in entry.values() if isinstance(entry, dict) else [entry]:
+            pages |= _nav_pages(inner) if isinstance(inner, list) else {inner}
+    return pages
+
+
 def on_config(config):
+    placed = _nav_pages(config.nav or [])  # a study page mkdocs.yml puts elsewhere (the GPU script) stays there
+
     def fill(entries):
         for entry in entries:
             for title, inner in entry.items() if isinstance(entry, dict) else ():
                 if title == NAV_SECTION:
-                    inner += [f"experiments/{s.name}/README.md" for s in studies()]
+                    inner += [page for s in studies() if (page := f"experiments/{s.name}/README.md") not in placed]
                 elif isinstance(inner, list):
                     fill(inner)
 
@@ -55,21 +68,48 @@ def on_files(files: Files, config) -> Files:
 # --- the config reference ---------------------------------------------------------------------------------------
 
 
+ESCAPED = {"<": "&lt;", ">": "&gt;", "[": "&#91;", "]": "&#93;", "|": "&#124;", "*": "&#42;", "_": "&#95;"}
+
+
+def _escape(text: str) -> str:
+    """As HTML entities where Markdown would read markup (`<name>`, `[...]`, `|` in a table, `_` and `*`)."""
+    return "".join(ESCAPED.get(c, c) for c in text)
+
+
+def _example(line: str) -> str:
+    """An indented example line of a leading comment (`#   python -m ...   # what it does`): the command as code, what
+    follows it after two spaces or more as words."""
+    command, note = (re.split(r"\s{2,}", line.strip(), maxsplit=1) + [""])[:2]
+    note = note.removeprefix("#").strip()
+    if note.startswith("(") and note.endswith(")"):
+        note = note[1:-1]
+    return f"<code>{_escape(command)}</code>" + (f" ({_escape(note)})" if note else "")
+
+
 def _description(text: str) -> str:
-    """A file's leading comment, Hydra's directives and indented examples left out: what the option is. As HTML
-    entities where Markdown would read markup (`<name>`, `[...]`, `|` in a table)."""
-    said = []
+    """A file's leading comment (Hydra's `# @package` left out), to its first blank comment line: what the option
+    is, in a table cell. Its indented example lines (the commands a sentence ending in ':' introduces) are kept, as
+    code, so that no note ends on a dangling ':'; a `\\`-continued example is one command."""
+    parts: list[str] = []
+    examples: list[str] = []
     for line in text.splitlines():
-        if not line.startswith("#"):
+        if not line.startswith("#") or (line.strip() == "#" and parts):
             break
         words = line[1:].strip()
-        if line.startswith(("# @package", "#   ")) or not words:
-            if said:
-                break
+        if line.startswith("# @package") or not words:
             continue
-        said.append(words)
-    escaped = {"<": "&lt;", ">": "&gt;", "[": "&#91;", "]": "&#93;", "|": "&#124;", "*": "&#42;", "_": "&#95;"}
-    return "".join(escaped.get(c, c) for c in " ".join(said))
+        if line.startswith("#   ") and examples and examples[-1].endswith("\\"):
+            examples[-1] = examples[-1][:-1].rstrip() + " " + words  # the continued line
+        elif line.startswith("#   "):
+            examples.append(words)
+        else:
+            if examples:
+                parts.append("; ".join(map(_example, examples)) + ".")
+                examples = []
+            parts.append(_escape(words))
+    if examples:
+        parts.append("; ".join(map(_example, examples)))
+    return " ".join(parts)
 
 
 def _train_defaults() -> dict[str, str]:

@@ -12,6 +12,7 @@ from vitlab.model.config import vit_config
 from vitlab.training.module import ViTModule
 from vitlab.training.run import build
 from vitlab.training.run.build import build_trainer
+from vitlab.utils.errors import UserError
 
 CONF = config_dir()
 
@@ -132,7 +133,11 @@ def test_trainer_configs(compose_cfg, trainer):
     if isinstance(strategy, dict) or OmegaConf.is_dict(strategy):
         strategy = instantiate(strategy)  # FSDP: vitlab's FSDP2 strategy object (training/devices/sharding.py)
         assert type(strategy).__name__ == "FSDP2Strategy"
-    if cfg.trainer.accelerator == "gpu" and torch.cuda.device_count() < cfg.trainer.devices:
+    fewer = {"gpu": torch.cuda.device_count(), "mps": int(torch.backends.mps.is_available())}
+    if cfg.trainer.accelerator in fewer and fewer[cfg.trainer.accelerator] < cfg.trainer.devices:
+        if cfg.trainer.accelerator == "mps":  # not an Apple GPU: one line says so
+            with pytest.raises(UserError, match="trainer.accelerator='mps' trainer.devices=1 cannot run here"):
+                build_trainer(cfg.trainer.copy(), logger=False)
         # Fewer GPUs here than it asks for: build the same trainer on CPU processes to check every other argument.
         trainer_obj = build_trainer(cfg.trainer, accelerator="cpu", precision="32-true", logger=False)
     else:
@@ -147,6 +152,11 @@ def test_callback_configs(compose_cfg, callbacks):
     names = {type(c).__name__ for c in cbs}
     if callbacks == "ema":
         assert "EMA" in names and "BestCheckpoint" in names
+    if callbacks == "early_stopping":  # on the metric the best checkpoint follows, which follows the objective
+        (stop,) = [c for c in cbs if type(c).__name__ == "EarlyStopping"]
+        assert (stop.monitor, stop.mode, stop.patience) == ("val/acc", "max", 10) and "BestCheckpoint" in names
+        mae = build.checkpoint_follows_objective(compose_cfg("train", ["callbacks=early_stopping", "objective=mae"]))
+        assert (mae.callbacks.early_stopping.monitor, mae.callbacks.early_stopping.mode) == ("val/loss", "min")
 
 
 @pytest.mark.parametrize("logger", options("logger"))
@@ -162,7 +172,9 @@ def test_debug_configs(compose_cfg, debug):
     cfg = compose_cfg("train", [f"debug={debug}"])
     assert cfg.task_name == "debug"
     build_everything(cfg)
-    build_trainer(cfg.trainer, logger=False)
+    trainer = build_trainer(cfg.trainer, logger=False)
+    if debug == "default":  # one epoch, one device, anomaly detection
+        assert (trainer.max_epochs, trainer.num_devices, trainer._detect_anomaly) == (1, 1, True)
 
 
 @pytest.mark.parametrize("experiment", options("experiment"))

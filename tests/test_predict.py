@@ -91,6 +91,7 @@ def test_predict_and_the_timm_export_prepare_and_rank_photos_alike(ckpt, tmp_pat
     assert {f.name: f.stat().st_mode & 0o7777 for f in folder.iterdir()} == {
         "config.json": 0o666 & ~umask,
         "model.safetensors": 0o666 & ~umask,
+        "README.md": 0o666 & ~umask,  # the model card (convert/publish.py)
     }
     assert ckpt.stat().st_mode & 0o7777 == 0o666 & ~umask
     # Issue 53, point 15: the export given as ckpt_path is named for what it is, with the key that reads it.

@@ -4,7 +4,8 @@ dynamic height and width when the model was built with dynamic_img_size; an obje
 `{'model': ...}` .pth (format=mae: MAE's key names, encoder and decoder; vitlab.convert.mae); format=ckpt makes one
 checkpoint file of a directory of shards (trainer=fsdp's save_distributed_checkpoint=true), which every strategy and
 tool reads; format=timm the folder `timm.create_model('local-dir:<folder>', pretrained=True)` reads
-(vitlab.convert.timm_dir).
+(vitlab.convert.timm_dir), with its model card (README.md), and with push_to_hub=<repo id> uploads it to the Hugging
+Face Hub (vitlab.convert.publish).
 
 The file is checked before it is put in place: run by onnxruntime (or reloaded) and compared with the
 PyTorch model on several input shapes; over `atol` it is refused and nothing is written. What the model
@@ -92,7 +93,7 @@ def export_timm(cfg: DictConfig) -> dict:
     resolve_data_config and create_transform prepare an image as vitlab does. An objective=mae checkpoint gives its
     encoder (the decoder is MAE's, not timm's: format=mae writes both)."""
     from vitlab.cli.rundir import check_writable
-    from vitlab.convert.timm_dir import save_timm_dir
+    from vitlab.convert import publish, timm_dir
     from vitlab.training.run import build
 
     out = Path(cfg.output) if cfg.output else Path(cfg.paths.output_dir) / "timm"
@@ -101,13 +102,15 @@ def export_timm(cfg: DictConfig) -> dict:
     if out.exists() and not cfg.overwrite:
         raise UserError(f"output {str(out)!r} exists; choose another output or set overwrite=true")
     check_writable(out.parent, "output", out)  # before the checkpoint is read
+    card = publish.card_writer(cfg.ckpt_path, out, cfg.push_to_hub, cfg.license, cfg.datasets)  # (can it push? now)
     module = build.load_for_inference(cfg.ckpt_path)
     if module.hparams.get("data"):
         module.model.pretrained_cfg.update(build.inference_datamodule(module, cfg.ckpt_path).preprocessing)
     names, atol = module.hparams.get("class_names"), min(float(cfg.atol), 1e-5)
-    report = save_timm_dir(module.model.float(), out, names, atol=atol, overwrite=cfg.overwrite)
+    report = timm_dir.save_timm_dir(module.model.float(), out, names, atol=atol, overwrite=cfg.overwrite, card=card)
     report |= {"ckpt_path": str(cfg.ckpt_path), "format": "timm"}
     print(f"wrote {out}: timm.create_model('local-dir:{out}', pretrained=True), |diff| {report['max_abs_diff']:.2g}")
+    report["commit_url"] = publish.push_folder(out, cfg.push_to_hub, cfg.private, cfg.revision)  # (None: not pushed)
     return report
 
 

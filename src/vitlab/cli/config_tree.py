@@ -1,6 +1,6 @@
-"""The config tree: where conf/ is, and the resolvers its files use (`${run_id:}`, `${cwd:}`,
-`${class_folders:...}`, `${shard_classes:...}`, and the Slurm job's `${slurm_gpus:...}`/`${slurm_cpus:...}`),
-registered before Hydra composes a config."""
+"""The config tree: where conf/ is (vitlab's, and a user's `--config-dir` searched before it), and the resolvers its
+files use (`${run_id:}`, `${cwd:}`, `${class_folders:...}`, `${shard_classes:...}`, and the Slurm job's
+`${slurm_gpus:...}`/`${slurm_cpus:...}`), registered before Hydra composes a config."""
 
 from __future__ import annotations
 
@@ -17,17 +17,76 @@ from vitlab.utils.errors import MissingFileError
 
 
 def config_dir() -> Path:
-    """conf/ at the repository root (editable installs and checkouts), whatever the working
-    directory; VITLAB_CONFIG_DIR points elsewhere."""
-    if os.environ.get("VITLAB_CONFIG_DIR"):
-        return Path(os.environ["VITLAB_CONFIG_DIR"]).resolve()
-    here = Path(__file__).resolve().parents[3] / "conf"
-    if not (here / "train.yaml").is_file() and not (here / "parity.yaml").is_file():
+    """vitlab's config tree, the one lookup: the package's own conf/ (vitlab/conf/, where a wheel installs the
+    repository's conf/: setup.py), else conf/ at the repository root beside src/ (a checkout, an editable install);
+    whatever the working directory. A user's own tree goes beside it with `--config-dir` (`user_config_dir`)."""
+    package, checkout = Path(__file__).resolve().parents[1] / "conf", Path(__file__).resolve().parents[3] / "conf"
+    for here in (package, checkout):
+        if (here / "train.yaml").is_file():
+            return here
+    raise MissingFileError(
+        f"vitlab's configs are neither in the package ({package}) nor in a checkout ({checkout}): install vitlab "
+        "from its wheel or repository (pip install <wheel or folder>), which carries them"
+    )
+
+
+# `--config-dir <dir>` of the command line (read_user_config_dir): a user's tree whose files come before ours.
+_user_dir: list[Path] = []
+
+
+def user_config_dir() -> Path | None:
+    """The user's config tree the command line named (`--config-dir`), searched before vitlab's own by Hydra
+    (hydra_plugins/vitlab_user_configs.py), or None."""
+    return _user_dir[0] if _user_dir else None
+
+
+def read_user_config_dir(argv: list[str]) -> Path | None:
+    """`--config-dir <dir>` (`--config-dir=<dir>`, `-cd <dir>`) of `argv`, Hydra's flag, made the tree searched
+    before vitlab's; a folder that is not there refused in one line. Hydra itself would put the folder after ours (a
+    file of the same name as ours never read) and report a missing one with a traceback."""
+    given = None
+    for i, arg in enumerate(argv):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
+            given = argv[i + 1]
+        elif arg.startswith("--config-dir="):
+            given = arg.partition("=")[2]
+    _user_dir.clear()
+    if given is None:
+        return None
+    path = Path(given).expanduser().resolve()
+    if not path.is_dir():
         raise MissingFileError(
-            f"vitlab configs not found at {here}; install vitlab editable from its "
-            "repository (make install) or set VITLAB_CONFIG_DIR to its conf/ folder"
+            f"--config-dir {given!r} is not a folder; give the folder of your config files (experiment/, model/, "
+            "data/, ... as in vitlab's conf/)"
         )
-    return here
+    _user_dir.append(path)
+    return path
+
+
+def without_config_dir(argv: list[str]) -> list[str]:
+    """`argv` less `--config-dir <dir>` (`--config-dir=<dir>`, `-cd <dir>`): its overrides and other flags."""
+    rest, skip = [], False
+    for arg in argv:
+        if skip or arg.startswith("--config-dir="):
+            skip = False
+            continue
+        skip = arg in ("--config-dir", "-cd")
+        if not skip:
+            rest.append(arg)
+    return rest
+
+
+def shadowing_note() -> str | None:
+    """One line naming the files of the user's --config-dir that take the place of vitlab's of the same name
+    (`model/vit_b16.yaml`), or None."""
+    user = user_config_dir()
+    if user is None:
+        return None
+    ours = config_dir()
+    names = sorted(str(p.relative_to(user)) for p in user.rglob("*.yaml") if (ours / p.relative_to(user)).is_file())
+    if not names:
+        return None
+    return f"note: --config-dir {user}: your {', '.join(names)} take{'s' * (len(names) == 1)} the place of vitlab's"
 
 
 def _new_run_id() -> str:

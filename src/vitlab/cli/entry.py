@@ -24,13 +24,14 @@ import hydra
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
-from vitlab.cli.config_tree import config_dir, register_resolvers
+from vitlab.cli.config_tree import config_dir, read_user_config_dir, register_resolvers
 from vitlab.cli.schemas import SCHEMAS
 from vitlab.utils.checks import check_arguments
 from vitlab.utils.errors import (
     CtrlC,
     Interrupted,
     TrainingFailed,
+    UserError,
     config_errors,
     ctrl_c_as_ours,
     fail,
@@ -125,13 +126,18 @@ def _run_command(config_name: str, checked: Check, guarded: Callable[[DictConfig
     quiet()
     register_resolvers()
     try:
+        conf = config_dir()  # vitlab's tree, and the user's --config-dir searched before it
+        read_user_config_dir(sys.argv[1:])
+    except UserError as e:
+        fail(one_line(e))
+    try:
         with ctrl_c_as_ours():  # (so that a Ctrl-C caught here exits 128 + 2, whatever line it interrupted)
             try:
                 sys.argv[1:] = prepare(config_name, sys.argv[1:], checked)
             except KeyboardInterrupt as e:
                 name, signum = stop_name(e)
                 fail(f"{config_name} stopped by {name} before it started: nothing was written", 128 + signum)
-            hydra_main = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=config_name)
+            hydra_main = hydra.main(version_base="1.3", config_path=str(conf), config_name=config_name)
             returned = hydra_main(guarded)()
         _stopped_after_sweep()
         return returned

@@ -28,7 +28,7 @@ from typing import Any
 from hydra.errors import HydraException
 from omegaconf import OmegaConf, open_dict
 
-from vitlab.cli.config_tree import config_dir, groups_read, refuse_unread_groups
+from vitlab.cli.config_tree import config_dir, groups_read, refuse_unread_groups, shadowing_note, without_config_dir
 from vitlab.cli.overrides import quoting_hint, refuse_repeated, refuse_unread_keys
 from vitlab.cli.sweep import check_sweep_dir
 from vitlab.utils.errors import UserError, config_errors, fail, one_line, user_error
@@ -353,6 +353,9 @@ def prepare(config_name: str, argv: list[str], check: Callable[[Any], None] | No
         # Lightning's DDP launcher names the job train_ddp_process_<k>: its log is ours, train_rank<k>.log, as said.
         argv = [a for a in argv if not a.startswith("hydra.job.name=")]
         return [*argv, *(f"{key}={value()}" for key, value in own.items() if _override_value(argv, key) is None)]
+    typed, argv = argv, without_config_dir(argv)  # (Hydra gets --config-dir as typed: config_tree reads it)
+    if (note := shadowing_note()) is not None:
+        print(note, file=sys.stderr, flush=True)
     run_dir = _override_value(argv, "hydra.run.dir")
     if run_dir is None and int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1) > 1 and _torchrun_store() is None:
         _primary_run_dir(rank)  # srun's task 0: its other tasks cannot follow it anywhere, so none starts
@@ -360,7 +363,7 @@ def prepare(config_name: str, argv: list[str], check: Callable[[Any], None] | No
     if flags and all(f in ("-m", "--multirun") for f in flags):  # HYDRA_FULL_ERROR=1 or not: its data is at stake
         check_sweep_dir(_override_value(argv, "hydra.sweep.dir"), argv, f"vitlab.{config_name}")
     if os.environ.get("HYDRA_FULL_ERROR") == "1" or any(f not in ("-m", "--multirun") for f in flags):
-        return argv
+        return typed
 
     overrides = [a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/")) and not a.startswith("-")]
     refuse_unread_groups(config_name, overrides)
@@ -368,7 +371,7 @@ def prepare(config_name: str, argv: list[str], check: Callable[[Any], None] | No
     refuse_unread_keys(config_name, overrides, groups_read(config_name), lambda o: _compose(config_name, o))
     if flags:  # a sweep: what every job would refuse alike (a misspelt key) is said once; the jobs check the rest
         _compose_first_job(config_name, overrides)
-        return argv
+        return typed
     if _override_value(argv, "model") == "_base":
         models = sorted(p.stem for p in (config_dir() / "model").glob("*.yaml") if p.stem != "_base")
         fail(f"model=_base holds the defaults every model builds on, not a model; choose one of {models}")
@@ -392,4 +395,4 @@ def prepare(config_name: str, argv: list[str], check: Callable[[Any], None] | No
             check_writable(Path(log_dir))
     except UserError as e:
         fail(one_line(e))
-    return argv
+    return typed

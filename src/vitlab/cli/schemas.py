@@ -120,6 +120,11 @@ class ExportSettings(TypedDict):
     output: str | None
     overwrite: bool
     atol: NonNegativeNumber
+    license: str | None
+    datasets: list[str] | None
+    push_to_hub: str | None
+    private: bool
+    revision: str | None
 
 
 class VisualizeSettings(TypedDict):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -99,11 +100,17 @@ def timm_config(model: ViT, label_names: list[str] | None = None, hint: str | No
 
 
 def save_timm_dir(
-    model: ViT, out: str | os.PathLike, label_names: list[str] | None = None, atol: float = 1e-5, overwrite=False
+    model: ViT,
+    out: str | os.PathLike,
+    label_names: list[str] | None = None,
+    atol: float = 1e-5,
+    overwrite=False,
+    card: Callable[[dict[str, Any], dict[str, Any]], str] | None = None,
 ) -> dict[str, Any]:
     """Write `model` as a timm folder at `out` (config.json, model.safetensors), read back by timm and compared
     (largest |logit difference| <= atol) before it is put in place (utils.atomic.atomic_dir: with the permissions
-    of any new file). Returns what was written and measured."""
+    of any new file). `card(config, checked)`: the folder's README.md (convert.publish.model_card), from config.json
+    and the check (architecture, max_abs_diff, atol, parameters). Returns what was written and measured."""
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -123,6 +130,10 @@ def save_timm_dir(
             raise UserError(
                 f"timm's model of the folder is {diff:.3g} from ours (over {atol}): refused, nothing written"
             )
+        if card is not None:
+            checked = {"architecture": config["architecture"], "max_abs_diff": diff, "atol": atol,
+                       "parameters": sum(p.numel() for p in model.parameters())}  # fmt: skip
+            (folder / "README.md").write_text(card(config, checked))
 
     atomic_dir(out, write, what="timm export", advice="free space, or export elsewhere with output=<folder>")
     return {"output": str(out), "architecture": config["architecture"], "max_abs_diff": measured["diff"]}

@@ -73,16 +73,16 @@ class ViTConfig:
 
     img_size: int | tuple[int, int] = 224  # int for square images, (H, W) otherwise
     patch_size: int | tuple[int, int] = 16  # int for square patches, (H, W) otherwise
-    in_chans: int = 3
+    in_chans: int = 3  # input channels (1 for grey images)
     num_classes: int = 1000  # 0: no head, forward returns pooled features
-    embed_dim: int = 768
-    depth: int = 12
-    num_heads: int = 12
-    mlp_ratio: float = 4.0
-    qkv_bias: bool = True
-    qk_norm: bool = False
+    embed_dim: int = 768  # token width D (the variant's)
+    depth: int = 12  # number of blocks
+    num_heads: int = 12  # attention heads; embed_dim must divide by it
+    mlp_ratio: float = 4.0  # the MLP's hidden width over embed_dim
+    qkv_bias: bool = True  # biases of the query, key and value projections
+    qk_norm: bool = False  # a norm (norm_layer) on each head's queries and keys (ViT-22B)
     init_values: float | None = None  # LayerScale (CaiT); None switches it off
-    class_token: bool = True
+    class_token: bool = True  # a learned class token before the patches
     reg_tokens: int = 0  # "Vision Transformers Need Registers"
     distilled: bool = False  # DeiT's distillation token and second head (head_dist); the logits average both heads
     no_embed_class: bool = False  # position embedding for patches only (DeiT-III, big_vision)
@@ -111,15 +111,15 @@ class ViTConfig:
     # factor, no antialias), which their recipes and weights use (model/posemb.py)
     pos_embed_resample: str = "timm"
     drop_rate: float = 0.0  # before the head
-    pos_drop_rate: float = 0.0
+    pos_drop_rate: float = 0.0  # dropout after the position embedding is added
     patch_drop_rate: float = 0.0  # training drops this fraction of the patch tokens (FLIP; timm's PatchDropout)
-    proj_drop_rate: float = 0.0
-    attn_drop_rate: float = 0.0
+    proj_drop_rate: float = 0.0  # dropout after the attention output projection and after each MLP layer
+    attn_drop_rate: float = 0.0  # dropout on the attention weights
     drop_path_rate: float = 0.0  # stochastic depth, linear in depth from 0 to this value
     drop_path_uniform: bool = False  # every block at drop_path_rate instead (DINOv2's student.drop_path_uniform)
     dynamic_img_size: bool = False  # accept any input size, resampling pos_embed per batch
     dynamic_img_pad: bool = False  # pad inputs (right, bottom, zeros) to a multiple of patch_size, as timm
-    norm_eps: float = 1e-6
+    norm_eps: float = 1e-6  # every norm's epsilon (timm's ViTs: 1e-6)
     # '' (timm's), 'jax', 'jax_nlhb' (head bias -log K), 'moco', 'mae' (MAE's models_mae.py), 'skip' (PyTorch's own)
     weight_init: str = ""
     fix_init: bool = False  # divide each block's output projections by sqrt(2 * (layer + 1)) (timm's fix_init)
@@ -264,18 +264,22 @@ class ViTConfig:
     # ---- derived values -------------------------------------------------------------------------
     @property
     def img_hw(self) -> tuple[int, int]:
+        """img_size as (height, width)."""
         return as_hw(self.img_size, "img_size")
 
     @property
     def patch_hw(self) -> tuple[int, int]:
+        """patch_size as (height, width)."""
         return as_hw(self.patch_size, "patch_size")
 
     @property
     def num_patches(self) -> int:
+        """Patch tokens of an img_size image: grid_size's product."""
         return self.grid_size[0] * self.grid_size[1]
 
     @property
     def num_prefix_tokens(self) -> int:
+        """Tokens before the patches: the class token, DeiT's distillation token, the registers."""
         return int(self.class_token) + int(self.distilled) + self.reg_tokens
 
     @property
@@ -285,6 +289,7 @@ class ViTConfig:
 
     @property
     def use_fc_norm(self) -> bool:
+        """Whether a norm follows the pool (fc_norm, or by its None rule) instead of the blocks' final norm."""
         return self.global_pool in ("avg", "max", "avgmax") if self.fc_norm is None else self.fc_norm
 
     @property
@@ -313,6 +318,7 @@ class ViTConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ViTConfig:
+        """A config from plain data (a checkpoint's, `to_dict`'s); an unknown key is refused, naming the allowed."""
         names = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -328,10 +334,12 @@ class ViTConfig:
         return d
 
     def replace(self, **changes: Any) -> ViTConfig:
+        """A copy with these fields changed, validated anew (derived values recomputed)."""
         return ViTConfig.from_dict({**self.to_dict(), **changes})
 
     # ---- cost model -----------------------------------------------------------------------------
     def num_tokens(self) -> int:
+        """Tokens the blocks see at img_size: patches and prefix tokens."""
         return self.num_patches + self.num_prefix_tokens
 
     def flops_per_image(self) -> int:

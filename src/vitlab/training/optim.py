@@ -35,6 +35,8 @@ LR_BASE_SCALES = ("linear", "sqrt")
 
 @dataclass(frozen=True)
 class OptimConfig:
+    """The optimizer (conf/optim/): timm's by name over vitlab's parameter groups, its learning-rate scaling."""
+
     name: str = "adamw"  # any of timm.optim.list_optimizers() (sgd, momentum, lamb, lars, lion, ...), lookahead_<name>
     lr: float = 1e-3
     lr_base: float | None = None  # set: lr = lr_base * global batch / lr_base_size (timm's train.py, DeiT, MAE)
