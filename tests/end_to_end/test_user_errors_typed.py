@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, assert_refused, earlier_run, run_cli
+from tests.helpers import ROOT, assert_refused, documented, earlier_run, run_cli
 
 TRAIN_KEYS = (
     "its top-level keys: ['ckpt_path', 'compile', 'freeze_backbone', 'memory_budget_gb', 'memory_check', 'model', "
@@ -201,3 +201,13 @@ def test_records_with_more_classes_a_label_column_as_images_or_a_bom(records, tm
     assert_refused(
         r, f"error: data.num_classes 5 does not match the 3 classes of {bom}; leave", {}, tmp_path / "outputs"
     )
+
+
+def test_the_digits_dino_recipe_on_photos_points_to_one_for_photos(folder, tmp_path):
+    """Point 18: experiment=dino_pretrain_digits on photos was "data.shift is not an argument of ImageFolderDataModule";
+    the key is the recipe's, and the docs now give a DINO-on-photos command (docs/training/objectives.md)."""
+    r = run_cli("train", "experiment=dino_pretrain_digits", "data=imagefolder", f"data.data_dir={folder}", cwd=tmp_path)
+    said = ("error: data.shift is set by experiment=dino_pretrain_digits, a recipe for its own data, and "
+            "data=imagefolder has no such key: use a recipe made for it")  # fmt: skip
+    assert_refused(r, said, {}, tmp_path / "outputs")
+    documented("train", "objective=dino", "data=imagefolder", "data.data_dir=photos", "data.unlabeled=true")
