@@ -7,8 +7,6 @@ devices a trainer asks for, and a sweep's launch.
 
 from __future__ import annotations
 
-import contextlib
-import re
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -36,8 +34,7 @@ def check_nodes(cfg: DictConfig) -> None:
     trainer asks for, before any is built."""
     for key, node in _nodes(cfg):
         if "_target_" in node:
-            with _set_by_the_experiment(key):
-                check_node(node, key)
+            check_node(node, key)
         else:
             for name, inner in _nodes(node):
                 if "_target_" in inner:
@@ -45,31 +42,6 @@ def check_nodes(cfg: DictConfig) -> None:
     if isinstance(cfg.get("trainer"), DictConfig):
         check_devices(cfg.trainer)
         check_clipping(cfg.trainer)
-
-
-@contextlib.contextmanager
-def _set_by_the_experiment(key: str) -> Iterator[None]:
-    """A key the chosen experiment sets for its own data (or trainer, ...) that the group chosen on the command line
-    lacks (experiment=dino_pretrain_digits's data.shift under data=imagefolder): said as such, not as a typo."""
-    try:
-        yield
-    except UserError as e:
-        choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
-        experiment, bad = choices.get("experiment"), re.match(rf"{key}\.(\w+) is not an argument of", str(e))
-        if not experiment or bad is None:
-            raise
-        from vitlab.cli.config_tree import config_dir
-
-        node = OmegaConf.load(config_dir() / "experiment" / f"{experiment}.yaml").get(key) or {}
-        if bad[1] not in node:
-            raise
-        raise UserError(
-            f"{key}.{bad[1]} is set by experiment={experiment}, a recipe for its own {key}, and {key}="
-            f"{choices.get(key)} has no such key: use a recipe made for it (docs/training/configs.md lists them; "
-            "DINO on your photos: experiment=dino_vits16_100ep data.data_dir=<photos>)"
-            if key == "data"
-            else f"{e}; it is set by experiment={experiment}"
-        ) from None
 
 
 def _nodes(cfg: DictConfig) -> Iterator[tuple[str, DictConfig]]:
