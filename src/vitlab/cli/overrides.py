@@ -50,7 +50,7 @@ def refuse_unread_keys(config_name: str, overrides: list[str], groups: list[str]
     reads it (`+max_epochs=1` trained the default 300 epochs). A config group is refused elsewhere
     (config_tree.refuse_unread_groups); `compose(overrides)` gives the config the others make, to point at the key
     that was meant."""
-    from vitlab.cli.config_tree import config_dir
+    from vitlab.cli.config_tree import config_dir, user_config_dir
 
     own = set(OmegaConf.load(config_dir() / f"{config_name}.yaml")) - {"defaults"}
     for o in _parsed(overrides) or []:
@@ -59,6 +59,8 @@ def refuse_unread_keys(config_name: str, overrides: list[str], groups: list[str]
             continue
         if key in {p.name for p in config_dir().iterdir() if p.is_dir()}:
             continue  # a group this command does not read: refuse_unread_groups says so
+        if (mine := user_config_dir()) is not None and (mine / key).is_dir():
+            continue  # a group of the user's own tree (--config-dir): its files may set any key (@package _global_)
         rest = [x for x in overrides if x != o.input_line]
         try:
             meant = _meant(key, compose(rest))
