@@ -98,3 +98,24 @@ def test_a_hub_name_offline_fails_in_one_line_from_the_command(tmp_path):
     assert r.returncode == 2, r.stderr[-3000:]
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith("error: data.name 'nobody/no-such-dataset' cannot be loaded from the Hugging Face Hub")
+
+
+def test_a_hub_dataset_without_a_network_reads_the_cache_at_once(monkeypatch):
+    """Issue 64 point 17: with no network and HF_HUB_OFFLINE unset, `datasets` retried for 34 s before the line; the
+    Hub is looked for once (2 s at most), and unreachable, `datasets` reads its cache alone, as HF_HUB_OFFLINE=1."""
+    import time
+
+    import datasets
+    from huggingface_hub import constants
+
+    from vitlab.data.hf import load
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # (refuses at once: the look's answer)
+    for key in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(key, raising=False)
+    t0 = time.monotonic()
+    with pytest.raises(OfflineError, match=r"^data.name 'nobody/no-such-dataset-64' cannot be loaded from the Hugging"):
+        load("nobody/no-such-dataset-64")
+    assert time.monotonic() - t0 < 10 and datasets.config.HF_HUB_OFFLINE and constants.HF_HUB_OFFLINE

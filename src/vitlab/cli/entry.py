@@ -9,14 +9,16 @@ It imports no torch, Lightning or timm at module level: `--help` and config erro
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import re
 import shlex
 import sys
 import traceback
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -179,12 +181,54 @@ def check_config(cfg: DictConfig, schema: Any = None, check: Check | None = None
     if schema is not None:
         values = {k: _plain(cfg[k]) for k in typing.get_type_hints(schema) if k in cfg}
         check_arguments(schema, values, "")
+    _check_data_dir(cfg)
     if check is not None:  # (the checks that need no Lightning first: their refusals come within a second)
         check(cfg)
     if "_target_:" in OmegaConf.to_yaml(cfg):
         from vitlab.training.run.node_checks import check_nodes  # (Lightning: only for a config that builds something)
 
-        check_nodes(cfg)
+        with _set_by_the_experiment():
+            check_nodes(cfg)
+
+
+def _check_data_dir(cfg: DictConfig) -> None:
+    """A data.data_dir that is not there (and is not to be downloaded into), said before the data module's package
+    (torch, Lightning) is imported to count its classes or read it."""
+    from vitlab.utils.errors import MissingFileError
+
+    data = cfg.get("data")
+    if not OmegaConf.is_dict(data) or data.get("download") is True:
+        return
+    data_dir = OmegaConf.select(data, "data_dir", default=None, throw_on_resolution_failure=False)
+    if data_dir is not None and not Path(str(data_dir)).expanduser().exists():
+        raise MissingFileError(f"data.data_dir {str(data_dir)!r} does not exist")
+
+
+@contextlib.contextmanager
+def _set_by_the_experiment() -> Iterator[None]:
+    """A key the chosen experiment sets for its own data (or trainer, ...) that the group chosen on the command line
+    lacks (experiment=dino_pretrain_digits's data.shift under data=imagefolder): said as such, not as a typo."""
+    try:
+        yield
+    except UserError as e:
+        from hydra.core.hydra_config import HydraConfig
+
+        choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+        bad = re.match(r"(\w+)\.(\w+) is not an argument of", str(e))
+        if not (experiment := choices.get("experiment")) or bad is None:
+            raise
+        key = bad[1]
+        node = OmegaConf.load(config_dir() / "experiment" / f"{experiment}.yaml").get(key) or {}
+        if bad[2] not in node:
+            raise
+        raise UserError(
+            f"{key}.{bad[2]} is set by experiment={experiment}, a recipe for its own {key}, and {key}="
+            f"{choices.get(key)} has no such key: use a recipe made for it (docs/training/configs.md lists them); DINO "
+            "on your photos: objective=dino data=imagefolder data.data_dir=<photos> data.unlabeled=true model=vit_s16 "
+            "model.num_classes=0 model.dynamic_img_size=true (docs/training/objectives.md)"
+            if key == "data"
+            else f"{e}; it is set by experiment={experiment}"
+        ) from None
 
 
 def _plain(value: Any) -> Any:

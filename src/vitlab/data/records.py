@@ -59,9 +59,10 @@ class RecordsDataModule(ImageDataModule):
         self.class_names: list[str] = []
 
     def _check_classes(self, class_names: list[str], where: str) -> None:
-        if self.num_classes and len(class_names) > self.num_classes:
+        if self.num_classes and len(class_names) != self.num_classes:  # (an image folder's refusal too)
             raise UserError(
-                f"data.num_classes {self.num_classes} is fewer than the {len(class_names)} classes of {where}"
+                f"data.num_classes {self.num_classes} does not match the {len(class_names)} classes of {where}; "
+                "leave data.num_classes out to take the data's count"
             )
         self.class_names = class_names
 
@@ -141,7 +142,15 @@ class RecordsDataModule(ImageDataModule):
     def eval_view(self, split: str) -> Dataset:
         dataset = getattr(self, f"{split}_set")
         if isinstance(dataset, StreamedSplit):
-            return dataset.as_eval(self.eval_tf)
+            view = dataset.as_eval(self.eval_tf)
+            if view.num_samples is None:  # (the training split: its epoch's count is no size)
+                counted = self.__dict__.setdefault("_counted", {})
+                if split not in counted:
+                    counted[split] = view.count()
+                    log.info("%s split: %d samples (counted: its shards read once, nothing decoded)", split,
+                             counted[split])  # fmt: skip
+                view.num_samples = counted[split]
+            return view
         return super().eval_view(split)
 
     def first_images(self, split: str, n: int) -> torch.Tensor:

@@ -117,6 +117,8 @@ def split_features(
     get (None, None)). Rank 0 alone reads and writes the cache."""
     dataset = datamodule.eval_view(split)
     n, (rank, world) = len(dataset), _world()
+    if n == 0:  # (a held-out validation slice that held nothing: data/streamed.py refuses it in training now)
+        raise UserError(f"the {split} split holds no images to extract features of")
     stem = f"{split}.{layers.name}" if layers.name else split
     meta = {**source, "split": split, "n": n} | ({"layers": layers.name} if layers.name else {})
     found = _read(cache, stem, meta) if cache is not None and rank == 0 else None

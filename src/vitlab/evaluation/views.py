@@ -110,6 +110,10 @@ def _naflex_view(schedule: Any, img: torch.Tensor) -> dict[str, Any]:
     return {"image": x.float() / 255, "box": [left, top, left + w, top + h], "size": list(x.shape[-2:])}
 
 
+# views.json's own word on its numbers: sizes are [height, width] as torch's shapes, boxes x first as PIL's.
+LAYOUT = "source_size and each view's size: [height, width]; box: [x0, y0, x1, y1] in the source image's pixels"
+
+
 def draw_views(
     dm: Any, objective: str, num_images: int, draws: int, out_dir: Path, seed: int = 0, mae: tuple | None = None
 ) -> list[Path]:
@@ -127,7 +131,8 @@ def draw_views(
         strip = [[{k: v for k, v in view.items() if k != "image"} for view in run] for run in runs]
         record.append({"index": i, "source_size": [int(h), int(w)], "draws": strip})
     out_dir.mkdir(parents=True, exist_ok=True)
-    info = {"objective": objective, "data": type(dm).__name__, "path": _path(dm, objective), "images": record}
+    info = {"objective": objective, "data": type(dm).__name__, "path": _path(dm, objective), "layout": LAYOUT,
+            "images": record}  # fmt: skip
     (out_dir / "views.json").write_text(json.dumps(info, indent=1))
     return [_plot(first, out_dir / "views.png"), out_dir / "views.json"]
 

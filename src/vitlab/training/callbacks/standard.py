@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vitlab.utils.atomic import atomic_link
 from vitlab.utils.errors import NonFiniteLossError
+from vitlab.utils.logs import shown
 from vitlab.utils.signals import StopSignals
 
 log = logging.getLogger(__name__)
@@ -200,9 +201,9 @@ class EpochLog(L.Callback):
         seconds = time.perf_counter() - self._started
         steps = trainer.global_step - self._step
         values = trainer.callback_metrics
-        shown = " ".join(f"{k} {values[k].item():.4f}" for k in self.KEYS if k in values)
+        line = " ".join(f"{k} {shown(values[k].item())}" for k in self.KEYS if k in values)
         total = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
-        log.info("epoch %d%s (%d steps, %.1f s): %s", epoch + 1, total, steps, seconds, shown)
+        log.info("epoch %d%s (%d steps, %.1f s): %s", epoch + 1, total, steps, seconds, line)
 
 
 class Throughput(L.Callback):
