@@ -3,7 +3,8 @@
 directory, environment, process group and output files) and runs it as the interpreter would (`runpy`, the module as
 __main__; an uncaught exception, SystemExit or Ctrl-C ends it as it ends `python -m`). Each command then starts in
 well under a second instead of the ~6 s these imports take on a CPU of the suite's machine; what it runs is the
-same code, vitlab's own modules imported fresh in the child.
+same code, vitlab's own modules imported fresh in the child, with random generators of its own (Python's, numpy's and
+torch's seeded anew from entropy: a run that forgot to seed differs from the next, as a test of two runs must see).
 
 Only an environment the libraries would have read alike at import is served here (run_cli compares it with this
 process's own); any other, and any call where this process is not there, runs as a real subprocess. The imports
@@ -65,6 +66,23 @@ def _become(request: dict) -> None:
         os.dup2(f, fd)
         os.close(f)
     _COMMAND = request
+    _fresh_random_state()
+
+
+def _fresh_random_state() -> None:
+    """The global random generators of Python, numpy and torch seeded anew from the OS's entropy, so that a forked
+    command (and each spare become a rank) does not start from the state every other child shares with this server:
+    a run that forgot to seed them (a removed seed_everything) then differs from the next, and a test that two runs
+    are equal catches it. (A new interpreter seeds Python's and numpy's from entropy too; torch's starts from a
+    constant, which a child drawing its own only makes stricter.)"""
+    import random
+
+    import numpy
+    import torch
+
+    random.seed()
+    numpy.random.seed()
+    torch.seed()
 
 
 def _enter(cwd: str, env: dict) -> None:
@@ -135,6 +153,7 @@ class _Spare:
 
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         _COMMAND = {"module": request["args"][2].removeprefix("vitlab."), "args": request["args"][3:], "rank": True}
+        _fresh_random_state()
 
 
 def _spare_for_popen() -> None:

@@ -64,7 +64,7 @@ def test_the_tests_cover_every_conf_file():
     }
     covered |= {CONF / "model/_base.yaml", CONF / "hydra/default.yaml", CONF / "hydra/launcher/slurm.yaml"}
     covered |= {CONF / "hydra/sweeper/vitlab_optuna.yaml"}  # tests/end_to_end/test_sweeps.py
-    commands = ("train", "eval", "predict", "parity", "visualize", "benchmark", "export", "pack")
+    commands = ("train", "eval", "predict", "parity", "visualize", "benchmark", "export", "pack", "average")
     covered |= {CONF / f"{n}.yaml" for n in commands}
     assert every_conf_file() <= covered, every_conf_file() - covered
 
@@ -208,13 +208,14 @@ def test_the_slurm_launcher_asks_for_what_the_run_uses(compose_cfg, overrides, t
     assert launcher.signal_delay_s > 0 and launcher.max_num_timeout > 0 and launcher.additional_parameters.requeue
 
 
-@pytest.mark.parametrize("name", ["eval", "predict", "parity", "benchmark", "export", "pack"])
+@pytest.mark.parametrize("name", ["eval", "predict", "parity", "benchmark", "export", "pack", "average"])
 def test_other_entry_point_configs(compose_cfg, name):
     overrides = {
         "eval": ["ckpt_path=x.ckpt", "data=digits", "data.img_size=8"],
         "predict": ["ckpt_path=x.ckpt", "images=[a.png]"],
         "export": ["ckpt_path=x.ckpt"],
         "pack": ["data=fake", "out=shards"],
+        "average": ["run_dir=r", "top_k=2"],
         "parity": [],
         "benchmark": [],
     }[name]

@@ -9,15 +9,17 @@ from vitlab import __main__ as vitlab_main
 
 
 def test_the_commands_are_the_modules_at_the_top():
-    assert vitlab_main.COMMANDS == ["benchmark", "eval", "export", "pack", "parity", "predict", "train", "visualize"]
+    assert vitlab_main.COMMANDS == [
+        "average", "benchmark", "eval", "export", "pack", "parity", "predict", "train", "visualize"
+    ]  # fmt: skip
 
 
 def test_help_lists_the_commands(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["vitlab", "--help"])
     vitlab_main.main()
     assert capsys.readouterr().out.splitlines()[0] == (
-        "usage: vitlab <command> [--config-dir <dir>] [overrides]; the commands: benchmark, eval, export, pack, "
-        "parity, predict, train, visualize"
+        "usage: vitlab <command> [--config-dir <dir>] [overrides]; the commands: average, benchmark, eval, export, "
+        "pack, parity, predict, train, visualize"
     )
 
 

@@ -15,7 +15,7 @@ from PIL import Image
 from sklearn.datasets import load_digits
 from timm.data import create_transform, resolve_data_config
 
-from tests.helpers import digits_checkpoint, run_cli
+from tests.helpers import digits_checkpoint, documented, run_cli
 from vitlab import predict
 from vitlab.data.images import read_image
 from vitlab.training.run import build
@@ -100,3 +100,18 @@ def test_predict_and_the_timm_export_prepare_and_rank_photos_alike(ckpt, tmp_pat
         f"error: ckpt_path '{folder}' is a timm folder (vitlab.export format=timm writes them), not a training "
         f"checkpoint: read it with model.pretrained=local-dir:{folder} instead of ckpt_path"
     ]
+
+
+def test_the_getting_started_command_ranks_every_class_of_a_model_with_fewer_than_five(shards_run, folder, tmp_path):
+    """Issue 64 point 12: top_k's default 5 refused every model of fewer classes, Getting started's own command
+    included; by default it ranks min(5, classes): all 3 here. A top_k beyond them is still refused."""
+    (tmp_path / "photos" / "new").mkdir(parents=True)
+    Image.open(folder / "test" / "b" / "0.png").convert("RGB").save(tmp_path / "photos" / "new" / "1.jpg")
+    ckpt = shards_run / "checkpoints" / "last.ckpt"
+    args = documented("predict", "ckpt_path=x/checkpoints/last.ckpt", "images=[photos/new/1.jpg]")
+    r = run_cli("predict", f"ckpt_path={ckpt}", *args[1:], f"hydra.run.dir={tmp_path / 'p'}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (ranked,) = json.loads((tmp_path / "p" / "predictions.json").read_text())
+    assert sorted(t["class"] for t in ranked["top_k"]) == ["a", "b", "c"]
+    r = run_cli("predict", f"ckpt_path={ckpt}", *args[1:], "top_k=4", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("error: top_k 4 is more than the model's 3 classes"), r.stderr

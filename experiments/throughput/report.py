@@ -44,14 +44,15 @@ def models_table(reports: list[dict]) -> None:
 
 
 def overhead_table(rep: dict) -> None:
-    print("| loop | ms per training step (median) | s per epoch (val + checkpoints) | steps per epoch |")
-    print("|---|---|---|---|")
+    print("| loop | ms per training step (median) | CPU ms per step | s per epoch (val + ckpt) | steps per epoch |")
+    print("|---|---|---|---|---|")
     for name, r in rep["results"].items():
-        print(
-            f"| {name} | {r['step']['median_ms']:.2f} | {r['epoch']['median_ms'] / 1e3:.3f} | {r['steps_per_epoch']} |"
-        )
-    ratio = rep["ratios"]["lightning/plain"]
-    print(f"\nLightning / plain: {ratio['step_time']:.3f} per step, {ratio['epoch_time']:.3f} per epoch")
+        cpu = f"{r['step_cpu']['median_ms']:.2f}" if "step_cpu" in r else ""
+        epoch, steps = r["epoch"]["median_ms"] / 1e3, r["steps_per_epoch"]
+        print(f"| {name} | {r['step']['median_ms']:.2f} | {cpu} | {epoch:.3f} | {steps} |")
+    for name, ratio in rep["ratios"].items():
+        cpu = f" ({ratio['step_cpu_time']:.3f} in CPU time)" if "step_cpu_time" in ratio else ""
+        print(f"\n{name}: {ratio['step_time']:.3f} per step{cpu}, {ratio['epoch_time']:.3f} per epoch")
 
 
 def pipeline_table(reports: list[dict]) -> None:

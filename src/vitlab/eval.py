@@ -4,7 +4,8 @@ write metrics.json (on the validation split, its metrics named val/, where the d
 chosen on the validation split) and task=fewshot (big_vision's few-shot least squares) evaluate the frozen features
 instead (vitlab.evaluation.probes), cached beside the checkpoint's run (<run>/features/<checkpoint>/), in the processes
 trainer=... asks for (trainer=ddp_cpu: 2). Without ckpt_path, model=<name> model.pretrained=<timm name> data=<name>
-evaluates timm's pretrained weights (vitlab/evaluation/tasks.py).
+evaluates timm's pretrained weights (vitlab/evaluation/tasks.py). tta=flip|flip_crops adds test-time augmentation's
+numbers beside the plain ones (`test/acc_tta`: the logits averaged over the views, vitlab.evaluation.tta).
 
 The model comes from the checkpoint's stored config; the data from `data=...` or, by default, the data config the
 checkpoint was trained with (same split, same transforms), with any `data.<key>=` given on the command line on top (data
@@ -57,6 +58,7 @@ def check_classes(trained: list[str], data: list[str], ckpt_path: str) -> None:
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     from vitlab.evaluation import tasks
+    from vitlab.evaluation.tta import score_with_tta
     from vitlab.training.run import build
 
     if cfg.ckpt_path is None:  # model.pretrained=<timm name>: timm's weights, frozen features only
@@ -85,12 +87,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     trainer = build.build_trainer(
         cfg.trainer, logger=False, callbacks=bars, enable_progress_bar=show_bar, enable_checkpointing=False
     )
-    if getattr(datamodule, "test_set", True) is None:  # no test split: the validation split, named so
-        print("the data has no test split: evaluating on its validation split (val/ metrics)", flush=True)
-        (metrics,) = trainer.validate(module, datamodule=datamodule)
-    else:
-        (metrics,) = trainer.test(module, datamodule=datamodule)
-    return write_metrics(cfg, {k: float(v) for k, v in metrics.items()})
+    return write_metrics(cfg, score_with_tta(trainer, module, datamodule, cfg.tta))
 
 
 def write_metrics(cfg: DictConfig, metrics: dict | None) -> dict:

@@ -1,6 +1,7 @@
 """python -m vitlab.predict ckpt_path=<file.ckpt> images=[a.png,b.jpg] [top_k=5]: print the top-k
-classes of each image (and write predictions.json). Each file is decoded by the same function as the
-training data (`data.images.read_image`) and prepared as the checkpoint's test images were.
+classes of each image (and write predictions.json; top_k's default: 5, or every class of a model with fewer). Each
+file is decoded by the same function as the training data (`data.images.read_image`) and prepared as the
+checkpoint's test images were.
 
 Without a checkpoint, `model.pretrained=<timm name | local-dir:<folder> | hf-hub:<repo>>` ranks the classes of timm's
 weights' own head, each image prepared by their eval transform (crop_mode, crop_pct, interpolation, mean, std: what
@@ -22,19 +23,19 @@ def predict(cfg: DictConfig) -> list[dict]:
     import torch
 
     from vitlab.data.images import read_image
+    from vitlab.data.naflex import to_device
 
     model, prepare, names = _checkpoint(cfg) if cfg.ckpt_path is not None else _pretrained(cfg)
-    if cfg.top_k > len(names):  # (it was clamped silently)
-        raise UserError(
-            f"top_k {cfg.top_k} is more than the model's {len(names)} classes: give top_k up to {len(names)}"
-        )
+    top_k = min(5, len(names)) if cfg.top_k is None else cfg.top_k  # (a model of 3 classes ranks 3 by default)
+    if top_k > len(names):  # (it was clamped silently)
+        raise UserError(f"top_k {top_k} is more than the model's {len(names)} classes: give top_k up to {len(names)}")
     images = [cfg.images] if isinstance(cfg.images, str) else list(cfg.images)
     pixels = [read_image(path, model.cfg.in_chans) for path in images]  # every file checked first
     results = []
     for path, img in zip(images, pixels, strict=True):
         with torch.no_grad():
-            probs = model(prepare(img).to(cfg.device)).float().softmax(-1)[0]
-        top = probs.topk(cfg.top_k)
+            probs = model(to_device(prepare(img), cfg.device)).float().softmax(-1)[0]  # (NaFlex: a dict)
+        top = probs.topk(top_k)
         ranked = [
             {"class": names[i], "index": int(i), "prob": float(p)} for p, i in zip(top.values, top.indices, strict=True)
         ]
@@ -51,6 +52,12 @@ def _checkpoint(cfg: DictConfig) -> tuple:
     from vitlab.training.run import build
 
     module = build.load_for_inference(cfg.ckpt_path, map_location=cfg.device).eval()
+    if not module.objective.uses_labels:  # an encoder: no classifier to rank classes with (as eval task=test says)
+        raise UserError(
+            f"checkpoint {cfg.ckpt_path!r} is objective={module.objective.name} pretraining (an encoder without a "
+            "classifier): it has no classes to predict; fine-tune it first (python -m vitlab.train "
+            f"model.pretrained={cfg.ckpt_path} ...) or evaluate its features with vitlab.eval task=knn|linear|fewshot"
+        )
     datamodule = build.inference_datamodule(module, cfg.ckpt_path)
     names = module.hparams.get("class_names") or [str(i) for i in range(module.model.cfg.num_classes)]
     return module.model, datamodule.predict_tensor, names

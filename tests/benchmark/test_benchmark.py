@@ -138,7 +138,7 @@ def test_contenders_start_from_the_same_weights_and_step_alike():
     assert peak_matmul_flops(torch.device("cpu"), torch.float32, size=64, repeats=2)["flops_per_s"] > 0
 
 
-def test_overhead_mode_times_lightning_and_a_plain_loop(tmp_path: Path):
+def test_overhead_mode_times_lightning_a_bare_lightning_module_and_a_plain_loop(tmp_path: Path):
     run_dir = tmp_path / "run"
     r = run_cli(
         "benchmark",
@@ -151,14 +151,14 @@ def test_overhead_mode_times_lightning_and_a_plain_loop(tmp_path: Path):
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads((run_dir / "benchmark.json").read_text())
     assert report["train_overrides"][0] == "model.depth=1"
-    for loop in ("lightning", "plain"):
+    for loop in ("lightning", "bare_lightning", "plain"):
         res = report["results"][loop]
         assert res["steps_per_epoch"] == 4  # 1,257 training digits // 256 (drop_last)
         assert len(res["step"]["times_ms"]) == 2 * 4 and len(res["epoch"]["times_ms"]) == 2
-    ratio = report["ratios"]["lightning/plain"]
-    assert ratio["step_time"] == pytest.approx(
-        report["results"]["lightning"]["step"]["median_ms"] / report["results"]["plain"]["step"]["median_ms"]
-    )
+    for floor in ("plain", "bare_lightning"):
+        assert report["ratios"][f"lightning/{floor}"]["step_time"] == pytest.approx(
+            report["results"]["lightning"]["step"]["median_ms"] / report["results"][floor]["step"]["median_ms"]
+        )
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()  # vitlab.train's callbacks ran, in this run dir
     refused = run_cli("benchmark", "benchmark.task=overhead", "model=vit_s16", f"hydra.run.dir={tmp_path / 'r2'}")
     assert refused.returncode == 2 and "benchmark.train_overrides" in refused.stderr

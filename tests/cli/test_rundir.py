@@ -5,7 +5,7 @@ processes could not agree on one."""
 import pytest
 
 from tests.helpers import run_cli
-from vitlab.cli import rundir
+from vitlab.cli import overrides, rundir
 
 SHORT = ["trainer.max_epochs=2", "data.batch_size=128", "progress_bar=none", "trainer.deterministic=true"]
 LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
@@ -75,7 +75,7 @@ def test_a_run_directory_from_torchrun_keeps_any_character_through_hydra():
 def test_the_quoting_advice_for_a_non_ascii_value_parses_to_what_was_meant(typed, meant):
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    (override,) = OverridesParser.create().parse_overrides([f"images={rundir.quoted_for_hydra(typed)}"])
+    (override,) = OverridesParser.create().parse_overrides([f"images={overrides.quoted_for_hydra(typed)}"])
     assert override.value() == meant
 
 

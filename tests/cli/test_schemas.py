@@ -22,6 +22,15 @@ GIVEN = {
 }
 
 
+@pytest.fixture(autouse=True)
+def a_checkpoint_named_x(tmp_path, monkeypatch):
+    """ckpt_path=x.ckpt is looked for before anything is read (issue 64 point 17): one is there, where checks run."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.ckpt").write_bytes(b"PK")
+    for name in ("imagenet", "shards"):  # (and the data folders the experiments name: a missing one is refused too)
+        (tmp_path / "data" / name).mkdir(parents=True)
+
+
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_every_command_schema_lists_its_top_level_keys(compose_cfg, name):
     """A key added to conf/<command>.yaml without a type in its schema would go unchecked: the schema has every key
@@ -52,6 +61,7 @@ def test_every_train_config_file_passes_the_checks(compose_cfg, monkeypatch, ove
     """The ranges (Lightning's Trainer's among them) refuse no config vitlab ships; their GPU counts are another
     machine's business (check_devices asks only where there is no GPU)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("vitlab.utils.checks.no_cuda_here", lambda: False)  # (the device files looked for first)
     check_config(compose_cfg("train", overrides), *SCHEMAS["train"])
 
 
@@ -65,7 +75,7 @@ def test_every_train_config_file_passes_the_checks(compose_cfg, monkeypatch, ove
         ("eval", ["linear.lrs=[]"], "linear.lrs [] must be a non-empty list of numbers > 0"),
         ("eval", ["data.batch_size=0"], "data.batch_size 0 must be an integer >= 1 or null"),
         ("eval", ["trainer.devices=1", "trainer.num_nodes=0"], "trainer.num_nodes 0 must be an integer >= 1"),
-        ("predict", ["top_k=abc"], "top_k 'abc' must be an integer >= 1"),
+        ("predict", ["top_k=abc"], "top_k 'abc' must be an integer >= 1 or null"),
         ("export", ["atol=-1"], "atol -1 must be a number >= 0"),
         ("visualize", ["num_images=0"], "num_images 0 must be an integer >= 1"),
         ("parity", ["zoo_depth=0"], "zoo_depth 0 must be an integer >= 1"),

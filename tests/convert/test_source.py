@@ -117,7 +117,10 @@ def test_a_files_position_table_rule_is_the_one_its_code_used_and_the_run_takes_
             {"teacher": {f"backbone.{k}": v for k, v in backbone.items()}, "student": {}},
             "dino",
         ),  # fmt: skip
-        "dino_deitsmall16_pretrain.pth": (backbone, "timm"),  # timm's names alone: nothing says it is DINO's
+        # timm's names alone: DINO's released file name says it is DINO's (issue 64 point 19), another name does not
+        "dino_deitsmall16_pretrain.pth": (backbone, "dino"),
+        "dino_vitbase8_pretrain.pth": (backbone, "dino"),
+        "my_backbone.pth": (backbone, "timm"),
         "vitlab.ckpt": (
             {
                 "state_dict": {f"model.{k}": v for k, v in backbone.items()},
@@ -133,3 +136,18 @@ def test_a_files_position_table_rule_is_the_one_its_code_used_and_the_run_takes_
     assert cfg.model.pos_embed_resample == "timm"
     apply_pretrained(cfg)
     assert cfg.model.pos_embed_resample == "dino"
+
+
+def test_the_load_line_names_the_resampling_rule_and_the_other(tmp_path, caplog):
+    """Issue 64 point 19: a position table resampled to another grid says by which rule, and how to choose the other
+    (model.pos_embed_resample=dino for DINO's and DINOv2's weights)."""
+    import logging
+
+    torch.save(ViT(tiny(embed_dim=16, num_heads=2, depth=1)).state_dict(), tmp_path / "backbone.pth")
+    model = ViT(tiny(embed_dim=16, num_heads=2, depth=1, img_size=16))
+    with caplog.at_level(logging.INFO, logger="vitlab.convert.weights"):
+        resolve(str(tmp_path / "backbone.pth")).load_into(model)
+    assert (
+        "its position table of 16 patches resampled to the 2x2 grid by timm's rule (model.pos_embed_resample=timm;"
+        " the other: model.pos_embed_resample=dino" in caplog.text
+    )

@@ -31,6 +31,21 @@ def test_a_saved_dataset_and_its_parquet_yield_the_folder_s_images_and_labels_in
     assert dm.splits["val"].endswith("[validation]")
 
 
+def test_a_streamed_saved_dataset_yields_the_folder_s_images_and_labels_in_order(folder, records, tmp_path):
+    """data.streaming=true reads the same rows through the streamed splits (data/streamed.py): each split's images and
+    labels, one by one, are the folder's (a label a row off would pass a count or a training run that only ends)."""
+    ref = ImageFolderDataModule(data_dir=str(folder), num_classes=3, img_size=8)
+    dm = HFDataModule(name=str(records / "saved"), num_classes=3, img_size=8, streaming=True, cache_dir=str(tmp_path))
+    ref.setup("fit"), dm.setup("fit")
+    assert dm.num_train == 72 and dm.class_names == ["a", "b", "c"]
+    for split in ("train", "val", "test"):
+        theirs = ref.eval_view(split)
+        ours = list(dm.eval_view(split).place(0, 0, 1, 8))
+        assert len(ours) == len(theirs) == 72
+        assert [y for _, y in ours] == [theirs[i][1] for i in range(72)]
+        assert all(torch.equal(x, theirs[i][0]) for i, (x, _) in enumerate(ours))
+
+
 def test_training_on_a_saved_dataset_equals_training_on_the_folder(records, shards_run, tmp_path):
     """shards_run trains on the folder's shards, which train as the folder itself (tests/data/test_streaming.py)."""
     r = run_cli("train", "data=hf", f"data.name={records / 'saved'}", *SHARDS_RUN, f"hydra.run.dir={tmp_path / 'hf'}")
@@ -83,3 +98,24 @@ def test_a_hub_name_offline_fails_in_one_line_from_the_command(tmp_path):
     assert r.returncode == 2, r.stderr[-3000:]
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith("error: data.name 'nobody/no-such-dataset' cannot be loaded from the Hugging Face Hub")
+
+
+def test_a_hub_dataset_without_a_network_reads_the_cache_at_once(monkeypatch):
+    """Issue 64 point 17: with no network and HF_HUB_OFFLINE unset, `datasets` retried for 34 s before the line; the
+    Hub is looked for once (2 s at most), and unreachable, `datasets` reads its cache alone, as HF_HUB_OFFLINE=1."""
+    import time
+
+    import datasets
+    from huggingface_hub import constants
+
+    from vitlab.data.hf import load
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # (refuses at once: the look's answer)
+    for key in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(key, raising=False)
+    t0 = time.monotonic()
+    with pytest.raises(OfflineError, match=r"^data.name 'nobody/no-such-dataset-64' cannot be loaded from the Hugging"):
+        load("nobody/no-such-dataset-64")
+    assert time.monotonic() - t0 < 10 and datasets.config.HF_HUB_OFFLINE and constants.HF_HUB_OFFLINE

@@ -4,6 +4,7 @@ order; training streams are fixed by the seed, shared out without overlap in equ
 (two loader workers); corrupt samples are skipped and counted, or stop the run; bad input is one line."""
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -131,3 +132,43 @@ def test_bad_input_is_one_line(wds_shards, tmp_path):
         UserError, match=r"has no integer 'label' member \(None\); name the label's with data.label_key"
     ):
         next(iter(dm.eval_view("val").place(0, 0, 1, 1)))
+
+
+def test_a_tar_cut_short_is_said_once_and_counted_at_the_end(wds_shards, tmp_path, caplog):
+    """Issue 64 point 16: a reader goes round its shards many times an epoch; a cut tar was 144 warnings in one epoch.
+    One line for the shard, and the count when the data module is torn down (the end of fit or test)."""
+    import logging
+
+    for name in ("train-000000.tar", "train-000001.tar"):
+        data = (wds_shards / name).read_bytes()
+        (tmp_path / name).write_bytes(data if name.endswith("0.tar") else data[: len(data) // 2])
+    dm = WDSDataModule(urls=str(tmp_path / "train-{000000..000001}.tar"), val_urls=urls(wds_shards, "val"),
+                       num_classes=3, num_train=96, img_size=8, batch_size=8, num_workers=0)  # fmt: skip
+    dm.setup("fit")
+    with caplog.at_level(logging.WARNING, logger="vitlab.data.wds"):
+        list(dm.train_set.place(0, 0, 1, 8))  # 96 samples of the 30 readable: three passes and more
+        dm.teardown("fit")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and lines[0].startswith(f"shard {tmp_path / 'train-000001.tar'} cannot be read whole")
+    assert re.fullmatch(rf"\d+ read\(s\) of 1 shard\(s\) failed and were skipped: {tmp_path}/train-000001.tar "
+                        r"\(data.urls, in this process's loaders, data.corrupt=skip\)", lines[1]), lines[1]  # fmt: skip
+    assert int(lines[1].split()[0]) >= 3
+
+
+def test_a_held_out_slice_that_holds_nothing_is_refused_and_a_streamed_split_is_counted(wds_shards):
+    """Issue 64 points 9 and 10: one shard of 20 samples with validation held out of it drew none (it validated on
+    nothing, a "best" checkpoint chosen): refused in one line; a frozen-feature evaluation of a streamed split counts
+    it (its size is no description's)."""
+    one = WDSDataModule(urls=str(wds_shards / "train-000000.tar"), num_classes=3, img_size=8, batch_size=8,
+                        num_workers=0)  # fmt: skip
+    one.setup("fit")
+    said = (r"^the validation slice held out of the training data is empty: data.val_fraction 0.1 of its 20 samples "
+            r"\(drawn with data.split_seed 0\) picked none; give validation data of its own \(data.val_urls for "
+            r"data=wds\) or a larger data.val_fraction$")  # fmt: skip
+    with pytest.raises(UserError, match=said):
+        list(one.val_set.place(0, 0, 1, 8))
+    dm = WDSDataModule(urls=urls(wds_shards, "train"), num_classes=3, img_size=8, batch_size=8, num_workers=0)
+    dm.setup("fit")
+    train, val = dm.eval_view("train"), dm.eval_view("val")
+    assert len(train) + len(val) == 72 and len(val) == len(list(val.place(0, 0, 1, 8))) > 0
+    assert len(train) == len(list(train.place(0, 0, 1, 8)))

@@ -78,3 +78,21 @@ def test_a_point_past_its_limit_is_stopped_and_one_without_time_left_is_skipped(
     assert r.returncode == 0 and re.search(r"\[b16_compiled\] skipped: \d+ s left, it needs 120", r.stdout), r.stdout
     (point,) = json.loads((tmp_path / "results.json").read_text())["points"]
     assert point["status"].startswith("skipped") and point["commands"] == []
+
+
+def test_a_stopped_dry_run_leaves_no_run_directories(tmp_path):
+    """Issue 64 point 18: the run directories (checkpoints: 859 MB for a whole dry run) go with the script, also when
+    it is stopped; the command it was running is stopped with it."""
+    import signal
+    import time
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    p = subprocess.Popen([sys.executable, str(GPU / "points.py"), str(tmp_path / "out"), "--dry-run"], cwd=REPO,
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not any(tmp_path.glob("vitlab-gpu-*/*/0.log")) and time.monotonic() < deadline:  # a command is running
+        time.sleep(0.2)
+    assert any(tmp_path.glob("vitlab-gpu-*/*/0.log"))
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 128 + signal.SIGTERM
+    assert not list(tmp_path.glob("vitlab-gpu-*"))

@@ -50,9 +50,10 @@ def _reader(name, records, shards):
 
 
 @pytest.mark.parametrize(("reader", "objective"), [("hf", "dino"), ("wds", "dino"), ("list", "mae"), ("wds", "mae")])
-def test_each_reader_trains_each_objective(records, wds_shards, tmp_path, reader, objective):
+def test_each_reader_trains_each_objective(records, wds_shards, folder, tmp_path, reader, objective):
     """Issue 55 point 4: every objective on every reader (DINO's views cut in the workers from each whole image, MAE
-    on the classifier's crops; classify is the equivalence and resume tests' own)."""
+    on the classifier's crops; classify is the equivalence and resume tests' own). The checkpoints reused for issue 64's
+    points 10 and 11: frozen-feature evaluations of a streamed split, predict refusing an encoder."""
     r = run_cli("train", *_reader(reader, records, wds_shards), *OBJECTIVES[objective], *SHORT,
                 f"hydra.run.dir={tmp_path}")  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
@@ -60,6 +61,16 @@ def test_each_reader_trains_each_objective(records, wds_shards, tmp_path, reader
     assert "was not logged" not in (tmp_path / "train.log").read_text()  # its result: val/loss_best, not val/acc_best
     if objective == "dino":
         assert "cut from each whole decoded image in the loader's workers" in (tmp_path / "train.log").read_text()
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    if reader == "wds":  # issue 64 point 10: a streamed split's size is counted, not a TypeError traceback
+        task = ["task=knn", "knn.k=[5]"] if objective == "mae" else ["task=fewshot", "fewshot.shots=[1]"]
+        r = run_cli("eval", f"ckpt_path={ckpt}", *task, f"hydra.run.dir={tmp_path / 'eval'}")
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "train split: 72 samples (counted: its shards read once, nothing decoded)" in r.stdout
+    if reader == "hf":  # issue 64 point 11: an encoder has no classes to predict (an IndexError before)
+        r = run_cli("predict", f"ckpt_path={ckpt}", f"images=[{folder / 'test' / 'a' / '0.png'}]", cwd=tmp_path)
+        said = f"error: checkpoint '{ckpt}' is objective={objective} pretraining (an encoder without a classifier)"
+        assert r.returncode == 2 and r.stderr.startswith(said) and len(r.stderr.splitlines()) == 1, r.stderr
 
 
 def test_a_sharded_run_on_a_saved_dataset_and_its_evaluation_on_it(records, tmp_path):

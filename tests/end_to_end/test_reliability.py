@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from tests.helpers import RESUMABLE, earlier_run, extra_callback, image_tree, run_cli, trained
+from tests.helpers import RESUMABLE, assert_refused, earlier_run, extra_callback, image_tree, run_cli, trained
 
 # Command-line runs, for CI; the pieces have fast unit tests (test_callbacks, test_atomic).
 
@@ -20,6 +20,10 @@ def uninterrupted(tmp_path_factory):
     return trained(tmp_path_factory, "resumable", *RESUMABLE)
 
 
+# The command that trained `uninterrupted`, less its epochs: a resume gives the epochs to reach.
+RESUMING = [o for o in RESUMABLE if not o.startswith("trainer.max_epochs=")]
+
+
 def test_ckpt_path_last_finds_the_newest_checkpoint(uninterrupted, tmp_path):
     # `last` looks among this task's runs under paths.log_dir; point log_dir at the uninterrupted run's parent.
     runs = tmp_path / "logs" / "train" / "runs"
@@ -27,7 +31,7 @@ def test_ckpt_path_last_finds_the_newest_checkpoint(uninterrupted, tmp_path):
     (runs / "old").symlink_to(uninterrupted, target_is_directory=True)
     r = run_cli(
         "train",
-        *RUN,
+        *RESUMING,
         "trainer.max_epochs=4",
         "ckpt_path=last",
         f"paths.log_dir={tmp_path / 'logs'}",
@@ -107,6 +111,20 @@ def test_crafted_pickle_checkpoint_is_refused(tmp_path):
     r = run_cli("train", f"ckpt_path={newer}", f"hydra.run.dir={tmp_path / 'train5'}", cwd=tmp_path)
     assert r.returncode == 2 and "cannot be read safely" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "PWNED").exists()
+
+
+def test_a_finished_run_resumed_without_its_epochs_says_it_had_finished_and_what_trains_it_on(uninterrupted, tmp_path):
+    """Issue 64: ckpt_path=<a finished 3-epoch run> without trainer.max_epochs trained on, silently, to the config's
+    300: said in one line, nothing written, as when the epochs given are reached."""
+    last = uninterrupted / "checkpoints" / "last.ckpt"
+    r = run_cli("train", *RESUMING, f"ckpt_path={last}", f"hydra.run.dir={tmp_path / 'r'}")
+    assert_refused(
+        r,
+        f"error: ckpt_path '{last}' is of a run that had finished (3 of 3 epochs), and trainer.max_epochs is not given "
+        "(the config's 300 would train it on): train it on with trainer.max_epochs above 3 (the epochs to reach), or "
+        f"test it: python -m vitlab.eval ckpt_path={last}",
+        outputs=tmp_path / "r",
+    )
 
 
 def test_checkpoint_of_another_architecture_is_refused(uninterrupted, tmp_path):

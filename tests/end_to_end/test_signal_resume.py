@@ -104,7 +104,7 @@ def digits(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def digits_two(tmp_path_factory):
-    return _run(tmp_path_factory, [*DIGITS, *TWO])
+    return trained(tmp_path_factory, "resumable-two", *DIGITS, *TWO)  # test_fresh_processes.py's too
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +122,12 @@ def folder_two(tmp_path_factory, images):
     return _run(tmp_path_factory, [*folder(images), *TWO])
 
 
-@pytest.mark.parametrize("signum, step, group", [("SIGINT", 4, False), ("SIGTERM", 8, True), ("SIGUSR2", 15, True)])
+@pytest.mark.parametrize(
+    "signum, step, group", [("SIGINT", 4, False), ("SIGTERM", 8, True), ("SIGUSR1", 11, True), ("SIGUSR2", 15, True)]
+)
 def test_one_process_stops_and_resumes_exactly(digits, tmp_path, signum, step, group):
+    """Ctrl-C, SIGTERM, and Slurm's (SIGUSR1, its --signal default) and submitit's (SIGUSR2) warnings of a time limit
+    or pre-emption, to the process or to its whole group: stopped after the step, resumed bit for bit."""
     command = interrupt(DIGITS, tmp_path, signum, step, group=group)
     assert_same_run(digits, resume(command, tmp_path))
 

@@ -127,3 +127,39 @@ def test_a_stop_while_a_search_draws_its_plots_shows_its_table_and_says_what_is_
     assert [row["status"] for row in json.loads((sweep / "summary.json").read_text())] == ["done", "done"]
     assert (sweep / "optimization_results.yaml").is_file()
     assert not list(sweep.glob("*.png")) and not list(sweep.glob(".*.tmp-*"))
+
+
+# A Hydra plugin (found where Hydra looks for plugins: a `hydra_plugins` package on the path) that Hydra calls as it
+# builds its config search path, the first step of composing a command's config: in Lightning's second process only
+# (LOCAL_RANK=1), it sends the signal to the whole process group, as a terminal's Ctrl-C or a scheduler's SIGTERM
+# would reach it, and waits there; the signal lands while rank 1 composes its config, every time.
+STOP_IN_RANK_1_COMPOSE = """
+import os, subprocess, time
+from hydra.plugins.search_path_plugin import SearchPathPlugin
+
+class StopWhileRank1Composes(SearchPathPlugin):
+    def manipulate_search_path(self, search_path):
+        if os.environ.get("LOCAL_RANK") == "1":
+            subprocess.run(["kill", "-{signal}", "--", f"-{{os.getpgid(0)}}"], check=True, start_new_session=True)
+            time.sleep(60)
+"""
+
+
+def test_a_stop_while_the_second_process_composes_its_config_says_so_and_the_same_command_runs_again(tmp_path):
+    """SIGTERM, then Ctrl-C, to the group of a two-process run while its second process (started by Lightning) is
+    composing its config in Hydra: one line from the first process, exit 143 (130), no traceback from either, and the
+    run directory removed, so that the same command runs again (and stopped again says the same)."""
+    command = [*TWO, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path / 'runs' / 'a'}"]
+    for name, signum in (("SIGTERM", signal.SIGTERM), ("Ctrl-C (SIGINT)", signal.SIGINT)):
+        plugins = tmp_path / signum.name / "hydra_plugins"
+        plugins.mkdir(parents=True)
+        (plugins / "vitlab_test_stop.py").write_text(STOP_IN_RANK_1_COMPOSE.format(signal=signum.name[3:]))
+        env = {"PYTHONPATH": os.pathsep.join([str(plugins.parent), TESTS_ON_PATH["PYTHONPATH"]])}
+        r = run_cli("train", *command, env=env, own_group=True)
+        assert r.returncode == 128 + signum, r.stderr[-3000:]
+        assert r.stderr.strip().splitlines()[-1] == (
+            f"error: train stopped by {name} before training began: nothing was saved (its run directory held only "
+            "what a start writes, and is removed); run the same command again"
+        ), r.stderr[-3000:]
+        assert "Traceback" not in r.stderr and "GPU available: False" not in r.stdout + r.stderr
+        assert not (tmp_path / "runs").exists()

@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import image_tree, run_cli
 from vitlab.cli.schemas import check_visualize
-from vitlab.evaluation.views import draw_views
+from vitlab.evaluation.views import LAYOUT, draw_views
 from vitlab.training.run import build
 from vitlab.utils.errors import UserError
 from vitlab.visualize import check_views
@@ -95,6 +95,7 @@ def test_what_views_from_the_command_line_shows_maes_mask(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     info = json.loads((tmp_path / "views.json").read_text())
     assert info["objective"] == "mae" and (tmp_path / "views.png").is_file()
+    assert info["layout"] == LAYOUT and "size: [height, width]; box: [x0, y0, x1, y1]" in info["layout"]
     for image in info["images"]:
         (view,) = image["draws"][0]
         assert view["size"] == [8, 8] and view["patch"] == 4 and len(set(view["masked_patches"])) == 3

@@ -196,3 +196,29 @@ def test_a_read_planted_in_the_step_is_caught(compose_cfg, monkeypatch, read):
     monkeypatch.setattr(ViTModule, "training_step", reading)
     found = _spied_run(compose_cfg, ["trainer.limit_train_batches=12"])
     assert found and all("test_module.py" in f or "module.py" in f for f in found), found
+
+
+@pytest.mark.parametrize("accuracy", [True, False])
+def test_the_training_means_are_torchmetrics_weighted_mean_and_top1_accuracy(accuracy):
+    """RunningMeans (one tensor of sums, for the step's speed) gives what torchmetrics' MeanMetric (weighted by the
+    batch's images) and MulticlassAccuracy (top-1, micro) gave over uneven batches, and starts again on reset."""
+    from torchmetrics import MeanMetric
+    from torchmetrics.classification import MulticlassAccuracy
+
+    from vitlab.training.module import RunningMeans
+
+    g = torch.Generator().manual_seed(0)
+    ours, mean, acc = RunningMeans(accuracy), MeanMetric(), MulticlassAccuracy(7, average="micro", top_k=1)
+    for n in (5, 8, 3):
+        loss, logits, y = torch.rand((), generator=g) * 3, torch.randn(n, 7, generator=g), torch.randint(0, 7, (n,))
+        ours.update(loss, logits, y)
+        mean.update(loss, weight=torch.full((), n, dtype=loss.dtype))
+        acc.update(logits, y)
+    values = ours.compute()
+    assert values.keys() == ({"loss", "acc"} if accuracy else {"loss"})
+    torch.testing.assert_close(values["loss"], mean.compute(), rtol=0, atol=0)
+    if accuracy:
+        torch.testing.assert_close(values["acc"], acc.compute(), rtol=0, atol=1e-7)
+    ours.reset()
+    ours.update(torch.tensor(2.0), torch.randn(2, 7), torch.tensor([0, 1]))
+    assert ours.compute()["loss"] == 2.0

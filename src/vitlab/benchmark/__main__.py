@@ -1,7 +1,7 @@
 """python -m vitlab.benchmark model=<name> [benchmark.*=...]: how fast, against what.
 
 `benchmark.task=models` (default) times vitlab's ViT against timm's on one batch (benchmark/models.py);
-`benchmark.task=overhead` times vitlab.train's Lightning loop against a plain loop (benchmark/overhead.py);
+`benchmark.task=overhead` times vitlab.train's loop against a bare LightningModule and a plain loop (overhead.py);
 `benchmark.task=pipeline` times the train loader against a decode-and-crop ceiling (benchmark/pipeline.py);
 `benchmark.task=end2end` divides vitlab.train's steady-state images/s by the bare step's (benchmark/end2end.py);
 `benchmark.task=strategies` measures memory and step time per process under DDP and FSDP (benchmark/strategies.py).

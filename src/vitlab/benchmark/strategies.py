@@ -76,13 +76,16 @@ def bench_strategies(b, out_dir: Path) -> dict[str, Any]:
     for name in s.names:
         probes = out_dir / name
         steps = s.warmup_steps + s.steps
-        command = [
-            sys.executable, "-m", "vitlab.train", *b.train_overrides, f"trainer={name}", f"trainer.devices={s.devices}",
-            f"trainer.max_steps={steps}", "trainer.max_epochs=-1", "test=false", "trainer.num_sanity_val_steps=0",
+        own = [
+            f"trainer={name}", f"trainer.devices={s.devices}", f"trainer.max_steps={steps}", "trainer.max_epochs=-1",
+            "test=false", "trainer.num_sanity_val_steps=0",
             "+callbacks.strategy_probe._target_=vitlab.benchmark.strategies.Probe",
             f"+callbacks.strategy_probe.start={s.warmup_steps}", f"+callbacks.strategy_probe.steps={s.steps}",
             f"+callbacks.strategy_probe.out={probes}", f"hydra.run.dir={out_dir / f'run_{name}'}",
         ]  # fmt: skip
+        keys = {o.split("=", 1)[0].lstrip("+~") for o in own}  # (a key given twice is refused: these values win)
+        given = [o for o in b.train_overrides if o.split("=", 1)[0].lstrip("+~") not in keys]
+        command = [sys.executable, "-m", "vitlab.train", *given, *own]
         r = subprocess.run(command, capture_output=True, text=True)
         if r.returncode != 0:
             raise UserError(f"benchmark.task=strategies: trainer={name} failed: {r.stderr.strip().splitlines()[-1]}")

@@ -124,6 +124,14 @@ def data_classes(*, _parent_) -> int:
 
     from hydra.utils import get_object
 
+    from vitlab.utils.errors import UserError
+
+    if missing := [str(k) for k in _parent_ if OmegaConf.is_missing(_parent_, k)]:  # (before the module's import)
+        raise UserError(
+            f"data.{missing[0]} must be given: this data config ({_parent_._target_}) has no default for it "
+            f"(data.{missing[0]}=...)"
+        )
+
     count = inspect.getmodule(get_object(str(_parent_._target_))).count_classes
     keys = [k for k in inspect.signature(count).parameters if k in _parent_]
     return count(**{k: _parent_[k] for k in keys})
@@ -172,7 +180,7 @@ def slurm_cpus(num_workers: int | None) -> int:
     return 8 if num_workers is None else int(num_workers) + 1
 
 
-def _groups_read(config_name: str) -> list[str]:
+def groups_read(config_name: str) -> list[str]:
     """The config groups `config_name`'s defaults list names (conf/<command>.yaml): those its command reads."""
     defaults = OmegaConf.load(config_dir() / f"{config_name}.yaml").get("defaults") or []
     named = [next(iter(d)) for d in defaults if OmegaConf.is_dict(d)]
@@ -192,7 +200,7 @@ def refuse_unread_groups(config_name: str, overrides: list[str]) -> None:
     except HydraException:
         return  # Hydra reports a malformed override itself
     groups = {p.name for p in config_dir().iterdir() if p.is_dir()}
-    read = _groups_read(config_name)
+    read = groups_read(config_name)
     for o in parsed:
         group = o.key_or_group.split("/")[0]
         if group in groups and group not in read and "." not in o.key_or_group:

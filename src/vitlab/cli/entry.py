@@ -9,14 +9,16 @@ It imports no torch, Lightning or timm at module level: `--help` and config erro
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import re
 import shlex
 import sys
 import traceback
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +86,10 @@ def _run_task(config_name: str, cfg: DictConfig, checked: Check, task: Callable[
     from vitlab.cli.rundir import task_started
     from vitlab.cli.sweep import earlier_result, optimized_value
 
+    global _began
     quiet()
     task_started()
+    _began = True
     try:
         if (job := _sweep_job_dir()) and (before := earlier_result(job)) is not None:  # the sweep run again into
             return optimized_value(cfg.get("optimized_metric"), before)  # its directory: this job had ended (at once)
@@ -118,6 +122,25 @@ def _run_task(config_name: str, cfg: DictConfig, checked: Check, task: Callable[
         return _record_failed_job(job, one_line(cause))
 
 
+_began = False  # whether a task (a run, a sweep's job) has begun in this process
+
+
+def _stopped_in_hydra(config_name: str, e: KeyboardInterrupt) -> None:
+    """Ctrl-C or SIGTERM while Hydra composes the config or makes the run directory, before the task began: exit
+    128 + the signal. The first process of a launch says so in one line, having removed the run directory it claimed
+    (which holds nothing yet), so that the same command runs again; any other (Lightning's second process, composing
+    its own config as the group's signal reaches it) ends without a word: the first one reports the stop
+    (utils.signals.when_children_stop, or its own handling)."""
+    from vitlab.cli import rundir
+
+    name, signum = stop_name(e)
+    if rundir.process_rank() > 0:
+        raise SystemExit(128 + signum)
+    if rundir.CLAIMED:
+        rundir.discard_if_unused(None, rundir.CLAIMED[-1])
+    fail(f"{config_name} stopped by {name} before it started: nothing was written", 128 + signum)
+
+
 def _run_command(config_name: str, checked: Check, guarded: Callable[[DictConfig], Any]) -> Any:
     """The command line: checked before Hydra starts (rundir.prepare), then Hydra's main with `guarded` as its
     task; Ctrl-C and SIGTERM raise CtrlC throughout, and are quiet once the work is done."""
@@ -138,7 +161,12 @@ def _run_command(config_name: str, checked: Check, guarded: Callable[[DictConfig
                 name, signum = stop_name(e)
                 fail(f"{config_name} stopped by {name} before it started: nothing was written", 128 + signum)
             hydra_main = hydra.main(version_base="1.3", config_path=str(conf), config_name=config_name)
-            returned = hydra_main(guarded)()
+            try:
+                returned = hydra_main(guarded)()
+            except KeyboardInterrupt as e:
+                if _began:
+                    raise
+                _stopped_in_hydra(config_name, e)
         _stopped_after_sweep()
         return returned
     finally:
@@ -153,12 +181,54 @@ def check_config(cfg: DictConfig, schema: Any = None, check: Check | None = None
     if schema is not None:
         values = {k: _plain(cfg[k]) for k in typing.get_type_hints(schema) if k in cfg}
         check_arguments(schema, values, "")
+    _check_data_dir(cfg)
     if check is not None:  # (the checks that need no Lightning first: their refusals come within a second)
         check(cfg)
     if "_target_:" in OmegaConf.to_yaml(cfg):
         from vitlab.training.run.node_checks import check_nodes  # (Lightning: only for a config that builds something)
 
-        check_nodes(cfg)
+        with _set_by_the_experiment():
+            check_nodes(cfg)
+
+
+def _check_data_dir(cfg: DictConfig) -> None:
+    """A data.data_dir that is not there (and is not to be downloaded into), said before the data module's package
+    (torch, Lightning) is imported to count its classes or read it."""
+    from vitlab.utils.errors import MissingFileError
+
+    data = cfg.get("data")
+    if not OmegaConf.is_dict(data) or data.get("download") is True:
+        return
+    data_dir = OmegaConf.select(data, "data_dir", default=None, throw_on_resolution_failure=False)
+    if data_dir is not None and not Path(str(data_dir)).expanduser().exists():
+        raise MissingFileError(f"data.data_dir {str(data_dir)!r} does not exist")
+
+
+@contextlib.contextmanager
+def _set_by_the_experiment() -> Iterator[None]:
+    """A key the chosen experiment sets for its own data (or trainer, ...) that the group chosen on the command line
+    lacks (experiment=dino_pretrain_digits's data.shift under data=imagefolder): said as such, not as a typo."""
+    try:
+        yield
+    except UserError as e:
+        from hydra.core.hydra_config import HydraConfig
+
+        choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+        bad = re.match(r"(\w+)\.(\w+) is not an argument of", str(e))
+        if not (experiment := choices.get("experiment")) or bad is None:
+            raise
+        key = bad[1]
+        node = OmegaConf.load(config_dir() / "experiment" / f"{experiment}.yaml").get(key) or {}
+        if bad[2] not in node:
+            raise
+        raise UserError(
+            f"{key}.{bad[2]} is set by experiment={experiment}, a recipe for its own {key}, and {key}="
+            f"{choices.get(key)} has no such key: use a recipe made for it (docs/training/configs.md lists them); DINO "
+            "on your photos: objective=dino data=imagefolder data.data_dir=<photos> data.unlabeled=true model=vit_s16 "
+            "model.num_classes=0 model.dynamic_img_size=true (docs/training/objectives.md)"
+            if key == "data"
+            else f"{e}; it is set by experiment={experiment}"
+        ) from None
 
 
 def _plain(value: Any) -> Any:

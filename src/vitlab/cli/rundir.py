@@ -28,12 +28,14 @@ from typing import Any
 from hydra.errors import HydraException
 from omegaconf import OmegaConf, open_dict
 
-from vitlab.cli.config_tree import config_dir, refuse_unread_groups, shadowing_note, without_config_dir
+from vitlab.cli.config_tree import config_dir, groups_read, refuse_unread_groups, shadowing_note, without_config_dir
+from vitlab.cli.overrides import quoting_hint, refuse_repeated, refuse_unread_keys
 from vitlab.cli.sweep import check_sweep_dir
 from vitlab.utils.errors import UserError, config_errors, fail, one_line, user_error
 
 # Written into every run directory the moment a command claims it (see claim_run_dir).
 CLAIM_FILE = ".vitlab-run"
+CLAIMED: list[Path] = []  # the run directory this process claimed (claim_run_dir), once it has
 # The log of another process of the same launch (`<command>_rank<k>.log`): started with the same hydra.run.dir by
 # torchrun or srun, it may write this before rank 0 has claimed the directory (issue 53).
 SECONDARY_LOG = re.compile(r"\w+_rank[1-9]\d*\.log")
@@ -96,13 +98,13 @@ def _holds_results(out: Path) -> bool:
     return bool(unknown) or any((out / "checkpoints").glob("*")) or (out / "csv" / "metrics.csv").exists()
 
 
-def discard_if_unused(log_dir: str | None) -> bool:
+def discard_if_unused(log_dir: str | None, out: Path | None = None) -> bool:
     """A run stopped by bad input or a signal before it had any result (no checkpoint, no metric, no output file)
     leaves no directory, and no folder above it up to `log_dir` that it left empty. (The error is on stderr.)
-    Whether it was removed."""
+    Whether it was removed. `out`: that directory, where Hydra's job has none yet (CLAIMED, before the task)."""
     from hydra.core.hydra_config import HydraConfig
 
-    out = Path(HydraConfig.get().runtime.output_dir)
+    out = out or Path(HydraConfig.get().runtime.output_dir)
     if process_rank() > 0 or not out.is_dir() or _holds_results(out):
         return False
     root = logging.getLogger()
@@ -197,6 +199,7 @@ def claim_run_dir(path: Path) -> None:
         raise reused
     with os.fdopen(fd, "w") as f:
         f.write(f"{os.getpid()} {' '.join(sys.argv)}\n")
+    CLAIMED.append(path)
     # An earlier run from before claim files; the other processes' logs of this launch are not one.
     if any(p.name != CLAIM_FILE and not SECONDARY_LOG.fullmatch(p.name) for p in path.iterdir()):
         (path / CLAIM_FILE).unlink()
@@ -267,30 +270,13 @@ def _check_as_job(cfg, check: Callable[[Any], None]) -> None:
         HydraConfig.instance().cfg = None  # the job's own is set by Hydra
 
 
-def quoted_for_hydra(value: str) -> str:
-    """`value` as typed, quoted as Hydra's grammar takes it: a list's elements each (`[a, b]` -> `["a", "b"]`:
-    the list quoted whole would be one string), anything else whole."""
-    inner = value[1:-1] if value.startswith("[") and value.endswith("]") else None
-    if inner is None:
-        return f'"{value}"'
-    items = [item.strip() for item in inner.split(",")] if inner.strip() else []
-    return "[" + ", ".join(item if item.isascii() else f'"{item.strip(chr(34) + chr(39))}"' for item in items) + "]"
-
-
 def _explain(e: Exception, config_name: str, overrides: list[str]) -> str:
     """Hydra's report of a bad override in one line, in other words where its own would mislead: an unknown key
     (Hydra's hint, `+key=...`, only leads to a second error) names the keys there are; a value with characters
     the override grammar does not take unquoted says how to quote it."""
-    from hydra.errors import OverrideParseException
-
     text = str(e)
-    odd = [o for o in overrides if not o.isascii()]
-    if isinstance(e, OverrideParseException) and odd:
-        key, _, value = odd[0].partition("=")
-        return (
-            f"{odd[0]}: an unquoted value may hold only ASCII characters; quote it for Hydra as well as for the "
-            f"shell: '{key}={quoted_for_hydra(value)}'"
-        )
+    if (hint := quoting_hint(overrides)) is not None:
+        return hint
     unknown = re.match(r"Could not override '([^']+)'", text)
     if unknown and "not in struct" in str(e.__cause__):
         key = unknown[1]
@@ -303,6 +289,12 @@ def _explain(e: Exception, config_name: str, overrides: list[str]) -> str:
             there = None
         if (elsewhere := _objective_option(key, config_name, rest)) is not None:
             return elsewhere
+        if config_name == "eval" and key.startswith("model.") and (ckpt := _override_value(rest, "ckpt_path")):
+            return (
+                f"{key}: the model of ckpt_path {ckpt!r} is taken from the checkpoint (the one it stores), not set "
+                "here; drop it, or evaluate timm's weights instead: model.pretrained=<timm name> data=<name> without "
+                "ckpt_path"
+            )
         if there is not None:
             keys = sorted(k for k in there if not str(k).startswith("_"))
             more = f"; add another argument of its {there._target_} with +{key}=..." if "_target_" in there else ""
@@ -321,21 +313,29 @@ def _objective_option(key: str, config_name: str, overrides: list[str]) -> str |
     others = [o for o in overrides if not o.lstrip("+~").startswith("objective=")]
     try:
         current = _compose(config_name, overrides).objective.name
-        for name in sorted(p.stem for p in (config_dir() / "objective").glob("*.yaml")):
-            node = _compose(config_name, [*others, f"objective={name}"]).objective
-            if OmegaConf.select(node, option, default=_NONE) is not _NONE:
-                if name == current:
-                    return f"{key} is an option of the objective (objective={name}): give it as objective.{option}=..."
-                return (
-                    f"{key} is an option of objective={name}, and this run's objective is {current}: give it as "
-                    f"objective={name} objective.{option}=..."
-                )
+        having = [name for name in sorted(p.stem for p in (config_dir() / "objective").glob("*.yaml"))
+                  if _has(_compose(config_name, [*others, f"objective={name}"]).objective, option)]  # fmt: skip
     except config_errors():
         return None
+    if current in having:
+        return f"{key} is an option of the objective (objective={current}): give it as objective.{option}=..."
+    if having:  # (every objective that has it: mask_ratio is MAE's and DINO's)
+        which = " and ".join(f"objective={name}" for name in having)
+        chosen = having[0] if len(having) == 1 else f"<{'|'.join(having)}>"
+        return (
+            f"{key} is an option of {which}, and this run's objective is {current}: give it as objective={chosen} "
+            f"objective.{option}=..."
+        )
     return None
 
 
-_NONE = object()
+def _has(node: Any, dotted: str) -> bool:
+    """Whether `node` has the key `dotted`, its value given or required (`???`: objective=distill's teacher)."""
+    for part in dotted.split("."):
+        if not OmegaConf.is_dict(node) or part not in node.keys():
+            return False
+        node = node._get_node(part)
+    return True
 
 
 def prepare(config_name: str, argv: list[str], check: Callable[[Any], None] | None = None) -> list[str]:
@@ -369,6 +369,8 @@ def prepare(config_name: str, argv: list[str], check: Callable[[Any], None] | No
 
     overrides = [a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/")) and not a.startswith("-")]
     refuse_unread_groups(config_name, overrides)
+    refuse_repeated(overrides)
+    refuse_unread_keys(config_name, overrides, groups_read(config_name), lambda o: _compose(config_name, o))
     if flags:  # a sweep: what every job would refuse alike (a misspelt key) is said once; the jobs check the rest
         _compose_first_job(config_name, overrides)
         return typed

@@ -95,6 +95,7 @@ class EvalSettings(TypedDict):
     ckpt_path: str | None
     progress_bar: ProgressBar
     task: Literal["test", "knn", "linear", "fewshot"]
+    tta: Literal["none", "flip", "flip_crops"]  # task=test of a checkpoint (vitlab.evaluation.tta)
     features_dir: str | None
     layers: int | NonEmpty[int] | None
     knn: KnnSettings
@@ -109,14 +110,14 @@ class PredictSettings(TypedDict):
     ckpt_path: str | None
     model: PretrainedModel
     images: str | NonEmpty[str]
-    top_k: PositiveInt
+    top_k: PositiveInt | None  # null: min(5, the model's classes)
     device: str  # cpu, cuda, cuda:<i> that this machine has (check_predict)
 
 
 class ExportSettings(TypedDict):
     task_name: str
     ckpt_path: str
-    format: str  # its names: vitlab.export's (convert.programs.FORMATS)
+    format: Literal["onnx", "pt2", "mae", "ckpt", "timm"]  # convert.programs.FORMATS' and vitlab.export's own
     output: str | None
     overwrite: bool
     atol: NonNegativeNumber
@@ -125,6 +126,19 @@ class ExportSettings(TypedDict):
     push_to_hub: str | None
     private: bool
     revision: str | None
+
+
+class AverageSettings(TypedDict):
+    task_name: str
+    method: Literal["average", "uniform_soup", "greedy_soup"]
+    run_dir: str | None
+    top_k: PositiveInt | None
+    ckpt_paths: NonEmpty[str] | None
+    sweep_dir: str | None
+    use_ema: bool
+    output: str | None
+    overwrite: bool
+    device: str  # cpu, cuda, cuda:<i> that this machine has (vitlab.average's check_average)
 
 
 class VisualizeSettings(TypedDict):
@@ -171,9 +185,10 @@ class BenchmarkSettings(TypedDict):
 def check_train(cfg: DictConfig) -> None:
     from vitlab.model.config import vit_config
     from vitlab.training.optim import OptimConfig, SchedulerConfig
-    from vitlab.training.run.ranges import DataRanges, TrainerValues
+    from vitlab.training.run.ranges import DataRanges, TrainerValues, check_devices
 
     # What can be checked before torch, Lightning and timm are imported (seconds): a refusal within a second.
+    _check_ckpt_path(cfg.ckpt_path, "last")
     if not cfg.model.get("pretrained"):  # (timm's architecture replaces the group's once read: training.pretrained)
         vit_config(cfg.model)
     OptimConfig.check_early(OmegaConf.to_container(cfg.optim, resolve=True))  # (its name: at the build)
@@ -181,11 +196,19 @@ def check_train(cfg: DictConfig) -> None:
     check_arguments(TrainerValues, _present(cfg.trainer, TrainerValues), "trainer")  # (Lightning's types: later)
     check_arguments(DataRanges, _present(cfg.data, DataRanges), "data")
     check_clipping(cfg.trainer)
+    if cfg.train and cfg.trainer.get("max_epochs") == 0:  # (Lightning trains nothing and the run ends as if done)
+        raise UserError("trainer.max_epochs=0 trains nothing: give 1 or more (-1: until max_steps), or train=false "
+                        "to test a checkpoint without training")  # fmt: skip
+    if cfg.freeze_backbone and cfg.objective.get("name") in ("mae", "dino"):
+        raise UserError(
+            f"freeze_backbone=true trains only the classifier head, and objective={cfg.objective.name} pretrains the "
+            "encoder without one: nothing would learn; drop freeze_backbone"
+        )
+    check_devices(cfg.trainer)  # (torch only where the machine may have a GPU) before check_request reads them
 
     from vitlab.training.devices.sharding import check_request
-    from vitlab.training.run.node_checks import check_devices, check_launch
+    from vitlab.training.run.node_checks import check_launch
 
-    check_devices(cfg.trainer)  # before check_request reads them
     check_launch(cfg)  # a -m sweep of multi-process runs on a launcher that cannot start them
     check_request(cfg.trainer, cfg.get("callbacks"))  # trainer=fsdp: what cannot shard (its note is logged by train)
 
@@ -196,8 +219,27 @@ def _present(node: DictConfig, schema: Any) -> dict[str, Any]:
     return {k: values[k] for k in typing.get_type_hints(schema) if k in values}
 
 
+def _check_ckpt_path(path: str | None, *special: str) -> None:
+    """A checkpoint named that is not there, said before torch is imported (convert.weights.read_file's words)."""
+    from vitlab.utils.errors import MissingFileError
+
+    if path is not None and str(path) not in special and not Path(str(path)).expanduser().exists():
+        raise MissingFileError(f"ckpt_path {str(path)!r} does not exist")
+
+
+def check_export(cfg: DictConfig) -> None:
+    _check_ckpt_path(cfg.ckpt_path)
+
+
 def check_eval(cfg: DictConfig) -> None:
-    """Model overrides beside a checkpoint would be ignored: its model is the one the checkpoint stores."""
+    """Model overrides beside a checkpoint would be ignored: its model is the one the checkpoint stores; tta averages
+    a checkpoint's classifier over views (task=test)."""
+    _check_ckpt_path(cfg.ckpt_path)
+    if cfg.tta != "none" and (cfg.task != "test" or cfg.ckpt_path is None):
+        raise UserError(
+            f"tta={cfg.tta} averages the logits of a checkpoint's classifier over views: give ckpt_path=<file.ckpt> "
+            f"with task=test (this is task={cfg.task}{'' if cfg.ckpt_path else ' without ckpt_path'}), or tta=none"
+        )
     if cfg.ckpt_path is not None and _model_given(cfg):
         from hydra.core.hydra_config import HydraConfig
 
@@ -216,6 +258,7 @@ def _model_given(cfg: DictConfig) -> bool:
 
 
 def check_predict(cfg: DictConfig) -> None:
+    _check_ckpt_path(cfg.ckpt_path)
     check_device("device", cfg.device)
     if (cfg.ckpt_path is None) == (cfg.model.pretrained is None):
         raise UserError(
@@ -236,6 +279,7 @@ def check_visualize(cfg: DictConfig) -> None:
         return
     if not (cfg.run_dir or cfg.ckpt_path):
         raise UserError("give ckpt_path=<checkpoint> [image=<file>] and/or run_dir=<training run directory>")
+    _check_ckpt_path(cfg.ckpt_path)
     if cfg.image and not cfg.ckpt_path:
         raise UserError("image=... needs ckpt_path=<checkpoint> of the model to look inside")
 
@@ -266,7 +310,8 @@ SCHEMAS: dict[str, tuple[type, Callable[[DictConfig], Any]]] = {
     "train": (TrainSettings, check_train),
     "eval": (EvalSettings, check_eval),
     "predict": (PredictSettings, check_predict),
-    "export": (ExportSettings, _nothing),
+    "export": (ExportSettings, check_export),
+    "average": (AverageSettings, _nothing),  # its further checks: vitlab.average's check_average
     "visualize": (VisualizeSettings, check_visualize),
     "parity": (ParitySettings, check_parity),
     "pack": (PackSettings, check_pack),

@@ -109,6 +109,8 @@ class SweepSummary(Callback):
         from rich.console import Console
         from rich.table import Table
 
+        from vitlab.utils.atomic import atomic_write
+
         sweep_dir = Path(hydra_cfg.sweep.dir)
         rows = self.write(hydra_cfg, metric)
         order = f", best {metric} first" if metric in self.columns else ""
@@ -122,8 +124,49 @@ class SweepSummary(Callback):
                 r["status"],
                 *[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in self.columns],
             )
-        Console(width=None if sys.stdout.isatty() else 160).print(table)
+        console = Console(width=None if sys.stdout.isatty() else 160)
+        console.print(table)
+        over_folds = fold_means(rows, self.columns)
+        if over_folds:
+            text = json.dumps(over_folds, indent=2).encode()
+            atomic_write(sweep_dir / "folds.json", lambda f: f.write(text), what="sweep's fold means")
+            console.print(_folds_table(over_folds, self.columns, sweep_dir))
         return rows
+
+
+def fold_means(rows: list[dict[str, Any]], columns: list[str]) -> list[dict[str, Any]]:
+    """A k-fold sweep's (`-m data.fold=range(K)`): for each setting (the overrides less data.fold) the mean and the
+    standard deviation (numpy's, ddof 0) of each column over its finished folds. Empty when no job sets data.fold."""
+    import numpy as np
+
+    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for row in rows:
+        if not any(o.startswith("data.fold=") for o in row["overrides"]):
+            continue
+        setting = tuple(o for o in row["overrides"] if not o.startswith("data.fold="))
+        groups.setdefault(setting, []).append(row)
+    out = []
+    for setting, members in groups.items():
+        done = [r for r in members if r["status"] == "done"]
+        entry: dict[str, Any] = {"overrides": list(setting), "folds": len(members), "done": len(done)}
+        for c in columns:
+            values = [r[c] for r in done if isinstance(r.get(c), (int, float)) and r[c] == r[c]]
+            if values:
+                entry[c] = {"mean": float(np.mean(values)), "std": float(np.std(values)), "n": len(values)}
+        out.append(entry)
+    return out
+
+
+def _folds_table(over_folds: list[dict[str, Any]], columns: list[str], sweep_dir: Path):
+    from rich.table import Table
+
+    table = Table(title=f"over the folds: mean ± std ({sweep_dir / 'folds.json'})")
+    for col in ["overrides", "folds done", *columns]:
+        table.add_column(col)
+    for e in over_folds:
+        cells = [f"{e[c]['mean']:.4g} ± {e[c]['std']:.2g}" if c in e else "-" for c in columns]
+        table.add_row(" ".join(e["overrides"]) or "(all)", f"{e['done']}/{e['folds']}", *cells)
+    return table
 
 
 def _direction(hydra_cfg: DictConfig, metric: str | None) -> str:

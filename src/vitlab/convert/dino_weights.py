@@ -12,6 +12,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import re
+from pathlib import Path
 
 import torch
 
@@ -52,12 +55,21 @@ def from_dinov2(sd: StateDict) -> StateDict:
     return _convert_dinov2(dict(sd), None)
 
 
+# The backbones DINO released (facebookresearch/dino's README: dino_deitsmall16_pretrain.pth, dino_vitbase8_...):
+# timm's names alone inside, so their file names are what says they are DINO's.
+RELEASED_NAME = re.compile(r"dino_(deitsmall|deittiny|vitsmall|vitbase|vitlarge)(8|14|16)_pretrain\.pth")
+
+
+def is_released_name(path: str | os.PathLike) -> bool:
+    return RELEASED_NAME.fullmatch(Path(path).name) is not None
+
+
 def posemb_rule(obj: object) -> str:
     """How the position table of the weights in `obj` (a file's contents, as read) is resampled by the code that
     trained them (model/posemb.py): DINO's training checkpoints and DINOv2's weights without registers "dino" (their
     interpolate_pos_encoding; DINOv2's hub: interpolate_offset 0.1, no antialias); DINOv2's register models (offset 0,
-    antialias) and everything else "timm". DINO's bare `dino_*_pretrain.pth` is timm's names alone: nothing says
-    it is DINO's (model.pos_embed_resample=dino says it)."""
+    antialias) and everything else "timm". DINO's bare `dino_*_pretrain.pth` is timm's names alone: nothing in it says
+    it is DINO's; its released file name does (is_released_name), or model.pos_embed_resample=dino."""
     if is_dino_training_checkpoint(obj):
         return "dino"
     sd = obj.get("model", obj) if isinstance(obj, dict) else obj

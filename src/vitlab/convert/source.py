@@ -124,7 +124,8 @@ def _file_posemb_rule(path: str) -> str:
     except UserError:
         return "timm"
     stored = obj.get("hyper_parameters", {}).get("model", {}) if isinstance(obj, dict) else {}  # a vitlab checkpoint
-    return stored.get("pos_embed_resample") or dino.posemb_rule(obj)
+    rule = stored.get("pos_embed_resample") or dino.posemb_rule(obj)
+    return "dino" if rule == "timm" and not stored and dino.is_released_name(path) else rule
 
 
 def load_timm_weights(

@@ -17,6 +17,9 @@ from vitlab.model import ViTConfig
 from vitlab.model.config import DROPOUTS
 from vitlab.utils.errors import UnknownArgumentError, UnsupportedRequestError, UserError, close_matches
 
+NAFLEX_FIELDS = ("naflex", "pos_embed_grid_size", "pos_embed_interp_mode", "pos_embed_ar_preserving",
+                 "pos_embed_antialias", "pos_embed_align_corners", "pos_embed_use_grid_sample")  # fmt: skip
+
 
 def timm_components() -> dict[str, dict[str, Any]]:
     """Per argument, our component name -> what timm's VisionTransformer takes for it (a name timm reads, or its
@@ -60,6 +63,8 @@ def timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
     del d["pos_embed_resample"]  # timm resamples by its own rule (DINO's: only in vitlab, model/posemb.py)
     del d["drop_path_uniform"]  # timm's drop path grows with depth (training only: the network is the same)
     del d["distilled"]  # timm: another class (VisionTransformerDistilled, create_timm_model)
+    for key in NAFLEX_FIELDS:  # timm: another class (NaFlexVit, convert/timm_naflex.py)
+        del d[key]
     d["img_size"], d["patch_size"] = cfg.img_hw, cfg.patch_hw
     if cfg.pos_embed == "sincos2d":
         d.update(pos_embed="learn", no_embed_class=True)
@@ -86,8 +91,8 @@ def timm_model_args(name: str, **overrides: Any) -> dict[str, Any]:
     names = timm_model_names()
     if arch not in names:
         raise UserError(
-            f"{arch!r} is not an architecture of timm's vision_transformer, deit or eva modules ({len(names)} are)"
-            + (f"; did you mean {close}?" if (close := close_matches(arch, names)) else "")
+            f"{arch!r} is not an architecture of timm's vision_transformer, deit, eva or naflexvit modules "
+            f"({len(names)} are)" + (f"; did you mean {close}?" if (close := close_matches(arch, names)) else "")
         )
     check_timm_name(name, weights=False)
 
@@ -117,13 +122,18 @@ def timm_builds(build: Callable[..., Any]) -> Iterator[None]:
     arguments it resolved for the name, DeiT's distilled class as `distilled=True`); one thread at a time."""
     import timm.models.deit as deit
     import timm.models.eva as eva
+    import timm.models.naflexvit as naflexvit
     import timm.models.vision_transformer as tv
 
-    # Each module's own name for the class (deit imports VisionTransformer), DeiT's distilled one with its token, and
-    # the eva module's Eva (its arguments are read by config_from_args, which knows the architecture).
+    from vitlab.convert.timm_naflex import naflex_args
+
+    # Each module's own name for the class (deit imports VisionTransformer), DeiT's distilled one with its token, the
+    # eva module's Eva (its arguments are read by config_from_args, which knows the architecture), and NaFlexVit's
+    # config and keywords as ours (convert/timm_naflex.py).
     classes = [(tv, "VisionTransformer", build), (deit, "VisionTransformer", build),
                (deit, "VisionTransformerDistilled", lambda **kw: build(**kw, distilled=True)),
-               (eva, "Eva", build)]  # fmt: skip
+               (eva, "Eva", build),
+               (naflexvit, "NaFlexVit", lambda cfg=None, **kw: build(**naflex_args(cfg, kw)))]  # fmt: skip
     with _BUILDS:
         real = [getattr(module, cls) for module, cls, _ in classes]
         try:

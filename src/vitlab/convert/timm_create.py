@@ -2,13 +2,14 @@
 
 A script that calls `timm.create_model(name, pretrained=..., num_classes=..., device=..., dtype=...,
 features_only=..., out_indices=..., pretrained_cfg_overlay=..., checkpoint_path=...)` for a ViT of timm's
-vision_transformer or deit modules may call `vitlab.create_model` with the same arguments instead. timm's own factory
-runs: it resolves the name (a registered architecture, with or without a pretrained tag, or a `local-dir:` folder or
-`hf-hub:` repository), drops None-valued keywords, merges the pretrained configuration's defaults, loads pretrained
-weights through its checkpoint filter (position embeddings resampled), wraps the model for features_only as it wraps
-its ViTs (FeatureGetterNet on forward_intermediates), and loads checkpoint_path; only the constructor is ours: where
-timm would build its VisionTransformer, the same arguments build `ViT(config_from_args(...))`, on `device`, in
-`dtype`. The keys of the state dict are timm's, so every step that reads them works unchanged.
+vision_transformer, deit or naflexvit modules may call `vitlab.create_model` with the same arguments instead (a
+naflexvit one is our ViT with naflex=true, model/naflex.py). timm's own factory runs: it resolves the name (a
+registered architecture, with or without a pretrained tag, or a `local-dir:` folder or `hf-hub:` repository), drops
+None-valued keywords, merges the pretrained configuration's defaults, loads pretrained weights through its
+checkpoint filter (position embeddings resampled), wraps the model for features_only as it wraps its ViTs
+(FeatureGetterNet on forward_intermediates), and loads checkpoint_path; only the constructor is ours: where timm
+would build its VisionTransformer, the same arguments build `ViT(config_from_args(...))`, on `device`, in `dtype`.
+The keys of the state dict are timm's, so every step that reads them works unchanged.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def create_model(
     if arch not in names:
         close = close_matches(arch, names)
         raise UserError(
-            f"{arch!r} is not a ViT of timm's vision_transformer, deit or eva modules, which vitlab's ViT expresses"
-            + (f"; did you mean {close}?" if close else "")
+            f"{arch!r} is not a ViT of timm's vision_transformer, deit, eva or naflexvit modules, which vitlab's ViT "
+            "expresses" + (f"; did you mean {close}?" if close else "")
         )
 
     def build(**args: Any) -> ViT:

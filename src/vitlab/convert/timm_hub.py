@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 
-from vitlab.utils.downloads import downloading
+from vitlab.utils.downloads import downloading, unless_hub_reachable_read_the_cache
 from vitlab.utils.errors import MissingFileError, UserError, close_matches
 
-# timm's modules of plain ViTs: `vision_transformer`, and `deit` (DeiT's, distilled ones included, and DeiT III's)
-TIMM_VIT_MODULES = ("vision_transformer", "deit")
+# timm's modules of plain ViTs: `vision_transformer`, `deit` (DeiT's, distilled ones included, and DeiT III's), and
+# `naflexvit` (NaFlex: images at their own aspect ratio, model/naflex.py)
+TIMM_VIT_MODULES = ("vision_transformer", "deit", "naflexvit")
 
 
 def timm_vit_names() -> list[str]:
@@ -133,25 +132,9 @@ def check_timm_name(name: str, weights: bool = True) -> None:
 def from_the_hub(name: str) -> Iterator[None]:
     """Downloads from the Hugging Face hub: the hub looked for first (an unreachable hub reads the cache alone, at
     once), and "no network" the one-line OfflineError naming `name` and the ways out."""
-    _unless_hub_reachable_read_the_cache()
+    unless_hub_reachable_read_the_cache()
     with downloading(offline_message(name)):
         yield
-
-
-def _unless_hub_reachable_read_the_cache() -> None:
-    """Without a network, huggingface_hub retries each request for about a minute before it gives up (50 s for one
-    timm name, measured): look for the hub once, in 2 s, and if it cannot be reached let huggingface_hub read its
-    cache alone, as HF_HUB_OFFLINE=1 does. (Behind a proxy the look would mislead: it is left to the hub.)"""
-    from huggingface_hub import constants
-
-    proxy = any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
-    if constants.is_offline_mode() or proxy:
-        return
-    url = urlparse(constants.ENDPOINT)
-    try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=2).close()
-    except OSError:
-        constants.HF_HUB_OFFLINE = True
 
 
 def offline_message(name: str) -> str:

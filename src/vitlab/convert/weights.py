@@ -85,7 +85,13 @@ def fit_state_dict(
         want = {k: v for k, v in want.items() if not k.startswith(drop)}
     if resample and "pos_embed" in out and out["pos_embed"].shape != want.get("pos_embed"):
         n_prefix = cfg.num_prefix_tokens if cfg.embeds_prefix else 0
+        rows = out["pos_embed"].shape[1] - n_prefix
         out["pos_embed"] = resample_pos_embed(out["pos_embed"], cfg.grid_size, None, n_prefix, cfg.pos_embed_resample)
+        other = next(r for r in ("timm", "dino") if r != cfg.pos_embed_resample)
+        log.info("%s: its position table of %d patches resampled to the %dx%d grid by %s's rule (model."
+                 "pos_embed_resample=%s; the other: model.pos_embed_resample=%s, dino for weights DINO's or DINOv2's "
+                 "code trained)", src, rows, *cfg.grid_size, cfg.pos_embed_resample, cfg.pos_embed_resample,
+                 other)  # fmt: skip
     key = "patch_embed.proj.weight"
     if resample and key in out and out[key].shape[1] != cfg.in_chans:  # e.g. RGB weights for grayscale data
         out[key] = adapt_in_chans(out[key], cfg.in_chans)

@@ -19,10 +19,13 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import Dataset, DistributedSampler, Sampler, Subset
+from torch.utils.data import Dataset, DistributedSampler, Sampler, Subset, default_collate
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from vitlab.data import folds as folds_module
 from vitlab.data import image_views, resident, sizes, transforms
+from vitlab.data import naflex as naflex_loading
+from vitlab.data.folds import held_out  # noqa: F401  (where the datasets and tests import it from)
 from vitlab.data.resident import ResidentImages, already_batched
 from vitlab.data.seeded import RepeatSampler, RepeatSeededSampler, SeededSampler, TransformDataset, init_worker
 from vitlab.model.config import as_hw
@@ -207,13 +210,10 @@ class DataModule(L.LightningDataModule):
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         return self.device_transform(batch, train=self.trainer is not None and self.trainer.training)
 
-    def device_transform(self, batch, train: bool):
-        """A batch, once on the device, to the model's normalised float32 input. A plain training loop calls it as
-        Lightning does."""
+    def device_transform(self, batch, train: bool):  # a batch on the device -> the model's input (Lightning calls it)
         raise NotImplementedError
 
-    def predict_tensor(self, img) -> torch.Tensor:
-        """One image (PIL or tensor) -> the (1, C, H, W) float32 batch the test images are made into."""
+    def predict_tensor(self, img) -> torch.Tensor:  # one image (PIL or tensor) -> the batch test images are made into
         raise NotImplementedError
 
     def first_images(self, split: str, n: int) -> torch.Tensor:
@@ -249,13 +249,6 @@ def describe_splits(splits: dict[str, str]) -> str:
     return f"validation (selects the best checkpoint): {splits['val']}; test: {splits['test']}"
 
 
-def held_out(n: int, held: int, seed: int) -> tuple[list[int], list[int]]:
-    """Indices (kept, held out) of n images, `held` of them held out at random, fixed by `seed` (big_vision's
-    minival, CIFAR's validation images: a slice of train that selects the checkpoint)."""
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    return sorted(order[held:]), sorted(order[:held])
-
-
 class ImageDataModule(DataModule):
     """Datasets of images (files, or images in memory): each decoded and augmented on uint8 by the loaders' workers
     (`train_tf`, `eval_tf`), normalised on the device (`to_input`, with random erasing in training); or, when they
@@ -268,6 +261,7 @@ class ImageDataModule(DataModule):
     can_reside = True  # its splits may be held on the device (not streamed shards)
     native_hw: tuple[int, int] | None = None  # the size every image has, where they share one (CIFAR's 32x32)
     decodes_files = False  # its images are decoded from files (by loader workers, also to hold them on the device)
+    takes_folds = False  # data.folds: a map-style reader whose labels are known before the split (data/folds.py)
 
     def __init__(
         self,
@@ -283,9 +277,14 @@ class ImageDataModule(DataModule):
         train_size_schedule: str = "constant",
         train_size_schedule_spread: float = 0.65,
         train_size_random_mix: float = 0.1,
+        folds: int = 0,  # k-fold: the training split cut into this many class-stratified folds (data/folds.py)
+        fold: int = 0,  # ...of which this one validates
+        naflex: dict | None = None,  # images at their own aspect ratio, batches of variable length (data/naflex.py)
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
+        folds_module.check_folds(folds, fold, type(self).__name__ if not self.takes_folds else None)
+        self.folds, self.fold = folds, fold
         if multicrop is not None:  # objective=dino: its views are the training augmentation (data/image_views.py)
             train_transform = {"random_resized_crop": None, "hflip": 0.0}
         if repeated_aug < 0 or repeated_aug == 1:
@@ -319,6 +318,7 @@ class ImageDataModule(DataModule):
         self.multicrop_settings, self.views = multicrop, None
         if multicrop is not None:  # cut from each whole image in the workers, or from a square on the device
             self.views, self.train_tf = image_views.setup(self, multicrop)
+        naflex_loading.setup(self, naflex)
 
     def _assign_splits(self, train: Any, val: Any, test: Any | None, val_fraction: float, split_seed: int) -> None:
         """The three splits of a dataset given as train, val and (maybe) test: with `val_fraction`, a held-out slice
@@ -327,13 +327,13 @@ class ImageDataModule(DataModule):
         `self.splits` says which is which (the log, metrics.json)."""
         if not 0.0 <= val_fraction < 1.0:
             raise UserError(f"data.val_fraction {val_fraction} must be in [0, 1): the share of train held out")
-        if val_fraction:
-            if not 0 < (count := round(val_fraction * len(train))) < len(train):
+        if val_fraction or self.folds:
+            if not 0 < (count := round(val_fraction * len(train))) < len(train) and not self.folds:
                 raise UserError(
                     f"data.val_fraction {val_fraction} of {len(train)} training images holds out {count}: nothing to "
                     "validate on or nothing left to train on"
                 )
-            kept, held = held_out(len(train), count, split_seed)
+            kept, held = folds_module.kept_and_held(train, count, split_seed, self.folds, self.fold)
             self.train_set = TransformDataset(train, self.train_tf, kept)
             self.val_set = TransformDataset(train, self.eval_tf, held)
             self.test_set = TransformDataset(test if test is not None else val, self.eval_tf)
@@ -342,7 +342,7 @@ class ImageDataModule(DataModule):
                 "val": f"{len(held):,} images of train/ held out (data.val_fraction {val_fraction:g}, split_seed "
                 f"{split_seed})",
                 "test": "test/" if test is not None else "val/",
-            }
+            } | (folds_module.describe(self.folds, self.fold, len(held), split_seed) if self.folds else {})
             return
         self.train_set = TransformDataset(train, self.train_tf)
         self.val_set = TransformDataset(val, self.eval_tf)
@@ -371,10 +371,11 @@ class ImageDataModule(DataModule):
         return super()._train_sampler(dataset, world, rank)
 
     def device_transform(self, batch, train: bool):
-        """A uint8 batch, once on the device, to the model's normalised float32 input: held on the device, the
-        training batch is shifted and flipped first; resized where kept at its own size; randomly erased in
-        training."""
+        """A uint8 batch, once on the device, to the model's normalised float32 input: held on the device, the training
+        batch is shifted and flipped first; resized where kept at its own size; randomly erased in training."""
         x, y = batch[:2]
+        if isinstance(x, dict):  # NaFlex's padded patches (data/naflex.py)
+            return naflex_loading.normalise(x, self.mean, self.std), y
         if train and self.views is not None and isinstance(x, list):  # objective=dino, views cut in the workers
             return self.views.normalised(x, self.rng), y
         if train and self.views is not None:  # objective=dino: the views (and iBOT's masks) of every image
@@ -390,7 +391,7 @@ class ImageDataModule(DataModule):
 
     def predict_tensor(self, img) -> torch.Tensor:
         """One image (PIL or uint8 tensor) -> the (1, C, H, W) float32 batch the eval loader makes of it."""
-        return self.device_transform((self.eval_tf(img).unsqueeze(0), None), train=False)[0]
+        return self.device_transform((default_collate([self.eval_tf(img)]), None), train=False)[0]
 
     @property
     def preprocessing(self) -> dict[str, Any]:

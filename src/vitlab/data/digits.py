@@ -21,6 +21,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 from vitlab.data.base import ImageDataModule
+from vitlab.data.folds import fold_split
 from vitlab.data.resident import ArrayImages
 from vitlab.data.seeded import TransformDataset
 from vitlab.utils.errors import UserError
@@ -45,6 +46,8 @@ def random_affine(
 class DigitsDataModule(ImageDataModule):
     """The whole set in memory as uint8, held on the training device by default; digits' own augmentation
     settings (shift, rotate, scale) instead of data.train_transform."""
+
+    takes_folds = True  # data.folds=K data.fold=i (data/folds.py)
 
     num_classes = 10
     channels = 1
@@ -99,20 +102,25 @@ class DigitsDataModule(ImageDataModule):
         rest, test = train_test_split(
             idx, test_size=self.test_fraction, stratify=labels.tolist(), random_state=self.split_seed
         )
-        train, val = train_test_split(
-            rest,
-            test_size=self.val_fraction / (1 - self.test_fraction),
-            stratify=labels[rest].tolist(),
-            random_state=self.split_seed,
-        )
+        if self.folds:  # k-fold: train and val are the folds of all but the test digits
+            kept, held = fold_split(labels[rest].tolist(), self.folds, self.fold, self.split_seed)
+            train, val = [rest[i] for i in kept], [rest[i] for i in held]
+        else:
+            train, val = train_test_split(
+                rest,
+                test_size=self.val_fraction / (1 - self.test_fraction),
+                stratify=labels[rest].tolist(),
+                random_state=self.split_seed,
+            )
         base = ArrayImages(images, labels)
         self.train_set = TransformDataset(base, self.train_tf, sorted(train))
         self.val_set = TransformDataset(base, self.eval_tf, sorted(val))
         self.test_set = TransformDataset(base, self.eval_tf, sorted(test))
         how = f"stratified, split_seed {self.split_seed}"
+        share = f"fold {self.fold} of {self.folds}" if self.folds else f"{self.val_fraction:g}"
         self.splits = {
             "train": f"{len(train):,} digits",
-            "val": f"{len(val):,} digits ({self.val_fraction:g}, {how})",
+            "val": f"{len(val):,} digits ({share}, {how})",
             "test": f"{len(test):,} digits ({self.test_fraction:g}, {how})",
         }
 

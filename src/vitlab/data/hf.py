@@ -25,6 +25,7 @@ from torch.utils.data import Dataset
 from vitlab.data.images import decode_image
 from vitlab.data.records import RecordsDataModule, label_indices
 from vitlab.data.streamed import StreamedSplit
+from vitlab.utils.downloads import unless_hub_reachable_read_the_cache
 from vitlab.utils.errors import MissingFileError, OfflineError, UserError
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ def load(name: str, config: str | None = None, streaming: bool = False, cache_di
         return splits
     if not path.exists() and (name.startswith(("/", ".", "~")) or name.count("/") > 1):
         raise MissingFileError(f"data.name {name!r} does not exist (a folder save_to_disk wrote, or of parquet files)")
+    if not path.exists():
+        unless_hub_reachable_read_the_cache()  # (no network: the cache alone, at once)
     try:
         return dict(datasets.load_dataset(str(path) if path.exists() else name, config, streaming=streaming,
                                           cache_dir=cache_dir))  # fmt: skip
@@ -89,6 +92,14 @@ def columns(split: Any, image_key: str | None, label_key: str | None, where: str
         raise UserError(f"{where} does not say its columns' features; name them with data.image_key and data.label_key")
     image = find_column(features, image_key, (datasets.Image,), IMAGE_KEYS, "image", where)
     label = find_column(features, label_key, (datasets.ClassLabel,), LABEL_KEYS, "label", where)
+    kind = features[image]
+    if isinstance(kind, datasets.ClassLabel) or (isinstance(kind, datasets.Value) and "string" not in kind.dtype
+                                                 and "binary" not in kind.dtype):  # fmt: skip
+        held = "class labels" if isinstance(kind, datasets.ClassLabel) else f"{kind.dtype} values"
+        raise UserError(
+            f"data.image_key {image!r} is a column of {where} that holds {held}, not images; its columns: "
+            f"{', '.join(features)}"
+        )
     return image, label
 
 
@@ -173,6 +184,7 @@ class HFStream:
 
 
 class HFDataModule(RecordsDataModule):
+    takes_folds = True  # data.folds=K data.fold=i (data/folds.py)
     decodes_files = True  # an Image column holds each photo's encoded file (decoded in the loader's workers, at its own
     # size: objective=dino cuts its views from each whole image, as from a folder's)
 

@@ -61,6 +61,8 @@ class ImageFolderDataModule(ImageDataModule):
     checked against `num_classes`; `val_fraction` holds a seeded share of train/ out to validate on, `unlabeled`
     reads every image at any depth for pretraining without labels."""
 
+    takes_folds = True  # data.folds=K data.fold=i (data/folds.py)
+
     channels = 3
     mean = (0.485, 0.456, 0.406)  # ImageNet
     std = (0.229, 0.224, 0.225)

@@ -32,7 +32,7 @@ def read_list(file: str, image_key: str = "path", label_key: str = "label") -> t
         raise MissingFileError(f"image list {file!r} does not exist")
     if path.suffix.lower() not in (".csv", ".jsonl", ".tsv"):
         raise UserError(f"image list {file!r} is neither a .csv (or .tsv) nor a .jsonl file")
-    with open(path, newline="") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:  # (-sig: a CSV that Excel saved begins with a BOM)
         if path.suffix.lower() == ".jsonl":
             rows = [_json_row(line, path, n) for n, line in enumerate(f, start=1) if line.strip()]
         else:
@@ -81,6 +81,7 @@ class ListedImages(Dataset):
 
 
 class ListDataModule(RecordsDataModule):
+    takes_folds = True  # data.folds=K data.fold=i (data/folds.py)
     decodes_files = True
 
     def __init__(

@@ -17,7 +17,9 @@ import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from vitlab.data.base import ImageDataModule, describe_splits, held_out
+from vitlab.data.base import ImageDataModule, describe_splits
+from vitlab.data.folds import describe as describe_folds
+from vitlab.data.folds import kept_and_held
 from vitlab.data.seeded import TransformDataset, init_worker
 from vitlab.data.streamed import EpochSampler, Holdout, StreamedSplit
 from vitlab.utils.errors import UserError
@@ -57,9 +59,10 @@ class RecordsDataModule(ImageDataModule):
         self.class_names: list[str] = []
 
     def _check_classes(self, class_names: list[str], where: str) -> None:
-        if self.num_classes and len(class_names) > self.num_classes:
+        if self.num_classes and len(class_names) != self.num_classes:  # (an image folder's refusal too)
             raise UserError(
-                f"data.num_classes {self.num_classes} is fewer than the {len(class_names)} classes of {where}"
+                f"data.num_classes {self.num_classes} does not match the {len(class_names)} classes of {where}; "
+                "leave data.num_classes out to take the data's count"
             )
         self.class_names = class_names
 
@@ -70,16 +73,21 @@ class RecordsDataModule(ImageDataModule):
             self.splits = {k: names.get(v.rstrip("/"), v) for k, v in self.splits.items()}
         else:
             fraction = self._missing_val_fraction(names)
-            kept, held = held_out(len(train), max(1, round(fraction * len(train))), self.split_seed)
+            count = max(1, round(fraction * len(train)))
+            kept, held = kept_and_held(train, count, self.split_seed, self.folds, self.fold)
             self.train_set = TransformDataset(train, self.train_tf, kept)
             self.val_set = TransformDataset(train, self.eval_tf, held)
             self.test_set = TransformDataset(test, self.eval_tf) if test is not None else None
             self.splits = {"train": f"{names['train']} less the held-out {fraction:g}",
                            "val": f"{len(held):,} images of {names['train']} held out"}  # fmt: skip
+            if self.folds:
+                self.splits |= describe_folds(self.folds, self.fold, len(held), self.split_seed, names["train"])
             self.splits |= {"test": names["test"]} if test is not None else {}
         log.info("%s", describe_splits(self.splits))
 
     def _missing_val_fraction(self, names: dict) -> float:
+        if self.folds:  # (the held-out fold validates)
+            return 0.0
         fraction = self.val_fraction if self.val_fraction else MISSING_VAL_FRACTION
         if not 0.0 < fraction < 1.0:
             raise UserError(f"data.val_fraction {fraction} must be in (0, 1): the share of train held out")
@@ -89,6 +97,8 @@ class RecordsDataModule(ImageDataModule):
 
     def _set_streamed_splits(self, make, names: dict, num_train: int, sizes: dict) -> None:
         """Streamed splits: `make(split, train, holdout)` builds one (a StreamedSplit) of the data's split `split`."""
+        if self.folds:
+            raise UserError(f"data.folds {self.folds}: streamed data takes no folds; k-fold splits map-style data")
         holdout = None
         if names.get("val") is None or self.val_fraction:
             fraction = self._missing_val_fraction(names)
@@ -132,7 +142,15 @@ class RecordsDataModule(ImageDataModule):
     def eval_view(self, split: str) -> Dataset:
         dataset = getattr(self, f"{split}_set")
         if isinstance(dataset, StreamedSplit):
-            return dataset.as_eval(self.eval_tf)
+            view = dataset.as_eval(self.eval_tf)
+            if view.num_samples is None:  # (the training split: its epoch's count is no size)
+                counted = self.__dict__.setdefault("_counted", {})
+                if split not in counted:
+                    counted[split] = view.count()
+                    log.info("%s split: %d samples (counted: its shards read once, nothing decoded)", split,
+                             counted[split])  # fmt: skip
+                view.num_samples = counted[split]
+            return view
         return super().eval_view(split)
 
     def first_images(self, split: str, n: int) -> torch.Tensor:

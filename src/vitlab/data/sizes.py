@@ -168,8 +168,15 @@ class ScheduledImages(Dataset):
     seeded as TransformDataset's); without (data held on the device) the batch is gathered there at the size it is
     stored and comes with its size, to be resized once shifted and flipped (ImageDataModule.device_transform)."""
 
-    def __init__(self, dataset: Dataset, img_sizes: Sequence[int], transforms: Sequence[Any] | None = None):
+    def __init__(
+        self,
+        dataset: Dataset,
+        img_sizes: Sequence[int],
+        transforms: Sequence[Any] | None = None,
+        collates: Sequence[Any] | None = None,  # per size choice (NaFlex's padding, data/naflex.py); None: stacked
+    ):
         self.dataset, self.img_sizes, self.transforms = dataset, list(img_sizes), transforms
+        self.collates = collates
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -179,7 +186,8 @@ class ScheduledImages(Dataset):
         if self.transforms is None:
             images, labels = self.dataset.__getitems__(keys)
             return [images, labels, (self.img_sizes[choice],) * 2]
-        return default_collate([self.dataset.get(key, self.transforms[choice]) for key in keys])
+        collate = self.collates[choice] if self.collates is not None else default_collate
+        return collate([self.dataset.get(key, self.transforms[choice]) for key in keys])
 
 
 def scheduled_loading(dm: Any, sampler: Sampler, dataset: Dataset, world: int) -> tuple[ScheduledBatches, Dataset]:
@@ -187,13 +195,16 @@ def scheduled_loading(dm: Any, sampler: Sampler, dataset: Dataset, world: int) -
     ImageDataModule), over `sampler` and `dataset` as the one-size loader would read them."""
     schedule: SizeSchedule = dm.size_schedule
     if isinstance(dataset, IterableDataset):
-        raise UserError(f"data.train_img_sizes needs images read by index; {type(dm).__name__} streams them")
+        what = "data.naflex.seq_lens" if hasattr(schedule, "loading") else "data.train_img_sizes"
+        raise UserError(f"{what} needs images read by index; {type(dm).__name__} streams them")
     epochs = dm.trainer.max_epochs if dm.trainer is not None else None
     batches = schedule.batches(sampler, dm.batch_size, world, epochs, dm.shuffle_seed)
     said = schedule.describe(batches, world)
     if (dm.trainer is None or dm.trainer.global_rank == 0) and said != getattr(dm, "_said", None):
         log.info(said)  # once (Lightning asks for the loader twice as a run starts)
         dm._said = said
+    if hasattr(schedule, "loading"):  # NaFlex's sequence lengths (data/naflex.py): its transforms and padding
+        return batches, ScheduledImages(dataset, schedule.img_sizes, *schedule.loading(dm))
     if isinstance(dataset, ResidentImages):
         return batches, ScheduledImages(dataset, schedule.img_sizes)
     made = [transforms.train_transform(s, dm.mean, **dm.train_transform_args) for s in schedule.img_sizes]
@@ -205,6 +216,8 @@ def check_model(schedule: SizeSchedule | None, model: Any, objective: str) -> No
     patches tile each size, training a classifier (a teacher, MAE's masks and DINO's crops have sizes of their own)."""
     if schedule is None:
         return
+    if hasattr(schedule, "check_model"):  # NaFlex's (data/naflex.py)
+        return schedule.check_model(model, objective)
     if objective != "classify":
         raise UserError(f"data.train_img_sizes trains objective=classify, not objective={objective}")
     if set(schedule.img_sizes) != {model.img_hw[0]} and not model.dynamic_img_size:

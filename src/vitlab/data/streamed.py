@@ -105,6 +105,15 @@ class StreamedSplit(IterableDataset):
         """The same samples in evaluation's order (every one once, in order), through `transform`."""
         return StreamedSplit(self.source, transform, self.decode, False, None, 0, self.corrupt, self.holdout)
 
+    def count_all(self) -> int:
+        """The samples of the split's shards, held out or not."""
+        return sum(1 for shard in range(self.source.n_shards) for _ in self.source.read(shard))
+
+    def count(self) -> int:
+        """The split's samples, counted by reading its shards once without decoding them (a split whose size no
+        description gives: frozen-feature evaluations need the size of the bank they extract)."""
+        return sum(1 for shard in range(self.source.n_shards) for _ in self._kept(shard))
+
     def __len__(self) -> int:
         """This process's samples (training: whole batches; Lightning counts the steps by it)."""
         if self.num_samples is None:
@@ -163,6 +172,13 @@ class StreamedSplit(IterableDataset):
                 image = self._decoded(data, name)
                 if image is not None:
                     yield self.transform(image), label
+        if i == 0 and self.holdout is not None:  # (a few samples may hold none out: validation would score nothing)
+            raise UserError(
+                f"the validation slice held out of the training data is empty: data.val_fraction "
+                f"{self.holdout.fraction:g} of its {self.count_all()} samples (drawn with data.split_seed "
+                f"{self.holdout.seed}) picked none; give validation data of its own (data.val_urls for data=wds) or a "
+                "larger data.val_fraction"
+            )
 
     def _kept(self, shard: int) -> Iterator[tuple[str, Any, int]]:
         for place, sample in enumerate(self.source.read(shard)):

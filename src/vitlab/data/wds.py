@@ -70,14 +70,19 @@ class TarShards:
     """Shards as a data/streamed.py Source: each tar's samples in order, (name, image bytes, label)."""
 
     def __init__(self, urls: list[str], image_keys: list[str], label_key: str, corrupt: str):
+        import multiprocessing
+
         self.urls, self.n_shards, self.image_keys, self.label_key = urls, len(urls), image_keys, label_key
-        self.corrupt, self.skipped = corrupt, 0
+        self.corrupt = corrupt
+        # A shard that cannot be read whole is said once (a reader goes round its shards many times an epoch: a cut
+        # tar made 144 lines of one epoch), its faults counted: shared with the loader workers, forked from here.
+        self.said, self.faults = multiprocessing.Array("b", len(urls)), multiprocessing.Value("q", 0)
 
     def read(self, shard: int):
         from webdataset.tariterators import tarfile_samples
 
         url = self.urls[shard]
-        for sample in tarfile_samples([{"url": url}], handler=functools.partial(self._tar_error, url)):
+        for sample in tarfile_samples([{"url": url}], handler=functools.partial(self._tar_error, shard)):
             name = f"{url} {sample.get('__key__')}"
             data = next((sample[k] for k in self.image_keys if k in sample), None)
             if data is None:  # (decoding it names the sample and what was looked for)
@@ -94,14 +99,26 @@ class TarShards:
                 "data.label_key"
             ) from None
 
-    def _tar_error(self, url: str, error: Exception) -> bool:
+    def _tar_error(self, shard: int, error: Exception) -> bool:
+        url = self.urls[shard]
         if self.corrupt == "error":
             raise UserError(f"shard {url} cannot be read ({type(error).__name__}: {error}); data.corrupt=skip skips "
                             "what cannot be read, counted")  # fmt: skip
-        self.skipped += 1
-        log.warning("shard %s: skipped what cannot be read (%d so far): %s: %s", url, self.skipped,
-                    type(error).__name__, error)  # fmt: skip
+        with self.faults.get_lock():
+            self.faults.value += 1
+            first, self.said[shard] = not self.said[shard], 1
+        if first:
+            log.warning("shard %s cannot be read whole (%s: %s): what it holds before that is used, the rest skipped "
+                        "(data.corrupt=skip); said once, counted at the end", url, type(error).__name__,
+                        str(error).splitlines()[0][:160])  # fmt: skip
         return True
+
+    def summary(self) -> str | None:
+        """How many reads failed, in which shards (None: none)."""
+        if not self.faults.value:
+            return None
+        bad = [url for url, said in zip(self.urls, self.said, strict=True) if said]
+        return f"{self.faults.value} read(s) of {len(bad)} shard(s) failed and were skipped: {', '.join(bad[:3])}"
 
 
 def decode(data: Any, name: str, channels: int = 3):
@@ -150,6 +167,7 @@ class WDSDataModule(RecordsDataModule):
             return
         names = {role: f"data.{'urls' if role == 'train' else role + '_urls'}" for role in self.urls}
         sources = {names[r]: TarShards(u, self.image_keys, self.label_key, self.corrupt) for r, u in self.urls.items()}
+        self._sources = sources
         sizes = {names[r]: self.sizes.get(r) for r in self.urls}
 
         def make(split: str, train: bool, holdout):
@@ -160,6 +178,15 @@ class WDSDataModule(RecordsDataModule):
                                  buffer, self.corrupt, holdout)  # fmt: skip
 
         self._set_streamed_splits(make, names, self.num_train, sizes)
+
+    def teardown(self, stage: str) -> None:
+        """The count at the end of fit or test: each shard that could not be read whole was said once."""
+        reported = self.__dict__.setdefault("_reported", {})
+        for split, source in getattr(self, "_sources", {}).items():
+            if (said := source.summary()) is not None and reported.get(split) != source.faults.value:
+                reported[split] = source.faults.value
+                log.warning("%s (%s, in this process's loaders, data.corrupt=skip)", said, split)
+        super().teardown(stage)
 
 
 def write_shards(splits: dict, out: Path, class_names: list[str], shard_size: int) -> dict:

@@ -90,6 +90,8 @@ def layers_of(model, blocks, avgpool: bool = False) -> Layers:
         raise UserError(
             f"layers={given} reads class tokens and the model has none (class_token=false); set layers=null"
         )
+    if model.cfg.naflex:  # blocks' tokens of padded NaFlex batches: not read here
+        raise UserError(f"layers={given} reads blocks' tokens of square images; a NaFlex model: set layers=null")
     return Layers(tuple(sorted({b % depth for b in blocks})), avgpool)
 
 
@@ -115,6 +117,8 @@ def split_features(
     get (None, None)). Rank 0 alone reads and writes the cache."""
     dataset = datamodule.eval_view(split)
     n, (rank, world) = len(dataset), _world()
+    if n == 0:  # (a held-out validation slice that held nothing: data/streamed.py refuses it in training now)
+        raise UserError(f"the {split} split holds no images to extract features of")
     stem = f"{split}.{layers.name}" if layers.name else split
     meta = {**source, "split": split, "n": n} | ({"layers": layers.name} if layers.name else {})
     found = _read(cache, stem, meta) if cache is not None and rank == 0 else None

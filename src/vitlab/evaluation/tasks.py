@@ -24,6 +24,7 @@ from vitlab.training.pretrained import apply_pretrained
 from vitlab.training.run import build
 from vitlab.training.run.node_checks import check_devices
 from vitlab.utils.errors import UserError
+from vitlab.utils.logs import shown
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ def score_pretrained(cfg: DictConfig, weights: Weights) -> dict:
     if t.get("num_nodes", 1) != 1 or t.get("devices", 1) not in (1, "1"):
         raise UserError("task=test on model.pretrained runs in one process: set trainer.devices=1")
     metrics, images = classifier.score(cfg, weights, launch(cfg.trainer))
-    log.info("model.pretrained=%s on %s: %s", source, images, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    log.info("model.pretrained=%s on %s: %s", source, images, ", ".join(f"{k} {shown(v)}" for k, v in metrics.items()))
     return metrics
 
 
@@ -140,8 +141,8 @@ def probe(cfg, model, datamodule, source: dict, cache: Path | None, device: torc
         return None
     if not linear:
         metrics = _score(cfg, feats, split, datamodule.num_classes)
-    shown = ", ".join(f"{name} {v:.4f}" if isinstance(v, float) else f"{name} {v}" for name, v in metrics.items())
-    print(f"{shown} (on the {split} split)", flush=True)
+    line = ", ".join(f"{name} {shown(v)}" if isinstance(v, float) else f"{name} {v}" for name, v in metrics.items())
+    print(f"{line} (on the {split} split)", flush=True)
     return metrics | {"split": split, "features": str(cache)}
 
 

@@ -50,6 +50,8 @@ def training_views(
         ]
     if objective == "dino":  # on the device, from the image's square
         return _device_views(dm, img, seed)
+    if hasattr(dm.size_schedule, "seq_lens"):  # NaFlex: the crop at a drawn sequence length, at its own size
+        return [_naflex_view(dm.size_schedule, img)]
     view = _classifier_view(dm.train_tf, img)
     return [_masked(view, *mae) if objective == "mae" else view]
 
@@ -94,6 +96,24 @@ def _classifier_view(pipeline: T.Compose, img: torch.Tensor) -> dict[str, Any]:
     return {"image": x.float() / 255, "box": box, "size": list(x.shape[-2:])}
 
 
+def _naflex_view(schedule: Any, img: torch.Tensor) -> dict[str, Any]:
+    """NaFlex's training crop (data/naflex.py: timm's RandomResizedCropToSequence) at one of the schedule's sequence
+    lengths, its box recorded (its get_params), resized to the size that length allows the crop's aspect."""
+    from vitlab.data.naflex import train_transform
+
+    seq_len = random.choice(schedule.seq_lens)
+    crop, flip = train_transform(seq_len, schedule.patch_hw, *schedule.view_args).transforms[1:3]
+    ph, pw = schedule.patch_hw
+    (top, left, h, w), size, mode = crop.get_params(img, crop.scale, crop.ratio, crop.attempts, ph, pw, seq_len,
+                                                    interpolation=crop.interpolation)  # fmt: skip
+    x = flip(T.functional.resized_crop(img, top, left, h, w, list(size), interpolation=mode, antialias=True))
+    return {"image": x.float() / 255, "box": [left, top, left + w, top + h], "size": list(x.shape[-2:])}
+
+
+# views.json's own word on its numbers: sizes are [height, width] as torch's shapes, boxes x first as PIL's.
+LAYOUT = "source_size and each view's size: [height, width]; box: [x0, y0, x1, y1] in the source image's pixels"
+
+
 def draw_views(
     dm: Any, objective: str, num_images: int, draws: int, out_dir: Path, seed: int = 0, mae: tuple | None = None
 ) -> list[Path]:
@@ -111,7 +131,8 @@ def draw_views(
         strip = [[{k: v for k, v in view.items() if k != "image"} for view in run] for run in runs]
         record.append({"index": i, "source_size": [int(h), int(w)], "draws": strip})
     out_dir.mkdir(parents=True, exist_ok=True)
-    info = {"objective": objective, "data": type(dm).__name__, "path": _path(dm, objective), "images": record}
+    info = {"objective": objective, "data": type(dm).__name__, "path": _path(dm, objective), "layout": LAYOUT,
+            "images": record}  # fmt: skip
     (out_dir / "views.json").write_text(json.dumps(info, indent=1))
     return [_plot(first, out_dir / "views.png"), out_dir / "views.json"]
 

@@ -231,11 +231,12 @@ class AttentionPool(nn.Module):
         ratio = cfg.attn_pool_mlp_ratio or cfg.mlp_ratio  # timm's: biases on, no dropout, its own ratio
         self.mlp = Mlp(cfg.replace(proj_bias=True, proj_drop_rate=0.0, mlp_ratio=ratio, mlp_hidden_dim=None))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D) -> (B, D)
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:  # (B, N, D) -> (B, D)
+        """`attn_mask` (B, 1, 1, N): NaFlex's padded keys (model/naflex.py)."""
         heads = (self.num_heads, self.head_dim)
         q = self.q(self.latent.expand(x.shape[0], -1, -1)).unflatten(-1, heads).transpose(1, 2)  # (B, H, 1, Dh)
         k, v = self.kv(x).unflatten(-1, (2, *heads)).permute(2, 0, 3, 1, 4).unbind(0)
-        x = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)  # (B, 1, D)
+        x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask).transpose(1, 2).flatten(2)  # (B, 1, D)
         x = self.proj(x)
         x = x + self.mlp(self.norm(x))
         return x[:, 0]

@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vitlab.model.rope_config import check_kv_heads, check_rope
+from vitlab.model.naflex_config import check_naflex
+from vitlab.model.rope_config import check_attention, check_rope
 from vitlab.utils.errors import UnknownArgumentError, UnsupportedRequestError, UserError
 
 # width, depth, heads; MLP ratio 4 (ViT paper Table 1; Ti from DeiT Table 1), except giant and gigantic: their MLP
@@ -36,12 +37,11 @@ NORM_LAYERS = ("layernorm", "rmsnorm")
 MLP_LAYERS = ("mlp", "swiglu", "swiglu_packed")
 ATTN_LAYERS = ("attn", "diff", "eva")
 BLOCK_FNS = ("block", "parallel_scaling", "diff_parallel_scaling", "res_post", "parallel_things", "eva")
-POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "sincos2d_mae", "none")
+POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "sincos2d_mae", "factorized", "none")
 POS_EMBED_RESAMPLE = ("timm", "dino")  # how a learned one is resampled (model/posemb.py: resample_grid)
 WEIGHT_INITS = ("", "jax", "jax_nlhb", "moco", "mae", "eva", "skip")  # timm's modes, MAE's and timm's Eva's
+MODEL_EXTRA_KEYS = ("variant", "timm_name", "pretrained", "resample_patch")  # the commands' model keys, not fields
 # The regularisation fields: probabilities in [0, 1), free to change when a run is resumed.
-# Keys of a config's model group that are the commands', not ViTConfig fields.
-MODEL_EXTRA_KEYS = ("variant", "timm_name", "pretrained", "resample_patch")
 DROPOUTS = ("drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate")
 
 
@@ -150,6 +150,14 @@ class ViTConfig:
     # the same numbers. true: every block; N: every N-th block; "selective": every block keeps its matmul and
     # attention outputs and recomputes the rest. Not part of the architecture: a run may resume with it switched.
     grad_checkpointing: bool | int | str = False
+    # NaFlex (timm's naflexvit; model/naflex.py): timm's `embeds.*`, each image's grid, images or NaFlex's dict
+    naflex: bool = False
+    pos_embed_grid_size: tuple[int, int] | None = None  # naflex: the table's grid (None: img_size // patch_size)
+    pos_embed_interp_mode: str = "bicubic"  # naflex: bicubic | bilinear, the resampling to an image's grid
+    pos_embed_ar_preserving: bool = False  # naflex: resample to a square of the longer side, crop top-left
+    pos_embed_antialias: bool = True  # naflex: antialias when the table is shrunk
+    pos_embed_align_corners: bool = False  # naflex: align_corners of the resampling
+    pos_embed_use_grid_sample: bool = False  # naflex: sample the table at each patch's coordinates (grid_sample)
     grid_size: tuple[int, int] = field(init=False)  # derived: patches along H and W
 
     def __post_init__(self) -> None:
@@ -245,17 +253,10 @@ class ViTConfig:
             raise UserError(f"pos_embed {self.pos_embed!r} needs embed_dim divisible by 4, got {self.embed_dim}")
         if self.pos_embed == "sincos1d" and self.embed_dim % 2:
             raise UserError(f"pos_embed 'sincos1d' needs an even embed_dim, got {self.embed_dim}")
-        if self.attn_layer == "eva" and self.block_fn in ("parallel_scaling", "diff_parallel_scaling"):
-            raise UserError(f"attn_layer 'eva' is a separate attention: block_fn {self.block_fn!r} has its own")
-        if self.num_kv_heads is not None:
-            check_kv_heads(self)
-        if self.qkv_bias_separate and (self.attn_layer != "eva" or not self.qkv_fused):
-            raise UserError("qkv_bias_separate adds attn_layer 'eva''s q/v biases after its fused qkv projection only")
-        if not self.qkv_fused and (self.attn_layer == "diff" or self.block_fn.endswith("parallel_scaling")):
-            raise UserError(f"qkv_fused false (q_proj, k_proj, v_proj) is for attn_layer 'attn' or 'eva', not "
-                            f"{self.attn_layer!r} in block_fn {self.block_fn!r}")  # fmt: skip
+        check_attention(self)  # model/rope_config.py: EVA's attention options
         if self.rope != "":
             check_rope(self)  # (a rope that is not a string included)
+        check_naflex(self)  # model/naflex_config.py
 
     def _check_types(self) -> None:
         # Hydra hands over whatever YAML parsed; catch "depth: 12.5" or "qk_norm: yes please" here.
@@ -267,7 +268,7 @@ class ViTConfig:
         bools = ("qkv_bias", "qk_norm", "class_token", "distilled", "no_embed_class", "pre_norm", "dynamic_img_size",
                  "dynamic_img_pad", "final_norm", "proj_bias", "embed_norm", "scale_attn_norm", "scale_mlp_norm",
                  "pool_include_prefix", "fix_init", "drop_path_uniform", "qkv_fused", "qkv_bias_separate",
-                 "attn_only_layer_scale", "rope_rotate_half")  # fmt: skip
+                 "attn_only_layer_scale", "rope_rotate_half", "naflex")  # fmt: skip
         floats = ("mlp_ratio", "norm_eps", "rope_temperature", "rope_grid_offset", *DROPOUTS)
         for name in ints:
             v = getattr(self, name)
@@ -329,8 +330,8 @@ class ViTConfig:
 
     @property
     def embeds_prefix(self) -> bool:
-        """Whether pos_embed has rows for the class/register tokens (timm's original layout)."""
-        return self.pos_embed in ("learn", "sincos1d", "sincos2d_mae") and not self.no_embed_class
+        """Whether pos_embed has rows for the class/register tokens (timm's original layout; never NaFlex's)."""
+        return self.pos_embed in ("learn", "sincos1d", "sincos2d_mae") and not self.no_embed_class and not self.naflex
 
     @property
     def pos_prefix_rows(self) -> int:

@@ -57,6 +57,7 @@ POS_EMBEDS = {
     "sincos2d": lambda grid, prefix, dim, device=None: posemb_sincos_2d(grid, dim, device=device),
     "sincos2d_mae": lambda grid, prefix, dim, device=None: posemb_sincos_2d_mae(grid, dim, prefix, device=device),
     "none": lambda grid, prefix, dim, device=None: None,
+    "factorized": lambda grid, prefix, dim, device=None: None,  # NaFlex's two axis tables: model/naflex.py builds them
 }
 
 

@@ -82,3 +82,16 @@ def check_kv_heads(self: ViTConfig) -> None:
                         f"({self.depth}), or null")  # fmt: skip
     if self.qkv_fused or self.attn_layer != "attn":
         raise UserError(f"num_kv_heads {kv!r} (grouped-query attention) needs qkv_fused false and attn_layer 'attn'")
+
+
+def check_attention(self: ViTConfig) -> None:
+    """EVA's attention options against the rest: attn_layer 'eva', grouped-query heads, q/k/v apart or fused."""
+    if self.attn_layer == "eva" and self.block_fn in ("parallel_scaling", "diff_parallel_scaling"):
+        raise UserError(f"attn_layer 'eva' is a separate attention: block_fn {self.block_fn!r} has its own")
+    if self.num_kv_heads is not None:
+        check_kv_heads(self)
+    if self.qkv_bias_separate and (self.attn_layer != "eva" or not self.qkv_fused):
+        raise UserError("qkv_bias_separate adds attn_layer 'eva''s q/v biases after its fused qkv projection only")
+    if not self.qkv_fused and (self.attn_layer == "diff" or self.block_fn.endswith("parallel_scaling")):
+        raise UserError(f"qkv_fused false (q_proj, k_proj, v_proj) is for attn_layer 'attn' or 'eva', not "
+                        f"{self.attn_layer!r} in block_fn {self.block_fn!r}")  # fmt: skip

@@ -19,6 +19,7 @@ from vitlab.model.attention import AttentionPool
 from vitlab.model.blocks import BLOCKS
 from vitlab.model.config import ViTConfig
 from vitlab.model.layers import POOLS, PatchDropout, PatchEmbed, norm
+from vitlab.model.naflex import NAFLEX_KEYS, NaFlexEmbeds, attention_mask, drop_patches, masked_pool
 from vitlab.model.posemb import POS_EMBEDS, resample_grid, resample_pos_embed
 from vitlab.model.rope import Rope, keep_rows
 from vitlab.model.timm_api import TimmAPI
@@ -132,16 +133,11 @@ class ViT(TimmAPI, nn.Module):
         self.grad_checkpointing = cfg.grad_checkpointing  # timm's set_grad_checkpointing switches it too
 
         # Registration order matches timm's, so state_dict() lists keys in the same order.
-        self.patch_embed = PatchEmbed(cfg)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.class_token else None
-        self.reg_token = nn.Parameter(torch.zeros(1, cfg.reg_tokens, D)) if cfg.reg_tokens else None
-        pos_embed = POS_EMBEDS[cfg.pos_embed](cfg.grid_size, cfg.pos_prefix_rows, D)  # (1, rows, D) or None
-        if cfg.pos_embed == "learn":
-            self.pos_embed = nn.Parameter(pos_embed)
-        elif pos_embed is not None:  # fixed: a buffer (nothing to train), under timm's key
-            self.register_buffer("pos_embed", pos_embed)
+        if cfg.naflex:  # NaFlex: patches, prefix tokens and the position table in one module (model/naflex.py)
+            self.embeds = NaFlexEmbeds(cfg)
+            self.patch_embed = self.cls_token = self.reg_token = self.pos_embed = None
         else:
-            self.pos_embed = None
+            self._build_patch_embed(cfg)
         self.dist_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.distilled else None  # DeiT
         self.pos_drop = nn.Dropout(cfg.pos_drop_rate)
         self.patch_drop = (
@@ -162,6 +158,19 @@ class ViT(TimmAPI, nn.Module):
             self.head_dist = nn.Linear(D, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
         self.distilled_training = False  # distilled: training returns both heads' logits (timm's switch)
 
+    def _build_patch_embed(self, cfg: ViTConfig) -> None:
+        D = cfg.embed_dim
+        self.patch_embed = PatchEmbed(cfg)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.class_token else None
+        self.reg_token = nn.Parameter(torch.zeros(1, cfg.reg_tokens, D)) if cfg.reg_tokens else None
+        pos_embed = POS_EMBEDS[cfg.pos_embed](cfg.grid_size, cfg.pos_prefix_rows, D)  # (1, rows, D) or None
+        if cfg.pos_embed == "learn":
+            self.pos_embed = nn.Parameter(pos_embed)
+        elif pos_embed is not None:  # fixed: a buffer (nothing to train), under timm's key
+            self.register_buffer("pos_embed", pos_embed)
+        else:
+            self.pos_embed = None
+
     def init_weights(self, mode: str = "", needs_reset: bool = True) -> None:
         """Initialise every parameter and buffer in place by `cfg.weight_init` (init.py), as the constructor does:
         also a model built on the meta device once `to_empty` has materialised it. timm's arguments: `mode` another
@@ -180,7 +189,9 @@ class ViT(TimmAPI, nn.Module):
         """Images -> (tokens (B, N, D), the RoPE table of their patches, or None): what the blocks take. With patch
         dropout the table keeps the kept patches' rows (model/rope.py: keep_rows)."""
         cfg = self.cfg
-        _check_input_size(x, cfg.img_hw, cfg.patch_hw, cfg.dynamic_img_size, cfg.dynamic_img_pad)
+        _check_input_size(x, cfg.img_hw, cfg.patch_hw, cfg.dynamic_img_size or cfg.naflex, cfg.dynamic_img_pad)
+        if cfg.naflex:  # any size: the table resampled to this batch's grid (NaFlex takes no RoPE: naflex_config)
+            return self.norm_pre(self.patch_drop(self.embeds(x))), None
         x = self.patch_embed(x)  # (B, h, w, D)
         rope = self.rope(x) if self.rope is not None else None  # this grid's
         pos = self.pos_embed
@@ -224,28 +235,63 @@ class ViT(TimmAPI, nn.Module):
             return recompute_region(blk)(x, rows, attn_mask, mode == "selective", rope)
         return blk(x, rows, attn_mask, rope)
 
-    def forward_features(
-        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, last_rows: int | None = None
-    ) -> torch.Tensor:
-        """Images -> final normed tokens (B, N, D); with `last_rows`, the last block computes and returns
-        only the first `last_rows` tokens (B, last_rows, D)."""
-        x, rope = self.embed_with_rope(x)
+    def embed_naflex(self, patches: torch.Tensor, patch_coord: torch.Tensor, patch_valid: torch.Tensor) -> tuple:
+        """NaFlex's dict -> tokens (B, prefix + N, D), the patches' validity (B, N) after patch dropout, and the
+        attention mask of the padded sequences (B, 1, N', N')."""
+        x = self.embeds(patches, patch_coord)
+        if self.training and self.cfg.patch_drop_rate:
+            x, patch_valid = drop_patches(x, patch_valid, self.cfg.patch_drop_rate, self.num_prefix_tokens)
+        return self.norm_pre(x), patch_valid, attention_mask(patch_valid, self.num_prefix_tokens, x.dtype)
+
+    def _tokens(self, x, attn_mask=None, last_rows=None, patch_coord=None, patch_valid=None) -> tuple:
+        """(final normed tokens, patch validity or None) of images, or of NaFlex patches with their coordinates."""
+        if not self.cfg.naflex and (isinstance(x, dict) or isinstance(patch_coord, torch.Tensor)):
+            raise ValueError("NaFlex patches (a dict, or patch_coord) need a model built with naflex=true")
+        if isinstance(x, dict):
+            x, patch_coord, patch_valid = (x.get(k) for k in NAFLEX_KEYS)
+        if self.cfg.naflex and patch_coord is not None:
+            x, patch_valid, mask = self.embed_naflex(x, patch_coord, patch_valid)
+            attn_mask, rope = mask if attn_mask is None else attn_mask, None
+        else:
+            x, rope = self.embed_with_rope(x)
         for i, blk in enumerate(self.blocks):
             x = self._block(blk, x, last_rows if i == len(self.blocks) - 1 else None, attn_mask, i, rope)
-        return self.norm(x)
+        return self.norm(x), patch_valid if self.cfg.naflex else None  # (traced: an argument is a proxy)
 
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Tokens (B, N, D) -> logits (B, K); pooled features (B, D) with pre_logits."""
+    def forward_features(
+        self, x, attn_mask: torch.Tensor | None = None, last_rows: int | None = None, patch_coord=None, patch_valid=None
+    ) -> torch.Tensor | dict:
+        """Images -> final normed tokens (B, N, D); with `last_rows`, the last block computes and returns
+        only the first `last_rows` tokens (B, last_rows, D). NaFlex's dict (or patches with `patch_coord` and
+        `patch_valid`) -> {'patches': tokens, 'patch_valid': validity} as timm's."""
+        x, valid = self._tokens(x, attn_mask, last_rows, patch_coord, patch_valid)
+        return x if valid is None else {"patches": x, "patch_valid": valid}
+
+    def forward_head(self, x, pre_logits: bool = False, patch_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens (B, N, D) -> logits (B, K); pooled features (B, D) with pre_logits. With `patch_valid` (B, N -
+        prefix) (or forward_features' NaFlex dict) the pools read the valid patches only."""
+        if isinstance(x, dict):
+            x, patch_valid = x["patches"], x["patch_valid"]
         if self.cfg.distilled:
             return self._distilled_head(x, pre_logits)
         pool = self.cfg.global_pool
         if pool == "token":
             x = x[:, 0]
         elif pool:  # over the patch tokens (timm's global_pool_nlc), or every token with pool_include_prefix
-            tokens = x if self.cfg.pool_include_prefix else x[:, self.num_prefix_tokens :]
-            x = self.attn_pool(tokens) if pool == "map" else POOLS[pool](tokens)
+            x = self._pool(x, pool, patch_valid)
         x = self.head_drop(self.fc_norm(x))
         return x if pre_logits else self.head(x)
+
+    def _pool(self, x: torch.Tensor, pool: str, valid: torch.Tensor | None) -> torch.Tensor:
+        n, include = self.num_prefix_tokens, self.cfg.pool_include_prefix
+        valid = valid if self.cfg.naflex else None
+        tokens = x if include else x[:, n:]
+        if valid is not None and include and n:  # the prefix tokens are always valid
+            valid = torch.cat([valid.new_ones(valid.shape[0], n), valid], dim=1)
+        if pool == "map":
+            mask = None if valid is None else attention_mask(valid, 0, x.dtype, queries=1)
+            return self.attn_pool(tokens, mask)
+        return POOLS[pool](tokens) if valid is None else masked_pool(tokens, valid, pool)
 
     def _distilled_head(self, x: torch.Tensor, pre_logits: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """DeiT: the class token's head and the distillation token's, averaged; (class, distillation) logits apart
@@ -258,11 +304,14 @@ class ViT(TimmAPI, nn.Module):
             return x, x_dist
         return (x + x_dist) / 2
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x, attn_mask: torch.Tensor | None = None, patch_coord=None, patch_valid=None) -> torch.Tensor:
+        """Images (B, C, H, W) -> logits; with naflex=true also NaFlex's dict, or patches with `patch_coord` and
+        `patch_valid` (model/naflex.py)."""
         # A class-token head reads row 0 only (and DeiT's the distillation token's, row 1): the last block skips the
         # other rows' work, about 3/4 of a block (the same logits as timm's to ~1e-6; experiments/throughput).
         rows = 1 + int(self.cfg.distilled) if self.cfg.global_pool == "token" else None
-        return self.forward_head(self.forward_features(x, attn_mask, last_rows=rows))
+        x, valid = self._tokens(x, attn_mask, rows, patch_coord, patch_valid)
+        return self.forward_head(x, patch_valid=valid)
 
     # ---- looking inside --------------------------------------------------------------------------
     @torch.no_grad()

@@ -252,9 +252,37 @@ def to_dict(obj: Any) -> dict[str, Any]:
     return {k: plain(v) for k, v in dataclasses.asdict(obj).items()}
 
 
+def no_cuda_here() -> bool:
+    """True where torch.cuda.is_available() is sure to be False, known without importing torch (seconds), so that a
+    refusal that turns on it comes at once: CUDA_VISIBLE_DEVICES hides every GPU, or a Linux machine has none of
+    the device files a CUDA (or ROCm) GPU is reached through (NVIDIA's /dev/nvidia<i>, ROCm's /dev/kfd, WSL's
+    /dev/dxg). False where a GPU may be there: torch is asked then (on macOS and Windows always)."""
+    import os
+    import sys
+    from pathlib import Path
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return True
+    if not sys.platform.startswith("linux"):
+        return False
+    dev = Path("/dev")
+    return not (any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists() or (dev / "dxg").exists())
+
+
+def cuda_available() -> bool:
+    """torch.cuda.is_available(), without importing torch where there cannot be a GPU (no_cuda_here)."""
+    if no_cuda_here():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def check_device(key: str, name: str, auto: bool = False) -> str:
     """`name` as a torch device this machine has: cpu, cuda, cuda:<i> (and with `auto`, cuda where there is a GPU,
     else cpu), or a UserError naming `key`."""
+    if name == "cpu":  # (without torch's import: a refusal of something else comes at once)
+        return name
     import torch
 
     if auto and name == "auto":

@@ -5,8 +5,11 @@ every other error is left as it is (a full disk or a bug keeps its traceback).""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import sys
 from collections.abc import Iterator
+from urllib.parse import urlparse
 
 from vitlab.utils.errors import OfflineError
 
@@ -49,3 +52,22 @@ def _chain(e: BaseException | None) -> Iterator[BaseException]:
     while e is not None:
         yield e
         e = e.__cause__ or e.__context__
+
+
+def unless_hub_reachable_read_the_cache() -> None:
+    """Without a network, huggingface_hub retries each request for about a minute before it gives up (50 s for one
+    timm name, measured): look for the hub once, in 2 s, and if it cannot be reached let huggingface_hub read its
+    cache alone, as HF_HUB_OFFLINE=1 does (timm's weights; `datasets`' Hub datasets: its own copy of the flag too,
+    34 s of retries otherwise). (Behind a proxy the look would mislead: it is left to the hub.)"""
+    from huggingface_hub import constants
+
+    proxy = any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
+    if constants.is_offline_mode() or proxy:
+        return
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=2).close()
+    except OSError:
+        constants.HF_HUB_OFFLINE = True
+        if "datasets" in sys.modules:  # (datasets reads its own copy, made when it was imported)
+            sys.modules["datasets"].config.HF_HUB_OFFLINE = True

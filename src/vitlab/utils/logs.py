@@ -27,6 +27,12 @@ QUIET_WARNINGS = (
     r"Grad strides do not match bucket view strides",
     r"Experiment logs directory .* exists and is not empty",
     r"Checkpoint directory .* exists and is not empty",
+    # Lightning's caution that an IterableDataset's __len__ may be wrong under several loader workers: vitlab's
+    # streamed splits (data/streamed.py) give each worker its share and count it, so the length is exact.
+    r"Your `IterableDataset` has `__len__` defined",
+    # timm's deprecation of PlateauLRScheduler, which tells timm's users to pick a fixed schedule: scheduler.name=
+    # plateau is the user's choice here. (Its note stands: a resumed run's patience and cooldown counters restart.)
+    r"PlateauLRScheduler is deprecated",
 )
 
 
@@ -112,12 +118,20 @@ RESULTS = (
 def summarize(metrics: dict, best_checkpoint: str, run_dir) -> None:
     """The last lines of a run: its results and where they are."""
     splits = metrics.get("splits") or {}
-    shown = ", ".join(
-        f"{k} {metrics[k]:.4f}" + (f" on {splits[split]}" if split in splits else "")
+    results = ", ".join(
+        f"{k} {shown(metrics[k])}" + (f" on {splits[split]}" if split in splits else "")
         for k, split in RESULTS["val/acc_best" not in metrics and "val/loss_best" in metrics]
         if k in metrics
     )
-    logging.getLogger("vitlab.train").info("done in %.1f s%s", metrics["wall_time_s"], f": {shown}" if shown else "")
+    logging.getLogger("vitlab.train").info(
+        "done in %.1f s%s", metrics["wall_time_s"], f": {results}" if results else ""
+    )
     print(f"run directory: {run_dir}", flush=True)
     if best_checkpoint:
         print(f"best checkpoint: {best_checkpoint}", flush=True)
+
+
+def shown(value: float) -> str:
+    """A metric as the console shows it: 4 decimals, or 3 significant digits where those would show 0.0000 (a
+    learning rate of 2e-05)."""
+    return f"{value:.3g}" if value and abs(value) < 5e-4 else f"{value:.4f}"

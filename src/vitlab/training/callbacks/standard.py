@@ -6,6 +6,7 @@ shown, and the stop on a non-finite loss. The weights' moving average is trainin
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vitlab.utils.atomic import atomic_link
 from vitlab.utils.errors import NonFiniteLossError
+from vitlab.utils.logs import shown
 from vitlab.utils.signals import StopSignals
 
 log = logging.getLogger(__name__)
@@ -199,9 +201,9 @@ class EpochLog(L.Callback):
         seconds = time.perf_counter() - self._started
         steps = trainer.global_step - self._step
         values = trainer.callback_metrics
-        shown = " ".join(f"{k} {values[k].item():.4f}" for k in self.KEYS if k in values)
+        line = " ".join(f"{k} {shown(values[k].item())}" for k in self.KEYS if k in values)
         total = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
-        log.info("epoch %d%s (%d steps, %.1f s): %s", epoch + 1, total, steps, seconds, shown)
+        log.info("epoch %d%s (%d steps, %.1f s): %s", epoch + 1, total, steps, seconds, line)
 
 
 class Throughput(L.Callback):
@@ -277,7 +279,7 @@ class NonFiniteLoss(L.Callback):
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         if self.every_step if self.every_step is not None else loss.device.type == "cpu":
-            if not torch.isfinite(loss):
+            if not math.isfinite(loss.item()):  # (a plain read: no kernel for one number)
                 raise NonFiniteLossError(
                     _message(trainer, loss.item(), trainer.global_step, "stopped before the update")
                 )

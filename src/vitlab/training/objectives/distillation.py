@@ -143,8 +143,15 @@ class Teacher(nn.Module):
         return super().train(False)  # always in eval mode (dropout, stochastic depth off)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | dict, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
         channels = self.kd.mean_kd.shape[1]
+        if isinstance(x, dict):  # a NaFlex batch (data/naflex.py): patches (B, L, P*P*C) re-normalised per channel
+            model = self.kd.model
+            if not (getattr(getattr(model, "cfg", None), "naflex", False) or type(model).__name__ == "NaFlexVit"):
+                raise UserError("data.naflex batches need a teacher that takes them: a naflexvit (checkpoint or timm)")
+            p = x["patches"].unflatten(-1, (-1, channels)) * std.flatten() + mean.flatten()
+            p = (p - self.kd.mean_kd.flatten()) / self.kd.std_kd.flatten()
+            return model({k: v for k, v in x.items() if k != "loss_scale"} | {"patches": p.flatten(-2)}).float()
         if x.shape[1] != channels:
             raise UserError(
                 f"objective.teacher takes {channels}-channel images, and the data has {x.shape[1]} channels"

@@ -26,6 +26,7 @@ from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
+from vitlab.data import naflex as naflex_loading
 from vitlab.data import sizes
 from vitlab.model.config import vit_config
 from vitlab.training.callbacks.health import AdaptiveGradientClipping
@@ -64,6 +65,8 @@ def build_datamodule(data_cfg: DictConfig, train_cfg: DictConfig | None = None) 
     if train_cfg is not None and train_cfg.objective.get("name") == "dino":
         objective = OmegaConf.to_container(train_cfg.objective, resolve=True)
         return instantiate(data_cfg, multicrop=dino.data_views(objective, vit_config(train_cfg.model)))
+    if train_cfg is not None and (data_cfg.get("naflex") or {}).get("seq_lens") is not None:  # the model's patches
+        return instantiate(data_cfg, naflex=naflex_loading.for_model(data_cfg.naflex, vit_config(train_cfg.model)))
     return instantiate(data_cfg)
 
 

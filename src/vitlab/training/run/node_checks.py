@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 import lightning as L
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import get_object
@@ -19,9 +18,10 @@ from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError
 
-from vitlab.data.base import DataModule
+from vitlab.data.base import DataModule, ImageDataModule
+from vitlab.data.folds import check_folds
 from vitlab.data.imagefolder import ImageFolderDataModule, check_class_folders
-from vitlab.training.run.ranges import DataRanges, TrainerValues
+from vitlab.training.run.ranges import DataRanges, TrainerValues, check_devices  # (check_devices: torch-free)
 from vitlab.utils.checks import (
     check_arguments,
     check_clipping,
@@ -93,8 +93,15 @@ def _class_folders(values: dict[str, Any]) -> None:
         check_class_folders(values["data_dir"], values["num_classes"], bool(values.get("unlabeled")))
 
 
+def _folds(values: dict[str, Any]) -> None:
+    """data.fold one of data.folds' folds (a -m sweep's job: before its directory holds anything)."""
+    folds, fold = values.get("folds", 0), values.get("fold", 0)
+    if isinstance(folds, int) and isinstance(fold, int):
+        check_folds(folds, fold)
+
+
 # A target -> what else its values must satisfy, checked before it is built (the files they name).
-BEFORE_BUILD: dict[type, Any] = {ImageFolderDataModule: _class_folders}
+BEFORE_BUILD: dict[type, Any] = {ImageFolderDataModule: _class_folders, ImageDataModule: _folds}
 
 
 def check_node(node: DictConfig, key: str) -> None:
@@ -131,27 +138,3 @@ def _resolved(node: DictConfig) -> dict[str, Any]:
             continue
         values[str(key)] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
     return values
-
-
-def check_devices(t: DictConfig) -> None:
-    """Several devices with accelerator=auto on a machine without a GPU would start that many CPU processes, each
-    as slow as the machine is small: say so, and how to ask for CPU processes on purpose."""
-    devices, accelerator = t.get("devices", 1), t.get("accelerator", "auto")
-    if isinstance(devices, bool) or (isinstance(devices, int) and devices < -1 or devices == 0):
-        raise UserError(
-            f"trainer.devices={devices} must be a number of devices >= 1, -1 (every GPU), auto, or a list of GPU "
-            "indices"
-        )
-    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
-    if devices in (-1, "-1") and on_cpu:
-        raise UserError(
-            "trainer.devices=-1 means every GPU, and this run is on the CPU (no GPU here, or trainer.accelerator=cpu): "
-            "give a number of CPU processes (trainer=ddp_cpu trainer.devices=2), or trainer.devices=1"
-        )
-    many = (isinstance(devices, int) and devices > 1) or (not isinstance(devices, (int, str)) and len(devices) > 1)
-    if accelerator == "auto" and many and not torch.cuda.is_available():
-        raise UserError(
-            f"trainer.devices={devices} asks for {devices} devices and this machine has no GPU: that would train in "
-            f"{devices} CPU processes; ask for them with trainer=ddp_cpu trainer.devices={devices}, or train on the "
-            "CPU in one process with trainer.devices=1"
-        )

@@ -4,11 +4,12 @@ with the rest of the node against its target (node_checks.py)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, TypedDict
+from typing import Annotated, Any, Literal, TypedDict
 
 from annotated_types import Ge, Interval
 
-from vitlab.utils.checks import Fraction, NonNegativeInt, NonNegativeNumber, PositiveInt
+from vitlab.utils.checks import Fraction, NonNegativeInt, NonNegativeNumber, PositiveInt, cuda_available
+from vitlab.utils.errors import UserError
 
 
 class TrainerValues(TypedDict):
@@ -41,3 +42,28 @@ class TrainerValues(TypedDict):
 
 class DataRanges(TypedDict):
     batch_size: PositiveInt | Literal["auto"]  # auto: vitlab.train chooses it (training.run.auto_batch)
+
+
+def check_devices(t: Any) -> None:
+    """Several devices with accelerator=auto on a machine without a GPU would start that many CPU processes, each
+    as slow as the machine is small: say so, and how to ask for CPU processes on purpose. (Before torch is imported
+    where the machine has no GPU's device files: utils.checks.no_cuda_here.)"""
+    devices, accelerator = t.get("devices", 1), t.get("accelerator", "auto")
+    if isinstance(devices, bool) or (isinstance(devices, int) and devices < -1 or devices == 0):
+        raise UserError(
+            f"trainer.devices={devices} must be a number of devices >= 1, -1 (every GPU), auto, or a list of GPU "
+            "indices"
+        )
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not cuda_available())
+    if devices in (-1, "-1") and on_cpu:
+        raise UserError(
+            "trainer.devices=-1 means every GPU, and this run is on the CPU (no GPU here, or trainer.accelerator=cpu): "
+            "give a number of CPU processes (trainer=ddp_cpu trainer.devices=2), or trainer.devices=1"
+        )
+    many = (isinstance(devices, int) and devices > 1) or (not isinstance(devices, (int, str)) and len(devices) > 1)
+    if accelerator == "auto" and many and not cuda_available():
+        raise UserError(
+            f"trainer.devices={devices} asks for {devices} devices and this machine has no GPU: that would train in "
+            f"{devices} CPU processes; ask for them with trainer=ddp_cpu trainer.devices={devices}, or train on the "
+            "CPU in one process with trainer.devices=1"
+        )

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from vitlab.convert.source import Weights
 from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
@@ -45,6 +45,11 @@ def starting_point(cfg: DictConfig, module: ViTModule, weights: Weights | None =
             f"ckpt_path {ckpt_path!r} is a directory of shards: go on from it with trainer=fsdp, or make one file of "
             f"it first (python -m vitlab.export ckpt_path={ckpt_path} format=ckpt), which any strategy reads"
         )
+    if ckpt_path and "averaged" in read_checkpoint(ckpt_path, weights=False):  # vitlab.average's: weights alone
+        log.info("ckpt_path %s is an average of checkpoints (vitlab.average), without a training state to go on "
+                 "from: training starts anew from its weights, as with model.pretrained=<file>", ckpt_path)  # fmt: skip
+        load_pretrained(module, OmegaConf.create({"pretrained": ckpt_path}))
+        return None
     if ckpt_path:  # a job that restarts, below, goes on to test even when it had finished
         check_resumable(ckpt_path, module, cfg.trainer if cfg.train else None)
     elif ckpt_path := earlier_start(Path(cfg.paths.output_dir)):
@@ -138,13 +143,31 @@ def check_resumable(ckpt_path: str, module: ViTModule, trainer_cfg: DictConfig |
                 "state and learning-rate schedule, and the new value would not be applied; drop the override to "
                 "resume, or train anew without ckpt_path"
             )
+    if trainer_cfg is not None:
+        check_unfinished(ckpt_path, ckpt, trainer_cfg.get("max_epochs"))
+
+
+def check_unfinished(ckpt_path: str, ckpt: dict[str, Any], limit: int | None) -> None:
+    """Refuse a checkpoint of a run that had finished: with `limit` (this run's trainer.max_epochs) reached, nothing
+    would be trained; with its own planned epochs done and trainer.max_epochs not given on the command line, the
+    config's (300 by default) would silently train it on."""
     epochs = ckpt.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
     done = max(epochs.get("processed", 0), epochs.get("completed", 0))
-    limit = trainer_cfg.get("max_epochs") if trainer_cfg is not None else None
+    test = f"or test it: python -m vitlab.eval ckpt_path={ckpt_path}"
     if limit and limit > 0 and done >= limit:
         raise UserError(
             f"ckpt_path {ckpt_path!r} is of a run that had finished ({done} of {limit} epochs): nothing is left to "
-            f"train; raise trainer.max_epochs to train on, or test it: python -m vitlab.eval ckpt_path={ckpt_path}"
+            f"train; raise trainer.max_epochs to train on, {test}"
+        )
+    planned = ckpt.get("max_epochs")  # (a checkpoint written before it was kept: not known)
+    typed = HydraConfig.initialized() and any(
+        o.lstrip("+~").startswith("trainer.max_epochs=") for o in HydraConfig.get().overrides.task
+    )
+    if planned and 0 < planned <= done and not typed:
+        raise UserError(
+            f"ckpt_path {ckpt_path!r} is of a run that had finished ({done} of {planned} epochs), and "
+            f"trainer.max_epochs is not given (the config's {limit} would train it on): train it on with "
+            f"trainer.max_epochs above {done} (the epochs to reach), {test}"
         )
 
 

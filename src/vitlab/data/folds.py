@@ -1,0 +1,86 @@
+"""k-fold cross-validation splits (`data.folds=K data.fold=i`): the training split cut into K class-stratified folds,
+fixed by `data.split_seed` (scikit-learn's StratifiedKFold, shuffled); fold i validates (selects the checkpoint) and
+the other K - 1 train. The test split is left as it is: every fold is tested on the same images. Where the data has no
+test split, its validation split tests (as with data.val_fraction); where it has both, its own validation split is not
+read. `python -m vitlab.train -m data.folds=5 'data.fold=range(5)'` trains every fold, and the sweep's summary gives
+the mean and standard deviation over the folds (vitlab.cli.sweep).
+
+The map-style readers take it (data=digits, imagefolder, hf, list): their labels are known before the split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from vitlab.utils.errors import UserError
+
+
+def check_folds(folds: int, fold: int, refused_by: str | None = None) -> None:
+    """data.folds (0: off, else >= 2) and data.fold (one of the folds), in one line each, before anything is read;
+    `refused_by`: the data module that takes no folds, named."""
+    if isinstance(folds, bool) or not isinstance(folds, int) or folds < 0 or folds == 1:
+        raise UserError(f"data.folds {folds!r} must be 0 (no k-fold) or a number of folds >= 2")
+    if isinstance(fold, bool) or not isinstance(fold, int):
+        raise UserError(f"data.fold {fold!r} must be an integer, a fold in 0..data.folds - 1")
+    if folds and not 0 <= fold < folds:
+        raise UserError(f"data.fold {fold} is not a fold of data.folds {folds}: give one of 0..{folds - 1}")
+    if not folds and fold:
+        raise UserError(f"data.fold {fold} needs data.folds=K (the number of folds); data.folds is 0 (no k-fold)")
+    if folds and refused_by:
+        raise UserError(f"data.folds {folds}: {refused_by} takes no folds; k-fold splits map-style data ({READERS})")
+
+
+READERS = "data=digits, imagefolder, hf, list"
+
+
+def labels_of(dataset: Any) -> list[int]:
+    """The class index of every item of a map-style dataset, read without decoding an image: torchvision's ImageFolder
+    (`targets`), vitlab's readers (`labels`)."""
+    for name in ("targets", "labels"):
+        labels = getattr(dataset, name, None)
+        if labels is not None:
+            return [int(v) for v in labels]
+    raise UserError(f"data.folds splits by class, and {type(dataset).__name__} does not list its labels")
+
+
+def fold_split(labels: Sequence[int], folds: int, fold: int, seed: int) -> tuple[list[int], list[int]]:
+    """(kept, held): the positions in `labels` that train and the ones of fold `fold` (validation), class-stratified.
+    The same (labels, folds, seed) give the same folds whatever `fold`: they are disjoint and cover every position."""
+    from sklearn.model_selection import StratifiedKFold
+
+    check_folds(folds, fold)
+    labels = np.asarray(labels)
+    counts = np.bincount(labels) if len(labels) else np.array([0])
+    if counts.max() < folds:
+        raise UserError(
+            f"data.folds {folds} is more than the images of any class ({counts.max()} at most): give fewer folds"
+        )
+    splitter = StratifiedKFold(n_splits=folds, shuffle=True, random_state=seed)
+    kept, held = list(splitter.split(np.zeros(len(labels)), labels))[fold]
+    return sorted(int(i) for i in kept), sorted(int(i) for i in held)
+
+
+def held_out(n: int, held: int, seed: int) -> tuple[list[int], list[int]]:
+    """Indices (kept, held out) of n images, `held` of them held out at random, fixed by `seed` (big_vision's
+    minival, CIFAR's validation images: a slice of train that selects the checkpoint)."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(order[held:]), sorted(order[:held])
+
+
+def kept_and_held(train: Any, count: int, seed: int, folds: int, fold: int) -> tuple[list[int], list[int]]:
+    """(kept, held) positions of `train`: fold `fold` of `folds` where k-fold is on, else `count` at random."""
+    if folds:
+        return fold_split(labels_of(train), folds, fold, seed)
+    return held_out(len(train), count, seed)
+
+
+def describe(folds: int, fold: int, held: int, seed: int, what: str = "train/") -> dict[str, str]:
+    """The splits' names for the log and metrics.json (`ImageDataModule.splits`)."""
+    return {
+        "train": f"{what} less fold {fold} of {folds}",
+        "val": f"fold {fold} of {folds} of {what} ({held:,} images, class-stratified, split_seed {seed})",
+    }

@@ -1,0 +1,135 @@
+"""NaFlex loading (issue 65, point 2; data/naflex.py): images at their own aspect ratio within a patch budget, batches
+of variable sequence length with timm's batch-size rule and loss scale, padded in the workers, the same lengths on
+every process, resumed mid-epoch exactly; every bad key one line."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from PIL import Image
+from timm.data.naflex_dataset import calculate_naflex_batch_size
+from timm.data.naflex_transforms import get_image_size_for_seq
+
+from vitlab.data import ImageFolderDataModule
+from vitlab.data.naflex import NaFlexSchedule, eval_transform, train_transform
+from vitlab.data.sizes import check_model
+from vitlab.model.config import ViTConfig
+from vitlab.utils.errors import UserError
+
+ASPECTS = [(96, 32), (48, 48), (32, 96)]  # (w, h): 3:1, 1:1, 1:3
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    root = tmp_path_factory.mktemp("photos")
+    g = torch.Generator().manual_seed(0)
+    for split, n in (("train", 12), ("val", 3)):
+        for c in ("a", "b"):
+            (root / split / c).mkdir(parents=True)
+            for i in range(n):
+                w, h = ASPECTS[i % 3]
+                arr = torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy()
+                Image.fromarray(arr).save(root / split / c / f"{i}.png")
+    return root
+
+
+def _as_rank(dm, rank: int, world: int, epoch: int = 0) -> None:
+    dm.trainer = SimpleNamespace(
+        world_size=world, global_rank=rank, num_devices=world, training=True, max_epochs=2,
+        strategy=SimpleNamespace(root_device=torch.device("cpu")),
+        fit_loop=SimpleNamespace(epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=epoch))),
+    )  # fmt: skip
+
+
+def _dm(photos, **naflex):
+    keys = dict(seq_lens=[4, 9], patch_size=8, batch_divisor=1) | naflex
+    torch.manual_seed(0)  # the run's seed: the shuffling and the lengths' composition
+    dm = ImageFolderDataModule(data_dir=str(photos), num_classes=2, img_size=32, batch_size=4, num_workers=0,
+                               naflex=keys, check_images=False)  # fmt: skip
+    dm.setup("fit")
+    return dm
+
+
+def test_batch_sizes_follow_timms_rule_and_lengths_are_drawn_per_batch(photos):
+    dm = _dm(photos, batch_divisor=2)
+    # timm's create_naflex_loader: batch_size x max(seq_lens) tokens a batch, each length's batch by its rule
+    assert dm.size_schedule.batch_sizes == tuple(calculate_naflex_batch_size(4 * 9, s, divisor=2) for s in (4, 9))
+    _as_rank(dm, 0, 1)
+    seen = set()
+    for x, y in (dm.device_transform(b, train=True) for b in dm.train_dataloader()):
+        L = x["patches"].shape[1]
+        seen.add(L)
+        assert len(y) == dict(zip((4, 9), dm.size_schedule.batch_sizes, strict=True))[L]
+        assert x["patches"].dtype == torch.float32 and x["patches"].shape[-1] == 8 * 8 * 3
+        assert x["patch_valid"].sum(1).le(L).all() and x["patch_valid"].any(1).all()
+        torch.testing.assert_close(x["loss_scale"], torch.tensor(len(y) / 4))  # linear: over data.batch_size
+    assert seen == {4, 9}
+
+
+def test_training_crop_and_evaluation_keep_each_images_aspect_within_the_budget():
+    img = Image.new("RGB", (300, 100))
+    for seq_len in (9, 36):
+        out = eval_transform(seq_len, (8, 8))(img)
+        valid = out["patch_valid"]
+        hw = out["patch_coord"][valid].amax(0) + 1
+        assert valid.sum() <= seq_len and tuple(hw.tolist()) == tuple(
+            s // 8 for s in get_image_size_for_seq((100, 300), 8, seq_len)[1]
+        )  # timm's ResizeToSequence: the largest size of the image's aspect whose patches fit
+        assert hw[1] >= 2 * hw[0]  # 3:1 stays wide
+        crop = train_transform(seq_len, (8, 8), (1.0, 1.0), (1.0, 1.0), 0.0, "bicubic")(img)
+        assert crop["patch_valid"].sum() <= seq_len and crop["patch_coord"][crop["patch_valid"]].amax(0)[1] >= 2
+
+
+def test_every_process_gets_the_same_lengths_and_a_resumed_loader_goes_on_exactly(photos):
+    with pytest.raises(UserError, match="batch_divisor to a multiple of 2"):
+        _as_rank(dm := _dm(photos), 0, 2)
+        dm.train_dataloader()
+    dm = _dm(photos, batch_divisor=2)
+    lengths = []
+    for rank in (0, 1):
+        _as_rank(dm, rank, 2, epoch=1)
+        lengths.append([b[0]["patches"].shape[1] for b in dm.train_dataloader()])
+    assert lengths[0] == lengths[1] and len(lengths[0]) > 2
+    _as_rank(dm, 0, 1, epoch=1)
+    loader = dm.train_dataloader()
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    rest = [b[0]["patches"] for b in it]
+    again = dm.train_dataloader()
+    again.load_state_dict(state)
+    resumed = [b[0]["patches"] for b in again]
+    assert len(resumed) == len(rest) and all(torch.equal(a, b) for a, b in zip(rest, resumed, strict=True))
+
+
+def test_validation_pads_every_image_to_max_seq_len(photos):
+    dm = _dm(photos, max_seq_len=12)
+    x, y = dm.device_transform(next(iter(dm.val_dataloader())), train=False)
+    assert x["patches"].shape[:2] == (4, 12) and "loss_scale" not in x
+
+
+@pytest.mark.parametrize(
+    ("naflex", "message"),
+    [
+        (dict(seq_lens=[0, 16]), "0 is not a positive number of patches"),
+        (dict(seq_lens=[]), "non-empty list"),
+        (dict(seq_lens=[16], max_seq_len=-1), "max_seq_len -1"),
+        (dict(seq_lens=[16], loss_scale="cube"), "loss_scale 'cube'"),
+        (dict(seq_len=[16]), "no key"),
+        (dict(max_seq_len=16), "needs data.naflex.seq_lens"),
+    ],
+)
+def test_bad_keys_are_one_line(naflex, message):
+    with pytest.raises(UserError, match=message):
+        NaFlexSchedule.from_config(naflex | {"patch_size": 16}, 8)
+
+
+def test_a_model_without_naflex_is_refused_before_any_work():
+    schedule = NaFlexSchedule.from_config(dict(seq_lens=[16], patch_size=16), 8)
+    with pytest.raises(UserError, match="model.naflex=true"):
+        check_model(schedule, ViTConfig(img_size=32, depth=1, embed_dim=32, num_heads=2), "classify")
+    naflex = ViTConfig(img_size=32, depth=1, embed_dim=32, num_heads=2, naflex=True, class_token=False,
+                       global_pool="avg")  # fmt: skip
+    with pytest.raises(UserError, match="objective=classify or distill, not objective=mae"):
+        check_model(schedule, naflex, "mae")
+    check_model(schedule, naflex, "classify")

@@ -1,0 +1,85 @@
+"""Every command once as a real new process, as a user's shell starts it (issue 64 point 5): not forked from
+tests/forkserver.py, which has the libraries imported already and serves a DDP run's second process from a copy of the
+first. Each imports what it needs itself, reads its config and ends with its result, on the suite's cached checkpoint
+and image folder; `python -m vitlab <command>` once (predict); and a two-process run launched by Lightning, whose
+second process is a real `python -m vitlab.train`, equals the same run with the fork server's spare as rank 1."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+from sklearn.datasets import load_digits
+
+from tests.benchmark.test_benchmark import TINY
+from tests.end_to_end.test_signal_resume import DIGITS, TWO
+from tests.helpers import ROOT, assert_same_run, digits_checkpoint, trained
+
+
+def fresh(*argv: str, cwd=ROOT) -> subprocess.CompletedProcess:
+    """`python -m <argv>` in a new interpreter, output captured; exit 0 asserted."""
+    r = subprocess.run(
+        [sys.executable, "-m", *argv],
+        cwd=cwd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return digits_checkpoint(tmp_path_factory)
+
+
+def test_eval(ckpt, tmp_path):
+    fresh("vitlab.eval", f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path}")
+    assert 0.15 < json.loads((tmp_path / "metrics.json").read_text())["test/acc"] <= 1  # (10 classes; 1 epoch)
+
+
+def test_predict_through_python_m_vitlab(ckpt, tmp_path):
+    digit = (load_digits().images[0] * 255 / 16).astype(np.uint8)  # a 0
+    Image.fromarray(digit).resize((32, 32)).convert("RGB").save(photo := tmp_path / "zero.png")
+    fresh("vitlab", "predict", f"ckpt_path={ckpt}", f"images=[{photo}]", "top_k=3", f"hydra.run.dir={tmp_path / 'p'}")
+    (predicted,) = json.loads((tmp_path / "p" / "predictions.json").read_text())
+    assert predicted["image"] == str(photo) and len(predicted["top_k"]) == 3
+
+
+def test_export(ckpt, tmp_path):
+    r = fresh("vitlab.export", f"ckpt_path={ckpt}", "format=timm", f"output={tmp_path / 'timm'}", cwd=tmp_path)
+    assert r.stdout.strip().splitlines()[-1].startswith(f"wrote {tmp_path / 'timm'}: timm.create_model(")
+    assert (tmp_path / "timm" / "config.json").is_file()
+
+
+def test_visualize(ckpt, tmp_path):
+    r = fresh("vitlab.visualize", f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path}")
+    written = [line.removeprefix("wrote ") for line in r.stdout.splitlines() if line.startswith("wrote ")]
+    assert written and all(path.endswith(".png") and os.path.getsize(path) > 1000 for path in written)
+
+
+def test_benchmark(tmp_path):
+    quick = ["benchmark.contenders=[vitlab]", "benchmark.modes=[infer]", "benchmark.warmup=1", "benchmark.repeats=1"]
+    fresh("vitlab.benchmark", *TINY, *quick, "benchmark.batch_size=2", f"hydra.run.dir={tmp_path}")
+    assert json.loads((tmp_path / "benchmark.json").read_text())["results"]
+
+
+def test_pack(folder, tmp_path):
+    out = tmp_path / "shards"
+    r = fresh("vitlab.pack", "data=imagefolder", f"data.data_dir={folder}", f"out={out}", "workers=1", cwd=tmp_path)
+    assert (
+        r.stdout.strip().splitlines()[-1] == f"train on them: python -m vitlab.train data=streaming data.data_dir={out}"
+    )
+    assert {p.name for p in out.iterdir()} >= {"train", "val", "test"}
+
+
+def test_two_processes_launched_by_lightning_equal_the_run_whose_second_process_is_forked(tmp_path_factory, tmp_path):
+    forked = trained(tmp_path_factory, "resumable-two", *DIGITS, *TWO)  # test_signal_resume.py's, rank 1 the spare
+    fresh("vitlab.train", *DIGITS, *TWO, f"hydra.run.dir={tmp_path}")
+    assert (tmp_path / "train_rank1.log").is_file()  # the second process's own log: it ran as a process of its own
+    assert_same_run(forked, tmp_path)
