@@ -87,7 +87,8 @@ def test_zoo_configs_are_the_config_timm_builds_for_their_name(name, node):
     """Every field, not only the shapes: a RoPE file's temperature, grid order or rotated halves differ in no key."""
     ours, theirs = vit_config(node), config_from_timm(node.timm_name, num_classes=node.num_classes)
     assert ours.replace(fc_norm=ours.use_fc_norm) == theirs.replace(fc_norm=theirs.use_fc_norm, img_size=ours.img_size)
-    assert ours.img_hw == theirs.img_hw
+    if not name.startswith("naflex"):  # (NaFlex takes every size natively: its file's 256 px is the run's choice)
+        assert ours.img_hw == theirs.img_hw
 
 
 def test_read_state_dict_formats(tmp_path: Path):
