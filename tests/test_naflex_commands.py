@@ -82,9 +82,9 @@ def test_bad_input_is_refused_in_one_line(photos, tmp_path):
     r = run_cli("train", "model=vit_ti16", "data=imagefolder", f"data.data_dir={photos}",
                 "data.naflex.seq_lens=[16,36]", f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
     assert_refused(r, "error: data.naflex.seq_lens feeds NaFlex batches")
-    r = run_cli("train", *NAFLEX, f"data.data_dir={photos}", "data.naflex.seq_lens=[0,16]",
+    r = run_cli("train", *NAFLEX[:2], *NAFLEX[3:], f"data.data_dir={photos}", "data.naflex.seq_lens=[0,16]",
                 f"hydra.run.dir={tmp_path / 'run2'}")  # fmt: skip
     assert_refused(r, "error: data.naflex.seq_lens [0, 16]: 0 is not a positive number of patches")
-    r = run_cli("train", *NAFLEX, f"data.data_dir={photos}", "data.naflex.seq_lens=[16,4000000]",
+    r = run_cli("train", *NAFLEX[:2], *NAFLEX[3:], f"data.data_dir={photos}", "data.naflex.seq_lens=[16,4000000]",
                 f"hydra.run.dir={tmp_path / 'run3'}")  # fmt: skip
     assert_refused(r, "error: the run needs about")

@@ -27,7 +27,11 @@ def a_checkpoint_named_x(tmp_path, monkeypatch):
     """ckpt_path=x.ckpt is looked for before anything is read (issue 64 point 17): one is there, where checks run."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "x.ckpt").write_bytes(b"PK")
-    for name in ("imagenet", "shards"):  # (and the data folders the experiments name: a missing one is refused too)
+    for name in (
+        "imagenet",
+        "shards",
+        "photos",
+    ):  # (and the data folders the experiments name: a missing one is refused too)
         (tmp_path / "data" / name).mkdir(parents=True)
 
 

@@ -86,4 +86,5 @@ def test_tta_without_a_checkpoints_test_is_refused(compose_cfg, tmp_path):
     from vitlab.cli.schemas import check_eval
 
     with pytest.raises(UserError, match=r"tta=flip averages the logits of a checkpoint's classifier over views"):
-        check_eval(compose_cfg("eval", ["tta=flip", "task=knn", "ckpt_path=x.ckpt"]))
+        (tmp_path / "x.ckpt").touch()  # (a missing checkpoint is refused first)
+        check_eval(compose_cfg("eval", ["tta=flip", "task=knn", f"ckpt_path={tmp_path / 'x.ckpt'}"]))
