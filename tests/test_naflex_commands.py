@@ -78,7 +78,8 @@ def test_views_are_drawn_at_each_views_own_size(photos, tmp_path):
 
 
 def test_bad_input_is_refused_in_one_line(photos, tmp_path):
-    """A model without NaFlex, a budget below one patch, a length whose batch the memory estimate says will not fit."""
+    """A model without NaFlex, a budget below one patch, a length whose batch the memory estimate says will not fit,
+    MixUp/CutMix (timm's Mixup mixes square images)."""
     r = run_cli("train", "model=vit_ti16", "data=imagefolder", f"data.data_dir={photos}",
                 "data.naflex.seq_lens=[16,36]", f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
     assert_refused(r, "error: data.naflex.seq_lens feeds NaFlex batches")
@@ -88,3 +89,6 @@ def test_bad_input_is_refused_in_one_line(photos, tmp_path):
     r = run_cli("train", *NAFLEX[:2], *NAFLEX[3:], f"data.data_dir={photos}", "data.naflex.seq_lens=[16,4000000]",
                 f"hydra.run.dir={tmp_path / 'run3'}")  # fmt: skip
     assert_refused(r, "error: the run needs about")
+    r = run_cli("train", *NAFLEX, f"data.data_dir={photos}", "objective.mixup.cutmix_alpha=1.0",
+                f"hydra.run.dir={tmp_path / 'run4'}")  # fmt: skip
+    assert_refused(r, "error: objective.mixup {'cutmix_alpha': 1.0} mixes square images")

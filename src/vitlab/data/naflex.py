@@ -222,6 +222,18 @@ def to_device(x, device):
     return {k: v.to(device) for k, v in x.items()} if isinstance(x, dict) else x.to(device)
 
 
+def check_mixup(mixup: Any) -> None:
+    """objective.mixup refused beside data.naflex, before any work: timm's Mixup mixes a batch of square images, and a
+    NaFlex batch is padded patches of images of different shapes."""
+    mixup = dict(mixup or {})
+    on = {k: mixup.get(k) for k in ("mixup_alpha", "cutmix_alpha", "cutmix_minmax") if mixup.get(k)}
+    if on:
+        raise UserError(
+            f"objective.mixup {on} mixes square images; data.naflex.seq_lens trains without MixUp/CutMix: set "
+            "objective.mixup.mixup_alpha=0 objective.mixup.cutmix_alpha=0 objective.mixup.cutmix_minmax=null"
+        )
+
+
 def for_model(naflex: Any, model: Any) -> dict:
     """data.naflex for a run of `model` (a ViTConfig), before any work: refused for a model without NaFlex, its patch
     size the model's where the data config leaves it null."""

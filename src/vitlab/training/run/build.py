@@ -66,6 +66,7 @@ def build_datamodule(data_cfg: DictConfig, train_cfg: DictConfig | None = None) 
         objective = OmegaConf.to_container(train_cfg.objective, resolve=True)
         return instantiate(data_cfg, multicrop=dino.data_views(objective, vit_config(train_cfg.model)))
     if train_cfg is not None and (data_cfg.get("naflex") or {}).get("seq_lens") is not None:  # the model's patches
+        naflex_loading.check_mixup(OmegaConf.to_container(train_cfg.objective, resolve=True).get("mixup"))
         return instantiate(data_cfg, naflex=naflex_loading.for_model(data_cfg.naflex, vit_config(train_cfg.model)))
     return instantiate(data_cfg)
 
