@@ -2,6 +2,7 @@
 of variable sequence length with timm's batch-size rule and loss scale, padded in the workers, the same lengths on
 every process, resumed mid-epoch exactly; every bad key one line."""
 
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -41,11 +42,11 @@ def _as_rank(dm, rank: int, world: int, epoch: int = 0) -> None:
     )  # fmt: skip
 
 
-def _dm(photos, **naflex):
+def _dm(photos, train_transform=None, **naflex):
     keys = dict(seq_lens=[4, 9], patch_size=8, batch_divisor=1) | naflex
     torch.manual_seed(0)  # the run's seed: the shuffling and the lengths' composition
     dm = ImageFolderDataModule(data_dir=str(photos), num_classes=2, img_size=32, batch_size=4, num_workers=0,
-                               naflex=keys, check_images=False)  # fmt: skip
+                               naflex=keys, check_images=False, train_transform=train_transform)  # fmt: skip
     dm.setup("fit")
     return dm
 
@@ -100,6 +101,33 @@ def test_every_process_gets_the_same_lengths_and_a_resumed_loader_goes_on_exactl
     again.load_state_dict(state)
     resumed = [b[0]["patches"] for b in again]
     assert len(resumed) == len(rest) and all(torch.equal(a, b) for a, b in zip(rest, resumed, strict=True))
+
+
+def _train_batches(dm):
+    _as_rank(dm, 0, 1)
+    return [dm.device_transform(b, train=True)[0] for b in dm.train_dataloader()]
+
+
+def test_training_augmentation_of_data_train_transform_runs_on_each_image(photos):
+    """auto_augment, colour jitter and grayscale per image before the patches; random erasing on the device as timm's
+    NaFlex loader erases (PatchRandomErasing: whole patches, zeros in const mode); the square crops refused."""
+    gray = dict(grayscale_prob=1.0, color_jitter=0.4, auto_augment="rand-m9-mstd0.5-inc1")
+    _as_rank(dm := _dm(photos, gray, seq_lens=[36, 64]), 0, 1)
+    for x, _ in dm.train_dataloader():  # uint8, as the workers make them
+        rgb = x["patches"].unflatten(-1, (-1, 3))[x["patch_valid"]]
+        assert torch.equal(rgb[..., 0], rgb[..., 1]) and torch.equal(rgb[..., 1], rgb[..., 2])  # grayed, every image
+
+    def zeroed(transform):  # valid patches that are all zeros once normalised (ImageNet's mean: none without erasing)
+        random.seed(0)
+        dm = _dm(photos, transform, seq_lens=[36, 64])
+        return sum(int((x["patches"] == 0).all(-1)[x["patch_valid"]].sum()) for x in _train_batches(dm))
+
+    assert zeroed(None) == 0 and zeroed(dict(random_erasing=1.0)) > 0
+    simple = dict(simple_crop=True, random_resized_crop=None)
+    for bad, message in ((dict(shift=2), "data.train_transform.shift 2 crops square images"),
+                         (simple, "simple_crop true .* set data.train_transform.simple_crop=false")):  # fmt: skip
+        with pytest.raises(UserError, match=message):
+            _dm(photos, bad)
 
 
 def test_validation_pads_every_image_to_max_seq_len(photos):

@@ -27,9 +27,11 @@ from typing import Any
 import torch
 import torchvision.transforms.v2 as T
 from timm.data.naflex_dataset import calculate_naflex_batch_size
+from timm.data.naflex_random_erasing import PatchRandomErasing
 from timm.data.naflex_transforms import RandomResizedCropToSequence, ResizeToSequence
 from torch.utils.data._utils.collate import default_collate
 
+from vitlab.data import transforms
 from vitlab.data.sizes import SizeSchedule
 from vitlab.model.config import as_hw
 from vitlab.utils.errors import UserError
@@ -108,7 +110,11 @@ class NaFlexSchedule(SizeSchedule):
 
     def loading(self, dm: Any) -> tuple[list, list]:
         """The per-choice training transforms and collates of a data module (ImageDataModule)."""
-        made = [train_transform(n, self.patch_hw, *self.view_args) for n in self.seq_lens]
+        t = dm.train_settings  # its policy sized (timm's translations) by the square of as many patches as each length
+        made = [
+            train_transform(n, self.patch_hw, *self.view_args, policy=transforms.policy_ops(t, (s, s), dm.mean))
+            for n, s in zip(self.seq_lens, self.img_sizes, strict=True)
+        ]  # fmt: skip
         world = dm.trainer.world_size if dm.trainer is not None else 1
         return made, [Collate(self, world)] * len(self.seq_lens)
 
@@ -142,10 +148,14 @@ class Patches:
         return patches.contiguous(), torch.stack([y.flatten(), x.flatten()], dim=1)
 
 
-def train_transform(seq_len, patch_hw, scale, ratio, hflip: float, interpolation: str) -> T.Compose:
-    """timm's NaFlex training crop at `seq_len` patches, then a flip, as uint8 patches."""
+def train_transform(
+    seq_len, patch_hw, scale, ratio, hflip: float, interpolation: str, policy: Sequence = ()
+) -> T.Compose:
+    """timm's NaFlex training crop at `seq_len` patches, then a flip and `policy` (data.train_transform's auto_augment,
+    colour jitter, grayscale, blur: transforms.policy_ops) on the image at its own size, as uint8 patches."""
     crop = RandomResizedCropToSequence(patch_hw, seq_len, scale=scale, ratio=ratio, interpolation=interpolation)
-    return T.Compose([T.ToImage(), crop, T.RandomHorizontalFlip(hflip), Patches(patch_hw), Pad(seq_len)])
+    ops = [T.ToImage(), crop, T.RandomHorizontalFlip(hflip), *policy, Patches(patch_hw), Pad(seq_len)]
+    return T.Compose(ops)
 
 
 def eval_transform(seq_len: int, patch_hw, interpolation: str = "bicubic") -> T.Compose:
@@ -189,20 +199,40 @@ def loss_scale(batch: int, schedule: NaFlexSchedule, world: int = 1) -> float:
     return ratio**0.5 if schedule.loss_scale == "sqrt" else ratio
 
 
-def normalise(batch: dict, mean: Sequence[float], std: Sequence[float]) -> dict:
-    """uint8 patches (B, L, P*P*C) on the device -> float32 normalised per channel (C varies fastest)."""
+def normalise(batch: dict, mean: Sequence[float], std: Sequence[float], erasing: Erasing | None = None) -> dict:
+    """uint8 patches (B, L, P*P*C) on the device -> float32 normalised per channel (C varies fastest), then erased
+    (training's `erasing`, where data.train_transform.random_erasing is set)."""
     x = batch["patches"]
     C = len(mean)
     m = torch.tensor(mean, device=x.device, dtype=torch.float32)
     s = torch.tensor(std, device=x.device, dtype=torch.float32)
     x = (x.to(torch.float32).div_(255).unflatten(-1, (-1, C)) - m) / s
+    if erasing is not None:
+        x = erasing(x, batch["patch_coord"], batch["patch_valid"])
     return batch | {"patches": x.flatten(-2)}
+
+
+class Erasing:
+    """data.train_transform.random_erasing on NaFlex's normalised patches (B, L, P*P, C) as timm's NaFlex loader erases
+    them (its PatchRandomErasing, region mode): with probability `p` an image gets 1 to `count` rectangles of whole
+    patches of its own grid (area 2-33%, aspect 0.3-3.3), filled by `mode` (const zeros, rand a normal colour, pixel
+    normal noise). timm's draws: Python's and torch's global random state (seeded by the run's seed)."""
+
+    def __init__(self, p: float, mode: str, count: int):
+        self.args = dict(erase_prob=p, mode=mode, max_count=count)
+        self._by_device: dict[torch.device, PatchRandomErasing] = {}
+
+    def __call__(self, patches: torch.Tensor, coord: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        if patches.device not in self._by_device:
+            self._by_device[patches.device] = PatchRandomErasing(**self.args, device=patches.device)
+        return self._by_device[patches.device](patches, coord, valid)
 
 
 def setup(dm: Any, naflex: dict | None) -> None:
     """An ImageDataModule's NaFlex loading (data.naflex), where seq_lens is set: the schedule of its training batches,
     its evaluation transform; its splits are read by the loaders (not held on the device)."""
     schedule = NaFlexSchedule.from_config(naflex, dm.batch_size)
+    dm.naflex_erasing = None
     if schedule is None:
         return
     if not dm.can_reside:  # streamed: the schedule picks images by index
@@ -212,6 +242,13 @@ def setup(dm: Any, naflex: dict | None) -> None:
         raise UserError("data.naflex.seq_lens sets the training sizes: drop data.train_img_sizes / objective=dino")
     interpolation = dm.eval_settings.get("interpolation") or "bicubic"
     t = dm.train_settings
+    for key, value, off in (("shift", t.shift, 0), ("simple_crop", t.simple_crop, False)):
+        if value != off:
+            value, off = (str(v).lower() if isinstance(v, bool) else v for v in (value, off))
+            raise UserError(f"data.train_transform.{key} {value} crops square images; NaFlex crops each image with "
+                            f"random_resized_crop at its own aspect: set data.train_transform.{key}={off}")  # fmt: skip
+    if t.random_erasing:
+        dm.naflex_erasing = Erasing(t.random_erasing, t.erasing_mode, t.erasing_count)
     view = (tuple(t.random_resized_crop or (1.0, 1.0)), schedule.ratio, t.hflip, t.interpolation)
     dm.size_schedule, dm.resides = dataclasses.replace(schedule, view_args=view), False
     dm.eval_tf = eval_transform(schedule.max_seq_len, schedule.patch_hw, interpolation)

@@ -216,6 +216,15 @@ def train_transform(img_size: int | Sequence[int], mean: Sequence[float] = (0.5,
         ops.append(_ResizeIfNeeded(hw, mode))
     if t.hflip:
         ops.append(T.RandomHorizontalFlip(t.hflip))
+    return T.Compose(ops + policy_ops(t, hw, mean))
+
+
+def policy_ops(t: TrainTransform, hw: tuple[int, int], mean: Sequence[float]) -> list:
+    """The per-image ops after the crop and flip, on uint8 (C, H, W): the policy (auto_augment), colour jitter,
+    grayscale and blur; `hw` sizes timm's policies (their translations), `mean` fills what they uncover. NaFlex's
+    training (data/naflex.py) runs them on each image at its own size."""
+    ops: list = []
+    mode = _interp(t.interpolation)
     # Auto-augment's rotations and shears run on tensors, where torchvision has no bicubic (timm
     # uses bilinear there too).
     aa_mode = InterpolationMode.NEAREST if mode == InterpolationMode.NEAREST else InterpolationMode.BILINEAR
@@ -231,7 +240,7 @@ def train_transform(img_size: int | Sequence[int], mean: Sequence[float] = (0.5,
         ops.append(T.RandomGrayscale(t.grayscale_prob))
     if t.gaussian_blur_prob:
         ops.append(T.RandomApply([T.GaussianBlur(kernel_size=23)], p=t.gaussian_blur_prob))
-    return T.Compose(ops)
+    return ops
 
 
 def eval_transform(img_size: int | Sequence[int], mean: Sequence[float] = (0.5, 0.5, 0.5), **settings) -> T.Compose:
