@@ -11,13 +11,14 @@ from PIL import Image
 from timm.data.naflex_dataset import calculate_naflex_batch_size
 from timm.data.naflex_transforms import get_image_size_for_seq
 
-from vitlab.data import ImageFolderDataModule
+from vitlab.data import ImageFolderDataModule, StreamingDataModule, WDSDataModule
 from vitlab.data.naflex import NaFlexSchedule, eval_transform, train_transform
 from vitlab.data.sizes import check_model
 from vitlab.model.config import ViTConfig
 from vitlab.utils.errors import UserError
 
 ASPECTS = [(96, 32), (48, 48), (32, 96)]  # (w, h): 3:1, 1:1, 1:3
+SMALL = dict(num_classes=3, img_size=16, batch_size=8)
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +162,16 @@ def test_a_model_without_naflex_is_refused_before_any_work():
     with pytest.raises(UserError, match="objective=classify or distill, not objective=mae"):
         check_model(schedule, naflex, "mae")
     check_model(schedule, naflex, "classify")
+
+
+def test_the_streamed_readers_refuse_naflex_in_one_line(tmp_path):
+    """data=wds and data=streaming read samples as they come, in fixed batches: NaFlex's per-batch lengths and batch
+    sizes are the index samplers' (data/sizes.py), refused there before anything is read."""
+    for name in ("train-000000.tar", "train-000001.tar"):
+        (tmp_path / name).touch()
+    naflex = dict(seq_lens=[16], patch_size=8)
+    streamed = (lambda: WDSDataModule(urls=str(tmp_path / "train-{000000..000001}.tar"), naflex=naflex, **SMALL),
+                lambda: StreamingDataModule(data_dir=str(tmp_path), naflex=naflex, **SMALL))  # fmt: skip
+    for make, name in zip(streamed, ("WDSDataModule", "StreamingDataModule"), strict=True):
+        with pytest.raises(UserError, match=rf"needs images read by index \(data=imagefolder, hf, list\); {name}"):
+            make()
