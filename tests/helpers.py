@@ -827,3 +827,10 @@ def documented(command: str, *args: str) -> tuple[str, ...]:
         if name == command and tuple(words[: len(args)]) == args:
             return args
     raise AssertionError(f"no page shows `python -m vitlab.{command} {' '.join(args)}` (tests/helpers.py DOC_PAGES)")
+
+
+def replaced(args, *overrides: str) -> list[str]:
+    """`args` with `overrides` in place of the ones of the same key (a command refuses a key given twice, as a user
+    would be refused: a test that changes a shared list's value says so with this), new keys appended."""
+    keys = {o.split("=", 1)[0].lstrip("+") for o in overrides}
+    return [a for a in args if a.split("=", 1)[0].lstrip("+") not in keys] + list(overrides)

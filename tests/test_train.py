@@ -283,7 +283,10 @@ def test_timm_names_that_cannot_be_fine_tuned_are_named(compose_cfg):
     from vitlab.utils.errors import UserError
 
     cfg = compose_cfg("train", ["model.pretrained=resnet18", "model.img_size=32"])
-    with pytest.raises(UserError, match="'resnet18' is not an architecture of timm's vision_transformer or deit"):
+    with pytest.raises(
+        UserError,
+        match="'resnet18' is not an architecture of timm's vision_transformer, deit, eva or naflexvit modules",
+    ):
         pretrained.apply_pretrained(cfg)
     cfg = compose_cfg("train", ["model.pretrained=vit_small_patch14_dinov2.lvd142m"])  # the digits' 8 px
     with pytest.raises(UserError, match=r"model.img_size 8 is not a multiple of the patch size 14 of timm's "):

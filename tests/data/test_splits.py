@@ -60,10 +60,13 @@ def test_a_run_reports_each_number_on_its_split(compose_cfg, tmp_path, folder, c
         train(compose_cfg("train", ["debug=limit", "progress_bar=none", *data]))
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     if val_fraction:
-        assert "test/acc" in metrics and metrics["splits"]["test"] == "val/" and metrics["tested_checkpoint"]
+        assert (
+            "test/acc" in metrics and metrics["splits"]["test"] == "2 batches of val/" and metrics["tested_checkpoint"]
+        )
     else:
         assert "test/acc" not in metrics and "tested_checkpoint" not in metrics
-        assert metrics["splits"] == {"train": "train/", "val": "val/"} and metrics["best_checkpoint"]
+        # (debug=limit validates on 2 batches: the split says so)
+        assert metrics["splits"] == {"train": "train/", "val": "2 batches of val/"} and metrics["best_checkpoint"]
         assert any("no test split, so the result is val/acc" in m for m in caplog.messages)
     ckpt = metrics.get("tested_checkpoint") or metrics["best_checkpoint"]
     out = tmp_path / "eval"

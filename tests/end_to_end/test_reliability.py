@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from tests.helpers import RESUMABLE, assert_refused, earlier_run, extra_callback, image_tree, run_cli, trained
+from tests.helpers import RESUMABLE, assert_refused, earlier_run, extra_callback, image_tree, replaced, run_cli, trained
 
 # Command-line runs, for CI; the pieces have fast unit tests (test_callbacks, test_atomic).
 
@@ -186,7 +186,7 @@ def _bad_inputs(tmp):
             f"data.data_dir '{tmp / 'nope'}' does not exist",
         ),
         "empty class": (
-            [*folder, "data.num_classes=3", f"data.data_dir={_image_tree(tmp / 'empty', empty_class=True)}"],
+            [*replaced(folder, "data.num_classes=3"), f"data.data_dir={_image_tree(tmp / 'empty', empty_class=True)}"],
             "Found no valid file for the classes c",
         ),
         "corrupt image": (
@@ -194,7 +194,7 @@ def _bad_inputs(tmp):
             f"image file '{tmp / 'broken' / 'train' / 'a' / 'broken.png'}' cannot be decoded",
         ),
         "class count": (
-            [*folder, "data.num_classes=5", f"data.data_dir={_image_tree(tmp / 'two')}"],
+            [*replaced(folder, "data.num_classes=5"), f"data.data_dir={_image_tree(tmp / 'two')}"],
             "data.num_classes 5 does not match the 2 class folders",
         ),
         "missing ckpt": (["ckpt_path=nowhere.ckpt"], "ckpt_path 'nowhere.ckpt' does not exist"),

@@ -19,6 +19,7 @@ from tests.helpers import (
     extra_callback,
     image_tree,
     interrupt,
+    replaced,
     resume,
     run_cli,
     trained,
@@ -76,8 +77,7 @@ def two_sizes(data_dir) -> list[str]:
     schedule, position embeddings resampled per batch; one copy of each image (72: 12 batches a process an
     epoch)."""
     return [
-        *folder(data_dir),
-        "data.repeated_aug=0",
+        *replaced(folder(data_dir), "data.repeated_aug=0"),
         "model.dynamic_img_size=true",
         "data.train_img_sizes=[8,12]",
         "data.train_batch_sizes=[8,4]",

@@ -16,7 +16,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from tests.helpers import ROOT, assert_same_run, documented, extra_callback, run_cli, wandb_steps
+from tests.helpers import ROOT, assert_same_run, documented, extra_callback, replaced, run_cli, wandb_steps
 
 CLUSTER = ROOT / "tests" / "cluster" / "slurm-localhost.sh"
 SHORT = ["trainer.max_epochs=2", "data.batch_size=128", "progress_bar=none", "trainer.deterministic=true"]
@@ -123,7 +123,15 @@ def test_a_job_cancelled_without_a_result_is_one_line(cluster, tmp_path):
     slow = extra_callback("slow", "SleepPerStep", seconds=0.2)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the job finds the test callback
     sweep = subprocess.Popen(
-        [sys.executable, "-m", "vitlab.train", *SWEEP, "optim.lr=1e-3", *SHORT, "trainer.max_epochs=20", *slow],
+        [
+            sys.executable,
+            "-m",
+            "vitlab.train",
+            *SWEEP,
+            "optim.lr=1e-3",
+            *replaced(SHORT, "trainer.max_epochs=20"),
+            *slow,
+        ],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,

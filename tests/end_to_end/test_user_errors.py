@@ -170,7 +170,7 @@ def _cases(tmp: Path, ckpt: Path) -> dict:
         "model=_base": (
             "train",
             ["model=_base"],
-            "error: model=_base holds the defaults every model builds on, not a model; choose one of ['vit_b16',",
+            "error: model=_base holds the defaults every model builds on, not a model; choose one of ['eva02_s14',",
         ),
         "an ONNX model as checkpoint": (
             "train",

@@ -200,7 +200,8 @@ def _check_data_dir(cfg: DictConfig) -> None:
     if not OmegaConf.is_dict(data) or data.get("download") is True:
         return
     data_dir = OmegaConf.select(data, "data_dir", default=None, throw_on_resolution_failure=False)
-    if data_dir is not None and not Path(str(data_dir)).expanduser().exists():
+    remote = "://" in str(data_dir)  # an object store's or a server's (s3://, gs://, https://): its reader says
+    if data_dir is not None and not remote and not Path(str(data_dir)).expanduser().exists():
         raise MissingFileError(f"data.data_dir {str(data_dir)!r} does not exist")
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import tiny
+from tests.helpers import replaced, tiny
 from vitlab.model import ViT
 from vitlab.training.objectives.distillation import DistillConfig, Teacher, distillation_loss, load_teacher
 from vitlab.utils.errors import UserError
@@ -148,8 +148,7 @@ def test_a_distilled_run_with_ema_warmup_resumes_exactly(tmp_path, tmp_path_fact
     teacher = trained(tmp_path_factory, "debug-limit", "debug=limit", "progress_bar=none")  # tests/evaluation's too
     ckpt = json.loads((teacher / "metrics.json").read_text())["tested_checkpoint"]
     args = [
-        *RESUMABLE,
-        "trainer.max_epochs=2",
+        *replaced(RESUMABLE, "trainer.max_epochs=2"),
         "model.distilled=true",
         "objective=distill",
         "objective.type=soft",
