@@ -22,7 +22,8 @@ from torch import nn
 from torchmetrics import MaxMetric, MeanMetric, Metric, MinMetric
 
 from vitlab.model import ViTConfig
-from vitlab.training.devices.sharding import new_vit
+from vitlab.training.devices.float8 import Float8Precision, plain_state
+from vitlab.training.devices.sharding import new_vit, splits_weights
 from vitlab.training.objectives.classification import Classification
 from vitlab.training.objectives.dino import DINO
 from vitlab.training.objectives.distillation import Distillation
@@ -148,8 +149,12 @@ class ViTModule(L.LightningModule):
         return ("model.", *(f"{name}." for name in self.objective.extra_modules()))
 
     def configure_model(self) -> None:
-        """A sharded strategy (trainer=fsdp: training.devices.sharding) shards the network the steps call, once.
-        (Lightning calls this without a Trainer too, loading a checkpoint for inference: nothing to shard then.)"""
+        """trainer.precision=float8 (training.devices.float8) swaps the ViT's large Linears for float8 ones, then a
+        sharded strategy (trainer=fsdp: training.devices.sharding) shards the network the steps call; each once, in
+        torchtitan's order (float8 before sharding). (Lightning calls this without a Trainer too, loading a checkpoint
+        for inference: nothing to convert or shard then.)"""
+        if self._trainer is not None and isinstance(self._trainer.precision_plugin, Float8Precision):
+            self._trainer.precision_plugin.convert(self.model, sharded=splits_weights(self._trainer))
         shard = getattr(self._trainer.strategy, "shard", None) if self._trainer is not None else None
         if shard is not None and shard(self.objective.network(self.model)):
             self.objective.prepare(self.model)  # what it set on the weights, now that they exist
@@ -260,6 +265,8 @@ class ViTModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # The epochs the run was to train: a resume of it once it had finished says so (training.run.resume).
         checkpoint["max_epochs"] = self.trainer.max_epochs
+        if getattr(self.trainer.precision_plugin, "float8_all_gather", False) and "state_dict" in checkpoint:
+            checkpoint["state_dict"] = plain_state(checkpoint["state_dict"])  # plain weights, without torchao's wrapper
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Metric states are bookkeeping, not weights: a checkpoint without them (older, or written elsewhere) starts
