@@ -120,3 +120,59 @@ def test_the_trainer_gets_bf16_mixed_and_the_float8_plugin_beside_its_own(compos
     plugin = trainer.precision_plugin
     assert isinstance(plugin, Float8Precision) and (plugin.recipe, plugin.precision) == ("rowwise", "bf16-mixed")
     assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)  # the config's plugins kept
+
+
+def float8_steps(vit: nn.Module, x, y, plugin: Float8Precision) -> list[float]:
+    optimizer, losses = torch.optim.AdamW(vit.parameters(), lr=1e-3), []
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(vit(x).float(), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        plugin.refresh_scales(vit)
+        losses.append(loss.item())
+    return losses
+
+
+def test_float8_composes_with_fsdp2_gathering_in_float8():
+    """trainer=fsdp's build (the ViT laid out on the meta device, converted, sharded, materialised per shard) with the
+    weights gathered in float8 (torchao's wrapper inside FSDP2's DTensor) and their scales precomputed after each step,
+    on a one-process gloo group in this process: it trains as the unsharded float8 ViT does, and its full state dict is
+    plain weights a ViT loads. (On two gloo processes, run by hand on this CPU, it trains too: the meta build and the
+    host build took the same steps.)"""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from vitlab.model.blocks import Block
+    from vitlab.training.devices.float8 import plain_state
+    from vitlab.training.devices.sharding import materialize, networks_on_meta, new_vit
+
+    cfg, x, y = tiny(embed_dim=64, num_heads=4), torch.randn(16, 3, 32, 32), torch.randint(0, 7, (16,))
+    torch.manual_seed(0)
+    unsharded, plugin = ViT(cfg), Float8Precision("tensorwise", device="cpu", min_features=64, emulate=True)
+    plugin.convert(unsharded)
+    expected = float8_steps(unsharded, x, y, plugin)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        with networks_on_meta():
+            vit = new_vit(cfg)
+        plugin = Float8Precision("tensorwise", device="cpu", min_features=64, emulate=True)
+        plugin.convert(vit, sharded=True)
+        mesh = init_device_mesh("cpu", (1,))
+        for module in [m for m in vit.modules() if isinstance(m, Block)] + [vit]:
+            fully_shard(module, mesh=mesh)
+        materialize(vit, torch.device("cpu"))
+        assert type(vit.blocks[0].mlp.fc1.weight.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"
+        losses = float8_steps(vit, x, y, plugin)
+        assert vit.blocks[0].mlp.fc1.weight._local_tensor._precomputed_scale is not None  # refreshed after the step
+        state = plain_state(get_model_state_dict(vit, options=StateDictOptions(full_state_dict=True)))
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), atol=1e-5, rtol=0)
+    plain = ViT(cfg)
+    plain.load_state_dict(state)  # strict: the same keys, plain tensors
+    torch.testing.assert_close(plain.state_dict(), unsharded.state_dict(), atol=1e-5, rtol=0)

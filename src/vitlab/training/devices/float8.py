@@ -122,11 +122,15 @@ class Float8Precision(MixedPrecision):
         """The step; then, where weights are gathered in float8, every weight's float8 scale in one all-reduce
         (torchao's precompute_float8_dynamic_scale_for_fsdp, after each optimizer step as torchtitan calls it)."""
         output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        self.refresh_scales(model)
+        return output
+
+    def refresh_scales(self, model: nn.Module) -> None:
+        """Where weights are gathered in float8: their scales for the next gathers, after the weights changed."""
         if self.float8_all_gather:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
             precompute_float8_dynamic_scale_for_fsdp(model)
-        return output
 
 
 def plain_state(state: dict[str, Any]) -> dict[str, Any]:
