@@ -24,6 +24,7 @@ from vitlab.convert.timm_args import create_timm_model
 from vitlab.convert.weights import check_state_dict
 from vitlab.model import ViT, ViTConfig
 from vitlab.model.vit import recompute_region
+from vitlab.training.devices.hardware import use_sdpa_backend
 from vitlab.training.optim import OptimConfig, make_optimizer
 from vitlab.utils.checks import compile_mode
 
@@ -106,6 +107,7 @@ def checkpointing(contender: str) -> bool | int | str:
 
 
 def bench_models(cfg: ViTConfig, b: BenchmarkConfig, optim: OptimConfig, device: torch.device) -> dict[str, Any]:
+    use_sdpa_backend(b.sdpa_backend)
     torch.manual_seed(0)
     contenders = build_contenders(cfg, b, optim, device)
     x = torch.randn(b.batch_size, cfg.in_chans, *cfg.img_hw, device=device)

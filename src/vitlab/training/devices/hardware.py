@@ -14,6 +14,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitlab.training.devices.float8 import check_float8, is_float8
+from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -94,3 +95,22 @@ def _cpu_processes(devices: Any) -> int:
         )
     except (TypeError, ValueError):
         return 1  # not a device request: the trainer's own check names it
+
+
+def use_sdpa_backend(name: str) -> None:
+    """`sdpa_backend`: the kernel torch's scaled_dot_product_attention runs for the whole process, `auto` leaving
+    torch's own choice (flash attention on an H100 for ViT shapes); flash, efficient (memory-efficient) or cudnn the
+    only fused kernel allowed, with the math kernel left as the fallback for what it cannot serve (the CPU, a mask
+    the kernel lacks); math alone."""
+    if name == "auto":
+        return
+    switches = {
+        "flash": torch.backends.cuda.enable_flash_sdp,
+        "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
+        "cudnn": torch.backends.cuda.enable_cudnn_sdp,
+        "math": torch.backends.cuda.enable_math_sdp,
+    }
+    if name not in switches:
+        raise UserError(f"sdpa_backend {name!r} is not one of {['auto', *switches]}")
+    for backend, enable in switches.items():
+        enable(backend in (name, "math"))
