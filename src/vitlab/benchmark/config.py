@@ -14,8 +14,11 @@ from vitlab.utils.checks import SDPA_BACKENDS, compile_mode, from_mapping
 from vitlab.utils.errors import UserError
 
 TASKS = ("models", "overhead", "pipeline", "end2end", "strategies")
-# _ckpt: gradient checkpointing of every block; vitlab_ckpt<N>: of every N-th; vitlab_selective: selective
-CONTENDERS = ("vitlab", "timm", "vitlab_ckpt", "timm_ckpt", "vitlab_ckpt<N>", "vitlab_selective")
+# _ckpt: gradient checkpointing of every block; vitlab_ckpt<N>: of every N-th; vitlab_selective: selective; vitlab's
+# step with one thing changed (models.STEP_VARIANTS): _cudnn attention on cuDNN's kernel, _unfused AdamW, _cudagraphs
+# the forward and backward under CUDA graphs (compile mode reduce-overhead)
+CONTENDERS = ("vitlab", "timm", "vitlab_ckpt", "timm_ckpt", "vitlab_ckpt<N>", "vitlab_selective", "vitlab_cudnn",
+              "vitlab_unfused", "vitlab_cudagraphs")  # fmt: skip
 MODES = ("train", "fwd_bwd", "infer")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TIMM_OPTIMIZERS = ("timm", "vitlab")
