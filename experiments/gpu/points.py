@@ -117,6 +117,22 @@ def few_steps(steps: int, dry: dict[str, str], **values: str) -> Command:
     return Command("vitlab.train", overrides(**values) | short, TINY_TRAIN | dry)
 
 
+def float8_sweep() -> Command:
+    """vitlab.train -m: ViT-L/16 and ViT-H/14, each at bf16-mixed and float8, compiled, one epoch of 200 steps of batch
+    64 on fake data (seed 42: the same weights and images at both precisions), no checkpoints: each job's metrics.json
+    has train/loss, the mean of the 200 steps' losses, and the FLOP/s of the last 50 steps. One process for the four
+    (the dry run: the two networks tiny, uncompiled, in fp32, 2 steps: float8 is refused on a CPU)."""
+    short = overrides(data="fake", trainer__max_steps="200", trainer__max_epochs="-1", test="false", logger="csv",
+                      progress_bar="none", data__num_train=str(200 * 64), data__batch_size="64",
+                      trainer__limit_val_batches="1", trainer__num_sanity_val_steps="0")  # fmt: skip
+    sweep = {"-m": None, "model": "vit_l16,vit_h14", "trainer": "gpu", "trainer.precision": "bf16-mixed,float8",
+             "compile": "true"}  # fmt: skip
+    unsaved = {"~callbacks.model_checkpoint": None, "~callbacks.last_checkpoint": None, "hydra.sweep.dir": "{run_dir}"}
+    dry = {"trainer": "cpu", "trainer.precision": "32-true", "compile": False, "trainer.max_steps": "2",
+           "data.num_train": "16", "data.batch_size": "8", "model.depth": "1", "model.img_size": "112"}  # fmt: skip
+    return Command("vitlab.train", sweep | short | unsaved, dry, run_dir=False)
+
+
 # In priority order: the two costs this project removes on a GPU (FSDP on one device, the digits' launch-bound step),
 # the suite's GPU tests, then the compiled step and end to end, then the rest (issue 57's list).
 POINTS = [
@@ -220,6 +236,39 @@ POINTS = [
         200,
         100,
         [end2end((*FAKE_B16, "compile=true"), (*FAKE_TINY, "compile=true"))],
+    ),
+    Point(
+        "mfu_b16",
+        "throughput",
+        "what closes compiled B/16 from 44% toward 55% MFU: cuDNN attention, AdamW unfused (the fused kernel's worth), "
+        "CUDA graphs for the forward and backward, each against the compiled step in the same rounds (bf16, batch 256)",
+        300,
+        150,
+        [
+            Command(
+                "vitlab.benchmark",
+                overrides(
+                    model="vit_b16",
+                    benchmark__batch_size="256",
+                    benchmark__precision="bf16",
+                    benchmark__compile="true",
+                    benchmark__modes="[train]",
+                    benchmark__contenders="[vitlab,vitlab_cudnn,vitlab_unfused,vitlab_cudagraphs]",
+                ),
+                TINY_BENCH | {"benchmark.compile": "false"},  # (vitlab_cudagraphs compiles itself: one compile)
+            )
+        ],
+    ),
+    Point(
+        "float8",
+        "precision",
+        "trainer.precision=float8 against bf16-mixed, compiled: ViT-L/16 and ViT-H/14 (batch 64), step time, FLOP/s "
+        "and the mean loss of 200 steps",
+        600,
+        240,
+        [
+            float8_sweep(),
+        ],
     ),
     Point(
         "timm_train",
@@ -388,6 +437,11 @@ TIMM_TRAIN_LINE = re.compile(
 
 def result_of(run_dir: Path, log: str) -> object:
     """What a command measured: its benchmark.json or metrics.json, else the JSON lines it printed."""
+    if (run_dir / "summary.json").is_file():  # a -m sweep: each job's overrides and metrics.json
+        jobs = json.loads((run_dir / "summary.json").read_text())
+        metrics = [run_dir / str(job["job"]) / "metrics.json" for job in jobs]
+        return {"sweep": [{"overrides": job["overrides"], **(json.loads(m.read_text()) if m.is_file() else {})}
+                          for job, m in zip(jobs, metrics, strict=True)]}  # fmt: skip
     for name in ("benchmark.json", "metrics.json", "results_cuda.json", "results_cpu.json"):
         if (run_dir / name).is_file():
             return json.loads((run_dir / name).read_text())
