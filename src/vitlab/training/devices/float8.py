@@ -59,6 +59,17 @@ def check_float8(precision: str, gpus: list[tuple[str, tuple[int, int]]]) -> Non
         raise UserError(f"trainer.precision={precision} needs torchao: pip install 'vitlab[float8]'") from e
 
 
+def trainer_arguments(trainer_cfg: Any) -> dict[str, Any]:
+    """The Trainer's arguments that `trainer.precision=float8` (or float8-rowwise) replaces, none for another
+    precision: Lightning has no float8, so no precision, and the config's plugins with Float8Precision beside them."""
+    from hydra.utils import instantiate
+
+    if not is_float8(precision := trainer_cfg.get("precision")):
+        return {}
+    plugins = [instantiate(p) for p in trainer_cfg.get("plugins") or []]
+    return {"precision": None, "plugins": [*plugins, Float8Precision(FLOAT8_PRECISIONS[str(precision)])]}
+
+
 def converts(module: nn.Module, name: str, min_features: int = MIN_FEATURES) -> bool:
     """Whether the Linear `module` at `name` in the ViT computes in float8: a block's, both sizes multiples of 16
     and at least `min_features`."""

@@ -32,8 +32,7 @@ from vitlab.model.config import vit_config
 from vitlab.training.callbacks.health import AdaptiveGradientClipping
 from vitlab.training.callbacks.standard import NonFiniteLoss, RichBar, TQDMBar
 from vitlab.training.checkpoint_io import upgrade_hparams
-from vitlab.training.devices import sharding
-from vitlab.training.devices.float8 import FLOAT8_PRECISIONS, Float8Precision, is_float8
+from vitlab.training.devices import float8, sharding
 from vitlab.training.devices.hardware import resolve_trainer
 from vitlab.training.devices.rank_state import RankState
 from vitlab.training.module import OBJECTIVES, ViTModule
@@ -336,11 +335,8 @@ def build_trainer(trainer_cfg: DictConfig, **kwargs: Any) -> L.Trainer:
         factor = trainer_cfg.gradient_clip_val
         kwargs["callbacks"].append(AdaptiveGradientClipping(float(factor)))  # after Health: it reads unclipped norms
         kwargs |= {"gradient_clip_val": None, "gradient_clip_algorithm": None}
-    if is_float8(precision := trainer_cfg.get("precision")):  # Lightning has none: its bf16-mixed, plus the conversion
-        plugins = [instantiate(p) for p in trainer_cfg.get("plugins") or []]
-        kwargs |= {"precision": None, "plugins": [*plugins, Float8Precision(FLOAT8_PRECISIONS[precision])]}
     try:
-        return instantiate(trainer_cfg, **kwargs)
+        return instantiate(trainer_cfg, **kwargs | float8.trainer_arguments(trainer_cfg))  # (precision=float8)
     except InstantiationException as e:
         cause = e.__cause__
         if not isinstance(cause, (MisconfigurationException, ValueError)) or isinstance(cause, UserError):
