@@ -266,7 +266,7 @@ POINTS = [
         "trainer.precision=float8 against bf16-mixed, compiled: ViT-L/16 and ViT-H/14 (batch 64), step time, FLOP/s "
         "and the mean loss of 200 steps",
         600,
-        240,
+        150,
         [
             float8_sweep(),
         ],
@@ -438,14 +438,12 @@ TIMM_TRAIN_LINE = re.compile(
 
 def result_of(run_dir: Path, log: str) -> object:
     """What a command measured: its benchmark.json or metrics.json, else the JSON lines it printed."""
-    if (run_dir / "summary.json").is_file():  # a -m sweep: each job's overrides and metrics.json
-        jobs = json.loads((run_dir / "summary.json").read_text())
-        metrics = [run_dir / str(job["job"]) / "metrics.json" for job in jobs]
-        return {"sweep": [{"overrides": job["overrides"], **(json.loads(m.read_text()) if m.is_file() else {})}
-                          for job, m in zip(jobs, metrics, strict=True)]}  # fmt: skip
     for name in ("benchmark.json", "metrics.json", "results_cuda.json", "results_cpu.json"):
         if (run_dir / name).is_file():
             return json.loads((run_dir / name).read_text())
+    jobs = sorted((d for d in run_dir.iterdir() if d.name.isdigit()), key=lambda d: int(d.name)) if run_dir.is_dir() else []
+    if jobs:  # a -m sweep, ended or stopped at its limit: each job's overrides and metrics.json (where it finished)
+        return {"sweep": [{"overrides": sweep_overrides(d), **json_file(d / "metrics.json")} for d in jobs]}
     timm = [m.groupdict() for m in TIMM_TRAIN_LINE.finditer(log)]
     if timm:  # timm's train.py: the last epoch's last line holds that epoch's average step (its first batch's wait
         last = timm[-1]  # for the loader included) and the last step's time (the steady state)
@@ -466,6 +464,17 @@ def result_of(run_dir: Path, log: str) -> object:
             except json.JSONDecodeError:
                 pass
     return rows or None
+
+
+def sweep_overrides(job_dir: Path) -> list[str]:
+    """A -m sweep job's overrides, from Hydra's record of them (.hydra/overrides.yaml: a list of strings)."""
+    path = job_dir / ".hydra" / "overrides.yaml"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [line[2:].strip().strip("'\"") for line in lines if line.startswith("- ")]
+
+
+def json_file(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def run(argv: list[str], limit: float, log_path: Path) -> tuple[int | str, float]:
