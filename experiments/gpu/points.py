@@ -441,7 +441,8 @@ def result_of(run_dir: Path, log: str) -> object:
     for name in ("benchmark.json", "metrics.json", "results_cuda.json", "results_cpu.json"):
         if (run_dir / name).is_file():
             return json.loads((run_dir / name).read_text())
-    jobs = sorted((d for d in run_dir.iterdir() if d.name.isdigit()), key=lambda d: int(d.name)) if run_dir.is_dir() else []
+    numbered = [d for d in run_dir.iterdir() if d.name.isdigit()] if run_dir.is_dir() else []
+    jobs = sorted(numbered, key=lambda d: int(d.name))
     if jobs:  # a -m sweep, ended or stopped at its limit: each job's overrides and metrics.json (where it finished)
         return {"sweep": [{"overrides": sweep_overrides(d), **json_file(d / "metrics.json")} for d in jobs]}
     timm = [m.groupdict() for m in TIMM_TRAIN_LINE.finditer(log)]
