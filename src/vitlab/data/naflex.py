@@ -235,9 +235,6 @@ def setup(dm: Any, naflex: dict | None) -> None:
     dm.naflex_erasing = None
     if schedule is None:
         return
-    if not dm.can_reside:  # streamed: the schedule picks images by index
-        raise UserError(f"data.naflex.seq_lens needs images read by index (data=imagefolder, hf, list); "
-                        f"{type(dm).__name__} streams them")  # fmt: skip
     if dm.size_schedule is not None or dm.views is not None:
         raise UserError("data.naflex.seq_lens sets the training sizes: drop data.train_img_sizes / objective=dino")
     interpolation = dm.eval_settings.get("interpolation") or "bicubic"

@@ -17,11 +17,12 @@ import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from vitlab.data import sizes
 from vitlab.data.base import ImageDataModule, describe_splits
 from vitlab.data.folds import describe as describe_folds
 from vitlab.data.folds import kept_and_held
 from vitlab.data.seeded import TransformDataset, init_worker
-from vitlab.data.streamed import EpochSampler, Holdout, StreamedSplit
+from vitlab.data.streamed import EpochSampler, Holdout, StreamedSplit, whole
 from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -115,16 +116,20 @@ class RecordsDataModule(ImageDataModule):
         if not isinstance(dataset, StreamedSplit):
             return super()._loader(dataset, train, **kwargs)
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
+        batched = train and self.size_schedule is not None  # several sizes or NaFlex's lengths: whole batches
         dataset.place(self.shuffle_seed, rank, world, self.per_device_batch_size)
-        if train:
+        if batched:  # (timm's schedule refuses an epoch without a full batch)
+            sizes.streamed_loading(self, dataset, world)
+        elif train:
             self._check_enough_images(dataset.num_samples)
         workers = self.num_workers if self.num_workers is not None else self._auto_workers()
         on_cuda = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
         extra = {"prefetch_factor": self.prefetch_factor, "worker_init_fn": init_worker} if workers else {}
+        extra |= {"collate_fn": whole} if batched else {}
         # persistent workers in training: their readers keep the epoch they are told through a shared value
         loader = StatefulDataLoader(
-            dataset, batch_size=self.per_device_batch_size, num_workers=workers, generator=torch.Generator(),
-            pin_memory=self.pin_memory if self.pin_memory is not None else on_cuda,
+            dataset, batch_size=1 if batched else self.per_device_batch_size, num_workers=workers,
+            generator=torch.Generator(), pin_memory=self.pin_memory if self.pin_memory is not None else on_cuda,
             persistent_workers=workers > 0 and (train or self.persistent_workers), **extra,
         )  # fmt: skip
         if train:  # Lightning sets the epoch on it at every epoch's start; set here as it will be (epochs processed)
