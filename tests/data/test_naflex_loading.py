@@ -131,6 +131,32 @@ def test_training_augmentation_of_data_train_transform_runs_on_each_image(photos
             _dm(photos, bad)
 
 
+def test_random_erasing_draws_from_the_data_modules_generator_and_a_resumed_run_erases_alike(photos):
+    """timm's PatchRandomErasing draws from the global generators, which a resumed run puts back only after its first
+    batch is made (training/devices/rank_state.py): seeded from the data module's own (checkpointed) generator instead,
+    the global ones left as they were; pixel mode's noise too."""
+    erasing = dict(random_erasing=1.0, erasing_mode="pixel")
+    dm = _dm(photos, erasing, seq_lens=[36, 64])
+    _as_rank(dm, 0, 1)
+    batches = list(dm.train_dataloader())[:3]  # uint8, as the workers make them
+
+    def erased(dm, batches):
+        return [dm.device_transform(b, train=True)[0]["patches"] for b in batches]
+
+    erased(dm, batches[:1])
+    state = dm.state_dict()  # what a checkpoint after the first step keeps
+    before = random.getstate(), torch.get_rng_state()
+    rest = erased(dm, batches[1:])
+    assert random.getstate() == before[0] and torch.equal(torch.get_rng_state(), before[1])  # left as they were
+    resumed = _dm(photos, erasing, seq_lens=[36, 64])
+    resumed.load_state_dict(state)
+    random.seed(1), torch.manual_seed(1)  # the global generators elsewhere
+    again = erased(resumed, batches[1:])
+    assert all(torch.equal(a, b) for a, b in zip(rest, again, strict=True))
+    plain = _dm(photos, None, seq_lens=[36, 64])
+    assert not any(torch.equal(a, b) for a, b in zip(rest, erased(plain, batches[1:]), strict=True))
+
+
 def test_validation_pads_every_image_to_max_seq_len(photos):
     dm = _dm(photos, max_seq_len=12)
     x, y = dm.device_transform(next(iter(dm.val_dataloader())), train=False)
