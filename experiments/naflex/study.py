@@ -26,8 +26,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 from vitlab.data.naflex import eval_transform
 from vitlab.model import ViT, ViTConfig
@@ -42,6 +40,8 @@ MODEL = dict(img_size=16, patch_size=P, in_chans=1, num_classes=10, embed_dim=64
 
 def canvases(seed: int = 0):
     """(uint8 canvases (1, h, w), labels, aspect index) of every digit, its canvas by its index mod 3."""
+    from sklearn.datasets import load_digits  # (here: the GPU point, --tokens, needs no scikit-learn)
+
     digits = load_digits()
     rng = np.random.default_rng(seed)
     out = []
@@ -214,6 +214,8 @@ def main() -> None:
         (HERE / "results.json").write_text(json.dumps(results, indent=1))
         print(results["throughput"])
         return
+    from sklearn.model_selection import train_test_split
+
     train_idx, test_idx = train_test_split(np.arange(len(images)), test_size=0.2, stratify=labels, random_state=0)
     train_idx, test_idx = torch.as_tensor(train_idx), torch.as_tensor(test_idx)
     results = {"epochs": args.epochs, "seeds": args.seeds, "runs": {}, "padding_waste": padding_waste(images)}
