@@ -7,7 +7,8 @@ ratio within a patch budget, batches of variable sequence length, padded, with m
   of a batch constant, by timm's rule (`calculate_naflex_batch_size`: data.batch_size x max(seq_lens) tokens, floored
   to a multiple of `batch_divisor`). The batches are data/sizes.py's `ScheduledBatches` (timm's ScheduledBatchSampler,
   the seq_lens its choices): a composition drawn once, in a new order every epoch, every process the same length at
-  the same step, resumed mid-epoch by its position and shared out under DDP as the other samplers.
+  the same step, resumed mid-epoch by its position and shared out under DDP as the other samplers. Streamed data
+  (data=wds, hf streaming) has no indices: its readers yield the same schedule's whole batches (data/streamed.py).
 - Evaluation: timm's ResizeToSequence at `max_seq_len` (default max(seq_lens)), data.batch_size a batch.
 - A batch is {patches (B, L, P*P*C) uint8, patch_coord (B, L, 2), patch_valid (B, L)}, labels: normalised on the
   device (`normalise`); the loss of a training batch is scaled by its batch size over data.batch_size (timm's
