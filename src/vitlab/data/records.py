@@ -10,7 +10,6 @@ held out with `data.split_seed`, said in the log; no test split, and nothing is 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,23 +27,6 @@ from vitlab.utils.errors import UserError
 log = logging.getLogger(__name__)
 
 MISSING_VAL_FRACTION = 0.1  # the share of train that validates where the data has no validation split
-
-
-def label_indices(values: Sequence[Any], where: str, names: list[str] | None = None) -> tuple[list[int], list[str]]:
-    """A label column as class indices and the class names: integers as they are (named by their numbers unless
-    `names` are known), class names as their place among the sorted names (an image folder's order)."""
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        if any(v < 0 for v in values):
-            raise UserError(f"{where} holds the label {min(values)}: labels are class indices >= 0 or class names")
-        return list(values), names or [str(i) for i in range(max(values, default=-1) + 1)]
-    if all(isinstance(v, str) and v for v in values):
-        found = names or sorted(set(values))
-        index = {name: i for i, name in enumerate(found)}
-        if unknown := sorted(set(values) - set(index)):
-            raise UserError(f"{where} holds labels not among the classes {found[:5]}...: {unknown[:5]}")
-        return [index[v] for v in values], found
-    odd = next(v for v in values if not isinstance(v, (int, str)) or isinstance(v, bool) or v == "")
-    raise UserError(f"{where} holds the label {odd!r} ({type(odd).__name__}): labels must be integers or class names")
 
 
 class RecordsDataModule(ImageDataModule):
