@@ -136,10 +136,16 @@ class SegmentationDataModule(ImageDataModule):
 
     @property
     def identity(self) -> dict:
-        """What decides the masks and images a split holds (the features cache's key, beside the weights)."""
-        where = {"data_dir": str(Path(self.data_dir).resolve())} if self.data_dir else {"canvases": self.canvases}
-        return where | {"layout": self.layout, "reduce_zero_label": self.reduce_zero_label, "img_size": self.img_hw,
-                        "channels": self.channels, "eval": self.eval_settings}  # fmt: skip
+        """What decides the masks and images a split holds (the features cache's key, beside the weights), as JSON
+        gives it back (lists, not tuples: the cache compares it with the JSON it wrote)."""
+        where = (
+            {"data_dir": str(Path(self.data_dir).resolve())}
+            if self.data_dir
+            else {"canvases": list(self.canvases), "canvas_size": self.canvas_size, "split_seed": self.split_seed}
+        )
+        return where | {"layout": self.layout, "reduce_zero_label": self.reduce_zero_label,
+                        "img_size": list(self.img_hw), "channels": self.channels, "mean": list(self.mean),
+                        "std": list(self.std), "eval": dict(self.eval_settings)}  # fmt: skip
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:

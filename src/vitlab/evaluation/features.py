@@ -113,13 +113,11 @@ def split_features(
     source: dict,
     layers: Layers = POOLED,
     dataset: Dataset | None = None,
-    label_spec: tuple[tuple[int, ...], type] = ((), np.int64),
+    label_spec: tuple[tuple[int, ...], torch.dtype] = ((), torch.int64),
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
     """(features (N, D) float32, labels (N,) int64) of `split`, from the cache where it holds them; in rank 0 only
-    where several processes share the work (every process of torch.distributed's group must call it; the others
-    get (None, None)). Rank 0 alone reads and writes the cache. `dataset` (default: the split's `eval_view`) and
-    `label_spec` (each item's label shape and dtype) serve other items: the segmentation probe's patch-token maps
-    (N, C, h, w), whose labels are masks (N, H, W) uint8 (vitlab.evaluation.segmentation)."""
+    where several processes share the work (all must call it; the others get (None, None)). Rank 0 alone reads and
+    writes the cache. `dataset` (else `eval_view`) and `label_spec` serve seg_probe's maps and masks."""
     dataset = datamodule.eval_view(split) if dataset is None else dataset
     n, (rank, world) = len(dataset), _world()
     if n == 0:  # (a held-out validation slice that held nothing: data/streamed.py refuses it in training now)
@@ -136,7 +134,6 @@ def split_features(
     model.eval().to(device)
     dim, (label_shape, label_dtype) = layers.dim(model), label_spec
     shape = tuple(dim) if isinstance(dim, tuple) else (dim,)
-    label_torch_dtype = torch.from_numpy(np.empty(0, label_dtype)).dtype
     feats = labels = None
     if rank == 0:
         opened = found is not None and done
@@ -149,13 +146,11 @@ def split_features(
         stop = min(n, start + step)
         batch = next(batches, None)
         if batch is None:  # this rank's share ended a batch before the others'
-            f = torch.zeros(0, *shape, device=device)
-            y = torch.zeros(0, *label_shape, dtype=label_torch_dtype, device=device)
+            f, y = torch.zeros(0, *shape, device=device), torch.zeros(0, *label_shape, dtype=label_dtype)
         else:
             x, y = datamodule.device_transform(datamodule.transfer_batch_to_device(batch, device, 0), train=False)
             f = layers.extract(model, x).float()
-        y = y.to(device, label_torch_dtype)
-        parts = _gather_to_rank0(f, y, loader.batch_size, world)
+        parts = _gather_to_rank0(f, y.to(device, label_dtype), loader.batch_size, world)
         if rank > 0:
             continue
         for r, (pf, py) in enumerate(parts):
@@ -207,9 +202,8 @@ def _read(cache: Path, split: str, meta: dict) -> tuple[np.ndarray, np.ndarray, 
     return feats, labels, int(saved["done"])
 
 
-def _open(
-    cache: Path | None, split: str, n: int, shape: tuple, meta: dict, label_shape: tuple = (), label_dtype=np.int64
-):  # noqa: E501
+def _open(cache: Path | None, split: str, n: int, shape: tuple, meta: dict, label_shape: tuple, label_dtype):
+    label_dtype = torch.empty(0, dtype=label_dtype).numpy().dtype
     if cache is None:
         return np.empty((n, *shape), np.float32), np.empty((n, *label_shape), label_dtype)
     cache.mkdir(parents=True, exist_ok=True)
