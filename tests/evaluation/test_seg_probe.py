@@ -114,6 +114,9 @@ def test_the_schedule_is_mmcvs_poly_with_linear_warmup():
 
 
 def test_probe_settings_are_refused_in_one_line():
+    with pytest.raises(UserError, match=r"the val split's masks hold label 7, above data.num_classes 5 \(labels 0..4"):
+        seg.check_labels(torch.tensor([[[0, 255, 7]]], dtype=torch.uint8), 5, "val")
+    seg.check_labels(torch.tensor([[[0, 255, 4]]], dtype=torch.uint8), 5, "val")
     with pytest.raises(UserError, match=r"segmentation.iterations 0 must be an integer >= 1"):
         seg.SegSchedule(iterations=0)
     _, ours = _dinov2_and_ours()
@@ -134,7 +137,8 @@ def test_acceptance_on_an_ade20k_folder_with_timm_weights_under_ddp(ade20k, tmp_
     args = ["task=segmentation", "data=segmentation", f"data.data_dir={ade20k}", "data.num_classes=4",
             "model=vit_digits", "model.img_size=28", "model.patch_size=7", "model.embed_dim=48", "model.depth=2",
             f"model.pretrained={tmp_path / 'weights.pth'}", "segmentation.iterations=30",
-            "segmentation.warmup_iters=5", "segmentation.batch_size=4", "data.batch_size=2", "trainer=ddp_cpu",
+            "segmentation.warmup_iters=5", "segmentation.batch_size=4", "data.batch_size=2", "data.num_workers=0",
+            "trainer=ddp_cpu",
             f"features_dir={tmp_path / 'features'}", "progress_bar=none"]  # fmt: skip
     r = run_cli("eval", *args, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -156,6 +156,19 @@ def train_head(head: BNHead, feats: torch.Tensor, masks: torch.Tensor, s: SegSch
     return head
 
 
+def check_labels(masks: torch.Tensor, num_classes: int, split: str) -> None:
+    """Every label of the (N, H, W) masks below `num_classes` or ignored (255): what data.check_images checks before
+    the run, checked here too for data read without it (one line, not the loss's error)."""
+    for start in range(0, len(masks), 256):
+        m = masks[start : start + 256]
+        above = m[(m >= num_classes) & (m != IGNORE)]
+        if len(above):
+            raise UserError(
+                f"the {split} split's masks hold label {int(above.max())}, above data.num_classes {num_classes} "
+                f"(labels 0..{num_classes - 1}, {IGNORE} ignored): set data.num_classes to the data's class count"
+            )
+
+
 class SegScores:
     """mIoU and aAcc over every pixel of the batches given to `update` (torchmetrics' MulticlassJaccardIndex, macro,
     and MulticlassAccuracy, micro, ignore_index 255): mmseg's total_area_to_metrics, mIoU its nanmean over the

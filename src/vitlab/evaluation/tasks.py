@@ -260,10 +260,12 @@ def probe_segmentation(cfg, model, datamodule, source: dict, cache: Path | None,
     split = "test" if datamodule.test_set is not None else "val"
     ident = source | {"data": datamodule.identity, "task": "segmentation"}
     masks = (tuple(datamodule.img_hw), torch.uint8)
-    feats = {s: split_features(model, datamodule, s, device, cache, ident, tokens, datamodule.seg_view(s), masks)
+    feats = {s: split_features(model, datamodule, s, device, cache, ident, tokens, datamodule.seg_view(s), masks, False)
              for s in ("train", split)}  # fmt: skip
     if feats[split][0] is None:  # not rank 0
         return None
+    for s in ("train", split):
+        seg.check_labels(feats[s][1], datamodule.num_classes, s)
     g = torch.Generator().manual_seed(schedule.seed)
     head = seg.BNHead(feats["train"][0].shape[1], datamodule.num_classes, g)
     log.info("segmentation probe: %s", schedule.describe(len(tokens.blocks)))
