@@ -102,6 +102,25 @@ def test_the_metric_is_mmsegs_mean_iou(refs):
     assert found["mIoU"] == pytest.approx(float(np.nanmean(theirs["IoU"])), abs=1e-6)
 
 
+def test_the_probe_learns_what_the_features_say():
+    """Features that tell each 4 x 4 patch's share of every class (what a perfect encoder at patch 4 could give) on
+    the embedded canvases: the probe reaches a high mIoU on the test canvases (0.71, aAcc 0.93 measured, where
+    random ViT features give 0.10 and 0.79, the background's share), its upsampling's blur at the digits' edges the
+    rest."""
+    import torch.nn.functional as F
+
+    from vitlab.data import canvas
+
+    def patch_shares(masks):
+        return F.avg_pool2d(F.one_hot(masks.long(), 11).permute(0, 3, 1, 2).float(), 4)  # (N, 11, 8, 8)
+
+    (_, train), (_, test) = canvas.make_split("train", 128, 32, 3, 0), canvas.make_split("test", 32, 32, 3, 0)
+    head = seg.BNHead(11, 11, torch.Generator().manual_seed(0))
+    seg.train_head(head, patch_shares(train), train, seg.SegSchedule(200, warmup_iters=20, lr=1e-2), "cpu")
+    found = seg.score(head, patch_shares(test), test, 11, "cpu")
+    assert found["mIoU"] > 0.6 and found["aAcc"] > 0.9, found
+
+
 def test_the_schedule_is_mmcvs_poly_with_linear_warmup():
     """mmcv's PolyLrUpdaterHook (power 1, min_lr 0) and LrUpdaterHook's linear warm-up (its get_warmup_lr), at
     iterations of DINOv2's schedule (40,000, warm-up 1,500 from a ratio of 1e-6)."""
