@@ -15,6 +15,7 @@ MODULES = {  # each class, and the module that holds it
     "HFDataModule": "hf",
     "ImageFolderDataModule": "imagefolder",
     "ListDataModule": "lists",
+    "SegmentationDataModule": "segmentation",
     "StreamingDataModule": "streaming",
     "WDSDataModule": "wds",
 }
