@@ -426,6 +426,36 @@ POINTS = [
             ),  # fmt: skip
         ],
     ),
+    Point(
+        "naflex_tokens",
+        "naflex",
+        "padded NaFlex tokens/s against the square run at equal tokens (naflexvit B/16, 256 patches, batch 256)",
+        150,
+        60,
+        [
+            Command(
+                "experiments/naflex/study.py",  # NaFlex's padded dict, squares as the dict (masked), squares as images
+                {
+                    "--tokens": None,
+                    "--device": "cuda",
+                    "--model": "naflexvit_base_patch16_gap",
+                    "--seq": "256",
+                    "--batch": "256",
+                    "--steps": "10",
+                    "--rounds": "3",
+                },
+                {
+                    "--device": "cpu",
+                    "--seq": "16",
+                    "--batch": "2",
+                    "--steps": "1",
+                    "--rounds": "1",
+                    "--model-kwargs": "depth=1,embed_dim=32,num_heads=2",
+                },
+                run_dir=False,
+            )  # fmt: skip
+        ],
+    ),
 ]
 
 

@@ -93,6 +93,13 @@ def describe(point: dict) -> list[str]:
             shown = f"batch_size=auto chose {auto['batch_size']} ({auto['limited_by']}), " if auto else ""
             lines.append(f"{shown}trained, {r.get('train/samples_per_sec', 0):,.0f} img/s at the end, "
                          f"{r['wall_time_s']:.1f} s")  # fmt: skip
+        elif isinstance(r, list) and r and "naflex_tokens" in r[0]:  # naflex/study.py --tokens
+            t, first = r[0]["naflex_tokens"], r[0]
+            parts = [f"{way} {v['tokens_per_s']:,.0f} tokens/s ({v['valid_tokens_per_s']:,.0f} valid)"
+                     for way, v in t.items()]  # fmt: skip
+            lines.append(f"{first['model']} {first['seq']} patches, batch {first['batch']}: {'; '.join(parts)}; "
+                         f"NaFlex's padding {100 * first['padding']:.1f}%, its tokens/s over the square images' "
+                         f"{t['naflex']['tokens_per_s'] / t['square_images']['tokens_per_s']:.3f}")  # fmt: skip
         elif isinstance(r, dict) and "rows" in r:  # regional_compile/measure.py
             rows = [
                 f"depth {x['depth']} {x['mode']}: compile {x['compile_s']:.1f} s, step {1000 * x['step_s']:.1f} ms, "

@@ -375,7 +375,7 @@ class ImageDataModule(DataModule):
         batch is shifted and flipped first; resized where kept at its own size; randomly erased in training."""
         x, y = batch[:2]
         if isinstance(x, dict):  # NaFlex's padded patches (data/naflex.py)
-            return naflex_loading.normalise(x, self.mean, self.std, self.naflex_erasing if train else None), y
+            return naflex_loading.normalise(x, self.mean, self.std, self.naflex_erasing if train else None, self.rng), y
         if train and self.views is not None and isinstance(x, list):  # objective=dino, views cut in the workers
             return self.views.normalised(x, self.rng), y
         if train and self.views is not None:  # objective=dino: the views (and iBOT's masks) of every image

@@ -19,7 +19,7 @@ import lightning as L
 import torch
 from timm.scheduler.scheduler import Scheduler as TimmScheduler
 from torch import nn
-from torchmetrics import MaxMetric, MeanMetric, Metric, MinMetric
+from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
 from vitlab.model import ViTConfig
 from vitlab.training.devices.float8 import Float8Precision, plain_state
@@ -43,29 +43,6 @@ from vitlab.utils.errors import UserError
 log = logging.getLogger("vitlab.train")  # the command's own lines
 
 OBJECTIVES: dict[str, type[Objective]] = {"classify": Classification, "distill": Distillation, "mae": MAE, "dino": DINO}
-
-
-class RunningMeans(Metric):
-    """A training epoch's mean loss and (`accuracy`: a classifier's) top-1 accuracy, from one tensor of sums that a
-    step adds to: torchmetrics' MeanMetric and MulticlassAccuracy, checking and formatting their inputs at every step,
-    cost ~2-3% of the digits model's step (experiments/throughput); the values are theirs (loss x images summed in
-    float32, then divided; correct / images). Checkpointed, and summed over processes when computed."""
-
-    full_state_update = False
-
-    def __init__(self, accuracy: bool):
-        super().__init__()
-        self.accuracy = accuracy
-        self.add_state("sums", torch.zeros(3), dist_reduce_fx="sum", persistent=True)  # loss x n, correct, n
-
-    def update(self, loss: torch.Tensor, logits: torch.Tensor | None, y: torch.Tensor) -> None:
-        n = torch.full((), len(y), dtype=self.sums.dtype, device=self.sums.device)  # (a fill on the device, no copy)
-        correct = (logits.argmax(-1) == y).sum() if self.accuracy else torch.zeros_like(n)
-        self.sums += torch.stack([loss.to(self.sums.dtype) * n, correct.to(self.sums.dtype), n])
-
-    def compute(self) -> dict[str, torch.Tensor]:
-        loss, correct, n = self.sums
-        return {"loss": loss / n} | ({"acc": correct / n} if self.accuracy else {})
 
 
 def build_objective(options: dict[str, Any] | None, model: ViTConfig, unlabeled: bool = False) -> Objective:
@@ -114,10 +91,11 @@ class ViTModule(L.LightningModule):
             self.add_module(name, network)
         # Updated every step, computed (and synced across processes) once per epoch: logging a value costs ~1 ms in
         # Lightning, as much as the forward pass of the digits model. A non-finite training loss stops the run before
-        # it is averaged, so its mean skips the NaN check (a device sync per step on a GPU).
+        # it is averaged (NonFiniteLoss), so its mean skips the NaN check (a device sync per step on a GPU); the
+        # accuracy skips its input checks (objective.metrics: validate_args=False).
         k = cfg.num_classes
         self.train_metrics = nn.ModuleDict(
-            {"means": RunningMeans(accuracy="acc" in self.objective.metrics("train", k))}
+            {"loss": MeanMetric(nan_strategy="disable")} | self.objective.metrics("train", k)
         )
         self.val_metrics = nn.ModuleDict({"loss": MeanMetric()} | self.objective.metrics("val", k))
         self.test_metrics = nn.ModuleDict({"loss": MeanMetric()} | self.objective.metrics("test", k))
@@ -219,12 +197,14 @@ class ViTModule(L.LightningModule):
         self.evaluate("test", batch)
 
     def update_metrics(self, stage: str, loss: torch.Tensor, logits: torch.Tensor | None, y: torch.Tensor) -> None:
-        if stage == "train":
-            self.train_metrics["means"].update(loss.detach(), None if logits is None else logits.detach(), y)
-            return
         m = getattr(self, f"{stage}_metrics")
-        # The weight is made on the device: a Python number would be copied there, and that copy waits.
-        m["loss"].update(loss.detach(), weight=torch.full((), len(y), dtype=loss.dtype, device=loss.device))
+        loss = loss.detach()
+        if stage == "train":
+            # The mean over images: the batch's loss once per image (a view, no copy). The weight is in the values
+            # because torchmetrics (1.9) replaces a weight by ones under nan_strategy="disable" (its issue 3434).
+            m["loss"].update(loss.expand(len(y)))
+        else:  # the weight is made on the device: a Python number would be copied there, and that copy waits
+            m["loss"].update(loss, weight=torch.full((), len(y), dtype=loss.dtype, device=loss.device))
         for name, metric in m.items():
             if name != "loss":
                 metric.update(logits.detach(), y)
@@ -232,10 +212,7 @@ class ViTModule(L.LightningModule):
     def _log_epoch(self, stage: str) -> dict[str, torch.Tensor]:
         values = {}
         for name, metric in getattr(self, f"{stage}_metrics").items():
-            value = metric.compute()  # (RunningMeans: several values)
-            values |= (
-                {f"{stage}/{k}": v for k, v in value.items()} if isinstance(value, dict) else {f"{stage}/{name}": value}
-            )
+            values[f"{stage}/{name}"] = metric.compute()
             metric.reset()
         # torchmetrics has already reduced these over processes; sync_dist=True averages equal values (and
         # keeps Lightning from warning, under DDP, that epoch-level values were not synced).
@@ -278,7 +255,7 @@ class ViTModule(L.LightningModule):
             if not key.startswith(self.network_prefixes) and key not in state:
                 state[key] = value
         for key in [k for k in state if k not in ours and not k.startswith(self.network_prefixes)]:
-            del state[key]  # an older checkpoint's metric states (the training means were two torchmetrics)
+            del state[key]  # another version's metric states (e.g. train_metrics.means.sums, 2026-11-28)
 
     # ---- optimisation ----------------------------------------------------------------------------
     def configure_optimizers(self):
