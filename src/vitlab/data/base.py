@@ -1,13 +1,12 @@
 """What every DataModule shares (`DataModule`: global batch size split over processes, seeded and resumable
 loaders), and what the datasets of images add (`ImageDataModule`: per-image transforms).
 
-`data.batch_size` is the *global* batch: under DDP with N processes each loads batch_size / N
-(it must divide), so changing trainer.devices keeps the optimisation the same.
-
-The loaders' workers decode and augment each image on uint8 and batches stay uint8 (pinned when
-training on a GPU, moved without blocking); `device_transform` turns them into normalised float32 on
-the device, with random erasing in training (data/transforms.py). Datasets that fit are instead held on the
-device whole, as uint8, and augmented there a batch at a time (`data.on_device`, data/resident.py).
+`data.batch_size` is the *global* batch: under DDP with N processes each loads batch_size / N (it must divide).
+The loaders' workers decode and augment each image on uint8 and batches stay uint8 (pinned for a GPU, moved without
+blocking); `device_transform` makes normalised float32 of them on the device, with random erasing in training
+(data/transforms.py). Or the device decodes and augments them too (`data.decode=device`, data/decoding.py); or
+datasets that fit are held on the device as uint8, augmented there a batch at a time (`data.on_device`,
+data/resident.py). Training's workers run on into the next epoch (data/lookahead.py).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import Dataset, DistributedSampler, Sampler, Subset, default_collate
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from vitlab.data import decoding, image_views, resident, sizes, transforms
+from vitlab.data import decoding, image_views, lookahead, resident, sizes, transforms
 from vitlab.data import folds as folds_module
 from vitlab.data import naflex as naflex_loading
 from vitlab.data.folds import describe_splits, held_out  # noqa: F401  (where the datasets and tests import them from)
@@ -120,7 +119,7 @@ class DataModule(L.LightningDataModule):
             self._check_enough_images(len(dataset))
         if isinstance(dataset, ResidentImages):  # on the device already: whole batches gathered there, nothing pinned
             kwargs.update(num_workers=0, collate_fn=already_batched, pin_memory=False)
-        if isinstance(dataset, decoding.EncodedImages):  # data.decode=device: bytes and draws, not pixels
+        elif isinstance(dataset, decoding.EncodedImages):  # data.decode=device: bytes and draws, not pixels
             kwargs.setdefault("collate_fn", decoding.collate)
         if "num_workers" not in kwargs:
             kwargs["num_workers"] = self.num_workers if self.num_workers is not None else self._auto_workers()
@@ -146,6 +145,8 @@ class DataModule(L.LightningDataModule):
             kwargs.setdefault("prefetch_factor", self.prefetch_factor)
             kwargs.setdefault("worker_init_fn", init_worker)
         kwargs.setdefault("batch_size", self.per_device_batch_size)
+        if train and kwargs["batch_size"] is not None and kwargs.get("persistent_workers"):  # data/lookahead.py:
+            return lookahead.LookaheadLoader(dataset, **kwargs)  # its workers run on into the next epoch (no refill)
         return StatefulDataLoader(dataset, drop_last=train and kwargs["batch_size"] is not None, **kwargs)
 
     def _train_sampler(self, dataset: Dataset, world: int, rank: int) -> Sampler:
@@ -186,8 +187,7 @@ class DataModule(L.LightningDataModule):
         # Each process tests its own share, no image twice (Lightning's sampler would repeat some to even the
         # shares out), so the synced metrics are those of one process testing them all. Testing runs outside DDP's
         # wrapper: shares that differ by a batch cannot stall it.
-        rank = self.trainer.global_rank
-        share = UnrepeatedDistributedSampler(test, num_replicas=world, rank=rank, shuffle=False)
+        share = UnrepeatedDistributedSampler(test, num_replicas=world, rank=self.trainer.global_rank, shuffle=False)
         return self._loader(test, train=False, sampler=share)
 
     def _served(self, split: str) -> Dataset | None:

@@ -1,0 +1,91 @@
+"""No epoch-start refill: a training loader whose persistent workers run on into the next epoch.
+
+A plain DataLoader's iterator ends with its epoch: its workers (persistent or not) wait until the next epoch's
+`iter()`, then each prepares a whole batch before the first step can run, while the device waits (timm's train.py
+and vitlab's loader both paid it, `epoch_starts_s` in benchmark.task=end2end). Here the loader's sampler goes on
+from one epoch into the next (`EpochsSampler`: each epoch's order is known in advance, drawn from (seed, epoch) by
+the DistributedSampler it wraps), so the loader's one iterator never ends: when an epoch's last batches are taken,
+the workers are already preparing the next epoch's first ones (through validation too), and `LookaheadLoader`
+hands the batches out an epoch at a time.
+
+The order is the wrapped sampler's, epoch by epoch, unchanged. Resume: the loader's state is (epoch, batches given
+out in it); a resumed loader starts its sampler at that epoch, past those batches (nothing read or decoded for
+them), and drops what the workers had prepared ahead, as torchdata's StatefulDataLoader does. An epoch cut short
+(`trainer.limit_train_batches`) or an epoch other than the one it ran into starts the iterator anew there.
+No Hydra, OmegaConf or Lightning here.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+
+class EpochsSampler(DistributedSampler):
+    """`sampler`'s indices (its drop_last share of whole batches of `batch_size`) for epoch after epoch, from
+    `start` = (epoch, batches to skip). A DistributedSampler, so that Lightning leaves it as it is under DDP; its
+    length is one epoch's. `set_epoch` (Lightning calls it at every epoch's start) says which epoch is next due."""
+
+    def __init__(self, sampler: Any, batch_size: int):
+        self.sampler, self.batch_size = sampler, batch_size
+        self.epoch = getattr(sampler, "epoch", 0)
+        self.start = (self.epoch, 0)
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.batch_size * self.batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator:
+        epoch, skip = self.start
+        while True:
+            sampler = copy.copy(self.sampler)  # (its own epoch: Lightning's set_epoch on the wrapped one changes none)
+            sampler.set_epoch(epoch)
+            for n, key in enumerate(sampler):
+                if n >= len(self):
+                    break
+                if n >= skip * self.batch_size:
+                    yield key
+            epoch, skip = epoch + 1, 0
+
+
+class LookaheadLoader(StatefulDataLoader):
+    """A StatefulDataLoader over an EpochsSampler (persistent workers, whole batches): `iter()` gives the due epoch's
+    batches from the one iterator that runs across epochs."""
+
+    def __init__(self, dataset: Any, sampler: Any, batch_size: int, **kwargs: Any):
+        super().__init__(dataset, sampler=EpochsSampler(sampler, batch_size), batch_size=batch_size, drop_last=True,
+                         **kwargs)  # fmt: skip
+        self._running: Iterator | None = None
+        self._at: tuple[int, int] | None = None  # (epoch, batches given out in it) of the running iterator
+        self._resume: tuple[int, int] | None = None
+
+    def __iter__(self) -> Iterator:
+        epoch = self.sampler.epoch
+        skip = self._resume[1] if self._resume is not None and self._resume[0] == epoch else 0
+        if self._running is None or self._resume is not None or self._at != (epoch, 0):
+            self.sampler.start = (epoch, skip)
+            self._running = super().__iter__()  # (persistent workers: the same workers, their queues reset)
+        self._resume, self._at = None, (epoch, skip)
+        return self._epoch(epoch, len(self) - skip)
+
+    def _epoch(self, epoch: int, n: int) -> Iterator:
+        for _ in range(n):
+            batch = next(self._running)
+            self._at = (epoch, self._at[1] + 1)
+            yield batch
+        self._at = (epoch + 1, 0)  # the running iterator goes on into the next epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        epoch, given = self._at if self._at is not None else (self.sampler.epoch, 0)
+        return {"lookahead": {"epoch": epoch, "batches": given}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "lookahead" not in state:  # (a checkpoint of a loader that did not look ahead: it starts the epoch anew)
+            return
+        self._resume = (state["lookahead"]["epoch"], state["lookahead"]["batches"])
