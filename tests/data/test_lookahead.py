@@ -44,12 +44,8 @@ def _expected(epoch):
 
 def _epoch(loader, epoch, n=None):
     loader.sampler.set_epoch(epoch)  # (Lightning, at every epoch's start)
-    out = []
-    for batch in loader:
-        out.append(batch.tolist())
-        if len(out) == n:
-            break
-    return out
+    it = iter(loader)  # as Lightning takes them: len() batches (or n), and no next() past them
+    return [next(it).tolist() for _ in range(n or len(loader) - loader._at[1])]
 
 
 def test_the_next_epoch_is_prepared_before_it_starts_in_the_same_order(tmp_path):
@@ -65,6 +61,9 @@ def test_the_next_epoch_is_prepared_before_it_starts_in_the_same_order(tmp_path)
     else:
         raise AssertionError("epoch 1's first batch was not prepared at the end of epoch 0")
     assert _epoch(loader, 1) == _expected(1) and _epoch(loader, 2) == _expected(2)
+    lines = (tmp_path / "fetched").read_text().splitlines()
+    fetched = [(int(s) % 1000, int(i)) for s, i in (line.split() for line in lines)]
+    assert all(fetched.count(tuple(key)) == 1 for batch in _expected(1) for key in batch)  # not read again at iter()
 
 
 def test_a_resume_mid_epoch_and_an_epoch_cut_short_give_the_sampler_s_batches(tmp_path):

@@ -68,18 +68,20 @@ class LookaheadLoader(StatefulDataLoader):
     def __iter__(self) -> Iterator:
         epoch = self.sampler.epoch
         skip = self._resume[1] if self._resume is not None and self._resume[0] == epoch else 0
-        if self._running is None or self._resume is not None or self._at != (epoch, 0):
+        # the running iterator is at this epoch's start: asked again before a batch, or the last epoch given out whole
+        # (Lightning takes len() batches and asks for no more)
+        at_start = self._at in ((epoch, 0), (epoch - 1, len(self)))
+        if self._running is None or self._resume is not None or not at_start:
             self.sampler.start = (epoch, skip)
             self._running = super().__iter__()  # (persistent workers: the same workers, their queues reset)
         self._resume, self._at = None, (epoch, skip)
-        return self._epoch(epoch, len(self) - skip)
+        return self._epoch(epoch, skip)
 
-    def _epoch(self, epoch: int, n: int) -> Iterator:
-        for _ in range(n):
+    def _epoch(self, epoch: int, given: int) -> Iterator:
+        for k in range(given + 1, len(self) + 1):
             batch = next(self._running)
-            self._at = (epoch, self._at[1] + 1)
+            self._at = (epoch, k)  # (on its way out: the checkpoint after this batch's step resumes after it)
             yield batch
-        self._at = (epoch + 1, 0)  # the running iterator goes on into the next epoch
 
     def state_dict(self) -> dict[str, Any]:
         epoch, given = self._at if self._at is not None else (self.sampler.epoch, 0)
