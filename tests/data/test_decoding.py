@@ -143,3 +143,19 @@ def test_images_held_decoded_in_memory_are_refused():
     dm.setup("fit")
     with pytest.raises(UserError, match="holds its images decoded or streams them; set data.decode=workers"):
         dm.train_dataloader()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_nvjpeg_makes_the_worker_path_s_batch_within_the_decoders_difference(jpegs):
+    """nvjpeg's IDCT and chroma upsampling are not libjpeg-turbo's: a level or two apart on average in these smooth
+    photos, a few more at sharp colour edges (the fallback files, decoded by the workers' decoder, and the crops, flips
+    and colour draws are the same)."""
+    workers, device = _module(jpegs, "workers", **EVERY_OP), _module(jpegs, "device", **EVERY_OP)
+    device.trainer.strategy.root_device = cuda = torch.device("cuda")
+    std = torch.tensor(workers.std).view(1, 3, 1, 1)
+    for a, b in zip(workers.train_dataloader(), device.train_dataloader(), strict=True):
+        x = workers.device_transform(a, train=True)[0]
+        z, labels = device.device_transform(device.transfer_batch_to_device(b, cuda, 0), train=True)
+        assert z.device.type == "cuda" and torch.equal(labels.cpu(), a[1])
+        levels = ((x - z.cpu()) * std * 255).abs()
+        assert levels.mean() < 2.0 and levels.quantile(0.99) < 12, (levels.mean(), levels.quantile(0.99))

@@ -181,7 +181,7 @@ def decode_batch(batch: EncodedBatch, device: torch.device) -> list[torch.Tensor
     """Each image of the batch as uint8 (3, H, W) on `device`: the device decoder's JPEGs in one call, the rest (and
     a batch the decoder fails on) through the worker path's decoder, one by one."""
     out: list[torch.Tensor | None] = [None] * len(batch.data)
-    jpegs = [i for i in range(len(out)) if batch.records[i, ON_DEVICE] == 1]
+    jpegs = [i for i, flag in enumerate(batch.records[:, ON_DEVICE].tolist()) if flag == 1]
     if jpegs:
         from torchvision.io import ImageReadMode, decode_jpeg
 
