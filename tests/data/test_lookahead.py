@@ -6,6 +6,7 @@ import time
 
 import torch
 from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitlab.data.lookahead import LookaheadLoader
 from vitlab.data.seeded import SeededSampler
@@ -77,3 +78,14 @@ def test_a_resume_mid_epoch_and_an_epoch_cut_short_give_the_sampler_s_batches(tm
     assert _epoch(resumed, 1) == _expected(1)[2:] and _epoch(resumed, 2) == _expected(2)
     # trainer.limit_train_batches: epoch 1 stopped after 2 batches, and epoch 2 is whole, from its start
     assert _epoch(loader, 2) == _expected(2)
+
+
+def test_a_checkpoint_of_torchdata_s_loader_from_before_resumes_after_its_batches(tmp_path):
+    sampler = SeededSampler(Keys(tmp_path / "fetched"), num_replicas=1, rank=0, shuffle=True, seed=5)
+    sampler.set_epoch(1)
+    before = StatefulDataLoader(sampler.dataset, sampler=sampler, batch_size=BATCH, num_workers=2, drop_last=True)
+    it = iter(before)
+    taken = [next(it).tolist() for _ in range(3)]
+    resumed = _loader(tmp_path, epoch=1)
+    resumed.load_state_dict(before.state_dict())
+    assert taken + _epoch(resumed, 1) == _expected(1)

@@ -63,11 +63,11 @@ class LookaheadLoader(StatefulDataLoader):
                          **kwargs)  # fmt: skip
         self._running: Iterator | None = None
         self._at: tuple[int, int] | None = None  # (epoch, batches given out in it) of the running iterator
-        self._resume: tuple[int, int] | None = None
+        self._resume: tuple[int | None, int] | None = None
 
     def __iter__(self) -> Iterator:
         epoch = self.sampler.epoch
-        skip = self._resume[1] if self._resume is not None and self._resume[0] == epoch else 0
+        skip = self._resume[1] if self._resume is not None and self._resume[0] in (epoch, None) else 0
         # the running iterator is at this epoch's start: asked again before a batch, or the last epoch given out whole
         # (Lightning takes len() batches and asks for no more)
         at_start = self._at in ((epoch, 0), (epoch - 1, len(self)))
@@ -88,6 +88,8 @@ class LookaheadLoader(StatefulDataLoader):
         return {"lookahead": {"epoch": epoch, "batches": given}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "lookahead" not in state:  # (a checkpoint of a loader that did not look ahead: it starts the epoch anew)
-            return
-        self._resume = (state["lookahead"]["epoch"], state["lookahead"]["batches"])
+        if "lookahead" in state:
+            self._resume = (state["lookahead"]["epoch"], state["lookahead"]["batches"])
+        elif "_snapshot" in state:  # a checkpoint from before: torchdata's multi-worker state, batches given this epoch
+            given = state["_snapshot"]["_snapshot_step"] + state.get("_steps_since_snapshot", 0)
+            self._resume = (None, given)  # (in the epoch Lightning resumes in: its set_epoch says which)
