@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2 as T
 
-from vitlab.data import ImageFolderDataModule, decoding
+from vitlab.data import HFDataModule, ImageFolderDataModule, ListDataModule, StreamingDataModule, decoding
 from vitlab.data.seeded import seeded
 from vitlab.utils.errors import UserError
 
@@ -51,9 +51,9 @@ def jpegs(tmp_path_factory):
     return jpeg_tree(tmp_path_factory.mktemp("jpegs"))
 
 
-def _module(root, decode, rank=0, world=1, workers=0, **train_transform):
-    dm = ImageFolderDataModule(data_dir=str(root), num_classes=2, img_size=16, batch_size=4, num_workers=workers,
-                               decode=decode, train_transform=train_transform)  # fmt: skip
+def _module(root, decode, rank=0, world=1, workers=0, kind=ImageFolderDataModule, **train_transform):
+    where = {"data_dir": str(root), "num_classes": 2} if kind is ImageFolderDataModule else root
+    dm = kind(**where, img_size=16, batch_size=4, num_workers=workers, decode=decode, train_transform=train_transform)
     epochs = SimpleNamespace(current=SimpleNamespace(processed=0))
     dm.trainer = SimpleNamespace(world_size=world, global_rank=rank, num_devices=world,
                                  fit_loop=SimpleNamespace(epoch_progress=epochs), training=True,
@@ -116,6 +116,23 @@ def test_the_ddp_share_out_and_a_mid_epoch_resume_are_the_sampler_s(jpegs):
     for (n, r), (m, s) in zip(whole[1:], rest, strict=True):
         assert n == m
         torch.testing.assert_close(r, s, rtol=0, atol=0, equal_nan=True)
+
+
+def test_the_other_readers_files_are_decoded_on_the_device_as_the_folder_s(records, shards):
+    """data=hf (a saved dataset's Image cells), data=list (a CSV's files) and data=streaming (the pack's shards): the
+    device path's batches are their worker path's (PNG files: the fallback decoder), epoch after epoch."""
+    readers = {
+        HFDataModule: {"name": str(records / "saved"), "num_classes": 3},
+        ListDataModule: {"train_file": str(records / "train.csv"), "val_file": str(records / "val.csv"),
+                         "num_classes": 3},
+        StreamingDataModule: {"data_dir": str(shards), "num_classes": 3},
+    }  # fmt: skip
+    for kind, where in readers.items():
+        workers, device = (_module(where, decode, kind=kind, color_jitter=0.4) for decode in ("workers", "device"))
+        for a, b in zip(workers.train_dataloader(), device.train_dataloader(), strict=True):
+            z, labels = device.device_transform(device.transfer_batch_to_device(b, torch.device("cpu"), 0), True)
+            x, y = workers.device_transform(a, train=True)
+            assert torch.equal(x, z) and torch.equal(y, labels), kind
 
 
 @pytest.mark.parametrize(
