@@ -21,37 +21,58 @@ import copy
 from collections.abc import Iterator
 from typing import Any
 
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 
 class EpochsSampler(DistributedSampler):
-    """`sampler`'s indices (its drop_last share of whole batches of `batch_size`) for epoch after epoch, from
-    `start` = (epoch, batches to skip). A DistributedSampler, so that Lightning leaves it as it is under DDP; its
-    length is one epoch's. `set_epoch` (Lightning calls it at every epoch's start) says which epoch is next due."""
+    """`sampler` as the loader shows it (`loader.sampler`): one epoch, the one due (`set_epoch`: Lightning calls it at
+    every epoch's start), of the same length. A DistributedSampler, so that Lightning leaves it as it is under DDP."""
 
-    def __init__(self, sampler: Any, batch_size: int):
-        self.sampler, self.batch_size = sampler, batch_size
-        self.epoch = getattr(sampler, "epoch", 0)
-        self.start = (self.epoch, 0)
+    def __init__(self, sampler: Any):
+        self.sampler, self.epoch = sampler, getattr(sampler, "epoch", 0)
 
     def __len__(self) -> int:
-        return len(self.sampler) // self.batch_size * self.batch_size
+        return len(self.sampler)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self) -> Iterator:
-        epoch, skip = self.start
+        return iter(at_epoch(self.sampler, self.epoch))
+
+    def running(self, start: tuple[int, int], batch_size: int) -> Iterator:
+        """Epoch after epoch from `start` = (epoch, batches to skip), each epoch's whole batches (drop_last)."""
+        epoch, skip = start
+        whole = len(self) // batch_size * batch_size
         while True:
-            sampler = copy.copy(self.sampler)  # (its own epoch: Lightning's set_epoch on the wrapped one changes none)
-            sampler.set_epoch(epoch)
-            for n, key in enumerate(sampler):
-                if n >= len(self):
+            for n, key in enumerate(at_epoch(self.sampler, epoch)):
+                if n >= whole:
                     break
-                if n >= skip * self.batch_size:
+                if n >= skip * batch_size:
                     yield key
             epoch, skip = epoch + 1, 0
+
+
+def at_epoch(sampler: Any, epoch: int) -> Any:
+    """A copy of `sampler` at `epoch` (Lightning's set_epoch on the one it holds changes no order drawn here)."""
+    sampler = copy.copy(sampler)
+    sampler.set_epoch(epoch)
+    return sampler
+
+
+class Running(Sampler):
+    """What the loader's batch sampler reads: the EpochsSampler's keys from `start` on, never ending."""
+
+    def __init__(self, epochs: EpochsSampler, batch_size: int):
+        self.epochs, self.batch_size = epochs, batch_size
+        self.start = (epochs.epoch, 0)
+
+    def __len__(self) -> int:  # (the loader's len(): one epoch's batches)
+        return len(self.epochs)
+
+    def __iter__(self) -> Iterator:
+        return self.epochs.running(self.start, self.batch_size)
 
 
 class LookaheadLoader(StatefulDataLoader):
@@ -59,8 +80,8 @@ class LookaheadLoader(StatefulDataLoader):
     batches from the one iterator that runs across epochs."""
 
     def __init__(self, dataset: Any, sampler: Any, batch_size: int, **kwargs: Any):
-        super().__init__(dataset, sampler=EpochsSampler(sampler, batch_size), batch_size=batch_size, drop_last=True,
-                         **kwargs)  # fmt: skip
+        super().__init__(dataset, sampler=EpochsSampler(sampler), batch_size=batch_size, drop_last=True, **kwargs)
+        self.batch_sampler.sampler = self._stream = Running(self.sampler, batch_size)  # (its own keys, endless)
         self._running: Iterator | None = None
         self._at: tuple[int, int] | None = None  # (epoch, batches given out in it) of the running iterator
         self._resume: tuple[int | None, int] | None = None
@@ -72,7 +93,7 @@ class LookaheadLoader(StatefulDataLoader):
         # (Lightning takes len() batches and asks for no more)
         at_start = self._at in ((epoch, 0), (epoch - 1, len(self)))
         if self._running is None or self._resume is not None or not at_start:
-            self.sampler.start = (epoch, skip)
+            self._stream.start = (epoch, skip)
             self._running = super().__iter__()  # (persistent workers: the same workers, their queues reset)
         self._resume, self._at = None, (epoch, skip)
         return self._epoch(epoch, skip)
