@@ -456,6 +456,83 @@ POINTS = [
             )  # fmt: skip
         ],
     ),
+    Point(
+        "jpeg_device",
+        "throughput",
+        "JPEGs decoded on the GPU (data.decode=device) against the worker path and timm's train.py, compiled B/16, "
+        "batch 256, bf16, 15 workers (goal: >= 0.9 of the compiled bare step)",
+        420,
+        200,
+        [
+            Command(
+                "experiments/gpu/jpeg_folder.py",
+                {"--out": "{work}/jpegs", "--train": "5120", "--val": "512", "--classes": "10", "--size": "500x375"},
+                {"--train": "16", "--val": "4", "--classes": "2", "--size": "48x36"},
+                run_dir=False,
+            ),
+            Command(
+                "experiments/gpu/reference/timm_train.py",  # timm's own, compiled, defaults but these
+                {
+                    "--data-dir": "{work}/jpegs",
+                    "--device": "cuda",
+                    "--val-split": "val",
+                    "--model": "vit_base_patch16_224",
+                    "--num-classes": "10",
+                    "-b": "256",
+                    "--epochs": "3",
+                    "--warmup-epochs": "0",
+                    "--amp": None,
+                    "--amp-dtype": "bfloat16",
+                    "-j": "15",
+                    "--pin-mem": None,
+                    "--torchcompile": "inductor",
+                    "--log-interval": "5",
+                    "--checkpoint-hist": "1",
+                    "--output": "{run_dir}",
+                },
+                {
+                    "--device": "cpu",
+                    "--model-kwargs": "depth=1",
+                    "-b": "8",
+                    "--epochs": "1",
+                    "-j": "1",
+                    "--amp": False,
+                    "--amp-dtype": False,
+                    "--pin-mem": False,
+                    "--torchcompile": False,
+                },
+                run_dir=False,
+            ),  # fmt: skip
+            *(
+                end2end(
+                    (
+                        "model=vit_b16",
+                        "data=imagefolder",
+                        "data.data_dir={work}/jpegs",
+                        f"data.decode={decode}",
+                        "data.on_device=false",
+                        "data.batch_size=256",
+                        "data.num_workers=15",
+                        "data.train_transform.color_jitter=0.4",
+                        "trainer=gpu",
+                        "compile=true",
+                    ),
+                    (
+                        "model=vit_b16",
+                        *TINY,
+                        "data=imagefolder",
+                        "data.data_dir={work}/jpegs",
+                        f"data.decode={decode}",
+                        "data.on_device=false",
+                        "data.batch_size=8",
+                        "data.num_workers=1",
+                        "trainer=cpu",
+                    ),
+                )  # fmt: skip
+                for decode in ("workers", "device")
+            ),  # timm's defaults: RandomResizedCrop 0.08-1, flip, colour jitter 0.4; 40 steps, 20 an epoch
+        ],
+    ),
 ]
 
 

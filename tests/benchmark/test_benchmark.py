@@ -216,8 +216,10 @@ def test_pipeline_times_the_train_loader_against_the_old_one_timms_and_a_decode_
         "batch_shape": [4, 3, 16, 16],
         "train_images": 16,
     }
+    # (device_decode: data.decode=device, decoded and augmented in this process on the CPU)
     assert set(report["results"]) == {
-        "vitlab", "float32_workers", "ceiling", "timm", "streaming", "vitlab[rand-m9-mstd0.5-inc1]", "vitlab[3a]"
+        "vitlab", "float32_workers", "ceiling", "timm", "device_decode", "streaming", "vitlab[rand-m9-mstd0.5-inc1]",
+        "vitlab[3a]",
     }  # fmt: skip
     for name, row in report["results"].items():
         assert len(row["images_per_s_rounds"]) == 2 and row["images_per_s"] > 0

@@ -51,6 +51,11 @@ class HFImages(Dataset):
         name = f"{self.where} row {i}"
         return decode_image(image_bytes(self.table[i][self.key], name), name, self.channels), self.labels[i]
 
+    def encoded(self, i: int) -> tuple[bytes, str, int]:
+        """The stored image's bytes, its name, its label (data.decode=device: decoded on the device)."""
+        name = f"{self.where} row {i}"
+        return image_bytes(self.table[i][self.key], name), name, self.labels[i]
+
 
 def image_bytes(value: Any, name: str) -> bytes:
     """An image cell's bytes: an undecoded Image ({bytes, path}) or plain bytes."""

@@ -31,6 +31,10 @@ class ListedImages(Dataset):
     def __getitem__(self, i: int):
         return read_image(self.paths[i], self.channels), self.labels[i]
 
+    def encoded(self, i: int) -> tuple[bytes, str, int]:
+        """The file's bytes, its name, its label (data.decode=device: decoded on the device, data/decoding.py)."""
+        return Path(self.paths[i]).read_bytes(), self.paths[i], self.labels[i]
+
 
 class ListDataModule(RecordsDataModule):
     takes_folds = True  # data.folds=K data.fold=i (data/folds.py)
