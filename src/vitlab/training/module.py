@@ -74,6 +74,11 @@ def build_objective(options: dict[str, Any] | None, model: ViTConfig, unlabeled:
     name = values.pop("name", "classify")
     if name not in OBJECTIVES:
         raise UserError(f"objective {name!r} is not one of {list(OBJECTIVES)}")
+    if "gram" in values and name != "dino":  # the one key another objective's dataclass would list as unknown
+        raise UserError(
+            f"objective.gram (DINOv3's Gram anchoring of a DINO teacher's patch features) is objective=dino's; "
+            f"objective={name} has no Gram teacher: drop objective.gram or train with objective=dino"
+        )
     if unlabeled and OBJECTIVES[name].uses_labels:
         raise UserError("data.unlabeled=true has no labels to learn from: pretrain on it with objective=mae or dino")
     return OBJECTIVES[name](values, model)
@@ -117,6 +122,7 @@ class ViTModule(L.LightningModule):
         k = cfg.num_classes
         self.train_metrics = nn.ModuleDict(
             {"means": RunningMeans(accuracy="acc" in self.objective.metrics("train", k))}
+            | {f"loss_{t}": MeanMetric(nan_strategy="disable") for t in self.objective.term_names()}  # (no sync)
         )
         self.val_metrics = nn.ModuleDict({"loss": MeanMetric()} | self.objective.metrics("val", k))
         self.test_metrics = nn.ModuleDict({"loss": MeanMetric()} | self.objective.metrics("test", k))
@@ -193,6 +199,9 @@ class ViTModule(L.LightningModule):
         x, y = batch
         loss, logits = self.loss(x, y)
         self.update_metrics("train", loss, logits, y)  # a classifier's accuracy: against the unmixed labels
+        for name in self.objective.term_names():  # the loss's terms (objective=dino's), each its own mean
+            if name in self.objective.terms:
+                self.train_metrics[f"loss_{name}"].update(self.objective.terms[name])
         if (self.global_step + 1) % self.trainer.log_every_n_steps == 0:  # the steps Lightning writes logs at
             # Read here, on a step that logs (and waits) anyway: a device tensor in the progress bar would be
             # read again, and waited for, after every later step.
@@ -227,6 +236,9 @@ class ViTModule(L.LightningModule):
     def _log_epoch(self, stage: str) -> dict[str, torch.Tensor]:
         values = {}
         for name, metric in getattr(self, f"{stage}_metrics").items():
+            if name.startswith("loss_") and not metric.weight:  # a loss term not begun (objective.gram.start)
+                metric.reset()
+                continue
             value = metric.compute()  # (RunningMeans: several values)
             values |= (
                 {f"{stage}/{k}": v for k, v in value.items()} if isinstance(value, dict) else {f"{stage}/{name}": value}
