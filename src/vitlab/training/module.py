@@ -199,9 +199,10 @@ class ViTModule(L.LightningModule):
         x, y = batch
         loss, logits = self.loss(x, y)
         self.update_metrics("train", loss, logits, y)  # a classifier's accuracy: against the unmixed labels
-        for name in self.objective.term_names():  # the loss's terms (objective=dino's), each its own mean
+        for name in self.objective.term_names():  # the loss's terms (objective=dino's), each its mean as train/loss's
             if name in self.objective.terms:
-                self.train_metrics[f"loss_{name}"].update(self.objective.terms[name])
+                term = self.objective.terms[name]
+                self.train_metrics[f"loss_{name}"].update(term, weight=torch.full_like(term, len(y)))
         if (self.global_step + 1) % self.trainer.log_every_n_steps == 0:  # the steps Lightning writes logs at
             # Read here, on a step that logs (and waits) anyway: a device tensor in the progress bar would be
             # read again, and waited for, after every later step.
