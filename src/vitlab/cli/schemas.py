@@ -72,6 +72,16 @@ class FewshotSettings(TypedDict):
     seeds: NonEmpty[Seed]
 
 
+class SegmentationSettings(TypedDict):
+    n_last_blocks: PositiveInt  # at most the model's depth (checked with the model)
+    iterations: PositiveInt
+    warmup_iters: NonNegativeInt
+    batch_size: PositiveInt  # global
+    lr: PositiveNumber
+    weight_decay: NonNegativeNumber
+    seed: Seed
+
+
 class EvalDataOverrides(TypedDict):
     """eval's `data.<key>=`, laid over the checkpoint's own data config (a data=<name> group replaces them, and is
     checked against its data module instead)."""
@@ -94,13 +104,14 @@ class EvalSettings(TypedDict):
     seed: Seed
     ckpt_path: str | None
     progress_bar: ProgressBar
-    task: Literal["test", "knn", "linear", "fewshot"]
+    task: Literal["test", "knn", "linear", "fewshot", "segmentation"]
     tta: Literal["none", "flip", "flip_crops"]  # task=test of a checkpoint (vitlab.evaluation.tta)
     features_dir: str | None
     layers: int | NonEmpty[int] | None
     knn: KnnSettings
     linear: LinearSettings
     fewshot: FewshotSettings
+    segmentation: SegmentationSettings
     data: EvalDataOverrides
     model: dict[str, Any]  # PretrainedModel's keys, or a model=<name> group's (checked as the model is built)
 

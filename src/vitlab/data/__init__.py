@@ -6,6 +6,7 @@ from vitlab.data.fake import FakeDataModule
 from vitlab.data.hf import HFDataModule
 from vitlab.data.imagefolder import ImageFolderDataModule
 from vitlab.data.lists import ListDataModule
+from vitlab.data.segmentation import SegmentationDataModule
 from vitlab.data.streaming import StreamingDataModule
 from vitlab.data.wds import WDSDataModule
 
@@ -17,6 +18,7 @@ __all__ = [
     "HFDataModule",
     "ImageFolderDataModule",
     "ListDataModule",
+    "SegmentationDataModule",
     "StreamingDataModule",
     "WDSDataModule",
 ]

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 from vitlab.utils.errors import UserError
 
@@ -111,11 +112,15 @@ def split_features(
     cache: Path | None,
     source: dict,
     layers: Layers = POOLED,
+    dataset: Dataset | None = None,
+    label_spec: tuple[tuple[int, ...], type] = ((), np.int64),
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
     """(features (N, D) float32, labels (N,) int64) of `split`, from the cache where it holds them; in rank 0 only
     where several processes share the work (every process of torch.distributed's group must call it; the others
-    get (None, None)). Rank 0 alone reads and writes the cache."""
-    dataset = datamodule.eval_view(split)
+    get (None, None)). Rank 0 alone reads and writes the cache. `dataset` (default: the split's `eval_view`) and
+    `label_spec` (each item's label shape and dtype) serve other items: the segmentation probe's patch-token maps
+    (N, C, h, w), whose labels are masks (N, H, W) uint8 (vitlab.evaluation.segmentation)."""
+    dataset = datamodule.eval_view(split) if dataset is None else dataset
     n, (rank, world) = len(dataset), _world()
     if n == 0:  # (a held-out validation slice that held nothing: data/streamed.py refuses it in training now)
         raise UserError(f"the {split} split holds no images to extract features of")
@@ -129,10 +134,13 @@ def split_features(
             return torch.from_numpy(np.array(found[0])), torch.from_numpy(np.array(found[1]))
         return None, None
     model.eval().to(device)
-    dim = layers.dim(model)
+    dim, (label_shape, label_dtype) = layers.dim(model), label_spec
+    shape = tuple(dim) if isinstance(dim, tuple) else (dim,)
+    label_torch_dtype = torch.from_numpy(np.empty(0, label_dtype)).dtype
     feats = labels = None
     if rank == 0:
-        feats, labels = found[:2] if found is not None and done else _open(cache, stem, n, dim, meta)
+        opened = found is not None and done
+        feats, labels = found[:2] if opened else _open(cache, stem, n, shape, meta, label_shape, label_dtype)
     # Rank r takes rows done + r, done + r + world, ...: its i-th batch and the others' i-th make rows
     # [start, start + batch * world) together, gathered and written in order by rank 0 (resumable there).
     loader = datamodule._loader(dataset, train=False, sampler=range(done + rank, n, world))
@@ -141,11 +149,13 @@ def split_features(
         stop = min(n, start + step)
         batch = next(batches, None)
         if batch is None:  # this rank's share ended a batch before the others'
-            f, y = torch.zeros(0, dim, device=device), torch.zeros(0, dtype=torch.long, device=device)
+            f = torch.zeros(0, *shape, device=device)
+            y = torch.zeros(0, *label_shape, dtype=label_torch_dtype, device=device)
         else:
             x, y = datamodule.device_transform(datamodule.transfer_batch_to_device(batch, device, 0), train=False)
             f = layers.extract(model, x).float()
-        parts = _gather_to_rank0(f, y.to(device).long(), loader.batch_size, world)
+        y = y.to(device, label_torch_dtype)
+        parts = _gather_to_rank0(f, y, loader.batch_size, world)
         if rank > 0:
             continue
         for r, (pf, py) in enumerate(parts):
@@ -157,7 +167,7 @@ def split_features(
     if rank > 0:
         return None, None
     if cache is not None:
-        log.info("%s features: %d x %d, cached in %s", stem, n, dim, cache)
+        log.info("%s features: %d x %s, cached in %s", stem, n, " x ".join(map(str, shape)), cache)
     return torch.from_numpy(np.array(feats)), torch.from_numpy(np.array(labels))
 
 
@@ -176,7 +186,7 @@ def _gather_to_rank0(f: torch.Tensor, y: torch.Tensor, batch: int, world: int) -
     if world == 1:
         return [(f.cpu().numpy(), y.cpu().numpy())]
     rank = torch.distributed.get_rank()
-    pf, py = f.new_zeros(batch, f.shape[1]), y.new_zeros(batch)
+    pf, py = f.new_zeros(batch, *f.shape[1:]), y.new_zeros(batch, *y.shape[1:])
     pf[: len(f)], py[: len(y)] = f, y
     out_f = [torch.empty_like(pf) for _ in range(world)] if rank == 0 else None
     out_y = [torch.empty_like(py) for _ in range(world)] if rank == 0 else None
@@ -197,13 +207,18 @@ def _read(cache: Path, split: str, meta: dict) -> tuple[np.ndarray, np.ndarray, 
     return feats, labels, int(saved["done"])
 
 
-def _open(cache: Path | None, split: str, n: int, dim: int, meta: dict):
+def _open(
+    cache: Path | None, split: str, n: int, shape: tuple, meta: dict, label_shape: tuple = (), label_dtype=np.int64
+):  # noqa: E501
     if cache is None:
-        return np.empty((n, dim), np.float32), np.empty(n, np.int64)
+        return np.empty((n, *shape), np.float32), np.empty((n, *label_shape), label_dtype)
     cache.mkdir(parents=True, exist_ok=True)
+    dim = shape[0] if len(shape) == 1 else list(shape)
     _write_meta(cache, split, {**meta, "dim": dim, "done": 0})
-    feats = np.lib.format.open_memmap(cache / f"{split}.npy", mode="w+", dtype=np.float32, shape=(n, dim))
-    labels = np.lib.format.open_memmap(cache / f"{split}.labels.npy", mode="w+", dtype=np.int64, shape=(n,))
+    feats = np.lib.format.open_memmap(cache / f"{split}.npy", mode="w+", dtype=np.float32, shape=(n, *shape))
+    labels = np.lib.format.open_memmap(
+        cache / f"{split}.labels.npy", mode="w+", dtype=label_dtype, shape=(n, *label_shape)
+    )
     return feats, labels
 
 
