@@ -149,8 +149,9 @@ class DINO(Objective):
         self.dino_loss = L.DINOLoss(c.out_dim, c.student_temp, c.center_momentum)
         patch_dim = c.ibot_out_dim if c.ibot_separate_head else c.out_dim
         self.ibot_loss = L.DINOLoss(patch_dim, c.student_temp, c.center_momentum, patch=True) if c.ibot_weight else None
-        # DINOv3's Gram teacher: the EMA teacher's backbone as it was (gram.py), no gradient
-        self.gram_teacher = new_vit(model).requires_grad_(False) if c.gram.on else None
+        # DINOv3's Gram teacher: the EMA teacher's backbone as it was (gram.py), no gradient; a copy, so that the
+        # random draws (the student's initialisation, the views) are those of the same run without it
+        self.gram_teacher = copy.deepcopy(student.backbone).requires_grad_(False) if c.gram.on else None
         self.terms: dict[str, torch.Tensor] = {}  # the last training step's (term_names)
         self.nets: Nets | None = None
         self.total_steps, self.steps_per_epoch, self.step = 1, 1, 0
