@@ -4,6 +4,7 @@ python experiments/gram/report.py outputs/gram
 """
 
 import argparse
+import itertools
 import json
 import re
 import statistics
@@ -20,13 +21,15 @@ COLORS = {"0": "tab:blue", "1": "tab:red"}
 
 
 def scores(root: Path) -> dict[tuple[str, str, int, str], float]:
-    """{(gram weight, seed, epochs done, score): value} from the evaluation sweep's jobs."""
+    """{(gram weight, seed, epochs done, score): value} from the evaluation sweeps' jobs; epoch 0 is the seed's
+    initialisation (the run with learning rate 0), the start of both of its runs."""
     out = {}
-    for path in sorted((root / "eval").glob("*/metrics.json")):
+    for path in sorted([*(root / "eval").glob("*/metrics.json"), *(root / "random_eval").glob("*/metrics.json")]):
         m = json.loads(path.read_text())
         found = re.search(r"seed(\d+)_gram(\d+)(?:\.\d+)?/epochs/e(\d+)\.ckpt$", m["ckpt_path"])
-        seed, gram, epoch = found[1], found[2], int(found[3]) + 1  # Lightning's epoch index: 0-based
-        for key in SCORES:
+        init = re.search(r"random/seed(\d+)/checkpoints/last\.ckpt$", m["ckpt_path"])
+        runs = [(found[1], found[2], int(found[3]) + 1)] if found else [(init[1], g, 0) for g in RUNS]  # 0-based
+        for (seed, gram, epoch), key in itertools.product(runs, SCORES):
             if key in m:
                 out[gram, seed, epoch, key] = m[key]
     return out
