@@ -26,6 +26,7 @@ from vitlab.utils.checks import (
     NonNegativeNumber,
     PositiveInt,
     PositiveNumber,
+    SdpaBackend,
     Seed,
     check_arguments,
     check_clipping,
@@ -42,6 +43,7 @@ class TrainSettings(TypedDict):
     ckpt_path: str | None
     optimized_metric: str | None
     compile: bool | CompileMode | None  # true: torch.compile's default mode
+    sdpa_backend: SdpaBackend
     progress_bar: ProgressBar
     print_config: bool
     memory_check: bool

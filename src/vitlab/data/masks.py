@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2 as T
 
 from vitlab.data.crop_modes import ResizeCrop, center_crop_or_pad, resized_hw
@@ -51,9 +50,10 @@ def image_label(mask: torch.Tensor, background: int | None) -> int:
 class MaskResizeCrop:
     """Evaluation's resize and crop (data/crop_modes.py's ResizeCrop, `settings` as data.eval_transform gives them) of
     an image, and the same geometry for its mask: resized to the same size by the nearest label, cropped alike,
-    padded with 255. The nearest neighbour is PIL's (InterpolationMode.NEAREST_EXACT: each output pixel takes the
-    source pixel under its centre), as the image's resize in PIL is centred; torchvision's plain NEAREST, which
-    tv_tensors.Mask's resize uses, takes the one at its top-left corner and shifts the labels by up to a pixel."""
+    padded with 255. The image is resized in PIL, so the mask is too, with PIL's nearest neighbour (each output pixel
+    takes the source pixel under its centre, as PIL rounds it): torchvision's NEAREST, which tv_tensors.Mask's resize
+    uses, takes the one at its top-left corner, and even its NEAREST_EXACT rounds a few rows otherwise than PIL (a
+    label a row away from its pixel, measured)."""
 
     def __init__(self, hw: tuple[int, int], settings: dict, mean: Sequence[float]):
         s = {"crop_mode": "center", "interpolation": "bicubic"} | settings
@@ -65,7 +65,8 @@ class MaskResizeCrop:
         size = resized_hw(hw, self.hw, self.crop_pct, self.crop_mode)
         m = mask[None]  # (1, H, W)
         if size != hw:
-            m = T.functional.resize(m, list(size), interpolation=InterpolationMode.NEAREST_EXACT, antialias=False)
+            pil = T.functional.to_pil_image(m).resize(size[::-1], Image.Resampling.NEAREST)
+            m = T.functional.pil_to_tensor(pil)
         if self.crop_mode == "border":
             m = center_crop_or_pad(m, self.hw, [IGNORE])
         elif tuple(m.shape[-2:]) != self.hw:

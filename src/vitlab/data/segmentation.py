@@ -43,7 +43,8 @@ LAYOUTS = ("auto", "ade20k", "voc")
 # Where each layout keeps a split's images and masks (relative to data_dir); VOC names its split's ids in a file.
 ADE20K = {"train": ("images/training", "annotations/training"), "val": ("images/validation", "annotations/validation")}
 VOC = {"images": "JPEGImages", "masks": "SegmentationClass", "ids": "ImageSets/Segmentation/{split}.txt"}
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+# A folder's normalisation: ImageNet's, and for gray images (data.channels=1) the mean of its three channels.
+IMAGENET = {3: ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)), 1: ((0.449,), (0.226,))}
 
 
 class MaskedFiles(Dataset):
@@ -119,10 +120,9 @@ class SegmentationDataModule(ImageDataModule):
             raise UserError(f"data.num_classes {num_classes} must be from 1 to {IGNORE} (label {IGNORE} is ignored)")
         if data_dir is None and (len(canvases) != 3 or min(canvases) < 1 or canvas_size < 8):
             raise UserError(f"data.canvases {list(canvases)} must be 3 counts >= 1 and data.canvas_size >= 8")
-        self.channels = channels
         embedded = data_dir is None
-        mean = mean if mean is not None else (canvas.MEAN[channels] if embedded else IMAGENET_MEAN[:channels])
-        std = std if std is not None else (canvas.STD[channels] if embedded else IMAGENET_STD[:channels])
+        mean = mean if mean is not None else (canvas.MEAN[channels] if embedded else IMAGENET[channels][0])
+        std = std if std is not None else (canvas.STD[channels] if embedded else IMAGENET[channels][1])
         super().__init__(data_dir=data_dir, num_classes=num_classes, channels=channels, mean=mean, std=std, **kwargs)
         self.layout = "embedded" if embedded else (find_layout(data_dir) if layout == "auto" else layout)
         self.reduce_zero_label = self.layout == "ade20k" if reduce_zero_label is None else reduce_zero_label
@@ -132,14 +132,22 @@ class SegmentationDataModule(ImageDataModule):
         if embedded and num_classes != len(canvas.CLASS_NAMES):
             raise UserError(f"data.num_classes {num_classes}: the embedded canvases have 11 (background and 10 digits)")
         self.bases: dict[str, Dataset] = {}
+        self.decodes_files = not embedded  # a folder's images are decoded by the loader's workers
+        self.native_hw = (canvas_size, canvas_size) if embedded else None
         self.prepare = MaskResizeCrop(self.img_hw, self.eval_settings, self.mean)
 
     @property
     def identity(self) -> dict:
-        """What decides the masks and images a split holds (the features cache's key, beside the weights)."""
-        where = {"data_dir": str(Path(self.data_dir).resolve())} if self.data_dir else {"canvases": self.canvases}
-        return where | {"layout": self.layout, "reduce_zero_label": self.reduce_zero_label, "img_size": self.img_hw,
-                        "channels": self.channels, "eval": self.eval_settings}  # fmt: skip
+        """What decides the masks and images a split holds (the features cache's key, beside the weights), as JSON
+        gives it back (lists, not tuples: the cache compares it with the JSON it wrote)."""
+        where = (
+            {"data_dir": str(Path(self.data_dir).resolve())}
+            if self.data_dir
+            else {"canvases": list(self.canvases), "canvas_size": self.canvas_size, "split_seed": self.split_seed}
+        )
+        return where | {"layout": self.layout, "reduce_zero_label": self.reduce_zero_label,
+                        "img_size": list(self.img_hw), "channels": self.channels, "mean": list(self.mean),
+                        "std": list(self.std), "eval": dict(self.eval_settings)}  # fmt: skip
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -148,7 +156,6 @@ class SegmentationDataModule(ImageDataModule):
             for split, count in zip(canvas.SPLITS, self.canvases, strict=True):
                 images, masks = canvas.make_split(split, count, self.canvas_size, self.channels, self.split_seed)
                 self.bases[split] = MaskedArrays(images, masks, self.background)
-            self.native_hw = (self.canvas_size, self.canvas_size)
             self.splits = {
                 s: f"{n:,} canvases (split_seed {self.split_seed})"
                 for s, n in zip(canvas.SPLITS, self.canvases, strict=True)
@@ -162,7 +169,6 @@ class SegmentationDataModule(ImageDataModule):
                 )
                 self.bases[split] = MaskedFiles(pairs, self.channels, self.reduce_zero_label, self.background)
             self.splits = {"train": f"{self.layout} train", "val": f"{self.layout} val"}
-            self.decodes_files = True
             if self.check_images:
                 for base in self.bases.values():
                     check_pairs(base, self.num_classes)

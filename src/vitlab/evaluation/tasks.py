@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -245,11 +244,11 @@ def _progress(what: str, total: int) -> Callable[[int], None]:
 
 
 def probe_segmentation(cfg, model, datamodule, source: dict, cache: Path | None, device: torch.device) -> dict | None:
-    """task=segmentation (vitlab.evaluation.segmentation): the patch tokens of the training split and of the test split
+    """task=segmentation (vitlab.evaluation.seg_probe): the patch tokens of the training split and of the test split
     (the validation split where the data has none) with their masks, extracted once into the cache; DINOv2's linear
     head trained on them in rank 0 and scored there by mIoU and pixel accuracy. The metrics in rank 0, None
     elsewhere."""
-    from vitlab.evaluation import segmentation as seg
+    from vitlab.evaluation import seg_probe as seg
 
     if not hasattr(datamodule, "seg_view"):
         raise UserError(
@@ -260,11 +259,13 @@ def probe_segmentation(cfg, model, datamodule, source: dict, cache: Path | None,
     tokens = seg.patch_tokens(model, sp.n_last_blocks)
     split = "test" if datamodule.test_set is not None else "val"
     ident = source | {"data": datamodule.identity, "task": "segmentation"}
-    masks = (tuple(datamodule.img_hw), np.uint8)
-    feats = {s: split_features(model, datamodule, s, device, cache, ident, tokens, datamodule.seg_view(s), masks)
+    masks = (tuple(datamodule.img_hw), torch.uint8)
+    feats = {s: split_features(model, datamodule, s, device, cache, ident, tokens, datamodule.seg_view(s), masks, False)
              for s in ("train", split)}  # fmt: skip
     if feats[split][0] is None:  # not rank 0
         return None
+    for s in ("train", split):
+        seg.check_labels(feats[s][1], datamodule.num_classes, s)
     g = torch.Generator().manual_seed(schedule.seed)
     head = seg.BNHead(feats["train"][0].shape[1], datamodule.num_classes, g)
     log.info("segmentation probe: %s", schedule.describe(len(tokens.blocks)))

@@ -156,18 +156,48 @@ def train_head(head: BNHead, feats: torch.Tensor, masks: torch.Tensor, s: SegSch
     return head
 
 
+def check_labels(masks: torch.Tensor, num_classes: int, split: str) -> None:
+    """Every label of the (N, H, W) masks below `num_classes` or ignored (255): what data.check_images checks before
+    the run, checked here too for data read without it (one line, not the loss's error)."""
+    for start in range(0, len(masks), 256):
+        m = masks[start : start + 256]
+        above = m[(m >= num_classes) & (m != IGNORE)]
+        if len(above):
+            raise UserError(
+                f"the {split} split's masks hold label {int(above.max())}, above data.num_classes {num_classes} "
+                f"(labels 0..{num_classes - 1}, {IGNORE} ignored): set data.num_classes to the data's class count"
+            )
+
+
+class SegScores:
+    """mIoU and aAcc over every pixel of the batches given to `update` (torchmetrics' MulticlassJaccardIndex, macro,
+    and MulticlassAccuracy, micro, ignore_index 255): mmseg's total_area_to_metrics, mIoU its nanmean over the
+    classes present in the predictions or the labels."""
+
+    def __init__(self, num_classes: int, device="cpu"):
+        from torchmetrics.classification import MulticlassAccuracy, MulticlassJaccardIndex
+
+        # Rank 0 scores every pixel itself (the others' features were gathered to it): no syncing across processes.
+        kw = {"ignore_index": IGNORE, "sync_on_compute": False}
+        self.iou = MulticlassJaccardIndex(num_classes, average="macro", **kw).to(device)
+        self.acc = MulticlassAccuracy(num_classes, average="micro", **kw).to(device)
+
+    def update(self, pred: torch.Tensor, labels: torch.Tensor) -> None:
+        """(B, H, W) predicted classes against (B, H, W) labels (255 ignored)."""
+        self.iou.update(pred, labels.long())
+        self.acc.update(pred, labels.long())
+
+    def compute(self) -> dict[str, float]:
+        miou = self.iou.compute().item()
+        return {"mIoU": miou if not math.isnan(miou) else 0.0, "aAcc": self.acc.compute().item()}
+
+
 @torch.no_grad()
 def score(head: BNHead, feats: torch.Tensor, masks: torch.Tensor, num_classes: int, device, batch: int = 16) -> dict:
-    """mIoU and aAcc of the head's predictions on (N, C, h, w) features against (N, H, W) masks (module docstring)."""
-    from torchmetrics.classification import MulticlassAccuracy, MulticlassJaccardIndex
-
-    iou = MulticlassJaccardIndex(num_classes, average="macro", ignore_index=IGNORE).to(device)
-    acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE).to(device)
+    """mIoU and aAcc of the head's predictions on (N, C, h, w) features against (N, H, W) masks."""
+    scores = SegScores(num_classes, device)
     head.eval().to(device)
     for start in range(0, len(feats), batch):
-        y = masks[start : start + batch].to(device).long()
-        pred = upsampled(head(feats[start : start + batch].to(device)), y.shape[-2:]).argmax(1)
-        iou.update(pred, y)
-        acc.update(pred, y)
-    miou, aacc = iou.compute().item(), acc.compute().item()
-    return {"mIoU": miou if not math.isnan(miou) else 0.0, "aAcc": aacc}
+        y = masks[start : start + batch].to(device)
+        scores.update(upsampled(head(feats[start : start + batch].to(device)), y.shape[-2:]).argmax(1), y)
+    return scores.compute()
