@@ -16,7 +16,7 @@ The module's `model` is the teacher's backbone, the network DINO evaluates and r
 few-shot), callbacks=representation, model.pretrained=<the .ckpt> and vitlab.export read it. The student is
 `student.backbone.*`, `student.dino_head.*` (`student.ibot_head.*`, `student.mask_token`), the teacher's heads
 `teacher.*`, the centres `dino_loss.center` (`ibot_loss.center`), the Gram teacher `gram_teacher.*`. Each term of
-the loss is logged beside it (train/loss_dino, _koleo, _ibot, _gram: their epoch means, unweighted).
+the loss is logged beside it (train/loss_dino, _koleo, _ibot, _gram: their epoch means, before their weights).
 conf/objective/dino.yaml.
 """
 
