@@ -52,6 +52,11 @@ def build_objective(options: dict[str, Any] | None, model: ViTConfig, unlabeled:
     name = values.pop("name", "classify")
     if name not in OBJECTIVES:
         raise UserError(f"objective {name!r} is not one of {list(OBJECTIVES)}")
+    if "gram" in values and name != "dino":  # the one key another objective's dataclass would list as unknown
+        raise UserError(
+            f"objective.gram (DINOv3's Gram anchoring of a DINO teacher's patch features) is objective=dino's; "
+            f"objective={name} has no Gram teacher: drop objective.gram or train with objective=dino"
+        )
     if unlabeled and OBJECTIVES[name].uses_labels:
         raise UserError("data.unlabeled=true has no labels to learn from: pretrain on it with objective=mae or dino")
     return OBJECTIVES[name](values, model)
@@ -95,7 +100,9 @@ class ViTModule(L.LightningModule):
         # accuracy skips its input checks (objective.metrics: validate_args=False).
         k = cfg.num_classes
         self.train_metrics = nn.ModuleDict(
-            {"loss": MeanMetric(nan_strategy="disable")} | self.objective.metrics("train", k)
+            {"loss": MeanMetric(nan_strategy="disable")}
+            | self.objective.metrics("train", k)
+            | {f"loss_{t}": MeanMetric(nan_strategy="disable") for t in self.objective.term_names()}  # its terms
         )
         self.val_metrics = nn.ModuleDict({"loss": MeanMetric()} | self.objective.metrics("val", k))
         self.test_metrics = nn.ModuleDict({"loss": MeanMetric()} | self.objective.metrics("test", k))
@@ -176,6 +183,9 @@ class ViTModule(L.LightningModule):
         x, y = batch
         loss, logits = self.loss(x, y)
         self.update_metrics("train", loss, logits, y)  # a classifier's accuracy: against the unmixed labels
+        for name in self.objective.term_names():  # the loss's terms (objective=dino's), each a mean as train/loss is
+            if name in self.objective.terms:
+                self.train_metrics[f"loss_{name}"].update(self.objective.terms[name].expand(len(y)))
         if (self.global_step + 1) % self.trainer.log_every_n_steps == 0:  # the steps Lightning writes logs at
             # Read here, on a step that logs (and waits) anyway: a device tensor in the progress bar would be
             # read again, and waited for, after every later step.
@@ -206,12 +216,15 @@ class ViTModule(L.LightningModule):
         else:  # the weight is made on the device: a Python number would be copied there, and that copy waits
             m["loss"].update(loss, weight=torch.full((), len(y), dtype=loss.dtype, device=loss.device))
         for name, metric in m.items():
-            if name != "loss":
+            if not name.startswith("loss"):  # (the loss's terms: training_step)
                 metric.update(logits.detach(), y)
 
     def _log_epoch(self, stage: str) -> dict[str, torch.Tensor]:
         values = {}
         for name, metric in getattr(self, f"{stage}_metrics").items():
+            if name.startswith("loss_") and not metric.weight:  # a loss term not begun (objective.gram.start)
+                metric.reset()
+                continue
             values[f"{stage}/{name}"] = metric.compute()
             metric.reset()
         # torchmetrics has already reduced these over processes; sync_dist=True averages equal values (and
