@@ -30,7 +30,7 @@ def test_every_range_is_of_an_argument_lightnings_trainer_takes():
         ("gradient_clip_val", -1.0, "must be a number >= 0 or null"),
         ("val_check_interval", 0.0, "must be an integer >= 1 or a number in (0, 1] or a string or a mapping or null"),
         ("limit_val_batches", 1.5, "must be an integer >= 0 or a number in [0, 1] or null"),
-        ("precision", "fp8", "must be one of 'auto', 64, 32, 16,"),
+        ("precision", "fp8", "must be one of 'auto', 'float8', 'float8-rowwise', 64, 32, 16,"),
     ],
 )
 def test_a_trainer_value_outside_lightnings_range_is_named(key, value, said):
