@@ -124,6 +124,22 @@ def few_steps(steps: int, dry: dict[str, str], **values: str) -> Command:
     return Command("vitlab.train", overrides(**values) | short, TINY_TRAIN | dry)
 
 
+def float8_sweep() -> Command:
+    """vitlab.train -m: ViT-L/16 and ViT-H/14, each at bf16-mixed and float8, compiled, one epoch of 200 steps of batch
+    64 on fake data (seed 42: the same weights and images at both precisions), no checkpoints: each job's metrics.json
+    has train/loss, the mean of the 200 steps' losses, and the FLOP/s of the last 50 steps. One process for the four
+    (the dry run: the two networks tiny, uncompiled, in fp32, 2 steps: float8 is refused on a CPU)."""
+    short = overrides(data="fake", trainer__max_steps="200", trainer__max_epochs="-1", test="false", logger="csv",
+                      progress_bar="none", data__num_train=str(200 * 64), data__batch_size="64",
+                      trainer__limit_val_batches="1", trainer__num_sanity_val_steps="0")  # fmt: skip
+    sweep = {"-m": None, "model": "vit_l16,vit_h14", "trainer": "gpu", "trainer.precision": "bf16-mixed,float8",
+             "compile": "true"}  # fmt: skip
+    unsaved = {"~callbacks.model_checkpoint": None, "~callbacks.last_checkpoint": None, "hydra.sweep.dir": "{run_dir}"}
+    dry = {"trainer": "cpu", "trainer.precision": "32-true", "compile": False, "trainer.max_steps": "2",
+           "data.num_train": "16", "data.batch_size": "8", "model.depth": "1", "model.img_size": "112"}  # fmt: skip
+    return Command("vitlab.train", sweep | short | unsaved, dry, run_dir=False)
+
+
 # In priority order: the two costs this project removes on a GPU (FSDP on one device, the digits' launch-bound step),
 # the suite's GPU tests, then the compiled step and end to end, then the rest (issue 57's list).
 POINTS = [
@@ -227,6 +243,40 @@ POINTS = [
         200,
         100,
         [end2end((*FAKE_B16, "compile=true"), (*FAKE_TINY, "compile=true"))],
+    ),
+    Point(
+        "mfu_b16",
+        "throughput",
+        "what closes compiled B/16 from 44% toward 55% MFU: cuDNN attention, AdamW unfused (the fused kernel's worth), "
+        "CUDA graphs for the forward and backward, each against the compiled step in the same rounds (bf16, batch 256)",
+        300,
+        150,
+        [  # (the dry run leaves vitlab_cudagraphs out: compiling on the CPU is digits_cudagraphs' dry run's already)
+            Command(
+                "vitlab.benchmark",
+                overrides(
+                    model="vit_b16",
+                    benchmark__batch_size="256",
+                    benchmark__precision="bf16",
+                    benchmark__compile="true",
+                    benchmark__modes="[train]",
+                    benchmark__contenders="[vitlab,vitlab_cudnn,vitlab_unfused,vitlab_cudagraphs]",
+                ),
+                TINY_BENCH
+                | {"benchmark.compile": "false", "benchmark.contenders": "[vitlab,vitlab_cudnn,vitlab_unfused]"},
+            )
+        ],
+    ),
+    Point(
+        "float8",
+        "precision",
+        "trainer.precision=float8 against bf16-mixed, compiled: ViT-L/16 and ViT-H/14 (batch 64), step time, FLOP/s "
+        "and the mean loss of 200 steps",
+        600,
+        150,
+        [
+            float8_sweep(),
+        ],
     ),
     Point(
         "timm_train",
@@ -388,6 +438,113 @@ POINTS = [
             ),  # fmt: skip
         ],
     ),
+    Point(
+        "naflex_tokens",
+        "naflex",
+        "padded NaFlex tokens/s against the square run at equal tokens (naflexvit B/16, 256 patches, batch 256)",
+        150,
+        60,
+        [
+            Command(
+                "experiments/naflex/study.py",  # NaFlex's padded dict, squares as the dict (masked), squares as images
+                {
+                    "--tokens": None,
+                    "--device": "cuda",
+                    "--model": "naflexvit_base_patch16_gap",
+                    "--seq": "256",
+                    "--batch": "256",
+                    "--steps": "10",
+                    "--rounds": "3",
+                },
+                {
+                    "--device": "cpu",
+                    "--seq": "16",
+                    "--batch": "2",
+                    "--steps": "1",
+                    "--rounds": "1",
+                    "--model-kwargs": "depth=1,embed_dim=32,num_heads=2",
+                },
+                run_dir=False,
+            )  # fmt: skip
+        ],
+    ),
+    Point(
+        "jpeg_device",
+        "throughput",
+        "JPEGs decoded on the GPU (data.decode=device) against the worker path and timm's train.py, compiled B/16, "
+        "batch 256, bf16, 15 workers (goal: >= 0.9 of the compiled bare step)",
+        420,
+        200,
+        [
+            Command(
+                "experiments/gpu/jpeg_folder.py",
+                {"--out": "{work}/jpegs", "--train": "5120", "--val": "512", "--classes": "10", "--size": "500x375"},
+                {"--train": "16", "--val": "4", "--classes": "2", "--size": "48x36"},
+                run_dir=False,
+            ),
+            Command(
+                "experiments/gpu/reference/timm_train.py",  # timm's own, compiled, defaults but these
+                {
+                    "--data-dir": "{work}/jpegs",
+                    "--device": "cuda",
+                    "--val-split": "val",
+                    "--model": "vit_base_patch16_224",
+                    "--num-classes": "10",
+                    "-b": "256",
+                    "--epochs": "3",
+                    "--warmup-epochs": "0",
+                    "--amp": None,
+                    "--amp-dtype": "bfloat16",
+                    "-j": "15",
+                    "--pin-mem": None,
+                    "--torchcompile": "inductor",
+                    "--log-interval": "5",
+                    "--checkpoint-hist": "1",
+                    "--output": "{run_dir}",
+                },
+                {
+                    "--device": "cpu",
+                    "--model-kwargs": "depth=1",
+                    "-b": "8",
+                    "--epochs": "1",
+                    "-j": "1",
+                    "--amp": False,
+                    "--amp-dtype": False,
+                    "--pin-mem": False,
+                    "--torchcompile": False,
+                },
+                run_dir=False,
+            ),  # fmt: skip
+            *(
+                end2end(
+                    (
+                        "model=vit_b16",
+                        "data=imagefolder",
+                        "data.data_dir={work}/jpegs",
+                        f"data.decode={decode}",
+                        "data.on_device=false",
+                        "data.batch_size=256",
+                        "data.num_workers=15",
+                        "data.train_transform.color_jitter=0.4",
+                        "trainer=gpu",
+                        "compile=true",
+                    ),
+                    (
+                        "model=vit_b16",
+                        *TINY,
+                        "data=imagefolder",
+                        "data.data_dir={work}/jpegs",
+                        f"data.decode={decode}",
+                        "data.on_device=false",
+                        "data.batch_size=8",
+                        "data.num_workers=1",
+                        "trainer=cpu",
+                    ),
+                )  # fmt: skip
+                for decode in ("workers", "device")
+            ),  # timm's defaults: RandomResizedCrop 0.08-1, flip, colour jitter 0.4; 40 steps, 20 an epoch
+        ],
+    ),
 ]
 
 
@@ -403,6 +560,10 @@ def result_of(run_dir: Path, log: str) -> object:
     for name in ("benchmark.json", "metrics.json", "results_cuda.json", "results_cpu.json"):
         if (run_dir / name).is_file():
             return json.loads((run_dir / name).read_text())
+    numbered = [d for d in run_dir.iterdir() if d.name.isdigit()] if run_dir.is_dir() else []
+    jobs = sorted(numbered, key=lambda d: int(d.name))
+    if jobs:  # a -m sweep, ended or stopped at its limit: each job's overrides and metrics.json (where it finished)
+        return {"sweep": [{"overrides": sweep_overrides(d), **json_file(d / "metrics.json")} for d in jobs]}
     timm = [m.groupdict() for m in TIMM_TRAIN_LINE.finditer(log)]
     if timm:  # timm's train.py: the last epoch's last line holds that epoch's average step (its first batch's wait
         last = timm[-1]  # for the loader included) and the last step's time (the steady state)
@@ -423,6 +584,17 @@ def result_of(run_dir: Path, log: str) -> object:
             except json.JSONDecodeError:
                 pass
     return rows or None
+
+
+def sweep_overrides(job_dir: Path) -> list[str]:
+    """A -m sweep job's overrides, from Hydra's record of them (.hydra/overrides.yaml: a list of strings)."""
+    path = job_dir / ".hydra" / "overrides.yaml"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [line[2:].strip().strip("'\"") for line in lines if line.startswith("- ")]
+
+
+def json_file(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def run(argv: list[str], limit: float, log_path: Path, env: dict | None = None) -> tuple[int | str, float]:

@@ -33,6 +33,9 @@ def merge(paths: list[Path]) -> dict:
     return merged
 
 
+BF16_PEAK = 989e12  # an H100 SXM's (and H200's) dense bf16 FLOP/s, NVIDIA's figure: the MFU of vitlab.train's runs
+
+
 def describe(point: dict) -> list[str]:
     """One line per command: what it measured."""
     lines = []
@@ -78,11 +81,25 @@ def describe(point: dict) -> list[str]:
             compiled = f", compile={r['benchmark']['compile']}" if r["benchmark"]["compile"] else ""
             lines.append(f"{r['model']} batch {r['benchmark']['batch_size']} {r['benchmark']['precision']}{compiled}: "
                          f"{'; '.join(parts)}; throughput of {first} over: {', '.join(ratios)}")  # fmt: skip
+        elif isinstance(r, dict) and "sweep" in r:  # vitlab.train -m: a line per job (the float8 point)
+            for job in r["sweep"]:
+                named = " ".join(o for o in job["overrides"] if o.startswith(("model=", "trainer.precision=")))
+                flops = job.get("train/device/flops_per_sec", 0)
+                lines.append(f"{named}: {job.get('train/samples_per_sec', 0):,.0f} img/s, {flops / 1e12:.0f} TFLOP/s "
+                             f"(MFU {100 * flops / BF16_PEAK:.1f}% of 989), mean loss of the steps "
+                             f"{job.get('train/loss', float('nan')):.4f}")  # fmt: skip
         elif isinstance(r, dict) and "wall_time_s" in r:  # vitlab.train's metrics.json
             auto = r.get("batch_size_auto")
             shown = f"batch_size=auto chose {auto['batch_size']} ({auto['limited_by']}), " if auto else ""
             lines.append(f"{shown}trained, {r.get('train/samples_per_sec', 0):,.0f} img/s at the end, "
                          f"{r['wall_time_s']:.1f} s")  # fmt: skip
+        elif isinstance(r, list) and r and "naflex_tokens" in r[0]:  # naflex/study.py --tokens
+            t, first = r[0]["naflex_tokens"], r[0]
+            parts = [f"{way} {v['tokens_per_s']:,.0f} tokens/s ({v['valid_tokens_per_s']:,.0f} valid)"
+                     for way, v in t.items()]  # fmt: skip
+            lines.append(f"{first['model']} {first['seq']} patches, batch {first['batch']}: {'; '.join(parts)}; "
+                         f"NaFlex's padding {100 * first['padding']:.1f}%, its tokens/s over the square images' "
+                         f"{t['naflex']['tokens_per_s'] / t['square_images']['tokens_per_s']:.3f}")  # fmt: skip
         elif isinstance(r, dict) and "rows" in r:  # regional_compile/measure.py
             rows = [
                 f"depth {x['depth']} {x['mode']}: compile {x['compile_s']:.1f} s, step {1000 * x['step_s']:.1f} ms, "

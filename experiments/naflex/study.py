@@ -11,11 +11,13 @@ Then the CPU's training throughput (valid and padded tokens a second) and NaFlex
 Writes results.json and naflex.png beside this file.
 
     python experiments/naflex/study.py [--epochs 40] [--seeds 0 1 2]
+    python experiments/naflex/study.py --tokens --device cuda   # B/16, 256 tokens, batch 256 (GPU point naflex_tokens)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -24,8 +26,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 from vitlab.data.naflex import eval_transform
 from vitlab.model import ViT, ViTConfig
@@ -40,6 +40,8 @@ MODEL = dict(img_size=16, patch_size=P, in_chans=1, num_classes=10, embed_dim=64
 
 def canvases(seed: int = 0):
     """(uint8 canvases (1, h, w), labels, aspect index) of every digit, its canvas by its index mod 3."""
+    from sklearn.datasets import load_digits  # (here: the GPU point, --tokens, needs no scikit-learn)
+
     digits = load_digits()
     rng = np.random.default_rng(seed)
     out = []
@@ -53,29 +55,33 @@ def canvases(seed: int = 0):
     return out, torch.as_tensor(digits.target), torch.arange(len(out)) % 3
 
 
-def as_inputs(images, way: str) -> dict:
-    """A list of canvases -> the model's NaFlex dict (every patch valid for square and crop)."""
+def as_inputs(images, way: str, seq: int = SEQ, patch: int = P) -> dict | torch.Tensor:
+    """A list of canvases -> the model's NaFlex dict (every patch valid for square and crop), or for square_images the
+    squares as an image batch (no mask: attention's fastest kernels). A square has as many patches as `seq`'s root."""
     if way == "naflex":
-        items = [eval_transform(SEQ, (P, P))(img) for img in images]
+        items = [eval_transform(seq, (patch, patch))(img) for img in images]
         batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
         batch["patches"] = batch["patches"].float().div(255).sub(0.5).div(0.5)
         return batch
-    xs = []
+    side, xs = math.isqrt(seq) * patch, []
     for img in images:
         x = img.float()[None] / 255
         if way == "crop":
             h, w = x.shape[-2:]
             s = min(h, w)
             x = x[..., (h - s) // 2 : (h - s) // 2 + s, (w - s) // 2 : (w - s) // 2 + s]
-        xs.append(F.interpolate(x, size=(16, 16), mode="bicubic", antialias=True, align_corners=False).clamp(0, 1))
-    patches, (gh, gw) = patchify((torch.cat(xs) - 0.5) / 0.5, (P, P))
+        x = F.interpolate(x, size=(side, side), mode="bicubic", antialias=True, align_corners=False)
+        xs.append(x.clamp(0, 1))
+    if way == "square_images":
+        return (torch.cat(xs) - 0.5) / 0.5
+    patches, (gh, gw) = patchify((torch.cat(xs) - 0.5) / 0.5, (patch, patch))
     y, x = torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")
     coord = torch.stack([y.flatten(), x.flatten()], -1).expand(len(xs), -1, -1)
     return {"patches": patches, "patch_coord": coord, "patch_valid": torch.ones(len(xs), gh * gw, dtype=torch.bool)}
 
 
-def take(batch: dict, idx) -> dict:
-    return {k: v[idx] for k, v in batch.items()}
+def take(batch: dict | torch.Tensor, idx) -> dict | torch.Tensor:
+    return {k: v[idx] for k, v in batch.items()} if isinstance(batch, dict) else batch[idx]
 
 
 def train_one(data, train_idx, test_idx, labels, aspects, seed: int, epochs: int) -> dict:
@@ -123,29 +129,64 @@ def padding_waste(images, budgets=((16,), (36,), (64,), (16, 36, 64))) -> dict:
     return out
 
 
-def throughput(images, rounds: int = 3, steps: int = 10) -> dict:
+def throughput(images, rounds: int = 3, steps: int = 10, model=None, ways=("naflex", "square", "crop"), seq: int = SEQ,
+               patch: int = P, batch: int = BATCH, device: str = "cpu") -> dict:  # fmt: skip
     """Training tokens a second of each way on the same batches, the ways interleaved round by round (a shared
-    machine's load falls on all three alike): the median over rounds of padded and valid tokens a second."""
+    machine's load falls on all three alike): the median over rounds of padded and valid tokens a second. On a GPU in
+    bf16 autocast, after an untimed round (kernel choices, the allocator)."""
     torch.manual_seed(0)
-    model = ViT(ViTConfig(**MODEL))
+    model = (model or ViT(ViTConfig(**MODEL))).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    idx = torch.randperm(len(images))[: steps * BATCH].view(steps, BATCH)
-    data = {way: as_inputs(images, way) for way in ("naflex", "square", "crop")}
+    idx = torch.randperm(len(images))[: steps * batch].view(steps, batch)
+    data = {way: as_inputs(images, way, seq, patch) for way in ways}
+    tokens = {way: idx.numel() * (d["patches"].shape[1] if isinstance(d, dict) else (d.shape[-1] // patch) ** 2)
+              for way, d in data.items()}  # fmt: skip
+    valid = {way: float(d["patch_valid"][idx].sum()) if isinstance(d, dict) else tokens[way] for way, d in data.items()}
+    data = {
+        way: {k: v.to(device) for k, v in d.items()} if isinstance(d, dict) else d.to(device) for way, d in data.items()
+    }
+    cuda = device.startswith("cuda")
+    amp = torch.autocast("cuda", torch.bfloat16) if cuda else contextlib.nullcontext()
     rates = {way: [] for way in data}
-    for _ in range(rounds):
+    for r in range(rounds + cuda):
         for way, d in data.items():
-            start, valid = time.perf_counter(), 0
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
             for batch_idx in idx:
-                batch = take(d, batch_idx)
-                loss = model(batch).logsumexp(-1).mean()
+                with amp:
+                    loss = model(take(d, batch_idx)).float().logsumexp(-1).mean()
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                valid += int(batch["patch_valid"].sum())
+            if cuda:
+                torch.cuda.synchronize()
             seconds = time.perf_counter() - start
-            rates[way].append((steps * BATCH * SEQ / seconds, valid / seconds))
+            if r >= cuda:
+                rates[way].append((tokens[way] / seconds, valid[way] / seconds))
     return {way: {"tokens_per_s": float(np.median([r[0] for r in v])),
                   "valid_tokens_per_s": float(np.median([r[1] for r in v]))} for way, v in rates.items()}  # fmt: skip
+
+
+def tokens_at_size(args) -> dict:
+    """The GPU point `naflex_tokens` (experiments/gpu/points.py): training tokens a second of `args.model` (a timm
+    naflexvit name, through vitlab.create_model) on `args.device`, NaFlex's padded batches of `args.seq` patches
+    against the same tokens as squares, fed as NaFlex's dict (the attention mask, nothing padded) and as images (no
+    mask). Canvases of random pixels in the study's three shapes, scaled so a square holds `seq` patches."""
+    import vitlab
+
+    kwargs = {k: int(v) for k, v in (kv.split("=") for kv in args.model_kwargs.split(",") if kv)}
+    model = vitlab.create_model(args.model, pretrained=False, num_classes=10, **kwargs)
+    patch = model.cfg.patch_hw[0]
+    side, g = math.isqrt(args.seq) * patch, torch.Generator().manual_seed(0)
+    shapes = [(side * h // 16, side * w // 16) for h, w in CANVASES]
+    images = [torch.randint(0, 256, (3, *shapes[i % 3]), generator=g, dtype=torch.uint8)
+              for i in range(args.steps * args.batch)]  # fmt: skip
+    ways = ("naflex", "square", "square_images")
+    rates = throughput(images, args.rounds, args.steps, model, ways, args.seq, patch, args.batch, args.device)
+    return {"naflex_tokens": rates, "model": args.model, "model_kwargs": kwargs, "seq": args.seq,
+            "batch": args.batch, "steps": args.steps, "rounds": args.rounds, "device": args.device,
+            "padding": 1 - rates["naflex"]["valid_tokens_per_s"] / rates["naflex"]["tokens_per_s"]}  # fmt: skip
 
 
 def main() -> None:
@@ -153,7 +194,18 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--throughput-only", action="store_true", help="add the interleaved timing to results.json")
+    ap.add_argument("--tokens", action="store_true", help="tokens/s at --model's size on --device (GPU point)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default="naflexvit_base_patch16_gap")
+    ap.add_argument("--model-kwargs", default="", help="k=v,... for create_model (the dry run's tiny sizes)")
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    if args.tokens:  # one JSON line (experiments/gpu/points.py reads it)
+        print(json.dumps(tokens_at_size(args)), flush=True)
+        return
     torch.set_num_threads(1)
     images, labels, aspects = canvases()
     if args.throughput_only:
@@ -162,6 +214,8 @@ def main() -> None:
         (HERE / "results.json").write_text(json.dumps(results, indent=1))
         print(results["throughput"])
         return
+    from sklearn.model_selection import train_test_split
+
     train_idx, test_idx = train_test_split(np.arange(len(images)), test_size=0.2, stratify=labels, random_state=0)
     train_idx, test_idx = torch.as_tensor(train_idx), torch.as_tensor(test_idx)
     results = {"epochs": args.epochs, "seeds": args.seeds, "runs": {}, "padding_waste": padding_waste(images)}

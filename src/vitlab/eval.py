@@ -74,13 +74,15 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     with open_dict(data):  # images are prepared at the size the checkpoint's model takes
         data.img_size = mc.to_dict()["img_size"]  # an int, or [height, width]
     datamodule = build.build_datamodule(data)
-    if mc.in_chans != datamodule.channels or mc.num_classes not in (0, datamodule.num_classes):  # 0: an encoder
-        raise UserError(
+    masks = cfg.task == "segmentation"  # the masks' classes are the probe's own, not the checkpoint's
+    if mc.in_chans != datamodule.channels or (not masks and mc.num_classes not in (0, datamodule.num_classes)):
+        raise UserError(  # num_classes 0: an encoder
             f"checkpoint expects {mc.num_classes} classes and {mc.in_chans} channels, but the data has "
             f"{datamodule.num_classes} classes and {datamodule.channels} channels"
         )
     datamodule.setup("test")
-    check_classes(module.hparams.get("class_names") or [], getattr(datamodule, "class_names", []), cfg.ckpt_path)
+    if not masks:
+        check_classes(module.hparams.get("class_names") or [], getattr(datamodule, "class_names", []), cfg.ckpt_path)
     if cfg.task != "test":
         return write_metrics(cfg, tasks.probe_checkpoint(cfg, module.model, datamodule))
     bars, show_bar = build.progress_bar(cfg.progress_bar)

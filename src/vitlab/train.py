@@ -77,7 +77,10 @@ def _announce(cfg: DictConfig, trainer, module, estimate, out: Path) -> None:
 def main(cfg: DictConfig) -> float | None:
     import torch
 
+    from vitlab.training.devices.hardware import use_sdpa_backend
+
     torch.set_float32_matmul_precision("high")
+    use_sdpa_backend(cfg.sdpa_backend)
     return train(cfg)
 
 

@@ -138,6 +138,19 @@ def test_contenders_start_from_the_same_weights_and_step_alike():
     assert peak_matmul_flops(torch.device("cpu"), torch.float32, size=64, repeats=2)["flops_per_s"] > 0
 
 
+def test_the_step_variants_change_one_thing_of_vitlabs_step(monkeypatch):
+    """vitlab_unfused: AdamW without its fused kernel; vitlab_cudagraphs: compiled with mode reduce-overhead where the
+    others are not compiled; vitlab_cudnn: the same step here (a CPU has no cuDNN kernel to choose); same weights."""
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compiled.append((type(self).__name__, kw)))
+    b = BenchmarkConfig(contenders=("vitlab", "vitlab_unfused", "vitlab_cudagraphs", "vitlab_cudnn"))
+    base, unfused, graphs, cudnn = build_contenders(tiny(), b, OptimConfig(fused=True), torch.device("cpu"))
+    assert [c.optimizer.defaults["fused"] for c in (base, unfused, graphs, cudnn)] == [True, False, True, True]
+    assert compiled == [("ViT", {"mode": "reduce-overhead"})]
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
+    assert cudnn.loss(x, y).item() == pytest.approx(base.loss(x, y).item(), abs=1e-6)
+
+
 def test_overhead_mode_times_lightning_a_bare_lightning_module_and_a_plain_loop(tmp_path: Path):
     run_dir = tmp_path / "run"
     r = run_cli(
@@ -203,8 +216,10 @@ def test_pipeline_times_the_train_loader_against_the_old_one_timms_and_a_decode_
         "batch_shape": [4, 3, 16, 16],
         "train_images": 16,
     }
+    # (device_decode: data.decode=device, decoded and augmented in this process on the CPU)
     assert set(report["results"]) == {
-        "vitlab", "float32_workers", "ceiling", "timm", "streaming", "vitlab[rand-m9-mstd0.5-inc1]", "vitlab[3a]"
+        "vitlab", "float32_workers", "ceiling", "timm", "device_decode", "streaming", "vitlab[rand-m9-mstd0.5-inc1]",
+        "vitlab[3a]",
     }  # fmt: skip
     for name, row in report["results"].items():
         assert len(row["images_per_s_rounds"]) == 2 and row["images_per_s"] > 0

@@ -75,6 +75,11 @@ def test_every_train_config_file_passes_the_checks(compose_cfg, monkeypatch, ove
         ("train", ["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps 0 must be an integer >= 1 or null"),
         ("train", ["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches 0 must be an integer >= 1"),
         ("train", ["progress_bar=fancy"], "progress_bar 'fancy' must be one of 'auto', 'rich', 'tqdm', 'none'"),
+        (
+            "train",
+            ["sdpa_backend=fast"],
+            "sdpa_backend 'fast' must be one of 'auto', 'flash', 'efficient', 'cudnn', 'math'",
+        ),
         ("eval", ["knn.k=[0]"], "knn.k [0] must be a non-empty list of integers >= 1"),
         ("eval", ["linear.lrs=[]"], "linear.lrs [] must be a non-empty list of numbers > 0"),
         ("eval", ["data.batch_size=0"], "data.batch_size 0 must be an integer >= 1 or null"),
@@ -85,6 +90,11 @@ def test_every_train_config_file_passes_the_checks(compose_cfg, monkeypatch, ove
         ("parity", ["zoo_depth=0"], "zoo_depth 0 must be an integer >= 1"),
         ("pack", ["workers=0", "out=x"], "workers 0 must be an integer >= 1 or null"),
         ("benchmark", ["benchmark.batch_size=0"], "benchmark.batch_size 0 must be an integer >= 1"),
+        (
+            "benchmark",
+            ["benchmark.sdpa_backend=fast"],
+            "benchmark.sdpa_backend 'fast' is not one of ['auto', 'flash', 'efficient', 'cudnn', 'math']",
+        ),
     ],
 )
 def test_a_bad_value_of_any_command_is_named_with_what_is_allowed(compose_cfg, name, overrides, said):

@@ -7,7 +7,7 @@ import torch
 
 from tests.helpers import SHARDS_RUN, assert_same_run, run_cli
 from vitlab.data import HFDataModule, ImageFolderDataModule
-from vitlab.data.hf import count_classes
+from vitlab.data.indexes import hf_classes as count_classes
 from vitlab.utils.errors import OfflineError, UserError
 
 

@@ -8,7 +8,7 @@ import pytest
 from tests.data.test_hf_datasets import assert_same_items, items
 from tests.helpers import SHARDS_RUN, assert_same_run, run_cli
 from vitlab.data import ImageFolderDataModule, ListDataModule
-from vitlab.data.lists import count_classes
+from vitlab.data.indexes import list_classes as count_classes
 from vitlab.utils.errors import MissingFileError, UserError
 
 

@@ -11,7 +11,7 @@ from PIL import Image
 from timm.data.naflex_dataset import calculate_naflex_batch_size
 from timm.data.naflex_transforms import get_image_size_for_seq
 
-from vitlab.data import ImageFolderDataModule, StreamingDataModule, WDSDataModule
+from vitlab.data import ImageFolderDataModule, StreamingDataModule
 from vitlab.data.naflex import NaFlexSchedule, eval_transform, train_transform
 from vitlab.data.sizes import check_model
 from vitlab.model.config import ViTConfig
@@ -131,6 +131,32 @@ def test_training_augmentation_of_data_train_transform_runs_on_each_image(photos
             _dm(photos, bad)
 
 
+def test_random_erasing_draws_from_the_data_modules_generator_and_a_resumed_run_erases_alike(photos):
+    """timm's PatchRandomErasing draws from the global generators, which a resumed run puts back only after its first
+    batch is made (training/devices/rank_state.py): seeded from the data module's own (checkpointed) generator instead,
+    the global ones left as they were; pixel mode's noise too."""
+    erasing = dict(random_erasing=1.0, erasing_mode="pixel")
+    dm = _dm(photos, erasing, seq_lens=[36, 64])
+    _as_rank(dm, 0, 1)
+    batches = list(dm.train_dataloader())[:3]  # uint8, as the workers make them
+
+    def erased(dm, batches):
+        return [dm.device_transform(b, train=True)[0]["patches"] for b in batches]
+
+    erased(dm, batches[:1])
+    state = dm.state_dict()  # what a checkpoint after the first step keeps
+    before = random.getstate(), torch.get_rng_state()
+    rest = erased(dm, batches[1:])
+    assert random.getstate() == before[0] and torch.equal(torch.get_rng_state(), before[1])  # left as they were
+    resumed = _dm(photos, erasing, seq_lens=[36, 64])
+    resumed.load_state_dict(state)
+    random.seed(1), torch.manual_seed(1)  # the global generators elsewhere
+    again = erased(resumed, batches[1:])
+    assert all(torch.equal(a, b) for a, b in zip(rest, again, strict=True))
+    plain = _dm(photos, None, seq_lens=[36, 64])
+    assert not any(torch.equal(a, b) for a, b in zip(rest, erased(plain, batches[1:]), strict=True))
+
+
 def test_validation_pads_every_image_to_max_seq_len(photos):
     dm = _dm(photos, max_seq_len=12)
     x, y = dm.device_transform(next(iter(dm.val_dataloader())), train=False)
@@ -164,14 +190,29 @@ def test_a_model_without_naflex_is_refused_before_any_work():
     check_model(schedule, naflex, "classify")
 
 
-def test_the_streamed_readers_refuse_naflex_in_one_line(tmp_path):
-    """data=wds and data=streaming read samples as they come, in fixed batches: NaFlex's per-batch lengths and batch
-    sizes are the index samplers' (data/sizes.py), refused there before anything is read."""
-    for name in ("train-000000.tar", "train-000001.tar"):
-        (tmp_path / name).touch()
-    naflex = dict(seq_lens=[16], patch_size=8)
-    streamed = (lambda: WDSDataModule(urls=str(tmp_path / "train-{000000..000001}.tar"), naflex=naflex, **SMALL),
-                lambda: StreamingDataModule(data_dir=str(tmp_path), naflex=naflex, **SMALL))  # fmt: skip
-    for make, name in zip(streamed, ("WDSDataModule", "StreamingDataModule"), strict=True):
-        with pytest.raises(UserError, match=rf"needs images read by index \(data=imagefolder, hf, list\); {name}"):
-            make()
+def test_shards_of_data_streaming_train_in_naflex_batches_shared_out_and_resumed_exactly(shards):
+    """data=streaming (LitData shards read by index): NaFlex's lengths the same in every process, the shares
+    disjoint, and a loader resumed mid-epoch gives the batches an uninterrupted one does (data=wds: tests/data/
+    test_wds.py)."""
+    naflex = dict(seq_lens=[4, 9], patch_size=4, batch_divisor=2)
+
+    def loader(rank: int, world: int):
+        torch.manual_seed(0)
+        dm = StreamingDataModule(data_dir=str(shards), naflex=naflex, num_workers=0, **SMALL)
+        dm.setup("fit")
+        _as_rank(dm, rank, world, epoch=1)
+        return dm.train_dataloader()
+
+    shares = [loader(rank, 2) for rank in (0, 1)]
+    batches = [[[i for (_, i), _ in pairs] for pairs in share.sampler] for share in shares]  # ((seed, index), length)
+    assert [len(b) for b in batches[0]] == [len(b) for b in batches[1]] and len(batches[0]) > 2
+    assert not {i for b in batches[0] for i in b} & {i for b in batches[1] for i in b}
+    assert [x["patches"].shape[1] for x, _ in shares[0]] == [x["patches"].shape[1] for x, _ in shares[1]]
+    full = [x["patches"] for x, _ in loader(0, 1)]
+    interrupted = loader(0, 1)
+    it = iter(interrupted)
+    next(it), next(it)
+    resumed = loader(0, 1)
+    resumed.load_state_dict(interrupted.state_dict())
+    rest = [x["patches"] for x, _ in resumed]
+    assert len(rest) == len(full) - 2 and all(torch.equal(a, b) for a, b in zip(rest, full[2:], strict=True))

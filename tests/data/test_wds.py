@@ -26,7 +26,11 @@ def module(shards, rank=0, world=1, epoch=0, **settings) -> WDSDataModule:
     dm = WDSDataModule(urls=urls(shards, "train"), num_classes=3, img_size=12, batch_size=8, **settings)
     epochs = SimpleNamespace(current=SimpleNamespace(processed=epoch))
     dm.trainer = SimpleNamespace(
-        world_size=world, global_rank=rank, num_devices=world, fit_loop=SimpleNamespace(epoch_progress=epochs)
+        world_size=world,
+        global_rank=rank,
+        num_devices=world,
+        max_epochs=2,
+        fit_loop=SimpleNamespace(epoch_progress=epochs),
     )
     dm.trainer.strategy = SimpleNamespace(root_device=SimpleNamespace(type="cpu"))
     dm.setup("fit")
@@ -172,3 +176,59 @@ def test_a_held_out_slice_that_holds_nothing_is_refused_and_a_streamed_split_is_
     train, val = dm.eval_view("train"), dm.eval_view("val")
     assert len(train) + len(val) == 72 and len(val) == len(list(val.place(0, 0, 1, 8))) > 0
     assert len(train) == len(list(train.place(0, 0, 1, 8)))
+
+
+NAFLEX = {"naflex": {"seq_lens": [4, 9], "patch_size": 4, "batch_divisor": 2}}  # 12 px images: 3x3 patches at most
+
+
+def lengths(loader):
+    return [(x["patches"].shape[1], len(y)) for x, y in loader]
+
+
+def test_naflex_streams_whole_batches_of_each_length_the_same_in_every_process_and_resumes_exactly(wds_shards):
+    """Issue 65 point 2 on data=wds: variable sequence lengths a batch with timm's batch sizes (tokens a batch kept),
+    padded with masks and their loss scale in the workers; every process the same lengths and batch count; a
+    training stream resumed mid-epoch (two workers) yields exactly the batches an uninterrupted one does."""
+    torch.manual_seed(0)
+    dm = module(wds_shards, 0, 2, num_train=120, **NAFLEX)  # (two loader workers)
+    per_process = {s: b // 2 for s, b in zip((4, 9), dm.size_schedule.batch_sizes, strict=True)}  # of the global
+    batches = list(dm.train_dataloader())
+    schedule = [(dm.size_schedule.seq_lens[pairs[0][1]], len(pairs)) for pairs in dm.train_set.schedule]
+    assert lengths(batches) == schedule and len(dm.train_dataloader()) == len(schedule)  # in order, workers in turn
+    assert {s for s, _ in schedule} == {4, 9} and all(b == per_process[s] for s, b in schedule)
+    assert sum(b for _, b in schedule) <= 60  # (this process's share of the epoch's 120 samples)
+    other = lengths(module(wds_shards, 1, 2, num_train=120, num_workers=0, **NAFLEX).train_dataloader())
+    assert other == schedule  # the other process: the same lengths and batch count
+    x, y = batches[0]
+    assert x["patches"].dtype == torch.uint8 and x["patch_valid"].any(1).all() and x["patch_valid"].shape == x[
+        "patch_coord"].shape[:2]  # fmt: skip
+    torch.testing.assert_close(x["loss_scale"], torch.tensor(len(y) / (8 / 2)))  # linear: over data.batch_size's share
+
+    def loader():
+        torch.manual_seed(0)
+        return module(wds_shards, num_train=120, epoch=1, **NAFLEX).train_dataloader()
+
+    full = list(loader())
+    interrupted = loader()
+    it = iter(interrupted)
+    for _ in range(3):
+        next(it)
+    state = interrupted.state_dict()
+    del it
+    resumed = loader()
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert len(rest) == len(full) - 3 and all(
+        torch.equal(a[0][k], b[0][k]) and torch.equal(a[1], b[1])
+        for a, b in zip(rest, full[3:], strict=True)
+        for k in a[0]
+    )
+
+
+def test_several_training_sizes_stream_too(wds_shards):
+    """data.train_img_sizes on data=wds (it was left unread: every batch came at data.img_size): whole batches of each
+    size, the same schedule as NaFlex's lengths."""
+    torch.manual_seed(0)
+    dm = module(wds_shards, 0, 2, num_workers=0, train_img_sizes=[8, 12], train_batch_sizes=[8, 4])
+    seen = {tuple(x.shape[1:]): len(y) for x, y in dm.train_dataloader()}
+    assert seen == {(3, 8, 8): 4, (3, 12, 12): 2}  # (per process: the global batch sizes over 2)

@@ -1,9 +1,11 @@
-"""objective=dino as users run it (experiment=dino_pretrain_digits, 2 epochs of 19 steps): two processes (DDP) and
-FSDP, each interrupted by SIGTERM mid-epoch (in the epoch whose last layer is frozen) and resumed bit for bit by the
-command it prints (the views drawn on the device, the teacher, the centre, the EMA schedule); the run ends with the
+"""objective=dino as users run it (experiment=dino_pretrain_digits, 2 epochs of 19 steps, with DINOv3's Gram
+anchoring from step 3, its teacher refreshed every 5 steps): two processes (DDP) and FSDP, each interrupted by SIGTERM
+mid-epoch (in the epoch whose last layer is frozen) and resumed bit for bit by the command it prints (the views drawn on
+the device, the teacher, the Gram teacher, the centre, the EMA schedule, each loss term's log); the run ends with the
 teacher's k-NN accuracy on the test split, and `vitlab.eval task=knn` reads the checkpoint's teacher to the same
 number."""
 
+import csv
 import json
 
 import pytest
@@ -17,6 +19,9 @@ DINO = [
     "trainer.deterministic=true",
     "progress_bar=none",
     "trainer.log_every_n_steps=1",
+    "objective.gram.loss_weight=1",  # interrupted after step 4: between the Gram teacher's refreshes after steps 2, 7
+    "objective.gram.start=3",
+    "objective.gram.update_every=5",
 ]
 DDP = ["trainer=ddp_cpu", "trainer.devices=2"]
 # FSDP shards what callbacks=representation would read whole: the default callbacks, the checkpoint by the loss
@@ -45,6 +50,11 @@ def test_two_processes_end_with_the_teachers_knn_that_vitlab_eval_reads_again(dd
     run_dir, r = ddp
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert 0 < metrics["test/knn_top1"] <= 1 and "knn/top1" in metrics
+    rows = [r for r in csv.DictReader((run_dir / "csv" / "metrics.csv").open()) if r["train/loss"]]
+    assert len(rows) == 2 and all(float(r["train/loss_gram"]) > 0 and float(r["train/loss_koleo"]) for r in rows)
+    for r in rows:  # the digits recipe's terms, each logged: DINO's + 0.1 KoLeo + 1 Gram
+        terms = float(r["train/loss_dino"]) + 0.1 * float(r["train/loss_koleo"]) + float(r["train/loss_gram"])
+        assert float(r["train/loss"]) == pytest.approx(terms, rel=1e-4)
     done = next(line for line in (run_dir / "train.log").read_text().splitlines() if " - done in " in line)
     assert f"test/knn_top1 {metrics['test/knn_top1']:.4f}" in done
     best = metrics["best_checkpoint"]

@@ -1,5 +1,5 @@
 """data=wds and data=hf data.streaming=true, the longer runs: a streamed run interrupted mid-epoch resumes exactly,
-in one process and in two (DDP on the CPU), on the `folder` fixture's images (tests/conftest.py)."""
+in one process and in two (DDP on the CPU), NaFlex's too, on the `folder` fixture's images (tests/conftest.py)."""
 
 import pytest
 
@@ -28,6 +28,21 @@ def test_a_streamed_hugging_face_run_in_two_processes_interrupted_mid_epoch_resu
     r = run_cli("train", *args, f"hydra.run.dir={full}")
     assert r.returncode == 0, r.stderr[-3000:]
     command = interrupt(args, tmp_path, "SIGTERM", 12)
+    assert_same_run(full, resume(command, tmp_path))
+
+
+def test_a_naflex_run_on_webdataset_shards_interrupted_mid_epoch_resumes_exactly(wds_shards, tmp_path):
+    """Issue 65 point 2 on a streamed reader: NaFlex's whole batches of two lengths, erased (pixel noise) on the
+    device, stopped in its second epoch and resumed: the same run (data/streamed.py, data/naflex.py's Erasing)."""
+    args = [*_wds(wds_shards), "model=naflexvit_b16", "model.depth=1", "model.embed_dim=32", "model.num_heads=2",
+            "data.naflex.seq_lens=[4,9]", "data.naflex.batch_divisor=2", "data.num_train=96", "data.batch_size=8",
+            "data.num_workers=2", "trainer.max_epochs=2", "progress_bar=none",
+            "data.train_transform.random_erasing=0.5", "data.train_transform.erasing_mode=pixel"]  # fmt: skip
+    full = tmp_path / "full"
+    r = run_cli("train", *args, f"hydra.run.dir={full}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "NaFlex: sequence lengths [4, 9] patches, global batch sizes [18, 8]" in r.stderr + r.stdout
+    command = interrupt(args, tmp_path, "SIGTERM", 9)
     assert_same_run(full, resume(command, tmp_path))
 
 

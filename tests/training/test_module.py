@@ -198,27 +198,40 @@ def test_a_read_planted_in_the_step_is_caught(compose_cfg, monkeypatch, read):
     assert found and all("test_module.py" in f or "module.py" in f for f in found), found
 
 
+MAE = {"name": "mae", "decoder_embed_dim": 8, "decoder_depth": 1, "decoder_num_heads": 2}
+
+
 @pytest.mark.parametrize("accuracy", [True, False])
-def test_the_training_means_are_torchmetrics_weighted_mean_and_top1_accuracy(accuracy):
-    """RunningMeans (one tensor of sums, for the step's speed) gives what torchmetrics' MeanMetric (weighted by the
-    batch's images) and MulticlassAccuracy (top-1, micro) gave over uneven batches, and starts again on reset."""
+def test_the_training_means_are_the_loss_weighted_by_images_and_top1_accuracy(accuracy):
+    """The training epoch's loss is torchmetrics' MeanMetric weighted by each batch's images and its accuracy
+    MulticlassAccuracy (top-1, micro) over uneven batches; both are checkpointed (a resumed run goes on with them)
+    and start again on reset."""
     from torchmetrics import MeanMetric
     from torchmetrics.classification import MulticlassAccuracy
 
-    from vitlab.training.module import RunningMeans
-
+    if accuracy:
+        module = ViTModule(model=tiny().to_dict())
+    else:
+        module = ViTModule(model=tiny(num_classes=0, pos_embed="sincos2d_mae").to_dict(), objective=MAE)
     g = torch.Generator().manual_seed(0)
-    ours, mean, acc = RunningMeans(accuracy), MeanMetric(), MulticlassAccuracy(7, average="micro", top_k=1)
+    mean, acc = MeanMetric(), MulticlassAccuracy(7, average="micro", top_k=1)
+    loss_x_images, correct = 0.0, 0
     for n in (5, 8, 3):
         loss, logits, y = torch.rand((), generator=g) * 3, torch.randn(n, 7, generator=g), torch.randint(0, 7, (n,))
-        ours.update(loss, logits, y)
+        module.update_metrics("train", loss, logits if accuracy else None, y)
         mean.update(loss, weight=torch.full((), n, dtype=loss.dtype))
         acc.update(logits, y)
-    values = ours.compute()
-    assert values.keys() == ({"loss", "acc"} if accuracy else {"loss"})
-    torch.testing.assert_close(values["loss"], mean.compute(), rtol=0, atol=0)
+        loss_x_images, correct = loss_x_images + loss.item() * n, correct + int((logits.argmax(-1) == y).sum())
+    metrics = module.train_metrics
+    assert set(metrics) == ({"loss", "acc"} if accuracy else {"loss"})
+    states = {k for k in module.state_dict() if k.startswith("train_metrics.")}
+    assert {"train_metrics.loss.mean_value", "train_metrics.loss.weight"} <= states
+    assert any(k.startswith("train_metrics.acc.") for k in states) == accuracy
+    torch.testing.assert_close(metrics["loss"].compute(), mean.compute(), rtol=1e-7, atol=0)
+    torch.testing.assert_close(metrics["loss"].compute().item(), loss_x_images / 16, rtol=1e-6, atol=0)
     if accuracy:
-        torch.testing.assert_close(values["acc"], acc.compute(), rtol=0, atol=1e-7)
-    ours.reset()
-    ours.update(torch.tensor(2.0), torch.randn(2, 7), torch.tensor([0, 1]))
-    assert ours.compute()["loss"] == 2.0
+        torch.testing.assert_close(metrics["acc"].compute(), acc.compute(), rtol=0, atol=1e-7)
+        assert metrics["acc"].compute().item() == pytest.approx(correct / 16)
+    metrics["loss"].reset()
+    module.update_metrics("train", torch.tensor(2.0), torch.randn(2, 7) if accuracy else None, torch.tensor([0, 1]))
+    assert metrics["loss"].compute() == 2.0

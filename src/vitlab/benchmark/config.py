@@ -10,12 +10,15 @@ from typing import Any
 
 import torch
 
-from vitlab.utils.checks import compile_mode, from_mapping
+from vitlab.utils.checks import SDPA_BACKENDS, compile_mode, from_mapping
 from vitlab.utils.errors import UserError
 
 TASKS = ("models", "overhead", "pipeline", "end2end", "strategies")
-# _ckpt: gradient checkpointing of every block; vitlab_ckpt<N>: of every N-th; vitlab_selective: selective
-CONTENDERS = ("vitlab", "timm", "vitlab_ckpt", "timm_ckpt", "vitlab_ckpt<N>", "vitlab_selective")
+# _ckpt: gradient checkpointing of every block; vitlab_ckpt<N>: of every N-th; vitlab_selective: selective; vitlab's
+# step with one thing changed (models.STEP_VARIANTS): _cudnn attention on cuDNN's kernel, _unfused AdamW, _cudagraphs
+# the forward and backward under CUDA graphs (compile mode reduce-overhead)
+CONTENDERS = ("vitlab", "timm", "vitlab_ckpt", "timm_ckpt", "vitlab_ckpt<N>", "vitlab_selective", "vitlab_cudnn",
+              "vitlab_unfused", "vitlab_cudagraphs")  # fmt: skip
 MODES = ("train", "fwd_bwd", "infer")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TIMM_OPTIMIZERS = ("timm", "vitlab")
@@ -90,6 +93,7 @@ class BenchmarkConfig:
     batch_size: int = 64
     precision: str = "fp32"
     compile: bool | str = False  # or a torch.compile mode, as vitlab.train's compile
+    sdpa_backend: str = "auto"  # attention's kernel, as vitlab.train's sdpa_backend
     device: str = "auto"
     warmup: int = 3
     repeats: int = 10
@@ -106,7 +110,9 @@ class BenchmarkConfig:
     strategies: StrategiesConfig = field(default_factory=StrategiesConfig)
 
     def __post_init__(self):
-        for key, allowed in (("task", TASKS), ("precision", PRECISIONS), ("timm_optimizer", TIMM_OPTIMIZERS)):
+        checked = (("task", TASKS), ("precision", PRECISIONS), ("timm_optimizer", TIMM_OPTIMIZERS),
+                   ("sdpa_backend", SDPA_BACKENDS))  # fmt: skip
+        for key, allowed in checked:
             if getattr(self, key) not in allowed:
                 raise UserError(f"benchmark.{key} {getattr(self, key)!r} is not one of {list(allowed)}")
         for key, allowed in (("contenders", CONTENDERS), ("modes", MODES)):

@@ -5,12 +5,15 @@ rounds that interleave the contenders (order alternating per round, so drift hit
 medians, vitlab/timm throughput ratios (of the medians, and the spread of the per-round ratios),
 analytic FLOPs, achieved FLOP/s, MFU against a large matmul timed on the same device in the same dtype,
 and peak memory. Contenders `vitlab_ckpt` / `timm_ckpt` turn on gradient checkpointing of every block,
-`vitlab_ckpt<N>` of every N-th block, `vitlab_selective` selective checkpointing (model.grad_checkpointing)."""
+`vitlab_ckpt<N>` of every N-th block, `vitlab_selective` selective checkpointing (model.grad_checkpointing).
+`vitlab_cudnn`, `vitlab_unfused` and `vitlab_cudagraphs` are vitlab's step with one thing changed (STEP_VARIANTS), each
+timed in the same rounds as the step it changes: what each is worth."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 from typing import Any
 
@@ -24,6 +27,7 @@ from vitlab.convert.timm_args import create_timm_model
 from vitlab.convert.weights import check_state_dict
 from vitlab.model import ViT, ViTConfig
 from vitlab.model.vit import recompute_region
+from vitlab.training.devices.hardware import use_sdpa_backend
 from vitlab.training.optim import OptimConfig, make_optimizer
 from vitlab.utils.checks import compile_mode
 
@@ -68,31 +72,53 @@ def timm_optimizer(model: nn.Module, optim: OptimConfig, which: str) -> torch.op
     return create_optimizer_v2(model, o.name, lr=o.lr, weight_decay=o.weight_decay, **given)
 
 
+# vitlab's step with one thing changed: attention on cuDNN's kernel alone (on a GPU; a CPU has its own kernels), AdamW
+# without its fused kernel (torch's foreach one), the compiled forward and backward replayed as CUDA graphs.
+STEP_VARIANTS = ("vitlab_cudnn", "vitlab_unfused", "vitlab_cudagraphs")
+
+
+def sdpa_kernel_of(name: str, device: torch.device):
+    """The attention kernels a contender's steps may use (all of torch's but for vitlab_cudnn on a GPU)."""
+    if name != "vitlab_cudnn" or device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
+
+
 def build_contenders(cfg: ViTConfig, b: BenchmarkConfig, optim: OptimConfig, device: torch.device) -> list[Contender]:
     """The contenders of `b.contenders`, all starting from the same weights (vitlab's init, ported)."""
     base = ViT(cfg)
     dtype = PRECISIONS[b.precision]
 
-    def autocast():
-        return torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    def autocast(name: str = ""):
+        @contextlib.contextmanager
+        def both():
+            precision = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+            with precision, sdpa_kernel_of(name, device):  # (compile traces under it: its graph keeps that kernel)
+                yield
+
+        return both
 
     out = []
     for name in b.contenders:
         if name.startswith("vitlab"):
             model = copy.deepcopy(base).to(device)
-            optimizer = make_optimizer(model, optim)
+            unfused = dataclasses.replace(optim, fused=False) if name == "vitlab_unfused" else optim
+            optimizer = make_optimizer(model, unfused)
         else:
             model = create_timm_model(cfg)
             model.load_state_dict(check_state_dict(base.state_dict(), cfg))
             model = model.to(device)
             optimizer = timm_optimizer(model, optim, b.timm_optimizer)
         model.set_grad_checkpointing(checkpointing(name))
-        if compile_mode(b.compile):  # in place, as vitlab.train's compile does: the model, or each block
+        mode = "reduce-overhead" if name == "vitlab_cudagraphs" else compile_mode(b.compile)
+        if mode:  # in place, as vitlab.train's compile does: the model, or each block
             for region in model.blocks if b.compile == "regional" else [model]:
-                region.compile(mode=compile_mode(b.compile))
+                region.compile(mode=mode)
                 if b.compile == "regional" and name.startswith("vitlab"):
-                    recompute_region(region).compile(mode=compile_mode(b.compile))
-        out.append(Contender(name, model, optimizer, autocast))
+                    recompute_region(region).compile(mode=mode)
+        out.append(Contender(name, model, optimizer, autocast(name)))
     return out
 
 
@@ -106,6 +132,7 @@ def checkpointing(contender: str) -> bool | int | str:
 
 
 def bench_models(cfg: ViTConfig, b: BenchmarkConfig, optim: OptimConfig, device: torch.device) -> dict[str, Any]:
+    use_sdpa_backend(b.sdpa_backend)
     torch.manual_seed(0)
     contenders = build_contenders(cfg, b, optim, device)
     x = torch.randn(b.batch_size, cfg.in_chans, *cfg.img_hw, device=device)

@@ -17,6 +17,10 @@ prefetch (vitlab.train's data config):
   packed by `python -m vitlab.pack`, with every other setting of the data config;
 - `hf`, `list`, `wds` (with `benchmark.pipeline.readers=[hf=<saved dataset>,list=<csv>,wds=<pattern>]`): the train
   loader of data=hf, data=list, data=wds over the same images, with every other setting of the data config;
+- `device_decode` (image files, where the data config allows data.decode=device): the datamodule's train loader
+  with `data.decode=device`, each batch then decoded and augmented to uint8 on `benchmark.device` (nvjpeg on a GPU,
+  libjpeg-turbo in this process on the CPU) as training does: the workers only read bytes and draw crops, and the
+  device's share is counted (synchronised at the end of each pass);
 - `vitlab[<policy>]` (with `benchmark.pipeline.policies`): the datamodule's train loader with
   `data.train_transform.auto_augment=<policy>` (timm's policy strings, torchvision's randaugment/trivialaugment),
   every other setting the same: what each augmentation policy costs the workers.
@@ -39,6 +43,8 @@ from torch.utils.data import Dataset
 from torchvision.transforms import v2 as T
 
 from vitlab.benchmark.config import BenchmarkConfig
+from vitlab.benchmark.measure import pick_device, sync
+from vitlab.data import decoding
 from vitlab.data.seeded import TransformDataset
 from vitlab.data.transforms import INTERPOLATIONS, TORCHVISION_AUGMENTS, TrainTransform
 from vitlab.model.config import as_hw
@@ -136,9 +142,38 @@ def timm_loader(dm):
     return dm._loader(TimmFolder(dm.train_set, tf), train=True, collate_fn=fast_collate)
 
 
+class DeviceDecoded:
+    """data.decode=device's train loader with the device's work in it: each batch decoded and augmented to uint8 on
+    `device` (decoding.augmented, as training's on_after_batch_transfer does before normalising)."""
+
+    def __init__(self, dm, device: torch.device):
+        self.dm, self.loader, self.device = dm, dm.train_dataloader(), device
+        dm.placement = device
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            batch = self.dm.transfer_batch_to_device(batch, self.device, 0)
+            yield decoding.augmented(self.dm, batch, train=True), batch.labels
+
+
+def device_loader(data_cfg: DictConfig, device: torch.device) -> DeviceDecoded | None:
+    """The `device_decode` contender, or None (said in the log) where data.decode=device refuses the data config."""
+    try:
+        other = build.build_datamodule(OmegaConf.merge(data_cfg, {"decode": "device"}))
+        other.setup("fit")
+        return DeviceDecoded(other, device)
+    except UserError as e:
+        log.info("no device_decode row: %s", e)
+        return None
+
+
 def loaders(
-    dm, data_cfg: DictConfig, shards: str | None = None, policies: tuple[str, ...] = (), readers: tuple[str, ...] = ()
-) -> dict[str, Any]:
+    dm, data_cfg: DictConfig, shards: str | None = None, policies: tuple[str, ...] = (), readers: tuple[str, ...] = (),
+    device: torch.device | None = None,
+) -> dict[str, Any]:  # fmt: skip
     train = dm.train_set
     settings = dm.train_settings
     before = [T.ToDtype(torch.float32, scale=True), T.Normalize(list(dm.mean), list(dm.std))]
@@ -152,6 +187,8 @@ def loaders(
     }
     if (timm := timm_loader(dm)) is not None:
         found["timm"] = timm
+    if device is not None and (decoded := device_loader(data_cfg, device)) is not None:
+        found["device_decode"] = decoded
     if shards:
         same = OmegaConf.to_container(data_cfg, resolve=True)
         same.pop("check_images", None)  # a folder's settings: the shards' images were all decoded when packed,
@@ -186,6 +223,8 @@ def time_loader(loader, warmup: int, batches: int) -> tuple[float, int]:
     images, start = 0, time.perf_counter()
     for _ in range(batches):
         images += len(next(it)[1])
+    if isinstance(loader, DeviceDecoded):
+        sync(loader.device)
     return time.perf_counter() - start, images
 
 
@@ -194,7 +233,9 @@ def bench_pipeline(train_cfg: DictConfig, b: BenchmarkConfig) -> dict[str, Any]:
     data_cfg = OmegaConf.merge(train_cfg.data, {"on_device": False})  # the loader's workers are what is timed
     dm = build.build_datamodule(data_cfg)
     dm.setup("fit")
-    contenders = loaders(dm, data_cfg, b.pipeline.shards, b.pipeline.policies, b.pipeline.readers)
+    contenders = loaders(
+        dm, data_cfg, b.pipeline.shards, b.pipeline.policies, b.pipeline.readers, pick_device(b.device)
+    )
     p = b.pipeline
     need = p.warmup_batches + p.batches
     if len(contenders["vitlab"]) < need:

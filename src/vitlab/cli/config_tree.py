@@ -118,12 +118,13 @@ def shard_classes(data_dir: str) -> int:
 
 
 def data_classes(*, _parent_) -> int:
-    """`${data_classes:}`: the number of classes of the data a data=hf or data=list config names (the module's
-    `count_classes`, given the config's keys it takes), so the model's head is sized from the data."""
+    """`${data_classes:}`: the number of classes of the data a data=hf, list or wds config names, so the model's head
+    is sized from the data: counted by vitlab.data.indexes (before torch and Lightning are imported: a missing list or
+    shard is refused within a second), or by the `count_classes` of another target's module, given the config's keys
+    each takes."""
     import inspect
 
-    from hydra.utils import get_object
-
+    from vitlab.data.indexes import CLASS_COUNTS
     from vitlab.utils.errors import UserError
 
     if missing := [str(k) for k in _parent_ if OmegaConf.is_missing(_parent_, k)]:  # (before the module's import)
@@ -131,8 +132,11 @@ def data_classes(*, _parent_) -> int:
             f"data.{missing[0]} must be given: this data config ({_parent_._target_}) has no default for it "
             f"(data.{missing[0]}=...)"
         )
+    count = CLASS_COUNTS.get(str(_parent_._target_))
+    if count is None:
+        from hydra.utils import get_object
 
-    count = inspect.getmodule(get_object(str(_parent_._target_))).count_classes
+        count = inspect.getmodule(get_object(str(_parent_._target_))).count_classes
     keys = [k for k in inspect.signature(count).parameters if k in _parent_]
     return count(**{k: _parent_[k] for k in keys})
 

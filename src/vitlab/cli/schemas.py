@@ -26,6 +26,7 @@ from vitlab.utils.checks import (
     NonNegativeNumber,
     PositiveInt,
     PositiveNumber,
+    SdpaBackend,
     Seed,
     check_arguments,
     check_clipping,
@@ -42,6 +43,7 @@ class TrainSettings(TypedDict):
     ckpt_path: str | None
     optimized_metric: str | None
     compile: bool | CompileMode | None  # true: torch.compile's default mode
+    sdpa_backend: SdpaBackend
     progress_bar: ProgressBar
     print_config: bool
     memory_check: bool
@@ -72,6 +74,16 @@ class FewshotSettings(TypedDict):
     seeds: NonEmpty[Seed]
 
 
+class SegmentationSettings(TypedDict):
+    n_last_blocks: PositiveInt  # at most the model's depth (checked with the model)
+    iterations: PositiveInt
+    warmup_iters: NonNegativeInt
+    batch_size: PositiveInt  # global
+    lr: PositiveNumber
+    weight_decay: NonNegativeNumber
+    seed: Seed
+
+
 class EvalDataOverrides(TypedDict):
     """eval's `data.<key>=`, laid over the checkpoint's own data config (a data=<name> group replaces them, and is
     checked against its data module instead)."""
@@ -94,13 +106,14 @@ class EvalSettings(TypedDict):
     seed: Seed
     ckpt_path: str | None
     progress_bar: ProgressBar
-    task: Literal["test", "knn", "linear", "fewshot"]
+    task: Literal["test", "knn", "linear", "fewshot", "segmentation"]
     tta: Literal["none", "flip", "flip_crops"]  # task=test of a checkpoint (vitlab.evaluation.tta)
     features_dir: str | None
     layers: int | NonEmpty[int] | None
     knn: KnnSettings
     linear: LinearSettings
     fewshot: FewshotSettings
+    segmentation: SegmentationSettings
     data: EvalDataOverrides
     model: dict[str, Any]  # PretrainedModel's keys, or a model=<name> group's (checked as the model is built)
 

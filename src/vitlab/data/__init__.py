@@ -1,22 +1,33 @@
-"""LightningDataModules, selected in configs with `data=<name>` (conf/data/)."""
+"""LightningDataModules, selected in configs with `data=<name>` (conf/data/).
 
-from vitlab.data.cifar import CIFAR10DataModule, CIFAR100DataModule
-from vitlab.data.digits import DigitsDataModule
-from vitlab.data.fake import FakeDataModule
-from vitlab.data.hf import HFDataModule
-from vitlab.data.imagefolder import ImageFolderDataModule
-from vitlab.data.lists import ListDataModule
-from vitlab.data.streaming import StreamingDataModule
-from vitlab.data.wds import WDSDataModule
+Each module is imported when its class is first asked for (`vitlab.data.HFDataModule`, as a config's `_target_` names
+it): importing the package imports no torch or Lightning, so what runs before them (vitlab.data.indexes: a config's
+class count, read when the config is checked) refuses a bad value within a second.
+"""
 
-__all__ = [
-    "CIFAR10DataModule",
-    "CIFAR100DataModule",
-    "DigitsDataModule",
-    "FakeDataModule",
-    "HFDataModule",
-    "ImageFolderDataModule",
-    "ListDataModule",
-    "StreamingDataModule",
-    "WDSDataModule",
-]
+import importlib
+
+MODULES = {  # each class, and the module that holds it
+    "CIFAR10DataModule": "cifar",
+    "CIFAR100DataModule": "cifar",
+    "DigitsDataModule": "digits",
+    "FakeDataModule": "fake",
+    "HFDataModule": "hf",
+    "ImageFolderDataModule": "imagefolder",
+    "ListDataModule": "lists",
+    "SegmentationDataModule": "segmentation",
+    "StreamingDataModule": "streaming",
+    "WDSDataModule": "wds",
+}
+
+__all__ = list(MODULES)
+
+
+def __getattr__(name: str):
+    if name not in MODULES:
+        raise AttributeError(f"module 'vitlab.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"vitlab.data.{MODULES[name]}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *MODULES])

@@ -1,13 +1,12 @@
 """What every DataModule shares (`DataModule`: global batch size split over processes, seeded and resumable
 loaders), and what the datasets of images add (`ImageDataModule`: per-image transforms).
 
-`data.batch_size` is the *global* batch: under DDP with N processes each loads batch_size / N
-(it must divide), so changing trainer.devices keeps the optimisation the same.
-
-The loaders' workers decode and augment each image on uint8 and batches stay uint8 (pinned when
-training on a GPU, moved without blocking); `device_transform` turns them into normalised float32 on
-the device, with random erasing in training (data/transforms.py). Datasets that fit are instead held on the
-device whole, as uint8, and augmented there a batch at a time (`data.on_device`, data/resident.py).
+`data.batch_size` is the *global* batch: under DDP with N processes each loads batch_size / N (it must divide).
+The loaders' workers decode and augment each image on uint8 and batches stay uint8 (pinned for a GPU, moved without
+blocking); `device_transform` makes normalised float32 of them on the device, with random erasing in training
+(data/transforms.py). Or the device decodes and augments them too (`data.decode=device`, data/decoding.py); or
+datasets that fit are held on the device as uint8, augmented there a batch at a time (`data.on_device`,
+data/resident.py). Training's workers run on into the next epoch (data/lookahead.py).
 """
 
 from __future__ import annotations
@@ -22,10 +21,10 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import Dataset, DistributedSampler, Sampler, Subset, default_collate
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from vitlab.data import decoding, image_views, lookahead, resident, sizes, transforms
 from vitlab.data import folds as folds_module
-from vitlab.data import image_views, resident, sizes, transforms
 from vitlab.data import naflex as naflex_loading
-from vitlab.data.folds import held_out  # noqa: F401  (where the datasets and tests import it from)
+from vitlab.data.folds import describe_splits, held_out  # noqa: F401  (where the datasets and tests import them from)
 from vitlab.data.resident import ResidentImages, already_batched
 from vitlab.data.seeded import RepeatSampler, RepeatSeededSampler, SeededSampler, TransformDataset, init_worker
 from vitlab.model.config import as_hw
@@ -120,6 +119,8 @@ class DataModule(L.LightningDataModule):
             self._check_enough_images(len(dataset))
         if isinstance(dataset, ResidentImages):  # on the device already: whole batches gathered there, nothing pinned
             kwargs.update(num_workers=0, collate_fn=already_batched, pin_memory=False)
+        elif isinstance(dataset, decoding.EncodedImages):  # data.decode=device: bytes and draws, not pixels
+            kwargs.setdefault("collate_fn", decoding.collate)
         if "num_workers" not in kwargs:
             kwargs["num_workers"] = self.num_workers if self.num_workers is not None else self._auto_workers()
         on_cuda = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
@@ -144,6 +145,8 @@ class DataModule(L.LightningDataModule):
             kwargs.setdefault("prefetch_factor", self.prefetch_factor)
             kwargs.setdefault("worker_init_fn", init_worker)
         kwargs.setdefault("batch_size", self.per_device_batch_size)
+        if train and kwargs["batch_size"] is not None and kwargs.get("persistent_workers"):  # data/lookahead.py:
+            return lookahead.LookaheadLoader(dataset, **kwargs)  # its workers run on into the next epoch (no refill)
         return StatefulDataLoader(dataset, drop_last=train and kwargs["batch_size"] is not None, **kwargs)
 
     def _train_sampler(self, dataset: Dataset, world: int, rank: int) -> Sampler:
@@ -184,8 +187,7 @@ class DataModule(L.LightningDataModule):
         # Each process tests its own share, no image twice (Lightning's sampler would repeat some to even the
         # shares out), so the synced metrics are those of one process testing them all. Testing runs outside DDP's
         # wrapper: shares that differ by a batch cannot stall it.
-        rank = self.trainer.global_rank
-        share = UnrepeatedDistributedSampler(test, num_replicas=world, rank=rank, shuffle=False)
+        share = UnrepeatedDistributedSampler(test, num_replicas=world, rank=self.trainer.global_rank, shuffle=False)
         return self._loader(test, train=False, sampler=share)
 
     def _served(self, split: str) -> Dataset | None:
@@ -203,6 +205,8 @@ class DataModule(L.LightningDataModule):
         """(images, labels) straight to the device, without Lightning's generic walk over the batch (a
         tenth of a millisecond per step, as much as a small model's data path); pinned uint8 batches are
         copied without blocking, so the next step queues while the copy runs."""
+        if isinstance(batch, decoding.EncodedBatch):  # the bytes stay on the host, for the decoder (data/decoding.py)
+            return batch._replace(labels=batch.labels.to(device, non_blocking=device.type == "cuda"))
         if isinstance(batch, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in batch):
             return type(batch)(t.to(device, non_blocking=device.type == "cuda") for t in batch)
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
@@ -239,16 +243,6 @@ class DataModule(L.LightningDataModule):
             self.rng.set_state(state["augment_rng"])
 
 
-def describe_splits(splits: dict[str, str]) -> str:
-    """One line on which images validate and which test (the run's log)."""
-    if "test" not in splits:
-        return (
-            f"validation (selects the best checkpoint): {splits['val']}; no test split, so the result is val/acc "
-            "on that split (data.val_fraction holds a validation slice out of train and tests on val/)"
-        )
-    return f"validation (selects the best checkpoint): {splits['val']}; test: {splits['test']}"
-
-
 class ImageDataModule(DataModule):
     """Datasets of images (files, or images in memory): each decoded and augmented on uint8 by the loaders' workers
     (`train_tf`, `eval_tf`), normalised on the device (`to_input`, with random erasing in training); or, when they
@@ -280,6 +274,7 @@ class ImageDataModule(DataModule):
         folds: int = 0,  # k-fold: the training split cut into this many class-stratified folds (data/folds.py)
         fold: int = 0,  # ...of which this one validates
         naflex: dict | None = None,  # images at their own aspect ratio, batches of variable length (data/naflex.py)
+        decode: str = "workers",  # workers | device: decoded and augmented a batch at a time there (data/decoding.py)
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
@@ -319,6 +314,7 @@ class ImageDataModule(DataModule):
         if multicrop is not None:  # cut from each whole image in the workers, or from a square on the device
             self.views, self.train_tf = image_views.setup(self, multicrop)
         naflex_loading.setup(self, naflex)
+        self.decode = decoding.check(self, decode)
 
     def _assign_splits(self, train: Any, val: Any, test: Any | None, val_fraction: float, split_seed: int) -> None:
         """The three splits of a dataset given as train, val and (maybe) test: with `val_fraction`, a held-out slice
@@ -351,6 +347,8 @@ class ImageDataModule(DataModule):
 
     def _served(self, split: str) -> Dataset | None:
         dataset = super()._served(split)
+        if dataset is not None and self.decode == "device":
+            return decoding.served(self, split, dataset)
         if dataset is None or not self._resides():
             return dataset
         if split not in self._stores:
@@ -361,7 +359,7 @@ class ImageDataModule(DataModule):
 
     def _resides(self) -> bool:
         if self.resides is None:
-            self.resides = resident.decide(self)
+            self.resides = self.decode != "device" and resident.decide(self)
         return self.resides
 
     def _train_sampler(self, dataset: Dataset, world: int, rank: int) -> Sampler:
@@ -373,9 +371,11 @@ class ImageDataModule(DataModule):
     def device_transform(self, batch, train: bool):
         """A uint8 batch, once on the device, to the model's normalised float32 input: held on the device, the training
         batch is shifted and flipped first; resized where kept at its own size; randomly erased in training."""
+        if isinstance(batch, decoding.EncodedBatch):  # data.decode=device: decoded here, then as any uint8 batch
+            return self.to_input(decoding.augmented(self, batch, train), train, self.rng), batch.labels
         x, y = batch[:2]
         if isinstance(x, dict):  # NaFlex's padded patches (data/naflex.py)
-            return naflex_loading.normalise(x, self.mean, self.std, self.naflex_erasing if train else None), y
+            return naflex_loading.normalise(x, self.mean, self.std, self.naflex_erasing if train else None, self.rng), y
         if train and self.views is not None and isinstance(x, list):  # objective=dino, views cut in the workers
             return self.views.normalised(x, self.rng), y
         if train and self.views is not None:  # objective=dino: the views (and iBOT's masks) of every image

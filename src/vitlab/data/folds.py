@@ -84,3 +84,13 @@ def describe(folds: int, fold: int, held: int, seed: int, what: str = "train/") 
         "train": f"{what} less fold {fold} of {folds}",
         "val": f"fold {fold} of {folds} of {what} ({held:,} images, class-stratified, split_seed {seed})",
     }
+
+
+def describe_splits(splits: dict[str, str]) -> str:
+    """One line on which images validate and which test (the run's log)."""
+    if "test" not in splits:
+        return (
+            f"validation (selects the best checkpoint): {splits['val']}; no test split, so the result is val/acc "
+            "on that split (data.val_fraction holds a validation slice out of train and tests on val/)"
+        )
+    return f"validation (selects the best checkpoint): {splits['val']}; test: {splits['test']}"

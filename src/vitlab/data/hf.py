@@ -23,111 +23,14 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from vitlab.data.images import decode_image
-from vitlab.data.records import RecordsDataModule, label_indices
+from vitlab.data.indexes import SIZES, class_names, columns, label_indices, load, pick
+from vitlab.data.records import RecordsDataModule
 from vitlab.data.streamed import StreamedSplit
-from vitlab.utils.downloads import unless_hub_reachable_read_the_cache
-from vitlab.utils.errors import MissingFileError, OfflineError, UserError
+from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
-IMAGE_KEYS, LABEL_KEYS = ("image", "img"), ("label", "labels", "fine_label")
 VAL_SPLITS = ("validation", "val", "valid")
-SIZES: dict[str, dict[str, int]] = {}  # a saved dataset's split sizes, by its path, when it is streamed
-STREAM_SHARDS = 64  # shards a saved dataset is cut into when streamed, to deal out to processes and workers
-
-
-@functools.lru_cache(maxsize=8)
-def load(name: str, config: str | None = None, streaming: bool = False, cache_dir: str | None = None) -> dict:
-    """The dataset's splits {name: Dataset or IterableDataset}; a saved dataset streamed keeps its splits' sizes in
-    SIZES."""
-    import datasets
-
-    path = Path(name).expanduser()
-    if path.is_dir() and any((path / f).is_file() for f in ("dataset_dict.json", "state.json")):
-        saved = datasets.load_from_disk(str(path))
-        splits = dict(saved) if isinstance(saved, datasets.DatasetDict) else {"train": saved}
-        if streaming:
-            SIZES[str(path)] = {k: len(v) for k, v in splits.items()}
-            splits = {
-                k: v.to_iterable_dataset(num_shards=min(STREAM_SHARDS, max(1, len(v)))) for k, v in splits.items()
-            }
-        return splits
-    if not path.exists() and (name.startswith(("/", ".", "~")) or name.count("/") > 1):
-        raise MissingFileError(f"data.name {name!r} does not exist (a folder save_to_disk wrote, or of parquet files)")
-    if not path.exists():
-        unless_hub_reachable_read_the_cache()  # (no network: the cache alone, at once)
-    try:
-        return dict(datasets.load_dataset(str(path) if path.exists() else name, config, streaming=streaming,
-                                          cache_dir=cache_dir))  # fmt: skip
-    except Exception as e:  # the Hub's errors offline are many kinds (ConnectionError, LocalEntryNotFoundError, ...)
-        said = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if path.exists():
-            raise UserError(f"data.name {name!r} cannot be read as a dataset ({said})") from e
-        raise OfflineError(
-            f"data.name {name!r} cannot be loaded from the Hugging Face Hub ({said}); offline, point data.name at a "
-            "local copy: a folder Dataset.save_to_disk wrote, or a folder of its parquet files"
-        ) from e
-
-
-def find_column(features: dict, given: str | None, kinds: tuple, names: tuple, what: str, where: str) -> str:
-    """The image or label column: `given`, else the one of `kinds` (features) or `names` where there is one."""
-    columns = list(features)
-    if given is not None:
-        if given not in features:
-            raise UserError(f"data.{what}_key {given!r} is not a column of {where}; its columns: {', '.join(columns)}")
-        return given
-    for found in ([c for c in columns if isinstance(features[c], kinds)], [c for c in names if c in features]):
-        if len(found) == 1:
-            return found[0]
-    raise UserError(
-        f"{where} has no single {what} column ({', '.join(columns)}): name it with data.{what}_key=<column>"
-    )
-
-
-def columns(split: Any, image_key: str | None, label_key: str | None, where: str) -> tuple[str, str]:
-    import datasets
-
-    features = split.features
-    if features is None:
-        raise UserError(f"{where} does not say its columns' features; name them with data.image_key and data.label_key")
-    image = find_column(features, image_key, (datasets.Image,), IMAGE_KEYS, "image", where)
-    label = find_column(features, label_key, (datasets.ClassLabel,), LABEL_KEYS, "label", where)
-    kind = features[image]
-    if isinstance(kind, datasets.ClassLabel) or (isinstance(kind, datasets.Value) and "string" not in kind.dtype
-                                                 and "binary" not in kind.dtype):  # fmt: skip
-        held = "class labels" if isinstance(kind, datasets.ClassLabel) else f"{kind.dtype} values"
-        raise UserError(
-            f"data.image_key {image!r} is a column of {where} that holds {held}, not images; its columns: "
-            f"{', '.join(features)}"
-        )
-    return image, label
-
-
-def class_names(split: Any, label_key: str) -> list[str] | None:
-    import datasets
-
-    feature = split.features[label_key]
-    return list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
-
-
-def count_classes(name: str, config: str | None = None, label_key: str | None = None, streaming: bool = False,
-                  cache_dir: str | None = None, train_split: str = "train") -> int:  # fmt: skip
-    """`${data_classes:}` for data=hf: the classes of the train split's label column."""
-    splits = load(str(name), config, bool(streaming), cache_dir)
-    train = pick(splits, train_split, name)
-    label = columns(train, None, label_key, f"{name} [{train_split}]")[1]
-    names = class_names(train, label)
-    if names is None:
-        if streaming:
-            raise UserError(f"the label column {label!r} of {name} is not a ClassLabel: give data.num_classes")
-        names = label_indices(train[label], f"the label column {label!r} of {name} [{train_split}]")[1]
-    return len(names)
-
-
-def pick(splits: dict, split: str, name: str) -> Any:
-    if split not in splits:
-        raise UserError(f"{name} has no split {split!r}; its splits: {', '.join(splits)}")
-    return splits[split]
 
 
 class HFImages(Dataset):
@@ -147,6 +50,11 @@ class HFImages(Dataset):
     def __getitem__(self, i: int):
         name = f"{self.where} row {i}"
         return decode_image(image_bytes(self.table[i][self.key], name), name, self.channels), self.labels[i]
+
+    def encoded(self, i: int) -> tuple[bytes, str, int]:
+        """The stored image's bytes, its name, its label (data.decode=device: decoded on the device)."""
+        name = f"{self.where} row {i}"
+        return image_bytes(self.table[i][self.key], name), name, self.labels[i]
 
 
 def image_bytes(value: Any, name: str) -> bytes:

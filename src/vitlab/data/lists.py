@@ -8,9 +8,6 @@ Every image is read by `data.images.read_image`, as an image folder's are: the s
 
 from __future__ import annotations
 
-import csv
-import functools
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -18,55 +15,10 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from vitlab.data.images import read_image
-from vitlab.data.records import RecordsDataModule, label_indices
-from vitlab.utils.errors import MissingFileError, UserError
+from vitlab.data.indexes import label_indices, read_list
+from vitlab.data.records import RecordsDataModule
 
 log = logging.getLogger(__name__)
-
-
-@functools.lru_cache(maxsize=16)
-def read_list(file: str, image_key: str = "path", label_key: str = "label") -> tuple[list[str], list[Any]]:
-    """The (paths, labels) of a CSV or JSONL list; a path is made absolute against the list's folder."""
-    path = Path(file).expanduser()
-    if not path.is_file():
-        raise MissingFileError(f"image list {file!r} does not exist")
-    if path.suffix.lower() not in (".csv", ".jsonl", ".tsv"):
-        raise UserError(f"image list {file!r} is neither a .csv (or .tsv) nor a .jsonl file")
-    with open(path, newline="", encoding="utf-8-sig") as f:  # (-sig: a CSV that Excel saved begins with a BOM)
-        if path.suffix.lower() == ".jsonl":
-            rows = [_json_row(line, path, n) for n, line in enumerate(f, start=1) if line.strip()]
-        else:
-            rows = list(csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ","))
-    if not rows:
-        raise UserError(f"image list {file!r} holds no images")
-    for key, what in ((image_key, "image"), (label_key, "label")):
-        if key not in rows[0]:
-            raise UserError(
-                f"image list {file!r} has no column {key!r}; its columns: {', '.join(rows[0])} (name the {what} "
-                f"column with data.{what}_key)"
-            )
-    root = path.parent
-    paths = [str(root / row[image_key]) for row in rows]
-    labels = [row[label_key] for row in rows]
-    if path.suffix.lower() != ".jsonl" and all(str(v).lstrip("-").isdigit() for v in labels):
-        labels = [int(v) for v in labels]  # (a CSV's numbers are text)
-    return paths, labels
-
-
-def _json_row(line: str, path: Path, n: int) -> dict:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise UserError(f"line {n} of image list {str(path)!r} is not JSON ({e.msg})") from None
-    if not isinstance(row, dict):
-        raise UserError(f"line {n} of image list {str(path)!r} is not a JSON object")
-    return row
-
-
-def count_classes(train_file: str, image_key: str = "path", label_key: str = "label") -> int:
-    """`${data_classes:}` for data=list: the classes of the training list's labels."""
-    paths, labels = read_list(str(train_file), image_key, label_key)
-    return len(label_indices(labels, f"the labels of {train_file}")[1])
 
 
 class ListedImages(Dataset):
@@ -78,6 +30,10 @@ class ListedImages(Dataset):
 
     def __getitem__(self, i: int):
         return read_image(self.paths[i], self.channels), self.labels[i]
+
+    def encoded(self, i: int) -> tuple[bytes, str, int]:
+        """The file's bytes, its name, its label (data.decode=device: decoded on the device, data/decoding.py)."""
+        return Path(self.paths[i]).read_bytes(), self.paths[i], self.labels[i]
 
 
 class ListDataModule(RecordsDataModule):

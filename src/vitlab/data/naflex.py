@@ -7,7 +7,8 @@ ratio within a patch budget, batches of variable sequence length, padded, with m
   of a batch constant, by timm's rule (`calculate_naflex_batch_size`: data.batch_size x max(seq_lens) tokens, floored
   to a multiple of `batch_divisor`). The batches are data/sizes.py's `ScheduledBatches` (timm's ScheduledBatchSampler,
   the seq_lens its choices): a composition drawn once, in a new order every epoch, every process the same length at
-  the same step, resumed mid-epoch by its position and shared out under DDP as the other samplers.
+  the same step, resumed mid-epoch by its position and shared out under DDP as the other samplers. Streamed data
+  (data=wds, hf streaming) has no indices: its readers yield the same schedule's whole batches (data/streamed.py).
 - Evaluation: timm's ResizeToSequence at `max_seq_len` (default max(seq_lens)), data.batch_size a batch.
 - A batch is {patches (B, L, P*P*C) uint8, patch_coord (B, L, 2), patch_valid (B, L)}, labels: normalised on the
   device (`normalise`); the loss of a training batch is scaled by its batch size over data.batch_size (timm's
@@ -32,6 +33,7 @@ from timm.data.naflex_transforms import RandomResizedCropToSequence, ResizeToSeq
 from torch.utils.data._utils.collate import default_collate
 
 from vitlab.data import transforms
+from vitlab.data.seeded import seeded
 from vitlab.data.sizes import SizeSchedule
 from vitlab.model.config import as_hw
 from vitlab.utils.errors import UserError
@@ -199,16 +201,22 @@ def loss_scale(batch: int, schedule: NaFlexSchedule, world: int = 1) -> float:
     return ratio**0.5 if schedule.loss_scale == "sqrt" else ratio
 
 
-def normalise(batch: dict, mean: Sequence[float], std: Sequence[float], erasing: Erasing | None = None) -> dict:
+def normalise(
+    batch: dict,
+    mean: Sequence[float],
+    std: Sequence[float],
+    erasing: Erasing | None = None,
+    generator: torch.Generator | None = None,
+) -> dict:
     """uint8 patches (B, L, P*P*C) on the device -> float32 normalised per channel (C varies fastest), then erased
-    (training's `erasing`, where data.train_transform.random_erasing is set)."""
+    (training's `erasing`, where data.train_transform.random_erasing is set, its draws seeded from `generator`)."""
     x = batch["patches"]
     C = len(mean)
     m = torch.tensor(mean, device=x.device, dtype=torch.float32)
     s = torch.tensor(std, device=x.device, dtype=torch.float32)
     x = (x.to(torch.float32).div_(255).unflatten(-1, (-1, C)) - m) / s
     if erasing is not None:
-        x = erasing(x, batch["patch_coord"], batch["patch_valid"])
+        x = erasing(x, batch["patch_coord"], batch["patch_valid"], generator)
     return batch | {"patches": x.flatten(-2)}
 
 
@@ -216,16 +224,28 @@ class Erasing:
     """data.train_transform.random_erasing on NaFlex's normalised patches (B, L, P*P, C) as timm's NaFlex loader erases
     them (its PatchRandomErasing, region mode): with probability `p` an image gets 1 to `count` rectangles of whole
     patches of its own grid (area 2-33%, aspect 0.3-3.3), filled by `mode` (const zeros, rand a normal colour, pixel
-    normal noise). timm's draws: Python's and torch's global random state (seeded by the run's seed)."""
+    normal noise). timm's code draws from Python's and torch's global generators: here they are seeded, for the call,
+    with a number drawn from `generator` (the data module's own, checkpointed, one stream per process, as the square
+    images' erasing draws) and put back after, so a run resumed mid-epoch erases as the uninterrupted one did."""
 
     def __init__(self, p: float, mode: str, count: int):
         self.args = dict(erase_prob=p, mode=mode, max_count=count)
         self._by_device: dict[torch.device, PatchRandomErasing] = {}
 
-    def __call__(self, patches: torch.Tensor, coord: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, patches: torch.Tensor, coord: torch.Tensor, valid: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         if patches.device not in self._by_device:
             self._by_device[patches.device] = PatchRandomErasing(**self.args, device=patches.device)
-        return self._by_device[patches.device](patches, coord, valid)
+        erase = self._by_device[patches.device]
+        if generator is None:
+            return erase(patches, coord, valid)
+        seed = int(torch.randint(2**62, (1,), generator=generator))
+        cuda = [patches.device] if patches.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda, device_type="cuda"):  # (CPU's and this GPU's put back after)
+            if cuda:  # rand and pixel modes draw their values on the device
+                torch.cuda.default_generators[patches.device.index or 0].manual_seed(seed)
+            return seeded(seed, lambda x: erase(x, coord, valid), patches)
 
 
 def setup(dm: Any, naflex: dict | None) -> None:
@@ -235,9 +255,6 @@ def setup(dm: Any, naflex: dict | None) -> None:
     dm.naflex_erasing = None
     if schedule is None:
         return
-    if not dm.can_reside:  # streamed: the schedule picks images by index
-        raise UserError(f"data.naflex.seq_lens needs images read by index (data=imagefolder, hf, list); "
-                        f"{type(dm).__name__} streams them")  # fmt: skip
     if dm.size_schedule is not None or dm.views is not None:
         raise UserError("data.naflex.seq_lens sets the training sizes: drop data.train_img_sizes / objective=dino")
     interpolation = dm.eval_settings.get("interpolation") or "bicubic"

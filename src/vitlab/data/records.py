@@ -10,40 +10,23 @@ held out with `data.split_seed`, said in the log; no test split, and nothing is 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from vitlab.data import sizes
 from vitlab.data.base import ImageDataModule, describe_splits
 from vitlab.data.folds import describe as describe_folds
 from vitlab.data.folds import kept_and_held
 from vitlab.data.seeded import TransformDataset, init_worker
-from vitlab.data.streamed import EpochSampler, Holdout, StreamedSplit
+from vitlab.data.streamed import EpochSampler, Holdout, StreamedSplit, whole
 from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
 MISSING_VAL_FRACTION = 0.1  # the share of train that validates where the data has no validation split
-
-
-def label_indices(values: Sequence[Any], where: str, names: list[str] | None = None) -> tuple[list[int], list[str]]:
-    """A label column as class indices and the class names: integers as they are (named by their numbers unless
-    `names` are known), class names as their place among the sorted names (an image folder's order)."""
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        if any(v < 0 for v in values):
-            raise UserError(f"{where} holds the label {min(values)}: labels are class indices >= 0 or class names")
-        return list(values), names or [str(i) for i in range(max(values, default=-1) + 1)]
-    if all(isinstance(v, str) and v for v in values):
-        found = names or sorted(set(values))
-        index = {name: i for i, name in enumerate(found)}
-        if unknown := sorted(set(values) - set(index)):
-            raise UserError(f"{where} holds labels not among the classes {found[:5]}...: {unknown[:5]}")
-        return [index[v] for v in values], found
-    odd = next(v for v in values if not isinstance(v, (int, str)) or isinstance(v, bool) or v == "")
-    raise UserError(f"{where} holds the label {odd!r} ({type(odd).__name__}): labels must be integers or class names")
 
 
 class RecordsDataModule(ImageDataModule):
@@ -115,16 +98,20 @@ class RecordsDataModule(ImageDataModule):
         if not isinstance(dataset, StreamedSplit):
             return super()._loader(dataset, train, **kwargs)
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
+        batched = train and self.size_schedule is not None  # several sizes or NaFlex's lengths: whole batches
         dataset.place(self.shuffle_seed, rank, world, self.per_device_batch_size)
-        if train:
+        if batched:  # (timm's schedule refuses an epoch without a full batch)
+            sizes.streamed_loading(self, dataset, world)
+        elif train:
             self._check_enough_images(dataset.num_samples)
         workers = self.num_workers if self.num_workers is not None else self._auto_workers()
         on_cuda = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
         extra = {"prefetch_factor": self.prefetch_factor, "worker_init_fn": init_worker} if workers else {}
+        extra |= {"collate_fn": whole} if batched else {}
         # persistent workers in training: their readers keep the epoch they are told through a shared value
         loader = StatefulDataLoader(
-            dataset, batch_size=self.per_device_batch_size, num_workers=workers, generator=torch.Generator(),
-            pin_memory=self.pin_memory if self.pin_memory is not None else on_cuda,
+            dataset, batch_size=1 if batched else self.per_device_batch_size, num_workers=workers,
+            generator=torch.Generator(), pin_memory=self.pin_memory if self.pin_memory is not None else on_cuda,
             persistent_workers=workers > 0 and (train or self.persistent_workers), **extra,
         )  # fmt: skip
         if train:  # Lightning sets the epoch on it at every epoch's start; set here as it will be (epochs processed)

@@ -13,6 +13,9 @@
   own sampler inside it, and the loader's position (its count of batches) resumes mid-epoch exactly as any other.
 - In the loader's workers each image is cropped by the training transform made for its batch's size; data held on
   the device (`data.on_device`) is shifted and flipped there and then resized to its batch's size.
+- A streamed split (data=wds, data=hf streaming; data/streamed.py) has no indices to sample: it yields whole batches
+  itself (`streamed_loading`), the schedule of an epoch drawn as above over a process's share of the epoch's samples,
+  its batches dealt out to the loader's workers in turn, each filled with the next samples of a worker's stream.
 - Validation and testing stay at the model's size; the model resamples its position embeddings to each batch's grid
   (model.dynamic_img_size=true, `check_model`).
 
@@ -194,21 +197,41 @@ def scheduled_loading(dm: Any, sampler: Sampler, dataset: Dataset, world: int) -
     """The batch sampler and the dataset of a training loader at the sizes of `dm.size_schedule` (an
     ImageDataModule), over `sampler` and `dataset` as the one-size loader would read them."""
     schedule: SizeSchedule = dm.size_schedule
-    if isinstance(dataset, IterableDataset):
+    if isinstance(dataset, IterableDataset):  # (streamed splits batch themselves: streamed_loading)
         what = "data.naflex.seq_lens" if hasattr(schedule, "loading") else "data.train_img_sizes"
         raise UserError(f"{what} needs images read by index; {type(dm).__name__} streams them")
+    batches = _scheduled_batches(dm, sampler, world)
+    if isinstance(dataset, ResidentImages) and not hasattr(schedule, "loading"):
+        return batches, ScheduledImages(dataset, schedule.img_sizes)
+    return batches, ScheduledImages(dataset, schedule.img_sizes, *_choices(dm))
+
+
+def streamed_loading(dm: Any, split: Any, world: int) -> None:
+    """A streamed training split (data/streamed.py's StreamedSplit) made to yield whole batches of `dm.size_schedule`:
+    the schedule of an epoch of this process's `num_samples // world` samples (the same in every process: the same
+    lengths, batch sizes and count of batches), each batch's images through its choice's transform and collate."""
+    batches = _scheduled_batches(dm, range(split.num_samples // world), world)
+    made, collates = _choices(dm)
+    split.batched(batches, made, collates or [default_collate] * len(made))
+
+
+def _scheduled_batches(dm: Any, sampler: Sampler | range, world: int) -> ScheduledBatches:
+    schedule: SizeSchedule = dm.size_schedule
     epochs = dm.trainer.max_epochs if dm.trainer is not None else None
     batches = schedule.batches(sampler, dm.batch_size, world, epochs, dm.shuffle_seed)
     said = schedule.describe(batches, world)
     if (dm.trainer is None or dm.trainer.global_rank == 0) and said != getattr(dm, "_said", None):
         log.info(said)  # once (Lightning asks for the loader twice as a run starts)
         dm._said = said
+    return batches
+
+
+def _choices(dm: Any) -> tuple[list, list | None]:
+    """Each choice's training transform, and its collate (None: stacked)."""
+    schedule: SizeSchedule = dm.size_schedule
     if hasattr(schedule, "loading"):  # NaFlex's sequence lengths (data/naflex.py): its transforms and padding
-        return batches, ScheduledImages(dataset, schedule.img_sizes, *schedule.loading(dm))
-    if isinstance(dataset, ResidentImages):
-        return batches, ScheduledImages(dataset, schedule.img_sizes)
-    made = [transforms.train_transform(s, dm.mean, **dm.train_transform_args) for s in schedule.img_sizes]
-    return batches, ScheduledImages(dataset, schedule.img_sizes, made)
+        return schedule.loading(dm)
+    return [transforms.train_transform(s, dm.mean, **dm.train_transform_args) for s in schedule.img_sizes], None
 
 
 def check_model(schedule: SizeSchedule | None, model: Any, objective: str) -> None:
@@ -239,4 +262,12 @@ def batch_hw(batch: Sequence[Any]) -> tuple[int, int]:
     return tuple(batch[2]) if len(batch) > 2 else tuple(batch[0].shape[-2:])
 
 
-__all__ = ["SizeSchedule", "ScheduledBatches", "ScheduledImages", "scheduled_loading", "check_model", "batch_hw"]
+__all__ = [
+    "SizeSchedule",
+    "ScheduledBatches",
+    "ScheduledImages",
+    "scheduled_loading",
+    "streamed_loading",
+    "check_model",
+    "batch_hw",
+]

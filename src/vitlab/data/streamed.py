@@ -9,6 +9,12 @@ pass, through a shuffle buffer (timm's `shuffle_size`), until it has given its s
 samples in all: whole batches, the same number for every process (DDP steps together). Each sample is augmented with
 a seed made of (seed, epoch, reader, its place in the reader's stream).
 
+Training at several sizes or sequence lengths (data/sizes.py: `data.train_img_sizes`, NaFlex's `data.naflex.seq_lens`):
+the reader yields whole batches (`batched`). The epoch's schedule of (size choice, batch size) is drawn from (seed,
+epoch) over a process's share of the epoch's samples, the same in every process; batch j of a process is made by its
+loader worker j mod W (the order the loader takes its workers' items in) of the next samples of that worker's stream,
+each through its choice's transform, and collated (padded, for NaFlex) there. Its state counts batches given.
+
 Resume: a reader's state is (epoch, samples taken from the buffer, samples given); torchdata's StatefulDataLoader
 keeps it for every worker at every batch, so a resumed reader replays its stream from the start of the epoch without
 decoding (tar members read, not decoded) and goes on from the same sample: exact, at the cost of re-reading its
@@ -96,9 +102,19 @@ class StreamedSplit(IterableDataset):
         self.skipped = 0
         self._position = {"epoch": -1, "taken": 0, "given": 0}
         self._resume: dict | None = None
+        self.schedule: Any = None  # training in whole batches of a size schedule (batched); None: of batch_size
+        self.transforms: list[Callable] = []  # per size choice, with its collate
+        self.collates: list[Callable] = []
 
     def place(self, seed: int, rank: int, world: int, batch_size: int) -> StreamedSplit:
         self.seed, self.rank, self.world, self.batch_size = seed, rank, world, batch_size
+        return self
+
+    def batched(self, schedule: Any, transforms: list[Callable], collates: list[Callable]) -> StreamedSplit:
+        """Training in whole batches: `schedule` (data/sizes.py's ScheduledBatches over range(this process's share of
+        the epoch's samples)) says each batch's size choice and batch size; a batch's images go through its choice's
+        transform and collate. The loader takes each item as it is (`whole`)."""
+        self.schedule, self.transforms, self.collates = schedule, list(transforms), list(collates)
         return self
 
     def as_eval(self, transform: Callable) -> StreamedSplit:
@@ -118,6 +134,8 @@ class StreamedSplit(IterableDataset):
         """This process's samples (training: whole batches; Lightning counts the steps by it)."""
         if self.num_samples is None:
             raise TypeError("the split's size is not known")  # (Lightning then reads until it ends)
+        if self.train and self.schedule is not None:  # batches, not samples
+            return len(self.schedule)
         if self.train:
             return self.num_samples // self.world // self.batch_size * self.batch_size
         batches = -(-self.num_samples // self.batch_size)
@@ -139,6 +157,9 @@ class StreamedSplit(IterableDataset):
             return
         reader, readers = self.rank * workers + worker, self.world * workers
         epoch = int(self.epoch.value)
+        if self.schedule is not None:
+            yield from self._batches(epoch, worker, workers, reader, readers)
+            return
         batches = self.num_samples // self.world // self.batch_size  # this process's, dealt out to its workers
         quota = (batches // workers + (worker < batches % workers)) * self.batch_size
         resume, self._resume = self._resume, None
@@ -160,6 +181,29 @@ class StreamedSplit(IterableDataset):
             given += 1
             self._position["given"] = given
             yield seeded(mix(self.seed, epoch, reader, taken), self.transform, image), label
+
+    def _batches(self, epoch: int, worker: int, workers: int, reader: int, readers: int) -> Iterator[Any]:
+        """This worker's whole batches of the epoch's schedule: the process's j-th when j mod `workers` is `worker`,
+        filled with the next samples of its stream; its position counts the batches given."""
+        self.schedule.set_epoch(epoch)
+        mine = [(pairs[0][1], len(pairs)) for pairs in self.schedule][worker::workers]  # (size choice, batch size)
+        resume, self._resume = self._resume, None
+        taken, given = (resume["taken"], resume["given"]) if resume is not None and resume["epoch"] == epoch else (0, 0)
+        self._position = {"epoch": epoch, "taken": taken, "given": given}
+        stream = self._shuffled(self._cycle(epoch, reader, readers), mix(self.seed, epoch, reader))
+        for _ in itertools.islice(stream, taken):
+            pass  # replayed to the resumed position, not decoded
+        for choice, size in mine[given:]:
+            items = []
+            while len(items) < size:
+                name, data, label = next(stream)
+                taken += 1
+                image = self._decoded(data, name)
+                if image is not None:
+                    items.append((seeded(mix(self.seed, epoch, reader, taken), self.transforms[choice], image), label))
+            given += 1
+            self._position = {"epoch": epoch, "taken": taken, "given": given}
+            yield self.collates[choice](items)
 
     def _evaluation(self, worker: int, workers: int) -> Iterator[tuple[torch.Tensor, int]]:
         i = 0
@@ -228,3 +272,10 @@ class StreamedSplit(IterableDataset):
 
 def _permuted(items: list, seed: int) -> list:
     return [items[i] for i in torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()]
+
+
+def whole(items: list) -> Any:
+    """The loader's collate of a split that yields whole batches (`batched`), taken one at a time: the batch itself.
+    (A loader of batch_size None would do the same without the batch sampler whose sampler Lightning sets the epoch
+    on.)"""
+    return items[0]

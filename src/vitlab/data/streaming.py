@@ -81,6 +81,11 @@ class ShardImages(Dataset):
         item = self.shards[i]
         return decode_image(bytes(item["image"]), f"{self.url} item {i} ({item['name']})", self.channels), item["label"]
 
+    def encoded(self, i: int) -> tuple[bytes, str, int]:
+        """The item's file bytes, its name, its label (data.decode=device: decoded on the device)."""
+        item = self.shards[i]
+        return bytes(item["image"]), f"{self.url} item {i} ({item['name']})", item["label"]
+
 
 class StreamingDataModule(ImageDataModule):
     """`data=streaming`: the LitData shards `python -m vitlab.pack` writes, read from a folder or an object store

@@ -23,47 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from vitlab.data.images import decode_image
+from vitlab.data.indexes import INFO, expand, read_info
 from vitlab.data.records import RecordsDataModule
 from vitlab.data.streamed import StreamedSplit
-from vitlab.utils.errors import MissingFileError, UserError
+from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
-
-INFO = "vitlab-wds.json"  # written by python -m vitlab.pack format=wds beside the shards
-
-
-def expand(urls: str | list[str] | None, key: str) -> list[str]:
-    """A brace pattern, or a list of them, as the shards' URLs; local ones must exist."""
-    import braceexpand
-
-    patterns = [urls] if isinstance(urls, str) else list(urls or [])
-    found = [url for pattern in patterns for url in braceexpand.braceexpand(str(pattern))]
-    if not found:
-        raise UserError(f"data.{key} {urls!r} names no shards: give a brace pattern such as /data/train-{{0..9}}.tar")
-    missing = [url for url in found if is_local(url) and not Path(url).is_file()]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise MissingFileError(f"data.{key}: shard {missing[0]!r} does not exist{more}")
-    return found
-
-
-def is_local(url: str) -> bool:
-    return not url.startswith("pipe:") and "://" not in url
-
-
-@functools.lru_cache(maxsize=8)
-def read_info(first_url: str) -> dict | None:
-    """The pack's description beside a local shard, where there is one."""
-    where = Path(first_url).parent / INFO
-    return json.loads(where.read_text()) if is_local(first_url) and where.is_file() else None
-
-
-def count_classes(urls: Any) -> int:
-    """`${data_classes:}` for data=wds: the class count `vitlab.pack format=wds` wrote beside the shards."""
-    info = read_info(expand(urls, "urls")[0])
-    if info is None:
-        raise UserError(f"no {INFO} beside the shards of data.urls: give data.num_classes (and data.num_train)")
-    return len(info["class_names"])
 
 
 class TarShards:

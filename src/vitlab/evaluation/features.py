@@ -21,12 +21,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 from vitlab.utils.errors import UserError
 
@@ -111,11 +113,14 @@ def split_features(
     cache: Path | None,
     source: dict,
     layers: Layers = POOLED,
+    dataset: Dataset | None = None,
+    label_spec: tuple[tuple[int, ...], torch.dtype] = ((), torch.int64),
+    copy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
     """(features (N, D) float32, labels (N,) int64) of `split`, from the cache where it holds them; in rank 0 only
-    where several processes share the work (every process of torch.distributed's group must call it; the others
-    get (None, None)). Rank 0 alone reads and writes the cache."""
-    dataset = datamodule.eval_view(split)
+    where several processes share the work (all must call it; the others get (None, None)). Rank 0 alone reads and
+    writes the cache. `dataset` (else `eval_view`), `label_spec` and `copy` serve seg_probe's maps and masks."""
+    dataset = datamodule.eval_view(split) if dataset is None else dataset
     n, (rank, world) = len(dataset), _world()
     if n == 0:  # (a held-out validation slice that held nothing: data/streamed.py refuses it in training now)
         raise UserError(f"the {split} split holds no images to extract features of")
@@ -126,13 +131,14 @@ def split_features(
     if done == n:
         if rank == 0:
             log.info("%s features: read from %s", stem, cache)
-            return torch.from_numpy(np.array(found[0])), torch.from_numpy(np.array(found[1]))
+            return _tensors(cache, stem, found[:2], copy)
         return None, None
     model.eval().to(device)
-    dim = layers.dim(model)
-    feats = labels = None
+    dim, (label_shape, label_dtype) = layers.dim(model), label_spec
+    shape, feats, labels = tuple(dim) if isinstance(dim, tuple) else (dim,), None, None
     if rank == 0:
-        feats, labels = found[:2] if found is not None and done else _open(cache, stem, n, dim, meta)
+        opened = found is not None and done
+        feats, labels = found[:2] if opened else _open(cache, stem, n, shape, meta, label_shape, label_dtype)
     # Rank r takes rows done + r, done + r + world, ...: its i-th batch and the others' i-th make rows
     # [start, start + batch * world) together, gathered and written in order by rank 0 (resumable there).
     loader = datamodule._loader(dataset, train=False, sampler=range(done + rank, n, world))
@@ -141,11 +147,11 @@ def split_features(
         stop = min(n, start + step)
         batch = next(batches, None)
         if batch is None:  # this rank's share ended a batch before the others'
-            f, y = torch.zeros(0, dim, device=device), torch.zeros(0, dtype=torch.long, device=device)
+            f, y = torch.zeros(0, *shape, device=device), torch.zeros(0, *label_shape, dtype=label_dtype)
         else:
             x, y = datamodule.device_transform(datamodule.transfer_batch_to_device(batch, device, 0), train=False)
             f = layers.extract(model, x).float()
-        parts = _gather_to_rank0(f, y.to(device).long(), loader.batch_size, world)
+        parts = _gather_to_rank0(f, y.to(device, label_dtype), loader.batch_size, world)
         if rank > 0:
             continue
         for r, (pf, py) in enumerate(parts):
@@ -157,8 +163,19 @@ def split_features(
     if rank > 0:
         return None, None
     if cache is not None:
-        log.info("%s features: %d x %d, cached in %s", stem, n, dim, cache)
-    return torch.from_numpy(np.array(feats)), torch.from_numpy(np.array(labels))
+        log.info("%s features: %d x %s, cached in %s", stem, n, " x ".join(map(str, shape)), cache)
+    return _tensors(cache, stem, (feats, labels), copy)
+
+
+def _tensors(cache: Path | None, stem: str, arrays: tuple, copy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The features and labels as tensors: copied into memory; or, `copy` false, the cache's files mapped read-only
+    (the segmentation probe's maps: ADE20k's at ViT-S/14's 37 x 37 tokens take 42 GB), pages read as they are used."""
+    if copy or cache is None:
+        return tuple(torch.from_numpy(np.array(a)) for a in arrays)
+    with warnings.catch_warnings():  # (read-only arrays: torch warns that the tensors must not be written, and none is)
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        mapped = (np.load(cache / f"{stem}.npy", mmap_mode="r"), np.load(cache / f"{stem}.labels.npy", mmap_mode="r"))
+        return tuple(torch.from_numpy(a) for a in mapped)
 
 
 def _from_rank0(value: int, device: torch.device, world: int) -> int:
@@ -176,7 +193,7 @@ def _gather_to_rank0(f: torch.Tensor, y: torch.Tensor, batch: int, world: int) -
     if world == 1:
         return [(f.cpu().numpy(), y.cpu().numpy())]
     rank = torch.distributed.get_rank()
-    pf, py = f.new_zeros(batch, f.shape[1]), y.new_zeros(batch)
+    pf, py = f.new_zeros(batch, *f.shape[1:]), y.new_zeros(batch, *y.shape[1:])
     pf[: len(f)], py[: len(y)] = f, y
     out_f = [torch.empty_like(pf) for _ in range(world)] if rank == 0 else None
     out_y = [torch.empty_like(py) for _ in range(world)] if rank == 0 else None
@@ -197,13 +214,17 @@ def _read(cache: Path, split: str, meta: dict) -> tuple[np.ndarray, np.ndarray, 
     return feats, labels, int(saved["done"])
 
 
-def _open(cache: Path | None, split: str, n: int, dim: int, meta: dict):
+def _open(cache: Path | None, split: str, n: int, shape: tuple, meta: dict, label_shape: tuple, label_dtype):
+    label_dtype = torch.empty(0, dtype=label_dtype).numpy().dtype
     if cache is None:
-        return np.empty((n, dim), np.float32), np.empty(n, np.int64)
+        return np.empty((n, *shape), np.float32), np.empty((n, *label_shape), label_dtype)
     cache.mkdir(parents=True, exist_ok=True)
+    dim = shape[0] if len(shape) == 1 else list(shape)
     _write_meta(cache, split, {**meta, "dim": dim, "done": 0})
-    feats = np.lib.format.open_memmap(cache / f"{split}.npy", mode="w+", dtype=np.float32, shape=(n, dim))
-    labels = np.lib.format.open_memmap(cache / f"{split}.labels.npy", mode="w+", dtype=np.int64, shape=(n,))
+    feats = np.lib.format.open_memmap(cache / f"{split}.npy", mode="w+", dtype=np.float32, shape=(n, *shape))
+    labels = np.lib.format.open_memmap(
+        cache / f"{split}.labels.npy", mode="w+", dtype=label_dtype, shape=(n, *label_shape)
+    )
     return feats, labels
 
 

@@ -108,7 +108,7 @@ def score_pretrained(cfg: DictConfig, weights: Weights) -> dict:
     return metrics
 
 
-TASKS = ("test", "knn", "fewshot", "linear")
+TASKS = ("test", "knn", "fewshot", "linear", "segmentation")
 
 
 def probe(cfg, model, datamodule, source: dict, cache: Path | None, device: torch.device) -> dict | None:
@@ -118,6 +118,8 @@ def probe(cfg, model, datamodule, source: dict, cache: Path | None, device: torc
     extracts its share, and rank 0 alone scores: the metrics there, None elsewhere."""
     if cfg.task not in TASKS:
         raise UserError(f"task {cfg.task!r} is not one of {list(TASKS)}")
+    if cfg.task == "segmentation":
+        return probe_segmentation(cfg, model, datamodule, source, cache, device)
     split = "test" if getattr(datamodule, "test_set", None) is not None else "val"
     if cfg.task == "linear" and split == "val":
         raise UserError(
@@ -239,3 +241,39 @@ def _progress(what: str, total: int) -> Callable[[int], None]:
             log.info("%s: step %d of %d (%.0f s)", what, step + 1, total, time.time() - started)
 
     return step_done
+
+
+def probe_segmentation(cfg, model, datamodule, source: dict, cache: Path | None, device: torch.device) -> dict | None:
+    """task=segmentation (vitlab.evaluation.seg_probe): the patch tokens of the training split and of the test split
+    (the validation split where the data has none) with their masks, extracted once into the cache; DINOv2's linear
+    head trained on them in rank 0 and scored there by mIoU and pixel accuracy. The metrics in rank 0, None
+    elsewhere."""
+    from vitlab.evaluation import seg_probe as seg
+
+    if not hasattr(datamodule, "seg_view"):
+        raise UserError(
+            f"task=segmentation needs images with class masks, data=segmentation (not {type(datamodule).__name__})"
+        )
+    sp = cfg.segmentation
+    schedule = seg.SegSchedule(sp.iterations, sp.batch_size, sp.lr, sp.weight_decay, sp.warmup_iters, seed=sp.seed)
+    tokens = seg.patch_tokens(model, sp.n_last_blocks)
+    split = "test" if datamodule.test_set is not None else "val"
+    ident = source | {"data": datamodule.identity, "task": "segmentation"}
+    masks = (tuple(datamodule.img_hw), torch.uint8)
+    feats = {s: split_features(model, datamodule, s, device, cache, ident, tokens, datamodule.seg_view(s), masks, False)
+             for s in ("train", split)}  # fmt: skip
+    if feats[split][0] is None:  # not rank 0
+        return None
+    for s in ("train", split):
+        seg.check_labels(feats[s][1], datamodule.num_classes, s)
+    g = torch.Generator().manual_seed(schedule.seed)
+    head = seg.BNHead(feats["train"][0].shape[1], datamodule.num_classes, g)
+    log.info("segmentation probe: %s", schedule.describe(len(tokens.blocks)))
+    seg.train_head(
+        head, *feats["train"], schedule, device, on_step=_progress("segmentation probe", schedule.iterations)
+    )
+    found = seg.score(head, *feats[split], datamodule.num_classes, device)
+    protocol = schedule.describe(len(tokens.blocks))
+    metrics = {"seg/mIoU": found["mIoU"], "seg/aAcc": found["aAcc"], "seg/protocol": protocol, "seg/reported_on": split}
+    print(f"seg/mIoU {shown(found['mIoU'])}, seg/aAcc {shown(found['aAcc'])} (on the {split} split)", flush=True)
+    return metrics | {"split": split, "features": str(cache)}

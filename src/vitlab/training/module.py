@@ -19,10 +19,11 @@ import lightning as L
 import torch
 from timm.scheduler.scheduler import Scheduler as TimmScheduler
 from torch import nn
-from torchmetrics import MaxMetric, MeanMetric, Metric, MinMetric
+from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
 from vitlab.model import ViTConfig
-from vitlab.training.devices.sharding import new_vit
+from vitlab.training.devices.float8 import Float8Precision, plain_state
+from vitlab.training.devices.sharding import new_vit, splits_weights
 from vitlab.training.objectives.classification import Classification
 from vitlab.training.objectives.dino import DINO
 from vitlab.training.objectives.distillation import Distillation
@@ -44,29 +45,6 @@ log = logging.getLogger("vitlab.train")  # the command's own lines
 OBJECTIVES: dict[str, type[Objective]] = {"classify": Classification, "distill": Distillation, "mae": MAE, "dino": DINO}
 
 
-class RunningMeans(Metric):
-    """A training epoch's mean loss and (`accuracy`: a classifier's) top-1 accuracy, from one tensor of sums that a
-    step adds to: torchmetrics' MeanMetric and MulticlassAccuracy, checking and formatting their inputs at every step,
-    cost ~2-3% of the digits model's step (experiments/throughput); the values are theirs (loss x images summed in
-    float32, then divided; correct / images). Checkpointed, and summed over processes when computed."""
-
-    full_state_update = False
-
-    def __init__(self, accuracy: bool):
-        super().__init__()
-        self.accuracy = accuracy
-        self.add_state("sums", torch.zeros(3), dist_reduce_fx="sum", persistent=True)  # loss x n, correct, n
-
-    def update(self, loss: torch.Tensor, logits: torch.Tensor | None, y: torch.Tensor) -> None:
-        n = torch.full((), len(y), dtype=self.sums.dtype, device=self.sums.device)  # (a fill on the device, no copy)
-        correct = (logits.argmax(-1) == y).sum() if self.accuracy else torch.zeros_like(n)
-        self.sums += torch.stack([loss.to(self.sums.dtype) * n, correct.to(self.sums.dtype), n])
-
-    def compute(self) -> dict[str, torch.Tensor]:
-        loss, correct, n = self.sums
-        return {"loss": loss / n} | ({"acc": correct / n} if self.accuracy else {})
-
-
 def build_objective(options: dict[str, Any] | None, model: ViTConfig, unlabeled: bool = False) -> Objective:
     """The objective `options["name"]` names (classify when none), from the rest of its options; `unlabeled`: the
     data has no labels (data.unlabeled=true), which only a pretraining objective can learn from."""
@@ -74,6 +52,11 @@ def build_objective(options: dict[str, Any] | None, model: ViTConfig, unlabeled:
     name = values.pop("name", "classify")
     if name not in OBJECTIVES:
         raise UserError(f"objective {name!r} is not one of {list(OBJECTIVES)}")
+    if "gram" in values and name != "dino":  # the one key another objective's dataclass would list as unknown
+        raise UserError(
+            f"objective.gram (DINOv3's Gram anchoring of a DINO teacher's patch features) is objective=dino's; "
+            f"objective={name} has no Gram teacher: drop objective.gram or train with objective=dino"
+        )
     if unlabeled and OBJECTIVES[name].uses_labels:
         raise UserError("data.unlabeled=true has no labels to learn from: pretrain on it with objective=mae or dino")
     return OBJECTIVES[name](values, model)
@@ -113,10 +96,13 @@ class ViTModule(L.LightningModule):
             self.add_module(name, network)
         # Updated every step, computed (and synced across processes) once per epoch: logging a value costs ~1 ms in
         # Lightning, as much as the forward pass of the digits model. A non-finite training loss stops the run before
-        # it is averaged, so its mean skips the NaN check (a device sync per step on a GPU).
+        # it is averaged (NonFiniteLoss), so its mean skips the NaN check (a device sync per step on a GPU); the
+        # accuracy skips its input checks (objective.metrics: validate_args=False).
         k = cfg.num_classes
         self.train_metrics = nn.ModuleDict(
-            {"means": RunningMeans(accuracy="acc" in self.objective.metrics("train", k))}
+            {"loss": MeanMetric(nan_strategy="disable")}
+            | self.objective.metrics("train", k)
+            | {f"loss_{t}": MeanMetric(nan_strategy="disable") for t in self.objective.term_names()}  # its terms
         )
         self.val_metrics = nn.ModuleDict({"loss": MeanMetric()} | self.objective.metrics("val", k))
         self.test_metrics = nn.ModuleDict({"loss": MeanMetric()} | self.objective.metrics("test", k))
@@ -148,8 +134,12 @@ class ViTModule(L.LightningModule):
         return ("model.", *(f"{name}." for name in self.objective.extra_modules()))
 
     def configure_model(self) -> None:
-        """A sharded strategy (trainer=fsdp: training.devices.sharding) shards the network the steps call, once.
-        (Lightning calls this without a Trainer too, loading a checkpoint for inference: nothing to shard then.)"""
+        """trainer.precision=float8 (training.devices.float8) swaps the ViT's large Linears for float8 ones, then a
+        sharded strategy (trainer=fsdp: training.devices.sharding) shards the network the steps call; each once, in
+        torchtitan's order (float8 before sharding). (Lightning calls this without a Trainer too, loading a checkpoint
+        for inference: nothing to convert or shard then.)"""
+        if self._trainer is not None and isinstance(self._trainer.precision_plugin, Float8Precision):
+            self._trainer.precision_plugin.convert(self.model, sharded=splits_weights(self._trainer))
         shard = getattr(self._trainer.strategy, "shard", None) if self._trainer is not None else None
         if shard is not None and shard(self.objective.network(self.model)):
             self.objective.prepare(self.model)  # what it set on the weights, now that they exist
@@ -193,6 +183,9 @@ class ViTModule(L.LightningModule):
         x, y = batch
         loss, logits = self.loss(x, y)
         self.update_metrics("train", loss, logits, y)  # a classifier's accuracy: against the unmixed labels
+        for name in self.objective.term_names():  # the loss's terms (objective=dino's), each a mean as train/loss is
+            if name in self.objective.terms:
+                self.train_metrics[f"loss_{name}"].update(self.objective.terms[name].expand(len(y)))
         if (self.global_step + 1) % self.trainer.log_every_n_steps == 0:  # the steps Lightning writes logs at
             # Read here, on a step that logs (and waits) anyway: a device tensor in the progress bar would be
             # read again, and waited for, after every later step.
@@ -214,23 +207,25 @@ class ViTModule(L.LightningModule):
         self.evaluate("test", batch)
 
     def update_metrics(self, stage: str, loss: torch.Tensor, logits: torch.Tensor | None, y: torch.Tensor) -> None:
-        if stage == "train":
-            self.train_metrics["means"].update(loss.detach(), None if logits is None else logits.detach(), y)
-            return
         m = getattr(self, f"{stage}_metrics")
-        # The weight is made on the device: a Python number would be copied there, and that copy waits.
-        m["loss"].update(loss.detach(), weight=torch.full((), len(y), dtype=loss.dtype, device=loss.device))
+        loss = loss.detach()
+        if stage == "train":
+            # The mean over images: the batch's loss once per image (a view, no copy). The weight is in the values
+            # because torchmetrics (1.9) replaces a weight by ones under nan_strategy="disable" (its issue 3434).
+            m["loss"].update(loss.expand(len(y)))
+        else:  # the weight is made on the device: a Python number would be copied there, and that copy waits
+            m["loss"].update(loss, weight=torch.full((), len(y), dtype=loss.dtype, device=loss.device))
         for name, metric in m.items():
-            if name != "loss":
+            if not name.startswith("loss"):  # (the loss's terms: training_step)
                 metric.update(logits.detach(), y)
 
     def _log_epoch(self, stage: str) -> dict[str, torch.Tensor]:
         values = {}
         for name, metric in getattr(self, f"{stage}_metrics").items():
-            value = metric.compute()  # (RunningMeans: several values)
-            values |= (
-                {f"{stage}/{k}": v for k, v in value.items()} if isinstance(value, dict) else {f"{stage}/{name}": value}
-            )
+            if name.startswith("loss_") and not metric.weight:  # a loss term not begun (objective.gram.start)
+                metric.reset()
+                continue
+            values[f"{stage}/{name}"] = metric.compute()
             metric.reset()
         # torchmetrics has already reduced these over processes; sync_dist=True averages equal values (and
         # keeps Lightning from warning, under DDP, that epoch-level values were not synced).
@@ -260,6 +255,8 @@ class ViTModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # The epochs the run was to train: a resume of it once it had finished says so (training.run.resume).
         checkpoint["max_epochs"] = self.trainer.max_epochs
+        if getattr(self.trainer.precision_plugin, "float8_all_gather", False) and "state_dict" in checkpoint:
+            checkpoint["state_dict"] = plain_state(checkpoint["state_dict"])  # plain weights, without torchao's wrapper
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Metric states are bookkeeping, not weights: a checkpoint without them (older, or written elsewhere) starts
@@ -271,7 +268,7 @@ class ViTModule(L.LightningModule):
             if not key.startswith(self.network_prefixes) and key not in state:
                 state[key] = value
         for key in [k for k in state if k not in ours and not k.startswith(self.network_prefixes)]:
-            del state[key]  # an older checkpoint's metric states (the training means were two torchmetrics)
+            del state[key]  # another version's metric states (e.g. train_metrics.means.sums, 2026-11-28)
 
     # ---- optimisation ----------------------------------------------------------------------------
     def configure_optimizers(self):

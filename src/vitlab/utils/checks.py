@@ -301,6 +301,9 @@ def check_device(key: str, name: str, auto: bool = False) -> str:
 
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "regional"]
 COMPILE_MODES = typing.get_args(CompileMode)
+# torch's scaled_dot_product_attention kernels (training.devices.hardware.use_sdpa_backend): auto is torch's choice
+SdpaBackend = Literal["auto", "flash", "efficient", "cudnn", "math"]
+SDPA_BACKENDS = typing.get_args(SdpaBackend)
 
 
 def compile_mode(value: bool | str | None) -> str | None:

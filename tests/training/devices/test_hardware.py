@@ -78,3 +78,29 @@ def test_several_cpu_processes_are_named_with_their_strategy(compose_cfg, monkey
     assert t.strategy == "ddp" and line == "trainer: CPU, 2 processes (ddp), precision 32-true (auto: no GPU in use)"
     t, line = resolved(compose_cfg, monkeypatch, [], ["trainer=cpu", "trainer.precision=bf16-mixed"])
     assert line == "trainer: CPU, precision bf16-mixed"  # nothing left to choose: still said
+
+
+def test_sdpa_backend_leaves_one_fused_kernel_and_the_math_fallback():
+    import torch
+
+    from vitlab.utils.errors import UserError
+
+    b = torch.backends.cuda
+    flags = (b.flash_sdp_enabled, b.mem_efficient_sdp_enabled, b.cudnn_sdp_enabled, b.math_sdp_enabled)
+    before = [f() for f in flags]
+    q = torch.randn(2, 4, 5, 8)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    try:
+        hardware.use_sdpa_backend("auto")
+        assert [f() for f in flags] == before  # torch's own choice
+        hardware.use_sdpa_backend("cudnn")
+        assert [f() for f in flags] == [False, False, True, True]
+        torch.testing.assert_close(torch.nn.functional.scaled_dot_product_attention(q, q, q), expected)  # (math here)
+        hardware.use_sdpa_backend("flash")
+        assert [f() for f in flags] == [True, False, False, True]
+        with pytest.raises(UserError, match=r"^sdpa_backend 'fast' is not one of \['auto', 'flash', 'efficient'"):
+            hardware.use_sdpa_backend("fast")
+    finally:
+        for enable, on in zip((b.enable_flash_sdp, b.enable_mem_efficient_sdp, b.enable_cudnn_sdp, b.enable_math_sdp),
+                              before, strict=True):  # fmt: skip
+            enable(on)

@@ -80,3 +80,20 @@ def test_every_objective_trains_the_rope_models(compose_cfg, tmp_path, model):
     _, tables = fit(compose_cfg("train", [*tiny(model), *dino]), steps=2)  # (DINO's learning rate starts at 0)
     local = 2 * 2  # 8 px local crops of 4 px patches
     assert set(tables) == {(*per_block, grid, head), (*per_block, local, head)}  # the student's and the teacher's
+
+
+def test_dino_on_a_rope_file_without_dynamic_img_size_is_refused_in_one_line(compose_cfg):
+    """The EVA02 and RoPE-Mixed files keep timm's dynamic_img_size=false; DINO's local crops need it (docs/models/zoo.md
+    and docs/training/objectives.md give the command with it set)."""
+    from vitlab.utils.errors import UserError
+
+    dino = ["objective=dino", "model.num_classes=0", "objective.out_dim=32", "objective.hidden_dim=16",
+            "objective.bottleneck_dim=8", "objective.crops.local_size=8"]  # fmt: skip
+    cfg = compose_cfg("train", [*tiny("eva02_ti14"), *dino])
+    assert cfg.model.dynamic_img_size is False  # the file's own value (timm's)
+    with pytest.raises(UserError) as e:
+        build.build_module(cfg, build.build_datamodule(cfg.data, cfg))
+    said = "objective=dino's crops of [8, 16] px need position embeddings at each size: set model.dynamic_img_size=true"
+    assert str(e.value) == said
+    cfg = compose_cfg("train", [*tiny("eva02_ti14"), *dino, "model.dynamic_img_size=true"])  # the documented fix
+    assert build.build_module(cfg, build.build_datamodule(cfg.data, cfg)).objective.student is not None

@@ -2,6 +2,7 @@
 Lightning sees them, so the mission's command as typed (`python -m vitlab.train model=vit_b16 trainer.devices=4`)
 trains as `trainer=ddp` does on a GPU machine: bf16 autocast where every GPU in use has bf16, one DDP process per
 GPU. An explicit value always wins. The choice is logged in one line and written into the config (config.yaml).
+`trainer.precision=float8` (and float8-rowwise) is refused here, in one line, on a machine without float8 GPUs.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
+
+from vitlab.training.devices.float8 import check_float8, is_float8
+from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +28,15 @@ def cuda_devices() -> list[tuple[str, bool]]:
     return [
         (torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i) >= (8, 0))
         for i in range(torch.cuda.device_count())
+    ]
+
+
+def cuda_capabilities() -> list[tuple[str, tuple[int, int]]]:
+    """(name, compute capability) of each visible CUDA GPU."""
+    if not torch.cuda.is_available():
+        return []
+    return [
+        (torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())
     ]
 
 
@@ -49,6 +62,8 @@ def resolve_trainer(t: DictConfig) -> str:
     accelerator = str(t.get("accelerator", "auto"))
     gpus = _in_use(t.get("devices", 1), cuda_devices()) if accelerator in GPU_ACCELERATORS else []
     why = ""
+    if is_float8(precision):  # (Lightning's bf16-mixed plus float8 Linears: built in training.run.build)
+        check_float8(precision, _in_use(t.get("devices", 1), cuda_capabilities()) if gpus else [])
     if precision == "auto":
         if gpus and all(bf16 for _, bf16 in gpus):
             precision, why = "bf16-mixed", "every GPU in use has bf16"
@@ -80,3 +95,22 @@ def _cpu_processes(devices: Any) -> int:
         )
     except (TypeError, ValueError):
         return 1  # not a device request: the trainer's own check names it
+
+
+def use_sdpa_backend(name: str) -> None:
+    """`sdpa_backend`: the kernel torch's scaled_dot_product_attention runs for the whole process, `auto` leaving
+    torch's own choice (flash attention on an H100 for ViT shapes); flash, efficient (memory-efficient) or cudnn the
+    only fused kernel allowed, with the math kernel left as the fallback for what it cannot serve (the CPU, a mask
+    the kernel lacks); math alone."""
+    if name == "auto":
+        return
+    switches = {
+        "flash": torch.backends.cuda.enable_flash_sdp,
+        "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
+        "cudnn": torch.backends.cuda.enable_cudnn_sdp,
+        "math": torch.backends.cuda.enable_math_sdp,
+    }
+    if name not in switches:
+        raise UserError(f"sdpa_backend {name!r} is not one of {['auto', *switches]}")
+    for backend, enable in switches.items():
+        enable(backend in (name, "math"))

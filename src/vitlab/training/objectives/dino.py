@@ -1,6 +1,7 @@
 """`objective=dino`: self-distillation pretraining as DINO runs it (Caron et al. 2021, facebookresearch/dino
 main_dino.py), with DINOv2's options (Oquab et al. 2023, facebookresearch/dinov2 train/ssl_meta_arch.py): iBOT's
-masked-patch loss, the KoLeo regulariser, Sinkhorn-Knopp targets. Labels are never read.
+masked-patch loss, the KoLeo regulariser, Sinkhorn-Knopp targets; and DINOv3's Gram anchoring (Siméoni et al. 2025:
+training/objectives/gram.py). Labels are never read.
 
 A student (a ViT and DINO's head, trained) and a teacher (the same networks, an EMA of the student: no gradient) see
 the data module's multi-crop views (data/multicrop.py: 2 global, N local); the teacher the global ones. The loss is
@@ -14,7 +15,9 @@ training/objectives/dino_losses.py's.
 The module's `model` is the teacher's backbone, the network DINO evaluates and releases: vitlab.eval (k-NN, linear,
 few-shot), callbacks=representation, model.pretrained=<the .ckpt> and vitlab.export read it. The student is
 `student.backbone.*`, `student.dino_head.*` (`student.ibot_head.*`, `student.mask_token`), the teacher's heads
-`teacher.*`, the centres `dino_loss.center` (`ibot_loss.center`). conf/objective/dino.yaml.
+`teacher.*`, the centres `dino_loss.center` (`ibot_loss.center`), the Gram teacher `gram_teacher.*`. Each term of
+the loss is logged beside it (train/loss_dino, _koleo, _ibot, _gram: their epoch means, before their weights).
+conf/objective/dino.yaml.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from vitlab.model.cost import activation_values
 from vitlab.model.dino_head import DINOHead
 from vitlab.training.devices.sharding import new_vit
 from vitlab.training.objectives import dino_losses as L
+from vitlab.training.objectives.dino_nets import Nets, Student, copy_weights, pairs
+from vitlab.training.objectives.gram import GramConfig
 from vitlab.training.objectives.objective import Objective
 from vitlab.utils.checks import check_at_least, check_range, from_mapping
 from vitlab.utils.errors import UserError
@@ -74,6 +79,7 @@ class DINOConfig:
     mask_probability: float = 0.5  # of the global crops, the share masked for iBOT
     mask_ratio: tuple[float, float] = (0.1, 0.5)  # of a masked crop's patches
     crops: Any = field(default_factory=dict)  # data/multicrop.py MultiCropConfig
+    gram: Any = field(default_factory=dict)  # training/objectives/gram.py GramConfig (DINOv3's Gram anchoring)
 
     def __post_init__(self):
         for name in ("out_dim", "hidden_dim", "bottleneck_dim", "head_layers", "ibot_out_dim"):
@@ -100,6 +106,7 @@ class DINOConfig:
             raise UserError(f"objective.mask_ratio {list(self.mask_ratio)} must be [low, high] in [0, 1]")
         object.__setattr__(self, "mask_ratio", (float(low), float(high)))
         object.__setattr__(self, "crops", MultiCropConfig.from_dict(self.crops))
+        object.__setattr__(self, "gram", GramConfig.from_dict(self.gram))
 
 
 def data_views(objective: Mapping[str, Any] | None, model: ViTConfig) -> dict[str, Any] | None:
@@ -142,7 +149,11 @@ class DINO(Objective):
         self.dino_loss = L.DINOLoss(c.out_dim, c.student_temp, c.center_momentum)
         patch_dim = c.ibot_out_dim if c.ibot_separate_head else c.out_dim
         self.ibot_loss = L.DINOLoss(patch_dim, c.student_temp, c.center_momentum, patch=True) if c.ibot_weight else None
-        self.nets: _Nets | None = None
+        # DINOv3's Gram teacher: the EMA teacher's backbone as it was (gram.py), no gradient; a copy, so that the
+        # random draws (the student's initialisation, the views) are those of the same run without it
+        self.gram_teacher = copy.deepcopy(student.backbone).requires_grad_(False) if c.gram.on else None
+        self.terms: dict[str, torch.Tensor] = {}  # the last training step's (term_names)
+        self.nets: Nets | None = None
         self.total_steps, self.steps_per_epoch, self.step = 1, 1, 0
         self.decayed_groups: list[int] = []
         self.weight_decay = 0.0
@@ -168,18 +179,22 @@ class DINO(Objective):
 
     def extra_modules(self) -> dict[str, nn.Module]:
         losses = {"dino_loss": self.dino_loss} | ({"ibot_loss": self.ibot_loss} if self.ibot_loss else {})
-        return {"student": self.student, "teacher": self.teacher} | losses
+        gram = {"gram_teacher": self.gram_teacher} if self.gram_teacher is not None else {}
+        return {"student": self.student, "teacher": self.teacher} | losses | gram
+
+    def term_names(self) -> tuple[str, ...]:
+        c = self.cfg
+        return ("dino", *(name for name in ("koleo", "ibot") if getattr(c, f"{name}_weight")), *("gram",) * c.gram.on)
 
     def prepare(self, model: ViT) -> None:
         """The teacher starts as the student (main_dino.py: teacher.load_state_dict(student.state_dict())): the
         student's backbone takes the module's `model` (random, or the pretrained weights just loaded) and the teacher's
-        heads the student's; the teacher gets no gradient."""
-        with torch.no_grad():
-            for mine, theirs in _pairs(self.student.backbone, model):
-                L._local(mine).copy_(L._local(theirs))
-            for name, head in self.teacher.named_children():
-                for t, s in _pairs(head, getattr(self.student, name)):
-                    L._local(t).copy_(L._local(s))
+        heads the student's (and the Gram teacher its backbone); the teacher gets no gradient."""
+        copy_weights(self.student.backbone, model)
+        for name, head in self.teacher.named_children():
+            copy_weights(head, getattr(self.student, name))
+        if self.gram_teacher is not None:
+            copy_weights(self.gram_teacher, model)
         model.requires_grad_(False)
         self.teacher.requires_grad_(False)
 
@@ -188,11 +203,11 @@ class DINO(Objective):
 
     def optimized(self, model: ViT) -> nn.Module:
         """The student: its backbone's parameters under the ViT's names (layer decay reads them), its heads beside."""
-        return _Student(self.student)
+        return Student(self.student)
 
-    def _nets(self, model: ViT) -> _Nets:
+    def _nets(self, model: ViT) -> Nets:
         if self.nets is None or self.nets.teacher is not model:
-            self.nets = _Nets(model, self)
+            self.nets = Nets(model, self)
         return self.nets
 
     def metrics(self, stage: str, num_classes: int) -> dict:
@@ -204,7 +219,8 @@ class DINO(Objective):
         super().compile(model, mode, regional=True)
 
     def blocks_run(self, model: ViT) -> list[nn.Module]:
-        return [*model.blocks, *self.student.backbone.blocks]
+        gram = [*self.gram_teacher.blocks] if self.gram_teacher is not None else []
+        return [*model.blocks, *self.student.backbone.blocks, *gram]
 
     def fit_start(self, datamodule: Any, device: torch.device) -> None:
         """The validation images' views: the training views' settings, the data's normalisation undone first."""
@@ -271,12 +287,15 @@ class DINO(Objective):
         return bool(c.clip_grad)
 
     def step_end(self, model: ViT, step: int) -> None:
-        """The teacher's EMA step after optimizer step `step` (momentum_schedule[step])."""
+        """The teacher's EMA step after optimizer step `step` (momentum_schedule[step]); then, when due, the Gram
+        teacher becomes the EMA teacher (dinov3 train.py: update_ema, then update_gram)."""
         m = L.cosine_schedule(step, self.cfg.momentum_teacher, self.cfg.momentum_teacher_end, self.total_steps)
-        pairs = _pairs(model, self.student.backbone) + [
-            pair for name, head in self.teacher.named_children() for pair in _pairs(head, getattr(self.student, name))
+        both = pairs(model, self.student.backbone) + [
+            pair for name, head in self.teacher.named_children() for pair in pairs(head, getattr(self.student, name))
         ]
-        L.ema_update([t for t, _ in pairs], [s for _, s in pairs], m)
+        L.ema_update([t for t, _ in both], [s for _, s in both], m)
+        if self.gram_teacher is not None and self.cfg.gram.taken_after(step):
+            copy_weights(self.gram_teacher, model)
 
     def activation_shapes(self, model: ViTConfig) -> list[tuple[int, int, int, float]]:
         """The student's blocks over every view (the teacher's forward keeps nothing), each view's head outputs
@@ -294,91 +313,5 @@ class DINO(Objective):
         """The student forward + backward of every view (3x), the teacher forward of the global ones."""
         c = self.cfg.crops
         local = model.replace(img_size=c.local_size, dynamic_img_size=True).flops_per_image() if c.local_crops else 0
-        return 3 * (2 * model.flops_per_image() + c.local_crops * local) + 2 * model.flops_per_image()
-
-
-def _pairs(a: nn.Module, b: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The parameters of two networks of one architecture, name by name."""
-    theirs = dict(b.named_parameters())
-    return [(p, theirs[name]) for name, p in a.named_parameters()]
-
-
-class _Student(nn.Module):
-    """The student as the optimizer's groups see it: the backbone's parameters under the ViT's own names."""
-
-    def __init__(self, student: nn.Module):
-        super().__init__()
-        backbone = student.backbone
-        for name, child in backbone.named_children():
-            self.add_module(name, child)
-        for name, p in backbone.named_parameters(recurse=False):
-            self.register_parameter(name, p)
-        for name, child in student.named_children():
-            if name != "backbone":
-                self.add_module(name, child)
-        if hasattr(student, "mask_token"):
-            self.register_parameter("mask_token", student.mask_token)
-        self._no_decay = backbone.no_weight_decay() | {"mask_token"}
-
-    def no_weight_decay(self) -> set[str]:
-        return self._no_decay
-
-
-class _Nets(nn.Module):
-    """Teacher and student, their forward the loss: what a sharded strategy shards (every view passes through here)."""
-
-    def __init__(self, teacher: ViT, dino: DINO):
-        super().__init__()
-        self.teacher, self.student, self.teacher_heads = teacher, dino.student, dino.teacher
-        self.dino = dino  # its config and losses (not a submodule: the module registers those)
-
-    def _features(self, vit: ViT, x: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
-        """Final normed tokens of a batch, the masked patches (iBOT) replaced by the mask token before the position
-        embedding (dinov2's prepare_tokens_with_masks)."""
-        if masks is None:
-            return vit.forward_features(x)
-        token = self.student.mask_token
-
-        def mask(module, args, out):  # patch_embed's (B, h, w, D)
-            return torch.where(masks.view(out.shape[:3]).unsqueeze(-1), token.to(out.dtype), out)
-
-        handle = vit.patch_embed.register_forward_hook(mask)
-        try:
-            return vit.forward_features(x)
-        finally:
-            handle.remove()
-
-    def forward(self, views: list[torch.Tensor], masks: torch.Tensor | None, temp: float, update: bool):
-        c, dino, t = self.dino.cfg, self.dino, self.teacher
-        glob, locs = torch.cat(views[:2]), views[2:]
-        prefix = t.num_prefix_tokens
-        with torch.no_grad():
-            was = t.training
-            t.eval()  # no drop path in the teacher (main_dino.py builds it without)
-            t_tokens = self._features(t, glob)
-            t.train(was)
-            t_out = self.teacher_heads.dino_head(t.forward_head(t_tokens, pre_logits=True))
-            targets = dino.dino_loss.targets(t_out, temp, c.centering).chunk(2)
-            if update and c.centering == "center":
-                dino.dino_loss.update_center(t_out)
-            if masks is not None:
-                head = getattr(self.teacher_heads, "ibot_head", self.teacher_heads.dino_head)
-                t_patch = head(t_tokens[:, prefix:][masks])
-                count = torch.tensor(float(len(t_patch)), device=t_patch.device)
-                patch_targets = dino.ibot_loss.targets(t_patch, temp, c.centering, count)
-                if update and c.centering == "center":
-                    dino.ibot_loss.update_center(t_patch.unsqueeze(0))
-        s = self.student
-        s_tokens = self._features(s.backbone, glob, masks)
-        cls = [s.backbone.forward_head(s_tokens, pre_logits=True)]
-        if locs:  # DINO's MultiCropWrapper: the crops of one size in one forward
-            cls.append(s.backbone.forward_head(s.backbone.forward_features(torch.cat(locs)), pre_logits=True))
-        out = s.dino_head(torch.cat(cls)).chunk(len(views))
-        loss = c.dino_weight * dino.dino_loss(out, targets)
-        if c.koleo_weight:
-            loss = loss + c.koleo_weight * sum(L.koleo_loss(p) for p in cls[0].chunk(2))
-        if masks is not None:
-            head = getattr(s, "ibot_head", s.dino_head)
-            s_patch = head(s_tokens[:, prefix:][masks])
-            loss = loss + c.ibot_weight * L.ibot_loss(s_patch, patch_targets, masks, c.student_temp)
-        return loss
+        teachers = 2 if self.cfg.gram.on else 1  # the Gram teacher's forward of the global crops
+        return 3 * (2 * model.flops_per_image() + c.local_crops * local) + teachers * 2 * model.flops_per_image()

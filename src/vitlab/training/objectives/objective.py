@@ -39,6 +39,12 @@ class Objective:
         `<name>.*`) and optimised with it."""
         return {}
 
+    def term_names(self) -> tuple[str, ...]:
+        """The terms of the training loss logged beside it (train/loss_<name>, each epoch's mean), as the last
+        training step left them in `self.terms` ({name: a detached scalar}; a term absent from it that step, e.g. not
+        yet begun, is not counted)."""
+        return ()
+
     def metrics(self, stage: str, num_classes: int) -> dict[str, Metric]:
         """The metrics of `stage` (train, val, test) besides the loss, updated with (logits, labels)."""
         acc = functools.partial(MulticlassAccuracy, num_classes, average="micro", validate_args=False)

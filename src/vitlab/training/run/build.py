@@ -32,7 +32,7 @@ from vitlab.model.config import vit_config
 from vitlab.training.callbacks.health import AdaptiveGradientClipping
 from vitlab.training.callbacks.standard import NonFiniteLoss, RichBar, TQDMBar
 from vitlab.training.checkpoint_io import upgrade_hparams
-from vitlab.training.devices import sharding
+from vitlab.training.devices import float8, sharding
 from vitlab.training.devices.hardware import resolve_trainer
 from vitlab.training.devices.rank_state import RankState
 from vitlab.training.module import OBJECTIVES, ViTModule
@@ -336,7 +336,7 @@ def build_trainer(trainer_cfg: DictConfig, **kwargs: Any) -> L.Trainer:
         kwargs["callbacks"].append(AdaptiveGradientClipping(float(factor)))  # after Health: it reads unclipped norms
         kwargs |= {"gradient_clip_val": None, "gradient_clip_algorithm": None}
     try:
-        return instantiate(trainer_cfg, **kwargs)
+        return instantiate(trainer_cfg, **kwargs | float8.trainer_arguments(trainer_cfg))  # (precision=float8)
     except InstantiationException as e:
         cause = e.__cause__
         if not isinstance(cause, (MisconfigurationException, ValueError)) or isinstance(cause, UserError):

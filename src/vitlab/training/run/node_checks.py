@@ -79,9 +79,10 @@ def check_launch(cfg: DictConfig) -> None:
 
 
 class TrainerRanges(TrainerValues):
-    """TrainerValues, and `precision` as Lightning types it (`auto` is vitlab's: training/devices/hardware.py)."""
+    """TrainerValues, and `precision` as Lightning types it (`auto` is vitlab's: training/devices/hardware.py; float8
+    and float8-rowwise too: training/devices/float8.py)."""
 
-    precision: Literal["auto"] | _PRECISION_INPUT | None
+    precision: Literal["auto", "float8", "float8-rowwise"] | _PRECISION_INPUT | None
 
 
 # A target -> the narrower (or wider) types of some of its arguments (check_arguments' `narrower`).
