@@ -47,8 +47,17 @@ def _serve() -> None:
 
 
 # What no library reads as it is imported (pytest's name of the running test among them): a command's environment may
-# differ from this server's in these (helpers.run_cli compares the rest), and a spare's from its command's.
-READ_AT_RUN_TIME = {"PYTHONPATH", "HYDRA_FULL_ERROR", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"}
+# differ from this server's in these (helpers.run_cli compares the rest), and a spare's from its command's. Besides,
+# what a library sets in the test process's own environment as a test runs it there, which the next command's
+# environment then holds: scikit-learn's import sets KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK (read by Intel's
+# OpenMP, which torch does not load; a command sets them itself as it imports scikit-learn), Lightning's
+# seed_everything PL_GLOBAL_SEED and PL_SEED_WORKERS (read when a run seeds), its deterministic mode
+# CUBLAS_WORKSPACE_CONFIG (read as cuBLAS starts), wandb.init WANDB_SERVICE (read when a run logs). Without them,
+# every command after the first test that imported scikit-learn or trained in its own process ran as a real
+# subprocess (~6 s of imports each, for the rest of an xdist worker's session).
+READ_AT_RUN_TIME = {"PYTHONPATH", "HYDRA_FULL_ERROR", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST",
+                    "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS",
+                    "CUBLAS_WORKSPACE_CONFIG", "WANDB_SERVICE"}  # fmt: skip
 
 _COMMAND: dict | None = None
 _INSTALLED: list[str] = []  # sys.path[1:] as the server started: the installation's entries

@@ -86,11 +86,18 @@ def train_list(*items: str) -> str:
     return "[" + ",".join(f'"{item}"' for item in items) + "]"
 
 
+# The dry run proves, as cheaply as it can, that every command parses its arguments, starts, runs its code and writes
+# its result: each command with its `dry` sizes (below: one block, 32 px, a few steps), and in DRY_ENV's environment,
+# where torch.compile is a no-op (TORCH_COMPILE_DISABLE: the model it wraps runs eagerly). On the CPU, Inductor's
+# compiles took most of a dry run and tell nothing of the GPU's (Triton's kernels, CUDA graphs); compiling on the CPU
+# is tested in tests/training/test_compile.py. A new point needs nothing more: its compiled commands run eagerly here.
+DRY_ENV = {"TORCH_COMPILE_DISABLE": "1"}
 CSV = ("logger=csv", "progress_bar=none")
-TINY = ("model.depth=1", "model.img_size=32")  # the dry run's ViT: B/16's code, one block, 4 patches
+# The dry run's ViT: each point's model's code, one block of width 64 (4 heads), 4 patches.
+TINY = ("model.depth=1", "model.img_size=32", "model.embed_dim=64", "model.num_heads=4")
 TINY_BENCH = overrides(
-    model__depth="1", model__img_size="32", benchmark__batch_size="2", benchmark__repeats="2", benchmark__warmup="1",
-    benchmark__peak_matmul_size="256",
+    model__depth="1", model__img_size="32", model__embed_dim="64", model__num_heads="4", benchmark__batch_size="2",
+    benchmark__repeats="2", benchmark__warmup="1", benchmark__peak_matmul_size="256",
 )  # fmt: skip
 SHORT_E2E = overrides(benchmark__end2end__warmup_steps="2", benchmark__end2end__steps="3", benchmark__repeats="2",
                       benchmark__warmup="1", benchmark__peak_matmul_size="256")  # fmt: skip
@@ -411,8 +418,13 @@ POINTS = [
         150,
         60,
         [
-            few_steps(
-                6, {"trainer": "cpu"}, model="vit_b16", data__num_train="2048", trainer="gpu", data__batch_size="auto"
+            few_steps(  # (in the dry run, auto's batch is the 64 images: the CPU's memory holds all 2,048)
+                6,
+                {"trainer": "cpu", "data.num_train": "64"},
+                model="vit_b16",
+                data__num_train="2048",
+                trainer="gpu",
+                data__batch_size="auto",
             ),
             few_steps(
                 6,
@@ -585,11 +597,12 @@ def json_file(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def run(argv: list[str], limit: float, log_path: Path) -> tuple[int | str, float]:
-    """argv in its own process group, stopped past `limit` seconds; (exit status or 'timeout', seconds)."""
+def run(argv: list[str], limit: float, log_path: Path, env: dict | None = None) -> tuple[int | str, float]:
+    """argv in its own process group (with `env`, or this process's environment), stopped past `limit` seconds;
+    (exit status or 'timeout', seconds)."""
     start = time.monotonic()
     with log_path.open("w") as log:
-        p = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        p = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             return p.wait(timeout=limit), time.monotonic() - start
         except subprocess.TimeoutExpired:
@@ -664,7 +677,8 @@ def _run_points(a: argparse.Namespace, chosen: list, work: Path) -> None:
                 run_dir.mkdir(parents=True, exist_ok=True)
             log_path = work / point.name / f"{i}.log"
             remaining = limit - (time.monotonic() - t0)
-            rc, seconds = run(argv, remaining, log_path) if remaining > 1 else ("timeout", 0.0)
+            env = {**os.environ, **DRY_ENV} if a.dry_run else None
+            rc, seconds = run(argv, remaining, log_path, env) if remaining > 1 else ("timeout", 0.0)
             log = log_path.read_text(errors="replace") if log_path.exists() else ""
             entry["commands"].append({
                 "argv": [Path(argv[0]).name, *argv[1:]], "rc": rc, "seconds": round(seconds, 1),

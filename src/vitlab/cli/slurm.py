@@ -46,7 +46,10 @@ NEVER = {
     "InvalidQOS": "its QOS is not valid",
 }
 PER_JOB_LIMIT = re.compile(r"(QOS|Assoc)Max\w*PerJob\w*")  # a request over a per-job limit of the QOS/association
-POLL_S = 5.0
+POLL_S = 5.0  # squeue, for the jobs' states and pending reasons (Slurm's controller answers it)
+CHECK_S = 1.0  # the jobs' result files (a file's existence: an ended job is noticed within a second)
+# Slurm states in which a job that has written no result never will (its result file is not waited for).
+NO_RESULT = ("CANCELLED", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "TIMEOUT")
 
 
 class SlurmLauncher(SubmititSlurmLauncher):
@@ -114,10 +117,22 @@ class SlurmLauncher(SubmititSlurmLauncher):
         return "asked for " + ", ".join(f"hydra.launcher.{k}={p.get(k)}" for k in shown if p.get(k) is not None)
 
     def _wait(self, jobs: list) -> None:
-        """Until every job is done: a line when a job's state changes; a job Slurm can never start stops the sweep."""
+        """Until every job is done: a line when a job's state changes; a job Slurm can never start stops the sweep.
+        The result files are looked for every CHECK_S, the queue asked every POLL_S; a job that has left the queue
+        without a result (cancelled, failed) is asked after at once (submitit's own check of a job's state comes
+        less often the longer the job has run: up to ten minutes apart)."""
         seen: dict[str, str] = {}
+        asked = 0.0
         while not all(job.done() for job in jobs):
-            for job_id, (state, reason) in _queue([job.job_id for job in jobs]).items():
+            if time.monotonic() - asked < POLL_S:
+                time.sleep(CHECK_S)
+                continue
+            asked = time.monotonic()
+            queued = _queue([job.job_id for job in jobs])
+            for job in jobs:
+                if job.job_id not in queued:  # ended: done() at once, with or without a result
+                    job.done(force_check=True)
+            for job_id, (state, reason) in queued.items():
                 if reason in NEVER or PER_JOB_LIMIT.fullmatch(reason):
                     subprocess.run(["scancel", *(job.job_id for job in jobs)], capture_output=True, timeout=60)
                     why = NEVER.get(reason, "it exceeds a per-job limit of its QOS or account")
@@ -129,12 +144,13 @@ class SlurmLauncher(SubmititSlurmLauncher):
                 if seen.get(job_id) != shown:
                     log.info("Slurm job %s: %s", job_id, shown)
                     seen[job_id] = shown
-            time.sleep(POLL_S)
 
     def _result(self, job) -> JobReturn:
         from submitit.core.utils import UncompletedJobError
 
         try:
+            if not job.paths.result_pickle.exists() and job.state.upper().startswith(NO_RESULT):
+                raise UncompletedJobError(job.state)  # (submitit waits 15 s for a result file that will not come)
             return job.results()[0]
         except UncompletedJobError:
             fail(f"Slurm job {job.job_id} ended without a result ({job.state}); its log: {job.paths.stderr}")
