@@ -11,7 +11,8 @@ from tests.helpers import ROOT, assert_refused, documented, earlier_run, run_cli
 
 TRAIN_KEYS = (
     "its top-level keys: ['ckpt_path', 'compile', 'freeze_backbone', 'memory_budget_gb', 'memory_check', 'model', "
-    "'optimized_metric', 'print_config', 'progress_bar', 'seed', 'tags', 'task_name', 'test', 'train'], its groups: "
+    "'optimized_metric', 'print_config', 'progress_bar', 'sdpa_backend', 'seed', 'tags', 'task_name', 'test', "
+    "'train'], its groups: "
 )
 UNREAD = "vitlab.train has no key {!r} and would ignore it (a + adds a key no command reads); "
 TWICE = (
