@@ -124,6 +124,55 @@ def few_steps(steps: int, dry: dict[str, str], **values: str) -> Command:
     return Command("vitlab.train", overrides(**values) | short, TINY_TRAIN | dry)
 
 
+def jpeg_folder(dry_train: int, dry_val: int) -> Command:
+    """experiments/gpu/jpeg_folder.py: 5,120 photo-sized JPEGs of 10 classes under {work}/jpegs (tiny in a dry run)."""
+    return Command(
+        "experiments/gpu/jpeg_folder.py",
+        {"--out": "{work}/jpegs", "--train": "5120", "--val": "512", "--classes": "10", "--size": "500x375"},
+        {"--train": str(dry_train), "--val": str(dry_val), "--classes": "2", "--size": "48x36"},
+        run_dir=False,
+    )
+
+
+def timm_train(compiled: bool) -> Command:
+    """timm's own train.py (reference/timm_train.py, verbatim) on {work}/jpegs as its users run it: its defaults but
+    B/16, batch 256, bf16, 15 workers, 3 epochs; `compiled`: --torchcompile inductor."""
+    compile_args = {"--torchcompile": "inductor"} if compiled else {}
+    return Command(
+        "experiments/gpu/reference/timm_train.py",
+        {
+            "--data-dir": "{work}/jpegs",
+            "--device": "cuda",
+            "--val-split": "val",
+            "--model": "vit_base_patch16_224",
+            "--num-classes": "10",
+            "-b": "256",
+            "--epochs": "3",
+            "--warmup-epochs": "0",
+            "--amp": None,
+            "--amp-dtype": "bfloat16",
+            "-j": "15",
+            "--pin-mem": None,
+            **compile_args,
+            "--log-interval": "5",
+            "--checkpoint-hist": "1",
+            "--output": "{run_dir}",
+        },
+        {
+            "--device": "cpu",
+            "--model-kwargs": "depth=1",
+            "-b": "8",
+            "--epochs": "1",
+            "-j": "1",
+            "--amp": False,
+            "--amp-dtype": False,
+            "--pin-mem": False,
+        }
+        | ({"--torchcompile": False} if compiled else {}),
+        run_dir=False,
+    )  # fmt: skip
+
+
 def float8_sweep() -> Command:
     """vitlab.train -m: ViT-L/16 and ViT-H/14, each at bf16-mixed and float8, compiled, one epoch of 200 steps of batch
     64 on fake data (seed 42: the same weights and images at both precisions), no checkpoints: each job's metrics.json
@@ -285,43 +334,8 @@ POINTS = [
         300,
         150,
         [
-            Command(
-                "experiments/gpu/jpeg_folder.py",
-                {"--out": "{work}/jpegs", "--train": "5120", "--val": "512", "--classes": "10", "--size": "500x375"},
-                {"--train": "32", "--val": "8", "--classes": "2", "--size": "48x36"},
-                run_dir=False,
-            ),
-            Command(
-                "experiments/gpu/reference/timm_train.py",  # timm's own, as its users run it: defaults but these
-                {
-                    "--data-dir": "{work}/jpegs",
-                    "--device": "cuda",
-                    "--val-split": "val",
-                    "--model": "vit_base_patch16_224",
-                    "--num-classes": "10",
-                    "-b": "256",
-                    "--epochs": "3",
-                    "--warmup-epochs": "0",
-                    "--amp": None,
-                    "--amp-dtype": "bfloat16",
-                    "-j": "15",
-                    "--pin-mem": None,
-                    "--log-interval": "5",
-                    "--checkpoint-hist": "1",
-                    "--output": "{run_dir}",
-                },
-                {
-                    "--device": "cpu",
-                    "--model-kwargs": "depth=1",
-                    "-b": "8",
-                    "--epochs": "1",
-                    "-j": "1",
-                    "--amp": False,
-                    "--amp-dtype": False,
-                    "--pin-mem": False,
-                },
-                run_dir=False,
-            ),  # fmt: skip
+            jpeg_folder(dry_train=32, dry_val=8),
+            timm_train(compiled=False),
             end2end(
                 (
                     "model=vit_b16",
@@ -476,45 +490,8 @@ POINTS = [
         420,
         200,
         [
-            Command(
-                "experiments/gpu/jpeg_folder.py",
-                {"--out": "{work}/jpegs", "--train": "5120", "--val": "512", "--classes": "10", "--size": "500x375"},
-                {"--train": "16", "--val": "4", "--classes": "2", "--size": "48x36"},
-                run_dir=False,
-            ),
-            Command(
-                "experiments/gpu/reference/timm_train.py",  # timm's own, compiled, defaults but these
-                {
-                    "--data-dir": "{work}/jpegs",
-                    "--device": "cuda",
-                    "--val-split": "val",
-                    "--model": "vit_base_patch16_224",
-                    "--num-classes": "10",
-                    "-b": "256",
-                    "--epochs": "3",
-                    "--warmup-epochs": "0",
-                    "--amp": None,
-                    "--amp-dtype": "bfloat16",
-                    "-j": "15",
-                    "--pin-mem": None,
-                    "--torchcompile": "inductor",
-                    "--log-interval": "5",
-                    "--checkpoint-hist": "1",
-                    "--output": "{run_dir}",
-                },
-                {
-                    "--device": "cpu",
-                    "--model-kwargs": "depth=1",
-                    "-b": "8",
-                    "--epochs": "1",
-                    "-j": "1",
-                    "--amp": False,
-                    "--amp-dtype": False,
-                    "--pin-mem": False,
-                    "--torchcompile": False,
-                },
-                run_dir=False,
-            ),  # fmt: skip
+            jpeg_folder(dry_train=16, dry_val=4),
+            timm_train(compiled=True),
             *(
                 end2end(
                     (
