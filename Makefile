@@ -54,11 +54,11 @@ benchmark: install
 
 # A lent GPU (experiments/gpu/README.md): its script's commands at tiny sizes on this CPU, and the wheels its image
 # lacks, computed from what that dry run imports against experiments/gpu/image.txt (carried to the device as .whl/).
-# The dry run: about 3 minutes on a quiet 2-core machine (tests/durations.json: 183 s), up to its 560 s deadline and
-# past it on a busy one (2026-11-28, load 6-8: 8.5 minutes, one point past its own limit, one skipped for the deadline);
-# its run directories are removed as it ends or is stopped.
+# The dry run: about 3 minutes on a quiet 2-core machine (tests/durations.json: 179 s for 15 points, compile a no-op:
+# TORCH_COMPILE_DISABLE=1), up to its 560 s deadline on a busy one; its run directories are removed as it ends or is
+# stopped.
 GPU_DRY := $(or $(TMPDIR),/tmp)/vitlab-gpu-dry
-gpu-dry-run: install      ## every GPU point's commands at tiny sizes, on the CPU (3-10 minutes: see below)
+gpu-dry-run: install      ## every GPU point's commands at tiny sizes, on the CPU (3-10 minutes: see above)
 	$(BIN)/python experiments/gpu/points.py $(GPU_DRY) --dry-run $(ARGS)
 
 gpu-wheels: install       ## .whl/: the wheels the GPU image lacks, for the device tool's carry
