@@ -32,6 +32,7 @@ from vitlab.utils.errors import AT_ONCE, ignore_repeats, python_ctrl_c
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 AGREE_EVERY = 8  # optimizer steps between the ranks' exchanges of their flags
+STOPPING = threading.Event()  # this process's ranks agreed to stop on a signal: training's handling says so itself
 
 
 class StopSignals(_SignalConnector):
@@ -84,6 +85,12 @@ class StopSignals(_SignalConnector):
         """The signal all ranks stop for, or None to go on, after optimizer step `step`. Every rank calls this at
         the same step boundaries; with several, the flags exchanged at one multiple of AGREE_EVERY are read at the
         next (the exchange has had AGREE_EVERY steps to finish)."""
+        stop = self._agree(step)
+        if stop is not None:
+            STOPPING.set()
+        return stop
+
+    def _agree(self, step: int) -> int | None:
         if self.stop is not None:
             return self.stop
         if self._group is None:
@@ -170,7 +177,9 @@ def when_children_stop(report: Callable[[int], str]) -> None:
     training's own handling: this process may be waiting in the processes' rendezvous, where no Python handler runs,
     and Lightning ends it with SIGKILL (exit 137, no word). Instead its other processes are ended, `report(signal)`'s
     line is printed (it may tidy the run directory first) and it exits 128 + the signal. Any other end of a child is
-    Lightning's to handle, as before."""
+    Lightning's to handle, as before; and so is nothing where this process's ranks agreed to stop on a signal
+    (`STOPPING`): they save and exit 128 + it together, and this process says so itself (a child that ends first is
+    no start-up stop: reporting it here raced this process's own last line)."""
     from lightning.fabric.strategies.launchers import subprocess_script
 
     observer = subprocess_script._ChildProcessObserver
@@ -181,6 +190,8 @@ def when_children_stop(report: Callable[[int], str]) -> None:
         stops = [-c if c < 0 else c - 128 for c in codes if -c in AT_ONCE or c - 128 in AT_ONCE]
         if not stops:
             return lightnings(self)
+        if STOPPING.is_set():  # the run's own stop: its processes end together, rank 0's line says what was saved
+            return None
         for p in self._child_processes:
             p.send_signal(signal.SIGKILL)  # (those that have not ended are stuck in the rendezvous)
         os.write(2, f"error: {report(stops[0])}\n".encode())
