@@ -196,6 +196,10 @@ def test_a_checkpoint_on_the_embedded_default(digits_ckpt, compose_cfg, caplog, 
         again = evaluate(compose_cfg("eval", args))
     assert "test.patches3 features: read from" in caplog.text
     assert again["seg/mIoU"] == first["seg/mIoU"] and again["seg/aAcc"] == first["seg/aAcc"]
+    from vitlab.utils.errors import UserError  # the canvases in colour (the default) for this gray checkpoint
+
+    with pytest.raises(UserError, match=r"^checkpoint expects 1 channels, but the data has 3: set data.channels=1$"):
+        evaluate(compose_cfg("eval", [a for a in args if a != "data.channels=1"]))
 
 
 def test_data_without_masks_is_refused_in_one_line(digits_ckpt, compose_cfg):
