@@ -57,7 +57,7 @@ def check_classes(trained: list[str], data: list[str], ckpt_path: str) -> None:
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
-    from vitlab.evaluation import tasks
+    from vitlab.evaluation import seg_probe, tasks
     from vitlab.evaluation.tta import score_with_tta
     from vitlab.training.run import build
 
@@ -75,11 +75,8 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         data.img_size = mc.to_dict()["img_size"]  # an int, or [height, width]
     datamodule = build.build_datamodule(data)
     masks = cfg.task == "segmentation"  # the masks' classes are the probe's own, not the checkpoint's
-    if masks and mc.in_chans != datamodule.channels:  # (data=segmentation renders its canvases in either)
-        raise UserError(
-            f"checkpoint expects {mc.in_chans} channels, but the data has {datamodule.channels}: set "
-            f"data.channels={mc.in_chans}"
-        )
+    if masks:  # (data=segmentation renders its canvases in either channel count)
+        seg_probe.check_channels(mc.in_chans, datamodule.channels)
     if mc.in_chans != datamodule.channels or (not masks and mc.num_classes not in (0, datamodule.num_classes)):
         raise UserError(  # num_classes 0: an encoder
             f"checkpoint expects {mc.num_classes} classes and {mc.in_chans} channels, but the data has "

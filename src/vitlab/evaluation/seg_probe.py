@@ -58,6 +58,13 @@ class PatchTokens:
         return torch.cat(out, dim=1)
 
 
+def check_channels(in_chans: int, channels: int) -> None:
+    if in_chans != channels:
+        raise UserError(
+            f"checkpoint expects {in_chans} channels, but the data has {channels}: set data.channels={in_chans}"
+        )
+
+
 def patch_tokens(model, n_last_blocks) -> PatchTokens:
     depth = len(model.blocks)
     if isinstance(n_last_blocks, bool) or not isinstance(n_last_blocks, int) or not 1 <= n_last_blocks <= depth:
