@@ -235,3 +235,50 @@ def test_the_module_never_branches_on_which_objective_it_trains():
     text = (SRC / "training" / "module.py").read_text()
     body = text[text.index("class ViTModule") :]
     assert not [w for w in ("Classification", "Distillation", "MAE", '"mae"', '"classify"', '"distill"') if w in body]
+
+
+# The model's two doors that read a ViTConfig: the ViT itself (vit.py, with its timm-API mixin) and MAE's decoder
+# (mae.py, built around the encoder's config and its own MAEConfig). Every other layer takes what it uses.
+CONFIG_READERS = {("model/vit.py", "ViT"), ("model/mae.py", "MAEDecoder")}
+# Files of the model that read a config by their job: the config and its checks, the cost model, weight init (the
+# whole model's schemes), timm's model API, MAE's functions around the encoder, and the package's door (__init__).
+CONFIG_FILES = {
+    "__init__.py",
+    "config.py",
+    "rope_config.py",
+    "naflex_config.py",
+    "cost.py",
+    "init.py",
+    "timm_api.py",
+    "vit.py",
+    "mae.py",
+}
+
+
+def _takes_a_config(fn: ast.FunctionDef) -> bool:
+    a = fn.args
+    params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *(p for p in (a.vararg, a.kwarg) if p)]
+    return any(
+        p.arg == "cfg" or (p.annotation is not None and "ViTConfig" in ast.unparse(p.annotation)) for p in params
+    )
+
+
+def test_layers_take_what_they_use_not_the_model_config():
+    """Issue 73 point 5: a layer of model/ is built from explicit arguments (dim, num_heads, norm_layer, ...), as
+    timm's and dinov2's are, so each can be built and tested alone; ViTConfig is read by vit.py (and MAE's decoder).
+    No class's constructor outside those takes a `cfg` or a ViTConfig, and outside the files that read a config by
+    their job no function does."""
+    slips = []
+    for path in sorted((SRC / "model").glob("*.py")):
+        rel = str(path.relative_to(SRC))
+        for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+            inits = [f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"]
+            if (rel, cls.name) not in CONFIG_READERS and any(_takes_a_config(f) for f in inits):
+                slips.append(f"{rel}:{cls.name}.__init__")
+        if path.name not in CONFIG_FILES:
+            tree = ast.parse(path.read_text())
+            fns = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name != "__init__"]
+            slips += [f"{rel}:{f.name}" for f in fns if _takes_a_config(f)]
+            imports = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "vitlab.model.config"]
+            slips += [f"{rel} imports ViTConfig" for n in imports if any(a.name == "ViTConfig" for a in n.names)]
+    assert slips == []

@@ -13,6 +13,7 @@ from tests.helpers import tiny
 from vitlab.convert.timm_eva import eva_kwargs
 from vitlab.model import ViT, ViTConfig
 from vitlab.model.rope import Rope, keep_rows
+from vitlab.model.vit import rope_spec
 from vitlab.utils.errors import UserError
 
 AUGMENT = dict(rope_shift_coords=0.5, rope_jitter_coords=1.5, rope_rescale_coords=2.0)
@@ -21,7 +22,10 @@ HEAD = 8  # tiny(): embed_dim 32, 4 heads
 
 
 def ours(**rope) -> Rope:
-    return Rope(tiny(dynamic_img_size=True, **rope))
+    cfg = tiny(dynamic_img_size=True, **rope)
+    return Rope(
+        rope_spec(cfg), depth=cfg.depth, num_heads=cfg.num_heads, grid_size=cfg.grid_size, dynamic_img_size=True
+    )
 
 
 def table(rope: Rope, hw, seed: int = 0) -> torch.Tensor:

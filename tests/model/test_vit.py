@@ -293,15 +293,15 @@ def test_compiled_regions_trace_the_checkpoint_and_its_policy_away(monkeypatch, 
     once the step is compiled (AOT's trace applied it). The state dict is timm's, Recompute regions or not."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    from vitlab.model import vit
+    from vitlab.model import recompute
 
     consulted = collections.Counter()
 
     def policy(ctx, op, *args, **kwargs):
         consulted[op] += 1
-        return CheckpointPolicy.MUST_SAVE if op in vit.SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in recompute.SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
 
-    monkeypatch.setattr(vit, "_selective_contexts", lambda: create_selective_checkpoint_contexts(policy))
+    monkeypatch.setattr(recompute, "_selective_contexts", lambda: create_selective_checkpoint_contexts(policy))
     torch.manual_seed(0)
     model = ViT(tiny(depth=3, drop_path_rate=0.2, proj_drop_rate=0.1))
     keys = list(model.state_dict())
@@ -313,7 +313,7 @@ def test_compiled_regions_trace_the_checkpoint_and_its_policy_away(monkeypatch, 
     torch._dynamo.reset()
     for block in model.blocks:
         block.compile(backend="aot_eager")
-        vit.recompute_region(block).compile(backend="aot_eager")
+        recompute.recompute_region(block).compile(backend="aot_eager")
     for _ in range(2):  # the first step traces, the second runs what was compiled
         model.zero_grad()
         consulted.clear()

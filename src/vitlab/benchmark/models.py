@@ -26,7 +26,7 @@ from vitlab.benchmark.measure import MB, peak_matmul_flops, step_peak_bytes, sum
 from vitlab.convert.timm_args import create_timm_model
 from vitlab.convert.weights import check_state_dict
 from vitlab.model import ViT, ViTConfig
-from vitlab.model.vit import recompute_region
+from vitlab.model.recompute import recompute_region
 from vitlab.training.devices.hardware import use_sdpa_backend
 from vitlab.training.optim import OptimConfig, make_optimizer
 from vitlab.utils.checks import compile_mode

@@ -8,13 +8,13 @@ Shapes: B batch, N tokens (prefix + patches), D embed_dim, H heads, Dh head dim.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitlab.model.config import ViTConfig
-from vitlab.model.layers import Mlp, norm, qk_norms
+from vitlab.model.layers import Mlp, NormLayer, optional_norm
 from vitlab.model.rope import apply_rope
 
 # ---- self-attention ---------------------------------------------------------------------------------------
@@ -37,11 +37,12 @@ class _MultiHead(nn.Module):
     """What every attention keeps per head: their number and width, the score scale 1/sqrt(Dh), the q/k norms and
     the attention dropout. `_attend` and `_map` come from `_Softmax` or `_Differential`."""
 
-    def _init_heads(self, cfg: ViTConfig, head_dim: int) -> None:
-        self.num_heads, self.head_dim = cfg.num_heads, head_dim
+    def _init_heads(self, num_heads: int, head_dim: int, attn_drop: float, qk_norm: NormLayer | None) -> None:
+        """`qk_norm`: the norm over each head's queries and keys (ViT-22B), or None."""
+        self.num_heads, self.head_dim = num_heads, head_dim
         self.scale = head_dim**-0.5  # SDPA's default scale too
-        self.attn_drop = cfg.attn_drop_rate
-        self.q_norm, self.k_norm = qk_norms(cfg, head_dim)
+        self.attn_drop = attn_drop
+        self.q_norm, self.k_norm = optional_norm(qk_norm, head_dim), optional_norm(qk_norm, head_dim)
 
 
 class _Softmax(_MultiHead):
@@ -67,7 +68,7 @@ class _Differential(_MultiHead):
 
     LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 
-    def _init_differential(self, cfg: ViTConfig, layer: int) -> None:
+    def _init_differential(self, layer: int) -> None:
         for name in self.LAMBDAS:
             self.register_parameter(name, nn.Parameter(torch.empty(self.head_dim).normal_(std=0.1)))
         self.sub_norm = nn.RMSNorm(2 * self.head_dim, eps=1e-5)
@@ -103,25 +104,43 @@ class _Differential(_MultiHead):
 
 class Attention(_Softmax):
     """Multi-head self-attention with one fused qkv projection, or (qkv_fused false) q_proj, k_proj and v_proj (timm's
-    AttentionRope). With a RoPE table (model/rope.py) the patch tokens' queries and keys are rotated after their
-    norms, the prefix tokens' left as they are."""
+    AttentionRope), with `num_kv_heads` key/value heads (grouped-query attention; None: num_heads). With a RoPE table
+    (model/rope.py) the patch tokens' queries and keys are rotated after their norms, the first `num_prefix_tokens`
+    left as they are (`rotate_half`: the table's layout). `qk_norm` and `scale_norm` (BEiT-3's norm before the
+    output projection) are norm layers, or None for none. `layer`: the block's index (differential attention's
+    lambda_init)."""
 
-    def __init__(self, cfg: ViTConfig, layer: int = 0, head_dim: int | None = None):  # layer: ATTENTIONS' signature
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        qkv_bias: bool = True,
+        qkv_fused: bool = True,
+        num_kv_heads: int | None = None,
+        qk_norm: NormLayer | None = None,
+        scale_norm: NormLayer | None = None,
+        proj_bias: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        num_prefix_tokens: int = 1,
+        rotate_half: bool = False,
+        layer: int = 0,
+        head_dim: int | None = None,
+    ):
         super().__init__()
-        dim = cfg.embed_dim
-        self._projections(cfg, layer=layer)
-        self._init_heads(cfg, head_dim or dim // cfg.num_heads)
-        self.num_prefix_tokens, self.rotate_half = cfg.num_prefix_tokens, cfg.rope_rotate_half
-        self.norm = norm(cfg, dim) if cfg.scale_attn_norm else nn.Identity()
-        self.proj = nn.Linear(dim, dim, bias=cfg.proj_bias)
-        self.proj_drop = nn.Dropout(cfg.proj_drop_rate)
+        self._projections(dim, num_heads, num_kv_heads, qkv_bias, qkv_fused)
+        self._init_heads(num_heads, head_dim or dim // num_heads, attn_drop, qk_norm)
+        self.num_prefix_tokens, self.rotate_half = num_prefix_tokens, rotate_half
+        self.norm = optional_norm(scale_norm, dim)
+        self.proj = nn.Linear(dim, dim, bias=proj_bias)
+        self.proj_drop = nn.Dropout(proj_drop)
 
-    def _projections(self, cfg: ViTConfig, k_bias: bool = True, layer: int = 0) -> None:
-        dim, bias = cfg.embed_dim, cfg.qkv_bias
-        kv = cfg.num_kv_heads if not isinstance(cfg.num_kv_heads, tuple) else cfg.num_kv_heads[layer]
-        self.num_kv_heads = kv or cfg.num_heads  # grouped-query attention: fewer key/value heads, each shared
-        kv_dim = dim // cfg.num_heads * self.num_kv_heads
-        if cfg.qkv_fused:
+    def _projections(self, dim: int, num_heads: int, num_kv_heads: int | None, bias: bool, fused: bool,
+                     k_bias: bool = True) -> None:  # fmt: skip
+        self.num_kv_heads = num_kv_heads or num_heads  # grouped-query attention: fewer key/value heads, each shared
+        kv_dim = dim // num_heads * self.num_kv_heads
+        if fused:
             self.qkv = nn.Linear(dim, 3 * dim, bias=bias)  # rows ordered q; k; v
         else:
             self.qkv = None
@@ -171,13 +190,18 @@ class EvaAttention(Attention):
     and value biases are parameters of their own (q_bias, v_bias: timm's keys), added inside the projection or after
     it (qkv_bias_separate); unfused, k_proj has no bias."""
 
-    def _projections(self, cfg: ViTConfig, k_bias: bool = False, layer: int = 0) -> None:
-        super()._projections(cfg.replace(qkv_bias=False) if cfg.qkv_fused else cfg, k_bias=False, layer=layer)
-        self.qkv_bias_separate = cfg.qkv_bias_separate
-        fused_bias = cfg.qkv_fused and cfg.qkv_bias
-        self.q_bias = nn.Parameter(torch.zeros(cfg.embed_dim)) if fused_bias else None
-        self.register_buffer("k_bias", torch.zeros(cfg.embed_dim) if fused_bias else None, persistent=False)
-        self.v_bias = nn.Parameter(torch.zeros(cfg.embed_dim)) if fused_bias else None
+    def __init__(self, dim: int, num_heads: int, *, qkv_bias: bool = True, qkv_bias_separate: bool = False, **kwargs):
+        """Attention's arguments, and `qkv_bias_separate`: the fused q/v biases added after the projection."""
+        self.qkv_bias_separate = qkv_bias_separate
+        super().__init__(dim, num_heads, qkv_bias=qkv_bias, **kwargs)
+
+    def _projections(self, dim: int, num_heads: int, num_kv_heads: int | None, bias: bool, fused: bool,
+                     k_bias: bool = False) -> None:  # fmt: skip
+        super()._projections(dim, num_heads, num_kv_heads, bias and not fused, fused, k_bias=False)
+        fused_bias = fused and bias
+        self.q_bias = nn.Parameter(torch.zeros(dim)) if fused_bias else None
+        self.register_buffer("k_bias", torch.zeros(dim) if fused_bias else None, persistent=False)
+        self.v_bias = nn.Parameter(torch.zeros(dim)) if fused_bias else None
 
     def reset_parameters(self) -> None:  # init.py resets every layer (after to_empty too)
         for bias in (self.q_bias, self.k_bias, self.v_bias):
@@ -196,9 +220,9 @@ class EvaAttention(Attention):
 class DiffAttention(_Differential, Attention):
     """Attention with the differential attention of `_Differential` in place of softmax attention."""
 
-    def __init__(self, cfg: ViTConfig, layer: int = 0):
-        super().__init__(cfg, layer, head_dim=cfg.embed_dim // cfg.num_heads // 2)  # v keeps the full head width
-        self._init_differential(cfg, layer)
+    def __init__(self, dim: int, num_heads: int, *, layer: int = 0, **kwargs):
+        super().__init__(dim, num_heads, layer=layer, head_dim=dim // num_heads // 2, **kwargs)  # v: full head width
+        self._init_differential(layer)
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         q, k, v = self.qkv(x).chunk(3, dim=-1)
@@ -209,7 +233,7 @@ ATTENTIONS = {
     "attn": Attention,
     "diff": DiffAttention,
     "eva": EvaAttention,
-}  # config.py: attn_layer; built with (cfg, layer index)
+}  # config.py: attn_layer; built with (dim, num_heads, Attention's keywords)
 
 # ---- the attention pool ----
 
@@ -218,18 +242,27 @@ class AttentionPool(nn.Module):
     """Multi-head attention pooling with one learned query (SigLIP's 'map' head; timm's AttentionPoolLatent):
     the latent query attends over the patch tokens, then a residual MLP on the pooled token."""
 
-    def __init__(self, cfg: ViTConfig):
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_ratio: float,
+        *,
+        norm_layer: NormLayer,
+        act_layer: Callable[[], nn.Module] = nn.GELU,
+        mlp_norm_layer: NormLayer | None = None,
+    ):
+        """`mlp_norm_layer`: the norm of the MLP's hidden features (scale_mlp_norm), or None."""
         super().__init__()
-        D = cfg.embed_dim
-        self.num_heads = cfg.attn_pool_num_heads or cfg.num_heads
-        self.head_dim = D // self.num_heads
-        self.latent = nn.Parameter(torch.zeros(1, 1, D))
-        self.q = nn.Linear(D, D)
-        self.kv = nn.Linear(D, 2 * D)
-        self.proj = nn.Linear(D, D)
-        self.norm = norm(cfg, D)
-        ratio = cfg.attn_pool_mlp_ratio or cfg.mlp_ratio  # timm's: biases on, no dropout, its own ratio
-        self.mlp = Mlp(cfg.replace(proj_bias=True, proj_drop_rate=0.0, mlp_ratio=ratio, mlp_hidden_dim=None))
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.latent = nn.Parameter(torch.zeros(1, 1, dim))
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm = norm_layer(dim)
+        # timm's: biases on, no dropout, its own ratio
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, norm_layer=mlp_norm_layer)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:  # (B, N, D) -> (B, D)
         """`attn_mask` (B, 1, 1, N): NaFlex's padded keys (model/naflex.py)."""

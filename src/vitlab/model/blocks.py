@@ -1,4 +1,7 @@
-"""The encoder blocks, one table (BLOCKS, config.py's block_fn), each built with (cfg, drop_path, layer index).
+"""The encoder blocks, one table (BLOCKS, config.py's block_fn). A serial block takes its width, its attention and MLP
+as layers to build (`attn_layer`, `mlp_layer`: factories, as dinov2's `attn_class` and `ffn_layer`), its `norm_layer`,
+LayerScale's `init_values` and its stochastic depth; a `fused` one (ViT-22B's parallel blocks) builds its own
+attention and MLP from their arguments. model/vit.py reads the config into them.
 
 Every block maps tokens (B, N, D) -> (B, N, D). With `rows` it updates and returns only the first `rows` tokens
 (B, rows, D), every token still a key and value of attention: a class-token head reads one row of the last block
@@ -8,18 +11,22 @@ Every block maps tokens (B, N, D) -> (B, N, D). With `rows` it updates and retur
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from vitlab.model.attention import ATTENTIONS, _Differential, _Softmax
-from vitlab.model.config import ViTConfig
-from vitlab.model.layers import ACTIVATIONS, MLPS, norm, scale_and_drop, stochastic_depth
+from vitlab.model.attention import _Differential, _Softmax
+from vitlab.model.layers import NormLayer, scale_and_drop, stochastic_depth
+
+Layer = Callable[[], nn.Module]  # a block's attention or MLP, built by the block (in timm's registration order)
 
 
 class _AttnThenMlp(nn.Module):
     """x + attention branch, then x + MLP branch: the residual structure of the serial blocks. A subclass gives
     the two branches; `rows` is handled here (the attention branch returns the first `rows` tokens)."""
+
+    fused = False  # built from an attention and an MLP layer (model/vit.py)
 
     def forward(
         self,
@@ -36,14 +43,23 @@ class _AttnThenMlp(nn.Module):
 class Block(_AttnThenMlp):
     """Pre-norm encoder block (paper Eq. 2-3): x + attn(LN(x)), then x + mlp(LN(x))."""
 
-    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0):
+    def __init__(
+        self,
+        dim: int,
+        *,
+        attn_layer: Layer,
+        mlp_layer: Layer,
+        norm_layer: NormLayer,
+        init_values: float | None = None,
+        drop_path: float = 0.0,
+    ):
         super().__init__()
-        self.norm1 = norm(cfg, cfg.embed_dim)
-        self.attn = ATTENTIONS[cfg.attn_layer](cfg, layer)
-        self.ls1, self.drop_path1 = scale_and_drop(cfg, drop_path)
-        self.norm2 = norm(cfg, cfg.embed_dim)
-        self.mlp = MLPS[cfg.mlp_layer](cfg)
-        self.ls2, self.drop_path2 = scale_and_drop(cfg, drop_path)
+        self.norm1 = norm_layer(dim)
+        self.attn = attn_layer()
+        self.ls1, self.drop_path1 = scale_and_drop(dim, init_values, drop_path)
+        self.norm2 = norm_layer(dim)
+        self.mlp = mlp_layer()
+        self.ls2, self.drop_path2 = scale_and_drop(dim, init_values, drop_path)
 
     def _attn_branch(self, x: torch.Tensor, rows: int | None, attn_mask, rope=None) -> torch.Tensor:
         return self.drop_path1(self.ls1(self.attn(self.norm1(x), rows, attn_mask, rope)))
@@ -60,17 +76,28 @@ class EvaBlock(Block):
     in before stochastic depth; attn_layer 'eva' or 'attn' (timm's attn_type 'rope'), any MLP of the table (EVA02's
     SwiGLU with its sub-LN: mlp_layer 'swiglu' with scale_mlp_norm)."""
 
-    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0):
+    def __init__(
+        self,
+        dim: int,
+        *,
+        attn_layer: Layer,
+        mlp_layer: Layer,
+        norm_layer: NormLayer,
+        init_values: float | None = None,
+        drop_path: float = 0.0,
+        attn_only_layer_scale: bool = False,
+    ):
+        """`attn_only_layer_scale`: LayerScale on the attention branch only (Sapiens2)."""
         nn.Module.__init__(self)
-        D, self.init_values = cfg.embed_dim, cfg.init_values
-        self.norm1 = norm(cfg, D)
-        self.attn = ATTENTIONS[cfg.attn_layer](cfg, layer)
-        self.gamma_1 = nn.Parameter(torch.empty(D)) if cfg.init_values is not None else None
+        self.init_values = init_values
+        self.norm1 = norm_layer(dim)
+        self.attn = attn_layer()
+        self.gamma_1 = nn.Parameter(torch.empty(dim)) if init_values is not None else None
         self.drop_path1 = stochastic_depth(drop_path)
-        self.norm2 = norm(cfg, D)
-        self.mlp = MLPS[cfg.mlp_layer](cfg)
-        mlp_scale = cfg.init_values is not None and not cfg.attn_only_layer_scale
-        self.gamma_2 = nn.Parameter(torch.empty(D)) if mlp_scale else None
+        self.norm2 = norm_layer(dim)
+        self.mlp = mlp_layer()
+        mlp_scale = init_values is not None and not attn_only_layer_scale
+        self.gamma_2 = nn.Parameter(torch.empty(dim)) if mlp_scale else None
         self.drop_path2 = stochastic_depth(drop_path)
 
     def reset_parameters(self) -> None:  # init.py resets every layer (after to_empty too)
@@ -91,15 +118,24 @@ class ResPostBlock(_AttnThenMlp):
     """Post-norm residuals (Swin V2's res-post-norm; timm's ResPostBlock): x + norm1(attn(x)), then
     x + norm2(mlp(x)). `init_values` starts the norms' weights (not a LayerScale), as timm's."""
 
-    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0):
+    def __init__(
+        self,
+        dim: int,
+        *,
+        attn_layer: Layer,
+        mlp_layer: Layer,
+        norm_layer: NormLayer,
+        init_values: float | None = None,
+        drop_path: float = 0.0,
+    ):
         super().__init__()
-        self.attn = ATTENTIONS[cfg.attn_layer](cfg, layer)
-        self.norm1 = norm(cfg, cfg.embed_dim)
+        self.attn = attn_layer()
+        self.norm1 = norm_layer(dim)
         self.drop_path1 = stochastic_depth(drop_path)
-        self.mlp = MLPS[cfg.mlp_layer](cfg)
-        self.norm2 = norm(cfg, cfg.embed_dim)
+        self.mlp = mlp_layer()
+        self.norm2 = norm_layer(dim)
         self.drop_path2 = stochastic_depth(drop_path)
-        self.init_values = cfg.init_values
+        self.init_values = init_values
 
     def reset_parameters(self) -> None:  # after its norms' own reset (init.py walks children first)
         if self.init_values is not None:
@@ -121,17 +157,25 @@ class ParallelThingsBlock(_AttnThenMlp):
     Vision Transformers", Touvron et al. 2022; timm's ParallelThingsBlock): x + sum_i attn_i(x), then
     x + sum_i mlp_i(x), each branch norm -> layer -> LayerScale -> stochastic depth."""
 
-    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0, num_parallel: int = 2):
+    def __init__(
+        self,
+        dim: int,
+        *,
+        attn_layer: Layer,
+        mlp_layer: Layer,
+        norm_layer: NormLayer,
+        init_values: float | None = None,
+        drop_path: float = 0.0,
+        num_parallel: int = 2,
+    ):
         super().__init__()
 
         def branch(name: str, layer: nn.Module) -> nn.Sequential:
-            ls, dp = scale_and_drop(cfg, drop_path)
-            return nn.Sequential(OrderedDict(norm=norm(cfg, cfg.embed_dim), **{name: layer}, ls=ls, drop_path=dp))
+            ls, dp = scale_and_drop(dim, init_values, drop_path)
+            return nn.Sequential(OrderedDict(norm=norm_layer(dim), **{name: layer}, ls=ls, drop_path=dp))
 
-        self.attns = nn.ModuleList(
-            [branch("attn", ATTENTIONS[cfg.attn_layer](cfg, layer)) for _ in range(num_parallel)]
-        )
-        self.ffns = nn.ModuleList([branch("mlp", MLPS[cfg.mlp_layer](cfg)) for _ in range(num_parallel)])
+        self.attns = nn.ModuleList([branch("attn", attn_layer()) for _ in range(num_parallel)])
+        self.ffns = nn.ModuleList([branch("mlp", mlp_layer()) for _ in range(num_parallel)])
 
     def _attn_branch(self, x: torch.Tensor, rows: int | None, attn_mask, rope=None) -> torch.Tensor:
         branches = [b.drop_path(b.ls(b.attn(b.norm(x), rows, attn_mask, rope))) for b in self.attns]
@@ -149,15 +193,39 @@ class _ParallelScaling(nn.Module):
     in_proj yields the MLP's hidden features and q, k, v at once; x + ls(out(attention, act(hidden))). Without
     qkv_bias the MLP keeps a bias of its own (mlp_bias). A subclass adds its attention (`_heads`, `_attend`,
     `_map`: `_Softmax` or `_Differential`), the MLP's activation and dropout, and its output projection(s)
-    (`_out`)."""
+    (`_out`). Its arguments are timm's (`mlp_hidden`: the MLP's width; `qk_norm`: a norm layer or None; `layer`:
+    the block's index, differential attention's lambda_init)."""
 
-    def __init__(self, cfg: ViTConfig):
+    fused = True  # builds its own attention and MLP (model/vit.py)
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        mlp_hidden: int,
+        norm_layer: NormLayer,
+        act_layer: Callable[[], nn.Module] = nn.GELU,
+        qkv_bias: bool = True,
+        qk_norm: NormLayer | None = None,
+        proj_bias: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        init_values: float | None = None,
+        drop_path: float = 0.0,
+        layer: int = 0,
+    ):
         super().__init__()
-        dim, hidden = cfg.embed_dim, int(cfg.mlp_ratio * cfg.embed_dim)
-        self.in_norm = norm(cfg, dim)
-        self.in_proj = nn.Linear(dim, hidden + 3 * dim, bias=cfg.qkv_bias)
-        self.in_split = [hidden, dim, dim, dim]
-        self.mlp_bias = None if cfg.qkv_bias else nn.Parameter(torch.zeros(hidden))
+        self.in_norm = norm_layer(dim)
+        self.in_proj = nn.Linear(dim, mlp_hidden + 3 * dim, bias=qkv_bias)
+        self.in_split = [mlp_hidden, dim, dim, dim]
+        self.mlp_bias = None if qkv_bias else nn.Parameter(torch.zeros(mlp_hidden))
+        self._init_heads(num_heads, self._head_dim(dim, num_heads), attn_drop, qk_norm)
+        self._init_layer(layer)
+        self.mlp_drop = nn.Dropout(proj_drop)
+        self.mlp_act = act_layer()
+        self._init_out(dim, mlp_hidden, proj_bias)
+        self.ls, self.drop_path = scale_and_drop(dim, init_values, drop_path)
 
     def reset_parameters(self) -> None:
         if self.mlp_bias is not None:
@@ -190,15 +258,16 @@ class _ParallelScaling(nn.Module):
 class ParallelScalingBlock(_Softmax, _ParallelScaling):
     """timm's ParallelScalingBlock: softmax attention; x + ls(attn_out_proj(attention) + mlp_out_proj(act(hidden)))."""
 
-    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0):
-        super().__init__(cfg)
-        dim, hidden = cfg.embed_dim, self.in_split[0]  # the MLP's width
-        self._init_heads(cfg, dim // cfg.num_heads)
-        self.mlp_drop = nn.Dropout(cfg.proj_drop_rate)
-        self.mlp_act = ACTIVATIONS[cfg.act_layer]()
-        self.attn_out_proj = nn.Linear(dim, dim, bias=cfg.proj_bias)
-        self.mlp_out_proj = nn.Linear(hidden, dim, bias=cfg.proj_bias)
-        self.ls, self.drop_path = scale_and_drop(cfg, drop_path)
+    @staticmethod
+    def _head_dim(dim: int, num_heads: int) -> int:
+        return dim // num_heads
+
+    def _init_layer(self, layer: int) -> None:  # nothing depends on the block's index
+        pass
+
+    def _init_out(self, dim: int, hidden: int, bias: bool) -> None:
+        self.attn_out_proj = nn.Linear(dim, dim, bias=bias)
+        self.mlp_out_proj = nn.Linear(hidden, dim, bias=bias)
 
     def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         heads = (self.num_heads, self.head_dim)  # each (B, N, D) -> (B, H, N, Dh)
@@ -213,15 +282,15 @@ class ParallelScalingBlock(_Softmax, _ParallelScaling):
 class DiffParallelScalingBlock(_Differential, _ParallelScaling):
     """timm's DiffParallelScalingBlock: differential attention; x + ls(out_proj([attention, act(hidden)]))."""
 
-    def __init__(self, cfg: ViTConfig, drop_path: float, layer: int = 0):
-        super().__init__(cfg)
-        dim, hidden = cfg.embed_dim, self.in_split[0]  # the MLP's width
-        self._init_heads(cfg, dim // cfg.num_heads // 2)  # q and k halves; v keeps the full head width
-        self._init_differential(cfg, layer)
-        self.mlp_drop = nn.Dropout(cfg.proj_drop_rate)
-        self.mlp_act = ACTIVATIONS[cfg.act_layer]()
-        self.out_proj = nn.Linear(dim + hidden, dim, bias=cfg.proj_bias)
-        self.ls, self.drop_path = scale_and_drop(cfg, drop_path)
+    @staticmethod
+    def _head_dim(dim: int, num_heads: int) -> int:  # q and k halves; v keeps the full head width
+        return dim // num_heads // 2
+
+    def _init_layer(self, layer: int) -> None:
+        self._init_differential(layer)
+
+    def _init_out(self, dim: int, hidden: int, bias: bool) -> None:
+        self.out_proj = nn.Linear(dim + hidden, dim, bias=bias)
 
     def _out(self, attn: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
         return self.out_proj(torch.cat([attn, mlp], dim=-1))

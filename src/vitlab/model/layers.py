@@ -6,13 +6,12 @@ Shapes: B batch, N tokens (prefix + patches), D embed_dim, H heads, Dh head dim,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from vitlab.model.config import ViTConfig
 
 # ---- activations, norms, poolings ----------------------------------------------------------------------
 
@@ -39,15 +38,18 @@ POOLS = {  # global_pool over tokens (B, N, D) -> (B, D); 'token' and 'map' (Att
 }
 
 
-def norm(cfg: ViTConfig, dim: int) -> nn.Module:
-    return NORMS[cfg.norm_layer](dim, eps=cfg.norm_eps)
+NormLayer = Callable[[int], nn.Module]  # dim -> a norm over the last axis (timm's and dinov2's `norm_layer`)
 
 
-def qk_norms(cfg: ViTConfig, head_dim: int) -> tuple[nn.Module, nn.Module]:
-    """q_norm and k_norm: a norm over each head's queries and keys (qk_norm; ViT-22B), else identities."""
-    if not cfg.qk_norm:
-        return nn.Identity(), nn.Identity()
-    return norm(cfg, head_dim), norm(cfg, head_dim)
+def norm_layer(name: str, eps: float) -> NormLayer:
+    """The norm a config names (NORMS) with its epsilon, as a `norm_layer` the layers call with their width."""
+    return partial(NORMS[name], eps=eps)
+
+
+def optional_norm(layer: NormLayer | None, dim: int) -> nn.Module:
+    """`layer(dim)`, or an identity where a norm is switched off (None), as timm's `norm_layer(dim) if ... else
+    nn.Identity()`."""
+    return layer(dim) if layer is not None else nn.Identity()
 
 
 # ---- regularisation and residual scaling -----------------------------------------------------------
@@ -125,10 +127,10 @@ class LayerScale(nn.Module):
         return x * self.gamma
 
 
-def scale_and_drop(cfg: ViTConfig, drop_path: float) -> tuple[nn.Module, nn.Module]:
+def scale_and_drop(dim: int, init_values: float | None, drop_path: float) -> tuple[nn.Module, nn.Module]:
     """How a residual branch ends in every block: LayerScale (init_values) and stochastic depth, each an
     identity when switched off; assigned as the block's `ls` and `drop_path` (timm's names)."""
-    ls = LayerScale(cfg.embed_dim, cfg.init_values) if cfg.init_values else nn.Identity()
+    ls = LayerScale(dim, init_values) if init_values else nn.Identity()
     return ls, stochastic_depth(drop_path)
 
 
@@ -136,34 +138,39 @@ def scale_and_drop(cfg: ViTConfig, drop_path: float) -> tuple[nn.Module, nn.Modu
 
 
 class _Mlp(nn.Module):
-    """What every MLP shares: its input layers (passed in, so that they register first, as timm's), then
-    activation, dropout, the optional hidden norm (scale_mlp_norm), fc2 and dropout. A subclass makes the
-    activated hidden features (`_hidden`)."""
+    """What every MLP shares (timm's Mlp arguments): its input layers (passed in, so that they register first, as
+    timm's), then activation, dropout, the optional norm of the hidden features (`norm_layer`, BEiT-3's
+    scale_mlp_norm), fc2 back to `dim` and dropout. A subclass makes the activated hidden features (`_hidden`)."""
 
-    def __init__(self, cfg: ViTConfig, inputs: dict[str, nn.Module], hidden: int):
+    def __init__(
+        self,
+        dim: int,
+        inputs: dict[str, nn.Module],
+        hidden: int,
+        act_layer: Callable[[], nn.Module],
+        norm_layer: NormLayer | None,
+        bias: bool,
+        drop: float,
+    ):
         super().__init__()
         for name, layer in inputs.items():
             self.add_module(name, layer)
-        self.act = ACTIVATIONS[cfg.act_layer]()
-        self.drop1 = nn.Dropout(cfg.proj_drop_rate)
-        self.norm = norm(cfg, hidden) if cfg.scale_mlp_norm else nn.Identity()
-        self.fc2 = nn.Linear(hidden, cfg.embed_dim, bias=cfg.proj_bias)
-        self.drop2 = nn.Dropout(cfg.proj_drop_rate)
+        self.act = act_layer()
+        self.drop1 = nn.Dropout(drop)
+        self.norm = optional_norm(norm_layer, hidden)
+        self.fc2 = nn.Linear(hidden, dim, bias=bias)
+        self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D) -> (B, N, D)
         return self.drop2(self.fc2(self.norm(self.drop1(self._hidden(x)))))
 
 
-def _fc(cfg: ViTConfig, hidden: int) -> nn.Linear:
-    return nn.Linear(cfg.embed_dim, hidden, bias=cfg.proj_bias)
-
-
 class Mlp(_Mlp):
-    """fc1 -> activation -> fc2 (the paper's MLP; GELU unless the config names another)."""
+    """fc1 -> activation -> fc2 (the paper's MLP; GELU unless the config names another). `hidden`: fc1's width."""
 
-    def __init__(self, cfg: ViTConfig):
-        hidden = cfg.mlp_hidden
-        super().__init__(cfg, dict(fc1=_fc(cfg, hidden)), hidden)
+    def __init__(self, dim: int, hidden: int, *, act_layer=nn.GELU, norm_layer=None, bias=True, drop=0.0):
+        fc1 = nn.Linear(dim, hidden, bias=bias)
+        super().__init__(dim, dict(fc1=fc1), hidden, act_layer, norm_layer, bias, drop)
 
     def _hidden(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.fc1(x))
@@ -172,9 +179,9 @@ class Mlp(_Mlp):
 class SwiGLU(_Mlp):
     """Gated MLP (Shazeer 2020): act(fc1_g x) * fc1_x x -> fc2, timm's `SwiGLU`."""
 
-    def __init__(self, cfg: ViTConfig):
-        hidden = cfg.mlp_hidden
-        super().__init__(cfg, dict(fc1_g=_fc(cfg, hidden), fc1_x=_fc(cfg, hidden)), hidden)
+    def __init__(self, dim: int, hidden: int, *, act_layer=nn.GELU, norm_layer=None, bias=True, drop=0.0):
+        fc1_g, fc1_x = nn.Linear(dim, hidden, bias=bias), nn.Linear(dim, hidden, bias=bias)
+        super().__init__(dim, dict(fc1_g=fc1_g, fc1_x=fc1_x), hidden, act_layer, norm_layer, bias, drop)
 
     def _hidden(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.fc1_g(x)) * self.fc1_x(x)
@@ -184,16 +191,16 @@ class SwiGLUPacked(_Mlp):
     """The gated MLP with one fc1 whose output halves are (gate, value): act(gate) * value -> fc2 of half
     the width, timm's `SwiGLUPacked` (DINOv2 giant)."""
 
-    def __init__(self, cfg: ViTConfig):
-        hidden = cfg.mlp_hidden
-        super().__init__(cfg, dict(fc1=_fc(cfg, hidden)), hidden // 2)
+    def __init__(self, dim: int, hidden: int, *, act_layer=nn.GELU, norm_layer=None, bias=True, drop=0.0):
+        fc1 = nn.Linear(dim, hidden, bias=bias)
+        super().__init__(dim, dict(fc1=fc1), hidden // 2, act_layer, norm_layer, bias, drop)
 
     def _hidden(self, x: torch.Tensor) -> torch.Tensor:
         gate, value = self.fc1(x).chunk(2, dim=-1)
         return self.act(gate) * value
 
 
-MLPS = {"mlp": Mlp, "swiglu": SwiGLU, "swiglu_packed": SwiGLUPacked}  # config.py: mlp_layer; built with (cfg)
+MLPS = {"mlp": Mlp, "swiglu": SwiGLU, "swiglu_packed": SwiGLUPacked}  # config.py: mlp_layer; (dim, hidden, ...)
 
 # ---- the patch embedding ------------------------------------------------------
 
@@ -202,13 +209,24 @@ class PatchEmbed(nn.Module):
     """Non-overlapping PxP patches, linearly projected (paper Eq. 1) as one strided convolution. With
     `dynamic_img_pad` an input is first zero-padded on the right and bottom to a multiple of P (timm's)."""
 
-    def __init__(self, cfg: ViTConfig):
+    def __init__(
+        self,
+        img_size: tuple[int, int],
+        patch_size: tuple[int, int],
+        in_chans: int,
+        embed_dim: int,
+        *,
+        bias: bool = True,
+        norm_layer: NormLayer | None = None,
+        dynamic_img_pad: bool = False,
+    ):
         super().__init__()
-        p = self.patch_size = cfg.patch_hw
-        self.img_size, self.grid_size = cfg.img_hw, cfg.grid_size  # timm's: its checkpoint filter reads the grid
-        self.dynamic_img_pad = cfg.dynamic_img_pad
-        self.proj = nn.Conv2d(cfg.in_chans, cfg.embed_dim, kernel_size=p, stride=p, bias=not cfg.pre_norm)
-        self.norm = norm(cfg, cfg.embed_dim) if cfg.embed_norm else nn.Identity()
+        p = self.patch_size = patch_size
+        self.img_size = img_size
+        self.grid_size = (img_size[0] // p[0], img_size[1] // p[1])  # timm's: its checkpoint filter reads the grid
+        self.dynamic_img_pad = dynamic_img_pad
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=p, stride=p, bias=bias)
+        self.norm = optional_norm(norm_layer, embed_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, ceil(H/P), ceil(W/P), D)
         if self.dynamic_img_pad:

@@ -24,7 +24,7 @@ from vitlab.model.config import ViTConfig
 from vitlab.model.layers import random_order
 from vitlab.model.posemb import posemb_sincos_2d, posemb_sincos_2d_mae
 from vitlab.model.rope import keep_rows
-from vitlab.model.vit import ViT
+from vitlab.model.vit import ViT, build_block
 from vitlab.utils.checks import check_range, from_mapping
 from vitlab.utils.errors import UserError
 
@@ -129,7 +129,7 @@ class MAEDecoder(nn.Module):
         self.mask_token = nn.Parameter(torch.zeros(1, 1, cfg.decoder_embed_dim))
         self.encoder_cfg = encoder  # (what the fixed table follows)
         self.register_buffer("decoder_pos_embed", decoder_pos_table(encoder, cfg.decoder_embed_dim), persistent=False)
-        self.decoder_blocks = nn.ModuleList(Block(block_cfg, 0.0) for _ in range(cfg.decoder_depth))
+        self.decoder_blocks = nn.ModuleList(build_block(block_cfg, 0, 0.0, Block) for _ in range(cfg.decoder_depth))
         self.decoder_norm = nn.LayerNorm(cfg.decoder_embed_dim, eps=1e-6)
         ph, pw = encoder.patch_hw
         self.decoder_pred = nn.Linear(cfg.decoder_embed_dim, ph * pw * encoder.in_chans)

@@ -12,15 +12,27 @@ is resampled to each image's (h, w) grid (max coordinate + 1).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitlab.model.config import ViTConfig
-from vitlab.model.layers import norm, random_order
-from vitlab.model.naflex_config import pos_grid
+from vitlab.model.layers import NormLayer, optional_norm, random_order
 
 NAFLEX_KEYS = ("patches", "patch_coord", "patch_valid")
+
+
+class NaFlexPos(NamedTuple):
+    """How the position table is kept and resampled to each image's grid (config.py's pos_embed and NaFlex's
+    pos_embed_* fields, read by model/vit.py)."""
+
+    kind: str  # learn | factorized (NaViT's: one table per axis) | none
+    interp_mode: str = "bicubic"  # F.interpolate's and grid_sample's mode
+    ar_preserving: bool = False  # resample to a square of the longer side, crop top-left
+    antialias: bool = True  # when the table is shrunk
+    align_corners: bool = False
+    use_grid_sample: bool = False  # sample the table at each patch's coordinates
 
 
 def patchify(x: torch.Tensor, patch_hw: tuple[int, int], pad: bool = False) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -83,22 +95,36 @@ class NaFlexEmbeds(nn.Module):
     """Patches -> tokens (B, prefix + N, D): Linear projection, optional norm, the position table resampled to each
     image's grid (patches only), then the class and register tokens in front (timm's NaFlexEmbeds)."""
 
-    def __init__(self, cfg: ViTConfig):
+    def __init__(
+        self,
+        dim: int,
+        patch_size: tuple[int, int],
+        in_chans: int,
+        *,
+        pos: NaFlexPos,
+        pos_grid: tuple[int, int],
+        class_token: bool = True,
+        reg_tokens: int = 0,
+        bias: bool = True,
+        norm_layer: NormLayer | None = None,
+        pos_drop: float = 0.0,
+        dynamic_img_pad: bool = False,
+    ):
+        """`pos_grid`: the learned table's grid; `bias`: the projection's (none before CLIP's pre-norm)."""
         super().__init__()
-        D, (ph, pw) = cfg.embed_dim, cfg.patch_hw
-        self.cfg = cfg
+        (ph, pw), h, w = patch_size, *pos_grid
+        self.pos, self.dynamic_img_pad = pos, dynamic_img_pad
         self.patch_size = (ph, pw)
         # Registration order is timm's, so state_dict() lists keys in the same order.
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.class_token else None
-        self.reg_token = nn.Parameter(torch.zeros(1, cfg.reg_tokens, D)) if cfg.reg_tokens else None
-        self.proj = nn.Linear(ph * pw * cfg.in_chans, D, bias=not cfg.pre_norm)
-        self.norm = norm(cfg, D) if cfg.embed_norm else nn.Identity()
-        h, w = pos_grid(cfg)
-        self.pos_embed = nn.Parameter(torch.zeros(1, h, w, D)) if cfg.pos_embed == "learn" else None
-        if cfg.pos_embed == "factorized":
-            self.pos_embed_y = nn.Parameter(torch.zeros(1, h, D))
-            self.pos_embed_x = nn.Parameter(torch.zeros(1, w, D))
-        self.pos_drop = nn.Dropout(cfg.pos_drop_rate)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim)) if class_token else None
+        self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, dim)) if reg_tokens else None
+        self.proj = nn.Linear(ph * pw * in_chans, dim, bias=bias)
+        self.norm = optional_norm(norm_layer, dim)
+        self.pos_embed = nn.Parameter(torch.zeros(1, h, w, dim)) if pos.kind == "learn" else None
+        if pos.kind == "factorized":
+            self.pos_embed_y = nn.Parameter(torch.zeros(1, h, dim))
+            self.pos_embed_x = nn.Parameter(torch.zeros(1, w, dim))
+        self.pos_drop = nn.Dropout(pos_drop)
 
     def reset_parameters(self) -> None:  # timm's: tokens normal 1e-6, tables normal 0.02
         for tok in (self.cls_token, self.reg_token):
@@ -112,9 +138,9 @@ class NaFlexEmbeds(nn.Module):
         """Images (B, C, H, W), or patches (B, N, ph*pw*C) with their coordinates -> tokens (B, prefix + N, D)."""
         grid = None
         if patch_coord is None:
-            x, grid = patchify(x, self.patch_size, pad=self.cfg.dynamic_img_pad)
+            x, grid = patchify(x, self.patch_size, pad=self.dynamic_img_pad)
         x = self.norm(self.proj(x.flatten(2)))
-        if self.cfg.pos_embed != "none":
+        if self.pos.kind != "none":
             x = x + self._positions(x, grid, patch_coord)
         prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
         x = torch.cat(prefix + [x], dim=1) if prefix else x
@@ -124,10 +150,10 @@ class NaFlexEmbeds(nn.Module):
     def _positions(self, x: torch.Tensor, grid, patch_coord) -> torch.Tensor:
         """What is added to the patch tokens x (B, N, D): the table at `grid` (images), else per image at its grid
         from `patch_coord` (zero on padding), by grid_sample at each coordinate with pos_embed_use_grid_sample."""
-        factorized = self.cfg.pos_embed == "factorized"
+        factorized = self.pos.kind == "factorized"
         if grid is not None:
             return (self._factorized if factorized else self._learned)(grid, x.dtype)
-        if self.cfg.pos_embed_use_grid_sample:
+        if self.pos.use_grid_sample:
             return (self._factorized_sampled if factorized else self._learned_sampled)(x, patch_coord)
         pos = x.new_zeros(x.shape)
         by_size: dict[tuple[int, int], list[int]] = {}
@@ -142,24 +168,24 @@ class NaFlexEmbeds(nn.Module):
     def _learned(self, size, dtype) -> torch.Tensor:
         """The (1, h, w, D) table at grid `size` as (1, h*w, D): resampled (to a square of the longer side, then
         cropped top-left, with pos_embed_ar_preserving) unless it is the table's own grid."""
-        cfg, table = self.cfg, self.pos_embed
+        pos, table = self.pos, self.pos_embed
         h0, w0 = table.shape[1:3]
         if tuple(size) == (h0, w0):
             return table.reshape(1, h0 * w0, -1).to(dtype)
-        target = (max(size), max(size)) if cfg.pos_embed_ar_preserving else tuple(size)
+        target = (max(size), max(size)) if pos.ar_preserving else tuple(size)
         table = F.interpolate(
             table.permute(0, 3, 1, 2).float(),
             size=target,
-            mode=cfg.pos_embed_interp_mode,
-            align_corners=cfg.pos_embed_align_corners,
-            antialias=cfg.pos_embed_antialias,
+            mode=pos.interp_mode,
+            align_corners=pos.align_corners,
+            antialias=pos.antialias,
         )[:, :, : size[0], : size[1]]
         return table.flatten(2).transpose(1, 2).to(dtype)
 
     def _factorized(self, size, dtype) -> torch.Tensor:
         """NaViT's factorized table: a row table and a column table, each resampled linearly, summed (1, h*w, D)."""
         h, w = size
-        lengths = (max(h, w),) * 2 if self.cfg.pos_embed_ar_preserving else (h, w)
+        lengths = (max(h, w),) * 2 if self.pos.ar_preserving else (h, w)
 
         def axis(table: torch.Tensor, length: int) -> torch.Tensor:
             if length == table.shape[1]:
@@ -173,12 +199,12 @@ class NaFlexEmbeds(nn.Module):
 
     def _learned_sampled(self, x: torch.Tensor, patch_coord: torch.Tensor) -> torch.Tensor:
         """The table sampled at each patch's normalised coordinate (timm's grid_sample path), (B, N, D)."""
-        cfg = self.cfg
+        pos = self.pos
         shapes = patch_coord.amax(dim=1) + 1  # (B, 2)
-        if cfg.pos_embed_ar_preserving:
+        if pos.ar_preserving:
             shapes = shapes.amax(dim=1, keepdim=True).expand_as(shapes)
         coord = patch_coord.float()
-        if cfg.pos_embed_align_corners:
+        if pos.align_corners:
             grid = 2.0 * coord / (shapes[:, None, :] - 1).clamp(min=1) - 1.0
         else:
             grid = (2.0 * coord + 1.0) / shapes[:, None, :] - 1.0
@@ -186,8 +212,8 @@ class NaFlexEmbeds(nn.Module):
         pos = F.grid_sample(
             table,
             grid.flip(-1).unsqueeze(2),  # (B, N, 1, (x, y))
-            mode=cfg.pos_embed_interp_mode,
-            align_corners=cfg.pos_embed_align_corners,
+            mode=pos.interp_mode,
+            align_corners=pos.align_corners,
             padding_mode="border",
         ).to(x.dtype)  # (B, D, N, 1)
         return pos.squeeze(-1).transpose(1, 2)
@@ -196,7 +222,7 @@ class NaFlexEmbeds(nn.Module):
         """Both axis tables resampled per image by an affine grid_sample (timm's), read at each coordinate."""
         B, _, D = x.shape
         shapes = patch_coord.amax(dim=1) + 1
-        if self.cfg.pos_embed_ar_preserving:
+        if self.pos.ar_preserving:
             longest = shapes.amax(dim=1)
             size_y = size_x = longest.amax()
             scale_y = scale_x = size_x / longest

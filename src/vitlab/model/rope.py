@@ -19,11 +19,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from vitlab.model.config import ViTConfig, as_hw
-
 
 class RopeSpec(NamedTuple):
-    """What a table is computed from (config.py's rope fields), as plain values (FX records them in its graph)."""
+    """What a table is computed from (config.py's rope fields, read by model/vit.py), as plain values (FX records
+    them in its graph)."""
 
     kind: str
     head_dim: int
@@ -37,15 +36,6 @@ class RopeSpec(NamedTuple):
     shift: float | None
     jitter: float | None
     rescale: float | None
-
-    @classmethod
-    def of(cls, cfg: ViTConfig) -> RopeSpec:
-        ref = as_hw(cfg.rope_ref_feat_shape, "rope_ref_feat_shape") if cfg.rope_ref_feat_shape is not None else None
-        periods = tuple(cfg.rope_period_range) if cfg.rope_period_range is not None else None
-        offset = 0.0 if cfg.rope == "mixed" else float(cfg.rope_grid_offset)  # (timm's mixed RoPE has none)
-        return cls(cfg.rope, cfg.embed_dim // cfg.num_heads, float(cfg.rope_temperature), ref, offset,
-                   cfg.rope_grid_indexing, cfg.rope_rotate_half, cfg.rope_normalize_coords, periods,
-                   cfg.rope_shift_coords, cfg.rope_jitter_coords, cfg.rope_rescale_coords)  # fmt: skip
 
 
 def rope_grid(shape, spec: RopeSpec, device=None) -> torch.Tensor:  # (h, w, 2) float32 positions
@@ -144,36 +134,38 @@ class Rope(nn.Module):
     draw new positions for each batch. Mixed RoPE's learned frequencies are its one parameter, `freqs` (timm's key
     rope.freqs)."""
 
-    def __init__(self, cfg: ViTConfig):
+    def __init__(
+        self, spec: RopeSpec, *, depth: int, num_heads: int, grid_size: tuple[int, int], dynamic_img_size: bool = False
+    ):
+        """`grid_size`: the patch grid whose table is kept; `depth`, `num_heads`: mixed RoPE's frequencies' axes."""
         super().__init__()
-        self.cfg, self.spec = cfg, RopeSpec.of(cfg)
-        self.per_block = cfg.rope == "mixed"
-        self.augments = any(v is not None for v in (cfg.rope_shift_coords, cfg.rope_jitter_coords,
-                                                      cfg.rope_rescale_coords))  # fmt: skip
+        self.spec, self.depth, self.num_heads = spec, depth, num_heads
+        self.grid_size, self.dynamic_img_size = tuple(grid_size), dynamic_img_size
+        self.per_block = spec.kind == "mixed"
+        self.augments = any(v is not None for v in (spec.shift, spec.jitter, spec.rescale))
         if self.per_block:
-            self.freqs = nn.Parameter(torch.empty(2, cfg.depth, cfg.num_heads, self.spec.head_dim // 2))
-        cached = None if self.per_block else torch.empty(cfg.num_patches, 2 * self.spec.head_dim)
+            self.freqs = nn.Parameter(torch.empty(2, depth, num_heads, spec.head_dim // 2))
+        cached = None if self.per_block else torch.empty(math.prod(grid_size), 2 * spec.head_dim)
         self.register_buffer("cached", cached, persistent=False)
 
     def reset_parameters(self) -> None:  # init.py resets every layer (after to_empty too)
-        cfg = self.cfg
         with torch.no_grad():
             if self.per_block:
-                self.freqs.copy_(mixed_freqs(self.spec.head_dim, cfg.depth, cfg.num_heads, cfg.rope_temperature))
+                self.freqs.copy_(mixed_freqs(self.spec.head_dim, self.depth, self.num_heads, self.spec.temperature))
             else:
-                self.cached.copy_(rope_table(cfg.grid_size, self.spec))
+                self.cached.copy_(rope_table(self.grid_size, self.spec))
 
-    def set_grid(self, cfg: ViTConfig) -> None:
+    def set_grid(self, grid_size: tuple[int, int]) -> None:
         """Another image or patch size (ViT.set_input_size): the kept table recomputed for the new grid."""
-        self.cfg = cfg
+        self.grid_size = tuple(grid_size)
         if not self.per_block:
-            self.cached = rope_table(cfg.grid_size, self.spec, device=self.cached.device).to(self.cached.dtype)
+            self.cached = rope_table(self.grid_size, self.spec, device=self.cached.device).to(self.cached.dtype)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # tokens (B, h, w, D)
         augment = self.training and self.augments
         if self.per_block:
             return _table_at(tokens, self.spec, augment, self.freqs)
-        if augment or self.cfg.dynamic_img_size:
+        if augment or self.dynamic_img_size:
             return _table_at(tokens, self.spec, augment, self.cached)  # float32, as timm's
         return self.cached
 
@@ -215,4 +207,4 @@ def keep_rows(table: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return table.expand(*table.shape[:-4], keep.shape[0], *table.shape[-3:]).gather(-2, index.expand(shape))
 
 
-ROPES = {"axial": Rope, "mixed": Rope, "dinov3": Rope}  # config.py's rope ('' none); built with (cfg)
+ROPES = {"axial": Rope, "mixed": Rope, "dinov3": Rope}  # config.py's rope ('' none); built with (spec, ...)

@@ -167,7 +167,7 @@ class TimmAPI:
                 self.pos_embed = pe.to(self.pos_embed.dtype)
         self.cfg = new
         if self.rope is not None:  # its table follows the grid
-            self.rope.set_grid(new)
+            self.rope.set_grid(new.grid_size)
         self.patch_embed.img_size, self.patch_embed.grid_size = new.img_hw, new.grid_size
         self.pretrained_cfg["input_size"] = (new.in_chans, *new.img_hw)
 

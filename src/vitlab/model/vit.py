@@ -1,78 +1,35 @@
 """The Vision Transformer of "An Image is Worth 16x16 Words" (Dosovitskiy et al., ICLR 2021): the core.
 
-Reads top to bottom: input helpers -> constructor -> embed -> blocks -> forward_features -> forward_head ->
-forward -> attention maps -> position-embedding resampling on load. Its components (the tables a config picks
-from) live in layers.py and blocks.py, the weight-init schemes in init.py, and what is there only for timm's
-model API in timm_api.py (a mixin). Parameter names are timm's, so timm checkpoints load as they are; the
-computation follows timm's order of operations, so logits agree with timm's bit for bit on CPU in fp32.
+Reads top to bottom: input helpers -> the config read into each layer's arguments -> constructor -> embed -> blocks
+-> forward_features -> forward_head -> forward -> attention maps -> position-embedding resampling on load. This is
+where ViTConfig is read: its components (the tables a config picks from, in layers.py, attention.py and blocks.py)
+take the arguments they use, as timm's and dinov2's layers do. The weight-init schemes are in init.py, gradient
+checkpointing in recompute.py, and what is there only for timm's model API in timm_api.py (a mixin). Parameter names
+are timm's, so timm checkpoints load as they are; the computation follows timm's order of operations, so logits agree
+with timm's bit for bit on CPU in fp32.
 Shapes: B batch, N tokens (prefix + patches), D embed_dim, H heads, Dh head dim, P patch size.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from vitlab.model import init
-from vitlab.model.attention import AttentionPool
-from vitlab.model.blocks import BLOCKS
-from vitlab.model.config import ViTConfig
-from vitlab.model.layers import POOLS, PatchDropout, PatchEmbed, norm
-from vitlab.model.naflex import NAFLEX_KEYS, NaFlexEmbeds, attention_mask, drop_patches, masked_pool
+from vitlab.model.attention import ATTENTIONS, AttentionPool
+from vitlab.model.blocks import BLOCKS, EvaBlock
+from vitlab.model.config import ViTConfig, as_hw
+from vitlab.model.layers import ACTIVATIONS, MLPS, POOLS, PatchDropout, PatchEmbed, norm_layer
+from vitlab.model.naflex import NAFLEX_KEYS, NaFlexEmbeds, NaFlexPos, attention_mask, drop_patches, masked_pool
+from vitlab.model.naflex_config import pos_grid
 from vitlab.model.posemb import POS_EMBEDS, resample_grid, resample_pos_embed
-from vitlab.model.rope import Rope, keep_rows
+from vitlab.model.recompute import recompute_region
+from vitlab.model.rope import Rope, RopeSpec, keep_rows
 from vitlab.model.timm_api import TimmAPI
 
 # ---- inputs ----------------------------------------------------------------------------------------
-
-# grad_checkpointing=selective: what a block keeps for the backward pass, its matmuls' and attention's outputs (the
-# costly ops); everything else (norms, GELU, dropout, residual adds) is recomputed from them (torch's selective
-# activation checkpointing, as torchtitan's "op" mode).
-_aten = torch.ops.aten
-SAVED_BY_SELECTIVE = [
-    getattr(_aten, name).default
-    for name in (
-        "mm",
-        "addmm",
-        "bmm",
-        "baddbmm",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-    )  # fmt: skip
-    if hasattr(_aten, name)
-]
-
-
-def _selective_contexts():
-    return create_selective_checkpoint_contexts(SAVED_BY_SELECTIVE)
-
-
-class Recompute(nn.Module):
-    """A block under gradient checkpointing, as one module: its activations are recomputed in the backward pass (with
-    `selective`, only its cheap ops'). compile=regional compiles this whole (recompute_region), so the checkpoint and
-    torch's selective policy are traced into the block's graph, as torchtitan compiles its checkpoint-wrapped
-    blocks: eager, the selective policy is a dispatch mode that runs every op of the block through Python twice
-    (ViT-L/16 on an H100: 2.33x the step). The block is not registered here: state-dict keys stay timm's."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.__dict__["block"] = block
-
-    def forward(self, x: torch.Tensor, rows: int | None, attn_mask: torch.Tensor | None, selective: bool, rope=None):
-        if selective:  # (dynamo traces a context_fn only when it is named in the call)
-            return checkpoint(self.block, x, rows, attn_mask, rope, use_reentrant=False, context_fn=_selective_contexts)
-        return checkpoint(self.block, x, rows, attn_mask, rope, use_reentrant=False)
-
-
-def recompute_region(block: nn.Module) -> Recompute:
-    """The block's Recompute, made once and kept beside it (not as a submodule)."""
-    region = block.__dict__.get("_recompute_region")
-    if region is None:
-        region = block.__dict__["_recompute_region"] = Recompute(block)
-    return region
 
 
 @torch.fx.wrap  # FX records one call: the grid comes from the input's shape
@@ -101,6 +58,62 @@ def _check_input_size(x: torch.Tensor, img_hw: tuple, patch_hw: tuple, dynamic_s
             f"input size {H}x{W} is not a multiple of patch_size {patch}; crop or resize it, or build the "
             "model with dynamic_img_pad=true to pad it"
         )
+
+
+# ---- the config, read into each layer's arguments -----------------------------------------------------
+# The layers take what they use (dim, num_heads, norm_layer, ...), as timm's and dinov2's; these read ViTConfig.
+
+
+def _norm(cfg: ViTConfig, switch: bool = True):
+    """The config's norm layer (norm_layer, norm_eps), or None where `switch` is off."""
+    return norm_layer(cfg.norm_layer, cfg.norm_eps) if switch else None
+
+
+def build_block(cfg: ViTConfig, layer: int, drop_path: float, block: type[nn.Module] | None = None) -> nn.Module:
+    """Block `layer` of `cfg` (block_fn's class, or `block`), its attention and MLP from the config's tables."""
+    cls, D, act = block or BLOCKS[cfg.block_fn], cfg.embed_dim, ACTIVATIONS[cfg.act_layer]
+    heads = dict(qkv_bias=cfg.qkv_bias, qk_norm=_norm(cfg, cfg.qk_norm), proj_bias=cfg.proj_bias,
+                 attn_drop=cfg.attn_drop_rate, proj_drop=cfg.proj_drop_rate, layer=layer)  # fmt: skip
+    scale = dict(norm_layer=_norm(cfg), init_values=cfg.init_values, drop_path=drop_path)
+    if cls.fused:  # ViT-22B's parallel blocks: one input projection for attention and MLP (its width by mlp_ratio)
+        return cls(D, cfg.num_heads, mlp_hidden=int(cfg.mlp_ratio * D), act_layer=act, **heads, **scale)
+    kv = cfg.num_kv_heads[layer] if isinstance(cfg.num_kv_heads, tuple) else cfg.num_kv_heads
+    separate = dict(qkv_bias_separate=True) if cfg.qkv_bias_separate else {}  # (attn_layer 'eva''s: config.py)
+    attn = partial(ATTENTIONS[cfg.attn_layer], D, cfg.num_heads, qkv_fused=cfg.qkv_fused, num_kv_heads=kv,
+                   scale_norm=_norm(cfg, cfg.scale_attn_norm), num_prefix_tokens=cfg.num_prefix_tokens,
+                   rotate_half=cfg.rope_rotate_half, **heads, **separate)  # fmt: skip
+    mlp = partial(MLPS[cfg.mlp_layer], D, cfg.mlp_hidden, act_layer=act, norm_layer=_norm(cfg, cfg.scale_mlp_norm),
+                  bias=cfg.proj_bias, drop=cfg.proj_drop_rate)  # fmt: skip
+    eva = dict(attn_only_layer_scale=cfg.attn_only_layer_scale) if issubclass(cls, EvaBlock) else {}
+    return cls(D, attn_layer=attn, mlp_layer=mlp, **scale, **eva)
+
+
+def rope_spec(cfg: ViTConfig) -> RopeSpec:
+    """config.py's rope fields as the values a RoPE table is computed from (model/rope.py)."""
+    ref = as_hw(cfg.rope_ref_feat_shape, "rope_ref_feat_shape") if cfg.rope_ref_feat_shape is not None else None
+    periods = tuple(cfg.rope_period_range) if cfg.rope_period_range is not None else None
+    offset = 0.0 if cfg.rope == "mixed" else float(cfg.rope_grid_offset)  # (timm's mixed RoPE has none)
+    return RopeSpec(cfg.rope, cfg.embed_dim // cfg.num_heads, float(cfg.rope_temperature), ref, offset,
+                    cfg.rope_grid_indexing, cfg.rope_rotate_half, cfg.rope_normalize_coords, periods,
+                    cfg.rope_shift_coords, cfg.rope_jitter_coords, cfg.rope_rescale_coords)  # fmt: skip
+
+
+def _naflex_embeds(cfg: ViTConfig) -> NaFlexEmbeds:
+    pos = NaFlexPos(cfg.pos_embed, cfg.pos_embed_interp_mode, cfg.pos_embed_ar_preserving, cfg.pos_embed_antialias,
+                    cfg.pos_embed_align_corners, cfg.pos_embed_use_grid_sample)  # fmt: skip
+    return NaFlexEmbeds(
+        cfg.embed_dim,
+        cfg.patch_hw,
+        cfg.in_chans,
+        pos=pos,
+        pos_grid=pos_grid(cfg),
+        class_token=cfg.class_token,
+        reg_tokens=cfg.reg_tokens,
+        bias=not cfg.pre_norm,
+        norm_layer=_norm(cfg, cfg.embed_norm),
+        pos_drop=cfg.pos_drop_rate,
+        dynamic_img_pad=cfg.dynamic_img_pad,
+    )
 
 
 # ---- the model -------------------------------------------------------------------------------------
@@ -134,7 +147,7 @@ class ViT(TimmAPI, nn.Module):
 
         # Registration order matches timm's, so state_dict() lists keys in the same order.
         if cfg.naflex:  # NaFlex: patches, prefix tokens and the position table in one module (model/naflex.py)
-            self.embeds = NaFlexEmbeds(cfg)
+            self.embeds = _naflex_embeds(cfg)
             self.patch_embed = self.cls_token = self.reg_token = self.pos_embed = None
         else:
             self._build_patch_embed(cfg)
@@ -143,24 +156,42 @@ class ViT(TimmAPI, nn.Module):
         self.patch_drop = (
             PatchDropout(cfg.patch_drop_rate, self.num_prefix_tokens) if cfg.patch_drop_rate else nn.Identity()
         )
-        self.rope = Rope(cfg) if cfg.rope else None  # rotary position embedding (model/rope.py)
-        self.norm_pre = norm(cfg, D) if cfg.pre_norm else nn.Identity()
+        rope = dict(
+            depth=cfg.depth, num_heads=cfg.num_heads, grid_size=cfg.grid_size, dynamic_img_size=cfg.dynamic_img_size
+        )
+        self.rope = Rope(rope_spec(cfg), **rope) if cfg.rope else None  # rotary position embedding (model/rope.py)
+        self.norm_pre = _norm(cfg)(D) if cfg.pre_norm else nn.Identity()
         # Stochastic depth grows linearly with depth (timm's torch.linspace, float32 included).
         dpr = torch.linspace(0, cfg.drop_path_rate, cfg.depth, device="cpu").tolist()
         dpr = [cfg.drop_path_rate] * cfg.depth if cfg.drop_path_uniform else dpr  # (DINOv2's drop_path_uniform)
-        self.blocks = nn.Sequential(*[BLOCKS[cfg.block_fn](cfg, dpr[i], i) for i in range(cfg.depth)])
-        self.norm = norm(cfg, D) if cfg.final_norm and not cfg.use_fc_norm else nn.Identity()
-        self.attn_pool = AttentionPool(cfg) if cfg.global_pool == "map" else None
-        self.fc_norm = norm(cfg, D) if cfg.final_norm and cfg.use_fc_norm else nn.Identity()
+        self.blocks = nn.Sequential(*[build_block(cfg, i, dpr[i]) for i in range(cfg.depth)])
+        self.norm = _norm(cfg)(D) if cfg.final_norm and not cfg.use_fc_norm else nn.Identity()
+        self.attn_pool = self._attn_pool(cfg) if cfg.global_pool == "map" else None
+        self.fc_norm = _norm(cfg)(D) if cfg.final_norm and cfg.use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(cfg.drop_rate)
         self.head = nn.Linear(D, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
         if cfg.distilled:  # DeiT's second head, on the distillation token
             self.head_dist = nn.Linear(D, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
         self.distilled_training = False  # distilled: training returns both heads' logits (timm's switch)
 
+    @staticmethod
+    def _attn_pool(cfg: ViTConfig) -> AttentionPool:
+        """SigLIP's 'map' head: its own heads and MLP ratio, else the blocks'."""
+        heads, ratio = cfg.attn_pool_num_heads or cfg.num_heads, cfg.attn_pool_mlp_ratio or cfg.mlp_ratio
+        act, mlp_norm = ACTIVATIONS[cfg.act_layer], _norm(cfg, cfg.scale_mlp_norm)
+        return AttentionPool(cfg.embed_dim, heads, ratio, norm_layer=_norm(cfg), act_layer=act, mlp_norm_layer=mlp_norm)
+
     def _build_patch_embed(self, cfg: ViTConfig) -> None:
         D = cfg.embed_dim
-        self.patch_embed = PatchEmbed(cfg)
+        self.patch_embed = PatchEmbed(
+            cfg.img_hw,
+            cfg.patch_hw,
+            cfg.in_chans,
+            D,
+            bias=not cfg.pre_norm,
+            norm_layer=_norm(cfg, cfg.embed_norm),
+            dynamic_img_pad=cfg.dynamic_img_pad,
+        )
         self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.class_token else None
         self.reg_token = nn.Parameter(torch.zeros(1, cfg.reg_tokens, D)) if cfg.reg_tokens else None
         pos_embed = POS_EMBEDS[cfg.pos_embed](cfg.grid_size, cfg.pos_prefix_rows, D)  # (1, rows, D) or None

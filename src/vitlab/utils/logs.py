@@ -37,7 +37,7 @@ QUIET_WARNINGS = (
 
 
 # Log records nobody running vitlab can act on, by logger: torch's note under compile that a selectively
-# checkpointed region must hold no in-place ops (vitlab's blocks hold none; model/vit.py Recompute), and that a
+# checkpointed region must hold no in-place ops (vitlab's blocks hold none; model/recompute.py), and that a
 # CPU-only torch compiling on the CPU found no CUDA runtime.
 QUIET_LOGS = {
     "torch._higher_order_ops.wrap": "context_fn is passed to torch.utils.checkpoint under torch.compile",

@@ -18,7 +18,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vitlab.model import ViT, ViTConfig
 from vitlab.model.cost import activation_values
-from vitlab.model.vit import recompute_region
+from vitlab.model.recompute import recompute_region
 
 
 class Objective:

@@ -1,0 +1,68 @@
+"""The model's layers built alone from explicit arguments (issue 73 point 5), against their timm counterparts: our
+Attention vs timm.layers.Attention, our EvaAttention vs timm's (fused q/v biases, RoPE on the patch tokens), our
+Block vs timm's Block. The reference's own random weights, with every bias and norm moved off its init (a zero bias
+or a unit norm weight hides a swapped pair), are loaded into ours under the same keys; outputs held to 1e-6."""
+
+from functools import partial
+
+import pytest
+import torch
+from timm.layers import Attention as TimmAttention
+from timm.models.eva import EvaAttention as TimmEvaAttention
+from timm.models.vision_transformer import Block as TimmBlock
+from torch import nn
+
+from vitlab.model.attention import Attention, EvaAttention
+from vitlab.model.blocks import Block
+from vitlab.model.layers import Mlp
+
+DIM, HEADS, N = 48, 4, 11  # head width 12, 1 class token + 10 patches
+NORM = partial(nn.LayerNorm, eps=1e-6)
+
+
+def _perturbed(reference: nn.Module) -> nn.Module:
+    """The reference with every parameter random: biases and norm weights included (their inits would hide a bias
+    added to the wrong rows, or q and k's norms swapped)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.normal_(0.0, 0.5)
+    return reference.eval()
+
+
+def _same(ours: nn.Module, reference: nn.Module, *args, **kwargs) -> None:
+    ours.load_state_dict(reference.state_dict())  # the same keys (timm's): strict
+    x = torch.randn(2, N, DIM, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(ours.eval()(x, *args), reference(x, **kwargs), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_attention_built_alone_is_timms(qk_norm):
+    reference = _perturbed(TimmAttention(DIM, HEADS, qkv_bias=True, qk_norm=qk_norm, norm_layer=NORM))
+    ours = Attention(DIM, HEADS, qkv_bias=True, qk_norm=NORM if qk_norm else None)
+    _same(ours, reference)
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_eva_attention_built_alone_is_timms_with_rope_on_the_patches(separate):
+    """Fused q/v biases (no key bias) inside or after the projection, queries and keys normed, then rotated by a RoPE
+    table (N - 1, 2 * Dh) [sin | cos] on the patch tokens only: the class token's row is left as it is."""
+    kwargs = dict(qkv_bias=True, qkv_bias_separate=separate, num_prefix_tokens=1, rotate_half=True)
+    reference = TimmEvaAttention(DIM, HEADS, qk_norm=True, scale_norm=False, norm_layer=NORM, **kwargs)
+    ours = EvaAttention(DIM, HEADS, qk_norm=NORM, **kwargs)
+    rope = torch.randn(N - 1, 2 * DIM // HEADS, generator=torch.Generator().manual_seed(2))
+    _same(ours, _perturbed(reference), None, None, rope, rope=rope)
+
+
+def test_block_built_alone_from_its_layers_is_timms():
+    """The pre-norm block of an attention and an MLP handed as layers to build, with LayerScale at a scale that
+    leaves each branch its weight (a LayerScale of 1e-5 would shrink a wrong branch below the tolerance)."""
+    reference = TimmBlock(DIM, HEADS, mlp_ratio=3.0, qkv_bias=True, qk_norm=True, init_values=0.5, norm_layer=NORM)
+    ours = Block(
+        DIM,
+        attn_layer=partial(Attention, DIM, HEADS, qkv_bias=True, qk_norm=NORM),
+        mlp_layer=partial(Mlp, DIM, 3 * DIM),
+        norm_layer=NORM,
+        init_values=0.5,
+    )
+    _same(ours, _perturbed(reference))
