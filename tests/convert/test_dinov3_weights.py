@@ -9,8 +9,8 @@ import torch
 from timm.models.eva import checkpoint_filter_fn
 
 import vitlab
+from vitlab.convert.dinov3 import from_dinov3, is_dinov3
 from vitlab.convert.source import load_timm_weights, resolve
-from vitlab.convert.timm_eva import from_dinov3, is_dinov3
 from vitlab.convert.weights import read_weights
 from vitlab.utils.errors import UserError
 

@@ -1,17 +1,13 @@
 """timm's `eva` module (timm.models.eva.Eva: EVA, EVA02, rope-vit, Perception Encoder, DINOv3, LingBot, Sapiens2)
 through vitlab's ViT: Eva's arguments as ViTConfig fields (one table, `eva_config`), the arguments our ViT does not
-build and why (EVA_REFUSED), and DINOv3's released backbone files (the hub's layout, `dinov3_vit*16_pretrain_*.pth`)
-in timm's keys (`from_dinov3`, as timm's eva.checkpoint_filter_fn). Eva's state-dict keys are ours for the same
-config (attn_layer 'eva': q_bias / v_bias; block_fn 'eva': gamma_1 / gamma_2; rope 'mixed': rope.freqs), so a file
-of either loads into the other.
+build and why (EVA_REFUSED), and the other way (`eva_kwargs`). DINOv3's released backbone files are convert/dinov3.py's.
+Eva's state-dict keys are ours for the same config (attn_layer 'eva': q_bias / v_bias; block_fn 'eva': gamma_1 /
+gamma_2; rope 'mixed': rope.freqs), so a file of either loads into the other.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
-
-import torch
 
 from vitlab.model.config import ViTConfig
 from vitlab.utils.errors import UnknownArgumentError, UserError
@@ -147,58 +143,6 @@ def _norms(a: dict[str, Any]) -> dict[str, Any]:
     if fc and post:
         raise UserError("use_post_transformer_norm=True with use_fc_norm=True (a norm both before and after pooling)")
     return dict(fc_norm=fc, final_norm=fc or post)
-
-
-# ---- DINOv3's released backbones (facebookresearch/dinov3 hub files) ------------------------------------------------
-
-# The hub's names -> timm's (eva.checkpoint_filter_fn's DINOv3 branch and its general renames)
-DINOV3_RENAMES = [("storage_tokens", "reg_token"), ("ls1.gamma", "gamma_1"), ("ls2.gamma", "gamma_2"),
-                  ("mlp.w12", "mlp.fc1"), ("mlp.w1", "mlp.fc1_g"), ("mlp.w2", "mlp.fc1_x"),
-                  ("mlp.w3", "mlp.fc2")]  # fmt: skip
-# Entries a backbone does not use: the masked-token embedding, the RoPE periods (recomputed; the hub's are bf16), the
-# qkv bias mask, the 7B's local-crop norm, EUPE's distillation projectors
-DINOV3_DROPPED = re.compile(r"(^|\.)(mask_token|periods|bias_mask)$|^(rope_embed|local_cls_norm|projectors)\.")
-# timm's keys of a DINOv3 Eva (what a converted file must hold)
-DINOV3_TIMM_KEYS = re.compile(
-    r"^(cls_token|reg_token|pos_embed|patch_embed\.proj\.(weight|bias)|norm\.(weight|bias)|head\.(weight|bias)|"
-    r"blocks\.\d+\.(gamma_[12]|norm[12]\.(weight|bias)|attn\.(qkv\.weight|q_bias|v_bias|proj\.(weight|bias))|"
-    r"mlp\.(fc1|fc2|fc1_g|fc1_x)\.(weight|bias)))$"
-)
-
-
-def is_dinov3(sd: dict[str, torch.Tensor]) -> bool:
-    """A DINOv3 backbone in its hub's layout: its storage tokens or its RoPE periods (Sapiens2's files, with storage
-    tokens too, name their attention wq / wk / wv: not these)."""
-    if "blocks.0.attn.wq.weight" in sd:
-        return False
-    return "storage_tokens" in sd or "rope_embed.periods" in sd
-
-
-def from_dinov3(sd: dict[str, torch.Tensor], path: object = "weights file") -> dict[str, torch.Tensor]:
-    """A DINOv3 hub state dict in timm's keys, as timm's checkpoint filter converts it: storage tokens -> reg_token,
-    ls1/ls2 -> gamma_1/gamma_2, SwiGLU w1/w2/w3 -> fc1_g/fc1_x/fc2, the qkv bias split into q_bias and v_bias (the
-    key's third, fixed at zero, dropped; an all-zero bias, the distilled ViT-B/L/H+ and 7B's, dropped whole: those
-    models have none), pretraining-only entries dropped. Keys that are neither the hub's layout nor timm's: a one-line
-    UserError naming the file."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in sd.items():
-        if DINOV3_DROPPED.search(key):
-            continue
-        if key.endswith("attn.qkv.bias"):
-            q, k, v = value.chunk(3, dim=-1)
-            if value.any():
-                out[key.replace("qkv.bias", "q_bias")], out[key.replace("qkv.bias", "v_bias")] = q, v
-            continue
-        for old, new in DINOV3_RENAMES:
-            key = key.replace(old, new)
-        out[key] = value
-    bad = [k for k in out if not DINOV3_TIMM_KEYS.match(k)]
-    if bad:
-        raise UserError(
-            f"weights file {str(path)!r} holds DINOv3's storage tokens, but its keys are neither DINOv3's hub layout "
-            f"nor timm's: {bad[:4]}"
-        )
-    return out
 
 
 # ---- the other way: a config's Eva arguments ------------------------------------------------------------------------

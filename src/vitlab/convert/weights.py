@@ -23,8 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vitlab.convert import dino_weights as dino
-from vitlab.convert import timm_eva
+from vitlab.convert.families import FAMILIES, WHOLE_FILE_FAMILIES, Family
 from vitlab.convert.mae import describe_decoder, load_decoder, split_decoder
 from vitlab.model import ViT, ViTConfig, resample_pos_embed
 from vitlab.utils.atomic import atomic_write
@@ -251,16 +250,18 @@ def _load_weights_only(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def _family(obj: Any, families: list[Family], path: Any) -> tuple[StateDict, StateDict, str] | None:
+    family = next((f for f in families if f.recognise(obj)), None)
+    return None if family is None else (*family.read(obj, path), family.what)
+
+
 def read_weights(path: str | os.PathLike) -> tuple[StateDict, StateDict, str]:
     """A weights file as (the ViT's state dict, an MAE decoder's in MAE's names (empty if none), what the file is): a
     bare state dict, or one inside 'state_dict' / 'model' / 'state_dict_ema' (Lightning's and timm's training
-    checkpoints; MAE's released weights and main_pretrain.py checkpoints); a vitlab checkpoint's `model.*` and
-    `decoder.*` (its other entries left out, and said so: an objective=dino run's `model.*` is its teacher); DINO's
-    training checkpoints (the teacher's backbone) and DINOv2's hub weights (convert/dino_weights.py), DINOv3's hub
-    weights (convert/timm_eva.py)."""
+    checkpoints; MAE's released weights and main_pretrain.py checkpoints), read by its family (convert/families.py)."""
     obj = read_file(path, "weights file")
-    if dino.is_dino_training_checkpoint(obj):
-        return dino.teacher_backbone(obj, path), {}, "DINO checkpoint"
+    if (found := _family(obj, WHOLE_FILE_FAMILIES, path)) is not None:
+        return found
     if isinstance(obj, dict):
         for key in ("state_dict_ema", "state_dict", "model"):
             if isinstance(obj.get(key), dict):
@@ -268,16 +269,8 @@ def read_weights(path: str | os.PathLike) -> tuple[StateDict, StateDict, str]:
                 break
     if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise UserError(f"weights file {str(path)!r} does not hold a state dict (a mapping of names to tensors)")
-    if any(k.startswith("model.") for k in obj):  # a vitlab training checkpoint: its networks, without the rest
-        left = sorted({k.split(".")[0] for k in obj if not k.startswith(("model.", "decoder."))})
-        if left:
-            log.info("%s: took its network (model.*); left out %s", path, ", ".join(f"{k}.*" for k in left))
-        decoder = {k[len("decoder.") :]: v for k, v in obj.items() if k.startswith("decoder.")}
-        return {k[len("model.") :]: v for k, v in obj.items() if k.startswith("model.")}, decoder, "vitlab checkpoint"
-    if dino.is_dinov2(obj):
-        return dino.from_dinov2(obj), {}, "DINOv2 weights"
-    if timm_eva.is_dinov3(obj):  # DINOv3's hub layout (convert/timm_eva.py)
-        return timm_eva.from_dinov3(obj, path), {}, "DINOv3 weights"
+    if (found := _family(obj, FAMILIES, path)) is not None:
+        return found
     encoder, decoder = split_decoder(obj)
     return encoder, decoder, "MAE checkpoint" if decoder else "weights file"
 
