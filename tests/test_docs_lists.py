@@ -12,7 +12,7 @@ import types
 import yaml
 
 from tests.helpers import ROOT
-from vitlab.model import config, rope_config
+from vitlab.model import choices, rope_config
 from vitlab.model.config import ViTConfig
 
 DOCS = ROOT / "docs"
@@ -21,17 +21,17 @@ CREATE_MODEL = (DOCS / "models" / "create-model.md").read_text()
 CONFIGS = (DOCS / "training" / "configs.md").read_text()
 LAYOUT = (DOCS / "reference" / "layout.md").read_text()
 
-# a ViTConfig field -> the names config.py lets it take
+# a ViTConfig field -> the names it may take (model/choices.py)
 CHOICES = {
-    "act_layer": config.ACT_LAYERS,
-    "norm_layer": config.NORM_LAYERS,
-    "mlp_layer": config.MLP_LAYERS,
-    "attn_layer": config.ATTN_LAYERS,
-    "block_fn": config.BLOCK_FNS,
-    "pos_embed": config.POS_EMBEDS,
-    "pos_embed_resample": config.POS_EMBED_RESAMPLE,
-    "weight_init": config.WEIGHT_INITS,
-    "global_pool": config.GLOBAL_POOLS,
+    "act_layer": choices.ACT_LAYERS,
+    "norm_layer": choices.NORM_LAYERS,
+    "mlp_layer": choices.MLP_LAYERS,
+    "attn_layer": choices.ATTN_LAYERS,
+    "block_fn": choices.BLOCK_FNS,
+    "pos_embed": choices.POS_EMBEDS,
+    "pos_embed_resample": choices.POS_EMBED_RESAMPLE,
+    "weight_init": choices.WEIGHT_INITS,
+    "global_pool": choices.GLOBAL_POOLS,
     "rope": rope_config.ROPES,
     "rope_grid_indexing": rope_config.ROPE_GRID_INDEXING,
     "rope_normalize_coords": rope_config.ROPE_NORMALIZE_COORDS,
@@ -74,11 +74,11 @@ def component_tables(path) -> set[str]:
 
 
 def test_create_model_puts_each_component_table_in_its_file():
-    """Every table of model/ that builds components (config.py's VARIANTS is sizes) is named beside its file, as
+    """Every table of model/ that builds components (choices.py's are sizes and names) is named beside its file, as
     "`model/layers.py` (`ACTIVATIONS`, ...)", and no file is said to hold a table it does not."""
     model = ROOT / "src" / "vitlab" / "model"
     held = {
-        p.name: tables for p in sorted(model.glob("*.py")) if p.name != "config.py" and (tables := component_tables(p))
+        p.name: tables for p in sorted(model.glob("*.py")) if p.name != "choices.py" and (tables := component_tables(p))
     }
     said = {
         file: set(re.findall(r"`(\w+)`", names))

@@ -245,6 +245,7 @@ CONFIG_READERS = {("model/vit.py", "ViT"), ("model/mae.py", "MAEDecoder")}
 CONFIG_FILES = {
     "__init__.py",
     "config.py",
+    "config_checks.py",
     "rope_config.py",
     "naflex_config.py",
     "cost.py",

@@ -247,14 +247,14 @@ def test_every_component_name_of_the_config_has_a_timm_counterpart_and_back():
     """timm_components is the one table between our component names and timm's: each name the config accepts
     maps to timm's, and each of timm's maps back to the same name (what config_from_timm reads)."""
     from vitlab.convert.timm_args import _ours, timm_components
-    from vitlab.model import config
+    from vitlab.model import choices
 
     accepted = {  # (attn_layer and block_fn 'eva' are timm's Eva's, not its VisionTransformer's: convert/timm_eva.py)
-        "act_layer": config.ACT_LAYERS,
-        "attn_layer": tuple(n for n in config.ATTN_LAYERS if n != "eva"),
-        "norm_layer": config.NORM_LAYERS,
-        "mlp_layer": config.MLP_LAYERS,
-        "block_fn": tuple(n for n in config.BLOCK_FNS if n != "eva"),
+        "act_layer": choices.ACT_LAYERS,
+        "attn_layer": tuple(n for n in choices.ATTN_LAYERS if n != "eva"),
+        "norm_layer": choices.NORM_LAYERS,
+        "mlp_layer": choices.MLP_LAYERS,
+        "block_fn": tuple(n for n in choices.BLOCK_FNS if n != "eva"),
     }
     table = timm_components()
     assert {k: set(v) for k, v in table.items()} == {k: set(v) for k, v in accepted.items()}

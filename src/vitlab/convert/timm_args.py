@@ -14,11 +14,9 @@ from torch import nn
 
 from vitlab.convert.timm_hub import check_timm_name, from_the_hub, timm_architecture, timm_eva_names, timm_model_names
 from vitlab.model import ViTConfig
-from vitlab.model.config import DROPOUTS
+from vitlab.model.choices import ATTENTION_KINDS, DROPOUTS
+from vitlab.model.naflex_config import NAFLEX_FIELDS
 from vitlab.utils.errors import UnknownArgumentError, UnsupportedRequestError, UserError, close_matches
-
-NAFLEX_FIELDS = ("naflex", "pos_embed_grid_size", "pos_embed_interp_mode", "pos_embed_ar_preserving",
-                 "pos_embed_antialias", "pos_embed_align_corners", "pos_embed_use_grid_sample")  # fmt: skip
 
 
 def timm_components() -> dict[str, dict[str, Any]]:
@@ -29,7 +27,7 @@ def timm_components() -> dict[str, dict[str, Any]]:
 
     return {
         "act_layer": {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "quick_gelu": "quick_gelu", "silu": "silu"},
-        "attn_layer": {"attn": "attn", "diff": "diff"},
+        "attn_layer": {name: kind.timm[0] for name, kind in ATTENTION_KINDS.items() if kind.timm},
         "norm_layer": {"layernorm": nn.LayerNorm, "rmsnorm": RmsNorm},
         "mlp_layer": {"mlp": Mlp, "swiglu": SwiGLU, "swiglu_packed": SwiGLUPacked},
         "block_fn": {"block": tv.Block, "parallel_scaling": tv.ParallelScalingBlock, "res_post": tv.ResPostBlock,
@@ -40,7 +38,7 @@ def timm_components() -> dict[str, dict[str, Any]]:
 # Other names timm's registered models give the same components (class names, lower case).
 TIMM_ALIASES = {
     "act_layer": {"gelutanh": "gelu_tanh", "quickgelu": "quick_gelu", "swish": "silu"},
-    "attn_layer": {"attention": "attn", "diffattention": "diff"},
+    "attn_layer": {alias: name for name, kind in ATTENTION_KINDS.items() for alias in kind.timm[1:]},
 }
 
 # timm arguments our ViT has no counterpart for, with the value that means "off" (timm's default)
@@ -122,18 +120,16 @@ def timm_builds(build: Callable[..., Any]) -> Iterator[None]:
     arguments it resolved for the name, DeiT's distilled class as `distilled=True`); one thread at a time."""
     import timm.models.deit as deit
     import timm.models.eva as eva
-    import timm.models.naflexvit as naflexvit
     import timm.models.vision_transformer as tv
 
-    from vitlab.convert.timm_naflex import naflex_args
+    from vitlab.convert.timm_naflex import naflex_class
 
     # Each module's own name for the class (deit imports VisionTransformer), DeiT's distilled one with its token, the
-    # eva module's Eva (its arguments are read by config_from_args, which knows the architecture), and NaFlexVit's
-    # config and keywords as ours (convert/timm_naflex.py).
+    # eva module's Eva (its arguments are read by config_from_args, which knows the architecture), and NaFlex's row
+    # from its own file.
     classes = [(tv, "VisionTransformer", build), (deit, "VisionTransformer", build),
                (deit, "VisionTransformerDistilled", lambda **kw: build(**kw, distilled=True)),
-               (eva, "Eva", build),
-               (naflexvit, "NaFlexVit", lambda cfg=None, **kw: build(**naflex_args(cfg, kw)))]  # fmt: skip
+               (eva, "Eva", build), naflex_class(build)]  # fmt: skip
     with _BUILDS:
         real = [getattr(module, cls) for module, cls, _ in classes]
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vitlab.model.choices import ATTENTION_KINDS
 from vitlab.model.config import ViTConfig
 from vitlab.utils.errors import UnknownArgumentError, UserError
 
@@ -42,7 +43,8 @@ EVA_REFUSED = {
     "attn_type": "attention other than 'eva' and 'rope'",
 }
 ROPE_TYPES = {"cat": "axial", "mixed": "mixed", "dinov3": "dinov3"}  # Eva's rope_type -> our rope
-ATTN_TYPES = {"eva": "eva", "rope": "attn"}  # Eva's attn_type (EvaAttention, AttentionRope) -> our attn_layer
+# Eva's attn_type (EvaAttention, AttentionRope) -> our attn_layer
+ATTN_TYPES = {kind.eva_type: name for name, kind in ATTENTION_KINDS.items() if kind.eva_type}
 
 
 def eva_config_fields(arch: str, args: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from functools import partial
 from typing import Any
 
 from vitlab.model import ViTConfig
-from vitlab.model.config import DROPOUTS
+from vitlab.model.choices import DROPOUTS
 from vitlab.utils.errors import UserError
 
 # NaFlexVitCfg fields with the same meaning (and name) in ViTConfig
@@ -31,6 +31,14 @@ UNSUPPORTED = {
     "enable_patch_interpolator": False, "patchify_channels_last": True, "embed_proj_type": "linear",
     "input_norm_layer": None, "attn_pool_num_heads": None, "attn_pool_mlp_ratio": None,
 }  # fmt: skip
+
+
+def naflex_class(build: Any) -> tuple[Any, str, Any]:
+    """timm_args.timm_builds' row for timm's NaFlexVit: its module, its name there, and the stand-in that hands
+    `build` its config and keywords as ours."""
+    import timm.models.naflexvit as naflexvit
+
+    return naflexvit, "NaFlexVit", lambda cfg=None, **kw: build(**naflex_args(cfg, kw))
 
 
 def naflex_args(cfg: Any, kwargs: dict[str, Any]) -> dict[str, Any]:

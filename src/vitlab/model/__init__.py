@@ -2,7 +2,8 @@
 blocks.py). The network is imported on first use, so reading a config needs no torch (fast `--help` and config
 errors)."""
 
-from vitlab.model.config import VARIANTS, ViTConfig, as_hw, parse_variant, vit_config
+from vitlab.model.choices import VARIANTS, parse_variant
+from vitlab.model.config import ViTConfig, as_hw, vit_config
 
 __all__ = [
     "VARIANTS",

@@ -1,8 +1,8 @@
 """ViTConfig: every architectural choice of the network, with timm's argument names.
 
-Sizes live in one table, `VARIANTS`, keyed by the paper's names (Dosovitskiy et al. 2021, Table 1;
-Ti from DeiT). `ViTConfig.from_variant("B/16", img_size=384)` decodes a variant string the way
-big_vision does and lets explicit keyword arguments override it.
+Sizes live in one table, `VARIANTS` (model/choices.py, with every component name a config accepts), keyed by the
+paper's names. `ViTConfig.from_variant("B/16", img_size=384)` decodes a variant string the way big_vision does and
+lets explicit keyword arguments override it.
 """
 
 from __future__ import annotations
@@ -12,37 +12,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vitlab.model.naflex_config import check_naflex
-from vitlab.model.rope_config import check_attention, check_rope
+from vitlab.model.choices import ATTENTION_KINDS, DROPOUTS, GLOBAL_POOLS, WEIGHT_INITS, parse_variant
+from vitlab.model.config_checks import check_choices, check_types
 from vitlab.utils.errors import UnknownArgumentError, UnsupportedRequestError, UserError
 
-# width, depth, heads; MLP ratio 4 (ViT paper Table 1; Ti from DeiT Table 1), except giant and gigantic: their MLP
-# widths 6144 and 8192 (Zhai et al. 2022, "Scaling Vision Transformers", Table 2; timm's vit_giant_patch14_224 and
-# vit_gigantic_patch14_224).
-VARIANTS: dict[str, dict[str, float]] = {
-    "Ti": dict(embed_dim=192, depth=12, num_heads=3),
-    "S": dict(embed_dim=384, depth=12, num_heads=6),
-    "B": dict(embed_dim=768, depth=12, num_heads=12),
-    "L": dict(embed_dim=1024, depth=24, num_heads=16),
-    "H": dict(embed_dim=1280, depth=32, num_heads=16),
-    "g": dict(embed_dim=1408, depth=40, num_heads=16, mlp_ratio=48 / 11),
-    "G": dict(embed_dim=1664, depth=48, num_heads=16, mlp_ratio=64 / 13),
-}
-
-GLOBAL_POOLS = ("token", "avg", "max", "avgmax", "map", "")
-# Component names, as timm spells them. The tables that build them (layers.py, blocks.py, init.py, posemb.py)
-# need torch, which reading a config must not; tests/model/test_layout_components.py ties the two.
-ACT_LAYERS = ("gelu", "gelu_tanh", "quick_gelu", "silu")
-NORM_LAYERS = ("layernorm", "rmsnorm")
-MLP_LAYERS = ("mlp", "swiglu", "swiglu_packed")
-ATTN_LAYERS = ("attn", "diff", "eva")
-BLOCK_FNS = ("block", "parallel_scaling", "diff_parallel_scaling", "res_post", "parallel_things", "eva")
-POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "sincos2d_mae", "factorized", "none")
-POS_EMBED_RESAMPLE = ("timm", "dino")  # how a learned one is resampled (model/posemb.py: resample_grid)
-WEIGHT_INITS = ("", "jax", "jax_nlhb", "moco", "mae", "eva", "skip")  # timm's modes, MAE's and timm's Eva's
 MODEL_EXTRA_KEYS = ("variant", "timm_name", "pretrained", "resample_patch")  # the commands' model keys, not fields
-# The regularisation fields: probabilities in [0, 1), free to change when a run is resumed.
-DROPOUTS = ("drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate")
 
 
 def as_hw(size: Any, name: str = "size") -> tuple[int, int]:
@@ -57,14 +31,6 @@ def as_hw(size: Any, name: str = "size") -> tuple[int, int]:
 
 def _is_int(n: Any) -> bool:
     return isinstance(n, int) and not isinstance(n, bool)
-
-
-def parse_variant(variant: str) -> dict[str, float]:
-    """'B/16' -> dict(embed_dim=768, depth=12, num_heads=12, patch_size=16)."""
-    name, _, patch = variant.partition("/")
-    if name not in VARIANTS or not patch.isdigit():
-        raise UserError(f"variant {variant!r} is not of the form <size>/<patch> with size in {list(VARIANTS)}")
-    return dict(VARIANTS[name], patch_size=int(patch))
 
 
 @dataclass
@@ -172,7 +138,7 @@ class ViTConfig:
         ph, pw = self.patch_hw
         if ph == pw:
             self.patch_size = ph  # a square patch is an int (timm's patch_size=16); img_size keeps its pair
-        self._check_types()
+        check_types(self)  # model/config_checks.py
         for name in ("in_chans", "embed_dim", "depth", "num_heads"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} {getattr(self, name)} must be >= 1")
@@ -199,7 +165,7 @@ class ViTConfig:
             raise UnsupportedRequestError(
                 f"global_pool {self.global_pool!r} is not one of {list(GLOBAL_POOLS)} ('' = none)"
             )
-        self._check_choices()
+        check_choices(self)
         if self.weight_init not in WEIGHT_INITS:
             raise UserError(f"weight_init {self.weight_init!r} is not one of {list(WEIGHT_INITS)}")
         for name in DROPOUTS:
@@ -211,86 +177,6 @@ class ViTConfig:
         if self.norm_eps <= 0:
             raise UserError(f"norm_eps {self.norm_eps} must be > 0")
         self.grid_size = (h // ph, w // pw)
-
-    def _check_choices(self) -> None:
-        """The component names, and the combinations they do not support."""
-        components = (("act_layer", ACT_LAYERS), ("norm_layer", NORM_LAYERS), ("mlp_layer", MLP_LAYERS))
-        components += (("attn_layer", ATTN_LAYERS),)
-        for name, allowed in (*components, ("block_fn", BLOCK_FNS)):
-            if getattr(self, name) not in allowed:
-                raise UserError(f"{name} {getattr(self, name)!r} is not one of {list(allowed)}")
-        if self.block_fn in ("parallel_scaling", "diff_parallel_scaling") and (
-            self.mlp_layer != "mlp" or self.attn_layer != "attn" or self.scale_attn_norm or self.scale_mlp_norm
-        ):
-            raise UserError(
-                f"block_fn {self.block_fn!r} has its own fused attention and MLP: it takes attn_layer 'attn', "
-                "mlp_layer 'mlp' and no scale_attn_norm / scale_mlp_norm"
-            )
-        if self.differential and (self.embed_dim // self.num_heads) % 2:
-            head = self.embed_dim // self.num_heads
-            raise UserError(f"differential attention halves each head: embed_dim / num_heads {head} must be even")
-        if self.fix_init and self.block_fn not in ("block", "res_post", "eva"):
-            raise UserError(
-                "fix_init scales the attention and MLP projections of block_fn 'block', 'res_post' or 'eva' only"
-            )
-        if self.mlp_layer == "swiglu_packed" and self.mlp_hidden % 2:
-            raise UserError(
-                f"mlp_layer 'swiglu_packed' splits its {self.mlp_hidden} hidden features in "
-                "two halves: embed_dim * mlp_ratio (or mlp_hidden_dim) must be even"
-            )
-        if self.global_pool == "token" and not self.class_token:
-            raise UserError("global_pool 'token' needs class_token=true; use global_pool 'avg' without it")
-        if self.distilled and (self.global_pool != "token" or self.reg_tokens):
-            raise UserError(
-                f"distilled=true reads the class and distillation tokens (DeiT): it needs global_pool 'token' (got "
-                f"{self.global_pool!r}) and no reg_tokens (got {self.reg_tokens})"
-            )
-        if self.pos_embed_resample not in POS_EMBED_RESAMPLE:
-            raise UserError(f"pos_embed_resample {self.pos_embed_resample!r} is not one of {list(POS_EMBED_RESAMPLE)}")
-        if self.pos_embed not in POS_EMBEDS:
-            raise UserError(f"pos_embed {self.pos_embed!r} is not one of {list(POS_EMBEDS)}")
-        if self.pos_embed in ("sincos2d", "sincos2d_mae") and self.embed_dim % 4:
-            raise UserError(f"pos_embed {self.pos_embed!r} needs embed_dim divisible by 4, got {self.embed_dim}")
-        if self.pos_embed == "sincos1d" and self.embed_dim % 2:
-            raise UserError(f"pos_embed 'sincos1d' needs an even embed_dim, got {self.embed_dim}")
-        check_attention(self)  # model/rope_config.py: EVA's attention options
-        if self.rope != "":
-            check_rope(self)  # (a rope that is not a string included)
-        check_naflex(self)  # model/naflex_config.py
-
-    def _check_types(self) -> None:
-        # Hydra hands over whatever YAML parsed; catch "depth: 12.5" or "qk_norm: yes please" here.
-        ints = ("in_chans", "num_classes", "embed_dim", "depth", "num_heads", "reg_tokens")
-        for name in ("mlp_hidden_dim", "attn_pool_num_heads"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise UserError(f"{name} {v!r} must be a positive integer, or null")
-        bools = ("qkv_bias", "qk_norm", "class_token", "distilled", "no_embed_class", "pre_norm", "dynamic_img_size",
-                 "dynamic_img_pad", "final_norm", "proj_bias", "embed_norm", "scale_attn_norm", "scale_mlp_norm",
-                 "pool_include_prefix", "fix_init", "drop_path_uniform", "qkv_fused", "qkv_bias_separate",
-                 "attn_only_layer_scale", "rope_rotate_half", "naflex")  # fmt: skip
-        floats = ("mlp_ratio", "norm_eps", "rope_temperature", "rope_grid_offset", *DROPOUTS)
-        for name in ints:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise UserError(f"{name} {v!r} must be an integer")
-        for name in bools:
-            if not isinstance(getattr(self, name), bool):
-                raise UserError(f"{name} {getattr(self, name)!r} must be true or false")
-        for name in floats:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise UserError(f"{name} {v!r} must be a number")
-        g = self.grad_checkpointing
-        if not (isinstance(g, bool) or g == "selective" or (isinstance(g, int) and g >= 1)):
-            raise UserError(f"grad_checkpointing {g!r} must be true, false, N >= 1 (every N-th block) or selective")
-        if not isinstance(g, bool) and isinstance(g, int) and isinstance(self.depth, int) and g > self.depth:
-            raise UserError(
-                f"grad_checkpointing {g} recomputes every {g}th block and the model has {self.depth}: none would be; "
-                f"give N from 1 to {self.depth}, true (every block), false or selective"
-            )
-        if self.fc_norm is not None and not isinstance(self.fc_norm, bool):
-            raise UserError(f"fc_norm {self.fc_norm!r} must be true, false or null")
 
     # ---- derived values -------------------------------------------------------------------------
     @property
@@ -321,7 +207,8 @@ class ViTConfig:
     @property
     def differential(self) -> bool:
         """Whether attention is differential (Ye et al. 2024): attn_layer 'diff', or its parallel block."""
-        return self.attn_layer == "diff" or self.block_fn == "diff_parallel_scaling"
+        kind = ATTENTION_KINDS.get(self.attn_layer)
+        return (kind is not None and kind.differential) or self.block_fn == "diff_parallel_scaling"
 
     @property
     def use_fc_norm(self) -> bool:

@@ -17,6 +17,8 @@ NAFLEX_BOOLS = (
     "pos_embed_align_corners",
     "pos_embed_use_grid_sample",
 )
+# The ViTConfig fields NaFlex owns (a plain ViT's network ignores them; timm builds them as another class, NaFlexVit)
+NAFLEX_FIELDS = ("naflex", "pos_embed_grid_size", "pos_embed_interp_mode", *NAFLEX_BOOLS)
 
 
 def check_naflex(cfg: Any) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from vitlab.model.choices import ATTENTION_KINDS, attention_names
 from vitlab.utils.errors import UserError
 
 ViTConfig = Any  # (config.py imports this module: a ViTConfig, not imported here)
@@ -39,9 +40,9 @@ def check_rope(self: ViTConfig) -> None:
     if self.pos_embed == "sincos1d":
         raise UserError("rope with pos_embed 'sincos1d' (a 1-D table over the tokens): use pos_embed 'none', "
                             "'learn', 'sincos2d' or 'sincos2d_mae' beside it")  # fmt: skip
-    if self.block_fn in ("parallel_scaling", "diff_parallel_scaling") or self.attn_layer == "diff":
+    if self.block_fn in ("parallel_scaling", "diff_parallel_scaling") or not ATTENTION_KINDS[self.attn_layer].rope:
         raise UserError(
-            f"rope rotates the queries and keys of attn_layer 'attn' or 'eva' in block_fn 'block', "
+            f"rope rotates the queries and keys of attn_layer {attention_names('rope')} in block_fn 'block', "
             f"'eva', 'res_post' or 'parallel_things', not {self.attn_layer!r} in {self.block_fn!r}"
         )
     for name, allowed in (("rope_grid_indexing", ROPE_GRID_INDEXING),
@@ -80,8 +81,9 @@ def check_kv_heads(self: ViTConfig) -> None:
     if not ok or not all(isinstance(h, int) and h >= 1 and self.num_heads % h == 0 for h in heads):
         raise UserError(f"num_kv_heads {kv!r} must divide num_heads {self.num_heads}: an int, or one per block "
                         f"({self.depth}), or null")  # fmt: skip
-    if self.qkv_fused or self.attn_layer != "attn":
-        raise UserError(f"num_kv_heads {kv!r} (grouped-query attention) needs qkv_fused false and attn_layer 'attn'")
+    if self.qkv_fused or not ATTENTION_KINDS[self.attn_layer].kv_heads:
+        raise UserError(f"num_kv_heads {kv!r} (grouped-query attention) needs qkv_fused false and attn_layer "
+                        f"{attention_names('kv_heads')}")  # fmt: skip
 
 
 def check_attention(self: ViTConfig) -> None:
@@ -90,8 +92,10 @@ def check_attention(self: ViTConfig) -> None:
         raise UserError(f"attn_layer 'eva' is a separate attention: block_fn {self.block_fn!r} has its own")
     if self.num_kv_heads is not None:
         check_kv_heads(self)
-    if self.qkv_bias_separate and (self.attn_layer != "eva" or not self.qkv_fused):
-        raise UserError("qkv_bias_separate adds attn_layer 'eva''s q/v biases after its fused qkv projection only")
-    if not self.qkv_fused and (self.attn_layer == "diff" or self.block_fn.endswith("parallel_scaling")):
-        raise UserError(f"qkv_fused false (q_proj, k_proj, v_proj) is for attn_layer 'attn' or 'eva', not "
-                        f"{self.attn_layer!r} in block_fn {self.block_fn!r}")  # fmt: skip
+    kind = ATTENTION_KINDS[self.attn_layer]
+    if self.qkv_bias_separate and (not kind.separate_bias or not self.qkv_fused):
+        raise UserError(f"qkv_bias_separate adds attn_layer {attention_names('separate_bias')}'s q/v biases after its "
+                        "fused qkv projection only")  # fmt: skip
+    if not self.qkv_fused and (not kind.unfused or self.block_fn.endswith("parallel_scaling")):
+        raise UserError(f"qkv_fused false (q_proj, k_proj, v_proj) is for attn_layer {attention_names('unfused')}, "
+                        f"not {self.attn_layer!r} in block_fn {self.block_fn!r}")  # fmt: skip

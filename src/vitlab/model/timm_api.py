@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from vitlab.model.config import GLOBAL_POOLS, ViTConfig, as_hw
+from vitlab.model.choices import GLOBAL_POOLS
+from vitlab.model.config import ViTConfig, as_hw
 from vitlab.model.posemb import POS_EMBEDS, resample_patch_embed, resample_pos_embed
 from vitlab.utils.errors import UnsupportedRequestError, UserError
 

@@ -20,7 +20,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from vitlab.convert.source import Weights
 from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
-from vitlab.model.config import DROPOUTS, ViTConfig
+from vitlab.model.choices import DROPOUTS
+from vitlab.model.config import ViTConfig
 from vitlab.training.callbacks.standard import SaveOnInterrupt
 from vitlab.training.devices.sharding import requests_fsdp
 from vitlab.training.module import ViTModule
