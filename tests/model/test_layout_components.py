@@ -35,3 +35,9 @@ def test_global_pools_are_the_pool_table_plus_the_models_own():
     assert len(set(choices.GLOBAL_POOLS)) == len(choices.GLOBAL_POOLS)
     assert set(choices.GLOBAL_POOLS) == set(POOLS) | {"token", "map", ""}
     assert not set(POOLS) & {"token", "map", ""}
+
+
+def test_each_block_kind_is_built_as_its_row_says():
+    """choices.py's BLOCK_KINDS says which blocks are fused (ViT-22B's: their own attention and MLP); vit.py's
+    build_block hands a block its arguments by its class's `fused`: the two agree."""
+    assert {name: cls.fused for name, cls in BLOCKS.items()} == {n: k.fused for n, k in choices.BLOCK_KINDS.items()}

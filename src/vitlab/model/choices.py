@@ -1,6 +1,7 @@
 """The names a config accepts, each defined once and without torch (reading a config must not import it): the sizes
 (`VARIANTS`, keyed by the paper's names: Dosovitskiy et al. 2021, Table 1; Ti from DeiT), the component names as timm
-spells them, and what the rest of the code needs to know of each attention kind (`ATTENTION_KINDS`). The tables that
+spells them, and what the rest of the code needs to know of each attention and block kind (`ATTENTION_KINDS`,
+`BLOCK_KINDS`). The tables that
 build the components (layers.py, attention.py, blocks.py, init.py, posemb.py) need torch;
 tests/model/test_layout_components.py ties each of them to its names here.
 """
@@ -57,9 +58,38 @@ ATTENTION_KINDS = {
 }  # fmt: skip
 
 
+class BlockKind(NamedTuple):
+    """What the config's checks and the cost model need to know of a block kind (its class: blocks.py)."""
+
+    fused: bool  # its own attention and MLP from one input projection (ViT-22B's): no attn_layer / mlp_layer choice
+    differential: bool = False  # its attention is differential (its heads are halved)
+    fix_init: bool = True  # timm's fix_init scales its attention and MLP output projections
+    branches: int = 1  # attention and MLP branches side by side (Touvron et al. 2022: two)
+
+
+# block_fn: block (pre-norm, the paper's) | parallel_scaling (ViT-22B: attention and MLP in parallel) |
+# diff_parallel_scaling (the same with differential attention and one output projection) | res_post (post-norm
+# residuals, Swin V2) | parallel_things (two attention, then two MLP branches) | eva (timm's EvaBlock)
+BLOCK_KINDS = {
+    "block": BlockKind(fused=False),
+    "parallel_scaling": BlockKind(fused=True, fix_init=False),
+    "diff_parallel_scaling": BlockKind(fused=True, differential=True, fix_init=False),
+    "res_post": BlockKind(fused=False),
+    "parallel_things": BlockKind(fused=False, fix_init=False, branches=2),
+    "eva": BlockKind(fused=False),
+}
+
+
+def names_with(table: dict[str, NamedTuple], trait: str, value: bool = True) -> str:
+    """The names of `table` (ATTENTION_KINDS, BLOCK_KINDS) whose `trait` is `value`, as a message lists them:
+    "'block', 'res_post' or 'eva'"."""
+    names = [repr(n) for n, kind in table.items() if getattr(kind, trait) == value]
+    return " or ".join(filter(None, (", ".join(names[:-1]), names[-1])))
+
+
 def attention_names(trait: str) -> str:
     """The attention kinds that have `trait`, as a message names them: "'attn' or 'eva'"."""
-    return " or ".join(repr(n) for n, kind in ATTENTION_KINDS.items() if getattr(kind, trait))
+    return names_with(ATTENTION_KINDS, trait)
 
 
 GLOBAL_POOLS = ("token", "avg", "max", "avgmax", "map", "")
@@ -67,7 +97,7 @@ ACT_LAYERS = ("gelu", "gelu_tanh", "quick_gelu", "silu")
 NORM_LAYERS = ("layernorm", "rmsnorm")
 MLP_LAYERS = ("mlp", "swiglu", "swiglu_packed")
 ATTN_LAYERS = tuple(ATTENTION_KINDS)
-BLOCK_FNS = ("block", "parallel_scaling", "diff_parallel_scaling", "res_post", "parallel_things", "eva")
+BLOCK_FNS = tuple(BLOCK_KINDS)
 POS_EMBEDS = ("learn", "sincos1d", "sincos2d", "sincos2d_mae", "factorized", "none")
 POS_EMBED_RESAMPLE = ("timm", "dino")  # how a learned one is resampled (model/posemb.py: resample_grid)
 # The regularisation fields: probabilities in [0, 1), free to change when a run is resumed.

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vitlab.model.choices import ATTENTION_KINDS, DROPOUTS, GLOBAL_POOLS, WEIGHT_INITS, parse_variant
+from vitlab.model.choices import ATTENTION_KINDS, BLOCK_KINDS, DROPOUTS, GLOBAL_POOLS, WEIGHT_INITS, parse_variant
 from vitlab.model.config_checks import check_choices, check_types
 from vitlab.utils.errors import UnknownArgumentError, UnsupportedRequestError, UserError
 
@@ -207,8 +207,8 @@ class ViTConfig:
     @property
     def differential(self) -> bool:
         """Whether attention is differential (Ye et al. 2024): attn_layer 'diff', or its parallel block."""
-        kind = ATTENTION_KINDS.get(self.attn_layer)
-        return (kind is not None and kind.differential) or self.block_fn == "diff_parallel_scaling"
+        attn, block = ATTENTION_KINDS.get(self.attn_layer), BLOCK_KINDS.get(self.block_fn)
+        return any(kind is not None and kind.differential for kind in (attn, block))
 
     @property
     def use_fc_norm(self) -> bool:

@@ -12,11 +12,13 @@ from vitlab.model.choices import (
     ACT_LAYERS,
     ATTN_LAYERS,
     BLOCK_FNS,
+    BLOCK_KINDS,
     DROPOUTS,
     MLP_LAYERS,
     NORM_LAYERS,
     POS_EMBED_RESAMPLE,
     POS_EMBEDS,
+    names_with,
 )
 from vitlab.model.naflex_config import check_naflex
 from vitlab.model.rope_config import check_attention, check_rope
@@ -32,7 +34,8 @@ def check_choices(self: ViTConfig) -> None:
     for name, allowed in (*components, ("block_fn", BLOCK_FNS)):
         if getattr(self, name) not in allowed:
             raise UserError(f"{name} {getattr(self, name)!r} is not one of {list(allowed)}")
-    if self.block_fn in ("parallel_scaling", "diff_parallel_scaling") and (
+    block = BLOCK_KINDS[self.block_fn]
+    if block.fused and (
         self.mlp_layer != "mlp" or self.attn_layer != "attn" or self.scale_attn_norm or self.scale_mlp_norm
     ):
         raise UserError(
@@ -42,9 +45,9 @@ def check_choices(self: ViTConfig) -> None:
     if self.differential and (self.embed_dim // self.num_heads) % 2:
         head = self.embed_dim // self.num_heads
         raise UserError(f"differential attention halves each head: embed_dim / num_heads {head} must be even")
-    if self.fix_init and self.block_fn not in ("block", "res_post", "eva"):
+    if self.fix_init and not block.fix_init:
         raise UserError(
-            "fix_init scales the attention and MLP projections of block_fn 'block', 'res_post' or 'eva' only"
+            f"fix_init scales the attention and MLP projections of block_fn {names_with(BLOCK_KINDS, 'fix_init')} only"
         )
     if self.mlp_layer == "swiglu_packed" and self.mlp_hidden % 2:
         raise UserError(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vitlab.model.choices import BLOCK_KINDS
+
 ViTConfig = Any  # (config.py imports this module: a ViTConfig, not imported here)
 
 
@@ -33,12 +35,12 @@ def block_flops(self: ViTConfig, n: int, rows: int) -> int:
     d, hidden = self.embed_dim, self.mlp_hidden
     # attention: q k^T and (attention) v, 2 rows N D each; differential attention: two half-width q k^T, v twice
     attend = (6 if self.differential else 4) * rows * n * d
-    if self.block_fn in ("parallel_scaling", "diff_parallel_scaling"):
+    if BLOCK_KINDS[self.block_fn].fused:
         return 2 * n * d * (hidden + 3 * d) + 2 * rows * (d * d + hidden * d) + attend
     # MLP weights: mlp D->Dm->D; swiglu two D->Dm and Dm->D; swiglu_packed D->Dm and Dm/2->D
     mlp = {"mlp": 2 * d * hidden, "swiglu": 3 * d * hidden, "swiglu_packed": d * hidden + hidden // 2 * d}
     per_branch = 2 * (3 * n * d * d + rows * d * d + rows * mlp[self.mlp_layer]) + attend
-    return per_branch * (2 if self.block_fn == "parallel_things" else 1)  # two of each branch
+    return per_branch * BLOCK_KINDS[self.block_fn].branches  # (parallel_things: two of each branch)
 
 
 def activation_values(self: ViTConfig) -> float:

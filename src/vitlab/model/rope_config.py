@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from vitlab.model.choices import ATTENTION_KINDS, attention_names
+from vitlab.model.choices import ATTENTION_KINDS, BLOCK_KINDS, attention_names, names_with
 from vitlab.utils.errors import UserError
 
 ViTConfig = Any  # (config.py imports this module: a ViTConfig, not imported here)
@@ -40,10 +40,10 @@ def check_rope(self: ViTConfig) -> None:
     if self.pos_embed == "sincos1d":
         raise UserError("rope with pos_embed 'sincos1d' (a 1-D table over the tokens): use pos_embed 'none', "
                             "'learn', 'sincos2d' or 'sincos2d_mae' beside it")  # fmt: skip
-    if self.block_fn in ("parallel_scaling", "diff_parallel_scaling") or not ATTENTION_KINDS[self.attn_layer].rope:
+    if BLOCK_KINDS[self.block_fn].fused or not ATTENTION_KINDS[self.attn_layer].rope:
         raise UserError(
-            f"rope rotates the queries and keys of attn_layer {attention_names('rope')} in block_fn 'block', "
-            f"'eva', 'res_post' or 'parallel_things', not {self.attn_layer!r} in {self.block_fn!r}"
+            f"rope rotates the queries and keys of attn_layer {attention_names('rope')} in block_fn "
+            f"{names_with(BLOCK_KINDS, 'fused', False)}, not {self.attn_layer!r} in {self.block_fn!r}"
         )
     for name, allowed in (("rope_grid_indexing", ROPE_GRID_INDEXING),
                               ("rope_normalize_coords", ROPE_NORMALIZE_COORDS)):  # fmt: skip
@@ -88,7 +88,7 @@ def check_kv_heads(self: ViTConfig) -> None:
 
 def check_attention(self: ViTConfig) -> None:
     """EVA's attention options against the rest: attn_layer 'eva', grouped-query heads, q/k/v apart or fused."""
-    if self.attn_layer == "eva" and self.block_fn in ("parallel_scaling", "diff_parallel_scaling"):
+    if self.attn_layer == "eva" and BLOCK_KINDS[self.block_fn].fused:
         raise UserError(f"attn_layer 'eva' is a separate attention: block_fn {self.block_fn!r} has its own")
     if self.num_kv_heads is not None:
         check_kv_heads(self)
@@ -96,6 +96,6 @@ def check_attention(self: ViTConfig) -> None:
     if self.qkv_bias_separate and (not kind.separate_bias or not self.qkv_fused):
         raise UserError(f"qkv_bias_separate adds attn_layer {attention_names('separate_bias')}'s q/v biases after its "
                         "fused qkv projection only")  # fmt: skip
-    if not self.qkv_fused and (not kind.unfused or self.block_fn.endswith("parallel_scaling")):
+    if not self.qkv_fused and (not kind.unfused or BLOCK_KINDS[self.block_fn].fused):
         raise UserError(f"qkv_fused false (q_proj, k_proj, v_proj) is for attn_layer {attention_names('unfused')}, "
                         f"not {self.attn_layer!r} in block_fn {self.block_fn!r}")  # fmt: skip
