@@ -18,16 +18,15 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from vitlab.cli.entry import entry_point
-from vitlab.utils.errors import UserError
 
 
 def check_views(cfg: DictConfig) -> None:
     """what=views: an objective whose views are drawn, named before the data is read."""
-    from vitlab.evaluation.views import OBJECTIVES
+    from vitlab.evaluation.views import view_kind
 
     name = cfg.objective.get("name") if cfg.what == "views" else None
-    if name is not None and name not in OBJECTIVES:
-        raise UserError(f"what=views draws the views of objective={'|'.join(OBJECTIVES)}, not objective={name}")
+    if name is not None:
+        view_kind(name)
 
 
 @entry_point("visualize", check=check_views)
@@ -40,10 +39,11 @@ def main(cfg: DictConfig) -> None:
     out = Path(cfg.paths.output_dir)
     written = []
     if cfg.what == "views":
-        from vitlab.evaluation.views import draw_views
+        from vitlab.evaluation.views import draw_views, view_kind
 
         dm = build.build_datamodule(cfg.data, cfg)
-        mae = (cfg.model.patch_size, cfg.objective.mask_ratio) if cfg.objective.name == "mae" else None
+        masked = view_kind(cfg.objective.name) == "masked"  # MAE's: the patches its encoder does not see
+        mae = (cfg.model.patch_size, cfg.objective.mask_ratio) if masked else None
         written += draw_views(dm, cfg.objective.name, cfg.num_images, cfg.draws, out, mae=mae)
     if cfg.ckpt_path:
         module = build.load_for_inference(cfg.ckpt_path).eval()

@@ -26,8 +26,8 @@ from vitlab.training.optim import (
     states_by_name,
     warmup_cosine,
 )
-from vitlab.utils.checks import to_dict
 from vitlab.utils.errors import UserError
+from vitlab.utils.values import to_dict
 
 
 def test_no_weight_decay_on_norms_biases_layerscale_pos_embed_and_tokens():

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vitlab.cli.config_tree import config_dir, read_user_config_dir, register_resolvers
 from vitlab.cli.schemas import SCHEMAS
-from vitlab.utils.checks import check_arguments
+from vitlab.utils.arguments import check_arguments
 from vitlab.utils.errors import (
     CtrlC,
     Interrupted,
@@ -175,7 +175,7 @@ def _run_command(config_name: str, checked: Check, guarded: Callable[[DictConfig
 
 def check_config(cfg: DictConfig, schema: Any = None, check: Check | None = None) -> None:
     """A command's config before any work: its top-level keys against `schema` (a TypedDict: types and ranges, its
-    groups key by key: utils.checks.check_arguments), the command's own `check` (what needs several keys or the file
+    groups key by key: utils.arguments.check_arguments), the command's own `check` (what needs several keys or the file
     system), then every node that builds something against its target (training.run.node_checks.check_nodes: the data
     module, the Trainer within Lightning's ranges, callbacks, loggers)."""
     if schema is not None:

@@ -39,7 +39,7 @@ from vitlab.training.module import OBJECTIVES, ViTModule
 from vitlab.training.objectives import dino
 from vitlab.training.optim import OptimConfig, scaled_lr
 from vitlab.training.run.node_checks import check_devices, check_node
-from vitlab.utils.checks import check_clipping
+from vitlab.utils.clipping import check_clipping
 from vitlab.utils.errors import UserError
 from vitlab.utils.logs import PROGRESS_BARS, route_lightning_logs
 
