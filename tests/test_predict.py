@@ -15,7 +15,9 @@ from PIL import Image
 from sklearn.datasets import load_digits
 from timm.data import create_transform, resolve_data_config
 
-from tests.helpers import digits_checkpoint, documented, run_cli
+from tests.helpers.commands import run_cli
+from tests.helpers.docs import documented
+from tests.helpers.runs import digits_checkpoint
 from vitlab import predict
 from vitlab.data.images import read_image
 from vitlab.training.run import build

@@ -9,7 +9,9 @@ import yaml
 from PIL import Image
 from sklearn.datasets import load_digits
 
-from tests.helpers import FirstStep, extra_callback, run_cli
+from tests.helpers.callbacks import FirstStep
+from tests.helpers.commands import run_cli
+from tests.helpers.configs import extra_callback
 from vitlab.train import train
 from vitlab.training.module import ViTModule
 

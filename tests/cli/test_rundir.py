@@ -4,7 +4,7 @@ processes could not agree on one."""
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers.commands import run_cli
 from vitlab.cli import overrides, ranks, rundir, startup
 from vitlab.utils.errors import UserError
 

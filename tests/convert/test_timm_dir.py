@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 import vitlab
-from tests.helpers import tiny
+from tests.helpers.configs import tiny
 from vitlab.convert.timm_dir import save_timm_dir
 from vitlab.model import ViT
 from vitlab.training.module import ViTModule

@@ -1,4 +1,4 @@
-"""The documented commands (tests/helpers.py: documented) as a new user types them, from a fresh clone: no
+"""The documented commands (tests/helpers/docs.py: documented) as a new user types them, from a fresh clone: no
 hydra.sweep.dir, no hydra.run.dir, real image files (issue 10, "Broken for users")."""
 
 import contextlib
@@ -14,7 +14,10 @@ import torch
 import yaml
 from PIL import Image
 
-from tests.helpers import ROOT, documented, earlier_run, image_tree, run_cli
+from tests.helpers.commands import ROOT, run_cli
+from tests.helpers.docs import documented
+from tests.helpers.images import image_tree
+from tests.helpers.runs import earlier_run
 
 
 @contextlib.contextmanager

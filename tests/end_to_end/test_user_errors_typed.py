@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, assert_refused, documented, earlier_run, run_cli
+from tests.helpers.commands import ROOT, assert_refused, run_cli
+from tests.helpers.docs import documented
+from tests.helpers.runs import earlier_run
 
 TRAIN_KEYS = (
     "its top-level keys: ['ckpt_path', 'compile', 'freeze_backbone', 'memory_budget_gb', 'memory_check', 'model', "

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import run_cli
+from tests.helpers.commands import run_cli
 from vitlab.utils.errors import UserError
 
 CLASSES = 7  # more than 5: top-5 can miss

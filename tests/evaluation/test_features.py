@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import run_cli, tiny
+from tests.helpers.commands import run_cli
+from tests.helpers.configs import tiny
 from vitlab.evaluation.features import POOLED, Layers, layers_of
 from vitlab.evaluation.tasks import linear_views
 from vitlab.model import ViT

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import run_cli
+from tests.helpers.commands import run_cli
 from vitlab.utils.errors import UserError
 
 NAME = "vit_tiny_patch16_224.augreg_in21k"

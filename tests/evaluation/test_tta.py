@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers import tiny
+from tests.helpers.configs import tiny
 from vitlab.evaluation.tta import TestTimeAugmentation, crop_pad, views
 from vitlab.model.vit import ViT
 from vitlab.utils.errors import UserError

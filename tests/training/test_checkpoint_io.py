@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.helpers import ROOT, run_cli
+from tests.helpers.commands import ROOT, run_cli
 from vitlab.training.checkpoint_io import upgrade_hparams
 from vitlab.training.module import ViTModule
 from vitlab.training.objectives.classification import Classification

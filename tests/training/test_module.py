@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import tiny
+from tests.helpers.configs import tiny
 from vitlab.training.module import ViTModule
 from vitlab.training.optim import param_groups
 
@@ -154,7 +154,8 @@ SPIED = {
 
 
 def _spied_run(compose_cfg, extra) -> list[str]:
-    from tests.helpers import ForbidHostReads, extra_callback
+    from tests.helpers.callbacks import ForbidHostReads
+    from tests.helpers.configs import extra_callback
     from vitlab.train import train
 
     ForbidHostReads.found.clear()

@@ -6,7 +6,7 @@ from typing import Literal, TypedDict
 
 import pytest
 
-from tests.helpers import tiny
+from tests.helpers.configs import tiny
 from vitlab.training.module import ViTModule
 from vitlab.utils.arguments import (
     Fraction,
