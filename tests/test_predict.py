@@ -18,7 +18,7 @@ from timm.data import create_transform, resolve_data_config
 from tests.helpers import digits_checkpoint, documented, run_cli
 from vitlab import predict
 from vitlab.data.images import read_image
-from vitlab.training.run import build
+from vitlab.training.run import inference
 
 SIZES = [(40, 64), (90, 30), (120, 200)]  # (height, width) of the photos: wide, tall, wide
 
@@ -56,8 +56,8 @@ def test_predict_and_the_timm_export_prepare_and_rank_photos_alike(ckpt, tmp_pat
     r = run_cli("export", f"ckpt_path={ckpt}", "format=timm", f"output={folder}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     # The one preprocessing: the eval transform of the data module the checkpoint stores.
-    module = build.load_for_inference(str(ckpt)).eval()
-    data = build.inference_datamodule(module, str(ckpt))
+    module = inference.load_for_inference(str(ckpt)).eval()
+    data = inference.inference_datamodule(module, str(ckpt))
     pretrained_cfg = json.loads((folder / "config.json").read_text())["pretrained_cfg"]
     assert {k: pretrained_cfg[k] for k in data.preprocessing} == json.loads(json.dumps(data.preprocessing))
     assert pretrained_cfg["crop_mode"] == "center" and pretrained_cfg["crop_pct"] == 1.0

@@ -59,11 +59,11 @@ def check_classes(trained: list[str], data: list[str], ckpt_path: str) -> None:
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     from vitlab.evaluation import seg_probe, tasks
     from vitlab.evaluation.tta import score_with_tta
-    from vitlab.training.run import build
+    from vitlab.training.run import build, inference
 
     if cfg.ckpt_path is None:  # model.pretrained=<timm name>: timm's weights, frozen features only
         return write_metrics(cfg, tasks.probe_pretrained(cfg))
-    module = build.load_for_inference(cfg.ckpt_path)
+    module = inference.load_for_inference(cfg.ckpt_path)
     if cfg.task == "test" and not module.objective.uses_labels:  # an encoder: no classifier to test
         raise UserError(
             f"checkpoint {cfg.ckpt_path!r} is objective={module.objective.name} pretraining (an encoder without a "

@@ -49,16 +49,16 @@ def predict(cfg: DictConfig) -> list[dict]:
 
 def _checkpoint(cfg: DictConfig) -> tuple:
     """A trained checkpoint's model, its test images' preparation, its class names."""
-    from vitlab.training.run import build
+    from vitlab.training.run import inference
 
-    module = build.load_for_inference(cfg.ckpt_path, map_location=cfg.device).eval()
+    module = inference.load_for_inference(cfg.ckpt_path, map_location=cfg.device).eval()
     if not module.objective.uses_labels:  # an encoder: no classifier to rank classes with (as eval task=test says)
         raise UserError(
             f"checkpoint {cfg.ckpt_path!r} is objective={module.objective.name} pretraining (an encoder without a "
             "classifier): it has no classes to predict; fine-tune it first (python -m vitlab.train "
             f"model.pretrained={cfg.ckpt_path} ...) or evaluate its features with vitlab.eval task=knn|linear|fewshot"
         )
-    datamodule = build.inference_datamodule(module, cfg.ckpt_path)
+    datamodule = inference.inference_datamodule(module, cfg.ckpt_path)
     names = module.hparams.get("class_names") or [str(i) for i in range(module.model.cfg.num_classes)]
     return module.model, datamodule.predict_tensor, names
 
