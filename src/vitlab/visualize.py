@@ -34,7 +34,7 @@ def main(cfg: DictConfig) -> None:
     from vitlab.data.images import read_image
     from vitlab.evaluation.figures import plot_attention, plot_embeddings, plot_learning_curves, plot_reconstructions
     from vitlab.training.objectives.mae import MAE
-    from vitlab.training.run import build
+    from vitlab.training.run import build, inference
 
     out = Path(cfg.paths.output_dir)
     written = []
@@ -46,15 +46,15 @@ def main(cfg: DictConfig) -> None:
         mae = (cfg.model.patch_size, cfg.objective.mask_ratio) if masked else None
         written += draw_views(dm, cfg.objective.name, cfg.num_images, cfg.draws, out, mae=mae)
     if cfg.ckpt_path:
-        module = build.load_for_inference(cfg.ckpt_path).eval()
+        module = inference.load_for_inference(cfg.ckpt_path).eval()
         img = read_image(cfg.image, module.model.cfg.in_chans) if cfg.image else None  # before any figure
         written += plot_embeddings(module.model, out).values()
         if img is not None:
-            dm = build.inference_datamodule(module, cfg.ckpt_path)
+            dm = inference.inference_datamodule(module, cfg.ckpt_path)
             x = dm.predict_tensor(img)
             written += plot_attention(module.model, x, dm.mean, dm.std, out).values()
         if isinstance(module.objective, MAE):  # an MAE pretraining run's checkpoint
-            dm = build.inference_datamodule(module, cfg.ckpt_path)
+            dm = inference.inference_datamodule(module, cfg.ckpt_path)
             x = dm.first_images("test", cfg.num_images)
             written.append(
                 plot_reconstructions(

@@ -135,7 +135,7 @@ def folder_run(tmp_path_factory):
 @pytest.mark.parametrize("kind", ["16-bit", "EXIF-rotated"])
 def test_predict_sees_the_image_training_and_eval_see(folder_run, tmp_path, kind):
     from vitlab.data.images import load_image
-    from vitlab.training.run.build import inference_datamodule, load_for_inference
+    from vitlab.training.run.inference import inference_datamodule, load_for_inference
 
     tree, ckpt = folder_run
     photo = _photos(tmp_path / "photos")[kind]

@@ -68,7 +68,7 @@ def _probes_of(ckpt: Path, max_train: int, ks, shots) -> dict[str, float]:
     from vitlab.evaluation.features import split_features
     from vitlab.evaluation.probes import fewshot_accuracy, knn_accuracy
     from vitlab.evaluation.representation import _Limited
-    from vitlab.training.run.build import inference_datamodule, load_for_inference
+    from vitlab.training.run.inference import inference_datamodule, load_for_inference
 
     module = load_for_inference(str(ckpt)).eval()
     dm = inference_datamodule(module, str(ckpt))

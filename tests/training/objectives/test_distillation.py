@@ -96,7 +96,7 @@ def test_distillation_from_a_vitlab_teacher_trains_on_digits(compose_cfg, tmp_pa
     from tests.helpers.callbacks import FirstStep
     from tests.helpers.configs import extra_callback
     from vitlab.train import train
-    from vitlab.training.run.build import load_for_inference
+    from vitlab.training.run.inference import load_for_inference
 
     base = ["debug=limit", "progress_bar=none", "callbacks=default"]
     train(compose_cfg("train", base, output_dir=tmp_path / "teacher"))
