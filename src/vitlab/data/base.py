@@ -28,8 +28,8 @@ from vitlab.data.folds import describe_splits, held_out  # noqa: F401  (where th
 from vitlab.data.resident import ResidentImages, already_batched
 from vitlab.data.seeded import RepeatSampler, RepeatSeededSampler, SeededSampler, TransformDataset, init_worker
 from vitlab.model.config import as_hw
-from vitlab.utils.checks import from_mapping
 from vitlab.utils.errors import UserError
+from vitlab.utils.values import from_mapping
 
 
 class DataModule(L.LightningDataModule):
