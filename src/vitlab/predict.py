@@ -23,7 +23,6 @@ def predict(cfg: DictConfig) -> list[dict]:
     import torch
 
     from vitlab.data.images import read_image
-    from vitlab.data.naflex import to_device
 
     model, prepare, names = _checkpoint(cfg) if cfg.ckpt_path is not None else _pretrained(cfg)
     top_k = min(5, len(names)) if cfg.top_k is None else cfg.top_k  # (a model of 3 classes ranks 3 by default)
@@ -34,7 +33,7 @@ def predict(cfg: DictConfig) -> list[dict]:
     results = []
     for path, img in zip(images, pixels, strict=True):
         with torch.no_grad():
-            probs = model(to_device(prepare(img), cfg.device)).float().softmax(-1)[0]  # (NaFlex: a dict)
+            probs = model(prepare(img).to(cfg.device)).float().softmax(-1)[0]  # (NaFlex's: a NaFlexBatch)
         top = probs.topk(top_k)
         ranked = [
             {"class": names[i], "index": int(i), "prob": float(p)} for p, i in zip(top.values, top.indices, strict=True)

@@ -374,16 +374,14 @@ class ImageDataModule(DataModule):
         if isinstance(batch, decoding.EncodedBatch):  # data.decode=device: decoded here, then as any uint8 batch
             return self.to_input(decoding.augmented(self, batch, train), train, self.rng), batch.labels
         x, y = batch[:2]
-        if isinstance(x, dict):  # NaFlex's padded patches (data/naflex.py)
-            return naflex_loading.normalise(x, self.mean, self.std, self.naflex_erasing if train else None, self.rng), y
         if train and self.views is not None and isinstance(x, list):  # objective=dino, views cut in the workers
             return self.views.normalised(x, self.rng), y
         if train and self.views is not None:  # objective=dino: the views (and iBOT's masks) of every image
             return self.views(x.to(torch.float32).div_(255), self.rng), y
         if train and self.resides:
             x = self.shift_flip(x, self.rng)
-        size = sizes.batch_hw(batch) if train and self.size_schedule is not None else None
-        return self.to_input(x, train, self.rng, size), y
+        size = self.size_schedule.batch_hw(batch) if train and self.size_schedule is not None else None
+        return self.to_input(x, train, self.rng, size), y  # (NaFlex's patches: its Normalise, data/naflex.py)
 
     def eval_view(self, split: str) -> Dataset:
         dataset = super().eval_view(split)

@@ -10,9 +10,12 @@ ratio within a patch budget, batches of variable sequence length, padded, with m
   the same step, resumed mid-epoch by its position and shared out under DDP as the other samplers. Streamed data
   (data=wds, hf streaming) has no indices: its readers yield the same schedule's whole batches (data/streamed.py).
 - Evaluation: timm's ResizeToSequence at `max_seq_len` (default max(seq_lens)), data.batch_size a batch.
-- A batch is {patches (B, L, P*P*C) uint8, patch_coord (B, L, 2), patch_valid (B, L)}, labels: normalised on the
-  device (`normalise`); the loss of a training batch is scaled by its batch size over data.batch_size (timm's
-  `--naflex-loss-scale`: linear, sqrt or none), carried as the batch's `loss_scale`.
+- A batch is a `NaFlexBatch` {patches (B, L, P*P*C) uint8, patch_coord (B, L, 2), patch_valid (B, L)}, labels:
+  normalised on the device (`Normalise`, the data module's `to_input`); the loss of a training batch is scaled by its
+  batch size over data.batch_size (timm's `--naflex-loss-scale`: linear, sqrt or none), carried as the batch's
+  `loss_scale`. The batch answers what the rest of vitlab asks of it (its move to a device, its normalisation, its
+  loss's weight, a teacher's view of it), and the schedule what the loaders ask of it (data/sizes.py): no code outside
+  this file and model/ asks whether a batch or a run is NaFlex's.
 
 No Hydra, OmegaConf or Lightning here.
 """
@@ -21,9 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torchvision.transforms.v2 as T
@@ -53,6 +57,9 @@ class NaFlexSchedule(SizeSchedule):
     loss_scale: str = "linear"
     ratio: tuple[float, float] = (0.75, 4 / 3)
     reference_batch: int = 1  # data.batch_size: the batch at max(seq_lens), what the loss scale divides by
+
+    key: ClassVar[str] = "data.naflex.seq_lens"
+    not_on_device: ClassVar[str] = "NaFlex's variable-size patches are made per image"
 
     @classmethod
     def from_config(cls, naflex: dict | None, batch_size: int) -> NaFlexSchedule | None:
@@ -120,6 +127,22 @@ class NaFlexSchedule(SizeSchedule):
         world = dm.trainer.world_size if dm.trainer is not None else 1
         return made, [Collate(self, world)] * len(self.seq_lens)
 
+    def batch_hw(self, batch: Sequence[Any]) -> None:
+        """None: a batch of patches has no one size to resize to (each image is at its own, within its length)."""
+        return None
+
+    def training_view(self, img: torch.Tensor) -> dict[str, Any]:
+        """The training crop (timm's RandomResizedCropToSequence) at one of `seq_lens` drawn from Python's generator,
+        its box recorded (its get_params), resized to the size that length allows the crop's aspect, as
+        evaluation/views.py draws the views: {image (C, h, w) in [0, 1], box [x0, y0, x1, y1], size [h, w]}."""
+        seq_len = random.choice(self.seq_lens)
+        crop, flip = train_transform(seq_len, self.patch_hw, *self.view_args).transforms[1:3]
+        ph, pw = self.patch_hw
+        (top, left, h, w), size, mode = crop.get_params(img, crop.scale, crop.ratio, crop.attempts, ph, pw, seq_len,
+                                                        interpolation=crop.interpolation)  # fmt: skip
+        x = flip(T.functional.resized_crop(img, top, left, h, w, list(size), interpolation=mode, antialias=True))
+        return {"image": x.float() / 255, "box": [left, top, left + w, top + h], "size": list(x.shape[-2:])}
+
     def check_model(self, model: Any, objective: str) -> None:
         if not getattr(model, "naflex", False):
             raise UserError(
@@ -166,20 +189,65 @@ def eval_transform(seq_len: int, patch_hw, interpolation: str = "bicubic") -> T.
     return T.Compose([T.ToImage(), resize, Patches(patch_hw), Pad(seq_len)])
 
 
+class NaFlexBatch(dict):
+    """NaFlex's padded patches: {patches (B, L, P*P*C), patch_coord (B, L, 2) (y, x), patch_valid (B, L)} and, for a
+    training batch, its `loss_scale` (one image's, unbatched, as `Pad` makes it). A dict, as the model takes it
+    (model/naflex.py) and as the loaders' collate and pin_memory and Lightning's move to the device copy it, keeping
+    its type; what vitlab asks of a batch besides, it answers itself."""
+
+    def to(self, device: torch.device | str) -> NaFlexBatch:
+        """On `device` (vitlab.predict: as a tensor of images moves)."""
+        return NaFlexBatch({k: v.to(device) for k, v in self.items()})
+
+    @property
+    def loss_scale(self) -> torch.Tensor | None:
+        """The weight of a training batch's loss (`Collate`); None for an evaluation batch."""
+        return self.get("loss_scale")
+
+    def normalised(
+        self,
+        mean: Sequence[float],
+        std: Sequence[float],
+        erasing: Erasing | None = None,
+        generator: torch.Generator | None = None,
+    ) -> NaFlexBatch:
+        """uint8 patches (B, L, P*P*C) on the device -> float32 normalised per channel (C varies fastest), then erased
+        (training's `erasing`, where data.train_transform.random_erasing is set, its draws seeded from `generator`)."""
+        x = self["patches"]
+        C = len(mean)
+        m = torch.tensor(mean, device=x.device, dtype=torch.float32)
+        s = torch.tensor(std, device=x.device, dtype=torch.float32)
+        x = (x.to(torch.float32).div_(255).unflatten(-1, (-1, C)) - m) / s
+        if erasing is not None:
+            x = erasing(x, self["patch_coord"], self["patch_valid"], generator)
+        return NaFlexBatch(self, patches=x.flatten(-2))
+
+    def teacher_logits(self, kd: Any, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+        """timm's DistillationTeacher `kd` (objective=distill's teacher) on this normalised batch: the patches re-
+        normalised per channel from the student's `mean` and `std` to the teacher's; a teacher that takes NaFlex's
+        patches only (a naflexvit: ours, or timm's NaFlexVit)."""
+        model = kd.model
+        if not (getattr(getattr(model, "cfg", None), "naflex", False) or type(model).__name__ == "NaFlexVit"):
+            raise UserError("data.naflex batches need a teacher that takes them: a naflexvit (checkpoint or timm)")
+        p = self["patches"].unflatten(-1, (-1, kd.mean_kd.shape[1])) * std.flatten() + mean.flatten()
+        p = (p - kd.mean_kd.flatten()) / kd.std_kd.flatten()
+        return model({k: v for k, v in self.items() if k != "loss_scale"} | {"patches": p.flatten(-2)}).float()
+
+
 class Pad:
-    """(patches, coordinates) -> {patches, patch_coord, patch_valid} padded to `seq_len` patches (timm's
+    """(patches, coordinates) -> a NaFlexBatch {patches, patch_coord, patch_valid} padded to `seq_len` patches (timm's
     NaFlexCollator, per image in the workers: the loader's default collate stacks them)."""
 
     def __init__(self, seq_len: int):
         self.seq_len = seq_len
 
-    def __call__(self, item: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def __call__(self, item: tuple[torch.Tensor, torch.Tensor]) -> NaFlexBatch:
         (p, c), L = item, self.seq_len
         n = min(len(p), L)
         patches = p.new_zeros(L, p.shape[1])
         coord, valid = c.new_zeros(L, 2), torch.zeros(L, dtype=torch.bool)
         patches[:n], coord[:n], valid[:n] = p[:n], c[:n], True
-        return {"patches": patches, "patch_coord": coord, "patch_valid": valid}
+        return NaFlexBatch(patches=patches, patch_coord=coord, patch_valid=valid)
 
 
 class Collate:
@@ -190,7 +258,7 @@ class Collate:
 
     def __call__(self, items):
         x, y = default_collate(items)
-        return [x | {"loss_scale": torch.tensor(loss_scale(len(y), self.schedule, self.world))}, y]
+        return [NaFlexBatch(x, loss_scale=torch.tensor(loss_scale(len(y), self.schedule, self.world))), y]
 
 
 def loss_scale(batch: int, schedule: NaFlexSchedule, world: int = 1) -> float:
@@ -201,23 +269,15 @@ def loss_scale(batch: int, schedule: NaFlexSchedule, world: int = 1) -> float:
     return ratio**0.5 if schedule.loss_scale == "sqrt" else ratio
 
 
-def normalise(
-    batch: dict,
-    mean: Sequence[float],
-    std: Sequence[float],
-    erasing: Erasing | None = None,
-    generator: torch.Generator | None = None,
-) -> dict:
-    """uint8 patches (B, L, P*P*C) on the device -> float32 normalised per channel (C varies fastest), then erased
-    (training's `erasing`, where data.train_transform.random_erasing is set, its draws seeded from `generator`)."""
-    x = batch["patches"]
-    C = len(mean)
-    m = torch.tensor(mean, device=x.device, dtype=torch.float32)
-    s = torch.tensor(std, device=x.device, dtype=torch.float32)
-    x = (x.to(torch.float32).div_(255).unflatten(-1, (-1, C)) - m) / s
-    if erasing is not None:
-        x = erasing(x, batch["patch_coord"], batch["patch_valid"], generator)
-    return batch | {"patches": x.flatten(-2)}
+class Normalise:
+    """An ImageDataModule's `to_input` for NaFlex batches, as transforms.DeviceTransform is for images: normalised, and
+    erased in training (`erasing`: data.train_transform.random_erasing's, None where it is off)."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float], erasing: Erasing | None):
+        self.mean, self.std, self.erasing = mean, std, erasing
+
+    def __call__(self, x: NaFlexBatch, train: bool, generator: torch.Generator | None = None, size=None) -> NaFlexBatch:
+        return x.normalised(self.mean, self.std, self.erasing if train else None, generator)
 
 
 class Erasing:
@@ -250,9 +310,9 @@ class Erasing:
 
 def setup(dm: Any, naflex: dict | None) -> None:
     """An ImageDataModule's NaFlex loading (data.naflex), where seq_lens is set: the schedule of its training batches,
-    its evaluation transform; its splits are read by the loaders (not held on the device)."""
+    its evaluation transform, its batches' normalisation (`to_input`); its splits are read by the loaders (not held on
+    the device)."""
     schedule = NaFlexSchedule.from_config(naflex, dm.batch_size)
-    dm.naflex_erasing = None
     if schedule is None:
         return
     if dm.size_schedule is not None or dm.views is not None:
@@ -264,16 +324,18 @@ def setup(dm: Any, naflex: dict | None) -> None:
             value, off = (str(v).lower() if isinstance(v, bool) else v for v in (value, off))
             raise UserError(f"data.train_transform.{key} {value} crops square images; NaFlex crops each image with "
                             f"random_resized_crop at its own aspect: set data.train_transform.{key}={off}")  # fmt: skip
-    if t.random_erasing:
-        dm.naflex_erasing = Erasing(t.random_erasing, t.erasing_mode, t.erasing_count)
+    erasing = Erasing(t.random_erasing, t.erasing_mode, t.erasing_count) if t.random_erasing else None
+    dm.to_input = Normalise(dm.mean, dm.std, erasing)
     view = (tuple(t.random_resized_crop or (1.0, 1.0)), schedule.ratio, t.hflip, t.interpolation)
     dm.size_schedule, dm.resides = dataclasses.replace(schedule, view_args=view), False
     dm.eval_tf = eval_transform(schedule.max_seq_len, schedule.patch_hw, interpolation)
 
 
-def to_device(x, device):
-    """A model input (images, or a NaFlex batch's dict) on `device`."""
-    return {k: v.to(device) for k, v in x.items()} if isinstance(x, dict) else x.to(device)
+def check_square_reader(model: Any, refusal: str) -> None:
+    """`refusal` (a one-line UserError) for a model (a ViTConfig) that takes NaFlex's patches, by what reads square
+    images' patch grids or blocks' tokens (evaluation's layers, the segmentation probe)."""
+    if model.naflex:
+        raise UserError(refusal)
 
 
 def check_mixup(mixup: Any) -> None:
