@@ -19,9 +19,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError
 
 import vitlab.data
-from vitlab.data.base import DataModule, ImageDataModule
+from vitlab.data.base import DataModule
 from vitlab.data.folds import check_folds
 from vitlab.data.formats import FORMATS
+from vitlab.data.image_module import ImageDataModule
 from vitlab.training.run.ranges import DataRanges, TrainerValues, check_devices  # (check_devices: torch-free)
 from vitlab.utils.checks import (
     check_arguments,
