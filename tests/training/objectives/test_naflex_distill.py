@@ -5,7 +5,7 @@ is refused in one line."""
 import pytest
 import torch
 
-from vitlab.data.naflex import NaFlexBatch
+from vitlab.data.naflex_batch import NaFlexBatch
 from vitlab.model import ViT, ViTConfig
 from vitlab.model.naflex import patchify
 from vitlab.training.objectives.distillation import Teacher

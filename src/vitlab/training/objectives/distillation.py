@@ -36,7 +36,7 @@ from vitlab.utils.checks import check_range
 from vitlab.utils.errors import MissingFileError, UserError
 
 if TYPE_CHECKING:
-    from vitlab.data.naflex import NaFlexBatch
+    from vitlab.data.naflex_batch import NaFlexBatch
 
 DISTILL_TYPES = ("soft", "hard")
 
