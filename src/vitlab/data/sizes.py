@@ -35,7 +35,6 @@ from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampl
 from torch.utils.data._utils.collate import default_collate
 
 from vitlab.data import transforms
-from vitlab.data.resident import ResidentImages
 from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -235,7 +234,7 @@ def scheduled_loading(dm: Any, sampler: Sampler, dataset: Dataset, world: int) -
     if isinstance(dataset, IterableDataset):  # (streamed splits batch themselves: streamed_loading)
         raise UserError(f"{schedule.key} needs images read by index; {type(dm).__name__} streams them")
     batches = _scheduled_batches(dm, sampler, world)
-    if isinstance(dataset, ResidentImages):  # (never NaFlex's: its splits are not held on the device)
+    if dm.resides:  # `dataset` is the split held on the device (data/resident.py; never NaFlex's, which it reads)
         return batches, ScheduledImages(dataset, schedule.img_sizes)
     return batches, ScheduledImages(dataset, schedule.img_sizes, *schedule.loading(dm))
 
