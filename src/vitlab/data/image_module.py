@@ -17,8 +17,8 @@ from vitlab.data import naflex as naflex_loading
 from vitlab.data.base import DataModule
 from vitlab.data.resident import ResidentImages
 from vitlab.data.seeded import RepeatSampler, RepeatSeededSampler, TransformDataset
-from vitlab.utils.checks import from_mapping
 from vitlab.utils.errors import UserError
+from vitlab.utils.values import from_mapping
 
 
 class ImageDataModule(DataModule):

@@ -1,7 +1,6 @@
 """The assembly layer: a composed config becomes the objects a command runs (datamodule, module,
-trainer with its loggers and callbacks), and a checkpoint path becomes a module to test or predict
-with. Every command (`train`, `eval`, `predict`, `visualize`, `benchmark`) calls these; no command
-imports another.
+trainer with its loggers and callbacks); a checkpoint becomes a module to test or predict with in inference.py.
+Every command (`train`, `eval`, `predict`, `visualize`, `benchmark`) calls these; no command imports another.
 """
 
 from __future__ import annotations
@@ -9,11 +8,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import inspect
 import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import lightning as L
@@ -25,13 +23,12 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
+from vitlab.convert.weights import read_checkpoint
 from vitlab.data import naflex as naflex_loading
 from vitlab.data import sizes
 from vitlab.model.config import vit_config
 from vitlab.training.callbacks.health import AdaptiveGradientClipping
 from vitlab.training.callbacks.standard import NonFiniteLoss, RichBar, TQDMBar
-from vitlab.training.checkpoint_io import upgrade_hparams
 from vitlab.training.devices import float8, sharding
 from vitlab.training.devices.hardware import resolve_trainer
 from vitlab.training.devices.rank_state import RankState
@@ -39,7 +36,7 @@ from vitlab.training.module import OBJECTIVES, ViTModule
 from vitlab.training.objectives import dino
 from vitlab.training.optim import OptimConfig, scaled_lr
 from vitlab.training.run.node_checks import check_devices, check_node
-from vitlab.utils.checks import check_clipping
+from vitlab.utils.clipping import check_clipping
 from vitlab.utils.errors import UserError
 from vitlab.utils.logs import PROGRESS_BARS, route_lightning_logs
 
@@ -53,14 +50,16 @@ __all__ = [
     "build_trainer",
     "build_callbacks",
     "loggers_finished",
-    "inference_datamodule",
-    "load_for_inference",
 ]
 
 
-def build_datamodule(data_cfg: DictConfig, train_cfg: DictConfig | None = None) -> L.LightningDataModule:
-    """The data module of `data_cfg`; of a train config's (`train_cfg`), with the views its objective trains on
-    (objective=dino's multi-crop)."""
+def build_datamodule(
+    data_cfg: DictConfig | Mapping[str, Any], train_cfg: DictConfig | None = None
+) -> L.LightningDataModule:
+    """The data module of `data_cfg` (a config node, or a plain resolved mapping with its `_target_`); of a train
+    config's (`train_cfg`), with the views its objective trains on (objective=dino's multi-crop)."""
+    if not isinstance(data_cfg, DictConfig):
+        data_cfg = OmegaConf.create(dict(data_cfg))
     check_node(data_cfg, "data")
     if train_cfg is not None and train_cfg.objective.get("name") == "dino":
         objective = OmegaConf.to_container(train_cfg.objective, resolve=True)
@@ -320,9 +319,12 @@ def build_fit(
     return Fit(datamodule, module, trainer, loggers)
 
 
-def build_trainer(trainer_cfg: DictConfig, **kwargs: Any) -> L.Trainer:
-    """The Lightning Trainer of the config. Lightning's own refusal of a setting becomes one line: a
-    device request this machine cannot serve names what there is; any other names the setting."""
+def build_trainer(trainer_cfg: DictConfig | Mapping[str, Any], **kwargs: Any) -> L.Trainer:
+    """The Lightning Trainer of the config (a config node, or a plain resolved mapping with its `_target_`).
+    Lightning's own refusal of a setting becomes one line: a device request this machine cannot serve names what
+    there is; any other names the setting."""
+    if not isinstance(trainer_cfg, DictConfig):
+        trainer_cfg = OmegaConf.create(dict(trainer_cfg))
     check_devices(trainer_cfg)
     if (chosen := resolve_trainer(trainer_cfg)) and rank_zero_only.rank == 0:  # 'auto' is ours: Lightning's next
         log.info(chosen)
@@ -371,30 +373,3 @@ class LightningWorkarounds(L.Callback):
 
 def _is_device_error(text: str) -> bool:
     return any(word in text.lower() for word in ("device", "accelerator", "gpu", "cuda", "mps", "tpu"))
-
-
-# ---- checkpoints ---------------------------------------------------------------------------------
-
-
-def load_for_inference(ckpt_path: str, map_location: str = "cpu") -> ViTModule:
-    """A trained ViTModule from a checkpoint file, rebuilt from the config stored in it (no Hydra), for
-    eval, predict and visualize."""
-    ckpt = read_checkpoint(ckpt_path)  # names a missing, corrupt or unsafe file in one line
-    upgraded = upgrade_hparams(ckpt["hyper_parameters"])  # written before objectives were objects: the same module
-    if not is_sharded_checkpoint(ckpt_path):
-        return ViTModule.load_from_checkpoint(ckpt_path, map_location=map_location, weights_only=True, **upgraded)
-    # A directory of shards, gathered in memory: the module built from it as load_from_checkpoint builds one.
-    takes = inspect.signature(ViTModule.__init__).parameters
-    module = ViTModule(**{k: v for k, v in ckpt["hyper_parameters"].items() if k in takes} | upgraded)
-    module.on_load_checkpoint(ckpt)
-    module.load_state_dict(ckpt["state_dict"])
-    return module.to(map_location)
-
-
-def inference_datamodule(module: ViTModule, ckpt_path: str) -> L.LightningDataModule:
-    """The DataModule of the checkpoint's stored data config: its predict_tensor() prepares an image
-    exactly as the test images were."""
-    data = module.hparams.get("data")
-    if not data:
-        raise UserError(f"checkpoint {ckpt_path!r} stores no data config to preprocess images with")
-    return build_datamodule(OmegaConf.create(data))
