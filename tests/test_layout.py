@@ -285,6 +285,54 @@ def test_layers_take_what_they_use_not_the_model_config():
     assert slips == []
 
 
+# NaFlex's rooms (issue 73): the model's own (model/), its loading (data/naflex*.py) and its timm conversion. Outside
+# them a NaFlex batch, schedule or model answers for itself (NaFlexBatch, the size schedule's methods); nothing asks.
+NAFLEX_ROOMS = ("model/", "data/naflex", "convert/timm_naflex")
+NAFLEX_WORDS = ("naflex", "seq_lens", "loss_scale")
+# The branch the fit's assembly holds until the run's plan takes data.naflex's decision (issue 73, point 1).
+NAFLEX_PENDING = {"training/run/build.py"}
+
+
+def _naflex_branches(tree: ast.AST) -> list[tuple[int, str]]:
+    """Each `if`/`while`/`assert`/conditional expression/comprehension filter whose test names NaFlex, and each
+    isinstance/hasattr, or comparison of a class's name (a type test by name), that names it."""
+
+    def names_naflex(node: ast.AST) -> bool:
+        words = [n.id for n in ast.walk(node) if isinstance(n, ast.Name)]
+        words += [n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)]
+        words += [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+        return any(w in word.lower() for word in words for w in NAFLEX_WORDS)
+
+    found = []
+    for node in ast.walk(tree):
+        tests = []
+        if isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)):
+            tests = [node.test]
+        elif isinstance(node, ast.comprehension):
+            tests = node.ifs
+        elif (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("isinstance", "hasattr")
+        ):
+            tests = [node]
+        elif isinstance(node, ast.Compare) and any(
+            isinstance(n, ast.Attribute) and n.attr == "__name__" for n in ast.walk(node)
+        ):
+            tests = [node]  # a type test by the class's name
+        found += [(t.lineno, ast.unparse(t)) for t in tests if names_naflex(t)]
+    return found
+
+
+def test_no_naflex_branch_outside_its_rooms():
+    """No code outside NaFlex's rooms asks whether a batch, a schedule or a model is NaFlex's (issue 73, point 3)."""
+    found = [
+        f"{rel}:{line}: {text}"
+        for path in sorted(SRC.rglob("*.py"))
+        if not (rel := str(path.relative_to(SRC))).startswith(NAFLEX_ROOMS) and rel not in NAFLEX_PENDING
+        for line, text in _naflex_branches(ast.parse(path.read_text()))
+    ]
+    assert found == []
+
+
 OBJECTIVE_NAMES = {"classify", "distill", "mae", "dino"}  # training.module.OBJECTIVES' keys
 # Comparisons with an objective's name that issue 73's other steps take out of these files (the size schedules'
 # objective checks and the data module's views): each entry goes when its file no longer has one.

@@ -45,7 +45,6 @@ def predict(cfg: DictConfig) -> list[dict]:
     import torch
 
     from vitlab.data.images import read_image
-    from vitlab.data.naflex import to_device
 
     plan = PredictPlan.of(cfg)
     model, prepare, names = _checkpoint(plan) if plan.ckpt_path is not None else _pretrained(plan)
@@ -56,7 +55,7 @@ def predict(cfg: DictConfig) -> list[dict]:
     results = []
     for path, img in zip(plan.images, pixels, strict=True):
         with torch.no_grad():
-            probs = model(to_device(prepare(img), plan.device)).float().softmax(-1)[0]  # (NaFlex: a dict)
+            probs = model(prepare(img).to(plan.device)).float().softmax(-1)[0]  # (NaFlex's: a NaFlexBatch)
         top = probs.topk(top_k)
         ranked = [
             {"class": names[i], "index": int(i), "prob": float(p)} for p, i in zip(top.values, top.indices, strict=True)

@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers.images import image_tree
 from vitlab.data import ImageFolderDataModule
-from vitlab.data.base import held_out
+from vitlab.data.folds import held_out
 from vitlab.utils.errors import UserError
 
 

@@ -44,7 +44,7 @@ from torchvision.transforms import v2 as T
 
 from vitlab.benchmark.config import BenchmarkConfig
 from vitlab.benchmark.measure import pick_device, sync
-from vitlab.data import decoding
+from vitlab.data import decoding, formats
 from vitlab.data.seeded import TransformDataset
 from vitlab.data.transforms import INTERPOLATIONS, TORCHVISION_AUGMENTS, TrainTransform
 from vitlab.model.config import as_hw
@@ -84,8 +84,7 @@ class Ceiling(Dataset):
 
 
 # data=<name> of benchmark.pipeline.readers -> its module and the key that says where the images are
-READERS = {"hf": ("vitlab.data.HFDataModule", "name"), "list": ("vitlab.data.ListDataModule", "train_file"),
-           "wds": ("vitlab.data.WDSDataModule", "urls")}  # fmt: skip
+READERS = formats.readers()
 
 
 def reader_loader(dm, data_cfg: DictConfig, reader: str):

@@ -124,7 +124,7 @@ def data_classes(*, _parent_) -> int:
     each takes."""
     import inspect
 
-    from vitlab.data.indexes import CLASS_COUNTS
+    from vitlab.data.formats import class_count
     from vitlab.utils.errors import UserError
 
     if missing := [str(k) for k in _parent_ if OmegaConf.is_missing(_parent_, k)]:  # (before the module's import)
@@ -132,7 +132,7 @@ def data_classes(*, _parent_) -> int:
             f"data.{missing[0]} must be given: this data config ({_parent_._target_}) has no default for it "
             f"(data.{missing[0]}=...)"
         )
-    count = CLASS_COUNTS.get(str(_parent_._target_))
+    count = class_count(str(_parent_._target_))
     if count is None:
         from hydra.utils import get_object
 

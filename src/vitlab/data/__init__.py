@@ -7,18 +7,9 @@ class count, read when the config is checked) refuses a bad value within a secon
 
 import importlib
 
-MODULES = {  # each class, and the module that holds it
-    "CIFAR10DataModule": "cifar",
-    "CIFAR100DataModule": "cifar",
-    "DigitsDataModule": "digits",
-    "FakeDataModule": "fake",
-    "HFDataModule": "hf",
-    "ImageFolderDataModule": "imagefolder",
-    "ListDataModule": "lists",
-    "SegmentationDataModule": "segmentation",
-    "StreamingDataModule": "streaming",
-    "WDSDataModule": "wds",
-}
+from vitlab.data.formats import FORMATS
+
+MODULES = {f.cls: f.module for f in FORMATS.values()}  # each class, and the module that holds it
 
 __all__ = list(MODULES)
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from torchvision import datasets
 
-from vitlab.data.base import ImageDataModule, held_out
+from vitlab.data.folds import held_out
+from vitlab.data.image_module import ImageDataModule
 from vitlab.data.resident import ArrayImages
 from vitlab.data.seeded import TransformDataset
 from vitlab.utils.downloads import downloading

@@ -35,7 +35,6 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2 as T
 
 from vitlab.data import crop_modes, images, transforms
-from vitlab.data.naflex import NaFlexSchedule
 from vitlab.data.seeded import TransformDataset, seeded
 from vitlab.utils.errors import UserError
 
@@ -84,10 +83,8 @@ def check(dm: Any, decode: str) -> str:
     s = dm.train_settings
     if dm.views is not None:
         why = "objective=dino's views are cut per image (multi-crop is not ported to the device)"
-    elif isinstance(dm.size_schedule, NaFlexSchedule):
-        why = "NaFlex's variable-size patches are made per image"
-    elif dm.size_schedule is not None:
-        why = "data.train_img_sizes draws a size a batch in the workers"
+    elif dm.size_schedule is not None:  # several sizes, or NaFlex's lengths (data/sizes.py, data/naflex.py)
+        why = dm.size_schedule.not_on_device
     elif s.shift or s.simple_crop or s.auto_augment is not None:
         name, value = next((n, getattr(s, n)) for n in ("shift", "simple_crop", "auto_augment") if getattr(s, n))
         why = f"data.train_transform.{name}={value} has no batched tensor version here"

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-from vitlab.data.base import ImageDataModule
 from vitlab.data.folds import fold_split
+from vitlab.data.image_module import ImageDataModule
 from vitlab.data.resident import ArrayImages
 from vitlab.data.seeded import TransformDataset
 from vitlab.utils.errors import UserError

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
-from vitlab.data.base import ImageDataModule
+from vitlab.data.image_module import ImageDataModule
 from vitlab.data.seeded import TransformDataset
 from vitlab.utils.errors import UserError
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from torchvision import datasets
 
-from vitlab.data.base import ImageDataModule, describe_splits
+from vitlab.data.folds import describe_splits
+from vitlab.data.image_module import ImageDataModule
 from vitlab.data.images import check_image_file, is_image_file, read_image
 from vitlab.utils.errors import MissingFileError, UserError
 

@@ -1,7 +1,7 @@
 """What the record formats say about themselves, read before torch and Lightning are imported: an image list's rows
 (`data=list`), the description `vitlab.pack format=wds` writes beside its shards (`data=wds`), a Hugging Face
 dataset's splits and columns (`data=hf`, through `datasets`, which imports no torch), and a label column as class
-indices. `${data_classes:}` (cli/config_tree.py) counts a config's classes from them (`CLASS_COUNTS`), so a bad
+indices. `${data_classes:}` (cli/config_tree.py) counts a config's classes from them (data/formats.py), so a bad
 value (a missing list or shard, a column that is not there) is refused within a second; the data modules read the
 same files through the same functions when they set up.
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import csv
 import functools
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -222,11 +222,3 @@ def pick(splits: dict, split: str, name: str) -> Any:
     if split not in splits:
         raise UserError(f"{name} has no split {split!r}; its splits: {', '.join(splits)}")
     return splits[split]
-
-
-# ---- ${data_classes:}: a config's class count, by the data module its _target_ names ----
-CLASS_COUNTS: dict[str, Callable[..., int]] = {
-    "vitlab.data.HFDataModule": hf_classes,
-    "vitlab.data.ListDataModule": list_classes,
-    "vitlab.data.WDSDataModule": wds_classes,
-}

@@ -10,9 +10,13 @@ ratio within a patch budget, batches of variable sequence length, padded, with m
   the same step, resumed mid-epoch by its position and shared out under DDP as the other samplers. Streamed data
   (data=wds, hf streaming) has no indices: its readers yield the same schedule's whole batches (data/streamed.py).
 - Evaluation: timm's ResizeToSequence at `max_seq_len` (default max(seq_lens)), data.batch_size a batch.
-- A batch is {patches (B, L, P*P*C) uint8, patch_coord (B, L, 2), patch_valid (B, L)}, labels: normalised on the
-  device (`normalise`); the loss of a training batch is scaled by its batch size over data.batch_size (timm's
-  `--naflex-loss-scale`: linear, sqrt or none), carried as the batch's `loss_scale`.
+- A batch is a `NaFlexBatch` (data/naflex_batch.py): padded patches with their coordinates and masks, normalised on
+  the device, a training batch's loss weighed by its size (timm's `--naflex-loss-scale`).
+
+The batch answers what the rest of vitlab asks of it (its move to a device, its normalisation, its loss's weight, a
+teacher's view of it), and the schedule what the loaders, the checks and evaluation's views ask of it (data/sizes.py's
+SizeSchedule): no code outside NaFlex's files and model/ asks whether a batch or a run is NaFlex's
+(tests/test_layout.py).
 
 No Hydra, OmegaConf or Lightning here.
 """
@@ -21,24 +25,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torchvision.transforms.v2 as T
 from timm.data.naflex_dataset import calculate_naflex_batch_size
-from timm.data.naflex_random_erasing import PatchRandomErasing
 from timm.data.naflex_transforms import RandomResizedCropToSequence, ResizeToSequence
-from torch.utils.data._utils.collate import default_collate
 
 from vitlab.data import transforms
-from vitlab.data.seeded import seeded
+from vitlab.data.naflex_batch import Collate, Erasing, Normalise, Pad, Patches
 from vitlab.data.sizes import SizeSchedule
 from vitlab.model.config import as_hw
 from vitlab.utils.errors import UserError
 
-LOSS_SCALES = ("linear", "sqrt", "none")
+LOSS_SCALES = ("linear", "sqrt", "none")  # naflex_batch.loss_scale's rules
 KEYS = ("seq_lens", "max_seq_len", "patch_size", "batch_divisor", "loss_scale", "ratio")
 
 
@@ -53,6 +56,9 @@ class NaFlexSchedule(SizeSchedule):
     loss_scale: str = "linear"
     ratio: tuple[float, float] = (0.75, 4 / 3)
     reference_batch: int = 1  # data.batch_size: the batch at max(seq_lens), what the loss scale divides by
+
+    key: ClassVar[str] = "data.naflex.seq_lens"
+    not_on_device: ClassVar[str] = "NaFlex's variable-size patches are made per image"
 
     @classmethod
     def from_config(cls, naflex: dict | None, batch_size: int) -> NaFlexSchedule | None:
@@ -120,6 +126,22 @@ class NaFlexSchedule(SizeSchedule):
         world = dm.trainer.world_size if dm.trainer is not None else 1
         return made, [Collate(self, world)] * len(self.seq_lens)
 
+    def batch_hw(self, batch: Sequence[Any]) -> None:
+        """None: a batch of patches has no one size to resize to (each image is at its own, within its length)."""
+        return None
+
+    def training_view(self, img: torch.Tensor) -> dict[str, Any]:
+        """The training crop (timm's RandomResizedCropToSequence) at one of `seq_lens` drawn from Python's generator,
+        its box recorded (its get_params), resized to the size that length allows the crop's aspect, as
+        evaluation/views.py draws the views: {image (C, h, w) in [0, 1], box [x0, y0, x1, y1], size [h, w]}."""
+        seq_len = random.choice(self.seq_lens)
+        crop, flip = train_transform(seq_len, self.patch_hw, *self.view_args).transforms[1:3]
+        ph, pw = self.patch_hw
+        (top, left, h, w), size, mode = crop.get_params(img, crop.scale, crop.ratio, crop.attempts, ph, pw, seq_len,
+                                                        interpolation=crop.interpolation)  # fmt: skip
+        x = flip(T.functional.resized_crop(img, top, left, h, w, list(size), interpolation=mode, antialias=True))
+        return {"image": x.float() / 255, "box": [left, top, left + w, top + h], "size": list(x.shape[-2:])}
+
     def check_model(self, model: Any, objective: str) -> None:
         if not getattr(model, "naflex", False):
             raise UserError(
@@ -130,24 +152,6 @@ class NaFlexSchedule(SizeSchedule):
             raise UserError(f"data.naflex trains objective=classify or distill, not objective={objective}")
         if tuple(model.patch_hw) != self.patch_hw:
             raise UserError(f"data.naflex.patch_size {list(self.patch_hw)} is not model.patch_size {model.patch_size}")
-
-
-# ---- per image, in the workers -------------------------------------------------------------------------
-
-
-class Patches:
-    """A uint8 image (C, H, W) -> (patches (h*w, ph*pw*C) uint8 in (ph, pw, C) order, coordinates (h*w, 2) (y, x))."""
-
-    def __init__(self, patch_hw: tuple[int, int]):
-        self.patch_hw = patch_hw
-
-    def __call__(self, img: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        (ph, pw), (C, H, W) = self.patch_hw, img.shape
-        h, w = H // ph, W // pw
-        img = img[:, : h * ph, : w * pw]
-        patches = img.reshape(C, h, ph, w, pw).permute(1, 3, 2, 4, 0).reshape(h * w, ph * pw * C)
-        y, x = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-        return patches.contiguous(), torch.stack([y.flatten(), x.flatten()], dim=1)
 
 
 def train_transform(
@@ -166,93 +170,11 @@ def eval_transform(seq_len: int, patch_hw, interpolation: str = "bicubic") -> T.
     return T.Compose([T.ToImage(), resize, Patches(patch_hw), Pad(seq_len)])
 
 
-class Pad:
-    """(patches, coordinates) -> {patches, patch_coord, patch_valid} padded to `seq_len` patches (timm's
-    NaFlexCollator, per image in the workers: the loader's default collate stacks them)."""
-
-    def __init__(self, seq_len: int):
-        self.seq_len = seq_len
-
-    def __call__(self, item: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
-        (p, c), L = item, self.seq_len
-        n = min(len(p), L)
-        patches = p.new_zeros(L, p.shape[1])
-        coord, valid = c.new_zeros(L, 2), torch.zeros(L, dtype=torch.bool)
-        patches[:n], coord[:n], valid[:n] = p[:n], c[:n], True
-        return {"patches": patches, "patch_coord": coord, "patch_valid": valid}
-
-
-class Collate:
-    """A training batch of padded images stacked, with its loss scale (`loss_scale`) beside the patches."""
-
-    def __init__(self, schedule: NaFlexSchedule, world: int):
-        self.schedule, self.world = schedule, world
-
-    def __call__(self, items):
-        x, y = default_collate(items)
-        return [x | {"loss_scale": torch.tensor(loss_scale(len(y), self.schedule, self.world))}, y]
-
-
-def loss_scale(batch: int, schedule: NaFlexSchedule, world: int = 1) -> float:
-    """timm's train.py: a batch's loss times its size over data.batch_size's share (linear), its square root, or 1."""
-    if schedule.loss_scale == "none":
-        return 1.0
-    ratio = batch / max(1, schedule.reference_batch // world)
-    return ratio**0.5 if schedule.loss_scale == "sqrt" else ratio
-
-
-def normalise(
-    batch: dict,
-    mean: Sequence[float],
-    std: Sequence[float],
-    erasing: Erasing | None = None,
-    generator: torch.Generator | None = None,
-) -> dict:
-    """uint8 patches (B, L, P*P*C) on the device -> float32 normalised per channel (C varies fastest), then erased
-    (training's `erasing`, where data.train_transform.random_erasing is set, its draws seeded from `generator`)."""
-    x = batch["patches"]
-    C = len(mean)
-    m = torch.tensor(mean, device=x.device, dtype=torch.float32)
-    s = torch.tensor(std, device=x.device, dtype=torch.float32)
-    x = (x.to(torch.float32).div_(255).unflatten(-1, (-1, C)) - m) / s
-    if erasing is not None:
-        x = erasing(x, batch["patch_coord"], batch["patch_valid"], generator)
-    return batch | {"patches": x.flatten(-2)}
-
-
-class Erasing:
-    """data.train_transform.random_erasing on NaFlex's normalised patches (B, L, P*P, C) as timm's NaFlex loader erases
-    them (its PatchRandomErasing, region mode): with probability `p` an image gets 1 to `count` rectangles of whole
-    patches of its own grid (area 2-33%, aspect 0.3-3.3), filled by `mode` (const zeros, rand a normal colour, pixel
-    normal noise). timm's code draws from Python's and torch's global generators: here they are seeded, for the call,
-    with a number drawn from `generator` (the data module's own, checkpointed, one stream per process, as the square
-    images' erasing draws) and put back after, so a run resumed mid-epoch erases as the uninterrupted one did."""
-
-    def __init__(self, p: float, mode: str, count: int):
-        self.args = dict(erase_prob=p, mode=mode, max_count=count)
-        self._by_device: dict[torch.device, PatchRandomErasing] = {}
-
-    def __call__(
-        self, patches: torch.Tensor, coord: torch.Tensor, valid: torch.Tensor, generator: torch.Generator | None = None
-    ) -> torch.Tensor:
-        if patches.device not in self._by_device:
-            self._by_device[patches.device] = PatchRandomErasing(**self.args, device=patches.device)
-        erase = self._by_device[patches.device]
-        if generator is None:
-            return erase(patches, coord, valid)
-        seed = int(torch.randint(2**62, (1,), generator=generator))
-        cuda = [patches.device] if patches.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda, device_type="cuda"):  # (CPU's and this GPU's put back after)
-            if cuda:  # rand and pixel modes draw their values on the device
-                torch.cuda.default_generators[patches.device.index or 0].manual_seed(seed)
-            return seeded(seed, lambda x: erase(x, coord, valid), patches)
-
-
 def setup(dm: Any, naflex: dict | None) -> None:
     """An ImageDataModule's NaFlex loading (data.naflex), where seq_lens is set: the schedule of its training batches,
-    its evaluation transform; its splits are read by the loaders (not held on the device)."""
+    its evaluation transform, its batches' normalisation (`to_input`); its splits are read by the loaders (not held on
+    the device)."""
     schedule = NaFlexSchedule.from_config(naflex, dm.batch_size)
-    dm.naflex_erasing = None
     if schedule is None:
         return
     if dm.size_schedule is not None or dm.views is not None:
@@ -264,16 +186,18 @@ def setup(dm: Any, naflex: dict | None) -> None:
             value, off = (str(v).lower() if isinstance(v, bool) else v for v in (value, off))
             raise UserError(f"data.train_transform.{key} {value} crops square images; NaFlex crops each image with "
                             f"random_resized_crop at its own aspect: set data.train_transform.{key}={off}")  # fmt: skip
-    if t.random_erasing:
-        dm.naflex_erasing = Erasing(t.random_erasing, t.erasing_mode, t.erasing_count)
+    erasing = Erasing(t.random_erasing, t.erasing_mode, t.erasing_count) if t.random_erasing else None
+    dm.to_input = Normalise(dm.mean, dm.std, erasing)
     view = (tuple(t.random_resized_crop or (1.0, 1.0)), schedule.ratio, t.hflip, t.interpolation)
     dm.size_schedule, dm.resides = dataclasses.replace(schedule, view_args=view), False
     dm.eval_tf = eval_transform(schedule.max_seq_len, schedule.patch_hw, interpolation)
 
 
-def to_device(x, device):
-    """A model input (images, or a NaFlex batch's dict) on `device`."""
-    return {k: v.to(device) for k, v in x.items()} if isinstance(x, dict) else x.to(device)
+def check_square_reader(model: Any, refusal: str) -> None:
+    """`refusal` (a one-line UserError) for a model (a ViTConfig) that takes NaFlex's patches, by what reads square
+    images' patch grids or blocks' tokens (evaluation's layers, the segmentation probe)."""
+    if model.naflex:
+        raise UserError(refusal)
 
 
 def check_mixup(mixup: Any) -> None:

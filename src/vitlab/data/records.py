@@ -17,9 +17,9 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitlab.data import sizes
-from vitlab.data.base import ImageDataModule, describe_splits
 from vitlab.data.folds import describe as describe_folds
-from vitlab.data.folds import kept_and_held
+from vitlab.data.folds import describe_splits, kept_and_held
+from vitlab.data.image_module import ImageDataModule
 from vitlab.data.seeded import TransformDataset, init_worker
 from vitlab.data.streamed import EpochSampler, Holdout, StreamedSplit, whole
 from vitlab.utils.errors import UserError

@@ -139,7 +139,7 @@ def stored_transform(train_tf: T.Compose) -> T.Compose:
 
 def decide(dm: Any) -> bool:
     """Whether `dm`'s splits are held on its device (`dm.on_device`: True, False or "auto"), said in one log line.
-    `dm` is an ImageDataModule (data/base.py): its settings, splits and device."""
+    `dm` is an ImageDataModule (data/image_module.py): its settings, splits and device."""
     if not dm.can_reside or isinstance(dm.train_tf, image_views.ImageViews):  # (views cut per image: in workers)
         return False
     if dm.on_device is False:

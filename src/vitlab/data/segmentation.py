@@ -30,7 +30,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from vitlab.data import canvas
-from vitlab.data.base import ImageDataModule
+from vitlab.data.image_module import ImageDataModule
 from vitlab.data.images import check_image_file, is_image_file, read_image
 from vitlab.data.masks import IGNORE, MaskResizeCrop, image_label, read_mask
 from vitlab.data.resident import ArrayImages

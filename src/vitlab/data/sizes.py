@@ -28,14 +28,13 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from timm.data import ScheduledBatchSampler
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
 from vitlab.data import transforms
-from vitlab.data.resident import ResidentImages
 from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -45,7 +44,11 @@ SCHEDULES = ("constant", "progressive")
 
 @dataclass(frozen=True)
 class SizeSchedule:
-    """The data.train_* keys of a run that trains at several sizes."""
+    """The data.train_* keys of a run that trains at several sizes. What the loaders, the device transform, the checks
+    and evaluation's views ask of a schedule it answers itself (NaFlex's answers otherwise: data/naflex.py)."""
+
+    key: ClassVar[str] = "data.train_img_sizes"  # the key that sets it (in refusals)
+    not_on_device: ClassVar[str] = "data.train_img_sizes draws a size a batch in the workers"  # data.decode=device's
 
     img_sizes: tuple[int, ...]
     batch_sizes: tuple[int, ...] | None = None  # global, one per size; None: data.batch_size for every size
@@ -153,6 +156,37 @@ class SizeSchedule:
             )
         return said + f": {len(batches)} batches an epoch, average batch {batches.average_batch_size * world:g}"
 
+    def loading(self, dm: Any) -> tuple[list, list | None]:
+        """Each size's training transform for the data module `dm` (an ImageDataModule), and its collate (None:
+        stacked)."""
+        return [transforms.train_transform(s, dm.mean, **dm.train_transform_args) for s in self.img_sizes], None
+
+    def batch_hw(self, batch: Sequence[Any]) -> tuple[int, int]:
+        """The size a scheduled training batch trains at: the one it carries (held on the device), else its own."""
+        return tuple(batch[2]) if len(batch) > 2 else tuple(batch[0].shape[-2:])
+
+    def training_view(self, img: Any) -> None:
+        """None: a training image's view is the one-size transform's (evaluation/views.py draws it)."""
+        return None
+
+    def check_model(self, model: Any, objective: str) -> None:
+        """A model (a ViTConfig) that can train at these sizes: one resampling its position embeddings, whose patches
+        tile each size, training a classifier (a teacher, MAE's masks and DINO's crops have sizes of their own)."""
+        if objective != "classify":
+            raise UserError(f"data.train_img_sizes trains objective=classify, not objective={objective}")
+        if set(self.img_sizes) != {model.img_hw[0]} and not model.dynamic_img_size:
+            raise UserError(
+                f"data.train_img_sizes {list(self.img_sizes)} need position embeddings at each size: set "
+                "model.dynamic_img_size=true"
+            )
+        patch_hw = model.patch_hw
+        bad = [s for s in self.img_sizes if s % patch_hw[0] or s % patch_hw[1]]
+        if bad and not model.dynamic_img_pad:
+            raise UserError(
+                f"data.train_img_sizes {bad} are not multiples of model.patch_size {list(patch_hw)}: choose multiples, "
+                "or set model.dynamic_img_pad=true"
+            )
+
 
 def _positive_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
@@ -198,12 +232,11 @@ def scheduled_loading(dm: Any, sampler: Sampler, dataset: Dataset, world: int) -
     ImageDataModule), over `sampler` and `dataset` as the one-size loader would read them."""
     schedule: SizeSchedule = dm.size_schedule
     if isinstance(dataset, IterableDataset):  # (streamed splits batch themselves: streamed_loading)
-        what = "data.naflex.seq_lens" if hasattr(schedule, "loading") else "data.train_img_sizes"
-        raise UserError(f"{what} needs images read by index; {type(dm).__name__} streams them")
+        raise UserError(f"{schedule.key} needs images read by index; {type(dm).__name__} streams them")
     batches = _scheduled_batches(dm, sampler, world)
-    if isinstance(dataset, ResidentImages) and not hasattr(schedule, "loading"):
+    if dm.resides:  # `dataset` is the split held on the device (data/resident.py; never NaFlex's, which it reads)
         return batches, ScheduledImages(dataset, schedule.img_sizes)
-    return batches, ScheduledImages(dataset, schedule.img_sizes, *_choices(dm))
+    return batches, ScheduledImages(dataset, schedule.img_sizes, *schedule.loading(dm))
 
 
 def streamed_loading(dm: Any, split: Any, world: int) -> None:
@@ -211,7 +244,7 @@ def streamed_loading(dm: Any, split: Any, world: int) -> None:
     the schedule of an epoch of this process's `num_samples // world` samples (the same in every process: the same
     lengths, batch sizes and count of batches), each batch's images through its choice's transform and collate."""
     batches = _scheduled_batches(dm, range(split.num_samples // world), world)
-    made, collates = _choices(dm)
+    made, collates = dm.size_schedule.loading(dm)
     split.batched(batches, made, collates or [default_collate] * len(made))
 
 
@@ -226,40 +259,10 @@ def _scheduled_batches(dm: Any, sampler: Sampler | range, world: int) -> Schedul
     return batches
 
 
-def _choices(dm: Any) -> tuple[list, list | None]:
-    """Each choice's training transform, and its collate (None: stacked)."""
-    schedule: SizeSchedule = dm.size_schedule
-    if hasattr(schedule, "loading"):  # NaFlex's sequence lengths (data/naflex.py): its transforms and padding
-        return schedule.loading(dm)
-    return [transforms.train_transform(s, dm.mean, **dm.train_transform_args) for s in schedule.img_sizes], None
-
-
 def check_model(schedule: SizeSchedule | None, model: Any, objective: str) -> None:
-    """A model (a ViTConfig) that can train at the schedule's sizes: one resampling its position embeddings, whose
-    patches tile each size, training a classifier (a teacher, MAE's masks and DINO's crops have sizes of their own)."""
-    if schedule is None:
-        return
-    if hasattr(schedule, "check_model"):  # NaFlex's (data/naflex.py)
-        return schedule.check_model(model, objective)
-    if objective != "classify":
-        raise UserError(f"data.train_img_sizes trains objective=classify, not objective={objective}")
-    if set(schedule.img_sizes) != {model.img_hw[0]} and not model.dynamic_img_size:
-        raise UserError(
-            f"data.train_img_sizes {list(schedule.img_sizes)} need position embeddings at each size: set "
-            "model.dynamic_img_size=true"
-        )
-    patch_hw = model.patch_hw
-    bad = [s for s in schedule.img_sizes if s % patch_hw[0] or s % patch_hw[1]]
-    if bad and not model.dynamic_img_pad:
-        raise UserError(
-            f"data.train_img_sizes {bad} are not multiples of model.patch_size {list(patch_hw)}: choose multiples, "
-            "or set model.dynamic_img_pad=true"
-        )
-
-
-def batch_hw(batch: Sequence[Any]) -> tuple[int, int]:
-    """The size a scheduled training batch trains at: the one it carries (held on the device), else its own."""
-    return tuple(batch[2]) if len(batch) > 2 else tuple(batch[0].shape[-2:])
+    """A model (a ViTConfig) that can train at the schedule's sizes, where there is a schedule (its check_model)."""
+    if schedule is not None:
+        schedule.check_model(model, objective)
 
 
 __all__ = [
@@ -269,5 +272,4 @@ __all__ = [
     "scheduled_loading",
     "streamed_loading",
     "check_model",
-    "batch_hw",
 ]

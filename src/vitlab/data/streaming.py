@@ -3,7 +3,7 @@ as they were, its label and its name), in a local folder or an object store (s3:
 fetches the chunks into a local cache, credentials and endpoint from the usual environment, e.g. AWS_* variables).
 
 Images are read by LitData's random access, one at a time, and go through the pipeline every image dataset uses
-(data/base.py): workers decode with `data.images.decode_image` and crop on uint8, the device normalises. So the
+(data/image_module.py): workers decode with `data.images.decode_image` and crop on uint8, the device normalises. So the
 sampler, the exact mid-epoch resume and the DDP share-out (a disjoint part per process, every image each epoch,
 the same number of steps for every process) are the ones every other datamodule has. LitData's own streaming
 loader shares the data out by chunks: under DDP it either drops the remainder or gives the processes different
@@ -23,7 +23,8 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from vitlab.data.base import ImageDataModule, describe_splits
+from vitlab.data.folds import describe_splits
+from vitlab.data.image_module import ImageDataModule
 from vitlab.data.images import decode_image
 from vitlab.utils.errors import MissingFileError, UserError
 

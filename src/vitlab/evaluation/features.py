@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from vitlab.data.naflex import check_square_reader
 from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,10 @@ def layers_of(model, blocks, avgpool: bool = False) -> Layers:
         raise UserError(
             f"layers={given} reads class tokens and the model has none (class_token=false); set layers=null"
         )
-    if model.cfg.naflex:  # blocks' tokens of padded NaFlex batches: not read here
-        raise UserError(f"layers={given} reads blocks' tokens of square images; a NaFlex model: set layers=null")
+    # blocks' tokens of padded NaFlex batches: not read here (data/naflex.py)
+    check_square_reader(
+        model.cfg, f"layers={given} reads blocks' tokens of square images; a NaFlex model: set layers=null"
+    )
     return Layers(tuple(sorted({b % depth for b in blocks})), avgpool)
 
 

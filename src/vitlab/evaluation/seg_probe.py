@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitlab.data.masks import IGNORE
+from vitlab.data.naflex import check_square_reader
 from vitlab.evaluation.linear import sharded_stream
 from vitlab.utils.errors import UserError
 
@@ -69,8 +70,7 @@ def patch_tokens(model, n_last_blocks) -> PatchTokens:
     depth = len(model.blocks)
     if isinstance(n_last_blocks, bool) or not isinstance(n_last_blocks, int) or not 1 <= n_last_blocks <= depth:
         raise UserError(f"segmentation.n_last_blocks {n_last_blocks!r} must be a block count from 1 to {depth}")
-    if model.cfg.naflex:
-        raise UserError("task=segmentation reads square patch grids; a NaFlex model has none")
+    check_square_reader(model.cfg, "task=segmentation reads square patch grids; a NaFlex model has none")
     return PatchTokens(tuple(range(depth - n_last_blocks, depth)))
 
 

@@ -60,8 +60,8 @@ def training_views(
         ]
     if kind == "multicrop":  # on the device, from the image's square
         return _device_views(dm, img, seed)
-    if hasattr(dm.size_schedule, "seq_lens"):  # NaFlex: the crop at a drawn sequence length, at its own size
-        return [_naflex_view(dm.size_schedule, img)]
+    if dm.size_schedule is not None and (view := dm.size_schedule.training_view(img)) is not None:
+        return [view]  # a schedule that crops each image its own way (NaFlex's, at a drawn sequence length)
     view = _classifier_view(dm.train_tf, img)
     return [_masked(view, *mae) if kind == "masked" else view]
 
@@ -104,20 +104,6 @@ def _classifier_view(pipeline: T.Compose, img: torch.Tensor) -> dict[str, Any]:
             x = op(x)
     x = x.as_subclass(torch.Tensor)
     return {"image": x.float() / 255, "box": box, "size": list(x.shape[-2:])}
-
-
-def _naflex_view(schedule: Any, img: torch.Tensor) -> dict[str, Any]:
-    """NaFlex's training crop (data/naflex.py: timm's RandomResizedCropToSequence) at one of the schedule's sequence
-    lengths, its box recorded (its get_params), resized to the size that length allows the crop's aspect."""
-    from vitlab.data.naflex import train_transform
-
-    seq_len = random.choice(schedule.seq_lens)
-    crop, flip = train_transform(seq_len, schedule.patch_hw, *schedule.view_args).transforms[1:3]
-    ph, pw = schedule.patch_hw
-    (top, left, h, w), size, mode = crop.get_params(img, crop.scale, crop.ratio, crop.attempts, ph, pw, seq_len,
-                                                    interpolation=crop.interpolation)  # fmt: skip
-    x = flip(T.functional.resized_crop(img, top, left, h, w, list(size), interpolation=mode, antialias=True))
-    return {"image": x.float() / 255, "box": [left, top, left + w, top + h], "size": list(x.shape[-2:])}
 
 
 # views.json's own word on its numbers: sizes are [height, width] as torch's shapes, boxes x first as PIL's.

@@ -190,9 +190,8 @@ class ViTModule(L.LightningModule):
             # Read here, on a step that logs (and waits) anyway: a device tensor in the progress bar would be
             # read again, and waited for, after every later step.
             self.log("train/loss_step", loss.detach().float().cpu(), prog_bar=True)
-        if isinstance(x, dict) and "loss_scale" in x:  # NaFlex: a batch's loss by its size (data/naflex.py)
-            loss = loss * x["loss_scale"]
-        return loss
+        scale = getattr(x, "loss_scale", None)  # a batch that weighs its loss: NaFlex's, by its size (data/naflex.py)
+        return loss if scale is None else loss * scale
 
     def evaluate(self, stage: str, batch) -> None:
         """A validation or test batch's loss and metrics (EMA's averaged copy calls this too)."""

@@ -5,6 +5,7 @@ is refused in one line."""
 import pytest
 import torch
 
+from vitlab.data.naflex_batch import NaFlexBatch
 from vitlab.model import ViT, ViTConfig
 from vitlab.model.naflex import patchify
 from vitlab.training.objectives.distillation import Teacher
@@ -24,8 +25,8 @@ def test_the_teacher_reads_naflex_patches_in_its_own_normalisation():
     patches, (h, w) = patchify((images - s_mean) / s_std, (8, 8))  # the student's batch
     y, x = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
     coord = torch.stack([y.flatten(), x.flatten()], -1).expand(2, -1, -1)
-    batch = dict(patches=patches, patch_coord=coord, patch_valid=torch.ones(2, h * w, dtype=torch.bool),
-                 loss_scale=torch.tensor(1.0))  # fmt: skip
+    batch = NaFlexBatch(patches=patches, patch_coord=coord, patch_valid=torch.ones(2, h * w, dtype=torch.bool),
+                        loss_scale=torch.tensor(1.0))  # fmt: skip
     own = (images - torch.tensor([0.5, 0.4, 0.3]).view(1, 3, 1, 1)) / torch.tensor([0.2, 0.25, 0.3]).view(1, 3, 1, 1)
     torch.testing.assert_close(teacher(batch, s_mean, s_std), model(own), atol=1e-5, rtol=0)
     square = Teacher(ViT(ViTConfig(**CFG)).eval(), (32, 32))

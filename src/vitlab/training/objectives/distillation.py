@@ -24,7 +24,7 @@ import pydoc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,9 @@ from vitlab.model import ViT, ViTConfig
 from vitlab.training.objectives.classification import Classification, ClassifyConfig
 from vitlab.utils.errors import MissingFileError, UserError
 from vitlab.utils.values import check_range
+
+if TYPE_CHECKING:
+    from vitlab.data.naflex_batch import NaFlexBatch
 
 DISTILL_TYPES = ("soft", "hard")
 
@@ -143,15 +146,10 @@ class Teacher(nn.Module):
         return super().train(False)  # always in eval mode (dropout, stochastic depth off)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor | dict, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | NaFlexBatch, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):  # a batch of another kind (NaFlex's patches) readies itself for a teacher
+            return x.teacher_logits(self.kd, mean, std)
         channels = self.kd.mean_kd.shape[1]
-        if isinstance(x, dict):  # a NaFlex batch (data/naflex.py): patches (B, L, P*P*C) re-normalised per channel
-            model = self.kd.model
-            if not (getattr(getattr(model, "cfg", None), "naflex", False) or type(model).__name__ == "NaFlexVit"):
-                raise UserError("data.naflex batches need a teacher that takes them: a naflexvit (checkpoint or timm)")
-            p = x["patches"].unflatten(-1, (-1, channels)) * std.flatten() + mean.flatten()
-            p = (p - self.kd.mean_kd.flatten()) / self.kd.std_kd.flatten()
-            return model({k: v for k, v in x.items() if k != "loss_scale"} | {"patches": p.flatten(-2)}).float()
         if x.shape[1] != channels:
             raise UserError(
                 f"objective.teacher takes {channels}-channel images, and the data has {x.shape[1]} channels"

@@ -18,9 +18,11 @@ from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError
 
-from vitlab.data.base import DataModule, ImageDataModule
+import vitlab.data
+from vitlab.data.base import DataModule
 from vitlab.data.folds import check_folds
-from vitlab.data.imagefolder import ImageFolderDataModule, check_class_folders
+from vitlab.data.formats import FORMATS
+from vitlab.data.image_module import ImageDataModule
 from vitlab.training.run.ranges import DataRanges, TrainerValues, check_devices  # (check_devices: torch-free)
 from vitlab.utils.arguments import check_arguments
 from vitlab.utils.clipping import check_clipping
@@ -87,11 +89,6 @@ class TrainerRanges(TrainerValues):
 NARROWER: dict[type, Any] = {L.Trainer: TrainerRanges, DataModule: DataRanges}
 
 
-def _class_folders(values: dict[str, Any]) -> None:
-    if isinstance(values.get("num_classes"), int) and isinstance(values.get("data_dir"), str):
-        check_class_folders(values["data_dir"], values["num_classes"], bool(values.get("unlabeled")))
-
-
 def _folds(values: dict[str, Any]) -> None:
     """data.fold one of data.folds' folds (a -m sweep's job: before its directory holds anything)."""
     folds, fold = values.get("folds", 0), values.get("fold", 0)
@@ -100,7 +97,9 @@ def _folds(values: dict[str, Any]) -> None:
 
 
 # A target -> what else its values must satisfy, checked before it is built (the files they name).
-BEFORE_BUILD: dict[type, Any] = {ImageFolderDataModule: _class_folders, ImageDataModule: _folds}
+BEFORE_BUILD: dict[type, Any] = {
+    getattr(vitlab.data, f.cls): f.before_build for f in FORMATS.values() if f.before_build is not None
+} | {ImageDataModule: _folds}
 
 
 def check_node(node: DictConfig, key: str) -> None:
