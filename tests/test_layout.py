@@ -225,8 +225,8 @@ def test_the_train_command_shows_its_steps_and_calls_fit_and_test_itself():
         for c in ast.walk(train)
         if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
     }
-    steps = ["build_datamodule", "build_module", "build_callbacks", "build_loggers", "build_trainer"]
-    assert {f"build.{s}" for s in steps} | {"trainer.fit", "trainer.test"} <= called
+    steps = ["fit_datamodule", "build_module", "build_callbacks", "build_trainer"]
+    assert {f"build.{s}" for s in steps} | {"loggers.build_loggers", "trainer.fit", "trainer.test"} <= called
 
 
 def test_the_module_never_branches_on_which_objective_it_trains():

@@ -89,7 +89,11 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         return write_metrics(cfg, tasks.probe_checkpoint(cfg, module.model, datamodule))
     bars, show_bar = build.progress_bar(cfg.progress_bar)
     trainer = build.build_trainer(
-        cfg.trainer, logger=False, callbacks=bars, enable_progress_bar=show_bar, enable_checkpointing=False
+        OmegaConf.to_container(cfg.trainer, resolve=True),
+        logger=False,
+        callbacks=bars,
+        enable_progress_bar=show_bar,
+        enable_checkpointing=False,
     )
     return write_metrics(cfg, score_with_tta(trainer, module, datamodule, cfg.tta))
 

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from timm.data import ScheduledBatchSampler, create_loader
 
 from vitlab.data import FakeDataModule
@@ -123,9 +122,8 @@ def test_validation_and_testing_stay_at_the_models_size():
 
 def test_a_schedule_of_batch_sizes_scales_the_learning_rate_by_its_average_as_timm():
     data = dict(batch_size=64, train_img_sizes=[128, 224], train_batch_sizes=[256, 64], train_size_probs=[1.0, 3.0])
-    cfg = OmegaConf.create({"data": data, "trainer": {"devices": 1, "num_nodes": 1}})
     timms = ScheduledBatchSampler(range(320), batch_sizes=[256, 64], choice_weights=[1.0, 3.0])
-    batch, how = global_batch(cfg)
+    batch, how = global_batch(data, {"devices": 1, "num_nodes": 1})
     assert timms.average_batch_size == 112.0 and batch == 112 and "112.00" in how
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -298,3 +298,13 @@ def for_model(naflex: Any, model: Any) -> dict:
         )
     plain = {k: list(v) if isinstance(v, Sequence) and not isinstance(v, str) else v for k, v in naflex.items()}
     return plain | {"patch_size": plain.get("patch_size") or list(model.patch_hw)}
+
+
+def data_views(data: Mapping[str, Any], objective: Mapping[str, Any], model: Any) -> dict[str, Any]:
+    """The data module's arguments a run of `model` (a ViTConfig) adds to its data settings `data`: NaFlex's patches
+    at the model's patch size where the data asks for NaFlex batches (data.naflex.seq_lens), objective.mixup refused
+    there; none otherwise."""
+    if (data.get("naflex") or {}).get("seq_lens") is None:
+        return {}
+    check_mixup(objective.get("mixup"))
+    return {"naflex": for_model(data["naflex"], model)}

@@ -20,9 +20,9 @@ from vitlab.evaluation import classifier
 from vitlab.evaluation.features import Layers, _world, layers_of, source_id, split_features
 from vitlab.model import ViT
 from vitlab.model.config import vit_config
-from vitlab.training.pretrained import apply_pretrained
+from vitlab.training.pretrained import explicit_model_keys, pretrained_model, take_preprocessing
 from vitlab.training.run import build
-from vitlab.training.run.node_checks import check_devices
+from vitlab.training.run.ranges import check_devices
 from vitlab.utils.errors import UserError
 from vitlab.utils.logs import shown
 
@@ -78,7 +78,11 @@ def probe_pretrained(cfg: DictConfig) -> dict | None:
         raise UserError(f"task={cfg.task} on model.pretrained={source} needs the model's size: model=<name>")
     with open_dict(cfg):  # the model takes the data's channels, and no head: the features never reach one
         cfg.model.in_chans, cfg.model.num_classes = cfg.data.get("channels", 3), 0
-    weights = apply_pretrained(cfg)  # resolved once: timm's architecture, and the data's mean/std/crop left null
+        # resolved once: timm's architecture, and the data's mean/std/crop left null
+        before = OmegaConf.to_container(cfg.model, resolve=True)
+        weights, model = pretrained_model(before, explicit_model_keys())
+        cfg.model.update(model)
+        take_preprocessing(cfg.data, weights, before)
     datamodule = build.build_datamodule(cfg.data)
     datamodule.setup("test")
     model = ViT(vit_config(cfg.model))

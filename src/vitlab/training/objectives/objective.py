@@ -28,6 +28,12 @@ class Objective:
     uses_labels = True  # false: pretraining reads images only (data.unlabeled=true allowed)
     best = ("acc", "max")  # val/<metric>_best (max or min so far) chooses the checkpoint
 
+    @classmethod
+    def data_views(cls, options: dict[str, Any], model: ViTConfig) -> dict[str, Any]:
+        """What the data module must make of each training batch for this objective (`options`: the objective's
+        settings), as arguments of the data module beside its own settings; none for most objectives."""
+        return {}
+
     def check(self, model: ViTConfig, optim: Any) -> None:
         """Refuse, in one line, model or optimizer settings this objective cannot train with."""
 
