@@ -87,13 +87,9 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         check_classes(module.hparams.get("class_names") or [], getattr(datamodule, "class_names", []), cfg.ckpt_path)
     if cfg.task != "test":
         return write_metrics(cfg, tasks.probe_checkpoint(cfg, module.model, datamodule))
-    bars, show_bar = build.progress_bar(cfg.progress_bar)
+    (bars, show_bar), settings = build.progress_bar(cfg.progress_bar), OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer = build.build_trainer(
-        OmegaConf.to_container(cfg.trainer, resolve=True),
-        logger=False,
-        callbacks=bars,
-        enable_progress_bar=show_bar,
-        enable_checkpointing=False,
+        settings, logger=False, callbacks=bars, enable_progress_bar=show_bar, enable_checkpointing=False
     )
     return write_metrics(cfg, score_with_tta(trainer, module, datamodule, cfg.tta))
 

@@ -1,8 +1,9 @@
 """python -m vitlab.train [overrides]: fit, then test the best checkpoint.
 
 The steps, top to bottom: the config is composed, checked (vitlab.cli.schemas: its keys, every node that builds
-something, the launch) and the run directory claimed (`@entry_point`, before `train` runs); the data, the module
-(our ViT and its objective), the callbacks, loggers and Trainer are built; training starts from scratch, from
+something, the launch) and the run directory claimed (`@entry_point`, before `train` runs); the config becomes the
+run's plan, every decision in it taken once (vitlab.cli.plans); the data, the module (our ViT and its objective), the
+callbacks, loggers and Trainer are built from their parts of the plan; training starts from scratch, from
 pretrained weights or from a checkpoint; fit; test the best checkpoint; the summary: metrics.json, the last lines
 naming the run directory and the best checkpoint, and `optimized_metric` returned to sweepers (-m, Optuna).
 
@@ -15,12 +16,16 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from vitlab.cli.entry import entry_point, save_config
 from vitlab.cli.sweep import optimized_value
 from vitlab.utils.logs import describe_run, summarize
+
+if TYPE_CHECKING:
+    from vitlab.training.run.plan import TrainPlan
 
 log = logging.getLogger("vitlab.train")  # not __main__: the name the log lines show
 
@@ -63,7 +68,7 @@ def train(cfg: DictConfig) -> float | None:
     return optimized_value(plan.optimized_metric, metrics, warn=trainer.is_global_zero)
 
 
-def _announce(plan, trainer, module, estimate) -> None:
+def _announce(plan: TrainPlan, trainer: Any, module: Any, estimate: Any) -> None:
     """The run's config as it ran in its directory (vitlab.cli.plans.as_ran), what it trains and where (and its memory
     estimate) in the log, and its hyperparameters to each logger."""
     from vitlab.cli.plans import as_ran
