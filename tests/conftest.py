@@ -16,7 +16,10 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.helpers import SHARDS_RUN, image_tree, once, run_cli, trained  # noqa: E402
+from tests.helpers.commands import run_cli  # noqa: E402
+from tests.helpers.configs import SHARDS_RUN  # noqa: E402
+from tests.helpers.images import image_tree  # noqa: E402
+from tests.helpers.runs import once, trained  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # (should a plugin have imported torch before)
 

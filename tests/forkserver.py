@@ -1,5 +1,5 @@
 """A process that has imported torch, Lightning, torchvision, timm and Hydra once, and forks a child for each
-`python -m vitlab.<command> ...` that `helpers.run_cli` asks for: the child becomes that command (its argv, working
+`python -m vitlab.<command> ...` that `helpers.commands.run_cli` asks: the child becomes that command (its argv, working
 directory, environment, process group and output files) and runs it as the interpreter would (`runpy`, the module as
 __main__; an uncaught exception, SystemExit or Ctrl-C ends it as it ends `python -m`). Each command then starts in
 well under a second instead of the ~6 s these imports take on a CPU of the suite's machine; what it runs is the
@@ -47,7 +47,7 @@ def _serve() -> None:
 
 
 # What no library reads as it is imported (pytest's name of the running test among them): a command's environment may
-# differ from this server's in these (helpers.run_cli compares the rest), and a spare's from its command's. Besides,
+# differ from this server's in these (helpers.commands.run_cli: the rest), and a spare's from its command's. Besides,
 # what a library sets in the test process's own environment as a test runs it there, which the next command's
 # environment then holds: scikit-learn's import sets KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK (read by Intel's
 # OpenMP, which torch does not load; a command sets them itself as it imports scikit-learn), Lightning's

@@ -9,7 +9,8 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import reference, run_cli
+from tests.helpers.commands import run_cli
+from tests.helpers.references import reference
 from vitlab.convert.weights import read_checkpoint
 
 TOP3 = (

@@ -267,7 +267,7 @@ def test_data_transform_settings_are_the_dataclass_fields(data):
 
 def test_benchmark_yaml_and_dataclass_are_one_source_of_defaults():
     from vitlab.benchmark.config import BenchmarkConfig
-    from vitlab.utils.checks import to_dict
+    from vitlab.utils.values import to_dict
 
     yaml_defaults = OmegaConf.to_container(OmegaConf.load(CONF / "benchmark.yaml"))["benchmark"]
     defaults = to_dict(BenchmarkConfig())

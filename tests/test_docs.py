@@ -1,7 +1,7 @@
 """The documentation site (mkdocs.yml, docs/): it builds with --strict (a broken link or anchor, a missing page, a
 reference mkdocstrings cannot resolve fails), its generated pages cover what they must, and every command it shows
-parses against the config tree as typed (tests/helpers.py: documented_commands, the one list of them), composed as
-`--cfg job` composes it. Where a Chromium is installed, the built site is read in it as a reader reads it: no code
+parses against the config tree as typed (tests/helpers/docs.py: documented_commands, the one list of them), composed
+as `--cfg job` composes it. Where a Chromium is installed, the built site is read in it as a reader reads it: no code
 block cut off at 1280 px, the search box's first result the page a query means (tests/test_docs_lists.py holds the
 lists the pages give to what they list)."""
 
@@ -21,7 +21,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ValueType
 
-from tests.helpers import DOC_PAGES, ROOT, documented_commands
+from tests.helpers.commands import ROOT
+from tests.helpers.docs import DOC_PAGES, documented_commands
 from vitlab.cli.config_tree import config_dir, register_resolvers
 
 COMMANDS = documented_commands()

@@ -11,7 +11,7 @@ import types
 
 import yaml
 
-from tests.helpers import ROOT
+from tests.helpers.commands import ROOT
 from vitlab.model import config, rope_config
 from vitlab.model.config import ViTConfig
 

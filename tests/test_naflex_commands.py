@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.helpers import assert_refused, run_cli
+from tests.helpers.commands import assert_refused, run_cli
 
 ASPECTS = [(96, 32), (48, 48), (32, 96)]  # (w, h): 3:1, 1:1, 1:3
 SMALL = ("model.depth=2", "model.embed_dim=32", "model.num_heads=2", "data.batch_size=4", "data.num_workers=0")

@@ -10,15 +10,16 @@ import numpy as np
 import pytest
 import timm
 import torch
-from omegaconf import OmegaConf
 from PIL import Image
 from sklearn.datasets import load_digits
 from timm.data import create_transform, resolve_data_config
 
-from tests.helpers import digits_checkpoint, documented, run_cli
+from tests.helpers.commands import run_cli
+from tests.helpers.docs import documented
+from tests.helpers.runs import digits_checkpoint
 from vitlab import predict
 from vitlab.data.images import read_image
-from vitlab.training.run import build
+from vitlab.training.run import inference
 
 SIZES = [(40, 64), (90, 30), (120, 200)]  # (height, width) of the photos: wide, tall, wide
 
@@ -56,15 +57,15 @@ def test_predict_and_the_timm_export_prepare_and_rank_photos_alike(ckpt, tmp_pat
     r = run_cli("export", f"ckpt_path={ckpt}", "format=timm", f"output={folder}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     # The one preprocessing: the eval transform of the data module the checkpoint stores.
-    module = build.load_for_inference(str(ckpt)).eval()
-    data = build.inference_datamodule(module, str(ckpt))
+    module = inference.load_for_inference(str(ckpt)).eval()
+    data = inference.inference_datamodule(module, str(ckpt))
     pretrained_cfg = json.loads((folder / "config.json").read_text())["pretrained_cfg"]
     assert {k: pretrained_cfg[k] for k in data.preprocessing} == json.loads(json.dumps(data.preprocessing))
     assert pretrained_cfg["crop_mode"] == "center" and pretrained_cfg["crop_pct"] == 1.0
     theirs = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
     timm_tf = create_transform(**resolve_data_config(model=theirs))
-    from_ckpt = predict._checkpoint(OmegaConf.create({"ckpt_path": str(ckpt), "device": "cpu"}))[1]
-    local = OmegaConf.create({"model": {"pretrained": f"local-dir:{folder}", "img_size": None}, "device": "cpu"})
+    from_ckpt = predict._checkpoint(predict.PredictPlan(str(ckpt), None, None, [], None, "cpu", tmp_path))[1]
+    local = predict.PredictPlan(None, f"local-dir:{folder}", None, [], None, "cpu", tmp_path)
     from_export = predict._pretrained(local)[1]
     x = torch.cat([timm_tf(Image.open(p).convert("L"))[None] for p in photos])  # (3, 1, 8, 8)
     for prepare in (from_ckpt, from_export, data.predict_tensor):

@@ -9,7 +9,9 @@ import yaml
 from PIL import Image
 from sklearn.datasets import load_digits
 
-from tests.helpers import FirstStep, extra_callback, run_cli
+from tests.helpers.callbacks import FirstStep
+from tests.helpers.commands import run_cli
+from tests.helpers.configs import extra_callback
 from vitlab.train import train
 from vitlab.training.module import ViTModule
 
@@ -109,7 +111,7 @@ def test_export_onnx_as_typed_predicts_as_the_checkpoint(trained, tmp_path):
     second export to the same file is refused."""
     import onnxruntime
 
-    from vitlab.training.run import build
+    from vitlab.training.run import inference
 
     _, metrics, _ = trained
     r = run_cli("export", f"ckpt_path={metrics['tested_checkpoint']}", cwd=tmp_path)
@@ -117,8 +119,8 @@ def test_export_onnx_as_typed_predicts_as_the_checkpoint(trained, tmp_path):
     (path,) = tmp_path.glob("outputs/export/runs/*/model.onnx")
     assert f"wrote {path} (onnx); checked on inputs 2x1x8x8, 1x1x8x8: max |diff|" in r.stdout
     assert "WARN" not in r.stdout + r.stderr and "INFO" not in r.stdout + r.stderr
-    module = build.load_for_inference(metrics["tested_checkpoint"]).eval()
-    data = build.inference_datamodule(module, metrics["tested_checkpoint"])
+    module = inference.load_for_inference(metrics["tested_checkpoint"]).eval()
+    data = inference.inference_datamodule(module, metrics["tested_checkpoint"])
     images = torch.from_numpy(load_digits().images[:3] * 255 / 16).to(torch.uint8)[:, None]
     x = torch.cat([data.predict_tensor(img) for img in images])
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from vitlab.evaluation.figures import attention_rollout, plot_attention, plot_embeddings
-from vitlab.training.run.build import inference_datamodule, load_for_inference
+from vitlab.training.run.inference import inference_datamodule, load_for_inference
 
 HERE = Path(__file__).parent
 

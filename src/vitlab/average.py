@@ -59,7 +59,7 @@ def average(cfg: DictConfig) -> dict:
 
 def check_average(cfg: DictConfig) -> None:
     """What to average, given one way: run_dir with top_k, or ckpt_paths (method=average); sweep_dir (a soup)."""
-    from vitlab.utils.checks import check_device
+    from vitlab.utils.cuda import check_device
 
     check_device("device", cfg.device)
     given = {k for k in ("run_dir", "ckpt_paths", "sweep_dir") if cfg.get(k) is not None}

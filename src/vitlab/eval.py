@@ -15,32 +15,11 @@ that moved: `data.data_dir=...`). The class names the checkpoint was trained on 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig
 
 from vitlab.cli.entry import entry_point
 from vitlab.utils.errors import UserError
-
-
-def data_config(cfg: DictConfig, stored: dict | None, ckpt_path: str) -> DictConfig:
-    """The data group to test on: a chosen `data=<name>`, or the checkpoint's own with the non-null
-    `data.<key>` overrides of the command line applied."""
-    if "_target_" in cfg.data:  # eval.yaml's data.data_dir placeholder stays null beside a group that names its data
-        if "data_dir" in cfg.data and cfg.data.data_dir is None:  # another way (data=hf's name, data=wds's urls)
-            with open_dict(cfg.data):
-                del cfg.data["data_dir"]
-        return cfg.data
-    if not stored or "_target_" not in stored:
-        raise UserError(f"checkpoint {ckpt_path!r} stores no data config; choose one with data=<name>")
-    overrides = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if v is not None}
-    unknown = sorted(set(overrides) - set(stored))
-    if unknown:
-        raise UserError(
-            f"data.{unknown[0]} is not a setting of the checkpoint's data ({stored['_target_']}); "
-            f"its settings: {sorted(k for k in stored if not k.startswith('_'))}"
-        )
-    return OmegaConf.create({**stored, **overrides})
 
 
 def check_classes(trained: list[str], data: list[str], ckpt_path: str) -> None:
@@ -57,24 +36,18 @@ def check_classes(trained: list[str], data: list[str], ckpt_path: str) -> None:
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
+    from vitlab.cli.eval_plans import eval_plan
     from vitlab.evaluation import seg_probe, tasks
     from vitlab.evaluation.tta import score_with_tta
     from vitlab.training.run import build
 
-    if cfg.ckpt_path is None:  # model.pretrained=<timm name>: timm's weights, frozen features only
-        return write_metrics(cfg, tasks.probe_pretrained(cfg))
-    module = build.load_for_inference(cfg.ckpt_path)
-    if cfg.task == "test" and not module.objective.uses_labels:  # an encoder: no classifier to test
-        raise UserError(
-            f"checkpoint {cfg.ckpt_path!r} is objective={module.objective.name} pretraining (an encoder without a "
-            "classifier): evaluate its features with task=knn, task=linear or task=fewshot"
-        )
+    plan = eval_plan(cfg)  # the checkpoint read once, or model.pretrained's weights resolved once
+    if plan.module is None:  # model.pretrained=<timm name>: timm's weights, frozen features only
+        return write_metrics(plan, tasks.probe_pretrained(plan.probe, plan.pretrained))
+    module, task = plan.module, plan.probe.task
     mc = module.model.cfg
-    data = data_config(cfg, module.hparams.get("data"), cfg.ckpt_path)
-    with open_dict(data):  # images are prepared at the size the checkpoint's model takes
-        data.img_size = mc.to_dict()["img_size"]  # an int, or [height, width]
-    datamodule = build.build_datamodule(data)
-    masks = cfg.task == "segmentation"  # the masks' classes are the probe's own, not the checkpoint's
+    datamodule = build.build_datamodule(plan.data)
+    masks = task == "segmentation"  # the masks' classes are the probe's own, not the checkpoint's
     if masks:  # (data=segmentation renders its canvases in either channel count)
         seg_probe.check_channels(mc.in_chans, datamodule.channels)
     if mc.in_chans != datamodule.channels or (not masks and mc.num_classes not in (0, datamodule.num_classes)):
@@ -84,22 +57,22 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         )
     datamodule.setup("test")
     if not masks:
-        check_classes(module.hparams.get("class_names") or [], getattr(datamodule, "class_names", []), cfg.ckpt_path)
-    if cfg.task != "test":
-        return write_metrics(cfg, tasks.probe_checkpoint(cfg, module.model, datamodule))
-    (bars, show_bar), settings = build.progress_bar(cfg.progress_bar), OmegaConf.to_container(cfg.trainer, resolve=True)
+        check_classes(module.hparams.get("class_names") or [], getattr(datamodule, "class_names", []), plan.ckpt_path)
+    if task != "test":
+        return write_metrics(plan, tasks.probe_checkpoint(plan.probe, plan.ckpt_path, module.model, datamodule))
+    bars, show_bar = build.progress_bar(plan.progress_bar)
     trainer = build.build_trainer(
-        settings, logger=False, callbacks=bars, enable_progress_bar=show_bar, enable_checkpointing=False
+        plan.probe.trainer, logger=False, callbacks=bars, enable_progress_bar=show_bar, enable_checkpointing=False
     )
-    return write_metrics(cfg, score_with_tta(trainer, module, datamodule, cfg.tta))
+    return write_metrics(plan, score_with_tta(trainer, module, datamodule, plan.tta))
 
 
-def write_metrics(cfg: DictConfig, metrics: dict | None) -> dict:
+def write_metrics(plan, metrics: dict | None) -> dict:
     if metrics is None:  # a process other than rank 0 of a frozen-feature task: rank 0 reports
         return {}
-    weights = {"ckpt_path": str(cfg.ckpt_path)} if cfg.ckpt_path else {"pretrained": cfg.model.pretrained}
+    weights = {"ckpt_path": str(plan.ckpt_path)} if plan.ckpt_path else {"pretrained": plan.pretrained.source}
     metrics = metrics | weights
-    out = Path(cfg.paths.output_dir) / "metrics.json"
+    out = plan.output_dir / "metrics.json"
     out.write_text(json.dumps(metrics, indent=2))
     print(f"wrote {out}", flush=True)
     return metrics

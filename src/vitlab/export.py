@@ -26,7 +26,7 @@ from vitlab.utils.errors import UserError
 def export(cfg: DictConfig) -> dict:
     from vitlab.cli.rundir import check_writable
     from vitlab.convert.programs import FORMATS, export
-    from vitlab.training.run import build
+    from vitlab.training.run import inference
 
     if cfg.format in ("mae", "timm"):  # a checkpoint's networks in another library's own layout
         return {"mae": export_mae, "timm": export_timm}[cfg.format](cfg)
@@ -40,8 +40,8 @@ def export(cfg: DictConfig) -> dict:
     check_writable(out.parent, "output", out)  # before the minutes of exporting and checking
     if cfg.format == "ckpt":
         return consolidate(cfg.ckpt_path, out)
-    module = build.load_for_inference(cfg.ckpt_path)
-    model, data = module.model, build.inference_datamodule(module, cfg.ckpt_path)
+    module = inference.load_for_inference(cfg.ckpt_path)
+    model, data = module.model, inference.inference_datamodule(module, cfg.ckpt_path)
     preprocessing = data.preprocessing | {"dynamic_img_size": model.cfg.dynamic_img_size}  # as format=timm writes it
     metadata = {"preprocessing": preprocessing, "class_names": module.hparams.get("class_names")}
     report = export(model.float(), out, atol=cfg.atol, metadata=metadata)
@@ -71,12 +71,12 @@ def consolidate(ckpt_path: str, out: Path) -> dict:
 def export_mae(cfg: DictConfig) -> dict:
     """format=mae: the encoder and decoder of an objective=mae checkpoint in MAE's names, read back and compared."""
     from vitlab.convert.mae import export_mae as write_mae
-    from vitlab.training.run import build
+    from vitlab.training.run import inference
 
     out = Path(cfg.output) if cfg.output else Path(cfg.paths.output_dir) / "mae_checkpoint.pth"
     if out.exists() and not cfg.overwrite:
         raise UserError(f"output {str(out)!r} exists; choose another output or set overwrite=true")
-    module = build.load_for_inference(cfg.ckpt_path)
+    module = inference.load_for_inference(cfg.ckpt_path)
     decoder = module.objective.extra_modules().get("decoder")
     if decoder is None:
         raise UserError(f"format=mae writes an MAE encoder and decoder; ckpt_path {cfg.ckpt_path!r} has no decoder")
@@ -94,7 +94,7 @@ def export_timm(cfg: DictConfig) -> dict:
     encoder (the decoder is MAE's, not timm's: format=mae writes both)."""
     from vitlab.cli.rundir import check_writable
     from vitlab.convert import publish, timm_dir
-    from vitlab.training.run import build
+    from vitlab.training.run import inference
 
     out = Path(cfg.output) if cfg.output else Path(cfg.paths.output_dir) / "timm"
     if out.exists() and not out.is_dir():
@@ -103,9 +103,9 @@ def export_timm(cfg: DictConfig) -> dict:
         raise UserError(f"output {str(out)!r} exists; choose another output or set overwrite=true")
     check_writable(out.parent, "output", out)  # before the checkpoint is read
     card = publish.card_writer(cfg.ckpt_path, out, cfg.push_to_hub, cfg.license, cfg.datasets)  # (can it push? now)
-    module = build.load_for_inference(cfg.ckpt_path)
+    module = inference.load_for_inference(cfg.ckpt_path)
     if module.hparams.get("data"):
-        module.model.pretrained_cfg.update(build.inference_datamodule(module, cfg.ckpt_path).preprocessing)
+        module.model.pretrained_cfg.update(inference.inference_datamodule(module, cfg.ckpt_path).preprocessing)
     names, atol = module.hparams.get("class_names"), min(float(cfg.atol), 1e-5)
     report = timm_dir.save_timm_dir(module.model.float(), out, names, atol=atol, overwrite=cfg.overwrite, card=card)
     report |= {"ckpt_path": str(cfg.ckpt_path), "format": "timm"}

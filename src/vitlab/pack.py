@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from vitlab.cli.entry import entry_point
 from vitlab.utils.errors import Interrupted, is_ctrl_c
@@ -19,7 +19,7 @@ def main(cfg: DictConfig) -> dict:
     from vitlab.data.shards import pack
     from vitlab.training.run import build
 
-    datamodule = build.build_datamodule(cfg.data)
+    datamodule = build.build_datamodule(OmegaConf.to_container(cfg.data, resolve=True))
     datamodule.setup("fit")
     out = Path(cfg.out).absolute()
     kept = f"the earlier {out} is as it was" if out.exists() else f"nothing was written to {out}"

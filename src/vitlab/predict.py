@@ -11,12 +11,34 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from vitlab.cli.entry import entry_point
 from vitlab.utils.errors import UserError
+
+
+@dataclass(frozen=True)
+class PredictPlan:
+    """predict's checked config (cli/schemas.py's PredictSettings) as the values it runs on, made once."""
+
+    ckpt_path: str | None
+    pretrained: str | None  # without a checkpoint: timm's weights, at img_size (None: the size they were trained at)
+    img_size: Any
+    images: list[str]
+    top_k: int | None
+    device: str
+    output_dir: Path
+
+    @classmethod
+    def of(cls, cfg: DictConfig) -> PredictPlan:
+        model = OmegaConf.to_container(cfg.model, resolve=True) if "model" in cfg else {}
+        images = [cfg.images] if isinstance(cfg.images, str) else list(cfg.images)
+        return cls(cfg.ckpt_path, model.get("pretrained"), model.get("img_size"), images, cfg.top_k, cfg.device,
+                   Path(cfg.paths.output_dir))  # fmt: skip
 
 
 def predict(cfg: DictConfig) -> list[dict]:
@@ -25,52 +47,51 @@ def predict(cfg: DictConfig) -> list[dict]:
     from vitlab.data.images import read_image
     from vitlab.data.naflex import to_device
 
-    model, prepare, names = _checkpoint(cfg) if cfg.ckpt_path is not None else _pretrained(cfg)
-    top_k = min(5, len(names)) if cfg.top_k is None else cfg.top_k  # (a model of 3 classes ranks 3 by default)
+    plan = PredictPlan.of(cfg)
+    model, prepare, names = _checkpoint(plan) if plan.ckpt_path is not None else _pretrained(plan)
+    top_k = min(5, len(names)) if plan.top_k is None else plan.top_k  # (a model of 3 classes ranks 3 by default)
     if top_k > len(names):  # (it was clamped silently)
         raise UserError(f"top_k {top_k} is more than the model's {len(names)} classes: give top_k up to {len(names)}")
-    images = [cfg.images] if isinstance(cfg.images, str) else list(cfg.images)
-    pixels = [read_image(path, model.cfg.in_chans) for path in images]  # every file checked first
+    pixels = [read_image(path, model.cfg.in_chans) for path in plan.images]  # every file checked first
     results = []
-    for path, img in zip(images, pixels, strict=True):
+    for path, img in zip(plan.images, pixels, strict=True):
         with torch.no_grad():
-            probs = model(to_device(prepare(img), cfg.device)).float().softmax(-1)[0]  # (NaFlex: a dict)
+            probs = model(to_device(prepare(img), plan.device)).float().softmax(-1)[0]  # (NaFlex: a dict)
         top = probs.topk(top_k)
         ranked = [
             {"class": names[i], "index": int(i), "prob": float(p)} for p, i in zip(top.values, top.indices, strict=True)
         ]
         results.append({"image": str(path), "top_k": ranked})
         print(f"{path}: " + ", ".join(f"{r['class']} ({r['prob']:.3f})" for r in ranked))
-    out = Path(cfg.paths.output_dir) / "predictions.json"
+    out = plan.output_dir / "predictions.json"
     out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}", flush=True)
     return results
 
 
-def _checkpoint(cfg: DictConfig) -> tuple:
-    """A trained checkpoint's model, its test images' preparation, its class names."""
-    from vitlab.training.run import build
+def _checkpoint(plan: PredictPlan) -> tuple:
+    """A trained checkpoint's model, its test images' preparation, its class names (the file read once)."""
+    from vitlab.training.run import inference
 
-    module = build.load_for_inference(cfg.ckpt_path, map_location=cfg.device).eval()
+    module = inference.load_for_inference(plan.ckpt_path, map_location=plan.device).eval()
     if not module.objective.uses_labels:  # an encoder: no classifier to rank classes with (as eval task=test says)
         raise UserError(
-            f"checkpoint {cfg.ckpt_path!r} is objective={module.objective.name} pretraining (an encoder without a "
+            f"checkpoint {plan.ckpt_path!r} is objective={module.objective.name} pretraining (an encoder without a "
             "classifier): it has no classes to predict; fine-tune it first (python -m vitlab.train "
-            f"model.pretrained={cfg.ckpt_path} ...) or evaluate its features with vitlab.eval task=knn|linear|fewshot"
+            f"model.pretrained={plan.ckpt_path} ...) or evaluate its features with vitlab.eval task=knn|linear|fewshot"
         )
-    datamodule = build.inference_datamodule(module, cfg.ckpt_path)
+    datamodule = inference.inference_datamodule(module, plan.ckpt_path)
     names = module.hparams.get("class_names") or [str(i) for i in range(module.model.cfg.num_classes)]
     return module.model, datamodule.predict_tensor, names
 
 
-def _pretrained(cfg: DictConfig) -> tuple:
+def _pretrained(plan: PredictPlan) -> tuple:
     """timm's weights with their own head, their eval transform, and their class names where timm knows them."""
     from vitlab.convert.source import resolve
     from vitlab.evaluation import classifier
 
-    img_size = OmegaConf.to_container(cfg.model, resolve=True)["img_size"]  # null: the size they were trained at
-    weights = resolve(cfg.model.pretrained, run={"img_size": img_size})  # the one look at timm or the folder
-    model = classifier.classifier(weights).to(cfg.device)
+    weights = resolve(plan.pretrained, run={"img_size": plan.img_size})  # the one look at timm or the folder
+    model = classifier.classifier(weights).to(plan.device)
     prepare: Callable = classifier.preprocess(weights, model.cfg.img_hw)
     return model, prepare, classifier.class_names(weights, model.cfg.num_classes)
 

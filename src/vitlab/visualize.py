@@ -18,16 +18,15 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from vitlab.cli.entry import entry_point
-from vitlab.utils.errors import UserError
 
 
 def check_views(cfg: DictConfig) -> None:
     """what=views: an objective whose views are drawn, named before the data is read."""
-    from vitlab.evaluation.views import OBJECTIVES
+    from vitlab.evaluation.views import view_kind
 
     name = cfg.objective.get("name") if cfg.what == "views" else None
-    if name is not None and name not in OBJECTIVES:
-        raise UserError(f"what=views draws the views of objective={'|'.join(OBJECTIVES)}, not objective={name}")
+    if name is not None:
+        view_kind(name)
 
 
 @entry_point("visualize", check=check_views)
@@ -36,27 +35,28 @@ def main(cfg: DictConfig) -> None:
     from vitlab.evaluation.figures import plot_attention, plot_embeddings, plot_learning_curves, plot_reconstructions
     from vitlab.model.config import vit_config
     from vitlab.training.objectives.mae import MAE
-    from vitlab.training.run import build
+    from vitlab.training.run import build, inference
 
     out = Path(cfg.paths.output_dir)
     written = []
     if cfg.what == "views":
-        from vitlab.evaluation.views import draw_views
+        from vitlab.evaluation.views import draw_views, view_kind
 
         objective = OmegaConf.to_container(cfg.objective, resolve=True)
         dm = build.build_datamodule(cfg.data, **build.data_views(cfg.data, objective, vit_config(cfg.model)))
-        mae = (cfg.model.patch_size, cfg.objective.mask_ratio) if cfg.objective.name == "mae" else None
+        masked = view_kind(cfg.objective.name) == "masked"  # MAE's: the patches its encoder does not see
+        mae = (cfg.model.patch_size, cfg.objective.mask_ratio) if masked else None
         written += draw_views(dm, cfg.objective.name, cfg.num_images, cfg.draws, out, mae=mae)
     if cfg.ckpt_path:
-        module = build.load_for_inference(cfg.ckpt_path).eval()
+        module = inference.load_for_inference(cfg.ckpt_path).eval()
         img = read_image(cfg.image, module.model.cfg.in_chans) if cfg.image else None  # before any figure
         written += plot_embeddings(module.model, out).values()
         if img is not None:
-            dm = build.inference_datamodule(module, cfg.ckpt_path)
+            dm = inference.inference_datamodule(module, cfg.ckpt_path)
             x = dm.predict_tensor(img)
             written += plot_attention(module.model, x, dm.mean, dm.std, out).values()
         if isinstance(module.objective, MAE):  # an MAE pretraining run's checkpoint
-            dm = build.inference_datamodule(module, cfg.ckpt_path)
+            dm = inference.inference_datamodule(module, cfg.ckpt_path)
             x = dm.first_images("test", cfg.num_images)
             written.append(
                 plot_reconstructions(

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import run_cli, tiny
+from tests.helpers.commands import run_cli
+from tests.helpers.configs import tiny
 from vitlab.benchmark.config import BenchmarkConfig
 from vitlab.benchmark.measure import MB, peak_matmul_flops, step_peak_bytes, tensor_bytes
 from vitlab.benchmark.models import Contender, build_contenders
@@ -178,7 +179,7 @@ def test_overhead_mode_times_lightning_a_bare_lightning_module_and_a_plain_loop(
 
 
 def test_pipeline_times_the_train_loader_against_the_old_one_timms_and_a_decode_and_crop_ceiling(tmp_path: Path):
-    from tests.helpers import image_tree
+    from tests.helpers.images import image_tree
 
     image_tree(tmp_path / "photos", per_class=8, size=(30, 40))
     packed = run_cli(
@@ -294,7 +295,7 @@ def test_end2end_window_leaves_out_validation_and_epoch_ends(monkeypatch):
 def test_timm_loader_gives_timms_uint8_batches_of_the_same_images(tmp_path: Path):
     from timm.data.loader import fast_collate
 
-    from tests.helpers import image_tree
+    from tests.helpers.images import image_tree
     from vitlab.benchmark.pipeline import timm_loader
     from vitlab.data.imagefolder import ImageFolderDataModule
 

@@ -4,7 +4,7 @@ the same name, said in one line."""
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers.commands import run_cli
 from vitlab.cli.config_tree import config_dir, read_user_config_dir, shadowing_note, without_config_dir
 from vitlab.utils.errors import MissingFileError
 

@@ -47,7 +47,7 @@ def test_values_lightning_documents_pass():
 
 
 def test_an_image_folders_class_count_is_checked_before_its_module_is_built(tmp_path):
-    from tests.helpers import image_tree
+    from tests.helpers.images import image_tree
 
     image_tree(tmp_path / "photos")
     node = OmegaConf.create({"_target_": "vitlab.data.ImageFolderDataModule", "data_dir": str(tmp_path / "photos"),

@@ -4,8 +4,9 @@ processes could not agree on one."""
 
 import pytest
 
-from tests.helpers import run_cli
-from vitlab.cli import overrides, rundir
+from tests.helpers.commands import run_cli
+from vitlab.cli import overrides, ranks, rundir, startup
+from vitlab.utils.errors import UserError
 
 SHORT = ["trainer.max_epochs=2", "data.batch_size=128", "progress_bar=none", "trainer.deterministic=true"]
 LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
@@ -30,7 +31,7 @@ def test_process_rank_is_read_from_every_launcher(monkeypatch, env, rank):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    assert rundir.process_rank() == rank
+    assert ranks.process_rank() == rank
 
 
 def test_a_secondary_process_joins_the_given_run_directory_without_claiming_it(monkeypatch, tmp_path):
@@ -38,7 +39,7 @@ def test_a_secondary_process_joins_the_given_run_directory_without_claiming_it(m
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("RANK", "1")
     run_dir = tmp_path / "rank0"
-    argv = rundir.prepare("train", ["trainer=ddp_cpu", f"hydra.run.dir={run_dir}"])
+    argv = startup.prepare("train", ["trainer=ddp_cpu", f"hydra.run.dir={run_dir}"])
     assert argv == [
         "trainer=ddp_cpu",
         f"hydra.run.dir={run_dir}",
@@ -49,7 +50,7 @@ def test_a_secondary_process_joins_the_given_run_directory_without_claiming_it(m
     # Lightning's children come with all three already: the run directory kept, the log named by rank as the README
     # says (Lightning's train_ddp_process_1.log was the name before issue 41)
     given = ["hydra.run.dir=/r", "hydra.job.name=train_ddp_process_1", "hydra.output_subdir=null"]
-    assert rundir.prepare("train", given) == [
+    assert startup.prepare("train", given) == [
         "hydra.run.dir=/r",
         "hydra.output_subdir=null",
         "hydra.job.name=train_rank1",
@@ -60,7 +61,7 @@ def test_a_run_directory_from_torchrun_keeps_any_character_through_hydra():
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     for odd in ("/data/it's (a, b) [c] {d}=e \\f", "/x\\'y\\", "/plain"):
-        (override,) = OverridesParser.create().parse_overrides([f"hydra.run.dir={rundir._hydra_quoted(odd)}"])
+        (override,) = OverridesParser.create().parse_overrides([f"hydra.run.dir={startup._hydra_quoted(odd)}"])
         assert override.value() == odd
 
 
@@ -103,6 +104,6 @@ def test_a_directory_holding_only_the_other_processes_logs_is_claimed_and_anythi
         earlier.mkdir()
         (earlier / "train_rank1.log").write_text("")
         (earlier / name).write_text("")
-        with pytest.raises(rundir.UserError, match="already holds files; vitlab never reuses a run directory"):
+        with pytest.raises(UserError, match="already holds files; vitlab never reuses a run directory"):
             rundir.claim_run_dir(earlier)
         assert not (earlier / rundir.CLAIM_FILE).exists()

@@ -65,7 +65,7 @@ def test_every_train_config_file_passes_the_checks(compose_cfg, monkeypatch, ove
     """The ranges (Lightning's Trainer's among them) refuse no config vitlab ships; their GPU counts are another
     machine's business (check_devices asks only where there is no GPU)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr("vitlab.utils.checks.no_cuda_here", lambda: False)  # (the device files looked for first)
+    monkeypatch.setattr("vitlab.utils.cuda.no_cuda_here", lambda: False)  # (the device files looked for first)
     check_config(compose_cfg("train", overrides), *SCHEMAS["train"])
 
 

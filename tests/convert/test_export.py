@@ -4,7 +4,7 @@ import onnxruntime
 import pytest
 import torch
 
-from tests.helpers import tiny
+from tests.helpers.configs import tiny
 from vitlab.convert import programs as export_module
 from vitlab.convert.programs import check_shapes, export
 from vitlab.model import ViT

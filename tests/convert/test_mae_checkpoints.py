@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from tests.helpers import mae_state_dict_like_maes
+from tests.helpers.references import mae_state_dict_like_maes
 from vitlab.convert.mae import export_mae, mae_keys, mae_state_dict
 from vitlab.convert.source import load_timm_weights
 from vitlab.convert.weights import read_weights

@@ -18,7 +18,7 @@ import yaml
 from huggingface_hub import ModelCard, constants
 from omegaconf import OmegaConf
 
-from tests.helpers import tiny
+from tests.helpers.configs import tiny
 from vitlab import export
 from vitlab.training.module import ViTModule
 from vitlab.utils.errors import OfflineError, UserError

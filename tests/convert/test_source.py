@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import vitlab.convert.source as source
-from tests.helpers import tiny
+from tests.helpers.configs import tiny
 from vitlab.convert.source import resolve
 from vitlab.model import ViT
 

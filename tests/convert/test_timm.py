@@ -6,7 +6,8 @@ import timm
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers import ROOT, tiny
+from tests.helpers.commands import ROOT
+from tests.helpers.configs import tiny
 from vitlab.convert.source import load_timm_weights
 from vitlab.convert.timm_args import config_from_timm, create_timm_model, timm_model_args
 from vitlab.convert.timm_hub import timm_pretrained_state_dict

@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 import vitlab
-from tests.helpers import tiny
+from tests.helpers.configs import tiny
 from vitlab.convert.timm_dir import save_timm_dir
 from vitlab.model import ViT
 from vitlab.training.module import ViTModule
@@ -85,7 +85,7 @@ def test_export_format_timm_for_every_objective(objective, compose_cfg, tmp_path
     """`vitlab.export format=timm` of a checkpoint: timm's model of the folder gives the checkpoint's logits (an MAE
     pretraining checkpoint: its encoder's features), with the data's mean and std and the class names."""
     from vitlab import export
-    from vitlab.training.run import build
+    from vitlab.training.run import inference
 
     train = compose_cfg("train", [])  # digits: 8x8 grayscale, 10 classes
     overrides, objective_cfg = OBJECTIVES[objective]
@@ -107,6 +107,6 @@ def test_export_format_timm_for_every_objective(objective, compose_cfg, tmp_path
         torch.testing.assert_close(theirs(x), module.model(x), atol=1e-5, rtol=0)
     assert theirs.num_classes == (0 if objective == "mae" else 10)
     config = json.loads((out / "config.json").read_text())["pretrained_cfg"]
-    data = build.inference_datamodule(module, str(ckpt))  # the preprocessing the checkpoint trained with
+    data = inference.inference_datamodule(module, str(ckpt))  # the preprocessing the checkpoint trained with
     assert config["mean"] == list(data.mean) != [0.5] and config["std"] == list(data.std) and len(data.std) == 1
     assert config.get("label_names") == [str(i) for i in range(10)]

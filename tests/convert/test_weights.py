@@ -9,7 +9,7 @@ import torch
 from timm.layers import resample_patch_embed
 
 import vitlab.convert.source as source
-from tests.helpers import tiny
+from tests.helpers.configs import tiny
 from vitlab.convert.source import load_timm_weights
 from vitlab.model import ViT
 from vitlab.utils.errors import UserError

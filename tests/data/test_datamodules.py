@@ -135,7 +135,7 @@ def test_imagefolder_errors(tmp_path):
 def test_imagefolder_names_the_class_folders_that_are_not_there(tmp_path):
     """A train/ of loose images (class_folders counts 0), and a val/ whose classes are not train's: the folders
     are named, not a number (issue 41)."""
-    from tests.helpers import image_tree
+    from tests.helpers.images import image_tree
 
     (tmp_path / "flat" / "train").mkdir(parents=True)
     (tmp_path / "flat" / "train" / "x.png").write_bytes(b"")

@@ -90,7 +90,7 @@ def test_a_fold_outside_the_folds_and_readers_without_folds_are_refused_in_one_l
 
 
 def test_the_command_line_refuses_a_fold_beyond_the_folds_before_writing_anything(tmp_path):
-    from tests.helpers import run_cli
+    from tests.helpers.commands import run_cli
 
     r = run_cli("train", "data.folds=3", "data.fold=3", cwd=tmp_path)
     assert r.returncode == 2, r.stderr[-2000:]

@@ -5,7 +5,9 @@ The datasets are built offline from the `folder` fixture (`records`, tests/conft
 import pytest
 import torch
 
-from tests.helpers import SHARDS_RUN, assert_same_run, run_cli
+from tests.helpers.commands import run_cli
+from tests.helpers.configs import SHARDS_RUN
+from tests.helpers.runs import assert_same_run
 from vitlab.data import HFDataModule, ImageFolderDataModule
 from vitlab.data.indexes import hf_classes as count_classes
 from vitlab.utils.errors import OfflineError, UserError

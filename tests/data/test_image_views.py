@@ -12,7 +12,7 @@ from PIL import Image
 from sklearn.datasets import load_sample_image
 from torchvision import transforms as T1
 
-from tests.helpers import reference
+from tests.helpers.references import reference
 from vitlab.data.image_views import ImageViews
 from vitlab.data.multicrop import MultiCropConfig
 

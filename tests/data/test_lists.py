@@ -6,7 +6,9 @@ import json
 import pytest
 
 from tests.data.test_hf_datasets import assert_same_items, items
-from tests.helpers import SHARDS_RUN, assert_same_run, run_cli
+from tests.helpers.commands import run_cli
+from tests.helpers.configs import SHARDS_RUN
+from tests.helpers.runs import assert_same_run
 from vitlab.data import ImageFolderDataModule, ListDataModule
 from vitlab.data.indexes import list_classes as count_classes
 from vitlab.utils.errors import MissingFileError, UserError

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from torchvision.transforms.v2 import functional as TF
 
-from tests.helpers import image_tree
+from tests.helpers.images import image_tree
 from vitlab.data import CIFAR10DataModule, DigitsDataModule, FakeDataModule, ImageFolderDataModule
 from vitlab.data.resident import ResidentImages, ShiftFlip
 from vitlab.data.seeded import TransformDataset

@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import segmentation_tree
+from tests.helpers.images import segmentation_tree
 from vitlab.data import SegmentationDataModule
 from vitlab.data.masks import IGNORE, MaskResizeCrop, image_label, read_mask
 from vitlab.utils.errors import MissingFileError, UserError

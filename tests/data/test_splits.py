@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.helpers import image_tree
+from tests.helpers.images import image_tree
 from vitlab.data import ImageFolderDataModule
 from vitlab.data.base import held_out
 from vitlab.utils.errors import UserError

@@ -9,7 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.helpers import SHARDS_RUN, assert_same_run, image_tree, run_cli
+from tests.helpers.commands import run_cli
+from tests.helpers.configs import SHARDS_RUN
+from tests.helpers.images import image_tree
+from tests.helpers.runs import assert_same_run
 from vitlab.data.streaming import INFO, StreamingDataModule
 
 RUN = SHARDS_RUN  # 3 classes x 24 images of 12 px in train, val and test: 9 steps of 8 an epoch

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.benchmark.test_benchmark import TINY
-from tests.helpers import run_cli
+from tests.helpers.commands import run_cli
 
 
 @pytest.mark.parametrize(

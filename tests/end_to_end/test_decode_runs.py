@@ -5,7 +5,8 @@ device's random erasing draws from the checkpointed generator)."""
 import pytest
 
 from tests.data.test_decoding import jpeg_tree
-from tests.helpers import assert_same_run, interrupt, resume, run_cli
+from tests.helpers.commands import run_cli
+from tests.helpers.runs import assert_same_run, interrupt, resume
 
 # 10 training JPEGs (grayscale, CMYK, EXIF-rotated and PNG files among them): 5 steps of 2, one epoch
 ARGS = ["data=imagefolder", "data.decode=device", "data.batch_size=2", "data.num_workers=1", "model.img_size=16",

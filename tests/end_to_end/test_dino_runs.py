@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from tests.helpers import assert_refused, assert_same_run, interrupt, resume, run_cli
+from tests.helpers.commands import assert_refused, run_cli
+from tests.helpers.runs import assert_same_run, interrupt, resume
 
 DINO = [
     "experiment=dino_pretrain_digits",

@@ -1,4 +1,4 @@
-"""The documented commands (tests/helpers.py: documented) as a new user types them, from a fresh clone: no
+"""The documented commands (tests/helpers/docs.py: documented) as a new user types them, from a fresh clone: no
 hydra.sweep.dir, no hydra.run.dir, real image files (issue 10, "Broken for users")."""
 
 import contextlib
@@ -14,7 +14,10 @@ import torch
 import yaml
 from PIL import Image
 
-from tests.helpers import ROOT, documented, earlier_run, image_tree, run_cli
+from tests.helpers.commands import ROOT, run_cli
+from tests.helpers.docs import documented
+from tests.helpers.images import image_tree
+from tests.helpers.runs import earlier_run
 
 
 @contextlib.contextmanager
@@ -132,7 +135,7 @@ def folder_run(tmp_path_factory):
 @pytest.mark.parametrize("kind", ["16-bit", "EXIF-rotated"])
 def test_predict_sees_the_image_training_and_eval_see(folder_run, tmp_path, kind):
     from vitlab.data.images import load_image
-    from vitlab.training.run.build import inference_datamodule, load_for_inference
+    from vitlab.training.run.inference import inference_datamodule, load_for_inference
 
     tree, ckpt = folder_run
     photo = _photos(tmp_path / "photos")[kind]

@@ -16,7 +16,8 @@ from sklearn.datasets import load_digits
 
 from tests.benchmark.test_benchmark import TINY
 from tests.end_to_end.test_signal_resume import DIGITS, TWO
-from tests.helpers import ROOT, _fork_server, assert_same_run, digits_checkpoint, trained
+from tests.helpers.commands import ROOT, _fork_server
+from tests.helpers.runs import assert_same_run, digits_checkpoint, trained
 
 
 def fresh(*argv: str, cwd=ROOT) -> subprocess.CompletedProcess:

@@ -12,7 +12,9 @@ import lightning as L
 import pytest
 import torch
 
-from tests.helpers import RESUMABLE, assert_same_run, extra_callback, interrupt, resume, run_cli
+from tests.helpers.commands import run_cli
+from tests.helpers.configs import RESUMABLE, extra_callback
+from tests.helpers.runs import assert_same_run, interrupt, resume
 from vitlab.training.optim import states_by_name
 
 FSDP = ["trainer=fsdp_cpu"]

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from tests.end_to_end.test_reliability import GPU_RUN
-from tests.helpers import ForbidSync, extra_callback, run_cli, tiny
+from tests.helpers.callbacks import ForbidSync
+from tests.helpers.commands import run_cli
+from tests.helpers.configs import extra_callback, tiny
 from vitlab.training.module import ViTModule
 from vitlab.training.optim import OptimConfig, make_optimizer
 

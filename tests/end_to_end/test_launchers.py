@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_same_run, run_cli
+from tests.helpers.commands import run_cli
+from tests.helpers.runs import assert_same_run
 
 REPO = Path(__file__).resolve().parents[2]
 SHORT = ["trainer.max_epochs=2", "data.batch_size=128", "progress_bar=none", "trainer.deterministic=true"]
@@ -90,7 +91,7 @@ def test_torchrun_stopped_by_the_group_s_sigterm_saves_once_and_its_resume_line_
     the run as it was started, with torchrun, and trains on from it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
     kill = [
-        "+callbacks.kill._target_=tests.helpers.SignalAtStep",
+        "+callbacks.kill._target_=tests.helpers.callbacks.SignalAtStep",
         "+callbacks.kill.step=6",
         "+callbacks.kill.group=true",
     ]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 
-from tests.helpers import ROOT
+from tests.helpers.commands import ROOT
 
 BUILD_FILES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "src", "conf")
 TINY = ("trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1",

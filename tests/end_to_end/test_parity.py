@@ -3,7 +3,7 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from tests.helpers import ROOT
+from tests.helpers.commands import ROOT
 from vitlab.convert.compare import compare, passes
 from vitlab.model.config import vit_config
 

@@ -4,7 +4,8 @@ in one process and in two (DDP on the CPU), NaFlex's too, on the `folder` fixtur
 import pytest
 
 from tests.data.test_streaming import RUN, TWO  # 9 steps of 8 an epoch on the `folder` fixture's 72 training images
-from tests.helpers import assert_same_run, interrupt, resume, run_cli
+from tests.helpers.commands import run_cli
+from tests.helpers.runs import assert_same_run, interrupt, resume
 
 
 def _wds(shards):

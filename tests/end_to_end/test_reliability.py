@@ -6,7 +6,10 @@ import pickle
 import pytest
 import torch
 
-from tests.helpers import RESUMABLE, assert_refused, earlier_run, extra_callback, image_tree, replaced, run_cli, trained
+from tests.helpers.commands import assert_refused, replaced, run_cli
+from tests.helpers.configs import RESUMABLE, extra_callback
+from tests.helpers.images import image_tree
+from tests.helpers.runs import earlier_run, trained
 
 # Command-line runs, for CI; the pieces have fast unit tests (test_callbacks, test_atomic).
 

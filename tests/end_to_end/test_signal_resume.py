@@ -12,18 +12,10 @@ import time
 
 import pytest
 
-from tests.helpers import (
-    RESUMABLE,
-    ROOT,
-    assert_same_run,
-    extra_callback,
-    image_tree,
-    interrupt,
-    replaced,
-    resume,
-    run_cli,
-    trained,
-)
+from tests.helpers.commands import ROOT, replaced, run_cli
+from tests.helpers.configs import RESUMABLE, extra_callback
+from tests.helpers.images import image_tree
+from tests.helpers.runs import assert_same_run, interrupt, resume, trained
 
 DIGITS = RESUMABLE
 TWO = ["trainer=ddp_cpu", "trainer.devices=2"]  # two CPU processes (gloo)

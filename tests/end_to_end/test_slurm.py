@@ -16,7 +16,10 @@ from pathlib import Path
 import optuna
 import pytest
 
-from tests.helpers import ROOT, assert_same_run, documented, extra_callback, replaced, run_cli, wandb_steps
+from tests.helpers.commands import ROOT, replaced, run_cli
+from tests.helpers.configs import extra_callback
+from tests.helpers.docs import documented
+from tests.helpers.runs import assert_same_run, wandb_steps
 
 CLUSTER = ROOT / "tests" / "cluster" / "slurm-localhost.sh"
 SHORT = ["trainer.max_epochs=2", "data.batch_size=128", "progress_bar=none", "trainer.deterministic=true"]

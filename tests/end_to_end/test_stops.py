@@ -12,7 +12,8 @@ import subprocess
 import sys
 import textwrap
 
-from tests.helpers import ROOT, TESTS_ON_PATH, ctrl_c_as_in_a_terminal, extra_callback, run_cli
+from tests.helpers.commands import ROOT, TESTS_ON_PATH, ctrl_c_as_in_a_terminal, run_cli
+from tests.helpers.configs import extra_callback
 
 SHORT = ["trainer.max_epochs=1", "trainer.limit_train_batches=2", "progress_bar=none"]
 TWO = ["trainer=ddp_cpu", "trainer.devices=2"]

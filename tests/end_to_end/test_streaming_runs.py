@@ -3,7 +3,8 @@
 import pytest
 
 from tests.data.test_streaming import RUN, TWO  # 9 steps of 8 an epoch on the `shards` fixture (tests/conftest.py)
-from tests.helpers import assert_same_run, interrupt, resume, run_cli
+from tests.helpers.commands import run_cli
+from tests.helpers.runs import assert_same_run, interrupt, resume
 
 
 @pytest.mark.parametrize("processes", [1, 2])

@@ -14,7 +14,9 @@ import optuna
 import pytest
 import yaml
 
-from tests.helpers import extra_callback, resume, run_cli, wandb_steps
+from tests.helpers.commands import run_cli
+from tests.helpers.configs import extra_callback
+from tests.helpers.runs import resume, wandb_steps
 
 SHORT = ["debug=limit", "progress_bar=none"]
 OPTUNA = ["-m", "hparams_search=digits_optuna", *SHORT]
@@ -222,7 +224,7 @@ def test_a_search_whose_every_trial_failed_draws_no_empty_plot(tmp_path):
 
 
 def test_a_run_resumed_from_its_checkpoint_logs_to_the_same_w_and_b_run(tmp_path):
-    from tests.helpers import interrupt
+    from tests.helpers.runs import interrupt
 
     args = ["trainer.max_epochs=1", "data.batch_size=256", "progress_bar=none", "logger=wandb",
             "logger.wandb.offline=true", "trainer.log_every_n_steps=1"]  # fmt: skip

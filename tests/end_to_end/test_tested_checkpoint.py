@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers.commands import run_cli
 
 # Two short epochs and the whole test split (the eval command tests all of it).
 SHORT = ["debug=limit", "progress_bar=none", "trainer.limit_test_batches=1.0", "callbacks=ema"]

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import TESTS_ON_PATH, extra_callback, run_cli
+from tests.helpers.commands import TESTS_ON_PATH, run_cli
+from tests.helpers.configs import extra_callback
 
 SHORT = ["debug=limit", "progress_bar=none"]
 METRICS = ["train/loss", "train/acc", "val/loss", "val/acc", "val/acc_best", "test/loss", "test/acc", "test/acc_top5"]

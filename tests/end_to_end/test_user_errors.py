@@ -18,7 +18,9 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import assert_refused, digits_checkpoint, earlier_run, image_tree, run_cli
+from tests.helpers.commands import assert_refused, run_cli
+from tests.helpers.images import image_tree
+from tests.helpers.runs import digits_checkpoint, earlier_run
 
 
 @pytest.fixture(scope="module")
@@ -424,7 +426,10 @@ def test_a_killed_save_leaves_no_temporary_behind_once_resumed(ckpt, tmp_path):
 def test_a_bug_keeps_its_traceback_and_exits_1(tmp_path):
     """A ValueError raised inside the model's forward is not the user's input: no one-line disguise."""
     r = run_cli(
-        "train", "debug=fdr", "+callbacks.bug._target_=tests.helpers.BugInForward", f"hydra.run.dir={tmp_path / 'r'}"
+        "train",
+        "debug=fdr",
+        "+callbacks.bug._target_=tests.helpers.callbacks.BugInForward",
+        f"hydra.run.dir={tmp_path / 'r'}",
     )
     assert r.returncode == 1
     assert "Traceback" in r.stderr and "ValueError: planted bug in forward" in r.stderr

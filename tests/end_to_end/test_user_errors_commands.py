@@ -12,15 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import (
-    assert_refused,
-    ctrl_c_as_in_a_terminal,
-    digits_checkpoint,
-    earlier_run,
-    image_tree,
-    run_cli,
-    tmpfs,
-)
+from tests.helpers.commands import assert_refused, ctrl_c_as_in_a_terminal, run_cli, tmpfs
+from tests.helpers.images import image_tree
+from tests.helpers.runs import digits_checkpoint, earlier_run
 
 
 @pytest.fixture(scope="module")

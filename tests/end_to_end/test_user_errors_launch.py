@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_refused, earlier_run, image_tree, run_cli
+from tests.helpers.commands import assert_refused, run_cli
+from tests.helpers.images import image_tree
+from tests.helpers.runs import earlier_run
 
 
 @pytest.mark.parametrize(
@@ -85,7 +87,7 @@ def test_a_sweep_ends_with_its_table_the_right_statuses_and_the_failed_jobs_name
 
 def test_a_sweep_job_that_fails_on_a_bug_keeps_its_traceback_and_the_sweep_its_table(tmp_path):
     sweep = tmp_path / "sweep"
-    bug = "+callbacks.bug._target_=tests.helpers.BugInForward"
+    bug = "+callbacks.bug._target_=tests.helpers.callbacks.BugInForward"
     r = run_cli("train", "-m", "debug=fdr", bug, "optim.lr=1e-3,3e-4", f"hydra.sweep.dir={sweep}")
     assert r.returncode == 1  # our code's failure, not the user's input
     assert r.stderr.count("Traceback") == 2 and "sweep summary" in r.stdout

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, assert_refused, documented, earlier_run, run_cli
+from tests.helpers.commands import ROOT, assert_refused, run_cli
+from tests.helpers.docs import documented
+from tests.helpers.runs import earlier_run
 
 TRAIN_KEYS = (
     "its top-level keys: ['ckpt_path', 'compile', 'freeze_backbone', 'memory_budget_gb', 'memory_check', 'model', "
@@ -126,7 +128,7 @@ FAST = [
 
 @pytest.mark.parametrize("args, said", FAST, ids=[" ".join(a) for a, _ in FAST])
 def test_a_refusal_that_needs_no_data_comes_before_torch_lightning_or_timm(tmp_path, args, said):
-    from vitlab.utils.checks import no_cuda_here
+    from vitlab.utils.cuda import no_cuda_here
 
     if "trainer.devices=4" in args and not no_cuda_here():
         pytest.skip("a machine with a GPU's device files asks torch")

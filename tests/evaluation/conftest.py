@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from tests.helpers import trained
+from tests.helpers.runs import trained
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import run_cli
+from tests.helpers.commands import run_cli
 from vitlab.utils.errors import UserError
 
 CLASSES = 7  # more than 5: top-5 can miss
@@ -81,6 +81,7 @@ def test_eval_task_test_gives_timms_top1_and_top5_as_validate_py(saved, compose_
     from timm.utils import accuracy
 
     from vitlab.cli.entry import check_config
+    from vitlab.cli.eval_plans import eval_plan
     from vitlab.cli.schemas import SCHEMAS
     from vitlab.eval import evaluate
 
@@ -99,7 +100,9 @@ def test_eval_task_test_gives_timms_top1_and_top5_as_validate_py(saved, compose_
     assert metrics["test/acc"] == pytest.approx(top1, abs=1e-6) and metrics["test/acc_top5"] == pytest.approx(top5)
     assert metrics["test/loss"] == pytest.approx(loss, rel=1e-5)
     assert metrics["pretrained"] == f"local-dir:{folder}"
-    assert dict(cfg.data.eval_transform) == {k: DATA_CONFIG[k] for k in ("crop_pct", "crop_mode", "interpolation")}
+    evaluated = eval_plan(cfg).data  # the data as evaluated, planned once: the weights' eval transform filled in
+    assert evaluated["eval_transform"] == {k: DATA_CONFIG[k] for k in ("crop_pct", "crop_mode", "interpolation")}
+    assert cfg.data.eval_transform.crop_pct is None  # and the command's config as it was given (nothing writes it)
     tree = tmp_path / "tree"
     for split in ("train", "val"):
         (tree / split).mkdir(parents=True)

@@ -3,13 +3,13 @@ linear-probe inputs, and the features of a split extracted by several DDP proces
 the same order, written once by rank 0."""
 
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from tests.helpers import run_cli, tiny
+from tests.helpers.commands import run_cli
+from tests.helpers.configs import tiny
 from vitlab.evaluation.features import POOLED, Layers, layers_of
 from vitlab.evaluation.tasks import linear_views
 from vitlab.model import ViT
@@ -35,8 +35,7 @@ def test_layers_give_dinov2s_linear_inputs_and_the_pooled_features():
     pooled = model.forward_head(model.forward_features(x), pre_logits=True)
     assert torch.equal(POOLED.extract(model, x), pooled)
     torch.testing.assert_close(layers_of(model, -1).extract(model, x), pooled)  # the last class token, normed
-    cfg = SimpleNamespace(layers=None, linear=SimpleNamespace(n_last_blocks=[1, 4], avgpool=[False, True]))
-    layers, views = linear_views(cfg, model)
+    layers, views = linear_views(None, {"n_last_blocks": [1, 4], "avgpool": [False, True]}, model)
     assert layers == Layers((0, 1, 2, 3), avgpool=True) and layers.name == "blocks0-3+avgpool"
     assert list(views) == ["last1", "last1+avgpool", "last4", "last4+avgpool"]  # DINOv2's order
     feats = layers.extract(model, x)
@@ -57,13 +56,13 @@ def test_layers_that_do_not_exist_are_named():
         layers_of(model, 5)
     with pytest.raises(UserError, match="has none"):
         layers_of(ViT(tiny(class_token=False, global_pool="avg")), [-1])
-    cfg = SimpleNamespace(layers=None, linear=SimpleNamespace(n_last_blocks=[1, 4], avgpool=[False]))
+    linear = {"n_last_blocks": [1, 4], "avgpool": [False]}
     with pytest.raises(UserError, match=r"linear.n_last_blocks=\[1, 4\] must list block counts from 1 to 2"):
-        linear_views(cfg, model)
-    cfg.linear.n_last_blocks = None  # the features `layers` picks, one configuration
-    assert linear_views(cfg, model) == (POOLED, {"pooled": slice(None)})
-    cfg.layers, cfg.linear = -1, SimpleNamespace(n_last_blocks=2, avgpool=True)  # a bare value is a list of one
-    assert linear_views(cfg, model)[1] == {"last2+avgpool": slice(0, 3 * 32)}
+        linear_views(None, linear, model)
+    linear["n_last_blocks"] = None  # the features `layers` picks, one configuration
+    assert linear_views(None, linear, model) == (POOLED, {"pooled": slice(None)})
+    linear = {"n_last_blocks": 2, "avgpool": True}  # a bare value is a list of one
+    assert linear_views(-1, linear, model)[1] == {"last2+avgpool": slice(0, 3 * 32)}
 
 
 def _cached(folder, stem):

@@ -4,7 +4,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import tiny
+from tests.helpers.configs import tiny
 from vitlab.evaluation.figures import attention_rollout, plot_attention, plot_embeddings
 from vitlab.model import ViT
 

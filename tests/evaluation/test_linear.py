@@ -163,7 +163,7 @@ def test_augment_recomputes_features_on_crops_and_flips_at_every_step(digits_ckp
     from vitlab.eval import evaluate
     from vitlab.evaluation.augmented import augmented_view
     from vitlab.evaluation.features import Layers
-    from vitlab.training.run import build
+    from vitlab.training.run import inference
 
     seen = []
     real = Layers.extract
@@ -175,7 +175,7 @@ def test_augment_recomputes_features_on_crops_and_flips_at_every_step(digits_ckp
     assert len(steps) == 4 and "RandomResizedCrop + flip" in first["linear/protocol"]
     assert not list((tmp_path / "f").glob("train*")) and (tmp_path / "f" / "val.blocks0-3+avgpool.npy").is_file()
 
-    dm = build.inference_datamodule(build.load_for_inference(digits_ckpt), digits_ckpt)
+    dm = inference.inference_datamodule(inference.load_for_inference(digits_ckpt), digits_ckpt)
     dm.setup("test")
     idx = next(sharded_stream(len(dm.eval_view("train")), 0, 0, 1, 16))
     plain = torch.stack([dm.eval_view("train")[int(i)][0] for i in idx])

@@ -76,10 +76,10 @@ def test_fewshot_draws_shots_per_class_and_scores_the_test_split():
 
 def test_features_are_cached_once_resumed_and_reused(digits_ckpt, tmp_path):
     from vitlab.evaluation.features import source_id, split_features
-    from vitlab.training.run import build
+    from vitlab.training.run import inference
 
-    module = build.load_for_inference(digits_ckpt)
-    dm = build.inference_datamodule(module, digits_ckpt)
+    module = inference.load_for_inference(digits_ckpt)
+    dm = inference.inference_datamodule(module, digits_ckpt)
     dm.setup("test")
     calls = []
     real = module.model.forward_features

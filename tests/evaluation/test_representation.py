@@ -45,7 +45,7 @@ def test_the_training_split_is_cut_to_a_seeded_subset():
 def test_a_ddp_run_gathers_its_features_and_every_rank_logs_rank_0s_numbers(tmp_path):
     """trainer=ddp_cpu: each process extracts half of the images, rank 0 scores and hands the numbers on (a rank
     that missed the gather would stall the run; one that logged others would show in its own metrics)."""
-    from tests.helpers import run_cli
+    from tests.helpers.commands import run_cli
 
     probe = ["every_n_epochs=1", "max_train_images=301", "knn_k=[5]", "shots=[2]"]
     r = run_cli(
@@ -68,7 +68,7 @@ def _probes_of(ckpt: Path, max_train: int, ks, shots) -> dict[str, float]:
     from vitlab.evaluation.features import split_features
     from vitlab.evaluation.probes import fewshot_accuracy, knn_accuracy
     from vitlab.evaluation.representation import _Limited
-    from vitlab.training.run.build import inference_datamodule, load_for_inference
+    from vitlab.training.run.inference import inference_datamodule, load_for_inference
 
     module = load_for_inference(str(ckpt)).eval()
     dm = inference_datamodule(module, str(ckpt))

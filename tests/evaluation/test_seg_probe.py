@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from tests.evaluation import mmseg_shim
-from tests.helpers import reference, run_cli, segmentation_tree
+from tests.helpers.commands import run_cli
+from tests.helpers.images import segmentation_tree
+from tests.helpers.references import reference
 from vitlab.convert.dino_weights import from_dinov2
 from vitlab.convert.timm_args import config_from_timm
 from vitlab.data.masks import IGNORE

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import run_cli
+from tests.helpers.commands import run_cli
 from vitlab.utils.errors import UserError
 
 NAME = "vit_tiny_patch16_224.augreg_in21k"
@@ -22,6 +22,7 @@ def test_timm_pretrained_weights_are_evaluated_without_a_checkpoint(compose_cfg,
     import timm
 
     import vitlab.convert.source as cw
+    from vitlab.cli.eval_plans import eval_plan
     from vitlab.eval import evaluate
     from vitlab.training.run import build
 
@@ -35,7 +36,7 @@ def test_timm_pretrained_weights_are_evaluated_without_a_checkpoint(compose_cfg,
     cache = tmp_path / "outputs" / "features" / NAME  # <paths.log_dir>/features/<name>/
     meta = json.loads((cache / "train.json").read_text())
     assert meta["pretrained"] == NAME and meta["model"]["embed_dim"] == 192 and meta["data"]["mean"] == [0.5]
-    dm = build.build_datamodule(cfg.data)  # the data as evaluated: the weights' mean and std filled in
+    dm = build.build_datamodule(eval_plan(cfg).data)  # the data as evaluated: the weights' mean and std filled in
     dm.setup("test")
     x, _ = dm.device_transform(next(iter(dm._loader(dm.eval_view("train"), train=False))), train=False)
     with torch.no_grad():

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers import tiny
+from tests.helpers.configs import tiny
 from vitlab.evaluation.tta import TestTimeAugmentation, crop_pad, views
 from vitlab.model.vit import ViT
 from vitlab.utils.errors import UserError
@@ -62,7 +62,7 @@ def test_eval_reports_tta_beside_the_plain_numbers(compose_cfg, tmp_path, digits
     """metrics.json: the plain test/acc (as without tta) and test/acc_tta, which is the accuracy of the mean of each
     test image's views' logits, computed here image by image."""
     from vitlab.eval import evaluate
-    from vitlab.training.run import build
+    from vitlab.training.run import inference
 
     common = [f"ckpt_path={digits_ckpt}", "progress_bar=none", "trainer.limit_test_batches=1.0"]
     metrics = evaluate(compose_cfg("eval", [*common, "tta=flip_crops"], output_dir=tmp_path / "tta"))
@@ -70,8 +70,8 @@ def test_eval_reports_tta_beside_the_plain_numbers(compose_cfg, tmp_path, digits
     assert metrics["test/acc"] == plain["test/acc"] and metrics["tta"] == "flip_crops" and metrics["tta_views"] == 10
     assert json.loads((tmp_path / "tta" / "metrics.json").read_text()) == metrics
 
-    module = build.load_for_inference(digits_ckpt).eval()
-    dm = build.inference_datamodule(module, digits_ckpt)
+    module = inference.load_for_inference(digits_ckpt).eval()
+    dm = inference.inference_datamodule(module, digits_ckpt)
     dm.setup("test")
     hits = n = 0
     with torch.no_grad():

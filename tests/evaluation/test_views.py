@@ -10,7 +10,8 @@ import logging
 import pytest
 from omegaconf import OmegaConf
 
-from tests.helpers import image_tree, run_cli
+from tests.helpers.commands import run_cli
+from tests.helpers.images import image_tree
 from vitlab.cli.schemas import check_visualize
 from vitlab.evaluation.views import LAYOUT, draw_views
 from vitlab.model.config import vit_config

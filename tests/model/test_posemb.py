@@ -6,7 +6,7 @@ import torch
 from timm.layers import resample_abs_pos_embed
 from timm.layers import resample_patch_embed as timm_resample_patch_embed
 
-from tests.helpers import mae_get_2d_sincos_pos_embed
+from tests.helpers.references import mae_get_2d_sincos_pos_embed
 from vitlab.model.posemb import (
     grid_like,
     posemb_sincos_2d,

@@ -8,7 +8,7 @@ from functools import partial
 import pytest
 import torch
 
-from tests.helpers import reference
+from tests.helpers.references import reference
 from vitlab.convert.dino_weights import from_dinov2
 from vitlab.convert.timm_args import config_from_timm
 from vitlab.model import ViT, ViTConfig

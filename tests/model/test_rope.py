@@ -9,7 +9,7 @@ import torch
 from timm.layers.pos_embed_sincos import RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMixed
 from timm.models.eva import Eva
 
-from tests.helpers import tiny
+from tests.helpers.configs import tiny
 from vitlab.convert.timm_eva import eva_kwargs
 from vitlab.model import ViT, ViTConfig
 from vitlab.model.rope import Rope, keep_rows

@@ -13,7 +13,7 @@ from timm.models import FeatureInfo
 from timm.models.vision_transformer import VisionTransformer
 from torchvision.models.feature_extraction import create_feature_extractor, get_graph_node_names
 
-from tests.helpers import tiny
+from tests.helpers.configs import tiny
 from vitlab.convert.programs import dynamic_shapes
 from vitlab.convert.timm_args import timm_kwargs
 from vitlab.convert.weights import check_state_dict

@@ -6,7 +6,7 @@ from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.helpers import tiny
+from tests.helpers.configs import tiny
 from vitlab.convert.timm_args import timm_kwargs
 from vitlab.convert.weights import check_state_dict
 from vitlab.model import ViT, ViTConfig, posemb_sincos_2d

@@ -11,13 +11,13 @@ import lightning as L
 import pytest
 import torch
 
-from tests.helpers import ROOT, run_cli
+from tests.helpers.commands import ROOT, run_cli
 from vitlab.training.checkpoint_io import upgrade_hparams
 from vitlab.training.module import ViTModule
 from vitlab.training.objectives.classification import Classification
 from vitlab.training.objectives.distillation import Distillation
 from vitlab.training.objectives.mae import MAE
-from vitlab.training.run.build import load_for_inference
+from vitlab.training.run.inference import load_for_inference
 
 OLD_HPARAMS = json.loads((ROOT / "tests" / "fixtures" / "checkpoints" / "hparams-2026-11-24.json").read_text())
 KINDS = {"classify": Classification, "distill": Distillation, "mae": MAE}

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from tests.helpers import tiny
+from tests.helpers.configs import tiny
 from vitlab.training.module import ViTModule
 
 MAE = {"name": "mae", "decoder_embed_dim": 16, "decoder_depth": 2, "decoder_num_heads": 2}

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import tiny
+from tests.helpers.configs import tiny
 from vitlab.training.module import ViTModule
 from vitlab.training.optim import param_groups
 
@@ -55,7 +55,7 @@ def test_linear_probe_trains_only_the_head():
 def test_checkpoint_without_metric_states_loads_but_weights_stay_strict(tmp_path):
     import lightning
 
-    from vitlab.training.run.build import load_for_inference as load_checkpoint
+    from vitlab.training.run.inference import load_for_inference as load_checkpoint
 
     m = ViTModule(model=tiny().to_dict())
     weights = {k: v for k, v in m.state_dict().items() if k.startswith("model.")}
@@ -156,7 +156,8 @@ SPIED = {
 
 
 def _spied_run(compose_cfg, extra) -> list[str]:
-    from tests.helpers import ForbidHostReads, extra_callback
+    from tests.helpers.callbacks import ForbidHostReads
+    from tests.helpers.configs import extra_callback
     from vitlab.train import train
 
     ForbidHostReads.found.clear()

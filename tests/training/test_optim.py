@@ -9,7 +9,7 @@ import timm.optim.kron
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers import tiny
+from tests.helpers.configs import tiny
 from vitlab.cli.config_tree import config_dir
 from vitlab.model import ViT
 from vitlab.training.module import ViTModule
@@ -26,8 +26,8 @@ from vitlab.training.optim import (
     states_by_name,
     warmup_cosine,
 )
-from vitlab.utils.checks import to_dict
 from vitlab.utils.errors import UserError
+from vitlab.utils.values import to_dict
 
 
 def test_no_weight_decay_on_norms_biases_layerscale_pos_embed_and_tokens():
@@ -383,7 +383,7 @@ def _layer_decayed(order):
     blocks (where a state given by position would silently go to the wrong parameter). `order` reorders the groups."""
     from torch.optim import AdamW
 
-    from tests.helpers import tiny
+    from tests.helpers.configs import tiny
 
     model = ViT(tiny(depth=3))
     groups = param_groups(model, 1e-3, 0.05, layer_decay=0.75)

@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.helpers import tiny
+from tests.helpers.configs import tiny
 from vitlab.training.module import ViTModule
 
 pytestmark = pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")

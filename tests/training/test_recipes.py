@@ -10,7 +10,7 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from tests.helpers import image_tree
+from tests.helpers.images import image_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "experiments" / "recipes" / "README.md"

@@ -1,4 +1,4 @@
-"""vitlab.utils.checks: the shared validators of config values."""
+"""vitlab.utils.values, arguments, cuda and kernels: the shared validators of config values."""
 
 import math
 import re
@@ -6,9 +6,9 @@ from typing import Literal, TypedDict
 
 import pytest
 
-from tests.helpers import tiny
+from tests.helpers.configs import tiny
 from vitlab.training.module import ViTModule
-from vitlab.utils.checks import (
+from vitlab.utils.arguments import (
     Fraction,
     NonEmpty,
     NonNegativeInt,
@@ -16,11 +16,11 @@ from vitlab.utils.checks import (
     PositiveNumber,
     Seed,
     check_arguments,
-    check_device,
-    compile_mode,
-    is_number,
 )
+from vitlab.utils.cuda import check_device
 from vitlab.utils.errors import UserError
+from vitlab.utils.kernels import compile_mode
+from vitlab.utils.values import is_number
 
 
 def test_compile_accepts_a_bool_or_a_torch_compile_mode():

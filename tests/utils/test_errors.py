@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from tests.helpers import ctrl_c_as_in_a_terminal
+from tests.helpers.commands import ctrl_c_as_in_a_terminal
 from vitlab.utils import errors
 
 # A command run as `python -m`: Ctrl-C lands in code compiled from a string (as in a dataclass's generated __init__

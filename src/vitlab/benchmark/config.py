@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
-from vitlab.utils.checks import SDPA_BACKENDS, compile_mode, from_mapping
 from vitlab.utils.errors import UserError
+from vitlab.utils.kernels import SDPA_BACKENDS, compile_mode
+from vitlab.utils.values import from_mapping
 
 TASKS = ("models", "overhead", "pipeline", "end2end", "strategies")
 # _ckpt: gradient checkpointing of every block; vitlab_ckpt<N>: of every N-th; vitlab_selective: selective; vitlab's
@@ -148,7 +149,7 @@ def check_benchmark(cfg: Any) -> None:
     from omegaconf import OmegaConf
 
     from vitlab.model.config import vit_config
-    from vitlab.utils.checks import check_device
+    from vitlab.utils.cuda import check_device
 
     b = BenchmarkConfig.from_dict(OmegaConf.to_container(cfg.benchmark, resolve=True))
     check_device("benchmark.device", b.device, auto=True)

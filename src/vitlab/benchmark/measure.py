@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vitlab.utils.checks import check_device
+from vitlab.utils.cuda import check_device
 
 MB = 2**20
 

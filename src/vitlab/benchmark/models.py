@@ -29,7 +29,7 @@ from vitlab.model import ViT, ViTConfig
 from vitlab.model.vit import recompute_region
 from vitlab.training.devices.hardware import use_sdpa_backend
 from vitlab.training.optim import OptimConfig, make_optimizer
-from vitlab.utils.checks import compile_mode
+from vitlab.utils.kernels import compile_mode
 
 
 class Contender:

@@ -1,8 +1,8 @@
 """What makes a function a `python -m vitlab.<command>` command line (`@entry_point`): the config tree and its
 resolvers (vitlab.cli.config_tree), the command's config checked against its schema before any work
-(`check_config`), the run directory (vitlab.cli.rundir), one-line errors for bad input (vitlab.utils.errors), the
-log routing (vitlab.utils.logs), a sweep job's failure recorded for the summary (vitlab.cli.sweep), and the run's
-config saved in its directory.
+(`check_config`), the run directory (vitlab.cli.startup, vitlab.cli.rundir), one-line errors for bad input
+(vitlab.utils.errors), the log routing (vitlab.utils.logs), a sweep job's failure recorded for the summary
+(vitlab.cli.sweep), and the run's config saved in its directory.
 
 It imports no torch, Lightning or timm at module level: `--help` and config errors answer at once.
 """
@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vitlab.cli.config_tree import config_dir, read_user_config_dir, register_resolvers
 from vitlab.cli.schemas import SCHEMAS
-from vitlab.utils.checks import check_arguments
+from vitlab.utils.arguments import check_arguments
 from vitlab.utils.errors import (
     CtrlC,
     Interrupted,
@@ -54,7 +54,7 @@ def entry_point(
     """Turn `task(cfg)` into a Hydra command line: configs from config_dir(), resolvers, the config checked before
     any work (`check_config` with the command's schema and checks, vitlab.cli.schemas.SCHEMAS), a new run
     directory, and input errors reported as one line (the traceback only with HYDRA_FULL_ERROR=1). A plain run is
-    checked before Hydra makes its run directory (rundir.prepare), every job again as it starts. In a -m sweep a job
+    checked before Hydra makes its run directory (startup.prepare), every job again as it starts. In a -m sweep a job
     with bad input is reported and recorded, a job that fails on a bug keeps its traceback and is recorded too, and
     the sweep goes on (SweepSummary lists every job at the end and makes the sweep exit 2, or 1 after a bug); a job
     whose directory holds another job's run stops the sweep in one line, writing nothing (sweep.refuse_other_job).
@@ -83,7 +83,7 @@ def entry_point(
 def _run_task(config_name: str, cfg: DictConfig, checked: Check, task: Callable[[DictConfig], Any]) -> Any:
     """The task of a run or a sweep's job, its config checked first; bad input, a bug or a stop reported as
     entry_point says."""
-    from vitlab.cli.rundir import task_started
+    from vitlab.cli.ranks import task_started
     from vitlab.cli.sweep import earlier_result, optimized_value
 
     global _began
@@ -131,10 +131,10 @@ def _stopped_in_hydra(config_name: str, e: KeyboardInterrupt) -> None:
     (which holds nothing yet), so that the same command runs again; any other (Lightning's second process, composing
     its own config as the group's signal reaches it) ends without a word: the first one reports the stop
     (utils.signals.when_children_stop, or its own handling)."""
-    from vitlab.cli import rundir
+    from vitlab.cli import ranks, rundir
 
     name, signum = stop_name(e)
-    if rundir.process_rank() > 0:
+    if ranks.process_rank() > 0:
         raise SystemExit(128 + signum)
     if rundir.CLAIMED:
         rundir.discard_if_unused(None, rundir.CLAIMED[-1])
@@ -142,9 +142,9 @@ def _stopped_in_hydra(config_name: str, e: KeyboardInterrupt) -> None:
 
 
 def _run_command(config_name: str, checked: Check, guarded: Callable[[DictConfig], Any]) -> Any:
-    """The command line: checked before Hydra starts (rundir.prepare), then Hydra's main with `guarded` as its
+    """The command line: checked before Hydra starts (startup.prepare), then Hydra's main with `guarded` as its
     task; Ctrl-C and SIGTERM raise CtrlC throughout, and are quiet once the work is done."""
-    from vitlab.cli.rundir import prepare
+    from vitlab.cli.startup import prepare
 
     quiet()
     register_resolvers()
@@ -175,7 +175,7 @@ def _run_command(config_name: str, checked: Check, guarded: Callable[[DictConfig
 
 def check_config(cfg: DictConfig, schema: Any = None, check: Check | None = None) -> None:
     """A command's config before any work: its top-level keys against `schema` (a TypedDict: types and ranges, its
-    groups key by key: utils.checks.check_arguments), the command's own `check` (what needs several keys or the file
+    groups key by key: utils.arguments.check_arguments), the command's own `check` (what needs several keys or the file
     system), then every node that builds something against its target (cli.node_checks.check_nodes: the data
     module, the Trainer within Lightning's ranges, callbacks, loggers)."""
     if schema is not None:
@@ -314,7 +314,8 @@ def _stop_line(cfg: DictConfig, command: str, name: str) -> tuple[str, bool]:
     the summary so far; a run directory that holds no result yet removed, so that the same command runs again."""
     from hydra.core.hydra_config import HydraConfig
 
-    from vitlab.cli.rundir import discard_if_unused, process_rank
+    from vitlab.cli.ranks import process_rank
+    from vitlab.cli.rundir import discard_if_unused
 
     _summarize_sweep(cfg)
     job, says = _sweep_job_dir(), process_rank() == 0

@@ -22,10 +22,8 @@ from vitlab.data.base import DataModule, ImageDataModule
 from vitlab.data.folds import check_folds
 from vitlab.data.imagefolder import ImageFolderDataModule, check_class_folders
 from vitlab.training.run.ranges import DataRanges, TrainerValues, check_devices  # (check_devices: torch-free)
-from vitlab.utils.checks import (
-    check_arguments,
-    check_clipping,
-)
+from vitlab.utils.arguments import check_arguments
+from vitlab.utils.clipping import check_clipping
 from vitlab.utils.errors import UserError
 
 
@@ -107,7 +105,7 @@ BEFORE_BUILD: dict[type, Any] = {ImageFolderDataModule: _class_folders, ImageDat
 
 def check_node(node: DictConfig, key: str) -> None:
     """The values of a config node that builds something (`_target_`), and of the nodes in it, have the types
-    their target declares (utils.checks.check_arguments), within the ranges NARROWER gives, and satisfy what
+    their target declares (utils.arguments.check_arguments), within the ranges NARROWER gives, and satisfy what
     BEFORE_BUILD asks of them: a wrong type or value is one line naming the key before anything is built, not a
     TypeError deep inside (Lightning's Trainer arguments included)."""
     try:

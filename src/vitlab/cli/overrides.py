@@ -1,4 +1,4 @@
-"""The command line's overrides, checked before Hydra composes them (vitlab.cli.rundir.prepare): a key given twice
+"""The command line's overrides, checked before Hydra composes them (vitlab.cli.startup.prepare): a key given twice
 (Hydra keeps the last without a word: an unquoted brace pattern is one argument a shard in the shell), a `+key` at
 the top level that no command reads (Hydra adds it, and it does nothing), and a value whose characters Hydra's
 override grammar reads as its own, for which the error says how to quote it."""
@@ -123,3 +123,10 @@ def _needs_quotes(item: str) -> bool:
 def _double_quoted(value: str) -> str:
     """A Hydra double-quoted string: a quote escaped, and so are the backslashes before a quote or at the end."""
     return '"' + re.sub(r'(\\*)("|$)', lambda m: m[1] * 2 + ('\\"' if m[2] else ""), value) + '"'
+
+
+def override_value(argv: list[str], key: str) -> str | None:
+    """The value the command line gives `key` (as `key=`, `+key=` or `++key=`), or None."""
+    parsed = _parsed([a for a in argv if not a.startswith("-")])
+    found = [o for o in parsed or [] if o.key_or_group == key and not o.is_delete()]
+    return str(found[-1].value()) if found else None

@@ -5,7 +5,7 @@ types and ranges, its groups key by key: eval's knn, linear, fewshot) and what n
 makes a plain run's directory and as each sweep job starts. tests/cli/test_schemas.py keeps each schema equal to its
 YAML file's keys.
 
-A schema is a TypedDict; a range is a type (`PositiveInt`, `Fraction`, utils.checks): `top_k=abc` and `top_k=0` are
+A schema is a TypedDict; a range is a type (`PositiveInt`, `Fraction`, utils.arguments): `top_k=abc` and `top_k=0` are
 both `top_k ... must be an integer >= 1`, before a checkpoint is read.
 """
 
@@ -18,21 +18,20 @@ from typing import Any, Literal, TypedDict
 
 from omegaconf import DictConfig, OmegaConf
 
-from vitlab.utils.checks import (
+from vitlab.utils.arguments import (
     ByteSize,
-    CompileMode,
     NonEmpty,
     NonNegativeInt,
     NonNegativeNumber,
     PositiveInt,
     PositiveNumber,
-    SdpaBackend,
     Seed,
     check_arguments,
-    check_clipping,
-    check_device,
 )
+from vitlab.utils.clipping import check_clipping
+from vitlab.utils.cuda import check_device
 from vitlab.utils.errors import UserError
+from vitlab.utils.kernels import CompileMode, SdpaBackend
 from vitlab.utils.logs import ProgressBar
 
 
@@ -212,7 +211,7 @@ def check_train(cfg: DictConfig) -> None:
     if cfg.train and cfg.trainer.get("max_epochs") == 0:  # (Lightning trains nothing and the run ends as if done)
         raise UserError("trainer.max_epochs=0 trains nothing: give 1 or more (-1: until max_steps), or train=false "
                         "to test a checkpoint without training")  # fmt: skip
-    if cfg.freeze_backbone and cfg.objective.get("name") in ("mae", "dino"):
+    if cfg.freeze_backbone and _pretrains(cfg.objective.get("name")):
         raise UserError(
             f"freeze_backbone=true trains only the classifier head, and objective={cfg.objective.name} pretrains the "
             "encoder without one: nothing would learn; drop freeze_backbone"
@@ -224,6 +223,14 @@ def check_train(cfg: DictConfig) -> None:
 
     check_launch(cfg)  # a -m sweep of multi-process runs on a launcher that cannot start them
     check_request(cfg.trainer, cfg.get("callbacks"))  # trainer=fsdp: what cannot shard (its note is logged by train)
+
+
+def _pretrains(objective: str | None) -> bool:
+    """objective=`objective` reads no labels (training.module.OBJECTIVES' `uses_labels`): it pretrains the encoder and
+    has no classifier head to train. (Torch and Lightning imported: only where freeze_backbone asks.)"""
+    from vitlab.training.module import OBJECTIVES
+
+    return objective in OBJECTIVES and not OBJECTIVES[objective].uses_labels
 
 
 def _present(node: DictConfig, schema: Any) -> dict[str, Any]:

@@ -28,8 +28,8 @@ from vitlab.data.folds import describe_splits, held_out  # noqa: F401  (where th
 from vitlab.data.resident import ResidentImages, already_batched
 from vitlab.data.seeded import RepeatSampler, RepeatSeededSampler, SeededSampler, TransformDataset, init_worker
 from vitlab.model.config import as_hw
-from vitlab.utils.checks import from_mapping
 from vitlab.utils.errors import UserError
+from vitlab.utils.values import from_mapping
 
 
 class DataModule(L.LightningDataModule):
@@ -299,7 +299,7 @@ class ImageDataModule(DataModule):
             raise UserError("data.train_img_sizes and objective=dino's crops both set the training sizes: choose one")
         self.train_transform_args = dict(train_transform or {})
         self.train_tf = transforms.train_transform(self.img_size, self.mean, **self.train_transform_args)
-        # null eval settings: this dataset's defaults (pretrained.apply_pretrained fills them from the weights first)
+        # null eval settings: this dataset's defaults (pretrained.take_preprocessing fills them from the weights first)
         self.eval_settings = {"crop_pct": self.eval_crop_pct} | {
             k: v for k, v in (eval_transform or {}).items() if v is not None
         }

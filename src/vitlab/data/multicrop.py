@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torchvision.transforms.v2.functional._color import _hsv_to_rgb, _rgb_to_hsv
 
-from vitlab.utils.checks import check_at_least, check_range, from_mapping, is_number
 from vitlab.utils.errors import UserError
+from vitlab.utils.values import check_at_least, check_range, from_mapping, is_number
 
 GRAY = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale weights
 SOLARIZE = 128 / 255  # PIL's ImageOps.solarize threshold on uint8, as a fraction

@@ -30,8 +30,8 @@ from torchvision.transforms import v2 as T
 
 from vitlab.data.crop_modes import CROP_MODES, PIL_FILTERS, ResizeCrop
 from vitlab.model.config import as_hw
-from vitlab.utils.checks import check_at_least, check_range, from_mapping, is_number
 from vitlab.utils.errors import UserError
+from vitlab.utils.values import check_at_least, check_range, from_mapping, is_number
 
 TORCHVISION_AUGMENTS = ("randaugment", "trivialaugment")
 TIMM_POLICIES = ("rand-", "augmix-", "3a", "v0", "original")  # how timm's policy strings start (timm.data.auto_augment)

@@ -8,12 +8,11 @@ classes of image files (`classifier`, `preprocess`); `vitlab.eval task=test` sco
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitlab.convert.source import Weights
 from vitlab.data import transforms
@@ -49,29 +48,15 @@ def preprocess(weights: Weights, img_hw: tuple[int, int]) -> Callable[[torch.Ten
     return lambda img: to_input(eval_tf(img).unsqueeze(0), train=False)
 
 
-def fill_data(cfg: DictConfig, weights: Weights) -> None:
-    """The run's model.img_size, where null, becomes the weights' (data.img_size follows it); the data's mean, std and
-    eval transform left null become the weights' (training.pretrained's fill)."""
-    from vitlab.training.pretrained import pretrained_preprocessing
-
-    with open_dict(cfg):
-        if OmegaConf.select(cfg, "model.img_size") is None:
-            cfg.model.img_size = list(weights.preprocessing["input_size"][1:])
-        taken = pretrained_preprocessing(cfg.data, weights.preprocessing, cfg.data.get("channels", 3))
-    log.info(
-        "model.pretrained=%s: preprocessing %s", weights.source, ", ".join(f"data.{k}={v}" for k, v in taken.items())
-    )
-
-
-def score(cfg: DictConfig, weights: Weights, device: torch.device) -> tuple[dict[str, float], str]:
+def score(data: Mapping[str, Any], weights: Weights, device: torch.device) -> tuple[dict[str, float], str]:
     """task=test on the weights' own head (resolved at model.img_size; null: their own): top-1, top-5 and the
     cross-entropy (fractions, as a checkpoint's test/acc) over a folder of class folders, or the data's test split (its
-    val split, named so, where it has none), as timm's validate.py computes them; and which images those were."""
+    val split, named so, where it has none), as timm's validate.py computes them; and which images those were. `data`:
+    the data mapping with the weights' preprocessing laid in where it was left null (the plan's, cli/eval_plans.py)."""
     from vitlab.training.run import build
 
-    fill_data(cfg, weights)
-    datamodule = build.build_datamodule(cfg.data)
-    dataset, split = _split(datamodule, _class_folders_alone(cfg.data))
+    datamodule = build.build_datamodule(data)
+    dataset, split = _split(datamodule, _class_folders_alone(data))
     source, arch = weights.source, ViTConfig.from_dict(weights.arch)
     if (datamodule.num_classes, datamodule.channels) != (arch.num_classes, arch.in_chans):
         raise UserError(
@@ -95,9 +80,9 @@ def score(cfg: DictConfig, weights: Weights, device: torch.device) -> tuple[dict
     return metrics, f"{n:,} images of {split}"
 
 
-def _class_folders_alone(data: DictConfig) -> bool:
+def _class_folders_alone(data: Mapping[str, Any]) -> bool:
     """data=imagefolder with a data_dir of class folders and no train/ (timm's validate.py --data-dir <val>)."""
-    root = OmegaConf.select(data, "data_dir")
+    root = data.get("data_dir")
     folder = data.get("_target_") == "vitlab.data.ImageFolderDataModule"
     return folder and root is not None and Path(root).is_dir() and not (Path(root) / "train").is_dir()
 

@@ -12,7 +12,7 @@ file instead of running the model.
 
 Under torch.distributed (the processes Lightning starts: vitlab.eval with trainer=ddp_cpu, or a DDP training run)
 each process extracts every world-th image and rank 0 gathers them batch by batch into the original order: the same
-rows as one process, written once, by rank 0. `evaluation.tasks.probe` runs task=knn|linear|fewshot on them. No
+rows as one process, written once, by rank 0. `evaluation.tasks.run_probe` runs task=knn|linear|fewshot on them. No
 Lightning, no Hydra.
 """
 

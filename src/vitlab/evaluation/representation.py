@@ -18,7 +18,7 @@ import torch
 from vitlab.data.seeded import TransformDataset
 from vitlab.evaluation.features import split_features
 from vitlab.evaluation.probes import fewshot_accuracy, knn_accuracy
-from vitlab.utils.checks import check_at_least
+from vitlab.utils.values import check_at_least
 
 
 class RepresentationProbe(L.Callback):

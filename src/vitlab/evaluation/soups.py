@@ -95,13 +95,13 @@ class Scorer:
     `device`, with one module whose weights are replaced."""
 
     def __init__(self, best: str, device: str):
-        from vitlab.training.run import build
+        from vitlab.training.run import inference
 
-        self.module = build.load_for_inference(best)
+        self.module = inference.load_for_inference(best)
         if not self.module.objective.uses_labels or not self.module.model.cfg.num_classes:
             raise UserError(f"a soup is chosen by validation accuracy, and {best!r} has no classifier to score")
         self.prefixes, self.device = self.module.network_prefixes, torch.device(device)
-        self.datamodule = build.inference_datamodule(self.module, best)
+        self.datamodule = inference.inference_datamodule(self.module, best)
         self.datamodule.setup("test")
 
     def weights(self, path: str) -> dict[str, torch.Tensor]:

@@ -3,24 +3,25 @@ Lightning Fabric starts them as the Trainer does (a DDP launch re-runs the comma
 sets up torch.distributed's group; each process then extracts its share of every split (vitlab.evaluation.features) and
 rank 0 gathers, caches and scores. The weights are a checkpoint's, or timm's pretrained weights ported into our
 ViT (`model.pretrained=<timm name>` and no ckpt_path), whose own head task=test scores as timm's validate.py does
-(vitlab.evaluation.classifier)."""
+(vitlab.evaluation.classifier). What they read of eval's config is handed to them as values, made once by the
+command's plan (cli/eval_plans.py): the task and its settings (`Probe`), and timm's weights resolved (`Pretrained`)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
 
-from vitlab.convert.source import Weights, resolve
+from vitlab.convert.source import Weights
 from vitlab.evaluation import classifier
 from vitlab.evaluation.features import Layers, _world, layers_of, source_id, split_features
 from vitlab.model import ViT
 from vitlab.model.config import vit_config
-from vitlab.training.pretrained import explicit_model_keys, pretrained_model, take_preprocessing
 from vitlab.training.run import build
 from vitlab.training.run.ranges import check_devices
 from vitlab.utils.errors import UserError
@@ -32,82 +33,96 @@ log = logging.getLogger(__name__)
 LOADER_KEYS = ("batch_size", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
 
 
-def launch(trainer_cfg: DictConfig) -> torch.device:
+@dataclass(frozen=True)
+class Probe:
+    """vitlab.eval's task and what it reads of the command's config: its groups as cli/schemas.py validated them
+    (KnnSettings, LinearSettings, FewshotSettings, SegmentationSettings: plain mappings), the features' `layers`, the
+    features cache (`features_dir`, None: beside the weights' run) and the trainer mapping whose processes extract."""
+
+    task: str
+    layers: int | list[int] | None
+    knn: Mapping[str, Any]
+    linear: Mapping[str, Any]
+    fewshot: Mapping[str, Any]
+    segmentation: Mapping[str, Any]
+    trainer: Mapping[str, Any]
+    features_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class Pretrained:
+    """`model.pretrained=<source>` without a checkpoint, resolved once by the plan: the weights (timm's architecture
+    and preprocessing), our model's config at the run's size (task=test: unused, the weights' own head is scored), the
+    data mapping with the weights' preprocessing laid in where it was left null, and where runs log (the features
+    cache: <log_dir>/features/<name>/)."""
+
+    source: str
+    weights: Weights
+    model: Mapping[str, Any]
+    data: Mapping[str, Any]
+    log_dir: Path
+
+
+def launch(trainer: Mapping[str, Any]) -> torch.device:
     """Start the processes of trainer.accelerator / devices / num_nodes / strategy (this one becomes rank 0);
     this process's device."""
     from lightning.fabric import Fabric
 
-    check_devices(trainer_cfg)
-    strategy = trainer_cfg.get("strategy", "auto")
+    check_devices(trainer)
+    strategy = trainer.get("strategy", "auto")
     if not isinstance(strategy, str):
         raise UserError(
             "frozen features are extracted with trainer.strategy=auto or ddp (each process a share of the images, "
             "the whole model in each); this config gives an object (trainer=fsdp?): use trainer=ddp or trainer=ddp_cpu"
         )
-    t = trainer_cfg
+    t = trainer
     fabric = Fabric(accelerator=t.get("accelerator", "auto"), strategy=strategy, devices=t.get("devices", 1),
                     num_nodes=t.get("num_nodes", 1))  # fmt: skip
     fabric.launch()
     return fabric.device
 
 
-def probe_checkpoint(cfg: DictConfig, model: torch.nn.Module, datamodule) -> dict | None:
+def probe_checkpoint(probe: Probe, ckpt_path: str, model: torch.nn.Module, datamodule) -> dict | None:
     """The task on a checkpoint's model, its features cached beside its run (<run>/features/<checkpoint name>/)."""
-    ckpt = Path(cfg.ckpt_path)
-    cache = Path(cfg.features_dir) if cfg.features_dir else ckpt.resolve().parent.parent / "features" / ckpt.stem
-    return probe(cfg, model, datamodule, source_id(cfg.ckpt_path), cache, launch(cfg.trainer))
+    ckpt = Path(ckpt_path)
+    cache = Path(probe.features_dir) if probe.features_dir else ckpt.resolve().parent.parent / "features" / ckpt.stem
+    return run_probe(probe, model, datamodule, source_id(ckpt_path), cache, launch(probe.trainer))
 
 
-def probe_pretrained(cfg: DictConfig) -> dict | None:
+def probe_pretrained(probe: Probe, pretrained: Pretrained) -> dict | None:
     """The task on `model.pretrained`'s weights (a timm name, or a weights file) at the model config's size, on
     `data=<name>`; its features cached in <log_dir>/features/<name>/, identified by the name (a file: its path,
     size and time), our model config and the data config. task=test scores the weights' own head instead
     (`score_pretrained`)."""
-    source = OmegaConf.select(cfg, "model.pretrained")
-    if not source:
-        raise UserError(
-            "ckpt_path must be given: ckpt_path=<file.ckpt>, or timm's weights with model.pretrained=<timm name | "
-            "local-dir:<folder> | hf-hub:<repo>> data=<name> (task=test: their own head; task=knn|linear|fewshot: "
-            "their features, with model=<name>)"
-        )
-    if "_target_" not in cfg.data:
-        raise UserError(f"model.pretrained={source} needs the data to evaluate on: data=<name>")
-    if cfg.task == "test":
-        return score_pretrained(cfg, resolve(source, run={"img_size": OmegaConf.select(cfg, "model.img_size")}))
-    if OmegaConf.select(cfg, "model.img_size") is None:
-        raise UserError(f"task={cfg.task} on model.pretrained={source} needs the model's size: model=<name>")
-    with open_dict(cfg):  # the model takes the data's channels, and no head: the features never reach one
-        cfg.model.in_chans, cfg.model.num_classes = cfg.data.get("channels", 3), 0
-        # resolved once: timm's architecture, and the data's mean/std/crop left null
-        before = OmegaConf.to_container(cfg.model, resolve=True)
-        weights, model = pretrained_model(before, explicit_model_keys())
-        cfg.model.update(model)
-        take_preprocessing(cfg.data, weights, before)
-    datamodule = build.build_datamodule(cfg.data)
+    if probe.task == "test":
+        return score_pretrained(probe, pretrained)
+    source, weights = pretrained.source, pretrained.weights
+    datamodule = build.build_datamodule(pretrained.data)
     datamodule.setup("test")
-    model = ViT(vit_config(cfg.model))
+    model = ViT(vit_config(pretrained.model))
     weights.load_into(model, reset_head=True)
-    data = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k not in LOADER_KEYS}
+    data = {k: v for k, v in pretrained.data.items() if k not in LOADER_KEYS}
     named = source_id(source) if weights.is_file else {"pretrained": source}
-    ident = named | {"model": OmegaConf.to_container(cfg.model, resolve=True), "data": data}
+    ident = named | {"model": dict(pretrained.model), "data": data}
     name = Path(source).stem if weights.is_file else source.replace("/", "_").replace(":", "_")
-    cache = Path(cfg.features_dir) if cfg.features_dir else Path(cfg.paths.log_dir) / "features" / name
-    return probe(cfg, model, datamodule, ident, cache, launch(cfg.trainer))
+    cache = Path(probe.features_dir) if probe.features_dir else pretrained.log_dir / "features" / name
+    return run_probe(probe, model, datamodule, ident, cache, launch(probe.trainer))
 
 
-def score_pretrained(cfg: DictConfig, weights: Weights) -> dict:
-    """task=test on timm's weights (resolved once, `weights`): their own head on the data's images, in this one
+def score_pretrained(probe: Probe, pretrained: Pretrained) -> dict:
+    """task=test on timm's weights (resolved once, by the plan): their own head on the data's images, in this one
     process, as timm's validate.py scores them (evaluation.classifier)."""
+    weights = pretrained.weights
     source = weights.source
     if weights.is_file:
         raise UserError(
             f"task=test on model.pretrained={source}: a weights file carries no preprocessing to score it with; give "
             "a timm name or a timm folder (local-dir:<folder>, with its config.json)"
         )
-    t = cfg.trainer
+    t = probe.trainer
     if t.get("num_nodes", 1) != 1 or t.get("devices", 1) not in (1, "1"):
         raise UserError("task=test on model.pretrained runs in one process: set trainer.devices=1")
-    metrics, images = classifier.score(cfg, weights, launch(cfg.trainer))
+    metrics, images = classifier.score(pretrained.data, weights, launch(probe.trainer))
     log.info("model.pretrained=%s on %s: %s", source, images, ", ".join(f"{k} {shown(v)}" for k, v in metrics.items()))
     return metrics
 
@@ -115,54 +130,56 @@ def score_pretrained(cfg: DictConfig, weights: Weights) -> dict:
 TASKS = ("test", "knn", "fewshot", "linear", "segmentation")
 
 
-def probe(cfg, model, datamodule, source: dict, cache: Path | None, device: torch.device) -> dict | None:
-    """vitlab.eval's task=knn|linear|fewshot (`cfg`: eval's config) on the frozen features of the training split
-    and the test split (the validation split where the data has none), extracted once into the features cache `cache`
-    (None: none) and read from there by later tasks; `source` names the weights. Under several processes each
-    extracts its share, and rank 0 alone scores: the metrics there, None elsewhere."""
-    if cfg.task not in TASKS:
-        raise UserError(f"task {cfg.task!r} is not one of {list(TASKS)}")
-    if cfg.task == "segmentation":
-        return probe_segmentation(cfg, model, datamodule, source, cache, device)
+def run_probe(probe: Probe, model, datamodule, source: dict, cache: Path | None, device: torch.device) -> dict | None:
+    """vitlab.eval's task=knn|linear|fewshot (`probe`: the task and its settings) on the frozen features of the
+    training split and the test split (the validation split where the data has none), extracted once into the
+    features cache `cache` (None: none) and read from there by later tasks; `source` names the weights. Under
+    several processes each extracts its share, and rank 0 alone scores: the metrics there, None elsewhere."""
+    if probe.task not in TASKS:
+        raise UserError(f"task {probe.task!r} is not one of {list(TASKS)}")
+    if probe.task == "segmentation":
+        return probe_segmentation(probe.segmentation, model, datamodule, source, cache, device)
     split = "test" if getattr(datamodule, "test_set", None) is not None else "val"
-    if cfg.task == "linear" and split == "val":
+    if probe.task == "linear" and split == "val":
         raise UserError(
             "task=linear picks its learning rate on the validation split and needs a test split besides it: this data "
             "has none (for an image folder, data.val_fraction=0.01 validates on a slice of train and tests on val/)"
         )
     bank = len(datamodule.eval_view("train"))
-    if cfg.task == "knn" and max(cfg.knn.k) > bank:
+    ks = list(probe.knn["k"])
+    if probe.task == "knn" and max(ks) > bank:
         raise UserError(
-            f"knn.k {list(cfg.knn.k)} asks for more neighbours than the {bank} training images the k-NN votes among: "
-            f"give values up to {bank} (knn.k=[{','.join(str(k) for k in cfg.knn.k if k <= bank) or min(10, bank)}])"
+            f"knn.k {ks} asks for more neighbours than the {bank} training images the k-NN votes among: "
+            f"give values up to {bank} (knn.k=[{','.join(str(k) for k in ks if k <= bank) or min(10, bank)}])"
         )
-    linear = cfg.task == "linear"
-    layers, views = linear_views(cfg, model) if linear else (layers_of(model, cfg.layers), None)
-    augment = linear and cfg.linear.augment  # the heads train on features recomputed each step: none cached for train
+    linear = probe.task == "linear"
+    lp = probe.linear
+    layers, views = linear_views(probe.layers, lp, model) if linear else (layers_of(model, probe.layers), None)
+    augment = linear and lp["augment"]  # the heads train on features recomputed each step: none cached for train
     splits = (["val", split] if augment else ["train", "val", split]) if linear else ["train", split]
     feats = {s: split_features(model, datamodule, s, device, cache, source, layers) for s in splits}
     if linear:  # under augment every process extracts training features all along: each runs it
-        metrics = score_linear(cfg.linear, model, datamodule, layers, views, feats, split, device)
+        metrics = score_linear(lp, model, datamodule, layers, views, feats, split, device)
     if feats[split][0] is None:  # not rank 0
         return None
     if not linear:
-        metrics = _score(cfg, feats, split, datamodule.num_classes)
+        metrics = _score(probe, feats, split, datamodule.num_classes)
     line = ", ".join(f"{name} {shown(v)}" if isinstance(v, float) else f"{name} {v}" for name, v in metrics.items())
     print(f"{line} (on the {split} split)", flush=True)
     return metrics | {"split": split, "features": str(cache)}
 
 
-def linear_views(cfg, model) -> tuple[Layers, dict]:
+def linear_views(layers: int | list[int] | None, lp: Mapping[str, Any], model) -> tuple[Layers, dict]:
     """task=linear's features: DINOv2's grid (linear.n_last_blocks x linear.avgpool: the class tokens of the last n
     blocks, with or without the last block's average patch token), each a slice of one extraction (the class
     tokens of the last max(n) blocks, then the average patch token); or, with linear.n_last_blocks=null, the one
-    set of features `layers` picks. Returns (what to extract, {name: the columns of each configuration})."""
-    lp = cfg.linear
-    if lp.n_last_blocks is None:
-        layers = layers_of(model, cfg.layers)
-        return layers, {layers.name or "pooled": slice(None)}
+    set of features `layers` picks (`lp`: eval's linear group). Returns (what to extract, {name: the columns of each
+    configuration})."""
+    if lp["n_last_blocks"] is None:
+        picked = layers_of(model, layers)
+        return picked, {picked.name or "pooled": slice(None)}
     depth, width = len(model.blocks), model.num_features
-    ns, pools = ([v] if isinstance(v, (bool, int, str)) else list(v) for v in (lp.n_last_blocks, lp.avgpool))
+    ns, pools = ([v] if isinstance(v, (bool, int, str)) else list(v) for v in (lp["n_last_blocks"], lp["avgpool"]))
     if not ns or any(not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= depth for n in ns):
         raise UserError(
             f"linear.n_last_blocks={ns} must list block counts from 1 to {depth} (the model's depth), or be null to "
@@ -176,22 +193,23 @@ def linear_views(cfg, model) -> tuple[Layers, dict]:
             "linear.n_last_blocks=null to probe its pooled features"
         )
     most = max(ns)
-    layers = layers_of(model, list(range(depth - most, depth)), any(pools))
+    picked = layers_of(model, list(range(depth - most, depth)), any(pools))
     views = {f"last{n}" + ("+avgpool" if a else ""): slice((most - n) * width, (most + a) * width)
              for n in ns for a in pools}  # fmt: skip
-    return layers, views
+    return picked, views
 
 
-def _score(cfg, feats: dict, split: str, k: int) -> dict:
+def _score(probe: Probe, feats: dict, split: str, k: int) -> dict:
     from vitlab.evaluation.probes import fewshot_seeds, knn_topk_accuracy
 
     (train, train_y), (test, test_y) = feats["train"], feats[split]
-    if cfg.task == "knn":
-        found = knn_topk_accuracy(train, train_y, test, test_y, k, tuple(cfg.knn.k), cfg.knn.temperature)
+    if probe.task == "knn":
+        knn = probe.knn
+        found = knn_topk_accuracy(train, train_y, test, test_y, k, tuple(knn["k"]), knn["temperature"])
         return {f"knn/{name}_k{n}": acc for n, accs in found.items() for name, acc in accs.items()}
-    f = cfg.fewshot
-    check_shots(list(f.shots), train_y, k)
-    return fewshot_seeds(train, train_y, test, test_y, k, tuple(f.shots), f.l2_reg, tuple(f.seeds))
+    f = probe.fewshot
+    check_shots(list(f["shots"]), train_y, k)
+    return fewshot_seeds(train, train_y, test, test_y, k, tuple(f["shots"]), f["l2_reg"], tuple(f["seeds"]))
 
 
 def check_shots(shots: list[int], labels: torch.Tensor, num_classes: int) -> None:
@@ -207,7 +225,9 @@ def check_shots(shots: list[int], labels: torch.Tensor, num_classes: int) -> Non
         )
 
 
-def score_linear(lp, model, datamodule, layers: Layers, views: dict, feats: dict, split: str, device) -> dict | None:
+def score_linear(
+    lp: Mapping[str, Any], model, datamodule, layers: Layers, views: dict, feats: dict, split: str, device
+) -> dict | None:
     """task=linear (`lp`: eval's linear group): DINOv2's heads trained on the cached training features, or with
     lp.augment on features of augmented images recomputed each step (in every process: each its batch); chosen on
     the validation split, the chosen head scored on `split`. The metrics in rank 0, None elsewhere."""
@@ -215,24 +235,24 @@ def score_linear(lp, model, datamodule, layers: Layers, views: dict, feats: dict
     from vitlab.evaluation.linear import Heads, Schedule, cached_batches, choose, train_heads
 
     rank, world = _world()
-    s = Schedule(lp.iterations, lp.batch_size, world, tuple(lp.lrs), seed=lp.seed)
-    if lp.augment:
+    s = Schedule(lp["iterations"], lp["batch_size"], world, tuple(lp["lrs"]), seed=lp["seed"])
+    if lp["augment"]:
         batches = augmented_batches(model, datamodule, layers, device, s)
     elif rank == 0:
         batches = cached_batches(feats["train"][0].to(device), feats["train"][1].to(device), s)
     if rank > 0:
-        if lp.augment:  # this process's batch of every step, gathered by rank 0
+        if lp["augment"]:  # this process's batch of every step, gathered by rank 0
             for _ in batches:
                 pass
         return None
     g = torch.Generator().manual_seed(s.seed)
     heads = Heads(views, layers.dim(model), datamodule.num_classes, len(s.lrs), g).to(device)
-    log.info("linear probe: %s", s.describe(len(views), lp.augment))
+    log.info("linear probe: %s", s.describe(len(views), lp["augment"]))
     train_heads(heads, batches, s, on_step=_progress("linear probe", s.iterations))
     (val, val_y), (test, test_y) = feats["val"], feats[split]
     found = choose(heads, s.lrs, val.to(device), val_y.to(device), test.to(device), test_y.to(device))
     return {"linear/top1": found["test_acc"], "linear/val_top1": found["val_acc"], "linear/lr": found["lr"],
-            "linear/features": found["features"], "linear/protocol": s.describe(len(views), lp.augment),
+            "linear/features": found["features"], "linear/protocol": s.describe(len(views), lp["augment"]),
             "linear/chosen_on": "val", "linear/reported_on": split}  # fmt: skip
 
 
@@ -247,20 +267,22 @@ def _progress(what: str, total: int) -> Callable[[int], None]:
     return step_done
 
 
-def probe_segmentation(cfg, model, datamodule, source: dict, cache: Path | None, device: torch.device) -> dict | None:
-    """task=segmentation (vitlab.evaluation.seg_probe): the patch tokens of the training split and of the test split
-    (the validation split where the data has none) with their masks, extracted once into the cache; DINOv2's linear
-    head trained on them in rank 0 and scored there by mIoU and pixel accuracy. The metrics in rank 0, None
-    elsewhere."""
+def probe_segmentation(
+    sp: Mapping[str, Any], model, datamodule, source: dict, cache: Path | None, device: torch.device
+) -> dict | None:
+    """task=segmentation (vitlab.evaluation.seg_probe; `sp`: eval's segmentation group): the patch tokens of the
+    training split and of the test split (the validation split where the data has none) with their masks, extracted
+    once into the cache; DINOv2's linear head trained on them in rank 0 and scored there by mIoU and pixel accuracy.
+    The metrics in rank 0, None elsewhere."""
     from vitlab.evaluation import seg_probe as seg
 
     if not hasattr(datamodule, "seg_view"):
         raise UserError(
             f"task=segmentation needs images with class masks, data=segmentation (not {type(datamodule).__name__})"
         )
-    sp = cfg.segmentation
-    schedule = seg.SegSchedule(sp.iterations, sp.batch_size, sp.lr, sp.weight_decay, sp.warmup_iters, seed=sp.seed)
-    tokens = seg.patch_tokens(model, sp.n_last_blocks)
+    schedule = seg.SegSchedule(sp["iterations"], sp["batch_size"], sp["lr"], sp["weight_decay"], sp["warmup_iters"],
+                               seed=sp["seed"])  # fmt: skip
+    tokens = seg.patch_tokens(model, sp["n_last_blocks"])
     split = "test" if datamodule.test_set is not None else "val"
     ident = source | {"data": datamodule.identity, "task": "segmentation"}
     masks = (tuple(datamodule.img_hw), torch.uint8)

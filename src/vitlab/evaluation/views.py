@@ -25,9 +25,20 @@ from torchvision.transforms import v2 as T
 
 from vitlab.data.image_views import ImageViews, square_box
 from vitlab.model.mae import random_masking
+from vitlab.training.module import OBJECTIVES
 from vitlab.utils.errors import UserError
 
-OBJECTIVES = ("dino", "classify", "distill", "mae")  # the objectives whose views are drawn here
+# How an objective makes its training views (its class's `views`), in the order what=views names the objectives.
+VIEW_KINDS = ("multicrop", "crop", "masked")
+
+
+def view_kind(objective: str) -> str:
+    """How objective=`objective` makes its training views (training.objectives.objective.Objective.views), or a
+    UserError naming the objectives whose views are drawn."""
+    if objective not in OBJECTIVES:
+        drawn = sorted(OBJECTIVES, key=lambda name: VIEW_KINDS.index(OBJECTIVES[name].views))
+        raise UserError(f"what=views draws the views of objective={'|'.join(drawn)}, not objective={objective}")
+    return OBJECTIVES[objective].views
 
 
 def training_views(
@@ -36,8 +47,7 @@ def training_views(
     """The views of training image `index` of `dm` (set up) under `objective`, drawn from `seed`: each a dict of
     `image` (float (C, h, w) in [0, 1]), `box` [x0, y0, x1, y1] in the source image's pixels and `size` [h, w];
     objective=mae (`mae`: the model's patch size and the objective's mask_ratio) adds `masked_patches`."""
-    if objective not in OBJECTIVES:
-        raise UserError(f"what=views draws the views of objective={'|'.join(OBJECTIVES)}, not objective={objective}")
+    kind = view_kind(objective)
     split = dm.train_set
     img, _ = split.base[split.indices[index]]
     img = T.ToImage()(img).as_subclass(torch.Tensor)
@@ -48,12 +58,12 @@ def training_views(
             {"image": v.float() / 255, "box": info["box"], "size": info["size"], "flip": info["flip"]}
             for v, info in dm.train_tf.cut(img)
         ]
-    if objective == "dino":  # on the device, from the image's square
+    if kind == "multicrop":  # on the device, from the image's square
         return _device_views(dm, img, seed)
     if hasattr(dm.size_schedule, "seq_lens"):  # NaFlex: the crop at a drawn sequence length, at its own size
         return [_naflex_view(dm.size_schedule, img)]
     view = _classifier_view(dm.train_tf, img)
-    return [_masked(view, *mae) if objective == "mae" else view]
+    return [_masked(view, *mae) if kind == "masked" else view]
 
 
 def _masked(view: dict[str, Any], patch: int, mask_ratio: float) -> dict[str, Any]:
@@ -140,9 +150,10 @@ def draw_views(
 def _path(dm: Any, objective: str) -> str:
     if isinstance(dm.train_tf, ImageViews):
         return "workers: cut from each whole image"
-    if objective == "mae":
+    kind = view_kind(objective)
+    if kind == "masked":
         return "workers: the training transform; the encoder's patch mask drawn as model/mae.py random_masking"
-    return "device: cut from each image's square" if objective == "dino" else "workers: the training transform"
+    return "device: cut from each image's square" if kind == "multicrop" else "workers: the training transform"
 
 
 def _plot(first: list, path: Path) -> Path:

@@ -25,8 +25,8 @@ from vitlab.model.layers import random_order
 from vitlab.model.posemb import posemb_sincos_2d, posemb_sincos_2d_mae
 from vitlab.model.rope import keep_rows
 from vitlab.model.vit import ViT
-from vitlab.utils.checks import check_range, from_mapping
 from vitlab.utils.errors import UserError
+from vitlab.utils.values import check_range, from_mapping
 
 
 @dataclass(frozen=True)

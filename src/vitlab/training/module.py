@@ -37,8 +37,8 @@ from vitlab.training.optim import (
     make_scheduler,
     name_parameters,
 )
-from vitlab.utils.checks import compile_mode
 from vitlab.utils.errors import UserError
+from vitlab.utils.kernels import compile_mode
 
 log = logging.getLogger("vitlab.train")  # the command's own lines
 

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vitlab.utils.checks import check_at_least, check_range, from_mapping, is_number
 from vitlab.utils.errors import UserError, close_matches
+from vitlab.utils.values import check_at_least, check_range, from_mapping, is_number
 
 if TYPE_CHECKING:  # torch is imported where an optimizer is made: the configs are checked before it (issue 53)
     import torch

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 pytest.importorskip("torchao")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
-from tests.helpers import tiny  # noqa: E402
+from tests.helpers.configs import tiny  # noqa: E402
 from vitlab.model import ViT, ViTConfig  # noqa: E402
 from vitlab.training.devices import hardware  # noqa: E402
 from vitlab.training.devices.float8 import Float8Precision, converts  # noqa: E402

@@ -5,7 +5,7 @@ strategy."""
 import pytest
 import torch
 
-from tests.helpers import tiny
+from tests.helpers.configs import tiny
 from vitlab.training.devices import memory
 from vitlab.training.module import ViTModule
 

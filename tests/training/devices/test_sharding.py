@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers import tiny
+from tests.helpers.configs import tiny
 from vitlab.convert.weights import numbered_optimizer_state
 from vitlab.model import ViT
 from vitlab.training.devices.sharding import FSDP2Strategy, check_request, keyed_by_name, replace_directory

@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf, open_dict
 
-from tests.helpers import reference
+from tests.helpers.references import reference
 from vitlab.cli.plans import train_plan
 from vitlab.convert.weights import read_weights
 from vitlab.training.module import ViTModule

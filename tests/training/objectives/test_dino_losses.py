@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import reference
+from tests.helpers.references import reference
 from vitlab.data.multicrop import block_mask, collate_masks
 from vitlab.model.dino_head import DINOHead
 from vitlab.training.objectives import dino_losses as L

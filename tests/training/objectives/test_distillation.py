@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import replaced, tiny
+from tests.helpers.commands import replaced
+from tests.helpers.configs import tiny
 from vitlab.model import ViT
 from vitlab.training.objectives.distillation import DistillConfig, Teacher, distillation_loss, load_teacher
 from vitlab.utils.errors import UserError
@@ -92,9 +93,10 @@ def test_distillation_from_a_vitlab_teacher_trains_on_digits(compose_cfg, tmp_pa
     other classes is refused."""
     import torch.nn.functional as F
 
-    from tests.helpers import FirstStep, extra_callback
+    from tests.helpers.callbacks import FirstStep
+    from tests.helpers.configs import extra_callback
     from vitlab.train import train
-    from vitlab.training.run.build import load_for_inference
+    from vitlab.training.run.inference import load_for_inference
 
     base = ["debug=limit", "progress_bar=none", "callbacks=default"]
     train(compose_cfg("train", base, output_dir=tmp_path / "teacher"))
@@ -143,7 +145,9 @@ def test_a_distilled_run_with_ema_warmup_resumes_exactly(tmp_path, tmp_path_fact
     """Token distillation (soft) from a vitlab teacher, EMA with warm-up, the raw weights chosen: stopped mid-epoch
     by SIGTERM and resumed as the printed command says, it ends as the uninterrupted run (weights, both EMA and raw,
     and every logged value). The teacher is loaded again from its checkpoint, not saved with the student."""
-    from tests.helpers import RESUMABLE, assert_same_run, interrupt, resume, run_cli, trained
+    from tests.helpers.commands import run_cli
+    from tests.helpers.configs import RESUMABLE
+    from tests.helpers.runs import assert_same_run, interrupt, resume, trained
 
     teacher = trained(tmp_path_factory, "debug-limit", "debug=limit", "progress_bar=none")  # tests/evaluation's too
     ckpt = json.loads((teacher / "metrics.json").read_text())["tested_checkpoint"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers import reference
+from tests.helpers.references import reference
 from tests.training.objectives.test_dino import dino_cfg, fit
 from vitlab.model.config import vit_config
 from vitlab.training.module import build_objective

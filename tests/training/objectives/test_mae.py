@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from tests.helpers import assert_same_run, interrupt, resume, run_cli
+from tests.helpers.commands import run_cli
+from tests.helpers.runs import assert_same_run, interrupt, resume
 from vitlab.convert.source import load_timm_weights
 from vitlab.model import ViT, ViTConfig
 from vitlab.training.module import ViTModule

@@ -17,7 +17,7 @@ from torch.optim.swa_utils import AveragedModel
 
 from vitlab.training.callbacks.standard import BestCheckpoint
 from vitlab.training.devices.sharding import is_sharded, load_full_module_state
-from vitlab.utils.checks import check_range
+from vitlab.utils.values import check_range
 
 
 class EMA(EMAWeightAveraging):

@@ -18,8 +18,8 @@ from timm.loss import BinaryCrossEntropy
 from vitlab.model import ViT, ViTConfig
 from vitlab.model.init import log_prior_head_bias_
 from vitlab.training.objectives.objective import Objective
-from vitlab.utils.checks import check_at_least, check_range, from_mapping
 from vitlab.utils.errors import UserError
+from vitlab.utils.values import check_at_least, check_range, from_mapping
 
 LOSSES = ("ce", "bce")  # softmax cross-entropy, sigmoid binary cross-entropy (evaluation reports cross-entropy)
 MIXUP_MODES = ("batch", "pair", "elem")  # timm's: one draw a batch, a pair of images, an image

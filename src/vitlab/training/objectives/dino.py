@@ -39,8 +39,8 @@ from vitlab.training.objectives import dino_losses as L
 from vitlab.training.objectives.dino_nets import Nets, Student, copy_weights, pairs
 from vitlab.training.objectives.gram import GramConfig
 from vitlab.training.objectives.objective import Objective
-from vitlab.utils.checks import check_at_least, check_range, from_mapping
 from vitlab.utils.errors import UserError
+from vitlab.utils.values import check_at_least, check_range, from_mapping
 
 CENTERINGS = ("center", "sinkhorn_knopp")
 CLIP_MODES = ("parameter", "network")
@@ -127,6 +127,7 @@ class DINO(Objective):
 
     name = "dino"
     uses_labels = False
+    views = "multicrop"
     best = ("loss", "min")  # the same loss on the validation images, their views drawn alike every time
 
     @classmethod

@@ -32,8 +32,8 @@ from torch import nn
 
 from vitlab.model import ViT, ViTConfig
 from vitlab.training.objectives.classification import Classification, ClassifyConfig
-from vitlab.utils.checks import check_range
 from vitlab.utils.errors import MissingFileError, UserError
+from vitlab.utils.values import check_range
 
 DISTILL_TYPES = ("soft", "hard")
 

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vitlab.utils.checks import check_at_least, from_mapping
 from vitlab.utils.errors import UserError
+from vitlab.utils.values import check_at_least, from_mapping
 
 
 @dataclass(frozen=True)

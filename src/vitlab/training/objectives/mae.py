@@ -19,8 +19,8 @@ from vitlab.model import ViT, ViTConfig
 from vitlab.model.cost import activation_values
 from vitlab.model.mae import MAEConfig, MAEDecoder, flops_per_image, mae_forward
 from vitlab.training.objectives.objective import Objective
-from vitlab.utils.checks import from_mapping
 from vitlab.utils.errors import UserError
+from vitlab.utils.values import from_mapping
 
 
 class MAE(Objective):
@@ -29,6 +29,7 @@ class MAE(Objective):
 
     name = "mae"
     uses_labels = False
+    views = "masked"
     best = ("loss", "min")
 
     def __init__(self, options: Mapping[str, Any], model: ViTConfig):

@@ -27,6 +27,10 @@ class Objective:
     name = ""
     uses_labels = True  # false: pretraining reads images only (data.unlabeled=true allowed)
     best = ("acc", "max")  # val/<metric>_best (max or min so far) chooses the checkpoint
+    # What training shows the model (vitlab.visualize what=views, evaluation/views.py VIEW_KINDS): the training
+    # transform's random resized crop ("crop"), that crop less the patches the encoder does not see ("masked"), or
+    # DINO's multi-crop views ("multicrop").
+    views = "crop"
 
     @classmethod
     def data_views(cls, options: dict[str, Any], model: ViTConfig) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The assembly of a fit: a run's plan (training.run.plan.TrainPlan, made once by vitlab.cli.plans) becomes the
 objects a command runs (data module, module, callbacks, Trainer), each builder taking the part of the plan it uses;
-and a checkpoint path becomes a module to test or predict with. Every command (`train`, `eval`, `predict`,
+a checkpoint becomes a module to test or predict with in inference.py. Every command (`train`, `eval`, `predict`,
 `visualize`, `benchmark`) calls these; no command imports another. The loggers' lifecycle is in loggers.py,
 Lightning's work-arounds in workarounds.py.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import logging
 import os
 import sys
@@ -22,14 +21,11 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from omegaconf import OmegaConf
 
-from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
 from vitlab.data import naflex, sizes
 from vitlab.model.config import ViTConfig
 from vitlab.training.callbacks.health import AdaptiveGradientClipping
 from vitlab.training.callbacks.standard import NonFiniteLoss, RichBar, TQDMBar
-from vitlab.training.checkpoint_io import upgrade_hparams
 from vitlab.training.devices import float8, sharding
 from vitlab.training.devices.hardware import resolve_trainer
 from vitlab.training.devices.rank_state import RankState
@@ -39,7 +35,7 @@ from vitlab.training.run.loggers import RunIds, build_loggers, instantiate_group
 from vitlab.training.run.plan import TrainPlan
 from vitlab.training.run.ranges import check_devices
 from vitlab.training.run.workarounds import LightningWorkarounds
-from vitlab.utils.checks import check_clipping
+from vitlab.utils.clipping import check_clipping
 from vitlab.utils.errors import UserError
 from vitlab.utils.logs import PROGRESS_BARS, route_lightning_logs
 
@@ -54,8 +50,6 @@ __all__ = [
     "build_module",
     "build_trainer",
     "build_callbacks",
-    "inference_datamodule",
-    "load_for_inference",
 ]
 
 
@@ -233,30 +227,3 @@ def build_trainer(trainer: Mapping[str, Any], **kwargs: Any) -> L.Trainer:
 
 def _is_device_error(text: str) -> bool:
     return any(word in text.lower() for word in ("device", "accelerator", "gpu", "cuda", "mps", "tpu"))
-
-
-# ---- checkpoints ---------------------------------------------------------------------------------
-
-
-def load_for_inference(ckpt_path: str, map_location: str = "cpu") -> ViTModule:
-    """A trained ViTModule from a checkpoint file, rebuilt from the config stored in it (no Hydra), for
-    eval, predict and visualize."""
-    ckpt = read_checkpoint(ckpt_path)  # names a missing, corrupt or unsafe file in one line
-    upgraded = upgrade_hparams(ckpt["hyper_parameters"])  # written before objectives were objects: the same module
-    if not is_sharded_checkpoint(ckpt_path):
-        return ViTModule.load_from_checkpoint(ckpt_path, map_location=map_location, weights_only=True, **upgraded)
-    # A directory of shards, gathered in memory: the module built from it as load_from_checkpoint builds one.
-    takes = inspect.signature(ViTModule.__init__).parameters
-    module = ViTModule(**{k: v for k, v in ckpt["hyper_parameters"].items() if k in takes} | upgraded)
-    module.on_load_checkpoint(ckpt)
-    module.load_state_dict(ckpt["state_dict"])
-    return module.to(map_location)
-
-
-def inference_datamodule(module: ViTModule, ckpt_path: str) -> L.LightningDataModule:
-    """The DataModule of the checkpoint's stored data config: its predict_tensor() prepares an image
-    exactly as the test images were."""
-    data = module.hparams.get("data")
-    if not data:
-        raise UserError(f"checkpoint {ckpt_path!r} stores no data config to preprocess images with")
-    return build_datamodule(OmegaConf.create(data))

@@ -8,7 +8,8 @@ from typing import Annotated, Any, Literal, TypedDict
 
 from annotated_types import Ge, Interval
 
-from vitlab.utils.checks import Fraction, NonNegativeInt, NonNegativeNumber, PositiveInt, cuda_available
+from vitlab.utils.arguments import Fraction, NonNegativeInt, NonNegativeNumber, PositiveInt
+from vitlab.utils.cuda import cuda_available
 from vitlab.utils.errors import UserError
 
 
@@ -47,7 +48,7 @@ class DataRanges(TypedDict):
 def check_devices(t: Any) -> None:
     """Several devices with accelerator=auto on a machine without a GPU would start that many CPU processes, each
     as slow as the machine is small: say so, and how to ask for CPU processes on purpose. (Before torch is imported
-    where the machine has no GPU's device files: utils.checks.no_cuda_here.)"""
+    where the machine has no GPU's device files: utils.cuda.no_cuda_here.)"""
     devices, accelerator = t.get("devices", 1), t.get("accelerator", "auto")
     if isinstance(devices, bool) or (isinstance(devices, int) and devices < -1 or devices == 0):
         raise UserError(

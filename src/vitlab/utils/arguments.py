@@ -1,11 +1,7 @@
-"""What the config dataclasses of vitlab share (OptimConfig, MixupConfig, the transform and benchmark
-settings; ViTConfig has its own): built from a plain mapping with unknown keys refused, and checks that
-name the field as the user writes it (`optim.lr`). No Hydra here: Python callers get the same defaults
-and the same checks as the command line, and a test keeps each YAML file equal to its dataclass.
-
-The one way a config's values are checked (`check_arguments`): against the types a target declares, its
+"""The one way a config's values are checked (`check_arguments`): against the types a target declares, its
 constructor's parameters or a schema (a TypedDict: each command's top-level keys, its groups nested), with ranges
-as `Annotated` constraints (`PositiveInt`, `Fraction`, annotated_types' Ge/Gt/Interval/MinLen), judged by pydantic.
+as `Annotated` constraints (`PositiveInt`, `Fraction`, annotated_types' Ge/Gt/Interval/MinLen), judged by pydantic;
+a refusal names the type as a user reads it (`describe`).
 """
 
 from __future__ import annotations
@@ -13,11 +9,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import math
 import types
 import typing
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from annotated_types import Ge, Gt, Interval, MinLen
 
@@ -52,40 +47,6 @@ def _byte_size() -> Any:
 
 
 ByteSize = _byte_size()
-
-
-def from_mapping(cls: type[T], values: Mapping[str, Any] | None, group: str) -> T:
-    """`cls(**values)`, refusing keys `cls` does not have in one line that lists those it has."""
-    values = dict(values or {})
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
-    unknown = sorted(set(values) - set(names))
-    if unknown:
-        raise UserError(f"unknown {group} key(s) {unknown}; allowed: {sorted(names)}")
-    return cls(**values)
-
-
-def is_number(v: Any) -> bool:
-    """A finite int or float (not a bool, not nan or inf)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def check_range(key: str, value: Any, low: float, high: float, *, low_open: bool = False, high_open: bool = False):
-    """`value` must be a number in the interval; the message shows the interval as written in maths."""
-    ok = (
-        is_number(value)
-        and (value > low if low_open else value >= low)
-        and (value < high if high_open else value <= high)
-    )
-    if not ok:
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-        raise UserError(f"{key} {value!r} must be in {interval}")
-
-
-def check_at_least(key: str, value: Any, low: float = 0, *, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if not is_number(value) or value < low:
-        raise UserError(f"{key} {value!r} must be a number >= {low:g}{' or null' if optional else ''}")
 
 
 def check_arguments(target: Any, values: Mapping[str, Any], group: str, narrower: Any = None) -> None:
@@ -239,100 +200,3 @@ def _plural(described: str) -> str:
 
 PLURALS = (("an integer", "integers"), ("a number", "numbers"), ("a string", "strings"),
            ("true or false", "true or false values"), ("a list", "lists"), ("a mapping", "mappings"))  # fmt: skip
-
-
-def to_dict(obj: Any) -> dict[str, Any]:
-    """A config dataclass as plain data (tuples as lists, nested ones too), for checkpoints and YAML."""
-
-    def plain(v: Any) -> Any:
-        if isinstance(v, (tuple, list)):
-            return [plain(x) for x in v]
-        return {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else v
-
-    return {k: plain(v) for k, v in dataclasses.asdict(obj).items()}
-
-
-def no_cuda_here() -> bool:
-    """True where torch.cuda.is_available() is sure to be False, known without importing torch (seconds), so that a
-    refusal that turns on it comes at once: CUDA_VISIBLE_DEVICES hides every GPU, or a Linux machine has none of
-    the device files a CUDA (or ROCm) GPU is reached through (NVIDIA's /dev/nvidia<i>, ROCm's /dev/kfd, WSL's
-    /dev/dxg). False where a GPU may be there: torch is asked then (on macOS and Windows always)."""
-    import os
-    import sys
-    from pathlib import Path
-
-    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
-        return True
-    if not sys.platform.startswith("linux"):
-        return False
-    dev = Path("/dev")
-    return not (any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists() or (dev / "dxg").exists())
-
-
-def cuda_available() -> bool:
-    """torch.cuda.is_available(), without importing torch where there cannot be a GPU (no_cuda_here)."""
-    if no_cuda_here():
-        return False
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def check_device(key: str, name: str, auto: bool = False) -> str:
-    """`name` as a torch device this machine has: cpu, cuda, cuda:<i> (and with `auto`, cuda where there is a GPU,
-    else cpu), or a UserError naming `key`."""
-    if name == "cpu":  # (without torch's import: a refusal of something else comes at once)
-        return name
-    import torch
-
-    if auto and name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError):
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise UserError(f"{key} {name!r} is not one of {'auto, ' if auto else ''}cpu, cuda, cuda:<i>")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        have = f"{torch.cuda.device_count()} CUDA GPU(s)" if torch.cuda.is_available() else "no CUDA GPU"
-        raise UserError(f"{key} {name!r} is not available here: {have}; use cpu{' or auto' if auto else ''}")
-    return name
-
-
-CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "regional"]
-COMPILE_MODES = typing.get_args(CompileMode)
-# torch's scaled_dot_product_attention kernels (training.devices.hardware.use_sdpa_backend): auto is torch's choice
-SdpaBackend = Literal["auto", "flash", "efficient", "cudnn", "math"]
-SDPA_BACKENDS = typing.get_args(SdpaBackend)
-
-
-def compile_mode(value: bool | str | None) -> str | None:
-    """The torch.compile mode of a `compile` setting: false/null = none, true = "default", or a mode name.
-    `reduce-overhead` captures CUDA graphs: one launch per compiled region instead of one per kernel, for
-    small models whose GPU step is launch-bound (the digits default). `regional` (default mode) compiles one
-    transformer block and reuses its code for every block (training.objectives.objective.Objective.compile)."""
-    if value is None or value is False:
-        return None
-    if value is True or value == "regional":
-        return "default"
-    if value not in COMPILE_MODES:
-        raise UserError(f"compile {value!r} is not one of false, true, {', '.join(COMPILE_MODES)}")
-    return value
-
-
-# trainer.gradient_clip_algorithm -> what its trainer.gradient_clip_val is.
-CLIP_VALUE = {
-    "value": "the value each gradient element is clipped to (e.g. 0.5)",
-    "norm": "the norm the gradients are clipped to (timm's --clip-grad, e.g. 1.0)",
-    "agc": "AGC's clip factor (timm's --clip-grad with --clip-mode agc, e.g. 0.01)",
-}
-
-
-def check_clipping(t: Mapping[str, Any]) -> None:
-    """A clipping algorithm without its value would clip nothing (Lightning's value and norm) or cannot run (agc)."""
-    algorithm, value = t.get("gradient_clip_algorithm"), t.get("gradient_clip_val")
-    if algorithm in CLIP_VALUE and not value:
-        raise UserError(
-            f"trainer.gradient_clip_algorithm={algorithm} needs trainer.gradient_clip_val, {CLIP_VALUE[algorithm]}, "
-            f"not {value!r}: without one nothing is clipped"
-        )
