@@ -67,14 +67,16 @@ def test_top_k_average_equals_timms_avg_checkpoints_and_the_mean_of_the_files(ru
 
 def test_train_with_an_average_as_ckpt_path_starts_from_its_weights(run, tmp_path, compose_cfg):
     """Nothing to resume (no optimizer, no loops): training starts anew from the average's weights."""
+    from vitlab.cli.plans import train_plan
     from vitlab.convert.averaging import average_checkpoints
     from vitlab.training.run import build, resume
 
     averaged = tmp_path / "averaged.ckpt"
     torch.save(average_checkpoints([str(p) for p in sorted((run / "checkpoints").glob("epoch_*.ckpt"))]), averaged)
     cfg = compose_cfg("train", ["debug=limit", f"ckpt_path={averaged}"])
-    module = build.build_module(cfg, build.build_datamodule(cfg.data, cfg))
-    assert resume.starting_point(cfg, module) is None  # not a checkpoint Lightning resumes
+    plan = train_plan(cfg)
+    module = build.build_module(plan, build.fit_datamodule(plan))
+    assert resume.starting_point(plan, module) is None  # not a checkpoint Lightning resumes
     assert torch.equal(module.model.head.weight, read_checkpoint(averaged)["state_dict"]["model.head.weight"])
 
 

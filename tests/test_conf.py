@@ -8,6 +8,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from vitlab.cli.config_tree import config_dir
+from vitlab.cli.plans import checkpoint_follows_objective
 from vitlab.model.config import vit_config
 from vitlab.training.module import ViTModule
 from vitlab.training.run import build
@@ -36,7 +37,8 @@ def build_everything(cfg):
         optim=OmegaConf.to_container(cfg.optim),
         scheduler=OmegaConf.to_container(cfg.scheduler),
     )
-    dm = build.build_datamodule(cfg.data, cfg)  # (objective=dino: with its views)
+    views = build.data_views(cfg.data, OmegaConf.to_container(cfg.objective, resolve=True), mc)
+    dm = build.build_datamodule(cfg.data, **views)  # (objective=dino: with its views)
     assert (0 if mae else dm.num_classes, dm.channels) == (mc.num_classes, mc.in_chans)
     callbacks = [instantiate(c) for c in cfg.callbacks.values() if c and "_target_" in c]
     loggers = [instantiate(c) for c in (cfg.logger or {}).values() if c and "_target_" in c]
@@ -134,14 +136,15 @@ def test_trainer_configs(compose_cfg, trainer):
         strategy = instantiate(strategy)  # FSDP: vitlab's FSDP2 strategy object (training/devices/sharding.py)
         assert type(strategy).__name__ == "FSDP2Strategy"
     fewer = {"gpu": torch.cuda.device_count(), "mps": int(torch.backends.mps.is_available())}
+    settings = OmegaConf.to_container(cfg.trainer, resolve=True)  # (the plain settings a plan hands on)
     if cfg.trainer.accelerator in fewer and fewer[cfg.trainer.accelerator] < cfg.trainer.devices:
         if cfg.trainer.accelerator == "mps":  # not an Apple GPU: one line says so
             with pytest.raises(UserError, match="trainer.accelerator='mps' trainer.devices=1 cannot run here"):
-                build_trainer(cfg.trainer.copy(), logger=False)
+                build_trainer(settings, logger=False)
         # Fewer GPUs here than it asks for: build the same trainer on CPU processes to check every other argument.
-        trainer_obj = build_trainer(cfg.trainer, accelerator="cpu", precision="32-true", logger=False)
+        trainer_obj = build_trainer(settings, accelerator="cpu", precision="32-true", logger=False)
     else:
-        trainer_obj = build_trainer(cfg.trainer, logger=False)  # precision/strategy auto resolved as a run does
+        trainer_obj = build_trainer(settings, logger=False)  # precision/strategy auto resolved as a run does
     assert trainer_obj.max_epochs == cfg.trainer.max_epochs
 
 
@@ -155,7 +158,7 @@ def test_callback_configs(compose_cfg, callbacks):
     if callbacks == "early_stopping":  # on the metric the best checkpoint follows, which follows the objective
         (stop,) = [c for c in cbs if type(c).__name__ == "EarlyStopping"]
         assert (stop.monitor, stop.mode, stop.patience) == ("val/acc", "max", 10) and "BestCheckpoint" in names
-        mae = build.checkpoint_follows_objective(compose_cfg("train", ["callbacks=early_stopping", "objective=mae"]))
+        mae = checkpoint_follows_objective(compose_cfg("train", ["callbacks=early_stopping", "objective=mae"]))
         assert (mae.callbacks.early_stopping.monitor, mae.callbacks.early_stopping.mode) == ("val/loss", "min")
 
 
@@ -172,7 +175,7 @@ def test_debug_configs(compose_cfg, debug):
     cfg = compose_cfg("train", [f"debug={debug}"])
     assert cfg.task_name == "debug"
     build_everything(cfg)
-    trainer = build_trainer(cfg.trainer, logger=False)
+    trainer = build_trainer(OmegaConf.to_container(cfg.trainer, resolve=True), logger=False)
     if debug == "default":  # one epoch, one device, anomaly detection
         assert (trainer.max_epochs, trainer.num_devices, trainer._detect_anomaly) == (1, 1, True)
 
@@ -223,7 +226,7 @@ def test_other_entry_point_configs(compose_cfg, name):
     assert cfg.task_name == name
     if name == "eval":
         instantiate(cfg.data)
-        build_trainer(cfg.trainer, logger=False)
+        build_trainer(OmegaConf.to_container(cfg.trainer, resolve=True), logger=False)
     if name == "benchmark":
         from vitlab.benchmark.config import BenchmarkConfig
 

@@ -281,7 +281,7 @@ def test_any_timm_vit_fine_tunes_from_its_name(compose_cfg, tmp_path, monkeypatc
 
 
 def test_timm_names_that_cannot_be_fine_tuned_are_named(compose_cfg):
-    from vitlab.training import pretrained
+    from vitlab.cli.plans import train_plan
     from vitlab.utils.errors import UserError
 
     cfg = compose_cfg("train", ["model.pretrained=resnet18", "model.img_size=32"])
@@ -289,10 +289,10 @@ def test_timm_names_that_cannot_be_fine_tuned_are_named(compose_cfg):
         UserError,
         match="'resnet18' is not an architecture of timm's vision_transformer, deit, eva or naflexvit modules",
     ):
-        pretrained.apply_pretrained(cfg)
+        train_plan(cfg)
     cfg = compose_cfg("train", ["model.pretrained=vit_small_patch14_dinov2.lvd142m"])  # the digits' 8 px
     with pytest.raises(UserError, match=r"model.img_size 8 is not a multiple of the patch size 14 of timm's "):
-        pretrained.apply_pretrained(cfg)
+        train_plan(cfg)
 
 
 def test_fine_tunes_from_a_folder_as_timm_saves_one(compose_cfg, tmp_path):
@@ -300,19 +300,20 @@ def test_fine_tunes_from_a_folder_as_timm_saves_one(compose_cfg, tmp_path):
     download leaves them): the architecture, its saved arguments and its preprocessing come from the folder,
     offline, and the weights load."""
     import timm
+    from omegaconf import OmegaConf
     from timm.models._hub import save_for_hf
 
+    from vitlab.cli.plans import as_ran, train_plan
     from vitlab.convert.source import load_timm_weights
     from vitlab.convert.timm_args import config_from_timm
-    from vitlab.training import pretrained
     from vitlab.training.run import build
 
     folder = tmp_path / "siglip"
     theirs = timm.create_model("vit_base_patch16_siglip_224", depth=1, embed_dim=64, num_heads=2, img_size=32)
     save_for_hf(theirs, str(folder), safe_serialization=True)
     overrides = [f"model.pretrained=local-dir:{folder}", "model.img_size=32", "data=fake"]
-    cfg = compose_cfg("train", overrides)
-    pretrained.apply_pretrained(cfg)
+    plan = train_plan(compose_cfg("train", overrides))
+    cfg = OmegaConf.create(as_ran(plan))  # the config as the run saves it
     assert cfg.model.timm_name == "vit_base_patch16_siglip_224" and cfg.model.global_pool == "map"
     expected = config_from_timm("vit_base_patch16_siglip_224", depth=1, embed_dim=64, num_heads=2, img_size=32)
     run_fields = ("img_size", "num_classes")  # the run's: 32 px (a list in timm's), the data's 10 classes
@@ -320,7 +321,7 @@ def test_fine_tunes_from_a_folder_as_timm_saves_one(compose_cfg, tmp_path):
         k: v for k, v in expected.to_dict().items() if k not in run_fields
     }
     assert cfg.data.mean == [0.5, 0.5, 0.5] and cfg.data.eval_transform.crop_pct == 0.9
-    model = build.build_module(cfg, build.build_datamodule(cfg.data)).model
+    model = build.build_module(plan, build.fit_datamodule(plan)).model
     load_timm_weights(model, cfg.model.pretrained)
     body = {k: v for k, v in model.state_dict().items() if not k.startswith("head.")}  # a new 10-class head
     assert body and all(torch.equal(v, theirs.state_dict()[k]) for k, v in body.items())

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf, open_dict
 from timm.scheduler.scheduler import Scheduler as TimmScheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -24,8 +25,8 @@ from tests.training.test_recipe_schedules import (  # noqa: E402
 )
 from vitlab.cli.config_tree import config_dir, register_resolvers  # noqa: E402
 from vitlab.model import ViT, ViTConfig  # noqa: E402
-from vitlab.training.run.build import resolve_lr  # noqa: E402
 from vitlab.training.optim import OptimConfig, SchedulerConfig, make_optimizer, make_scheduler  # noqa: E402
+from vitlab.training.run.build import scaled_optim  # noqa: E402
 
 IMAGENET = 1_281_167
 
@@ -77,7 +78,10 @@ def main() -> None:
     for name in [*names, "bv_s16_i1k_90ep"]:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             cfg = compose("train", overrides=[f"experiment={name}"])
-        resolve_lr(cfg)
+        with open_dict(cfg):  # lr_base x global batch / lr_base_size, as the run's plan does
+            cfg.optim = scaled_optim(
+                *(OmegaConf.to_container(cfg[k], resolve=True) for k in ("optim", "data", "trainer"))
+            )
         epochs, steps = cfg.trainer.max_epochs, IMAGENET // (cfg.optim.global_batch or cfg.data.batch_size)
         mine, initial = ours(cfg, epochs, steps)
         theirs = source(name, cfg, epochs, steps, initial)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from vitlab.cli.entry import entry_point
 
@@ -33,6 +33,7 @@ def check_views(cfg: DictConfig) -> None:
 def main(cfg: DictConfig) -> None:
     from vitlab.data.images import read_image
     from vitlab.evaluation.figures import plot_attention, plot_embeddings, plot_learning_curves, plot_reconstructions
+    from vitlab.model.config import vit_config
     from vitlab.training.objectives.mae import MAE
     from vitlab.training.run import build, inference
 
@@ -41,7 +42,8 @@ def main(cfg: DictConfig) -> None:
     if cfg.what == "views":
         from vitlab.evaluation.views import draw_views, view_kind
 
-        dm = build.build_datamodule(cfg.data, cfg)
+        objective = OmegaConf.to_container(cfg.objective, resolve=True)
+        dm = build.build_datamodule(cfg.data, **build.data_views(cfg.data, objective, vit_config(cfg.model)))
         masked = view_kind(cfg.objective.name) == "masked"  # MAE's: the patches its encoder does not see
         mae = (cfg.model.patch_size, cfg.objective.mask_ratio) if masked else None
         written += draw_views(dm, cfg.objective.name, cfg.num_images, cfg.draws, out, mae=mae)

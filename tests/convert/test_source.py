@@ -106,7 +106,7 @@ def test_a_files_position_table_rule_is_the_one_its_code_used_and_the_run_takes_
     """Issue 54, point 2: DINOv2's hub weights without registers and DINO's training checkpoints were made (and are
     evaluated by their code) with interpolate_pos_encoding's rule; DINOv2's register models and everything else with
     timm's; a vitlab checkpoint carries its own. model.pretrained=<such a file> makes the run's model take it."""
-    from vitlab.training.pretrained import apply_pretrained
+    from vitlab.cli.plans import train_plan
 
     backbone = ViT(tiny(embed_dim=16, num_heads=2, depth=1)).state_dict()
     dinov2 = dict(backbone) | {"mask_token": torch.zeros(1, 16)}
@@ -134,8 +134,7 @@ def test_a_files_position_table_rule_is_the_one_its_code_used_and_the_run_takes_
         assert resolve(str(tmp_path / name)).posemb_rule == rule, name
     cfg = compose_cfg("train", [f"model.pretrained={tmp_path / 'dinov2.pth'}"])
     assert cfg.model.pos_embed_resample == "timm"
-    apply_pretrained(cfg)
-    assert cfg.model.pos_embed_resample == "dino"
+    assert train_plan(cfg).model.pos_embed_resample == "dino"
 
 
 def test_the_load_line_names_the_resampling_rule_and_the_other(tmp_path, caplog):

@@ -15,7 +15,11 @@ from vitlab.data import ImageFolderDataModule, StreamingDataModule
 from vitlab.data.naflex import NaFlexSchedule, eval_transform, train_transform
 from vitlab.data.sizes import check_model
 from vitlab.model.config import ViTConfig
+from vitlab.training.module import OBJECTIVES
 from vitlab.utils.errors import UserError
+
+# the kinds of schedule each objective trains on, as the fit reads them (training/run/build.py)
+SCHEDULES = {name: kind.schedules for name, kind in OBJECTIVES.items()}
 
 ASPECTS = [(96, 32), (48, 48), (32, 96)]  # (w, h): 3:1, 1:1, 1:3
 SMALL = dict(num_classes=3, img_size=16, batch_size=8)
@@ -182,12 +186,12 @@ def test_bad_keys_are_one_line(naflex, message):
 def test_a_model_without_naflex_is_refused_before_any_work():
     schedule = NaFlexSchedule.from_config(dict(seq_lens=[16], patch_size=16), 8)
     with pytest.raises(UserError, match="model.naflex=true"):
-        check_model(schedule, ViTConfig(img_size=32, depth=1, embed_dim=32, num_heads=2), "classify")
+        check_model(schedule, ViTConfig(img_size=32, depth=1, embed_dim=32, num_heads=2), "classify", SCHEDULES)
     naflex = ViTConfig(img_size=32, depth=1, embed_dim=32, num_heads=2, naflex=True, class_token=False,
                        global_pool="avg")  # fmt: skip
     with pytest.raises(UserError, match="objective=classify or distill, not objective=mae"):
-        check_model(schedule, naflex, "mae")
-    check_model(schedule, naflex, "classify")
+        check_model(schedule, naflex, "mae", SCHEDULES)
+    check_model(schedule, naflex, "classify", SCHEDULES)
 
 
 def test_shards_of_data_streaming_train_in_naflex_batches_shared_out_and_resumed_exactly(shards):

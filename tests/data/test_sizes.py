@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from timm.data import ScheduledBatchSampler, create_loader
 
 from vitlab.data import FakeDataModule
@@ -16,8 +15,12 @@ from vitlab.data.seeded import TransformDataset
 from vitlab.data.sizes import ScheduledBatches, SizeSchedule, check_model
 from vitlab.data.transforms import train_transform
 from vitlab.model.config import ViTConfig
+from vitlab.training.module import OBJECTIVES
 from vitlab.training.run.build import global_batch
 from vitlab.utils.errors import UserError
+
+# the kinds of schedule each objective trains on, as the fit reads them (training/run/build.py)
+SCHEDULES = {name: kind.schedules for name, kind in OBJECTIVES.items()}
 
 
 def _as_rank(dm, rank: int, world: int, epoch: int = 0, max_epochs: int = 3) -> None:
@@ -123,9 +126,8 @@ def test_validation_and_testing_stay_at_the_models_size():
 
 def test_a_schedule_of_batch_sizes_scales_the_learning_rate_by_its_average_as_timm():
     data = dict(batch_size=64, train_img_sizes=[128, 224], train_batch_sizes=[256, 64], train_size_probs=[1.0, 3.0])
-    cfg = OmegaConf.create({"data": data, "trainer": {"devices": 1, "num_nodes": 1}})
     timms = ScheduledBatchSampler(range(320), batch_sizes=[256, 64], choice_weights=[1.0, 3.0])
-    batch, how = global_batch(cfg)
+    batch, how = global_batch(data, {"devices": 1, "num_nodes": 1})
     assert timms.average_batch_size == 112.0 and batch == 112 and "112.00" in how
 
 
@@ -175,11 +177,11 @@ def test_the_model_must_resample_its_position_embeddings_and_tile_every_size():
     schedule = SizeSchedule.from_keys([8, 12, 16], None, None, "constant", 0.65, 0.1)
     fixed = ViTConfig(img_size=16, patch_size=4, embed_dim=8, depth=1, num_heads=1)
     with pytest.raises(UserError, match=r"\[8, 12, 16\] need position embeddings at each size: set model.dynamic_img"):
-        check_model(schedule, fixed, "classify")
+        check_model(schedule, fixed, "classify", SCHEDULES)
     dynamic = ViTConfig(img_size=16, patch_size=8, embed_dim=8, depth=1, num_heads=1, dynamic_img_size=True)
     with pytest.raises(UserError, match=r"\[12\] are not multiples of model.patch_size \[8, 8\]"):
-        check_model(schedule, dynamic, "classify")
+        check_model(schedule, dynamic, "classify", SCHEDULES)
     with pytest.raises(UserError, match="trains objective=classify, not objective=mae"):
-        check_model(schedule, dynamic, "mae")
-    check_model(schedule, dataclasses.replace(dynamic, patch_size=4), "classify")
-    check_model(None, fixed, "mae")
+        check_model(schedule, dynamic, "mae", SCHEDULES)
+    check_model(schedule, dataclasses.replace(dynamic, patch_size=4), "classify", SCHEDULES)
+    check_model(None, fixed, "mae", SCHEDULES)

@@ -8,11 +8,13 @@ import json
 import logging
 
 import pytest
+from omegaconf import OmegaConf
 
 from tests.helpers.commands import run_cli
 from tests.helpers.images import image_tree
 from vitlab.cli.schemas import check_visualize
 from vitlab.evaluation.views import LAYOUT, draw_views
+from vitlab.model.config import vit_config
 from vitlab.training.run import build
 from vitlab.utils.errors import UserError
 from vitlab.visualize import check_views
@@ -30,7 +32,7 @@ def photos(tmp_path_factory):
 
 def views_of(compose_cfg, tmp_path, overrides, num_images=4, draws=1):
     cfg = compose_cfg("visualize", ["what=views", *overrides])
-    dm = build.build_datamodule(cfg.data, cfg)
+    dm = build.build_datamodule(cfg.data, **views(cfg))
     draw_views(dm, cfg.objective.name, num_images, draws, tmp_path / "out")
     return json.loads((tmp_path / "out" / "views.json").read_text())
 
@@ -107,7 +109,13 @@ def test_an_objective_without_views_is_one_line(compose_cfg):
     from vitlab.evaluation.views import training_views
 
     cfg = compose_cfg("visualize", ["what=views", "data=digits", "model=vit_digits", "objective=classify"])
-    dm = build.build_datamodule(cfg.data, cfg)
+    dm = build.build_datamodule(cfg.data, **views(cfg))
     dm.setup("fit")
     with pytest.raises(UserError, match=r"objective=dino\|classify\|distill\|mae, not objective=ibot$"):
         training_views(dm, "ibot", 0, 0)
+
+
+def views(cfg):
+    """What vitlab.visualize adds to the data module for the config's objective and model (build.data_views)."""
+    objective = OmegaConf.to_container(cfg.objective, resolve=True)
+    return build.data_views(cfg.data, objective, vit_config(cfg.model))

@@ -47,10 +47,12 @@ def test_regional_compile_makes_one_graph_per_block_kind_at_any_depth(eager_back
 
 def test_regional_compile_compiles_every_block_the_step_runs_and_keeps_the_keys(eager_backend, compose_cfg):
     from tests.training.objectives.test_dino import dino_cfg
+    from vitlab.cli.plans import train_plan
     from vitlab.training.run import build
 
     cfg = dino_cfg(compose_cfg, "compile=regional")
-    module = build.build_module(cfg, build.build_datamodule(cfg.data, cfg))
+    plan = train_plan(cfg)
+    module = build.build_module(plan, build.fit_datamodule(plan))
     module.objective.compile(module.model, module.compile_mode, module.compile_regional)
     blocks = [*module.model.blocks, *module.objective.student.backbone.blocks]
     assert len(blocks) == 4 and all(b._compiled_call_impl is not None for b in blocks)  # teacher and student

@@ -110,12 +110,14 @@ def test_bce_is_timms_binary_cross_entropy_and_starts_the_head_bias_at_minus_log
 
 
 def test_a_bce_run_trains_from_the_command_line(compose_cfg):
-    from vitlab.training.run.build import build_datamodule, build_module
+    from vitlab.cli.plans import train_plan
+    from vitlab.training.run.build import build_module, fit_datamodule
 
     cfg = compose_cfg(
         "train", ["objective.loss=bce", "objective.bce_target_thresh=0.2", "objective.mixup.cutmix_alpha=1.0"]
     )
-    module = build_module(cfg, build_datamodule(cfg.data))
+    plan = train_plan(cfg)
+    module = build_module(plan, fit_datamodule(plan))
     assert module.objective.bce is not None and module.hparams["objective"]["bce_target_thresh"] == 0.2
 
 

@@ -85,10 +85,11 @@ def test_optim_yaml_and_dataclass_are_one_source_of_defaults():
 
 @pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)` before")
 def test_a_module_built_in_python_trains_the_cli_default_recipe(compose_cfg):
-    from vitlab.training.run.build import build_datamodule, build_module
+    from vitlab.cli.plans import train_plan
+    from vitlab.training.run.build import build_module, fit_datamodule
 
-    cfg = compose_cfg("train", [])
-    cli = build_module(cfg, build_datamodule(cfg.data))
+    plan = train_plan(compose_cfg("train", []))
+    cli = build_module(plan, fit_datamodule(plan))
     plain = ViTModule(model=cli.hparams["model"])  # no optimizer arguments at all
     plain.model.load_state_dict(cli.model.state_dict())
     assert plain.optim == cli.optim and plain.objective.cfg.mixup == cli.objective.cfg.mixup
@@ -214,13 +215,15 @@ def test_settings_an_optimizer_does_not_have_are_refused():
 def test_lr_base_scales_with_the_global_batch_and_is_saved_in_the_config(compose_cfg, scale, expected, caplog):
     """DeiT's rule (lr = 5e-4 x batch / 512): the effective LR is logged and written into the config that
     config.yaml and the checkpoint keep."""
-    from vitlab.training.run.build import build_datamodule, build_module
+    from vitlab.cli.plans import train_plan
+    from vitlab.training.run.build import build_module, fit_datamodule
 
     overrides = ["optim.lr_base=5e-4", "optim.lr_base_size=512", f"optim.lr_base_scale={scale}"]
     cfg = compose_cfg("train", [*overrides, "data.batch_size=1024"])
     with caplog.at_level("INFO"):
-        module = build_module(cfg, build_datamodule(cfg.data))
-    assert cfg.optim.lr == pytest.approx(expected) and module.optim.lr == pytest.approx(expected)
+        plan = train_plan(cfg)
+        module = build_module(plan, fit_datamodule(plan))
+    assert plan.optim["lr"] == pytest.approx(expected) and module.optim.lr == pytest.approx(expected)
     assert f"optim.lr {expected:.4g}: optim.lr_base 0.0005 x " in caplog.text
     assert make_optimizer(module.model, module.optim).param_groups[0]["lr"] == pytest.approx(expected)
 
@@ -228,21 +231,21 @@ def test_lr_base_scales_with_the_global_batch_and_is_saved_in_the_config(compose
 def test_lr_base_scales_with_batch_times_devices_times_nodes_times_accumulation(compose_cfg, caplog):
     """MAE's eff_batch_size = batch x accum_iter x world size: data.batch_size is already global (per device x devices
     x nodes), trainer.accumulate_grad_batches multiplies it; the global batch is logged and written beside the LR."""
-    from vitlab.training.run.build import resolve_lr
+    from vitlab.cli.plans import train_plan
 
     overrides = ["optim.lr_base=1.5e-4", "data.batch_size=512", "trainer.accumulate_grad_batches=8"]
     cfg = compose_cfg("train", [*overrides, "trainer.devices=8", "trainer.num_nodes=1"])
     with caplog.at_level("INFO"):
-        resolve_lr(cfg)
-    assert cfg.optim.global_batch == 4096 and cfg.optim.lr == pytest.approx(1.5e-4 * 4096 / 256, rel=1e-12)
+        optim = train_plan(cfg).optim
+    assert optim["global_batch"] == 4096 and optim["lr"] == pytest.approx(1.5e-4 * 4096 / 256, rel=1e-12)
     assert "optim.lr 0.0024: optim.lr_base 0.00015 x (global batch 4096 / optim.lr_base_size 256); global batch = " in (
         caplog.text
     )
     how = "data.batch_size 512 (64 per device x 8 devices x 1 nodes) x trainer.accumulate_grad_batches 8"
     assert how in caplog.text
     cfg = compose_cfg("train", [*overrides, "optim.global_batch=1024"])  # given: the user's batch to scale by
-    resolve_lr(cfg)
-    assert cfg.optim.global_batch == 1024 and cfg.optim.lr == pytest.approx(1.5e-4 * 4, rel=1e-12)
+    optim = train_plan(cfg).optim
+    assert optim["global_batch"] == 1024 and optim["lr"] == pytest.approx(1.5e-4 * 4, rel=1e-12)
 
 
 def test_decay_tokens_is_maes_pretraining_rule():

@@ -103,10 +103,13 @@ def run_schedule(cfg, epochs: int, steps: int, mae: bool = False) -> tuple[list[
 
 
 def recipe(compose_cfg, name: str | None, *overrides: str):
-    from vitlab.training.run.build import resolve_lr
+    from omegaconf import open_dict
+
+    from vitlab.training.run.build import scaled_optim
 
     cfg = compose_cfg("train", ([f"experiment={name}"] if name else []) + list(overrides))
-    resolve_lr(cfg)  # lr_base x global batch / lr_base_size, as the run does
+    with open_dict(cfg):  # lr_base x global batch / lr_base_size, as the run's plan does
+        cfg.optim = scaled_optim(*(OmegaConf.to_container(cfg[k], resolve=True) for k in ("optim", "data", "trainer")))
     return cfg
 
 

@@ -53,14 +53,11 @@ def test_the_table_covers_every_recipe():
 def test_each_recipe_is_its_table(compose_cfg, recipe):
     """Composed as the run composes it: with its real model.pretrained (timm's architecture and preprocessing read
     offline, what the recipe sets kept) and its LR scaled by the global batch."""
-    from vitlab.model.config import vit_config
-    from vitlab.training.pretrained import apply_pretrained
-    from vitlab.training.run.build import resolve_lr
+    from vitlab.cli.plans import as_ran, train_plan
 
-    cfg = compose_cfg("train", [f"experiment={recipe}"])
-    apply_pretrained(cfg)
-    resolve_lr(cfg)
-    model = vit_config(cfg.model)  # the network the run builds (a variant's sizes filled in)
+    plan = train_plan(compose_cfg("train", [f"experiment={recipe}"]))
+    cfg = OmegaConf.create(as_ran(plan))  # the config as the run saves it
+    model = plan.model  # the network the run builds (a variant's sizes filled in)
     for key, value in table_rows()[recipe]:
         field = key.removeprefix("model.")
         if key.startswith("model.") and hasattr(model, field):
@@ -84,8 +81,9 @@ def test_each_recipe_builds_and_takes_a_step(compose_cfg, recipe, tree):
     """The recipe's pipeline on a small tree (its network shrunk, so without its pretrained weights, which would refuse
     a shrunk network): each optimizer group and the schedule, the workers' augmentation, the device half, MixUp, the
     loss, one optimizer step."""
+    from vitlab.cli.plans import train_plan
     from vitlab.training.optim import make_optimizer, make_scheduler
-    from vitlab.training.run.build import build_datamodule, build_module
+    from vitlab.training.run.build import build_module, fit_datamodule
 
     small = ["model.embed_dim=32", "model.depth=2", "model.num_heads=2", "model.pretrained=null"]
     if recipe.startswith("dino"):  # 32 px views, local 16 px; a head of 64 prototypes
@@ -94,9 +92,10 @@ def test_each_recipe_builds_and_takes_a_step(compose_cfg, recipe, tree):
     data = [f"data.data_dir={tree}", "data.num_classes=3", "data.batch_size=4", "data.num_workers=0"]
     data += ["data.val_fraction=0.25"] if recipe.startswith("bv_") else []  # its 1% minival: of 24 images, none
     cfg = compose_cfg("train", [f"experiment={recipe}", *small, *data, "trainer=cpu"])
-    dm = build_datamodule(cfg.data, cfg)
+    plan = train_plan(cfg)
+    dm = fit_datamodule(plan)
     dm.setup("fit")
-    module = build_module(cfg, dm)
+    module = build_module(plan, dm)
     optimizer = make_optimizer(module.objective.optimized(module.model), module.optim)
     scheduler = make_scheduler(optimizer, module.scheduler_cfg, total_steps=100, epochs=10)
     x, y = next(iter(dm.train_dataloader()))

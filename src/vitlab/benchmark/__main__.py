@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -22,11 +22,17 @@ from vitlab.cli.entry import entry_point
 from vitlab.model.config import vit_config
 from vitlab.utils.errors import UserError
 
+if TYPE_CHECKING:
+    from vitlab.training.run.plan import TrainPlan
 
-def train_config(cfg: DictConfig, b, report: dict[str, Any]) -> DictConfig:
-    """vitlab.train's config, composed with benchmark.train_overrides (tasks overhead, pipeline, end2end)."""
+
+def train_plan(b, report: dict[str, Any]) -> TrainPlan:
+    """vitlab.train's plan (vitlab.cli.plans), of its config composed with benchmark.train_overrides (tasks overhead,
+    pipeline, end2end)."""
     from hydra import compose
     from hydra.core.hydra_config import HydraConfig
+
+    from vitlab.cli.plans import train_plan
 
     chosen = [o for o in HydraConfig.get().overrides.task if o.split("=")[0].lstrip("+~") in ("model", "optim")]
     if chosen:
@@ -35,16 +41,16 @@ def train_config(cfg: DictConfig, b, report: dict[str, Any]) -> DictConfig:
             "it in benchmark.train_overrides, e.g. 'benchmark.train_overrides=[model.depth=2]'"
         )
     report["train_overrides"] = list(b.train_overrides)
-    return compose("train", overrides=list(b.train_overrides))
+    return train_plan(compose("train", overrides=list(b.train_overrides)))
 
 
 def overhead(cfg: DictConfig, b, report: dict[str, Any]) -> None:
     from vitlab.benchmark import overhead as task
     from vitlab.benchmark.measure import environment, pick_device
 
-    train_cfg = train_config(cfg, b, report)
+    plan = train_plan(b, report)
     report["environment"] = environment(pick_device("auto"))
-    report.update(task.bench_overhead(train_cfg, b))
+    report.update(task.bench_overhead(plan, b))
     task.print_report(report)
 
 
@@ -52,9 +58,9 @@ def pipeline(cfg: DictConfig, b, report: dict[str, Any]) -> None:
     from vitlab.benchmark import pipeline as task
     from vitlab.benchmark.measure import environment, pick_device
 
-    train_cfg = train_config(cfg, b, report)
+    plan = train_plan(b, report)
     report["environment"] = environment(pick_device("cpu"))
-    report.update(task.bench_pipeline(train_cfg, b))
+    report.update(task.bench_pipeline(plan, b))
     task.print_report(report)
 
 
@@ -62,11 +68,11 @@ def end2end(cfg: DictConfig, b, report: dict[str, Any]) -> None:
     from vitlab.benchmark import end2end as task
     from vitlab.benchmark.measure import environment, pick_device
 
-    train_cfg = train_config(cfg, b, report)
-    on_cpu = train_cfg.trainer.get("accelerator", "auto") == "cpu"
+    plan = train_plan(b, report)
+    on_cpu = plan.trainer.get("accelerator", "auto") == "cpu"
     device = pick_device("cpu" if on_cpu else b.device)
     report["environment"] = environment(device)
-    report.update(task.bench_end2end(train_cfg, b, device))
+    report.update(task.bench_end2end(plan, b, device))
     task.print_report(report)
 
 

@@ -19,18 +19,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from vitlab.benchmark.config import BenchmarkConfig
 from vitlab.benchmark.measure import sync
-from vitlab.model.config import vit_config
-from vitlab.training.devices.hardware import resolve_trainer
 from vitlab.training.optim import OptimConfig
 from vitlab.training.run import build
+from vitlab.training.run.plan import TrainPlan
 from vitlab.utils.errors import UserError
 
 PRECISION_OF_TRAINER = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16"}
@@ -100,29 +99,28 @@ class Window(L.Callback):
         return self.t1 - self.t0 - self.paused
 
 
-def trainer_precision(train_cfg: DictConfig) -> str:
-    """The task=models precision of vitlab.train's trainer config (one device only; `auto` resolved as the run
-    resolves it)."""
-    resolve_trainer(train_cfg.trainer)
-    precision = PRECISION_OF_TRAINER.get(str(train_cfg.trainer.get("precision", "32-true")))
+def trainer_precision(trainer: Mapping[str, Any]) -> str:
+    """The task=models precision of vitlab.train's trainer settings (one device only; `auto` resolved by the plan, as
+    the run resolves it)."""
+    precision = PRECISION_OF_TRAINER.get(str(trainer.get("precision", "32-true")))
     if precision is None:
         raise UserError(
             f"benchmark.task=end2end compares with task=models, which runs {list(PRECISION_OF_TRAINER)} "
-            f"precisions; trainer.precision is {train_cfg.trainer.precision!r}"
+            f"precisions; trainer.precision is {trainer.get('precision')!r}"
         )
-    if int(train_cfg.trainer.get("devices", 1) or 1) != 1 or int(train_cfg.trainer.get("num_nodes", 1) or 1) != 1:
+    if int(trainer.get("devices", 1) or 1) != 1 or int(trainer.get("num_nodes", 1) or 1) != 1:
         raise UserError(
             "benchmark.task=end2end measures one device: set trainer.devices=1 in benchmark.train_overrides"
         )
     return precision
 
 
-def train_window(train_cfg: DictConfig, datamodule, e) -> Window:
+def train_window(plan: TrainPlan, datamodule, e) -> Window:
     """vitlab.train's fit (its callbacks, logger, data) for warmup_steps + steps, timed over the last steps."""
-    L.seed_everything(train_cfg.seed, workers=True, verbose=False)
+    L.seed_everything(plan.seed, workers=True, verbose=False)
     window = Window(e.warmup_steps, e.steps)
     steps = {"max_epochs": -1, "max_steps": e.warmup_steps + e.steps, "limit_val_batches": 1, "num_sanity_val_steps": 0}
-    with build.build_fit(train_cfg, [window], datamodule=datamodule, **steps).finished() as fit:
+    with build.build_fit(plan, [window], datamodule=datamodule, **steps).finished() as fit:
         trainer = fit.trainer
         trainer.fit(fit.module, datamodule=datamodule, weights_only=True)
     if window.t1 is None:  # training stopped early (an interrupt), or Lightning counted steps unlike the window
@@ -130,21 +128,20 @@ def train_window(train_cfg: DictConfig, datamodule, e) -> Window:
     return window
 
 
-def bench_end2end(train_cfg: DictConfig, b: BenchmarkConfig, device: torch.device) -> dict[str, Any]:
+def bench_end2end(plan: TrainPlan, b: BenchmarkConfig, device: torch.device) -> dict[str, Any]:
     from vitlab.benchmark.models import bench_models
 
-    precision = trainer_precision(train_cfg)
-    datamodule = build.build_datamodule(train_cfg.data)
+    precision = trainer_precision(plan.trainer)
+    datamodule = build.build_datamodule(plan.data)
     per_device = datamodule.per_device_batch_size
     # The bare step first, in a fresh process (after a fit, its loader workers and allocations linger).
     bare = dataclasses.replace(
         b, task="models", contenders=("vitlab",), modes=("train",), batch_size=per_device, precision=precision,
-        compile=train_cfg.get("compile", False),
+        compile=plan.compile,
     )  # fmt: skip
-    model_cfg = vit_config(train_cfg.model)
-    optim = OptimConfig.from_dict(OmegaConf.to_container(train_cfg.optim, resolve=True))
-    step = bench_models(model_cfg, bare, optim, device)["results"]["train"]["vitlab"]
-    window = train_window(train_cfg, datamodule, b.end2end)
+    model_cfg = plan.model
+    step = bench_models(model_cfg, bare, OptimConfig.from_dict(plan.optim), device)["results"]["train"]["vitlab"]
+    window = train_window(plan, datamodule, b.end2end)
     seconds = window.seconds
     train = {"images_per_s": window.images / seconds, "steps": window.steps, "warmup_steps": window.start}
     return {

@@ -14,14 +14,13 @@ from typing import Any
 
 import lightning as L
 import torch
-from omegaconf import DictConfig
 
 from vitlab.benchmark.config import BenchmarkConfig
 from vitlab.benchmark.measure import pick_device, summarise, sync
-from vitlab.training.devices.hardware import resolve_trainer
 from vitlab.training.module import ViTModule
 from vitlab.training.optim import make_optimizer, make_scheduler
 from vitlab.training.run import build
+from vitlab.training.run.plan import TrainPlan
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +67,11 @@ class LoopTimer(L.Callback):
         self.times.epoch_s.append(time.perf_counter() - self._start)
 
 
-def run_lightning(train_cfg: DictConfig, epochs: int) -> LoopTimes:
+def run_lightning(plan: TrainPlan, epochs: int) -> LoopTimes:
     """`vitlab.train`'s fit, as it builds it, for `epochs` epochs; progress bar as configured there."""
-    L.seed_everything(train_cfg.seed, workers=True, verbose=False)
+    L.seed_everything(plan.seed, workers=True, verbose=False)
     timer = LoopTimer()
-    with build.build_fit(train_cfg, [timer], max_epochs=epochs).finished() as fit:
+    with build.build_fit(plan, [timer], max_epochs=epochs).finished() as fit:
         fit.trainer.fit(fit.module, datamodule=fit.datamodule, weights_only=True)
     return timer.times
 
@@ -98,35 +97,35 @@ class BareModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def run_bare_lightning(train_cfg: DictConfig, epochs: int) -> LoopTimes:
+def run_bare_lightning(plan: TrainPlan, epochs: int) -> LoopTimes:
     """The same data module, network, loss, optimizer and schedule as `vitlab.train`, fitted by a Trainer of the same
     accelerator and precision that has nothing else to do: the cost of Lightning itself."""
-    L.seed_everything(train_cfg.seed, workers=True, verbose=False)
-    datamodule = build.build_datamodule(train_cfg.data, train_cfg)
-    module = build.build_module(train_cfg, datamodule)
+    L.seed_everything(plan.seed, workers=True, verbose=False)
+    datamodule = build.fit_datamodule(plan)
+    module = build.build_module(plan, datamodule)
     if module.compile_mode:
         module.model.compile(mode=module.compile_mode)
     timer = LoopTimer()
-    t = train_cfg.trainer
-    resolve_trainer(t)  # (precision=auto: as vitlab.train resolves it)
+    t = plan.trainer  # (precision=auto: resolved by the plan, as vitlab.train's)
     trainer = L.Trainer(
-        accelerator=t.accelerator, devices=1, precision=t.precision, deterministic=t.deterministic,
-        benchmark=t.benchmark, max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[timer], limit_val_batches=0, num_sanity_val_steps=0,
+        accelerator=t["accelerator"], devices=1, precision=t["precision"], deterministic=t["deterministic"],
+        benchmark=t["benchmark"], max_epochs=epochs, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer], limit_val_batches=0,
+        num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(BareModule(module), datamodule=datamodule)
     return timer.times
 
 
-def run_plain(train_cfg: DictConfig, epochs: int) -> LoopTimes:
+def run_plain(plan: TrainPlan, epochs: int) -> LoopTimes:
     """The loop one would write by hand around the same pieces: the same datamodule (and its on-device
     augmentation), model, AdamW groups, per-step schedule and loss; running training loss and accuracy
     kept on the device; a validation pass per epoch."""
-    L.seed_everything(train_cfg.seed, workers=True, verbose=False)
-    datamodule = build.build_datamodule(train_cfg.data)
-    on_cpu = train_cfg.trainer.get("accelerator", "auto") == "cpu"
+    L.seed_everything(plan.seed, workers=True, verbose=False)
+    datamodule = build.build_datamodule(plan.data)
+    on_cpu = plan.trainer.get("accelerator", "auto") == "cpu"
     device = torch.device("cpu") if on_cpu else pick_device("auto")
-    module = build.build_module(train_cfg, datamodule)
+    module = build.build_module(plan, datamodule)
     module.to(device)
     model = module.model
     if module.compile_mode:
@@ -171,7 +170,7 @@ def run_plain(train_cfg: DictConfig, epochs: int) -> LoopTimes:
     return times
 
 
-def bench_overhead(train_cfg: DictConfig, b: BenchmarkConfig) -> dict[str, Any]:
+def bench_overhead(plan: TrainPlan, b: BenchmarkConfig) -> dict[str, Any]:
     """Alternating rounds of Lightning and plain runs (order swapped each round); each run's first
     epoch is warm-up and dropped. The step figure is the median over every measured step, which a
     burst of load from elsewhere moves less than a per-epoch mean."""
@@ -183,7 +182,7 @@ def bench_overhead(train_cfg: DictConfig, b: BenchmarkConfig) -> dict[str, Any]:
     steps: dict[str, list[int]] = {}
     for r in range(b.overhead.rounds):
         for name in list(runners) if r % 2 == 0 else list(runners)[::-1]:
-            times = runners[name](train_cfg, epochs)
+            times = runners[name](plan, epochs)
             per_step[name] += [t for epoch in times.step_s[1:] for t in epoch]
             per_epoch[name] += times.epoch_s[1:]
             per_step_cpu[name] += [t for epoch in times.step_cpu_s[1:] for t in epoch]

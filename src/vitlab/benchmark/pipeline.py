@@ -34,11 +34,11 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
 import torch
-from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset
 from torchvision.transforms import v2 as T
 
@@ -49,6 +49,7 @@ from vitlab.data.seeded import TransformDataset
 from vitlab.data.transforms import INTERPOLATIONS, TORCHVISION_AUGMENTS, TrainTransform
 from vitlab.model.config import as_hw
 from vitlab.training.run import build
+from vitlab.training.run.plan import TrainPlan
 from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -87,17 +88,14 @@ class Ceiling(Dataset):
 READERS = formats.readers()
 
 
-def reader_loader(dm, data_cfg: DictConfig, reader: str):
-    """The train loader of `reader` (`<data=name>=<where>`) with the data config's other settings."""
+def reader_loader(dm, data: Mapping[str, Any], reader: str):
+    """The train loader of `reader` (`<data=name>=<where>`) with the data settings' others."""
     kind, _, where = reader.partition("=")
     if kind not in READERS or not where:
         raise UserError(f"benchmark.pipeline.readers entry {reader!r} must be hf=<path>, list=<file> or wds=<pattern>")
-    same = OmegaConf.to_container(data_cfg, resolve=True)
-    for key in ("check_images", "unlabeled", "data_dir", "val_fraction"):  # a folder's settings
-        same.pop(key, None)
-    target, key = READERS[kind]
-    other = build.build_datamodule(OmegaConf.create(same | {"_target_": target, key: where,
-                                                            "num_classes": dm.num_classes}))  # fmt: skip
+    same = {k: v for k, v in data.items() if k not in ("check_images", "unlabeled", "data_dir", "val_fraction")}
+    target, key = READERS[kind]  # (check_images ... val_fraction: a folder's settings)
+    other = build.build_datamodule(same | {"_target_": target, key: where, "num_classes": dm.num_classes})
     other.setup("fit")
     return other.train_dataloader()
 
@@ -158,10 +156,10 @@ class DeviceDecoded:
             yield decoding.augmented(self.dm, batch, train=True), batch.labels
 
 
-def device_loader(data_cfg: DictConfig, device: torch.device) -> DeviceDecoded | None:
+def device_loader(data: Mapping[str, Any], device: torch.device) -> DeviceDecoded | None:
     """The `device_decode` contender, or None (said in the log) where data.decode=device refuses the data config."""
     try:
-        other = build.build_datamodule(OmegaConf.merge(data_cfg, {"decode": "device"}))
+        other = build.build_datamodule({**data, "decode": "device"})
         other.setup("fit")
         return DeviceDecoded(other, device)
     except UserError as e:
@@ -170,8 +168,8 @@ def device_loader(data_cfg: DictConfig, device: torch.device) -> DeviceDecoded |
 
 
 def loaders(
-    dm, data_cfg: DictConfig, shards: str | None = None, policies: tuple[str, ...] = (), readers: tuple[str, ...] = (),
-    device: torch.device | None = None,
+    dm, data: Mapping[str, Any], shards: str | None = None, policies: tuple[str, ...] = (),
+    readers: tuple[str, ...] = (), device: torch.device | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     train = dm.train_set
     settings = dm.train_settings
@@ -186,17 +184,14 @@ def loaders(
     }
     if (timm := timm_loader(dm)) is not None:
         found["timm"] = timm
-    if device is not None and (decoded := device_loader(data_cfg, device)) is not None:
+    if device is not None and (decoded := device_loader(data, device)) is not None:
         found["device_decode"] = decoded
     if shards:
-        same = OmegaConf.to_container(data_cfg, resolve=True)
-        same.pop("check_images", None)  # a folder's settings: the shards' images were all decoded when packed,
-        same.pop("unlabeled", None)  # and labelled by their class folders
+        # Without a folder's settings: the shards' images were all decoded when packed, and labelled by their class
+        # folders.
+        same = {k: v for k, v in data.items() if k not in ("check_images", "unlabeled")}
         streaming = build.build_datamodule(
-            OmegaConf.merge(
-                same,
-                {"_target_": "vitlab.data.StreamingDataModule", "data_dir": shards, "num_classes": dm.num_classes},
-            )
+            same | {"_target_": "vitlab.data.StreamingDataModule", "data_dir": shards, "num_classes": dm.num_classes}
         )
         streaming.setup("fit")
         if len(streaming.train_set) != len(train):
@@ -206,9 +201,10 @@ def loaders(
             )
         found["streaming"] = streaming.train_dataloader()
     for reader in readers:
-        found[reader.partition("=")[0]] = reader_loader(dm, data_cfg, reader)
+        found[reader.partition("=")[0]] = reader_loader(dm, data, reader)
     for policy in policies:
-        other = build.build_datamodule(OmegaConf.merge(data_cfg, {"train_transform": {"auto_augment": policy}}))
+        augmented = {**(data.get("train_transform") or {}), "auto_augment": policy}
+        other = build.build_datamodule({**data, "train_transform": augmented})
         other.setup("fit")
         found[f"vitlab[{policy}]"] = other.train_dataloader()
     return found
@@ -227,14 +223,12 @@ def time_loader(loader, warmup: int, batches: int) -> tuple[float, int]:
     return time.perf_counter() - start, images
 
 
-def bench_pipeline(train_cfg: DictConfig, b: BenchmarkConfig) -> dict[str, Any]:
-    L.seed_everything(train_cfg.seed, workers=True, verbose=False)
-    data_cfg = OmegaConf.merge(train_cfg.data, {"on_device": False})  # the loader's workers are what is timed
-    dm = build.build_datamodule(data_cfg)
+def bench_pipeline(plan: TrainPlan, b: BenchmarkConfig) -> dict[str, Any]:
+    L.seed_everything(plan.seed, workers=True, verbose=False)
+    data = {**plan.data, "on_device": False}  # the loader's workers are what is timed
+    dm = build.build_datamodule(data)
     dm.setup("fit")
-    contenders = loaders(
-        dm, data_cfg, b.pipeline.shards, b.pipeline.policies, b.pipeline.readers, pick_device(b.device)
-    )
+    contenders = loaders(dm, data, b.pipeline.shards, b.pipeline.policies, b.pipeline.readers, pick_device(b.device))
     p = b.pipeline
     need = p.warmup_batches + p.batches
     if len(contenders["vitlab"]) < need:

@@ -176,7 +176,7 @@ def _run_command(config_name: str, checked: Check, guarded: Callable[[DictConfig
 def check_config(cfg: DictConfig, schema: Any = None, check: Check | None = None) -> None:
     """A command's config before any work: its top-level keys against `schema` (a TypedDict: types and ranges, its
     groups key by key: utils.arguments.check_arguments), the command's own `check` (what needs several keys or the file
-    system), then every node that builds something against its target (training.run.node_checks.check_nodes: the data
+    system), then every node that builds something against its target (cli.node_checks.check_nodes: the data
     module, the Trainer within Lightning's ranges, callbacks, loggers)."""
     if schema is not None:
         values = {k: _plain(cfg[k]) for k in typing.get_type_hints(schema) if k in cfg}
@@ -185,7 +185,7 @@ def check_config(cfg: DictConfig, schema: Any = None, check: Check | None = None
     if check is not None:  # (the checks that need no Lightning first: their refusals come within a second)
         check(cfg)
     if "_target_:" in OmegaConf.to_yaml(cfg):
-        from vitlab.training.run.node_checks import check_nodes  # (Lightning: only for a config that builds something)
+        from vitlab.cli.node_checks import check_nodes  # (Lightning: only for a config that builds something)
 
         with _set_by_the_experiment():
             check_nodes(cfg)

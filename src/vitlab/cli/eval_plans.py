@@ -90,10 +90,10 @@ def _data(tree: DictConfig, stored: dict | None, ckpt_path: str, img_size: Any) 
 def _pretrained(tree: DictConfig, task: str) -> Pretrained:
     """`model.pretrained=<source>` on `data=<name>`, resolved once: task=test scores the weights' own head at
     model.img_size (null: the size they were trained at), the data taking their preprocessing where it leaves it
-    null; the other tasks build our model=<name> as timm's architecture (training.pretrained.apply_pretrained), with
+    null; the other tasks build our model=<name> as timm's architecture (training.pretrained.pretrained_model), with
     the data's channels and no head (the features never reach one)."""
     from vitlab.convert.source import resolve
-    from vitlab.training.pretrained import apply_pretrained
+    from vitlab.training.pretrained import explicit_model_keys, pretrained_model, take_preprocessing
 
     source = OmegaConf.select(tree, "model.pretrained")
     if not source:
@@ -112,7 +112,10 @@ def _pretrained(tree: DictConfig, task: str) -> Pretrained:
         if OmegaConf.select(tree, "model.img_size") is None:
             raise UserError(f"task={task} on model.pretrained={source} needs the model's size: model=<name>")
         tree.model.in_chans, tree.model.num_classes = tree.data.get("channels", 3), 0
-        weights = apply_pretrained(tree)  # timm's architecture, and the data's mean/std/crop left null
+        before = OmegaConf.to_container(tree.model, resolve=True)  # timm's architecture, and the data's mean/std/crop
+        weights, model = pretrained_model(before, explicit_model_keys())  # left null (training.pretrained)
+        tree.model.update(model)
+        take_preprocessing(tree.data, weights, before)
     model, data = (OmegaConf.to_container(tree[k], resolve=True) for k in ("model", "data"))
     return Pretrained(source, weights, model, data, Path(tree.paths.log_dir))
 

@@ -218,8 +218,8 @@ def check_train(cfg: DictConfig) -> None:
         )
     check_devices(cfg.trainer)  # (torch only where the machine may have a GPU) before check_request reads them
 
+    from vitlab.cli.node_checks import check_launch
     from vitlab.training.devices.sharding import check_request
-    from vitlab.training.run.node_checks import check_launch
 
     check_launch(cfg)  # a -m sweep of multi-process runs on a launcher that cannot start them
     check_request(cfg.trainer, cfg.get("callbacks"))  # trainer=fsdp: what cannot shard (its note is logged by train)

@@ -77,7 +77,7 @@ class ImageDataModule(DataModule):
             raise UserError("data.train_img_sizes and objective=dino's crops both set the training sizes: choose one")
         self.train_transform_args = dict(train_transform or {})
         self.train_tf = transforms.train_transform(self.img_size, self.mean, **self.train_transform_args)
-        # null eval settings: this dataset's defaults (pretrained.apply_pretrained fills them from the weights first)
+        # null eval settings: this dataset's defaults (pretrained.take_preprocessing fills them from the weights first)
         self.eval_settings = {"crop_pct": self.eval_crop_pct} | {
             k: v for k, v in (eval_transform or {}).items() if v is not None
         }

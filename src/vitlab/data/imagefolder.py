@@ -42,7 +42,7 @@ class UnlabeledFolder(datasets.ImageFolder):
 
 def check_class_folders(data_dir: str, num_classes: int, unlabeled: bool = False) -> None:
     """data.num_classes against the class folders of data_dir/train (ImageFolder's classes), where there is one: when
-    the module is built, and before, in the launching process (training.run.node_checks.check_node), so that no run
+    the module is built, and before, in the launching process (cli.node_checks.check_node), so that no run
     directory or DDP process exists to say it four times."""
     train = Path(data_dir) / "train"
     if unlabeled or not train.is_dir():

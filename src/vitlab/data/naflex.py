@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -58,6 +58,8 @@ class NaFlexSchedule(SizeSchedule):
     reference_batch: int = 1  # data.batch_size: the batch at max(seq_lens), what the loss scale divides by
 
     key: ClassVar[str] = "data.naflex.seq_lens"
+    kind: ClassVar[str] = "naflex"
+    setting: ClassVar[str] = "data.naflex"
     not_on_device: ClassVar[str] = "NaFlex's variable-size patches are made per image"
 
     @classmethod
@@ -142,14 +144,13 @@ class NaFlexSchedule(SizeSchedule):
         x = flip(T.functional.resized_crop(img, top, left, h, w, list(size), interpolation=mode, antialias=True))
         return {"image": x.float() / 255, "box": [left, top, left + w, top + h], "size": list(x.shape[-2:])}
 
-    def check_model(self, model: Any, objective: str) -> None:
+    def check_model(self, model: Any, objective: str, trained_by: list[str]) -> None:
         if not getattr(model, "naflex", False):
             raise UserError(
                 "data.naflex.seq_lens feeds NaFlex batches (patches, coordinates, masks): the model needs "
                 "model.naflex=true (a naflexvit, e.g. model=naflexvit_b16)"
             )
-        if objective not in ("classify", "distill"):  # MAE's masks and DINO's crops are square images' own
-            raise UserError(f"data.naflex trains objective=classify or distill, not objective={objective}")
+        self.check_objective(objective, trained_by)  # MAE's masks and DINO's crops are square images' own
         if tuple(model.patch_hw) != self.patch_hw:
             raise UserError(f"data.naflex.patch_size {list(self.patch_hw)} is not model.patch_size {model.patch_size}")
 
@@ -222,3 +223,13 @@ def for_model(naflex: Any, model: Any) -> dict:
         )
     plain = {k: list(v) if isinstance(v, Sequence) and not isinstance(v, str) else v for k, v in naflex.items()}
     return plain | {"patch_size": plain.get("patch_size") or list(model.patch_hw)}
+
+
+def data_views(data: Mapping[str, Any], objective: Mapping[str, Any], model: Any) -> dict[str, Any]:
+    """The data module's arguments a run of `model` (a ViTConfig) adds to its data settings `data`: NaFlex's patches
+    at the model's patch size where the data asks for NaFlex batches (data.naflex.seq_lens), objective.mixup refused
+    there; none otherwise."""
+    if (data.get("naflex") or {}).get("seq_lens") is None:
+        return {}
+    check_mixup(objective.get("mixup"))
+    return {"naflex": for_model(data["naflex"], model)}

@@ -48,6 +48,8 @@ class SizeSchedule:
     and evaluation's views ask of a schedule it answers itself (NaFlex's answers otherwise: data/naflex.py)."""
 
     key: ClassVar[str] = "data.train_img_sizes"  # the key that sets it (in refusals)
+    kind: ClassVar[str] = "sizes"  # what an objective names among the schedules it trains on (Objective.schedules)
+    setting: ClassVar[str] = "data.train_img_sizes"  # the setting, as a refusal of an objective names it
     not_on_device: ClassVar[str] = "data.train_img_sizes draws a size a batch in the workers"  # data.decode=device's
 
     img_sizes: tuple[int, ...]
@@ -169,11 +171,15 @@ class SizeSchedule:
         """None: a training image's view is the one-size transform's (evaluation/views.py draws it)."""
         return None
 
-    def check_model(self, model: Any, objective: str) -> None:
+    def check_objective(self, objective: str, trained_by: list[str]) -> None:
+        """`objective` among those that train on this kind of schedule (`trained_by`: their names)."""
+        if objective not in trained_by:
+            raise UserError(f"{self.setting} trains objective={' or '.join(trained_by)}, not objective={objective}")
+
+    def check_model(self, model: Any, objective: str, trained_by: list[str]) -> None:
         """A model (a ViTConfig) that can train at these sizes: one resampling its position embeddings, whose patches
-        tile each size, training a classifier (a teacher, MAE's masks and DINO's crops have sizes of their own)."""
-        if objective != "classify":
-            raise UserError(f"data.train_img_sizes trains objective=classify, not objective={objective}")
+        tile each size, training an objective among `trained_by`."""
+        self.check_objective(objective, trained_by)
         if set(self.img_sizes) != {model.img_hw[0]} and not model.dynamic_img_size:
             raise UserError(
                 f"data.train_img_sizes {list(self.img_sizes)} need position embeddings at each size: set "
@@ -259,10 +265,11 @@ def _scheduled_batches(dm: Any, sampler: Sampler | range, world: int) -> Schedul
     return batches
 
 
-def check_model(schedule: SizeSchedule | None, model: Any, objective: str) -> None:
-    """A model (a ViTConfig) that can train at the schedule's sizes, where there is a schedule (its check_model)."""
+def check_model(schedule: SizeSchedule | None, model: Any, objective: str, schedules: dict[str, frozenset]) -> None:
+    """Where there is a schedule, an objective that trains on its kind (`schedules`: each objective's name and the
+    kinds it trains on, the objectives' table) and a model (a ViTConfig) that can train at its sizes."""
     if schedule is not None:
-        schedule.check_model(model, objective)
+        schedule.check_model(model, objective, [name for name, kinds in schedules.items() if schedule.kind in kinds])
 
 
 __all__ = [

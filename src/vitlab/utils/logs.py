@@ -7,6 +7,8 @@ import logging
 import re
 import typing
 import warnings
+from collections.abc import Mapping
+from typing import Any
 
 # progress_bar=: auto (rich on a terminal; otherwise a log line per epoch), rich, tqdm, none.
 ProgressBar = typing.Literal["auto", "rich", "tqdm", "none"]
@@ -95,15 +97,16 @@ def route_lightning_logs() -> None:
             logger.addFilter(_NoTips())
 
 
-def describe_run(cfg, module) -> str:
-    """One line on what is about to train (the whole config is in the run directory)."""
+def describe_run(module: Any, data: Mapping[str, Any], trainer: Mapping[str, Any]) -> str:
+    """One line on what is about to train: the module's ViT on the data settings `data` with the trainer settings
+    `trainer` (the whole config is in the run directory)."""
     m = module.model.cfg
     params = sum(p.numel() for p in module.model.parameters())
-    data = str(cfg.data.get("_target_", "")).rsplit(".", 1)[-1].removesuffix("DataModule").lower()
+    name = str(data.get("_target_", "")).rsplit(".", 1)[-1].removesuffix("DataModule").lower()
     return (
         f"training ViT (dim {m.embed_dim}, depth {m.depth}, heads {m.num_heads}, patch {m.patch_size}, "
-        f"img {m.img_size}, {params / 1e6:.2f}M params) on {data}, batch {cfg.data.batch_size}, "
-        f"up to {cfg.trainer.max_epochs} epochs"
+        f"img {m.img_size}, {params / 1e6:.2f}M params) on {name}, batch {data['batch_size']}, "
+        f"up to {trainer['max_epochs']} epochs"
     )
 
 

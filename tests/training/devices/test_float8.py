@@ -8,6 +8,7 @@ import copy
 import lightning as L
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -107,7 +108,7 @@ def test_float8_is_refused_without_float8_gpus(compose_cfg, monkeypatch, gpus, m
         hardware.resolve_trainer(cfg.trainer)
     monkeypatch.setattr(hardware, "cuda_devices", lambda: [(H100[0], True)])
     monkeypatch.setattr(hardware, "cuda_capabilities", lambda: [H100])
-    assert hardware.resolve_trainer(cfg.trainer).endswith("precision float8")  # an H100 has float8
+    assert hardware.resolve_trainer(cfg.trainer)[1].endswith("precision float8")  # an H100 has float8
 
 
 def test_the_trainer_gets_bf16_mixed_and_the_float8_plugin_beside_its_own(compose_cfg, monkeypatch):
@@ -116,7 +117,7 @@ def test_the_trainer_gets_bf16_mixed_and_the_float8_plugin_beside_its_own(compos
 
     monkeypatch.setattr(hardware, "check_float8", lambda precision, gpus: None)  # (as on an H100)
     cfg = compose_cfg("train", ["trainer=cpu", "trainer.precision=float8-rowwise"])
-    trainer = build_trainer(cfg.trainer, logger=False)
+    trainer = build_trainer(OmegaConf.to_container(cfg.trainer, resolve=True), logger=False)
     plugin = trainer.precision_plugin
     assert isinstance(plugin, Float8Precision) and (plugin.recipe, plugin.precision) == ("rowwise", "bf16-mixed")
     assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)  # the config's plugins kept

@@ -14,48 +14,47 @@ H100, V100 = ("NVIDIA H100 80GB HBM3", True), ("Tesla V100-SXM2-16GB", False)
 def resolved(compose_cfg, monkeypatch, gpus, overrides=()):
     monkeypatch.setattr(hardware, "cuda_devices", lambda: list(gpus))
     cfg = compose_cfg("train", ["model=vit_b16", *overrides])
-    line = hardware.resolve_trainer(cfg.trainer)
-    return cfg.trainer, line
+    return hardware.resolve_trainer(cfg.trainer)
 
 
 def test_four_bf16_gpus_train_in_bf16_with_ddp_in_four_processes(compose_cfg, monkeypatch):
     t, line = resolved(compose_cfg, monkeypatch, [H100] * 4, ["trainer.devices=4"])
-    assert (t.precision, t.strategy) == ("bf16-mixed", "ddp")
+    assert (t["precision"], t["strategy"]) == ("bf16-mixed", "ddp")
     assert line == (
         "trainer: 4 CUDA GPU(s) (NVIDIA H100 80GB HBM3), 4 processes (ddp), precision bf16-mixed "
         "(auto: every GPU in use has bf16)"
     )
     t, line = resolved(compose_cfg, monkeypatch, [H100] * 8, ["trainer.devices=4", "trainer.num_nodes=2"])
-    assert (t.precision, t.strategy) == ("bf16-mixed", "ddp") and "8 processes" in line
+    assert (t["precision"], t["strategy"]) == ("bf16-mixed", "ddp") and "8 processes" in line
     t, line = resolved(compose_cfg, monkeypatch, [H100] * 8, ["trainer.devices=1"])
-    assert (t.precision, t.strategy) == ("bf16-mixed", "auto")  # one GPU: no DDP
+    assert (t["precision"], t["strategy"]) == ("bf16-mixed", "auto")  # one GPU: no DDP
 
 
 def test_a_gpu_without_bf16_trains_in_fp32_and_says_why(compose_cfg, monkeypatch):
     t, line = resolved(compose_cfg, monkeypatch, [V100] * 2, ["trainer.devices=2"])
-    assert (t.precision, t.strategy) == ("32-true", "ddp")
+    assert (t["precision"], t["strategy"]) == ("32-true", "ddp")
     assert line.endswith("precision 32-true (auto: Tesla V100-SXM2-16GB has no bf16 (compute capability < 8.0))")
     t, _ = resolved(compose_cfg, monkeypatch, [H100, V100], ["trainer.devices=[0]"])
-    assert t.precision == "bf16-mixed"  # the GPU in use has it
+    assert t["precision"] == "bf16-mixed"  # the GPU in use has it
 
 
 def test_cpu_and_explicit_values(compose_cfg, monkeypatch):
     t, line = resolved(compose_cfg, monkeypatch, [])
-    assert (t.precision, t.strategy) == (
+    assert (t["precision"], t["strategy"]) == (
         "32-true",
         "auto",
     ) and line == "trainer: CPU, precision 32-true (auto: no GPU in use)"
     t, _ = resolved(compose_cfg, monkeypatch, [H100] * 4, ["trainer.devices=4", "trainer.precision=32-true"])
-    assert (t.precision, t.strategy) == ("32-true", "ddp")  # an explicit precision wins
+    assert (t["precision"], t["strategy"]) == ("32-true", "ddp")  # an explicit precision wins
     t, _ = resolved(compose_cfg, monkeypatch, [H100] * 4, ["trainer=cpu"])
-    assert t.precision == "32-true"  # accelerator=cpu: the GPUs are not in use
+    assert t["precision"] == "32-true"  # accelerator=cpu: the GPUs are not in use
 
 
 @pytest.mark.parametrize("trainer, precision, strategy", [("gpu", "bf16-mixed", "auto"), ("ddp", "bf16-mixed", "ddp"),
                                                            ("ddp_cpu", "32-true", "ddp")])  # fmt: skip
 def test_the_named_trainers_compose_as_before(compose_cfg, monkeypatch, trainer, precision, strategy):
     t, _ = resolved(compose_cfg, monkeypatch, [H100] * 4, [f"trainer={trainer}"])
-    assert (t.precision, t.strategy) == (precision, strategy)
+    assert (t["precision"], t["strategy"]) == (precision, strategy)
 
 
 def test_the_command_as_typed_on_this_cpu_records_its_choice(compose_cfg, tmp_path, caplog):
@@ -75,7 +74,7 @@ def test_several_cpu_processes_are_named_with_their_strategy(compose_cfg, monkey
     """trainer=cpu trainer.devices=2 starts two DDP processes: the start line says so (issue 34), and the config records
     Lightning's choice of strategy."""
     t, line = resolved(compose_cfg, monkeypatch, [], ["trainer=cpu", "trainer.devices=2"])
-    assert t.strategy == "ddp" and line == "trainer: CPU, 2 processes (ddp), precision 32-true (auto: no GPU in use)"
+    assert t["strategy"] == "ddp" and line == "trainer: CPU, 2 processes (ddp), precision 32-true (auto: no GPU in use)"
     t, line = resolved(compose_cfg, monkeypatch, [], ["trainer=cpu", "trainer.precision=bf16-mixed"])
     assert line == "trainer: CPU, precision bf16-mixed"  # nothing left to choose: still said
 

@@ -10,6 +10,7 @@ import torch
 from omegaconf import OmegaConf, open_dict
 
 from tests.helpers.references import reference
+from vitlab.cli.plans import train_plan
 from vitlab.convert.weights import read_weights
 from vitlab.training.module import ViTModule
 from vitlab.training.run import build
@@ -40,7 +41,6 @@ def dino_cfg(compose_cfg, *overrides):
             *overrides,
         ],
     )
-    build.resolve_lr(cfg)
     return cfg
 
 
@@ -78,9 +78,10 @@ class Record(L.Callback):
 
 
 def fit(cfg, callbacks=(), **trainer_kwargs):
+    plan = train_plan(cfg)
     torch.manual_seed(0)
-    dm = build.build_datamodule(cfg.data, cfg)
-    module = build.build_module(cfg, dm)
+    dm = build.fit_datamodule(plan)
+    module = build.build_module(plan, dm)
     temps = []
     temperature = module.objective.temperature
     module.objective.temperature = lambda step, epoch: temps.append(temperature(step, epoch)) or temps[-1]
@@ -102,9 +103,9 @@ def run(compose_cfg_module):
 
 
 def test_lr_weight_decay_and_teacher_temperature_follow_main_dinos_schedules_step_by_step(run):
-    cfg, steps, temps, _, _ = run
+    cfg, steps, temps, module, _ = run
     assert len(steps) == EPOCHS * STEPS
-    lr = cosine_scheduler(cfg.optim.lr, cfg.scheduler.min_lr, EPOCHS, STEPS, warmup_epochs=1)
+    lr = cosine_scheduler(module.optim.lr, cfg.scheduler.min_lr, EPOCHS, STEPS, warmup_epochs=1)
     wd = cosine_scheduler(0.04, 0.4, EPOCHS, STEPS)
     for it, step in enumerate(steps):
         assert step["lr"] == pytest.approx([lr[it]] * len(step["lr"]), rel=1e-9, abs=1e-15), it
@@ -135,7 +136,8 @@ def test_the_last_layer_is_frozen_for_an_epoch_and_the_teacher_gets_no_gradient(
 
 def test_the_teacher_starts_as_the_student_and_the_checkpoint_holds_it_as_the_model(run, tmp_path):
     cfg, _, _, module, trainer = run
-    fresh = build.build_module(cfg, build.build_datamodule(cfg.data, cfg))
+    plan = train_plan(cfg)
+    fresh = build.build_module(plan, build.fit_datamodule(plan))
     for (name, t), s in zip(fresh.model.named_parameters(), fresh.objective.student.backbone.parameters(), strict=True):
         assert torch.equal(t, s), name
     path = tmp_path / "dino.ckpt"
@@ -165,7 +167,8 @@ def test_the_teacher_starts_as_the_student_and_the_checkpoint_holds_it_as_the_mo
 def test_settings_it_cannot_train_with_are_one_line(compose_cfg, overrides, said):
     cfg = dino_cfg(compose_cfg, *overrides)
     with pytest.raises(UserError) as e:
-        build.build_module(cfg, build.build_datamodule(cfg.data, cfg))
+        plan = train_plan(cfg)
+        build.build_module(plan, build.fit_datamodule(plan))
     assert said in str(e.value) and "\n" not in str(e.value)
 
 
@@ -194,8 +197,9 @@ def test_pretraining_from_weights_starts_student_and_teacher_from_them(compose_c
     torch.manual_seed(3)
     weights = ViT(vit_config(cfg.model)).state_dict()
     torch.save(weights, tmp_path / "backbone.pth")
-    module = build.build_module(cfg, build.build_datamodule(cfg.data, cfg))
-    load_pretrained(module, cfg.model)
+    plan = train_plan(cfg)
+    module = build.build_module(plan, build.fit_datamodule(plan))
+    load_pretrained(module, plan.weights)
     for name, value in weights.items():
         assert torch.equal(module.model.state_dict()[name], value), name
         assert torch.equal(module.objective.student.backbone.state_dict()[name], value), name
@@ -214,7 +218,8 @@ def test_dinov2s_parameter_groups_are_get_params_groups_with_decay(compose_cfg):
         "optim.patch_embed_lr_mult=0.2", "optim.decay_tokens=true", "model.drop_path_rate=0.3",
         "model.drop_path_uniform=true",
     )  # fmt: skip
-    module = build.build_module(cfg, build.build_datamodule(cfg.data, cfg))
+    plan = train_plan(cfg)
+    module = build.build_module(plan, build.fit_datamodule(plan))
     student = module.objective.optimized(module.model)
     o = OptimConfig.from_dict(OmegaConf.to_container(cfg.optim, resolve=True))
     optimizer = make_optimizer(student, o)

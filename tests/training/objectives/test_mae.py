@@ -75,6 +75,7 @@ def test_objective_mae_with_model_pretrained_goes_on_with_the_decoder(pretrained
     """`objective=mae model.pretrained=<file>`: the encoder and the decoder are the file's (the run's own .ckpt, or
     `vitlab.export format=mae`'s MAE-named .pth of it), the step where pretraining goes on from."""
     from vitlab import export
+    from vitlab.cli.plans import train_plan
     from vitlab.training.run import build, resume
 
     best = json.loads((pretrained / "metrics.json").read_text())["best_checkpoint"]
@@ -84,9 +85,10 @@ def test_objective_mae_with_model_pretrained_goes_on_with_the_decoder(pretrained
         report = export.export(compose_cfg("export", [f"ckpt_path={best}", "format=mae", f"output={source}"]))
         assert report["format"] == "mae" and list(torch.load(source, weights_only=True)) == ["model"]
     cfg = compose_cfg("train", [*PRETRAIN, f"model.pretrained={source}"], output_dir=tmp_path / "run")
-    module = build.build_module(cfg, build.build_datamodule(cfg.data))
+    plan = train_plan(cfg)
+    module = build.build_module(plan, build.fit_datamodule(plan))
     with caplog.at_level("INFO"):
-        assert resume.starting_point(cfg, module) is None  # weights loaded; a new run, not a resumption
+        assert resume.starting_point(plan, module) is None  # weights loaded; a new run, not a resumption
     assert "with its MAE decoder" in caplog.text
     trained = ViTModule.load_from_checkpoint(best, weights_only=True)
     for mine, theirs in ((module.model, trained.model), (module.decoder, trained.decoder)):

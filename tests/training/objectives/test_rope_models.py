@@ -8,6 +8,7 @@ import lightning as L
 import pytest
 import torch
 
+from vitlab.cli.plans import train_plan
 from vitlab.training.run import build
 
 # One file of each family: shrunk, vit_b16_dinov3 and eva02_s14 are these (tests/test_conf.py composes and builds them,
@@ -25,9 +26,10 @@ def tiny(model: str) -> list[str]:
 def fit(cfg, path=None, steps=1):
     """`steps` training steps of vitlab.train's module and data on the CPU: the module, and the RoPE tables its ViTs
     made (their shapes: the grids they were computed for)."""
+    plan = train_plan(cfg)
     torch.manual_seed(0)
-    dm = build.build_datamodule(cfg.data, cfg)
-    module = build.build_module(cfg, dm)
+    dm = build.fit_datamodule(plan)
+    module = build.build_module(plan, dm)
     tables = []
     for vit in {id(m): m for m in module.modules() if hasattr(m, "rope") and m.rope is not None}.values():
         vit.rope.register_forward_hook(lambda _m, _i, out: tables.append(tuple(out.shape)))
@@ -92,8 +94,10 @@ def test_dino_on_a_rope_file_without_dynamic_img_size_is_refused_in_one_line(com
     cfg = compose_cfg("train", [*tiny("eva02_ti14"), *dino])
     assert cfg.model.dynamic_img_size is False  # the file's own value (timm's)
     with pytest.raises(UserError) as e:
-        build.build_module(cfg, build.build_datamodule(cfg.data, cfg))
+        plan = train_plan(cfg)
+        build.build_module(plan, build.fit_datamodule(plan))
     said = "objective=dino's crops of [8, 16] px need position embeddings at each size: set model.dynamic_img_size=true"
     assert str(e.value) == said
     cfg = compose_cfg("train", [*tiny("eva02_ti14"), *dino, "model.dynamic_img_size=true"])  # the documented fix
-    assert build.build_module(cfg, build.build_datamodule(cfg.data, cfg)).objective.student is not None
+    plan = train_plan(cfg)
+    assert build.build_module(plan, build.fit_datamodule(plan)).objective.student is not None

@@ -3,7 +3,7 @@
 import pytest
 from omegaconf import OmegaConf
 
-from vitlab.training.run.build import build_loggers
+from vitlab.training.run.loggers import build_loggers
 
 
 def test_a_wandb_logger_asks_wandb_for_no_anonymous_setting(tmp_path):
@@ -39,8 +39,10 @@ CHECKPOINT = "callbacks.model_checkpoint"
 def test_the_best_checkpoint_follows_an_objective_without_accuracy(compose_cfg, overrides, monitor, mode):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    from vitlab.cli.plans import train_plan
     from vitlab.training.run.build import build_callbacks
 
-    callbacks, _ = build_callbacks(compose_cfg("train", overrides))
+    plan = train_plan(compose_cfg("train", overrides))
+    callbacks, _ = build_callbacks(plan.callbacks, plan.progress_bar)
     (best,) = [c for c in callbacks if isinstance(c, ModelCheckpoint) and c.monitor is not None]
     assert (best.monitor, best.mode) == (monitor, mode)

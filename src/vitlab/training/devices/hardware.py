@@ -1,17 +1,19 @@
 """The trainer settings a machine decides: `trainer.precision: auto` and `trainer.strategy: auto` resolved before
 Lightning sees them, so the mission's command as typed (`python -m vitlab.train model=vit_b16 trainer.devices=4`)
 trains as `trainer=ddp` does on a GPU machine: bf16 autocast where every GPU in use has bf16, one DDP process per
-GPU. An explicit value always wins. The choice is logged in one line and written into the config (config.yaml).
+GPU. An explicit value always wins. The choice is logged in one line and taken into the run's plan (config.yaml
+says it).
 `trainer.precision=float8` (and float8-rowwise) is refused here, in one line, on a machine without float8 GPUs.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import OmegaConf
 
 from vitlab.training.devices.float8 import check_float8, is_float8
 from vitlab.utils.errors import UserError
@@ -55,9 +57,10 @@ def _in_use(devices: Any, gpus: list[tuple[str, bool]]) -> list[tuple[str, bool]
         return []  # not a device request: the trainer's own check names it
 
 
-def resolve_trainer(t: DictConfig) -> str:
-    """Resolve `precision: auto` and `strategy: auto` in the trainer config `t`, in place; the line that says what
-    will run: the devices, how many processes and with which strategy, the precision (and why, where it was auto)."""
+def resolve_trainer(t: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """The trainer settings `t` with `precision: auto` and `strategy: auto` resolved (a new dict), and the line that
+    says what will run: the devices, how many processes and with which strategy, the precision (and why, where it was
+    auto)."""
     precision, strategy = str(t.get("precision", "32-true")), t.get("strategy", "auto")
     accelerator = str(t.get("accelerator", "auto"))
     gpus = _in_use(t.get("devices", 1), cuda_devices()) if accelerator in GPU_ACCELERATORS else []
@@ -74,17 +77,16 @@ def resolve_trainer(t: DictConfig) -> str:
             precision, why = "32-true", "no GPU in use"
     per_node = len(gpus) if gpus else _cpu_processes(t.get("devices", 1)) if accelerator in ("auto", "cpu") else 1
     processes = max(1, per_node) * int(t.get("num_nodes", 1) or 1)
-    with open_dict(t):
-        t.precision = precision
-        if strategy == "auto" and processes > 1:
-            strategy = t.strategy = "ddp"  # Lightning's choice, made here: one process per device, the command re-run
-    name = strategy.get("_target_", "").rsplit(".", 1)[-1] if isinstance(strategy, DictConfig) else strategy
+    if strategy == "auto" and processes > 1:
+        strategy = "ddp"  # Lightning's choice, made here: one process per device, the command re-run
+    t = {**t, "precision": precision} | ({"strategy": strategy} if "strategy" in t or strategy != "auto" else {})
+    name = strategy.get("_target_", "").rsplit(".", 1)[-1] if isinstance(strategy, Mapping) else strategy
     many = f", {processes} process{'es' if processes > 1 else ''} ({name})" if processes > 1 or name != "auto" else ""
     if gpus:
         where = f"{len(gpus)} CUDA GPU(s) ({', '.join(sorted({n for n, _ in gpus}))}){many}"
     else:
         where = ("CPU" if accelerator in ("auto", "cpu") else accelerator) + many
-    return f"trainer: {where}, precision {precision}" + (f" (auto: {why})" if why else "")
+    return t, f"trainer: {where}, precision {precision}" + (f" (auto: {why})" if why else "")
 
 
 def _cpu_processes(devices: Any) -> int:

@@ -97,6 +97,7 @@ class Classification(Objective):
 
     name = "classify"
     config_class = ClassifyConfig
+    schedules = frozenset({"sizes", "naflex"})
 
     def __init__(self, options: Mapping[str, Any], model: ViTConfig):
         if model.num_classes < 2:

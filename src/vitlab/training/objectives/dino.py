@@ -130,6 +130,10 @@ class DINO(Objective):
     views = "multicrop"
     best = ("loss", "min")  # the same loss on the validation images, their views drawn alike every time
 
+    @classmethod
+    def data_views(cls, options: dict[str, Any], model: ViTConfig) -> dict[str, Any]:
+        return {"multicrop": data_views(options, model)}  # each image's global and local crops (and iBOT's masks)
+
     def __init__(self, options: Mapping[str, Any], model: ViTConfig):
         self.cfg = c = from_mapping(DINOConfig, options, "objective=dino")
         head = dict(hidden_dim=c.hidden_dim, bottleneck_dim=c.bottleneck_dim, nlayers=c.head_layers)

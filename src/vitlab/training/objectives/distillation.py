@@ -70,6 +70,7 @@ class Distillation(Classification):
 
     name = "distill"
     config_class = DistillConfig
+    schedules = frozenset({"naflex"})  # the teacher sees each NaFlex batch (NaFlexBatch.teacher_logits)
 
     def __init__(self, options: Mapping[str, Any], model: ViTConfig):
         super().__init__(options, model)

@@ -31,6 +31,16 @@ class Objective:
     # transform's random resized crop ("crop"), that crop less the patches the encoder does not see ("masked"), or
     # DINO's multi-crop views ("multicrop").
     views = "crop"
+    # The training schedules of varied batches it trains on (data/sizes.py's SizeSchedule.kind): "sizes", several
+    # square sizes (data.train_img_sizes); "naflex", NaFlex's sequence lengths. None by default: a teacher, MAE's
+    # masks and DINO's crops have sizes of their own.
+    schedules: frozenset[str] = frozenset()
+
+    @classmethod
+    def data_views(cls, options: dict[str, Any], model: ViTConfig) -> dict[str, Any]:
+        """What the data module must make of each training batch for this objective (`options`: the objective's
+        settings), as arguments of the data module beside its own settings; none for most objectives."""
+        return {}
 
     def check(self, model: ViTConfig, optim: Any) -> None:
         """Refuse, in one line, model or optimizer settings this objective cannot train with."""

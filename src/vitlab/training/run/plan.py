@@ -1,136 +1,78 @@
-"""The decisions of a vitlab.train run, each made in one place, for vitlab/train.py's `train` to read as its steps
-(plan, build, fit, test, summarise): what is settled from the config before anything is built (`plan`: a sharding
-notice, pretrained weights' architecture, the seed, a sweep trial's pruning), the memory check (`check_memory`), a
-stop by signal during fit (`stop_on_signal`), what fit leaves (`fitted`), and what to test (`what_to_test`) and what
-the test gave (`tested`). The run's answers travel in one value, a `Plan`.
+"""A vitlab.train run's plan: one frozen value of typed parts, made once from the checked config by vitlab.cli.plans
+before anything is built (`TrainPlan`): the model's ViTConfig (pretrained architecture applied), the data's,
+objective's, optimiser's, scheduler's and trainer's settings (resolved plain data: preprocessing of pretrained weights
+filled, the learning rate scaled, the trainer's `auto` chosen), the pretrained weights, the checkpoint to go on from
+(`Checkpoint`, read once), the callback and logger nodes, and the run's own settings. Each builder takes the part of it
+it uses; the run's steps that read it are in steps.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
-import logging
-import shlex
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
-from omegaconf import DictConfig
 
 from vitlab.convert.source import Weights
-from vitlab.training import pretrained
-from vitlab.training.callbacks import trial
-from vitlab.training.devices import memory, sharding
-from vitlab.training.run import build, resume
-from vitlab.utils.errors import Interrupted, is_ctrl_c, stop_name
+from vitlab.model.config import ViTConfig
 
-log = logging.getLogger("vitlab.train")  # the command's own lines
+LOGGER_IDS = "logger_run_ids"  # a checkpoint's key for its loggers' run ids (loggers.RunIds)
 
 
-@dataclasses.dataclass
-class Plan:
-    """What a run does, filled in as train() settles it."""
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """The checkpoint a run goes on from, read once when the run is planned (its metadata: hyper-parameters, loops,
+    its loggers' run ids, whether it is an average) and handed to each step that asks (the batch of
+    data.batch_size=auto, the resumability checks, the W&B run to continue); Lightning's fit reads its state."""
 
-    pruning: list  # an Optuna trial's pruning callback, in a sweep with a pruner
-    batch_size_auto: dict | None = None  # what data.batch_size=auto chose, and why
-    estimate: memory.Estimate | None = None  # memory per process, and notes on what the settings cost
-    start: str | None = None  # the checkpoint fit goes on from; None: from scratch, or pretrained weights loaded
-    weights: Weights | None = None  # model.pretrained, resolved once (convert.source): loaded where the run starts
+    path: str
+    meta: dict[str, Any]  # read_checkpoint(path, weights=False): a directory of shards, its metadata only
+    given: bool  # named by ckpt_path; False: found in this run's own directory (a restarted job's)
+
+    @property
+    def hparams(self) -> dict[str, Any]:
+        return self.meta["hyper_parameters"]
+
+    @property
+    def averaged(self) -> bool:
+        """vitlab.average's: weights alone, without a training state to go on from."""
+        return "averaged" in self.meta
+
+    def logger_id(self, name: str) -> str | None:
+        """The run id of logger `name` ("wandb") this checkpoint's run logged to (loggers.RunIds)."""
+        return (self.meta.get(LOGGER_IDS) or {}).get(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainPlan:
+    """What a vitlab.train run does, settled before anything is built; each builder takes the part it uses."""
+
+    model: ViTConfig  # the model to build: pretrained weights' architecture applied
+    data: dict[str, Any]  # the data module's settings with its _target_; batch_size "auto" until with_batch
+    objective: dict[str, Any]  # {"name": an OBJECTIVES key, its options}
+    optim: dict[str, Any]  # optim.lr scaled from optim.lr_base by the global batch
+    scheduler: dict[str, Any]
+    trainer: dict[str, Any]  # Lightning's Trainer settings with its _target_, precision and strategy `auto` chosen
+    callbacks: dict[str, Any]  # conf/callbacks' nodes (the best checkpoint following the objective's metric)
+    loggers: dict[str, Any]  # conf/logger's nodes
+    weights: Weights | None  # model.pretrained, resolved once (convert.source): loaded where the run starts
+    resume: Checkpoint | None  # the checkpoint fit goes on from, read once
+    output_dir: Path
+    seed: int
+    train: bool
+    test: bool
+    compile: bool | str
+    freeze_backbone: bool
+    memory_check: bool
+    memory_budget_gb: float | None
+    resample_patch: bool  # model.resample_patch: pretrained patch filters of another size resampled
+    progress_bar: str
+    print_config: bool  # config.yaml shown as a tree too
+    optimized_metric: str | None  # what a sweeper optimises (optimized_metric, following the objective)
+    pruning: tuple[L.Callback, ...] = ()  # an Optuna trial's pruning callback, in a sweep with a pruner
+    batch_size_auto: dict[str, Any] | None = None  # what data.batch_size=auto chose, and why
+    config: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)  # as planned: cli.plans.as_ran's
 
     def first_metrics(self) -> dict[str, Any]:
         return {"batch_size_auto": self.batch_size_auto} if self.batch_size_auto else {}
-
-
-def plan(cfg: DictConfig) -> Plan:
-    """What the config settles before anything is built: trainer=fsdp on one process says so; model.pretrained=<timm
-    name> takes timm's architecture and preprocessing into the config; the seed; an Optuna trial's pruning."""
-    if said := sharding.check_request(cfg.trainer, cfg.get("callbacks")):
-        log.info(said)
-    weights = pretrained.apply_pretrained(cfg)
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    return Plan(pruning=[trial.PruneTrial(cfg.optimized_metric)] if trial.sweep_pruner()[0] else [], weights=weights)
-
-
-def check_memory(cfg: DictConfig, trainer: L.Trainer, module: Any, datamodule: Any) -> memory.Estimate:
-    """The run's memory estimate per process; with memory_check, a run that would not fit is refused in one line
-    (before a checkpoint or pretrained weights are read)."""
-    estimate = memory.for_run(module, trainer, cfg.optim.name, cfg.data.batch_size, datamodule.size_schedule)
-    if cfg.memory_check:
-        memory.check_fits(estimate, trainer, module.model.cfg.grad_checkpointing)
-    return estimate
-
-
-@contextlib.contextmanager
-def stop_on_signal(trainer: L.Trainer, loggers: list) -> Iterator[None]:
-    """Around fit: a stop by signal (SIGTERM, SIGINT, a scheduler's SIGUSR1) ends the loggers, says what was saved and
-    how to resume, and exits 128 + the signal."""
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-    try:
-        yield
-    except SIGTERMException:
-        build.finish_loggers(loggers)  # (W&B's closing lines before the one that says how to resume)
-        resume.stopped(trainer)
-
-
-def fitted(trainer: L.Trainer, plan: Plan, metrics: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """(the metrics once training ended, the best checkpoint's path or "")."""
-    best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
-    metrics = metrics | {k: v.item() for k, v in trainer.callback_metrics.items()}
-    return metrics | {"best_checkpoint": best or None} | trial.pruned(plan.pruning), best
-
-
-def what_to_test(cfg: DictConfig, plan: Plan, datamodule: Any, module: Any, metrics: dict, best: str) -> str | None:
-    """The weights the test split scores, the one place that decides: the best checkpoint; the final weights ("")
-    when none was saved; with train=false the checkpoint given (or the weights built). None when nothing is tested,
-    and why, in the log: test=false, data without a test split, a trial its study's pruner stopped."""
-    datamodule.setup("test")  # (done already when it trained): its splits are known
-    if not cfg.test:
-        return None
-    if getattr(datamodule, "test_set", True) is None:
-        log.info("not tested: the data has no test split (its val/ chose the checkpoint); the result is %s_best",
-                 module.best_key)  # fmt: skip
-        return None
-    if "pruned" in metrics:
-        log.info("not tested: the study's pruner stopped this trial at epoch %d", metrics["pruned"]["epoch"])
-        return None
-    if cfg.train and not best:
-        log.warning("no best checkpoint was saved; testing the final weights")
-    return best if cfg.train else (plan.start or "")
-
-
-@contextlib.contextmanager
-def stop_while_testing(trainer: L.Trainer, metrics: dict[str, Any], weights: str, out: Path) -> Iterator[None]:
-    """Around the test after fit: Ctrl-C or SIGTERM there (Lightning answers it with exit 1) keeps the fit's metrics
-    in metrics.json and ends in one line naming the vitlab.eval command that tests `weights`, exit 128 + the signal."""
-    try:
-        yield
-    except (KeyboardInterrupt, SystemExit) as e:
-        if not is_ctrl_c(e) or (isinstance(e, SystemExit) and e.code != 1):
-            raise
-        name, signum = stop_name(e)
-        if trainer.is_global_zero:
-            (out / "metrics.json").write_text(json.dumps(metrics | {"run_dir": str(out)}, indent=2))
-        what = shlex.join(["python", "-m", "vitlab.eval", f"ckpt_path={weights}"]) if weights else None
-        then = f"; test it with: {what}" if what else " (the final weights were not saved: nothing to test later)"
-        raise Interrupted(
-            f"train stopped by {name} while testing {weights or 'the final weights'}: the fit's metrics are in "
-            f"{out / 'metrics.json'}{then}",
-            signum,
-        ) from None
-
-
-def tested(trainer: L.Trainer, datamodule: Any, weights: str | None) -> dict[str, Any]:
-    """The data's splits, and the test split's metrics of `weights` (what_to_test's) where they were tested."""
-    out: dict[str, Any] = {"splits": dict(getattr(datamodule, "splits", {}))}
-    for split, limit, counted in (("val", trainer.limit_val_batches, trainer.num_val_batches),
-                                  ("test", trainer.limit_test_batches, trainer.num_test_batches)):  # fmt: skip
-        if split in out["splits"] and (isinstance(limit, int) or limit < 1.0):  # debug=fdr, limit_*_batches
-            n = int(sum(counted or [limit if isinstance(limit, int) else 0]))
-            out["splits"][split] = f"{n} batch{'es' if n != 1 else ''} of {out['splits'][split]}"
-    if weights is None:
-        return out
-    out |= {k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
-    return out | {"tested_checkpoint": weights or "final weights"}

@@ -1,6 +1,6 @@
 """The ranges vitlab holds Lightning's Trainer and the data modules' batch size to, declared without importing either
 (the commands check them before torch and Lightning are imported: a bad value is refused at once), and checked again
-with the rest of the node against its target (node_checks.py)."""
+with the rest of the node against its target (vitlab.cli.node_checks)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class TrainerValues(TypedDict):
     (accumulate_grad_batches=0 divides by zero in estimated_stepping_batches, log_every_n_steps=0 at the first
     logging step, once a run directory and processes exist) or checks in a sentence of its own; the types are
     Lightning's (precision: node_checks.TrainerRanges, which needs Lightning's import). Checked before torch and
-    Lightning are imported (cli/schemas.py), and with the rest against Lightning's Trainer (node_checks)."""
+    Lightning are imported (cli/schemas.py), and with the rest against Lightning's Trainer (cli/node_checks.py)."""
 
     num_nodes: PositiveInt
     fast_dev_run: bool | NonNegativeInt

@@ -1,24 +1,26 @@
 """Going on from a checkpoint: which one (the user's, `last`, or the one a restarted job left in its own run
-directory), whether this run can go on from it (one-line refusals of another architecture, batch size or a
-finished run), and, for a run stopped on a signal, what was saved and the command that resumes it."""
+directory), read once when the run is planned (`Checkpoint`), whether this run can go on from it (one-line refusals of
+another architecture, batch size or a finished run), and, for a run stopped on a signal, what was saved and the command
+that resumes it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import shlex
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
 
-from vitlab.convert.source import Weights
+from vitlab.convert.source import resolve
 from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
 from vitlab.model.choices import DROPOUTS
 from vitlab.model.config import ViTConfig
@@ -26,6 +28,7 @@ from vitlab.training.callbacks.standard import SaveOnInterrupt
 from vitlab.training.devices.sharding import requests_fsdp
 from vitlab.training.module import ViTModule
 from vitlab.training.pretrained import load_pretrained
+from vitlab.training.run.plan import Checkpoint, TrainPlan
 from vitlab.utils.atomic import remove_stale_temporaries
 from vitlab.utils.errors import MissingFileError, UserError
 from vitlab.utils.signals import pass_on
@@ -36,28 +39,36 @@ log = logging.getLogger(__name__)
 RESUME_MAY_DIFFER = {*DROPOUTS, "grad_checkpointing"}
 
 
-def starting_point(cfg: DictConfig, module: ViTModule, weights: Weights | None = None) -> str | None:
-    """The checkpoint `vitlab.train` goes on from (the user's `ckpt_path`, refused if its run had finished; a restarted
-    job's own), or None after loading `model.pretrained`'s weights, if any, into the new module (`weights`: the value
-    the plan resolved; resolved here when not given)."""
-    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, Path(cfg.paths.log_dir) / cfg.task_name / "runs")
-    if ckpt_path and is_sharded_checkpoint(ckpt_path) and not requests_fsdp(cfg.trainer):
+def planned_checkpoint(ckpt_path: str | None, runs_dir: Path, run_dir: Path, trainer: Mapping) -> Checkpoint | None:
+    """The checkpoint a run goes on from, read once: the user's `ckpt_path` (`last`: the newest of `runs_dir`'s), else
+    one a restarted job left in its own run directory `run_dir`; None for a new run. A directory of shards is refused
+    without trainer=fsdp (`trainer`: the run's settings)."""
+    path = resolve_ckpt_path(ckpt_path, runs_dir)
+    if path and is_sharded_checkpoint(path) and not requests_fsdp(trainer):
         raise UserError(
-            f"ckpt_path {ckpt_path!r} is a directory of shards: go on from it with trainer=fsdp, or make one file of "
-            f"it first (python -m vitlab.export ckpt_path={ckpt_path} format=ckpt), which any strategy reads"
+            f"ckpt_path {path!r} is a directory of shards: go on from it with trainer=fsdp, or make one file of "
+            f"it first (python -m vitlab.export ckpt_path={path} format=ckpt), which any strategy reads"
         )
-    if ckpt_path and "averaged" in read_checkpoint(ckpt_path, weights=False):  # vitlab.average's: weights alone
+    given = path is not None
+    path = path or earlier_start(run_dir)
+    return Checkpoint(path, read_checkpoint(path, weights=False), given) if path else None
+
+
+def starting_point(plan: TrainPlan, module: ViTModule) -> str | None:
+    """The checkpoint `vitlab.train` goes on from (the plan's: the user's, refused if its run had finished; a restarted
+    job's own), or None after loading the plan's pretrained weights, if any, into the new module."""
+    ckpt = plan.resume
+    if ckpt and ckpt.averaged:
         log.info("ckpt_path %s is an average of checkpoints (vitlab.average), without a training state to go on "
-                 "from: training starts anew from its weights, as with model.pretrained=<file>", ckpt_path)  # fmt: skip
-        load_pretrained(module, OmegaConf.create({"pretrained": ckpt_path}))
+                 "from: training starts anew from its weights, as with model.pretrained=<file>", ckpt.path)  # fmt: skip
+        load_pretrained(module, resolve(ckpt.path))
         return None
-    if ckpt_path:  # a job that restarts, below, goes on to test even when it had finished
-        check_resumable(ckpt_path, module, cfg.trainer if cfg.train else None)
-    elif ckpt_path := earlier_start(Path(cfg.paths.output_dir)):
-        check_resumable(ckpt_path, module)
-    elif cfg.model.pretrained:
-        load_pretrained(module, cfg.model, weights)  # objective=mae: the file's MAE decoder too
-    return ckpt_path
+    if ckpt:  # a job that restarts goes on to test even when it had finished
+        check_resumable(ckpt, module, plan.trainer if ckpt.given and plan.train else None)
+        return ckpt.path
+    if plan.weights is not None:
+        load_pretrained(module, plan.weights, plan.resample_patch)  # objective=mae: the file's MAE decoder too
+    return None
 
 
 def resolve_ckpt_path(ckpt_path: str | None, runs_dir: Path) -> str | None:
@@ -106,26 +117,24 @@ def _newest(folders) -> str | None:
 
 def _model_defaults() -> dict[str, Any]:
     """ViTConfig's defaults: what a checkpoint written before a field existed trained with."""
-    import dataclasses
-
     return {f.name: f.default for f in dataclasses.fields(ViTConfig) if f.default is not dataclasses.MISSING}
 
 
-def check_resumable(ckpt_path: str, module: ViTModule, trainer_cfg: DictConfig | None = None) -> None:
+def check_resumable(ckpt: Checkpoint, module: ViTModule, trainer: Mapping | None = None) -> None:
     """Refuse, in one line, a checkpoint this run cannot go on from: another architecture or class count (before
     Lightning fails deep inside load_state_dict), another batch size (its saved position in the epoch and its
     learning-rate schedule count steps of the batch it had) or, given the run's trainer settings, a run that
     had already finished (it would train nothing), or another optimizer or schedule setting (the saved state and
     schedule go on: a new learning rate would be silently ignored)."""
-    ckpt = read_checkpoint(ckpt_path, weights=False)  # a directory of shards: its metadata only
-    theirs = _model_defaults() | ckpt["hyper_parameters"]["model"]  # (a key added since: the default it trained with)
+    ckpt_path, meta = ckpt.path, ckpt.meta
+    theirs = _model_defaults() | meta["hyper_parameters"]["model"]  # (a key added since: the default it trained with)
     ours = module.hparams["model"]
     diff = {k: (theirs.get(k), ours[k]) for k in ours if theirs.get(k) != ours[k] and k not in RESUME_MAY_DIFFER}
     if diff:
         shown = ", ".join(f"{k}={a!r} (this run: {b!r})" for k, (a, b) in list(diff.items())[:4])
         raise UserError(f"ckpt_path {ckpt_path!r} was trained with a different model: {shown}")
     batch = (
-        (ckpt["hyper_parameters"].get("data") or {}).get("batch_size"),
+        (meta["hyper_parameters"].get("data") or {}).get("batch_size"),
         (module.hparams.get("data") or {}).get("batch_size"),
     )
     if None not in batch and batch[0] != batch[1]:
@@ -135,7 +144,7 @@ def check_resumable(ckpt_path: str, module: ViTModule, trainer_cfg: DictConfig |
             f"data.batch_size={batch[0]}"
         )
     for group in ("optim", "scheduler"):  # the optimizer's state and the schedule go on as they were saved
-        saved, given = ckpt["hyper_parameters"].get(group) or {}, module.hparams.get(group) or {}
+        saved, given = meta["hyper_parameters"].get(group) or {}, module.hparams.get(group) or {}
         changed = [k for k in given if k in saved and saved[k] != given[k]]
         if changed:
             shown = ", ".join(f"{group}.{k}={saved[k]!r} (this run: {given[k]!r})" for k in changed[:4])
@@ -144,8 +153,8 @@ def check_resumable(ckpt_path: str, module: ViTModule, trainer_cfg: DictConfig |
                 "state and learning-rate schedule, and the new value would not be applied; drop the override to "
                 "resume, or train anew without ckpt_path"
             )
-    if trainer_cfg is not None:
-        check_unfinished(ckpt_path, ckpt, trainer_cfg.get("max_epochs"))
+    if trainer is not None:
+        check_unfinished(ckpt_path, meta, trainer.get("max_epochs"))
 
 
 def check_unfinished(ckpt_path: str, ckpt: dict[str, Any], limit: int | None) -> None:

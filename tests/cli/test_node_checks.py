@@ -1,4 +1,4 @@
-"""vitlab.training.run.node_checks: the nodes that build something, checked before anything is built: Lightning's
+"""vitlab.cli.node_checks: the nodes that build something, checked before anything is built: Lightning's
 Trainer arguments within the ranges its documentation gives (TrainerRanges), an image folder's class count
 (BEFORE_BUILD)."""
 
@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 from omegaconf import OmegaConf
 
-from vitlab.training.run.node_checks import TrainerRanges, check_node
+from vitlab.cli.node_checks import TrainerRanges, check_node
 from vitlab.utils.errors import UserError
 
 

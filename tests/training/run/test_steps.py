@@ -1,9 +1,8 @@
 from types import SimpleNamespace
 
 import pytest
-from omegaconf import OmegaConf
 
-from vitlab.training.run.plan import Plan, what_to_test
+from vitlab.training.run.steps import what_to_test
 
 
 class Data:
@@ -30,9 +29,9 @@ MODULE = SimpleNamespace(best_key="val/acc")
     ],
 )
 def test_what_is_tested_is_decided_in_one_place(caplog, train, test, test_set, metrics, best, start, expected, said):
-    cfg = OmegaConf.create({"train": train, "test": test})
+    plan = SimpleNamespace(train=train, test=test)  # (the plan's parts what_to_test reads)
     data = Data(test_set)
     caplog.set_level("INFO", logger="vitlab.train")
-    assert what_to_test(cfg, Plan(pruning=[], start=start), data, MODULE, metrics, best) == expected
+    assert what_to_test(plan, start, data, MODULE, metrics, best) == expected
     assert data.set_up == ["test"]  # its splits are known whatever is decided
     assert (said in caplog.text) if said else "tested" not in caplog.text

@@ -1,6 +1,6 @@
 """What a config's nodes must satisfy before anything is built, checked by every command (vitlab.cli.entry.check_config)
-and again where the build happens (build.py): each node with a `_target_` (data module, Trainer, callbacks, loggers)
-against its target's declared types, Lightning's Trainer also within the ranges its documentation gives
+before a plan is made of it (cli/plans.py): each node with a `_target_` (data module, Trainer, callbacks,
+loggers) against its target's declared types, Lightning's Trainer also within the ranges its documentation gives
 (TrainerRanges), and what a target's values must satisfy besides (BEFORE_BUILD: an image folder's class count); the
 devices a trainer asks for, and a sweep's launch.
 """
