@@ -287,12 +287,20 @@ def check_predict(cfg: DictConfig) -> None:
         )
 
 
+def _objectives() -> list[str]:
+    """The objectives conf/objective/ offers (a new objective's file lists it here too)."""
+    from vitlab.cli.config_tree import config_dir
+
+    return sorted(p.stem for p in (config_dir() / "objective").glob("*.yaml"))
+
+
 def check_visualize(cfg: DictConfig) -> None:
     if cfg.what == "views":
         missing = [g for g in ("data", "model", "objective") if cfg.get(g) is None]
         if missing or cfg.ckpt_path or cfg.run_dir or cfg.image:
             raise UserError(
-                "what=views draws the training views of data=<name> model=<name> objective=<dino|classify|distill|mae> "
+                "what=views draws the training views of data=<name> model=<name> "
+                f"objective=<{'|'.join(_objectives())}> "
                 f"(as vitlab.train takes them){'; missing: ' + ' '.join(missing) if missing else ''}; ckpt_path, "
                 "image and run_dir are for what=figures"
             )
