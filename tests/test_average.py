@@ -4,6 +4,7 @@ line with nothing written."""
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,3 +170,24 @@ def test_what_to_average_is_checked_before_any_file_is_read(compose_cfg):
         check_average(compose_cfg("average", ["method=uniform_soup", "run_dir=r"]))
     with pytest.raises(UserError, match="give one of them"):
         check_average(compose_cfg("average", ["run_dir=r", "ckpt_paths=[a,b]", "top_k=2"]))
+
+
+@pytest.mark.parametrize("how", ["run_dir", "greedy_soup"])
+def test_each_checkpoint_is_read_once(run, tmp_path, compose_cfg, monkeypatch, how):
+    """Issue 73: a file is read once per command and what it holds handed on — the checkpoints ranked by their score
+    are averaged from that read; a soup's ingredients are scored, checked and averaged from theirs."""
+    from collections import Counter
+
+    from vitlab.average import average
+    from vitlab.convert import weights
+
+    reads, read = Counter(), weights._load_weights_only  # the one reader of every file vitlab opens
+    monkeypatch.setattr(weights, "_load_weights_only", lambda path: reads.update([Path(path).name]) or read(path))
+    args = (
+        [f"run_dir={run}", "top_k=3"]
+        if how == "run_dir"
+        else [f"method={how}", f"sweep_dir={_sweep(tmp_path / 's', run, 3)}"]
+    )
+    average(compose_cfg("average", args, output_dir=tmp_path / "out"))
+    assert set(reads) >= {"epoch_000.ckpt", "epoch_001.ckpt", "epoch_002.ckpt"}
+    assert max(reads.values()) == 1, reads

@@ -43,9 +43,10 @@ def average(cfg: DictConfig) -> dict:
     if soup:
         ckpt, record = make_soup(cfg.method, cfg.sweep_dir, cfg.device)
     else:
-        chosen = best_checkpoints(cfg.run_dir, cfg.top_k) if cfg.run_dir else [(p, None) for p in cfg.ckpt_paths]
-        ckpt = average_checkpoints([p for p, _ in chosen], use_ema=cfg.use_ema)
-        record |= {"checkpoints": [{"checkpoint": p, "score": s} for p, s in chosen], "use_ema": cfg.use_ema}
+        chosen = best_checkpoints(cfg.run_dir, cfg.top_k) if cfg.run_dir else [(p, None, None) for p in cfg.ckpt_paths]
+        read = {p: c for p, _, c in chosen if c is not None}  # (run_dir's: read once as they were ranked)
+        ckpt = average_checkpoints([p for p, _, _ in chosen], use_ema=cfg.use_ema, read=read)
+        record |= {"checkpoints": [{"checkpoint": p, "score": s} for p, s, _ in chosen], "use_ema": cfg.use_ema}
     atomic_write(out, lambda f: torch.save(ckpt, f), what="checkpoint")
     record["output"] = str(out)
     (out.parent / ("soup.json" if soup else "average.json")).write_text(json.dumps(record, indent=2))

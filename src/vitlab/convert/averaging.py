@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -90,11 +91,14 @@ def ema_weights(ckpt: dict[str, Any]) -> StateDict | None:
     return ckpt["state_dict"] if RAW_BESIDE in ckpt else None
 
 
-def average_checkpoints(paths: list[str], use_ema: bool = False) -> dict[str, Any]:
+def average_checkpoints(
+    paths: list[str], use_ema: bool = False, read: Mapping[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """One checkpoint of the mean of `paths`' weights (the module docstring says which), with the first checkpoint's
     hyper-parameters (model, data, class names) and without their training state: evaluated, exported, predicted
-    with, or fine-tuned from (model.pretrained=<file>) as any other checkpoint; `averaged` says where it came from."""
-    ckpts = [read_checkpoint(p) for p in paths]
+    with, or fine-tuned from (model.pretrained=<file>) as any other checkpoint; `averaged` says where it came from.
+    `read`: checkpoints the command has read already, by path (each file is read once)."""
+    ckpts = [(read or {}).get(p) or read_checkpoint(p) for p in paths]
     prefixes = _prefixes(ckpts[0])
     if use_ema:
         missing = [p for p, c in zip(paths, ckpts, strict=True) if ema_weights(c) is None]
@@ -130,9 +134,11 @@ def monitor_of(ckpt: dict[str, Any]) -> tuple[str, str, float | None] | None:
     return None
 
 
-def best_checkpoints(run_dir: str | os.PathLike, top_k: int) -> list[tuple[str, float]]:
-    """The `top_k` best checkpoints a training run kept, by the metric it monitored ((path, score), best first);
-    refused in one line where the run kept fewer (and how to keep more)."""
+def best_checkpoints(run_dir: str | os.PathLike, top_k: int) -> list[tuple[str, float, dict[str, Any]]]:
+    """The `top_k` best checkpoints a training run kept, by the metric it monitored ((path, score, the checkpoint as
+    read), best first); refused in one line where the run kept fewer (and how to keep more). Each file is read once
+    (memory-mapped: its tensors are paged in when averaged); a directory of shards, whose metadata alone is read to
+    rank it, is gathered whole once chosen."""
     folder = Path(run_dir) / "checkpoints"
     if not folder.is_dir():
         raise MissingFileError(f"run_dir {str(run_dir)!r} holds no checkpoints/ (is it a vitlab.train run directory?)")
@@ -141,10 +147,11 @@ def best_checkpoints(run_dir: str | os.PathLike, top_k: int) -> list[tuple[str, 
         ours = path.suffix == ".ckpt" or is_sharded_checkpoint(path)
         if path.name in ("last.ckpt", "interrupted.ckpt") or not ours:  # (the latest, not a best)
             continue
-        found = monitor_of(read_checkpoint(path, weights=False))
+        ckpt = read_checkpoint(path, weights=False)
+        found = monitor_of(ckpt)
         if found is not None and found[2] is not None:
             metric = found[:2]
-            kept.append((str(path), found[2]))
+            kept.append((str(path), found[2], ckpt))
     if len(kept) < top_k:
         raise UserError(
             f"top_k {top_k} is more than the {len(kept)} best checkpoint{'s' * (len(kept) != 1)} run_dir "
@@ -153,5 +160,5 @@ def best_checkpoints(run_dir: str | os.PathLike, top_k: int) -> list[tuple[str, 
         )
     kept.sort(key=lambda t: t[1], reverse=metric[1] == "max")
     log.info("run %s: its %d best checkpoints by %s (%s): %s", run_dir, top_k, metric[0], metric[1],
-             ", ".join(f"{Path(p).name} {s:.4g}" for p, s in kept[:top_k]))  # fmt: skip
-    return kept[:top_k]
+             ", ".join(f"{Path(p).name} {s:.4g}" for p, s, _ in kept[:top_k]))  # fmt: skip
+    return [(p, s, read_checkpoint(p) if is_sharded_checkpoint(p) else c) for p, s, c in kept[:top_k]]

@@ -94,10 +94,11 @@ class Scorer:
     cross-entropy of the model's logits on the split's eval images (what vitlab.train logs as val/acc, val/loss), on
     `device`, with one module whose weights are replaced."""
 
-    def __init__(self, best: str, device: str):
+    def __init__(self, best: str, device: str, read: dict[str, dict[str, Any]]):
         from vitlab.training.run import inference
 
-        self.module = inference.load_for_inference(best)
+        self.read = read  # each ingredient's checkpoint, by path, as the soup read it (once)
+        self.module = inference.load_for_inference(best, ckpt=read[best])
         if not self.module.objective.uses_labels or not self.module.model.cfg.num_classes:
             raise UserError(f"a soup is chosen by validation accuracy, and {best!r} has no classifier to score")
         self.prefixes, self.device = self.module.network_prefixes, torch.device(device)
@@ -105,7 +106,7 @@ class Scorer:
         self.datamodule.setup("test")
 
     def weights(self, path: str) -> dict[str, torch.Tensor]:
-        return network_weights(read_checkpoint(path)["state_dict"], self.prefixes)
+        return network_weights(self.read[path]["state_dict"], self.prefixes)
 
     @torch.no_grad()
     def __call__(self, weights: dict[str, torch.Tensor], split: str = "val") -> dict[str, float]:
@@ -176,12 +177,12 @@ def make_soup(method: str, sweep_dir: str, device: str) -> tuple[dict, dict[str,
     from vitlab.convert.averaging import average_checkpoints, check_compatible
 
     found = ingredients(sweep_dir)
-    data = [read_checkpoint(i.checkpoint, weights=False)["hyper_parameters"].get("data") or {} for i in found]
-    check_same_split(data, [i.job for i in found])
-    score = Scorer(found[0].checkpoint, device)
+    read = {i.checkpoint: read_checkpoint(i.checkpoint) for i in found}  # once each (memory-mapped files)
+    check_same_split([read[i.checkpoint]["hyper_parameters"].get("data") or {} for i in found], [i.job for i in found])
+    score = Scorer(found[0].checkpoint, device, read)
     check_compatible([score.weights(i.checkpoint) for i in found], [f"job {i.job}" for i in found])
     soup, steps, val = cook(method, found, score)
-    ckpt = average_checkpoints([i.checkpoint for i in soup])
+    ckpt = average_checkpoints([i.checkpoint for i in soup], read=read)
     has_test = getattr(score.datamodule, "test_set", True) is not None  # (scored once, the soup alone)
     test = score(network_weights(ckpt["state_dict"], score.prefixes), "test") if has_test else {}
     ckpt["averaged"] |= {"method": method, "sweep_dir": str(Path(sweep_dir).resolve()), "jobs": [i.job for i in soup]}

@@ -17,10 +17,10 @@ from vitlab.training.run import build
 from vitlab.utils.errors import UserError
 
 
-def load_for_inference(ckpt_path: str, map_location: str = "cpu") -> ViTModule:
+def load_for_inference(ckpt_path: str, map_location: str = "cpu", ckpt: dict | None = None) -> ViTModule:
     """A trained ViTModule from a checkpoint file (or a directory of shards), rebuilt from the config stored in it
-    (no Hydra) and the one read of the file."""
-    ckpt = read_checkpoint(ckpt_path)  # names a missing, corrupt or unsafe file in one line
+    (no Hydra) and the one read of the file (`ckpt`: that read, where the command made it already)."""
+    ckpt = ckpt if ckpt is not None else read_checkpoint(ckpt_path)  # a missing, corrupt or unsafe file: one line
     hparams = ckpt["hyper_parameters"]
     upgraded = upgrade_hparams(hparams)  # written before objectives were objects: the same module
     takes = inspect.signature(ViTModule.__init__).parameters
