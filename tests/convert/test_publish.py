@@ -7,15 +7,18 @@ huggingface_hub cannot be pointed at anything real: what reaches the stand-in is
 
 import base64
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import lightning as L
 import pytest
+import requests
 import timm
 import torch
 import yaml
-from huggingface_hub import ModelCard, constants
+from huggingface_hub import HfApi, ModelCard, constants
 from omegaconf import OmegaConf
 
 from tests.helpers.configs import tiny
@@ -187,6 +190,37 @@ def test_a_refused_commit_is_one_line_and_the_hub_holds_nothing(compose_cfg, run
     with pytest.raises(UserError, match=r"push_to_hub=me/x failed \(.*403.*\); nothing was committed to the Hub"):
         _export(compose_cfg, run_ckpt, tmp_path / "timm", "push_to_hub=me/x")
     assert hub.commits == [] and (tmp_path / "timm" / "README.md").is_file()  # the folder is kept, said in the line
+
+
+@pytest.mark.parametrize("cause", ["httpx", "requests", "nothing listening"])
+def test_a_hub_out_of_reach_is_one_line_and_the_folder_kept(compose_cfg, run_ckpt, tmp_path, hub, monkeypatch, cause):
+    """issue 74, point 7: with a token and no network the push was httpx's 87-line traceback (only HfHubHTTPError,
+    OfflineModeIsEnabled and OSError were caught). The upload raising httpx's or requests' connection error, or
+    huggingface_hub sent where nothing listens (whichever HTTP stack it runs on): one line that keeps the exported
+    folder and says where it is and how to upload it later."""
+    if cause == "nothing listening":
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            port = free.getsockname()[1]
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    else:
+        error = {
+            "httpx": httpx.ConnectError("[Errno -3] Temporary failure in name resolution"),
+            "requests": requests.exceptions.ConnectionError("Max retries exceeded with url: /api/repos/create"),
+        }
+
+        def unreachable(*args, **kwargs):
+            raise error[cause]
+
+        monkeypatch.setattr(HfApi, "upload_folder", unreachable)
+    out = tmp_path / "timm"
+    with pytest.raises(OfflineError) as caught:
+        _export(compose_cfg, run_ckpt, out, "push_to_hub=me/x", "revision=v1")
+    line = str(caught.value)
+    assert "\n" not in line and line.startswith(f"push_to_hub=me/x failed: the Hub ({constants.ENDPOINT}) cannot be")
+    assert line.endswith(f"the folder is in {out}: upload it once online with `hf upload me/x {out} --revision v1`")
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert hub.commits == []
 
 
 @pytest.mark.parametrize("case", ["offline", "no token", "not a repo id"])

@@ -6,6 +6,7 @@ no temporary folder."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,21 @@ def test_export_onto_a_full_disk_says_what_to_do(ckpt, tmp_path, fmt, name, kind
             tmp_path / "outputs",
         )
         assert list(disk.iterdir()) == []
+
+
+def test_a_push_without_network_is_one_line_that_names_the_kept_folder(ckpt, tmp_path):
+    """issue 74, point 7, as typed: `export ... format=timm push_to_hub=me/x` with a token where nothing answers was
+    httpx's 87-line traceback: exit 2, one line naming the folder, which is kept in its run directory (a result: the
+    run directory stays with it). (tests/convert/test_publish.py: httpx's and requests' errors from the upload.)"""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{free.getsockname()[1]}"
+    env = {"HF_TOKEN": "hf_stand_in_token", "HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "0"}
+    r = run_cli("export", f"ckpt_path={ckpt}", "format=timm", "push_to_hub=me/x", cwd=tmp_path, env=env)
+    assert_refused(r, f"error: push_to_hub=me/x failed: the Hub ({endpoint}) cannot be reached")
+    (folder,) = tmp_path.glob("outputs/export/runs/*/timm")
+    assert f"the folder is in {folder}: upload it once online with `hf upload me/x {folder}`" in r.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json", "model.safetensors"]
 
 
 def test_pack_refuses_an_existing_out_before_reading_the_data(tmp_path):

@@ -92,11 +92,14 @@ def card_writer(
 def push_folder(folder: Path, repo_id: str | None, private: bool = False, revision: str | None = None) -> str | None:
     """Upload `folder` to the Hub model repo `repo_id` (made if missing, `private` then) in one commit on `revision`
     (a branch, made from main if missing); the commit's URL (None: no repo_id, nothing pushed). A failure is one
-    line: nothing was committed."""
+    line that says nothing was committed and where the folder is: the Hub's refusal (UserError), or a Hub that cannot
+    be reached (OfflineError: whichever HTTP stack huggingface_hub runs on, utils.downloads.looks_offline)."""
     if not repo_id:
         return None
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    from vitlab.utils.downloads import looks_offline
 
     api = HfApi()
     try:
@@ -106,11 +109,18 @@ def push_folder(folder: Path, repo_id: str | None, private: bool = False, revisi
         commit = api.upload_folder(
             repo_id=repo_id, folder_path=folder, revision=revision, commit_message=f"vitlab export of {folder.name}"
         )
-    except (HfHubHTTPError, OfflineModeIsEnabled, OSError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(
-            f"push_to_hub={repo_id} failed ({first}); nothing was committed to the Hub, the folder is in {folder}"
-        ) from e
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        kept = f"nothing was committed to the Hub, the folder is in {folder}"
+        if looks_offline(e):  # (before OSError: requests' ConnectionError is one)
+            again = f"hf upload {repo_id} {folder}" + (f" --revision {revision}" if revision else "")
+            raise OfflineError(
+                f"push_to_hub={repo_id} failed: the Hub ({constants.ENDPOINT}) cannot be reached "
+                f"({type(e).__name__}: {first}); {kept}: upload it once online with `{again}`"
+            ) from e
+        if not isinstance(e, (HfHubHTTPError, OfflineModeIsEnabled, OSError)):
+            raise  # (a bug keeps its traceback)
+        raise UserError(f"push_to_hub={repo_id} failed ({first or type(e).__name__}); {kept}") from e
     log.info("pushed %s to the Hub: timm.create_model('hf-hub:%s', pretrained=True) (%s)", folder, repo_id,
              commit.commit_url)  # fmt: skip
     return commit.commit_url

@@ -1,14 +1,16 @@
 """A way back to timm: a ViT written as the folder timm's `local-dir:` reads (timm's save_for_hf layout), so that
-`timm.create_model('local-dir:<folder>', pretrained=True)` builds timm's own VisionTransformer with our weights.
+`timm.create_model('local-dir:<folder>', pretrained=True)` builds timm's own model with our weights: its
+VisionTransformer for the plain ViTs, its Eva for the RoPE families (EVA02, DINOv3, RoPE-Mixed: convert/timm_eva.py),
+its NaFlexVit for NaFlex models (convert/timm_naflex.py) — FAMILIES, one row each.
 
-config.json names a registered architecture and the arguments that make it ours (`model_args`, which timm's factory
-puts over the architecture's own) and the pretrained configuration (preprocessing, class count, label names);
-model.safetensors holds the state dict, whose keys are timm's. timm's arguments must be JSON: the components timm
-takes as names (activation, attention, a norm at timm's default eps) are written as names; those it takes only as
-classes (the block, the MLP, a norm at another eps) are the architecture's own, so the architecture is one whose
-registered arguments have ours (`timm_architecture_for`). The folder is written beside its destination, loaded by
-timm and compared with the model before it is renamed into place: a folder that timm would not read back as our
-logits is refused and nothing is written.
+config.json names a registered architecture of that class and the arguments that make it ours (`model_args`, which
+timm's factory puts over the architecture's own) and the pretrained configuration (preprocessing, class count, label
+names); model.safetensors holds the state dict, whose keys are timm's. timm's arguments must be JSON: the components
+timm takes as names (activation, attention, a norm at timm's default eps) are written as names; those it takes only as
+classes (VisionTransformer's block and MLP, Eva's norm, a norm at another eps) are the architecture's own, so the
+architecture is one whose registered arguments have ours (`timm_architecture_for`). The folder is written beside its
+destination, loaded by timm and compared with the model before it is renamed into place: a folder that timm would not
+read back as our logits is refused and nothing is written.
 """
 
 from __future__ import annotations
@@ -18,18 +20,20 @@ import os
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from vitlab.convert.timm_args import timm_kwargs, timm_model_args, vitlab_args
-from vitlab.convert.timm_hub import timm_vit_names
+from vitlab.convert.timm_args import config_from_args, timm_kwargs, timm_model_args
+from vitlab.convert.timm_eva import eva_kwargs, is_eva_config
+from vitlab.convert.timm_naflex import UNSUPPORTED as NAFLEX_OFF
+from vitlab.convert.timm_naflex import naflex_timm_kwargs
 from vitlab.convert.weights import check_state_dict
 from vitlab.model import ViT, ViTConfig
 from vitlab.utils.atomic import atomic_dir
 from vitlab.utils.errors import UserError
 
-# Arguments timm takes as classes only: the architecture written in config.json must have ours.
+# Arguments timm's VisionTransformer takes as classes only: the architecture written in config.json must have ours.
 CLASS_ARGS = ("distilled", "block_fn", "mlp_layer")
 NORM_ARGS = ("norm_layer", "norm_eps", "embed_norm")  # names at timm's default eps; otherwise the architecture's
 TIMM_EPS = 1e-6  # timm's LayerNorm and RmsNorm, built from their names
@@ -40,44 +44,118 @@ PRETRAINED_KEYS = ("input_size", "interpolation", "crop_pct", "crop_mode", "mean
                    "pool_size", "fixed_input_size", "first_conv", "classifier", "label_names", "license")  # fmt: skip
 
 
-def _needs(cfg: ViTConfig) -> tuple[str, ...]:
+def _vit_needs(cfg: ViTConfig) -> tuple[str, ...]:
     return CLASS_ARGS + (NORM_ARGS if cfg.norm_eps != TIMM_EPS else ())
 
 
-@cache
-def _registered(arch: str) -> dict[str, Any] | None:
-    """An architecture's registered arguments as ViTConfig fields, or None when our ViT cannot express it."""
-    try:
-        return ViTConfig.from_dict(vitlab_args(timm_model_args(arch))).to_dict()
-    except (UserError, RuntimeError, TypeError):
-        return None
-
-
-def timm_architecture_for(cfg: ViTConfig, hint: str | None = None) -> str:
-    """A registered architecture of timm's vision_transformer / deit modules whose class-only arguments are cfg's
-    (`hint`, the one the model came from, tried first)."""
-    want = {k: cfg.to_dict()[k] for k in _needs(cfg)}
-    names = timm_vit_names()
-    for arch in dict.fromkeys([hint, *PREFERRED, *names]):
-        if arch not in names:
-            continue
-        args = _registered(arch)
-        if args is not None and all(args[k] == v for k, v in want.items()):
-            return arch
-    raise UserError(f"no architecture timm registers builds {want}: timm cannot read this model back")
-
-
-def timm_model_args_json(cfg: ViTConfig) -> dict[str, Any]:
-    """timm's VisionTransformer arguments for cfg as JSON: components by name; the class-only ones left to the
-    architecture (timm_architecture_for)."""
+def _vit_args(cfg: ViTConfig) -> dict[str, Any]:
+    """timm's VisionTransformer arguments for cfg: components by name; the class-only ones left to the architecture."""
     args = timm_kwargs(cfg)
     for key in ("block_fn", "mlp_layer", "norm_layer", "embed_norm_layer"):
         del args[key]
     if cfg.norm_eps == TIMM_EPS:
         args["norm_layer"] = cfg.norm_layer
         args["embed_norm_layer"] = cfg.norm_layer if cfg.embed_norm else None
-    args["img_size"], args["patch_size"] = list(cfg.img_hw), list(cfg.patch_hw)
     return args
+
+
+def _eva_args(cfg: ViTConfig) -> dict[str, Any]:
+    """timm's Eva arguments for cfg (every one it reads, so nothing of the architecture's own is left to differ) but
+    its norm, which Eva takes as a class only (the architecture's: _eva_needs)."""
+    args = eva_kwargs(cfg)
+    del args["norm_layer"]
+    args.setdefault("swiglu_align_to", 0)  # (DINOv3's + architectures align theirs)
+    return args
+
+
+def _naflex_args(cfg: ViTConfig) -> dict[str, Any]:
+    """timm's NaFlexVit arguments for cfg, what our ViT leaves off said as off (NaFlexVitCfg's fields), the norms by
+    name: NaFlexVit builds them from their names only, at timm's eps."""
+    if cfg.norm_eps != TIMM_EPS:
+        raise UserError(
+            f"timm's NaFlexVit builds its norms by name, at eps {TIMM_EPS}: a NaFlex model of norm_eps {cfg.norm_eps} "
+            "cannot be exported as a timm folder (format=onnx or pt2 can)"
+        )
+    off = {name: value[0] if isinstance(value, tuple) else value for name, value in NAFLEX_OFF.items()}
+    args = off | naflex_timm_kwargs(cfg)
+    args["norm_layer"] = cfg.norm_layer
+    args["embed_norm_layer"] = cfg.norm_layer if cfg.embed_norm else None
+    return args
+
+
+class TimmFamily(NamedTuple):
+    """A class of timm's that builds our ViT: its registered architectures (timm's modules), the fields an
+    architecture must share with cfg (those timm takes only as classes, which JSON cannot name), and cfg's arguments
+    for it (`model_args`)."""
+
+    modules: tuple[str, ...]
+    needs: Callable[[ViTConfig], tuple[str, ...]]
+    args: Callable[[ViTConfig], dict[str, Any]]
+
+
+FAMILIES = {
+    "VisionTransformer": TimmFamily(("vision_transformer", "deit"), _vit_needs, _vit_args),
+    "Eva": TimmFamily(("eva",), lambda cfg: ("norm_layer", "norm_eps"), _eva_args),
+    "NaFlexVit": TimmFamily(("naflexvit",), lambda cfg: (), _naflex_args),
+}
+
+
+def timm_family(cfg: ViTConfig) -> str:
+    """The class of timm's that builds cfg's network (a FAMILIES key)."""
+    return "NaFlexVit" if cfg.naflex else "Eva" if is_eva_config(cfg) else "VisionTransformer"
+
+
+@cache
+def _names(modules: tuple[str, ...]) -> tuple[str, ...]:
+    import timm
+
+    return tuple(name for module in modules for name in timm.list_models(module=module))
+
+
+@cache
+def _registered(arch: str) -> dict[str, Any] | None:
+    """An architecture's registered arguments as ViTConfig fields, or None when our ViT cannot express it."""
+    try:
+        return config_from_args(arch, timm_model_args(arch)).to_dict()
+    except (UserError, RuntimeError, TypeError):
+        return None
+
+
+def timm_architecture_for(cfg: ViTConfig, hint: str | None = None) -> str:
+    """A registered architecture of cfg's timm family whose class-only arguments are cfg's: `hint` (the one the model
+    came from) if it is one; else for timm's VisionTransformer the first of PREFERRED and its registry, for Eva and
+    NaFlexVit the one whose registered config shares the most fields with cfg (timm's own name for the model, where it
+    has one: vit_small_patch16_dinov3, eva02_tiny_patch14_224)."""
+    family = FAMILIES[timm_family(cfg)]
+    ours = cfg.to_dict()
+    want = {k: ours[k] for k in family.needs(cfg)}
+    names = _names(family.modules)
+
+    def fits(arch: str) -> bool:
+        return (args := _registered(arch)) is not None and all(args[k] == v for k, v in want.items())
+
+    if hint in names and fits(hint):
+        return hint
+    if family is FAMILIES["VisionTransformer"]:
+        arch = next((a for a in dict.fromkeys([*PREFERRED, *names]) if fits(a)), None)
+    else:
+        same = {a: sum(_registered(a).get(k) == v for k, v in ours.items()) for a in names if fits(a)}
+        arch = max(same, key=same.get) if same else None
+    if arch is None:
+        raise UserError(f"no architecture timm registers builds {want}: timm cannot read this model back")
+    return arch
+
+
+def timm_model_args_json(cfg: ViTConfig) -> dict[str, Any]:
+    """The arguments of cfg's timm class (timm_family) for cfg, as JSON (tuples as lists); the class-only ones left
+    to the architecture (timm_architecture_for)."""
+    args = FAMILIES[timm_family(cfg)].args(cfg)
+    args["img_size"], args["patch_size"] = list(cfg.img_hw), list(cfg.patch_hw)
+
+    def unwritable(value: Any) -> Any:
+        raise UserError(f"timm reads config.json's model_args as JSON, and {value!r} is not: cannot export this model")
+
+    return json.loads(json.dumps(args, default=unwritable))
 
 
 def timm_config(model: ViT, label_names: list[str] | None = None, hint: str | None = None) -> dict[str, Any]:
