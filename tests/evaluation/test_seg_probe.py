@@ -9,6 +9,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from tests.evaluation import mmseg_shim
 from tests.helpers.commands import run_cli
@@ -209,3 +210,40 @@ def test_data_without_masks_is_refused_in_one_line(digits_ckpt, compose_cfg):
 
     with pytest.raises(UserError, match=r"task=segmentation needs images with class masks, data=segmentation"):
         evaluate(compose_cfg("eval", [f"ckpt_path={digits_ckpt}", "task=segmentation"]))
+
+
+def test_cached_features_follow_the_folder_and_its_masks(digits_ckpt, compose_cfg, tmp_path, caplog):
+    """Issue 74, point 1, as typed on a checkpoint: task=knn data.data_dir=<another folder with as many images>, and
+    task=segmentation after the validation masks were corrected: the features extracted anew (said) and the scores
+    those of an empty cache; a mask's label above the classes then refused, not hidden by the cache."""
+    import logging
+
+    from vitlab.eval import evaluate
+
+    a, b = (segmentation_tree(tmp_path / n, classes=4, per_split=(12, 3), seed=s) for n, s in (("a", 0), ("b", 1)))
+
+    def run(task, data_dir, cache, key):
+        args = [f"ckpt_path={digits_ckpt}", f"task={task}", "data=segmentation", f"data.data_dir={data_dir}",
+                "data.channels=1", "data.num_classes=10", "data.num_workers=0", "knn.k=[10]",
+                "segmentation.iterations=20", "segmentation.warmup_iters=5", "segmentation.batch_size=4",
+                f"features_dir={tmp_path / cache}"]  # fmt: skip
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            return evaluate(compose_cfg("eval", args))[key], caplog.text
+
+    changed = "val features: re-extracted: the data changed"
+    run("knn", a, "knn", "knn/top1_k10")
+    found, said = run("knn", b, "knn", "knn/top1_k10")
+    assert changed in said and "train features: re-extracted" in said
+    assert found == run("knn", b, "knn-fresh", "knn/top1_k10")[0]
+    first = run("segmentation", a, "seg", "seg/mIoU")[0]
+    for mask in sorted((a / "annotations" / "validation").iterdir()):  # corrected: every pixel class 1
+        Image.open(mask).point(lambda _: 2).save(mask)
+    found, said = run("segmentation", a, "seg", "seg/mIoU")
+    assert "val.patches3 features: re-extracted: the data changed (its images, labels or masks)" in said
+    assert "train.patches3 features: read from" in said
+    assert found == run("segmentation", a, "seg-fresh", "seg/mIoU")[0] != first
+    mask = a / "annotations" / "validation" / "0.png"
+    Image.fromarray(np.full((30, 30), 12, np.uint8)).resize(Image.open(mask).size).save(mask)  # label 11 after -1
+    with pytest.raises(UserError, match="holds label 11"):
+        run("segmentation", a, "seg", "seg/mIoU")
