@@ -69,6 +69,8 @@ def explain(e: Exception, config_name: str, overrides: list[str]) -> str:
             there = None
         if (elsewhere := _objective_option(key, config_name, rest)) is not None:
             return elsewhere
+        if key.startswith("data.naflex") and (naflex := _naflex_data(key, config_name, rest)) is not None:
+            return naflex
         if config_name == "eval" and key.startswith("model.") and (ckpt := override_value(rest, "ckpt_path")):
             return (
                 f"{key}: the model of ckpt_path {ckpt!r} is taken from the checkpoint (the one it stores), not set "
@@ -107,6 +109,29 @@ def _objective_option(key: str, config_name: str, overrides: list[str]) -> str |
             f"objective.{option}=..."
         )
     return None
+
+
+# The data groups whose images NaFlex can read at their own aspect ratio (files, lists, Hugging Face, tar shards):
+# the ones with a data.naflex of their own (data=streaming's refuses it; tests/cli/test_config_tree.py holds the list).
+NAFLEX_DATA = ("imagefolder", "list", "hf", "wds")
+
+
+def _naflex_data(key: str, config_name: str, overrides: list[str]) -> str | None:
+    """data.naflex.* on data that has no data.naflex (the digits, CIFAR: arrays of one size): Hydra's hint,
+    `+data.naflex...`, would only lead to the data module refusing it. Say which data NaFlex reads."""
+    try:
+        node = compose(config_name, overrides, with_hydra=True)
+    except config_errors():
+        return None
+    data = node.get("data")
+    if data is None or "naflex" in data:
+        return None
+    chosen = node.hydra.runtime.choices.get("data") or data.get("_target_", "this data").rpartition(".")[2]
+    groups = ", ".join(f"data={g}" for g in NAFLEX_DATA[:-1]) + f" or data={NAFLEX_DATA[-1]}"
+    return (
+        f"{key}: NaFlex loads images at their own aspect ratio from a folder, a list, a Hugging Face dataset or tar "
+        f"shards ({groups}); data={chosen} has no data.naflex"
+    )
 
 
 def _has(node: Any, dotted: str) -> bool:
