@@ -130,9 +130,7 @@ def split_features(
     if n == 0:  # (a held-out validation slice that held nothing: data/streamed.py refuses it in training now)
         raise UserError(f"the {split} split holds no images to extract features of")
     stem = f"{split}.{layers.name}" if layers.name else split
-    meta = {**source, "split": split, "n": n} | ({"layers": layers.name} if layers.name else {})
-    if rank == 0:  # (what the images were read from and how: rank 0 alone reads and writes the cache)
-        meta["made_from"] = data_identity(dataset, datamodule)
+    meta = _meta(source, split, n, layers, dataset, datamodule) if rank == 0 else {}  # (rank 0 alone caches)
     found = _read(cache, stem, meta) if cache is not None and rank == 0 else None
     done = _from_rank0(found[2] if found is not None else 0, device, world)
     if done == n:
@@ -172,6 +170,13 @@ def split_features(
     if cache is not None:
         log.info("%s features: %d x %s, cached in %s", stem, n, " x ".join(map(str, shape)), cache)
     return _tensors(cache, stem, (feats, labels), copy)
+
+
+def _meta(source: dict, split: str, n: int, layers: Layers, dataset, datamodule) -> dict:
+    """What the cached features of `split` are: the weights (`source`), the split, its size, the layers, and what its
+    images (labels, masks) were read from and how (evaluation/fingerprint.py)."""
+    meta = {**source, "split": split, "n": n} | ({"layers": layers.name} if layers.name else {})
+    return meta | {"made_from": data_identity(dataset, datamodule)}
 
 
 def _tensors(cache: Path | None, stem: str, arrays: tuple, copy: bool) -> tuple[torch.Tensor, torch.Tensor]:
