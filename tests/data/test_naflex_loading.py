@@ -3,6 +3,7 @@ of variable sequence length with timm's batch-size rule and loss scale, padded i
 every process, resumed mid-epoch exactly; every bad key one line."""
 
 import random
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -47,10 +48,10 @@ def _as_rank(dm, rank: int, world: int, epoch: int = 0) -> None:
     )  # fmt: skip
 
 
-def _dm(photos, train_transform=None, **naflex):
+def _dm(photos, train_transform=None, batch_size=4, **naflex):
     keys = dict(seq_lens=[4, 9], patch_size=8, batch_divisor=1) | naflex
     torch.manual_seed(0)  # the run's seed: the shuffling and the lengths' composition
-    dm = ImageFolderDataModule(data_dir=str(photos), num_classes=2, img_size=32, batch_size=4, num_workers=0,
+    dm = ImageFolderDataModule(data_dir=str(photos), num_classes=2, img_size=32, batch_size=batch_size, num_workers=0,
                                naflex=keys, check_images=False, train_transform=train_transform)  # fmt: skip
     dm.setup("fit")
     return dm
@@ -159,6 +160,45 @@ def test_random_erasing_draws_from_the_data_modules_generator_and_a_resumed_run_
     assert all(torch.equal(a, b) for a, b in zip(rest, again, strict=True))
     plain = _dm(photos, None, seq_lens=[36, 64])
     assert not any(torch.equal(a, b) for a, b in zip(rest, erased(plain, batches[1:]), strict=True))
+
+
+def test_a_default_batch_too_large_for_the_folder_names_data_batch_size_and_the_largest_that_fits(photos):
+    """Issue 74, point 9: NaFlex's batch sizes come from data.batch_size (the user may have set neither); on a small
+    folder the refusal names data.batch_size and the largest that gives a full batch, which does, one more not."""
+    dm = _dm(photos, batch_size=64, seq_lens=[16, 36, 64], batch_divisor=8)
+    _as_rank(dm, 0, 1)
+    with pytest.raises(UserError) as refused:
+        dm.train_dataloader()
+    message = str(refused.value)
+    said = (
+        r"^data.batch_size 64 makes NaFlex's global batch sizes \[256, 112, 64\] \(one per data.naflex.seq_lens "
+        r"\[16, 36, 64\]\), and no full batch fits the 24 training images: set data.batch_size=(\d+) or less$"
+    )
+    assert (found := re.match(said, message)), message
+    largest = int(found[1])
+    dm = _dm(photos, batch_size=largest, seq_lens=[16, 36, 64], batch_divisor=8)
+    _as_rank(dm, 0, 1)
+    assert len(dm.train_dataloader()) >= 1
+    dm = _dm(photos, batch_size=largest + 1, seq_lens=[16, 36, 64], batch_divisor=8)
+    _as_rank(dm, 0, 1)
+    with pytest.raises(UserError, match=f"data.batch_size {largest + 1} makes"):
+        dm.train_dataloader()
+
+
+def test_naflex_keys_on_data_without_naflex_name_the_data_that_has_it():
+    """Issue 74, point 9: data.naflex.seq_lens on data=digits (or CIFAR) is one line naming the data NaFlex reads,
+    not Hydra's `+data.naflex...`, which only leads to the data module refusing it."""
+    from vitlab.cli.override_errors import compose, explain
+    from vitlab.utils.errors import config_errors
+
+    for data in ("digits", "cifar10"):
+        overrides = [f"data={data}", "data.naflex.seq_lens=[64]"]
+        with pytest.raises(config_errors()) as e:
+            compose("train", overrides)
+        assert explain(e.value, "train", overrides) == (
+            f"data.naflex.seq_lens: data={data} has no data.naflex; it is a key of data=hf, data=imagefolder, "
+            "data=list, data=streaming or data=wds (the data formats that read it)"
+        )
 
 
 def test_validation_pads_every_image_to_max_seq_len(photos):

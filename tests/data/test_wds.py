@@ -225,6 +225,25 @@ def test_naflex_streams_whole_batches_of_each_length_the_same_in_every_process_a
     )
 
 
+def test_the_streamed_length_schedule_follows_the_epoch(wds_shards):
+    """Issue 74, point 15: each epoch the loader workers' batches (two workers, each its copy of the schedule) are the
+    lengths and batch sizes of the main process's schedule at that epoch, drawn there from a copy set to it; the
+    schedules of epochs 0 and 1 differ (a worker whose schedule stayed at epoch 0 gives epoch 0's lengths again)."""
+    import copy
+
+    per_epoch = []
+    for epoch in (0, 1):
+        torch.manual_seed(0)
+        dm = module(wds_shards, 0, 2, epoch=epoch, num_train=120, **NAFLEX)
+        streamed = lengths(dm.train_dataloader())
+        main = copy.deepcopy(dm.train_set.schedule)  # (the main process's, drawn apart from the workers' copies)
+        main.set_epoch(epoch)
+        expected = [(dm.size_schedule.seq_lens[pairs[0][1]], len(pairs)) for pairs in main]
+        assert streamed == expected, epoch
+        per_epoch.append(expected)
+    assert per_epoch[0] != per_epoch[1]
+
+
 def test_several_training_sizes_stream_too(wds_shards):
     """data.train_img_sizes on data=wds (it was left unread: every batch came at data.img_size): whole batches of each
     size, the same schedule as NaFlex's lengths."""

@@ -123,3 +123,38 @@ def test_features_are_the_same_with_one_and_two_ddp_processes(digits_ckpt, compo
     assert r.stderr.count("features: ") + r.stdout.count("features: ") == len(stems)
     (child,) = (tmp_path / "r").glob("*_rank1.log")  # rank 1's log, named as README says
     assert "features: " not in child.read_text()
+
+
+def test_cached_features_answer_only_for_the_data_they_were_made_from(compose_cfg, tmp_path, caplog):
+    """Issue 74, point 1: task=knn on an image folder, then again with three test images moved to another class:
+    the features are extracted anew (said), and the score is that of an empty cache; the same data again reads the
+    cache. (Weights of timm's names in a file, random: what differs is the data.)"""
+    import logging
+    import shutil
+
+    from tests.helpers.images import image_tree
+    from vitlab.eval import evaluate
+
+    torch.manual_seed(0)
+    model = ViT(tiny(img_size=8, patch_size=4, num_classes=0, embed_dim=32, depth=2, num_heads=4))
+    torch.save(model.state_dict(), tmp_path / "w.pth")
+    folder = image_tree(tmp_path / "a", [str(i) for i in range(4)], per_class=4)
+
+    def knn(cache):
+        args = ["task=knn", "model=vit_digits", f"model.pretrained={tmp_path / 'w.pth'}", "model.in_chans=3",
+                "model.embed_dim=32", "model.depth=2", "data=imagefolder", f"data.data_dir={folder}",
+                "data.num_workers=0", "knn.k=[10]", f"features_dir={tmp_path / cache}",
+                f"paths.log_dir={tmp_path}"]  # fmt: skip
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            found = evaluate(compose_cfg("eval", args))
+        return found["knn/top1_k10"], caplog.text
+
+    first = knn("cache")
+    assert "val features: read from" in knn("cache")[1]
+    for i, name in enumerate(("0.png", "1.png", "2.png")):  # three of class 0's test images into class 1's folder
+        shutil.move(folder / "val" / "0" / name, folder / "val" / "1" / f"moved{i}.png")
+    cached, said = knn("cache")
+    assert "val features: re-extracted: the data changed (its images, labels or masks)" in said
+    assert "val features: read from" not in said and "train features: read from" in said
+    assert cached == knn("fresh")[0] != first

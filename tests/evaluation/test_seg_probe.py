@@ -9,6 +9,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from tests.evaluation import mmseg_shim
 from tests.helpers.commands import run_cli
@@ -134,6 +135,49 @@ def test_the_schedule_is_mmcvs_poly_with_linear_warmup():
     assert s.lr_at(0) == pytest.approx(1e-9)
 
 
+def test_the_schedule_keeps_dinov2s_epochs_on_any_data(compose_cfg):
+    """Issue 74, point 4: DINOv2's 40,000 iterations of 16 are 31.7 epochs of ADE20k's 20,210 images; on 48 images
+    the same epochs are 96 iterations (not 13,000 epochs), the warm-up DINOv2's share of them; given iterations are
+    kept, and a warm-up not shorter than them is refused in one line before the run starts."""
+    from vitlab.cli.entry import check_config
+    from vitlab.cli.schemas import SCHEMAS
+    from vitlab.evaluation.seg_schedule import schedule_for
+
+    sp = {"iterations": None, "warmup_iters": None, "batch_size": 16, "lr": 1e-3, "weight_decay": 1e-4, "seed": 0}
+    found = {n: schedule_for(sp, n)[0] for n in (20_210, 48)}
+    assert (found[20_210].iterations, found[20_210].warmup_iters) == (40_000, 1_500)
+    assert (found[48].iterations, found[48].warmup_iters) == (96, 4)
+    assert "31.7 epochs of the 48 training images" in schedule_for(sp, 48)[1]
+    assert schedule_for(sp | {"batch_size": 4}, 48)[0].iterations == 381  # the epochs kept at another batch
+    given = schedule_for(sp | {"iterations": 200}, 48)[0]
+    assert (given.iterations, given.warmup_iters) == (200, 8)
+    refused = r"^segmentation.warmup_iters 1500 is not shorter than segmentation.iterations 200: the warm-up would"
+    with pytest.raises(UserError, match=refused):
+        check_config(compose_cfg("eval", ["segmentation.iterations=200", "segmentation.warmup_iters=1500"]),
+                     *SCHEMAS["eval"])  # fmt: skip
+    with pytest.raises(UserError, match=refused):
+        schedule_for(sp | {"iterations": 200, "warmup_iters": 1500}, 48)
+
+
+def test_long_probes_say_their_time_and_progress_once_a_minute(monkeypatch, caplog):
+    """Issue 74, point 4: a probe of 4,000 steps of 20 s each says its estimated time after its first steps, then
+    a line at least once a minute (not only every 400 steps)."""
+    import logging
+
+    from vitlab.evaluation import tasks
+
+    now = [1000.0]
+    monkeypatch.setattr(tasks.time, "time", lambda: now[0])
+    step_done = tasks._progress("segmentation probe", 4000)
+    with caplog.at_level(logging.INFO):
+        for step in range(20):
+            now[0] += 20.0
+            step_done(step)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "segmentation probe: 4000 steps, about 80000 s (20 s a step over the first 3)"
+    assert lines[1:] == [f"segmentation probe: step {k} of 4000 ({20 * k} s)" for k in (3, 6, 9, 12, 15, 18)]
+
+
 def test_probe_settings_are_refused_in_one_line():
     with pytest.raises(UserError, match=r"the val split's masks hold label 7, above data.num_classes 5 \(labels 0..4"):
         seg.check_labels(torch.tensor([[[0, 255, 7]]], dtype=torch.uint8), 5, "val")
@@ -188,12 +232,15 @@ def test_a_checkpoint_on_the_embedded_default(digits_ckpt, compose_cfg, caplog, 
         "data=segmentation",
         "data.channels=1",
         "data.canvases=[64,16,32]",
-        "segmentation.iterations=40",
-        "segmentation.warmup_iters=10",
         f"features_dir={tmp_path / 'features'}",
     ]  # fmt: skip  (the shared run's folder is read, never written)
-    first = evaluate(compose_cfg("eval", args))
+    with caplog.at_level(logging.INFO):
+        first = evaluate(compose_cfg("eval", args))
     assert first["seg/reported_on"] == "test" and 0.0 < first["seg/mIoU"] <= 1.0
+    # DINOv2's epochs of the 64 training canvases (issue 74, point 4), said with an estimate of their time
+    assert "segmentation probe: 127 iterations of 16 (31.7 epochs of the 64 training images" in caplog.text
+    assert "segmentation probe: 127 steps, about " in caplog.text
+    caplog.clear()
     with caplog.at_level(logging.INFO):
         again = evaluate(compose_cfg("eval", args))
     assert "test.patches3 features: read from" in caplog.text
@@ -209,3 +256,40 @@ def test_data_without_masks_is_refused_in_one_line(digits_ckpt, compose_cfg):
 
     with pytest.raises(UserError, match=r"task=segmentation needs images with class masks, data=segmentation"):
         evaluate(compose_cfg("eval", [f"ckpt_path={digits_ckpt}", "task=segmentation"]))
+
+
+def test_cached_features_follow_the_folder_and_its_masks(digits_ckpt, compose_cfg, tmp_path, caplog):
+    """Issue 74, point 1, as typed on a checkpoint: task=knn data.data_dir=<another folder with as many images>, and
+    task=segmentation after the validation masks were corrected: the features extracted anew (said) and the scores
+    those of an empty cache; a mask's label above the classes then refused, not hidden by the cache."""
+    import logging
+
+    from vitlab.eval import evaluate
+
+    a, b = (segmentation_tree(tmp_path / n, classes=4, per_split=(12, 3), seed=s) for n, s in (("a", 0), ("b", 1)))
+
+    def run(task, data_dir, cache, key):
+        args = [f"ckpt_path={digits_ckpt}", f"task={task}", "data=segmentation", f"data.data_dir={data_dir}",
+                "data.channels=1", "data.num_classes=10", "data.num_workers=0", "knn.k=[10]",
+                "segmentation.iterations=20", "segmentation.warmup_iters=5", "segmentation.batch_size=4",
+                f"features_dir={tmp_path / cache}"]  # fmt: skip
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            return evaluate(compose_cfg("eval", args))[key], caplog.text
+
+    changed = "val features: re-extracted: the data changed"
+    run("knn", a, "knn", "knn/top1_k10")
+    found, said = run("knn", b, "knn", "knn/top1_k10")
+    assert changed in said and "train features: re-extracted" in said
+    assert found == run("knn", b, "knn-fresh", "knn/top1_k10")[0]
+    first = run("segmentation", a, "seg", "seg/mIoU")[0]
+    for mask in sorted((a / "annotations" / "validation").iterdir()):  # corrected: every pixel class 1
+        Image.open(mask).point(lambda _: 2).save(mask)
+    found, said = run("segmentation", a, "seg", "seg/mIoU")
+    assert "val.patches3 features: re-extracted: the data changed (its images, labels or masks)" in said
+    assert "train.patches3 features: read from" in said
+    assert found == run("segmentation", a, "seg-fresh", "seg/mIoU")[0] != first
+    mask = a / "annotations" / "validation" / "0.png"
+    Image.fromarray(np.full((30, 30), 12, np.uint8)).resize(Image.open(mask).size).save(mask)  # label 11 after -1
+    with pytest.raises(UserError, match="holds label 11"):
+        run("segmentation", a, "seg", "seg/mIoU")

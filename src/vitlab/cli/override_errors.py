@@ -69,6 +69,8 @@ def explain(e: Exception, config_name: str, overrides: list[str]) -> str:
             there = None
         if (elsewhere := _objective_option(key, config_name, rest)) is not None:
             return elsewhere
+        if (data := _other_data(key, config_name, rest)) is not None:
+            return data
         if config_name == "eval" and key.startswith("model.") and (ckpt := override_value(rest, "ckpt_path")):
             return (
                 f"{key}: the model of ckpt_path {ckpt!r} is taken from the checkpoint (the one it stores), not set "
@@ -107,6 +109,27 @@ def _objective_option(key: str, config_name: str, overrides: list[str]) -> str |
             f"objective.{option}=..."
         )
     return None
+
+
+def _other_data(key: str, config_name: str, overrides: list[str]) -> str | None:
+    """data.<group>.<key> on data whose config has no such group (data.naflex.seq_lens on the digits): Hydra's hint,
+    `+data.naflex...`, would only lead to the data module refusing it. Name the data formats that have it."""
+    parts = key.split(".")
+    if len(parts) < 3 or parts[0] != "data":
+        return None
+    try:
+        node = compose(config_name, overrides, with_hydra=True)
+    except config_errors():
+        return None
+    data, group = node.get("data"), parts[1]
+    if data is None or group in data:
+        return None
+    having = sorted(p.stem for p in (config_dir() / "data").glob("*.yaml") if group in (OmegaConf.load(p) or {}))
+    if not having:
+        return None
+    chosen = node.hydra.runtime.choices.get("data") or "<none>"
+    which = ", ".join(f"data={g}" for g in having[:-1]) + (" or " if len(having) > 1 else "") + f"data={having[-1]}"
+    return f"{key}: data={chosen} has no data.{group}; it is a key of {which} (the data formats that read it)"
 
 
 def _has(node: Any, dotted: str) -> bool:

@@ -75,8 +75,8 @@ class FewshotSettings(TypedDict):
 
 class SegmentationSettings(TypedDict):
     n_last_blocks: PositiveInt  # at most the model's depth (checked with the model)
-    iterations: PositiveInt
-    warmup_iters: NonNegativeInt
+    iterations: PositiveInt | None  # null: DINOv2's epochs (31.7) of the training split (seg_probe.schedule_for)
+    warmup_iters: NonNegativeInt | None  # null: DINOv2's share of the iterations (1,500 of 40,000)
     batch_size: PositiveInt  # global
     lr: PositiveNumber
     weight_decay: NonNegativeNumber
@@ -255,6 +255,11 @@ def check_eval(cfg: DictConfig) -> None:
     """Model overrides beside a checkpoint would be ignored: its model is the one the checkpoint stores; tta averages
     a checkpoint's classifier over views (task=test)."""
     _check_ckpt_path(cfg.ckpt_path)
+    seg = cfg.segmentation
+    if seg.iterations is not None and seg.warmup_iters is not None:  # (null: sized to the data once it is read)
+        from vitlab.evaluation.seg_schedule import check_warmup
+
+        check_warmup(seg.iterations, seg.warmup_iters)
     if cfg.tta != "none" and (cfg.task != "test" or cfg.ckpt_path is None):
         raise UserError(
             f"tta={cfg.tta} averages the logits of a checkpoint's classifier over views: give ckpt_path=<file.ckpt> "

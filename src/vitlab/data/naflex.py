@@ -56,6 +56,7 @@ class NaFlexSchedule(SizeSchedule):
     loss_scale: str = "linear"
     ratio: tuple[float, float] = (0.75, 4 / 3)
     reference_batch: int = 1  # data.batch_size: the batch at max(seq_lens), what the loss scale divides by
+    batch_divisor: int = 8  # timm's rule rounds each length's batch down to a multiple of it
 
     key: ClassVar[str] = "data.naflex.seq_lens"
     kind: ClassVar[str] = "naflex"
@@ -93,11 +94,16 @@ class NaFlexSchedule(SizeSchedule):
             raise UserError(f"data.naflex.batch_divisor {divisor!r} must be an integer >= 1")
         ratio = tuple(naflex.get("ratio") or (0.75, 4 / 3))
         seq_lens = tuple(sorted(set(seq_lens)))
-        tokens = batch_size * max(seq_lens)  # timm's max_tokens_per_batch
-        batches = tuple(calculate_naflex_batch_size(tokens, s, divisor=divisor) for s in seq_lens)
         sides = tuple(math.ceil(math.sqrt(s)) * max(patch_hw) for s in seq_lens)
-        return cls(sides, batches, None, "constant", 0.65, 0.1, seq_lens, max_seq_len, patch_hw, loss_scale, ratio,
-                   batch_size)  # fmt: skip
+        return cls(sides, _batches(seq_lens, batch_size, divisor), None, "constant", 0.65, 0.1, seq_lens, max_seq_len,
+                   patch_hw, loss_scale, ratio, batch_size, divisor)  # fmt: skip
+
+    def rebatched(self, batch_size: int) -> NaFlexSchedule:
+        return dataclasses.replace(self, batch_sizes=_batches(self.seq_lens, batch_size, self.batch_divisor),
+                                   reference_batch=batch_size)  # fmt: skip
+
+    def sizes_said(self, sizes) -> str:
+        return f"NaFlex's global batch sizes {list(sizes)} (one per data.naflex.seq_lens {list(self.seq_lens)})"
 
     # ---- what sizes.py asks of a schedule --------------------------------------------------------------
     def batches(self, sampler, batch_size: int, world: int, epochs, seed: int):
@@ -153,6 +159,12 @@ class NaFlexSchedule(SizeSchedule):
         self.check_objective(objective, trained_by)  # MAE's masks and DINO's crops are square images' own
         if tuple(model.patch_hw) != self.patch_hw:
             raise UserError(f"data.naflex.patch_size {list(self.patch_hw)} is not model.patch_size {model.patch_size}")
+
+
+def _batches(seq_lens: Sequence[int], batch_size: int, divisor: int) -> tuple[int, ...]:
+    """timm's create_naflex_loader: data.batch_size x max(seq_lens) tokens a batch, each length's batch by its rule."""
+    tokens = batch_size * max(seq_lens)  # timm's max_tokens_per_batch
+    return tuple(calculate_naflex_batch_size(tokens, s, divisor=divisor) for s in seq_lens)
 
 
 def train_transform(

@@ -138,7 +138,40 @@ class SizeSchedule:
                 schedule_random_mix=self.random_mix,
             )
         except ValueError as e:  # the one timm finds: not one full batch in a process's share of the images
-            raise UserError(f"data.train_img_sizes {list(self.img_sizes)} with batch sizes {list(sizes)}: {e}") from e
+            raise UserError(self.no_full_batch(sampler, batch_size, world, epochs, seed)) from e
+
+    def rebatched(self, batch_size: int) -> SizeSchedule:
+        """The schedule data.batch_size `batch_size` would make (its own data.train_batch_sizes, where given, stay)."""
+        return self
+
+    def sizes_said(self, sizes: Sequence[int]) -> str:
+        return f"global batch sizes {list(sizes)} (one per data.train_img_sizes {list(self.img_sizes)})"
+
+    def no_full_batch(self, sampler: Sampler, batch_size: int, world: int, epochs: int | None, seed: int) -> str:
+        """Not one full batch in this process's `sampler`: the key that sets the batch sizes named, with the largest
+        data.batch_size that gives one where it does (the user may have set neither: NaFlex's defaults)."""
+        sizes, n = self.global_batch_sizes(batch_size), len(sampler)
+        share = f"the {n} training images" + (f" of each of the {world} processes" if world > 1 else "")
+        if self.batch_sizes is not None and self.rebatched(1) is self:  # data.train_batch_sizes, the user's own
+            return f"data.train_batch_sizes {list(sizes)} leave no full batch in {share}: give smaller ones"
+
+        def fits(b: int) -> bool:
+            try:
+                sizes = self.rebatched(b).global_batch_sizes(b)
+                ScheduledBatches(range(n), [x // world for x in sizes], self.probs, seed, drop_last=True,
+                                 choice_schedule=self.schedule, schedule_spread=self.spread,
+                                 schedule_random_mix=self.random_mix,
+                                 schedule_epochs=epochs if self.schedule == "progressive" else None)  # fmt: skip
+            except ValueError:
+                return False
+            return all(x and x % world == 0 for x in sizes)
+
+        low, high = 0, batch_size - 1  # the largest that fits, by bisection (a smaller batch fits where a larger does)
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid - 1)
+        said = f"data.batch_size {batch_size} makes {self.sizes_said(sizes)}, and no full batch fits {share}"
+        return f"{said}: set data.batch_size={low} or less" if low else f"{said}, even at data.batch_size=1: more data"
 
     def average_batch(self, batch_size: int, epochs: int | None) -> float:
         """The global batch averaged over the schedule (timm's reference for scaling the learning rate)."""

@@ -7,8 +7,9 @@ token or the pooled tokens after the final norm), or (`Layers`, through `forward
 chosen blocks after the final norm, with or without the average patch token (DINOv2's linear-probe features). The
 cache is `<dir>/<split>.npy` (float32, memory-mapped; `<split>.<layers>.npy` for other layers) and
 `<split>.labels.npy`, with `<split>.json` naming what they hold (the weights, the split's size, the layers, the
-width) and how many rows are written: an extraction that stopped goes on from there, and a second task reads the
-file instead of running the model.
+width, what the images, labels and masks were read from and the transform: evaluation/fingerprint.py) and how many
+rows are written: an extraction that stopped goes on from there, a second task on the same data reads the file
+instead of running the model, and one on changed data extracts anew ("re-extracted: the data changed").
 
 Under torch.distributed (the processes Lightning starts: vitlab.eval with trainer=ddp_cpu, or a DDP training run)
 each process extracts every world-th image and rank 0 gathers them batch by batch into the original order: the same
@@ -31,6 +32,7 @@ import torch
 from torch.utils.data import Dataset
 
 from vitlab.data.naflex import check_square_reader
+from vitlab.evaluation.fingerprint import data_identity
 from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -128,7 +130,7 @@ def split_features(
     if n == 0:  # (a held-out validation slice that held nothing: data/streamed.py refuses it in training now)
         raise UserError(f"the {split} split holds no images to extract features of")
     stem = f"{split}.{layers.name}" if layers.name else split
-    meta = {**source, "split": split, "n": n} | ({"layers": layers.name} if layers.name else {})
+    meta = _meta(source, split, n, layers, dataset, datamodule) if rank == 0 else {}  # (rank 0 alone caches)
     found = _read(cache, stem, meta) if cache is not None and rank == 0 else None
     done = _from_rank0(found[2] if found is not None else 0, device, world)
     if done == n:
@@ -168,6 +170,13 @@ def split_features(
     if cache is not None:
         log.info("%s features: %d x %s, cached in %s", stem, n, " x ".join(map(str, shape)), cache)
     return _tensors(cache, stem, (feats, labels), copy)
+
+
+def _meta(source: dict, split: str, n: int, layers: Layers, dataset, datamodule) -> dict:
+    """What the cached features of `split` are: the weights (`source`), the split, its size, the layers, and what its
+    images (labels, masks) were read from and how (evaluation/fingerprint.py)."""
+    meta = {**source, "split": split, "n": n} | ({"layers": layers.name} if layers.name else {})
+    return meta | {"made_from": data_identity(dataset, datamodule)}
 
 
 def _tensors(cache: Path | None, stem: str, arrays: tuple, copy: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,11 +219,23 @@ def _read(cache: Path, split: str, meta: dict) -> tuple[np.ndarray, np.ndarray, 
     if not path.is_file():
         return None
     saved = json.loads(path.read_text())
-    if {k: saved.get(k) for k in meta} != meta:  # other weights or another split: extract anew
+    if {k: saved.get(k) for k in meta} != meta:  # other weights, another split or other data: extract anew
+        if all(saved.get(k) == v for k, v in meta.items() if k not in DATA_KEYS):
+            log.info("%s features: re-extracted: the data changed (%s)", split, _what_changed(saved, meta))
         return None
     feats = np.load(cache / f"{split}.npy", mmap_mode="r+")
     labels = np.load(cache / f"{split}.labels.npy", mmap_mode="r+")
     return feats, labels, int(saved["done"])
+
+
+DATA_KEYS = ("made_from", "data")  # (data: the segmentation probe's data config)
+
+
+def _what_changed(saved: dict, meta: dict) -> str:
+    was, now = saved.get("made_from") or {}, meta["made_from"]
+    parts = {"items": "its images, labels or masks", "transform": "its evaluation transform"}
+    changed = [text for key, text in parts.items() if was.get(key) != now[key]]
+    return " and ".join(changed) if changed else "its data config"
 
 
 def _open(cache: Path | None, split: str, n: int, shape: tuple, meta: dict, label_shape: tuple, label_dtype):

@@ -9,7 +9,8 @@ bias 0; no dropout); the logits upsampled bilinearly (align_corners false) to th
 CrossEntropyLoss with ignore_index 255, averaged over every pixel (avg_non_ignore false: ignored pixels count in
 the denominator as zeros). The schedule is the config's: AdamW lr 1e-3, weight decay 1e-4, betas (0.9, 0.999);
 mmcv's poly policy (power 1, to 0) after a linear warm-up of 1,500 iterations from 1e-6 of it; 40,000 iterations of
-16 images (8 GPUs x 2).
+16 images (8 GPUs x 2): 31.7 epochs of ADE20k's 20,210 training images, which other data keeps (the schedule's
+length and warm-up: evaluation/seg_schedule.py).
 
 Not DINOv2's: the head trains on the cached features of the unaugmented training images at img_size (DINOv2 trains on
 random resizes (0.5-2x), 512-pixel crops, flips and photometric distortion), and the masks are scored at img_size as
@@ -35,6 +36,7 @@ from torch import nn
 from vitlab.data.masks import IGNORE
 from vitlab.data.naflex import check_square_reader
 from vitlab.evaluation.linear import sharded_stream
+from vitlab.evaluation.seg_schedule import SegSchedule
 from vitlab.utils.errors import UserError
 
 
@@ -72,45 +74,6 @@ def patch_tokens(model, n_last_blocks) -> PatchTokens:
         raise UserError(f"segmentation.n_last_blocks {n_last_blocks!r} must be a block count from 1 to {depth}")
     check_square_reader(model.cfg, "task=segmentation reads square patch grids; a NaFlex model has none")
     return PatchTokens(tuple(range(depth - n_last_blocks, depth)))
-
-
-@dataclass(frozen=True)
-class SegSchedule:
-    """DINOv2's linear segmentation configs (mmseg 0.27 / mmcv 1.5): AdamW, poly with a linear warm-up."""
-
-    iterations: int = 40_000
-    batch_size: int = 16  # global: 8 GPUs x 2 images
-    lr: float = 1e-3
-    weight_decay: float = 1e-4
-    warmup_iters: int = 1500
-    warmup_ratio: float = 1e-6
-    seed: int = 0
-
-    def __post_init__(self):
-        for name in ("iterations", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UserError(f"segmentation.{name} {value!r} must be an integer >= 1")
-        if isinstance(self.warmup_iters, bool) or not isinstance(self.warmup_iters, int) or self.warmup_iters < 0:
-            raise UserError(f"segmentation.warmup_iters {self.warmup_iters!r} must be an integer >= 0")
-        for name in ("lr", "weight_decay"):
-            if not getattr(self, name) >= 0 or (name == "lr" and not self.lr > 0):
-                raise UserError(f"segmentation.{name} {getattr(self, name)!r} must be a number > 0 (weight decay >= 0)")
-
-    def lr_at(self, step: int) -> float:
-        """mmcv's PolyLrUpdaterHook (power 1, min_lr 0) at iteration `step` (0-based), with its linear warm-up:
-        regular * (1 - (1 - step / warmup_iters) * (1 - warmup_ratio)) for step < warmup_iters."""
-        regular = self.lr * (1 - step / self.iterations)
-        if step < self.warmup_iters:
-            return regular * (1 - (1 - step / self.warmup_iters) * (1 - self.warmup_ratio))
-        return regular
-
-    def describe(self, blocks: int) -> str:
-        return (
-            f"dinov2 linear segmentation (BNHead): patch tokens of the last {blocks} block(s), BatchNorm + 1x1 conv, "
-            f"bilinear to the labels; AdamW lr {self.lr:g} wd {self.weight_decay:g}, poly after {self.warmup_iters} "
-            f"warm-up iterations, {self.iterations} iterations of {self.batch_size} cached unaugmented images"
-        )
 
 
 class BNHead(nn.Module):

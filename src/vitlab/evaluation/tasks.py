@@ -256,13 +256,21 @@ def score_linear(
             "linear/chosen_on": "val", "linear/reported_on": split}  # fmt: skip
 
 
-def _progress(what: str, total: int) -> Callable[[int], None]:
-    """A log line every tenth of `total` steps (step k of n, seconds so far): a long loop that shows it runs."""
-    started, every = time.time(), max(1, total // 10)
+def _progress(what: str, total: int, minute: float = 60.0) -> Callable[[int], None]:
+    """A long loop that shows it runs: after its first steps, an estimate of its time at their pace; then a log line
+    (step k of n, seconds so far) every tenth of `total` steps, and at least once a `minute` between them."""
+    started, every, first = time.time(), max(1, total // 10), min(3, total)
+    said = [started]
 
     def step_done(step: int) -> None:
-        if (step + 1) % every == 0 or step + 1 == total:
-            log.info("%s: step %d of %d (%.0f s)", what, step + 1, total, time.time() - started)
+        now, done = time.time(), step + 1
+        if done == first and done < total:
+            pace = (now - started) / done
+            log.info("%s: %d steps, about %.0f s (%.3g s a step over the first %d)", what, total, pace * total, pace,
+                     done)  # fmt: skip
+        if done % every == 0 or done == total or now - said[0] >= minute:
+            said[0] = now
+            log.info("%s: step %d of %d (%.0f s)", what, done, total, now - started)
 
     return step_done
 
@@ -275,13 +283,12 @@ def probe_segmentation(
     once into the cache; DINOv2's linear head trained on them in rank 0 and scored there by mIoU and pixel accuracy.
     The metrics in rank 0, None elsewhere."""
     from vitlab.evaluation import seg_probe as seg
+    from vitlab.evaluation.seg_schedule import schedule_for
 
     if not hasattr(datamodule, "seg_view"):
         raise UserError(
             f"task=segmentation needs images with class masks, data=segmentation (not {type(datamodule).__name__})"
         )
-    schedule = seg.SegSchedule(sp["iterations"], sp["batch_size"], sp["lr"], sp["weight_decay"], sp["warmup_iters"],
-                               seed=sp["seed"])  # fmt: skip
     tokens = seg.patch_tokens(model, sp["n_last_blocks"])
     split = "test" if datamodule.test_set is not None else "val"
     ident = source | {"data": datamodule.identity, "task": "segmentation"}
@@ -292,8 +299,10 @@ def probe_segmentation(
         return None
     for s in ("train", split):
         seg.check_labels(feats[s][1], datamodule.num_classes, s)
+    schedule, length = schedule_for(sp, len(feats["train"][0]))
     g = torch.Generator().manual_seed(schedule.seed)
     head = seg.BNHead(feats["train"][0].shape[1], datamodule.num_classes, g)
+    log.info("segmentation probe: %s", length)
     log.info("segmentation probe: %s", schedule.describe(len(tokens.blocks)))
     seg.train_head(
         head, *feats["train"], schedule, device, on_step=_progress("segmentation probe", schedule.iterations)
