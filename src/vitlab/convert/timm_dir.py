@@ -27,7 +27,7 @@ import torch
 from vitlab.convert.timm_args import config_from_args, timm_kwargs, timm_model_args
 from vitlab.convert.timm_eva import eva_kwargs, is_eva_config
 from vitlab.convert.timm_naflex import UNSUPPORTED as NAFLEX_OFF
-from vitlab.convert.timm_naflex import naflex_timm_kwargs
+from vitlab.convert.timm_naflex import is_naflex_config, naflex_timm_kwargs
 from vitlab.convert.weights import check_state_dict
 from vitlab.model import ViT, ViTConfig
 from vitlab.utils.atomic import atomic_dir
@@ -84,25 +84,27 @@ def _naflex_args(cfg: ViTConfig) -> dict[str, Any]:
 
 
 class TimmFamily(NamedTuple):
-    """A class of timm's that builds our ViT: its registered architectures (timm's modules), the fields an
-    architecture must share with cfg (those timm takes only as classes, which JSON cannot name), and cfg's arguments
-    for it (`model_args`)."""
+    """A class of timm's that builds our ViT: which configs it builds, its registered architectures (timm's modules),
+    the fields an architecture must share with cfg (those timm takes only as classes, which JSON cannot name), and
+    cfg's arguments for it (`model_args`)."""
 
+    builds: Callable[[ViTConfig], bool]
     modules: tuple[str, ...]
     needs: Callable[[ViTConfig], tuple[str, ...]]
     args: Callable[[ViTConfig], dict[str, Any]]
 
 
+# Asked in order: the first family that builds a config is its.
 FAMILIES = {
-    "VisionTransformer": TimmFamily(("vision_transformer", "deit"), _vit_needs, _vit_args),
-    "Eva": TimmFamily(("eva",), lambda cfg: ("norm_layer", "norm_eps"), _eva_args),
-    "NaFlexVit": TimmFamily(("naflexvit",), lambda cfg: (), _naflex_args),
+    "NaFlexVit": TimmFamily(is_naflex_config, ("naflexvit",), lambda cfg: (), _naflex_args),
+    "Eva": TimmFamily(is_eva_config, ("eva",), lambda cfg: ("norm_layer", "norm_eps"), _eva_args),
+    "VisionTransformer": TimmFamily(lambda cfg: True, ("vision_transformer", "deit"), _vit_needs, _vit_args),
 }
 
 
 def timm_family(cfg: ViTConfig) -> str:
     """The class of timm's that builds cfg's network (a FAMILIES key)."""
-    return "NaFlexVit" if cfg.naflex else "Eva" if is_eva_config(cfg) else "VisionTransformer"
+    return next(name for name, family in FAMILIES.items() if family.builds(cfg))
 
 
 @cache

@@ -33,6 +33,11 @@ UNSUPPORTED = {
 }  # fmt: skip
 
 
+def is_naflex_config(cfg: Any) -> bool:
+    """Whether timm's NaFlexVit builds the ViTConfig `cfg` (convert/timm_dir.py's families ask each in turn)."""
+    return bool(cfg.naflex)
+
+
 def naflex_class(build: Any) -> tuple[Any, str, Any]:
     """timm_args.timm_builds' row for timm's NaFlexVit: its module, its name there, and the stand-in that hands
     `build` its config and keywords as ours."""
