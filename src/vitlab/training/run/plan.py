@@ -29,6 +29,7 @@ class Checkpoint:
     path: str
     meta: dict[str, Any]  # read_checkpoint(path, weights=False): a directory of shards, its metadata only
     given: bool  # named by ckpt_path; False: found in this run's own directory (a restarted job's)
+    weights: Weights | None = None  # an average's (vitlab.average): the weights training starts anew from
 
     @property
     def hparams(self) -> dict[str, Any]:
