@@ -1,9 +1,10 @@
 """A command's config, once composed and checked, becomes its plan here: one frozen value of typed parts
 (training.run.plan.TrainPlan for vitlab.train and the benchmarks), the only place below the command file where the
 composed config is read. Each decision the config settles is taken once, before anything is built: pretrained weights'
-architecture and preprocessing, the trainer's `auto` precision and strategy, the learning rate from optim.lr_base,
-the checkpoint to go on from (read once), the best checkpoint's metric following the objective, the metric a sweeper
-optimises. What ran is what config.yaml says (`as_ran`).
+architecture and preprocessing, the trainer's settings checked and its `auto` precision and strategy chosen, the data
+module's views, the learning rate from optim.lr_base, the checkpoint to go on from (read once; an average's weights
+resolved), the best checkpoint's metric following the objective, the metric a sweeper optimises. The config is made
+plain data first; nothing here writes into it. What ran is what config.yaml says (`as_ran`).
 """
 
 from __future__ import annotations
@@ -31,13 +32,16 @@ log = logging.getLogger(__name__)
 def train_plan(cfg: DictConfig) -> TrainPlan:
     """The plan of a vitlab.train config (checked: vitlab.cli.entry), every decision in it taken: trainer=fsdp on one
     process says so; model.pretrained=<weights> becomes the model's architecture and the data's preprocessing; the
-    trainer's `auto`, the learning rate, the checkpoint to go on from. The config becomes plain data first (`cfg` stays
-    as composed), its interpolations resolved once the model group is final (_resolved)."""
+    trainer's `auto`, the data module's views, the learning rate, the checkpoint to go on from. The config becomes
+    plain data first (`cfg` stays as composed), its interpolations resolved once the model group is final
+    (_resolved)."""
     composed = OmegaConf.to_container(cfg)  # interpolations kept: the data's ${model.img_size} follows the weights
-    asked = OmegaConf.to_container(cfg, resolve=True)  # as composed, before the plan's decisions
-    if said := sharding.check_request(asked["trainer"], asked.get("callbacks")):
+    # As composed, before the plan's decisions: what model.pretrained reads, and what trainer=fsdp checks.
+    requested = OmegaConf.to_container(cfg.model, resolve=True)
+    asked = OmegaConf.to_container(cfg.trainer, resolve=True)
+    callbacks = OmegaConf.to_container(cfg.callbacks, resolve=True) if cfg.get("callbacks") else None
+    if said := sharding.check_request(asked, callbacks):
         logging.getLogger("vitlab.train").info(said)
-    requested = asked["model"]
     weights, model = pretrained.pretrained_model(requested, pretrained.explicit_model_keys())
     config = _resolved(composed, model)
     data = config["data"]
