@@ -8,11 +8,11 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from vitlab.cli.config_tree import config_dir
-from vitlab.cli.plans import checkpoint_follows_objective
+from vitlab.cli.plans import train_plan
 from vitlab.model.config import vit_config
 from vitlab.training.module import ViTModule
 from vitlab.training.run import build
-from vitlab.training.run.build import build_trainer
+from vitlab.training.run.build import build_trainer, settle_trainer
 from vitlab.utils.errors import UserError
 
 CONF = config_dir()
@@ -136,7 +136,7 @@ def test_trainer_configs(compose_cfg, trainer):
         strategy = instantiate(strategy)  # FSDP: vitlab's FSDP2 strategy object (training/devices/sharding.py)
         assert type(strategy).__name__ == "FSDP2Strategy"
     fewer = {"gpu": torch.cuda.device_count(), "mps": int(torch.backends.mps.is_available())}
-    settings = OmegaConf.to_container(cfg.trainer, resolve=True)  # (the plain settings a plan hands on)
+    settings = settle_trainer(OmegaConf.to_container(cfg.trainer, resolve=True))  # (the settings a plan hands on)
     if cfg.trainer.accelerator in fewer and fewer[cfg.trainer.accelerator] < cfg.trainer.devices:
         if cfg.trainer.accelerator == "mps":  # not an Apple GPU: one line says so
             with pytest.raises(UserError, match="trainer.accelerator='mps' trainer.devices=1 cannot run here"):
@@ -144,7 +144,7 @@ def test_trainer_configs(compose_cfg, trainer):
         # Fewer GPUs here than it asks for: build the same trainer on CPU processes to check every other argument.
         trainer_obj = build_trainer(settings, accelerator="cpu", precision="32-true", logger=False)
     else:
-        trainer_obj = build_trainer(settings, logger=False)  # precision/strategy auto resolved as a run does
+        trainer_obj = build_trainer(settings, logger=False)  # precision/strategy auto resolved as a run's plan does
     assert trainer_obj.max_epochs == cfg.trainer.max_epochs
 
 
@@ -158,8 +158,8 @@ def test_callback_configs(compose_cfg, callbacks):
     if callbacks == "early_stopping":  # on the metric the best checkpoint follows, which follows the objective
         (stop,) = [c for c in cbs if type(c).__name__ == "EarlyStopping"]
         assert (stop.monitor, stop.mode, stop.patience) == ("val/acc", "max", 10) and "BestCheckpoint" in names
-        mae = checkpoint_follows_objective(compose_cfg("train", ["callbacks=early_stopping", "objective=mae"]))
-        assert (mae.callbacks.early_stopping.monitor, mae.callbacks.early_stopping.mode) == ("val/loss", "min")
+        mae = train_plan(compose_cfg("train", ["callbacks=early_stopping", "objective=mae"])).callbacks
+        assert (mae["early_stopping"]["monitor"], mae["early_stopping"]["mode"]) == ("val/loss", "min")
 
 
 @pytest.mark.parametrize("logger", options("logger"))
@@ -175,7 +175,7 @@ def test_debug_configs(compose_cfg, debug):
     cfg = compose_cfg("train", [f"debug={debug}"])
     assert cfg.task_name == "debug"
     build_everything(cfg)
-    trainer = build_trainer(OmegaConf.to_container(cfg.trainer, resolve=True), logger=False)
+    trainer = build_trainer(settle_trainer(OmegaConf.to_container(cfg.trainer, resolve=True)), logger=False)
     if debug == "default":  # one epoch, one device, anomaly detection
         assert (trainer.max_epochs, trainer.num_devices, trainer._detect_anomaly) == (1, 1, True)
 
@@ -226,7 +226,7 @@ def test_other_entry_point_configs(compose_cfg, name):
     assert cfg.task_name == name
     if name == "eval":
         instantiate(cfg.data)
-        build_trainer(OmegaConf.to_container(cfg.trainer, resolve=True), logger=False)
+        build_trainer(settle_trainer(OmegaConf.to_container(cfg.trainer, resolve=True)), logger=False)
     if name == "benchmark":
         from vitlab.benchmark.config import BenchmarkConfig
 

@@ -1,8 +1,9 @@
 """vitlab.eval's config made into its plan, once, before anything is built (STYLE rule 13): the checkpoint read once
 (training.run.inference) or `model.pretrained`'s weights resolved once (timm's architecture and preprocessing become
 the plan's model and data mappings), the data mapping laid over the checkpoint's, the task and its settings
-(evaluation.tasks.Probe), the trainer mapping and the paths. Below it nothing reads eval's config, and nothing writes
-into it: the decisions are laid into a copy of the tree here, and handed on as plain values."""
+(evaluation.tasks.Probe), the trainer mapping (settled for a checkpoint's task=test) and the paths. Below it nothing
+reads eval's config, and nothing writes into it: the decisions are laid into a copy of the tree here, and handed on as
+plain values."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vitlab.evaluation.tasks import Pretrained, Probe
 from vitlab.training.module import ViTModule
+from vitlab.training.run import build
 from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -23,14 +25,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class EvalPlan:
     """What vitlab.eval runs: a checkpoint's module (`module`, read once) or timm's weights (`pretrained`), the data
-    mapping to build the data module of (with its `_target_`), the task, the trainer mapping of task=test and where
-    metrics.json goes."""
+    mapping to build the data module of (with its `_target_`), the task, the settled trainer settings of a
+    checkpoint's task=test and where metrics.json goes."""
 
     probe: Probe
     ckpt_path: str | None
     module: ViTModule | None
     pretrained: Pretrained | None
     data: dict[str, Any]
+    trainer: dict[str, Any] | None  # a checkpoint's task=test: its Trainer's settings, settled (build.settle_trainer)
     tta: str
     progress_bar: str
     output_dir: Path
@@ -46,10 +49,11 @@ def eval_plan(cfg: DictConfig) -> EvalPlan:
     common = {"tta": cfg.tta, "progress_bar": cfg.progress_bar, "output_dir": Path(cfg.paths.output_dir)}
     if cfg.ckpt_path is None:
         pretrained = _pretrained(tree, cfg.task)
-        return EvalPlan(probe, None, None, pretrained, dict(pretrained.data), **common)
+        return EvalPlan(probe, None, None, pretrained, dict(pretrained.data), None, **common)
     module = _checkpoint(cfg.ckpt_path, cfg.task)
     data = _data(tree, module.hparams.get("data"), cfg.ckpt_path, module.model.cfg.to_dict()["img_size"])
-    return EvalPlan(probe, cfg.ckpt_path, module, None, data, **common)
+    tester = build.settle_trainer(trainer, said=False) if cfg.task == "test" else None  # (said where auto chose)
+    return EvalPlan(probe, cfg.ckpt_path, module, None, data, tester, **common)
 
 
 def _checkpoint(ckpt_path: str, task: str) -> ViTModule:

@@ -1,20 +1,22 @@
 """A command's config, once composed and checked, becomes its plan here: one frozen value of typed parts
 (training.run.plan.TrainPlan for vitlab.train and the benchmarks), the only place below the command file where the
 composed config is read. Each decision the config settles is taken once, before anything is built: pretrained weights'
-architecture and preprocessing, the trainer's `auto` precision and strategy, the learning rate from optim.lr_base,
-the checkpoint to go on from (read once), the best checkpoint's metric following the objective, the metric a sweeper
-optimises. What ran is what config.yaml says (`as_ran`).
+architecture and preprocessing, the trainer's settings checked and its `auto` precision and strategy chosen, the data
+module's views, the learning rate from optim.lr_base, the checkpoint to go on from (read once; an average's weights
+resolved), the best checkpoint's metric following the objective, the metric a sweeper optimises. The config is made
+plain data first; nothing here writes into it. What ran is what config.yaml says (`as_ran`).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from vitlab.model.config import vit_config
 from vitlab.training import pretrained
@@ -29,60 +31,67 @@ log = logging.getLogger(__name__)
 
 def train_plan(cfg: DictConfig) -> TrainPlan:
     """The plan of a vitlab.train config (checked: vitlab.cli.entry), every decision in it taken: trainer=fsdp on one
-    process says so; model.pretrained=<weights> becomes the model's architecture and the data's preprocessing (on a
-    copy: `cfg` stays as composed); the trainer's `auto`, the learning rate, the checkpoint to go on from."""
-    if said := sharding.check_request(cfg.trainer, cfg.get("callbacks")):
+    process says so; model.pretrained=<weights> becomes the model's architecture and the data's preprocessing; the
+    trainer's `auto`, the data module's views, the learning rate, the checkpoint to go on from. The config becomes
+    plain data first (`cfg` stays as composed), its interpolations resolved once the model group is final
+    (_resolved)."""
+    composed = OmegaConf.to_container(cfg)  # interpolations kept: the data's ${model.img_size} follows the weights
+    # As composed, before the plan's decisions: what model.pretrained reads, and what trainer=fsdp checks.
+    requested = OmegaConf.to_container(cfg.model, resolve=True)
+    asked = OmegaConf.to_container(cfg.trainer, resolve=True)
+    callbacks = OmegaConf.to_container(cfg.callbacks, resolve=True) if cfg.get("callbacks") else None
+    if said := sharding.check_request(asked, callbacks):
         logging.getLogger("vitlab.train").info(said)
-    planned, weights = _with_pretrained(cfg)
-    config = OmegaConf.to_container(planned, resolve=True)
+    weights, model = pretrained.pretrained_model(requested, pretrained.explicit_model_keys())
+    config = _resolved(composed, model)
     data = config["data"]
     if weights is not None:
-        pretrained.take_preprocessing(data, weights, OmegaConf.to_container(cfg.model, resolve=True))
+        pretrained.take_preprocessing(data, weights, requested)
     trainer = build.settle_trainer(config["trainer"])
     optim = config["optim"] if data.get("batch_size") == "auto" else build.scaled_optim(config["optim"], data, trainer)
+    paths = config["paths"]
     ckpt = resume.planned_checkpoint(
-        cfg.ckpt_path, Path(cfg.paths.log_dir) / cfg.task_name / "runs", Path(cfg.paths.output_dir), trainer
+        config["ckpt_path"], Path(paths["log_dir"]) / config["task_name"] / "runs", Path(paths["output_dir"]), trainer
     )
+    model_cfg = vit_config(config["model"])
+    objective = OmegaConf.to_container(cfg.objective, resolve=True, throw_on_missing=True)  # a `???` named
     return TrainPlan(
-        model=vit_config(config["model"]),
+        model=model_cfg,
         data=data,
-        objective=OmegaConf.to_container(cfg.objective, resolve=True, throw_on_missing=True),  # a `???` named
+        views=build.data_views(data, objective, model_cfg),
+        objective=objective,
         optim=optim,
         scheduler=config["scheduler"],
         trainer=trainer,
-        callbacks=OmegaConf.to_container(checkpoint_follows_objective(planned), resolve=True).get("callbacks") or {},
+        callbacks=config.get("callbacks") or {},
         loggers=config.get("logger") or {},
         weights=weights,
         resume=ckpt,
-        output_dir=Path(cfg.paths.output_dir),
-        seed=cfg.seed,
-        train=cfg.train,
-        test=cfg.test,
-        compile=cfg.compile,
-        freeze_backbone=cfg.freeze_backbone,
-        memory_check=cfg.memory_check,
-        memory_budget_gb=cfg.get("memory_budget_gb"),
+        output_dir=Path(paths["output_dir"]),
+        seed=config["seed"],
+        train=config["train"],
+        test=config["test"],
+        compile=config["compile"],
+        freeze_backbone=config["freeze_backbone"],
+        memory_check=config["memory_check"],
+        memory_budget_gb=config.get("memory_budget_gb"),
         resample_patch=bool(config["model"].get("resample_patch")),
-        progress_bar=cfg.progress_bar,
-        print_config=bool(cfg.get("print_config")),
-        optimized_metric=optimized_metric(cfg),
-        pruning=(trial.PruneTrial(cfg.optimized_metric),) if trial.sweep_pruner()[0] else (),
+        progress_bar=config["progress_bar"],
+        print_config=bool(config.get("print_config")),
+        optimized_metric=optimized_metric(config),
+        pruning=(trial.PruneTrial(config["optimized_metric"]),) if trial.sweep_pruner()[0] else (),
         config=config,
     )
 
 
-def _with_pretrained(cfg: DictConfig) -> tuple[DictConfig, Any]:
-    """A copy of `cfg` whose model group is what model.pretrained makes of it (training.pretrained.pretrained_model),
-    so that the data's `${model.img_size}` and `${oc.select:model.patch_size}` follow; the weights (None without)."""
-    weights, model = pretrained.pretrained_model(
-        OmegaConf.to_container(cfg.model, resolve=True), pretrained.explicit_model_keys()
-    )
-    if weights is None:
-        return cfg, None
-    planned = copy.deepcopy(cfg)
-    with open_dict(planned):
-        planned.model.update(model)
-    return planned, weights
+def _resolved(composed: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
+    """The config `composed` (plain, interpolations kept) resolved once the plan has made its two changes that other
+    values follow: the model group model.pretrained makes (training.pretrained.pretrained_model; the data's
+    `${model.img_size}` and `${oc.select:model.patch_size}` follow) and the best checkpoint's metric following the
+    objective (checkpoint_follows_objective; an early stop's monitor follows)."""
+    planned = OmegaConf.create(checkpoint_follows_objective(composed))
+    planned.model.update(model)
+    return OmegaConf.to_container(planned, resolve=True)
 
 
 def as_ran(plan: TrainPlan) -> dict[str, Any]:
@@ -92,32 +101,33 @@ def as_ran(plan: TrainPlan) -> dict[str, Any]:
     return plan.config | {"data": plan.data, "optim": plan.optim, "trainer": plan.trainer}
 
 
-def optimized_metric(cfg: DictConfig) -> str | None:
+def optimized_metric(config: Mapping[str, Any]) -> str | None:
     """`optimized_metric`; in a single run its default (val/acc_best) follows an objective that logs no accuracy
     (val/loss_best), as the best checkpoint does. A sweep keeps what it was given: its direction goes with it."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    key, (watched, _) = (
-        cfg.get("optimized_metric"),
-        OBJECTIVES[(cfg.get("objective") or {}).get("name", "classify")].best,
-    )
+    key, (watched, _) = config.get("optimized_metric"), OBJECTIVES[_objective_name(config)].best
     single = not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN
     return f"val/{watched}_best" if key == "val/acc_best" and watched != "acc" and single else key
 
 
-def checkpoint_follows_objective(cfg: DictConfig) -> DictConfig:
+def checkpoint_follows_objective(config: Mapping[str, Any]) -> dict[str, Any]:
     """The default choice of the best checkpoint (val/acc, highest) under an objective that logs no accuracy (MAE,
-    DINO without its k-NN callback): that objective's own (val/loss, lowest), said in a line, in a copy of `cfg` (an
-    early stop's monitor follows it); a monitor set in a recipe or on the command line is kept."""
-    node = (cfg.get("callbacks") or {}).get("model_checkpoint")
-    watched, mode = OBJECTIVES[(cfg.get("objective") or {}).get("name", "classify")].best
+    DINO without its k-NN callback): that objective's own (val/loss, lowest), said in a line, in a copy of the plain
+    `config` (an early stop's monitor, `${callbacks.model_checkpoint.monitor}`, follows it once resolved); a monitor
+    set in a recipe or on the command line is kept."""
+    node = (config.get("callbacks") or {}).get("model_checkpoint")
+    watched, mode = OBJECTIVES[_objective_name(config)].best
     if node is None or node.get("monitor") != "val/acc" or watched == "acc":
-        return cfg
-    cfg = copy.deepcopy(cfg)
-    with open_dict(cfg):
-        cfg.callbacks.model_checkpoint.monitor, cfg.callbacks.model_checkpoint.mode = f"val/{watched}", mode
+        return dict(config)
+    config = copy.deepcopy(dict(config))
+    config["callbacks"]["model_checkpoint"] |= {"monitor": f"val/{watched}", "mode": mode}
     if rank_zero_only.rank == 0:
-        log.info("objective=%s logs no val/acc: the best checkpoint is the one of the %s val/%s", cfg.objective.name,
-                 "lowest" if mode == "min" else "highest", watched)  # fmt: skip
-    return cfg
+        log.info("objective=%s logs no val/acc: the best checkpoint is the one of the %s val/%s",
+                 _objective_name(config), "lowest" if mode == "min" else "highest", watched)  # fmt: skip
+    return config
+
+
+def _objective_name(config: Mapping[str, Any]) -> str:
+    return (config.get("objective") or {}).get("name", "classify")

@@ -136,13 +136,13 @@ def test_agc_leaves_gradients_under_the_threshold_untouched_and_clips_the_rest_r
 
 def test_trainer_agc_is_built_as_a_callback_and_needs_a_clip_factor(compose_cfg):
     cfg = compose_cfg("train", ["trainer.gradient_clip_algorithm=agc", "trainer.gradient_clip_val=0.02"])
-    trainer = build.build_trainer(OmegaConf.to_container(cfg.trainer, resolve=True), logger=False)
+    trainer = build.build_trainer(build.settle_trainer(OmegaConf.to_container(cfg.trainer, resolve=True)), logger=False)
     (agc,) = [c for c in trainer.callbacks if isinstance(c, AdaptiveGradientClipping)]
     assert agc.clip_factor == 0.02 and trainer.gradient_clip_val is None
     with open_dict(cfg):
         cfg.trainer.gradient_clip_val = None
     with pytest.raises(UserError, match="gradient_clip_algorithm=agc needs trainer.gradient_clip_val"):
-        build.build_trainer(OmegaConf.to_container(cfg.trainer, resolve=True), logger=False)
+        build.settle_trainer(OmegaConf.to_container(cfg.trainer, resolve=True))
 
 
 # ---- the spike guard ----------------------------------------------------------------------------------------------

@@ -7,15 +7,15 @@ records the number. A run resumed from a checkpoint keeps the checkpoint's batch
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 import lightning as L
 
 from vitlab.training.devices import memory, sharding
-from vitlab.training.run.build import build_module
+from vitlab.training.run.build import build_module, scaled_optim
 from vitlab.training.run.plan import TrainPlan
-from vitlab.training.run.steps import with_batch
 from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -35,13 +35,21 @@ def provisional(plan: TrainPlan, trainer: L.Trainer) -> dict[str, Any]:
 
 def settle(plan: TrainPlan, trainer: L.Trainer, datamodule: L.LightningDataModule) -> TrainPlan:
     """The plan at the batch data.batch_size=auto stands for (the data module's batch set to it too, the learning
-    rate scaled from it: plan.with_batch), what was chosen and why in the plan for the log and metrics.json; the plan
+    rate scaled from it: with_batch), what was chosen and why in the plan for the log and metrics.json; the plan
     as it is with a batch given."""
     if plan.data.get("batch_size") != "auto":
         return plan
     chosen = choose(plan, trainer, datamodule)
     datamodule.batch_size = chosen["batch_size"]
     return with_batch(plan, chosen["batch_size"], chosen)
+
+
+def with_batch(plan: TrainPlan, batch: int, chosen: dict[str, Any] | None = None) -> TrainPlan:
+    """The plan at the global batch `batch` (data.batch_size; `chosen`: what data.batch_size=auto chose, and why), its
+    learning rate scaled from optim.lr_base by it (scaled_optim)."""
+    data = plan.data | {"batch_size": batch}
+    optim = scaled_optim(plan.optim, data, plan.trainer)
+    return dataclasses.replace(plan, data=data, optim=optim, batch_size_auto=chosen)
 
 
 def choose(plan: TrainPlan, trainer: L.Trainer, datamodule: L.LightningDataModule) -> dict[str, Any]:

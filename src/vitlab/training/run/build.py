@@ -50,6 +50,7 @@ __all__ = [
     "build_module",
     "build_trainer",
     "build_callbacks",
+    "settle_trainer",
 ]
 
 
@@ -66,8 +67,8 @@ def data_views(data: Mapping[str, Any], objective: Mapping[str, Any], model: ViT
 
 
 def fit_datamodule(plan: TrainPlan, **extra: Any) -> L.LightningDataModule:
-    """The data module a plan trains on: its data settings with its objective's and NaFlex's views (data_views)."""
-    return build_datamodule(plan.data, **data_views(plan.data, plan.objective, plan.model), **extra)
+    """The data module a plan trains on: its data settings with the views the plan settled (data_views)."""
+    return build_datamodule(plan.data, **plan.views, **extra)
 
 
 def build_module(plan: TrainPlan, datamodule: L.LightningDataModule | None, probe: bool = False) -> ViTModule:
@@ -185,33 +186,32 @@ def build_fit(
     return Fit(datamodule, module, trainer, loggers)
 
 
-def settle_trainer(trainer: Mapping[str, Any]) -> dict[str, Any]:
-    """The trainer settings with `auto` precision and strategy resolved (devices/hardware.py), the choice said in one
-    line: a command's plan takes this once, and build_trainer finds nothing left to choose."""
+def settle_trainer(trainer: Mapping[str, Any], *, said: bool = True) -> dict[str, Any]:
+    """The trainer settings checked and settled, once, before anything is built: the devices it asks for
+    (ranges.check_devices), `auto` precision and strategy resolved (devices/hardware.py) and the choice said in one
+    line (`said` False: only where `auto` changed something), clipping's value there (utils/clipping.py). A command's
+    plan takes this; build_trainer finds nothing left to choose."""
+    check_devices(trainer)
     settled, chosen = resolve_trainer(trainer)
-    if rank_zero_only.rank == 0:
+    if (said or settled != dict(trainer)) and rank_zero_only.rank == 0:  # 'auto' is ours: Lightning's next
         log.info(chosen)
+    check_clipping(settled)
     return settled
 
 
 def build_trainer(trainer: Mapping[str, Any], **kwargs: Any) -> L.Trainer:
-    """The Lightning Trainer of the trainer settings `trainer` (resolved, with their `_target_`); what is still
-    `auto` there is resolved and said (settle_trainer). Lightning's own refusal of a setting becomes one line: a device
-    request this machine cannot serve names what there is; any other names the setting."""
-    check_devices(trainer)
-    settled, chosen = resolve_trainer(trainer)
-    if settled != dict(trainer) and rank_zero_only.rank == 0:  # 'auto' is ours: Lightning's next
-        log.info(chosen)
+    """The Lightning Trainer of the settled trainer settings `trainer` (settle_trainer's, with their `_target_`).
+    Lightning's own refusal of a setting becomes one line: a device request this machine cannot serve names what there
+    is; any other names the setting."""
     # What every run needs, whatever its callbacks group says: the non-finite-loss stop, each process's state in
     # its checkpoints, and the Lightning workarounds (workarounds.py).
     kwargs["callbacks"] = [*kwargs.get("callbacks", []), NonFiniteLoss(), RankState(), LightningWorkarounds()]
-    check_clipping(settled)
-    if settled.get("gradient_clip_algorithm") == "agc":  # Lightning's Trainer knows value and norm only
-        factor = settled["gradient_clip_val"]
+    if trainer.get("gradient_clip_algorithm") == "agc":  # Lightning's Trainer knows value and norm only
+        factor = trainer["gradient_clip_val"]
         kwargs["callbacks"].append(AdaptiveGradientClipping(float(factor)))  # after Health: it reads unclipped norms
         kwargs |= {"gradient_clip_val": None, "gradient_clip_algorithm": None}
     try:
-        return instantiate(settled, **kwargs | float8.trainer_arguments(settled))  # (precision=float8)
+        return instantiate(trainer, **kwargs | float8.trainer_arguments(trainer))  # (precision=float8)
     except InstantiationException as e:
         cause = e.__cause__
         if not isinstance(cause, (MisconfigurationException, ValueError)) or isinstance(cause, UserError):
@@ -220,8 +220,8 @@ def build_trainer(trainer: Mapping[str, Any], **kwargs: Any) -> L.Trainer:
         if isinstance(cause, MisconfigurationException) and _is_device_error(text):
             have = f"{torch.cuda.device_count()} CUDA GPU(s) and {os.cpu_count()} CPU cores"
             raise UserError(
-                f"trainer.accelerator={settled.get('accelerator')!r} trainer.devices="
-                f"{settled.get('devices')!r} cannot run here ({text}); this machine has {have}"
+                f"trainer.accelerator={trainer.get('accelerator')!r} trainer.devices="
+                f"{trainer.get('devices')!r} cannot run here ({text}); this machine has {have}"
             ) from cause
         raise UserError(f"trainer: {text}") from cause
 

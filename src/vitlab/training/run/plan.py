@@ -29,6 +29,7 @@ class Checkpoint:
     path: str
     meta: dict[str, Any]  # read_checkpoint(path, weights=False): a directory of shards, its metadata only
     given: bool  # named by ckpt_path; False: found in this run's own directory (a restarted job's)
+    weights: Weights | None = None  # an average's (vitlab.average): the weights training starts anew from
 
     @property
     def hparams(self) -> dict[str, Any]:
@@ -49,7 +50,8 @@ class TrainPlan:
     """What a vitlab.train run does, settled before anything is built; each builder takes the part it uses."""
 
     model: ViTConfig  # the model to build: pretrained weights' architecture applied
-    data: dict[str, Any]  # the data module's settings with its _target_; batch_size "auto" until with_batch
+    data: dict[str, Any]  # the data module's settings with its _target_; batch_size "auto" until auto_batch.with_batch
+    views: dict[str, Any]  # the data module's arguments beside `data`: the objective's and NaFlex's (build.data_views)
     objective: dict[str, Any]  # {"name": an OBJECTIVES key, its options}
     optim: dict[str, Any]  # optim.lr scaled from optim.lr_base by the global batch
     scheduler: dict[str, Any]

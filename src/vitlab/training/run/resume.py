@@ -41,8 +41,9 @@ RESUME_MAY_DIFFER = {*DROPOUTS, "grad_checkpointing"}
 
 def planned_checkpoint(ckpt_path: str | None, runs_dir: Path, run_dir: Path, trainer: Mapping) -> Checkpoint | None:
     """The checkpoint a run goes on from, read once: the user's `ckpt_path` (`last`: the newest of `runs_dir`'s), else
-    one a restarted job left in its own run directory `run_dir`; None for a new run. A directory of shards is refused
-    without trainer=fsdp (`trainer`: the run's settings)."""
+    one a restarted job left in its own run directory `run_dir`; None for a new run. An average's weights are resolved
+    here too (starting_point loads them). A directory of shards is refused without trainer=fsdp (`trainer`: the run's
+    settings)."""
     path = resolve_ckpt_path(ckpt_path, runs_dir)
     if path and is_sharded_checkpoint(path) and not requests_fsdp(trainer):
         raise UserError(
@@ -50,8 +51,10 @@ def planned_checkpoint(ckpt_path: str | None, runs_dir: Path, run_dir: Path, tra
             f"it first (python -m vitlab.export ckpt_path={path} format=ckpt), which any strategy reads"
         )
     given = path is not None
-    path = path or earlier_start(run_dir)
-    return Checkpoint(path, read_checkpoint(path, weights=False), given) if path else None
+    if not (path := path or earlier_start(run_dir)):
+        return None
+    meta = read_checkpoint(path, weights=False)
+    return Checkpoint(path, meta, given, weights=resolve(path) if "averaged" in meta else None)
 
 
 def starting_point(plan: TrainPlan, module: ViTModule) -> str | None:
@@ -61,7 +64,7 @@ def starting_point(plan: TrainPlan, module: ViTModule) -> str | None:
     if ckpt and ckpt.averaged:
         log.info("ckpt_path %s is an average of checkpoints (vitlab.average), without a training state to go on "
                  "from: training starts anew from its weights, as with model.pretrained=<file>", ckpt.path)  # fmt: skip
-        load_pretrained(module, resolve(ckpt.path))
+        load_pretrained(module, ckpt.weights)
         return None
     if ckpt:  # a job that restarts goes on to test even when it had finished
         check_resumable(ckpt, module, plan.trainer if ckpt.given and plan.train else None)

@@ -1,12 +1,12 @@
 """The steps of vitlab/train.py's `train` that read its plan (plan.py's TrainPlan), each decision made in one place: the
-batch data.batch_size=auto chose (`with_batch`), the memory check (`check_memory`), a stop by signal during fit
-(`stop_on_signal`), what fit leaves (`fitted`), and what to test (`what_to_test`) and what the test gave (`tested`).
+memory check (`check_memory`), a stop by signal during fit (`stop_on_signal`), what fit leaves (`fitted`), and what to
+test (`what_to_test`) and what the test gave (`tested`). (The plan at the batch data.batch_size=auto chose:
+auto_batch.with_batch.)
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import shlex
@@ -18,20 +18,12 @@ import lightning as L
 
 from vitlab.training.callbacks import trial
 from vitlab.training.devices import memory
-from vitlab.training.run import build, resume
+from vitlab.training.run import resume
 from vitlab.training.run.loggers import finish_loggers
 from vitlab.training.run.plan import TrainPlan
 from vitlab.utils.errors import Interrupted, is_ctrl_c, stop_name
 
 log = logging.getLogger("vitlab.train")  # the command's own lines
-
-
-def with_batch(plan: TrainPlan, batch: int, chosen: dict[str, Any] | None = None) -> TrainPlan:
-    """The plan at the global batch `batch` (data.batch_size; `chosen`: what data.batch_size=auto chose, and why), its
-    learning rate scaled from optim.lr_base by it (build.scaled_optim)."""
-    data = plan.data | {"batch_size": batch}
-    optim = build.scaled_optim(plan.optim, data, plan.trainer)
-    return dataclasses.replace(plan, data=data, optim=optim, batch_size_auto=chosen)
 
 
 def check_memory(plan: TrainPlan, trainer: L.Trainer, module: Any, datamodule: Any) -> memory.Estimate:
