@@ -17,7 +17,7 @@ from omegaconf import OmegaConf, open_dict
 
 from vitlab.cli.config_tree import config_dir, groups_read, refuse_unread_groups, shadowing_note, without_config_dir
 from vitlab.cli.override_errors import compose, compose_first_job, explain
-from vitlab.cli.overrides import override_value, refuse_repeated, refuse_unread_keys
+from vitlab.cli.overrides import override_value, refuse_repeated, refuse_unread_keys, refuse_wrong_forms
 from vitlab.cli.ranks import primary_run_dir, process_rank, torchrun_store
 from vitlab.cli.rundir import check_writable, claim_run_dir
 from vitlab.cli.sweep import check_sweep_dir
@@ -81,6 +81,7 @@ def prepare(config_name: str, argv: list[str], check: Callable[[Any], None] | No
     refuse_unread_groups(config_name, overrides)
     refuse_repeated(overrides)
     refuse_unread_keys(config_name, overrides, groups_read(config_name), lambda o: compose(config_name, o))
+    refuse_wrong_forms(overrides, lambda o: compose(config_name, o))  # (a sweep's swept keys: each job's own check)
     if flags:  # a sweep: what every job would refuse alike (a misspelt key) is said once; the jobs check the rest
         compose_first_job(config_name, overrides)
         return typed

@@ -1,0 +1,43 @@
+"""Issue 74's tracebacks where a user needs one line (points 5, 6, 8, 11), each through the command as typed: one line,
+nothing left behind, and where the refusal needs no data, before torch, Lightning and timm are imported."""
+
+import pytest
+
+from tests.helpers.commands import refused_without_torch
+
+GROUP = "objective.mixup is a group of keys ['mixup_alpha', 'cutmix_alpha', 'cutmix_minmax', 'prob', 'switch_prob', "
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["objective.mixup=0.8"], f"objective.mixup=0.8: {GROUP}"),  # was TypeError: 'float' object is not iterable
+        (["experiment=naflex_photos", "data.data_dir=.", "objective.mixup=0.8"], f"objective.mixup=0.8: {GROUP}"),
+        (["-m", "objective.mixup=0.8,0.5"], f"objective.mixup=0.8: {GROUP}"),  # a sweep: its first job's values
+        (["objective.mixup=[1,2]"], f"objective.mixup=[1,2]: {GROUP}"),
+        (["optim.lr={a:1}"], "optim.lr={a:1}: optim.lr takes a single value (its default: 0.001), not a group of keys"),
+    ],
+)
+def test_a_group_given_a_value_or_a_value_given_a_group_is_one_line(tmp_path, args, said):
+    """Point 5: a scalar for a group key (and a group for a scalar key), with NaFlex and without: one line naming the
+    key and its form, before the run directory is made."""
+    refused_without_torch(tmp_path, ["train", *args], f"error: {said}")
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        (
+            "trainer:\n  max_epochs: [1, 2\n",
+            "line 4, column 1: expected ',' or ']', but got '<stream end>' (while "
+            "parsing a flow sequence begun at line 3, column 15)",
+        ),  # fmt: skip
+        ("trainer:\n\tmax_epochs: 1\n", "line 3, column 1: a tab, which YAML does not take"),
+    ],
+)
+def test_a_yaml_error_in_a_users_config_dir_names_the_file_line_and_column(tmp_path, text, said):
+    """Point 6: an unclosed [ or a tab in a file of --config-dir was PyYAML's 110-line traceback."""
+    (tmp_path / "mine" / "experiment").mkdir(parents=True)
+    (tmp_path / "mine" / "experiment" / "bad.yaml").write_text("# @package _global_\n" + text)
+    file = tmp_path / "mine" / "experiment" / "bad.yaml"
+    refused_without_torch(tmp_path, ["train", "--config-dir", "mine", "experiment=bad"], f"error: {file}, {said}")
