@@ -41,3 +41,20 @@ def test_a_yaml_error_in_a_users_config_dir_names_the_file_line_and_column(tmp_p
     (tmp_path / "mine" / "experiment" / "bad.yaml").write_text("# @package _global_\n" + text)
     file = tmp_path / "mine" / "experiment" / "bad.yaml"
     refused_without_torch(tmp_path, ["train", "--config-dir", "mine", "experiment=bad"], f"error: {file}, {said}")
+
+
+def test_a_logger_whose_package_is_not_installed_is_one_line(tmp_path):
+    """Point 8: logger=mlflow (docs/training/your-configs.md's file) without mlflow was Hydra's 5-line report of
+    Lightning's ModuleNotFoundError, after the run directory was made."""
+    import importlib.util
+
+    if importlib.util.find_spec("mlflow") is not None:
+        pytest.skip("mlflow is installed here")
+    (tmp_path / "mine" / "logger").mkdir(parents=True)
+    (tmp_path / "mine" / "logger" / "mlflow.yaml").write_text(
+        "mlflow:\n  _target_: lightning.pytorch.loggers.MLFlowLogger\n  experiment_name: vitlab\n"
+    )
+    said = (
+        "error: logger.mlflow: lightning.pytorch.loggers.MLFlowLogger needs the mlflow package, which is not installed"
+    )
+    refused_without_torch(tmp_path, ["train", "--config-dir", "mine", "logger=mlflow"], said)
