@@ -58,3 +58,38 @@ def test_a_logger_whose_package_is_not_installed_is_one_line(tmp_path):
         "error: logger.mlflow: lightning.pytorch.loggers.MLFlowLogger needs the mlflow package, which is not installed"
     )
     refused_without_torch(tmp_path, ["train", "--config-dir", "mine", "logger=mlflow"], said)
+
+
+# Point 11: refusals that need no data took 6-10 s (torch and Lightning imported first); now before either.
+FAST = [
+    (
+        ["train", "trainer.precision=float8"],
+        "error: trainer.precision=float8 needs CUDA GPUs of compute capability 8.9",
+    ),
+    (["train", "data.folds=1"], "error: data.folds 1 must be 0 (no k-fold) or a number of folds >= 2"),
+    (["train", "data.fold=7"], "error: data.fold 7 needs data.folds=K (the number of folds); data.folds is 0"),
+    (["train", "data.folds=3", "data.fold=3"], "error: data.fold 3 is not a fold of data.folds 3: give one of 0..2"),
+    (["predict", "ckpt_path=a.ckpt", "images=[a.png,nope.png]"], "error: image file 'nope.png' does not exist"),
+    (["vitlab", "train", "--config-dir"], "error: --config-dir needs a folder: --config-dir <dir>"),  # (was "train.py")
+    (["train", "--config-dir"], "error: --config-dir needs a folder: --config-dir <dir>"),
+    (
+        ["train", "model=eva02_ti14", "model.rope_ref_feat_shape=[16]"],
+        "error: rope_ref_feat_shape (16,) must be a grid of positive sizes: an int n or [height, width]",
+    ),  # (was refused as the model was built, 10 s; its line said "needs rope 'axial' (got rope 'axial')")
+    (
+        ["train", "model=vit_b16_rope_mixed", "model.rope_ref_feat_shape=16"],
+        "error: rope_ref_feat_shape 16 is the grid axial RoPE's positions are rescaled to: it needs rope 'axial' (got "
+        "rope 'mixed')",
+    ),
+]
+
+
+@pytest.mark.parametrize("args, said", FAST, ids=[" ".join(a) for a, _ in FAST])
+def test_a_refusal_that_needs_no_data_comes_before_torch_lightning_or_timm(tmp_path, args, said):
+    from vitlab.utils.cuda import no_cuda_here
+
+    if "trainer.precision=float8" in args and not no_cuda_here():
+        pytest.skip("a machine with a GPU's device files asks torch for their compute capability")
+    (tmp_path / "a.ckpt").write_bytes(b"PK")
+    (tmp_path / "a.png").write_bytes(b"\x89PNG")
+    refused_without_torch(tmp_path, args, said)

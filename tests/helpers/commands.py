@@ -138,8 +138,9 @@ def refused_without_torch(cwd: Path, args: list[str], said: str) -> subprocess.C
     for name in ("torch", "lightning", "timm"):
         (cwd / name).mkdir(exist_ok=True)
         (cwd / name / "__init__.py").write_text(f"raise ImportError('{name} imported')\n")
-    command, *rest = args
-    r = subprocess.run([sys.executable, "-m", f"vitlab.{command}", *rest], cwd=cwd, capture_output=True, text=True,
+    command, *rest = args  # ("vitlab", "train", ...: the console script's way)
+    module = "vitlab" if command == "vitlab" else f"vitlab.{command}"
+    r = subprocess.run([sys.executable, "-m", module, *rest], cwd=cwd, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": f"{cwd}{os.pathsep}{ROOT / 'src'}"}, timeout=120)  # fmt: skip
     assert_refused(r, said, {}, cwd / "outputs")
     return r

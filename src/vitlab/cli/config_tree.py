@@ -45,12 +45,15 @@ def read_user_config_dir(argv: list[str]) -> Path | None:
     before vitlab's; a folder that is not there refused in one line. Hydra itself would put the folder after ours (a
     file of the same name as ours never read) and report a missing one with a traceback."""
     given = None
+    _user_dir.clear()
     for i, arg in enumerate(argv):
         if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
             given = argv[i + 1]
         elif arg.startswith("--config-dir="):
             given = arg.partition("=")[2]
-    _user_dir.clear()
+        if given == "" or arg in ("--config-dir", "-cd") and i + 1 == len(argv):  # (Hydra's argparse: its usage)
+            raise UserError(f"{arg.partition('=')[0]} needs a folder: --config-dir <dir>, the folder of your config "
+                            "files (experiment/, model/, data/, ... as in vitlab's conf/)")  # fmt: skip
     if given is None:
         return None
     path = Path(given).expanduser().resolve()

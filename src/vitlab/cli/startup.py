@@ -48,6 +48,16 @@ def _check_as_job(cfg, check: Callable[[Any], None]) -> None:
         HydraConfig.instance().cfg = None  # the job's own is set by Hydra
 
 
+def _refuse_bad_overrides(config_name: str, overrides: list[str]) -> None:
+    """What is wrong with the overrides themselves, in one line: a group the command does not read, a key given twice,
+    a + key no command reads, a group of keys given one value or one value a group (a sweep's swept keys: the first
+    job's, compose_first_job)."""
+    refuse_unread_groups(config_name, overrides)
+    refuse_repeated(overrides)
+    refuse_unread_keys(config_name, overrides, groups_read(config_name), lambda o: compose(config_name, o))
+    refuse_wrong_forms(overrides, lambda o: compose(config_name, o))
+
+
 def prepare(config_name: str, argv: list[str], check: Callable[[Any], None] | None = None) -> list[str]:
     """Before Hydra starts: the command line to run it with. A secondary process gets the primary's run
     directory, no .hydra/ of its own and a log file named after its rank. The primary composes once to report a
@@ -78,10 +88,7 @@ def prepare(config_name: str, argv: list[str], check: Callable[[Any], None] | No
         return typed
 
     overrides = [a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/")) and not a.startswith("-")]
-    refuse_unread_groups(config_name, overrides)
-    refuse_repeated(overrides)
-    refuse_unread_keys(config_name, overrides, groups_read(config_name), lambda o: compose(config_name, o))
-    refuse_wrong_forms(overrides, lambda o: compose(config_name, o))  # (a sweep's swept keys: each job's own check)
+    _refuse_bad_overrides(config_name, overrides)
     if flags:  # a sweep: what every job would refuse alike (a misspelt key) is said once; the jobs check the rest
         compose_first_job(config_name, overrides)
         return typed
