@@ -41,11 +41,13 @@ def main(cfg: DictConfig) -> None:
     written = []
     if cfg.what == "views":
         from vitlab.evaluation.views import draw_views, view_kind
+        from vitlab.model.config import vit_config
 
         objective = OmegaConf.to_container(cfg.objective, resolve=True)
         dm = build.build_datamodule(cfg.data, **build.data_views(cfg.data, objective, vit_config(cfg.model)))
         masked = view_kind(cfg.objective.name) == "masked"  # MAE's: the patches its encoder does not see
-        mae = (cfg.model.patch_size, cfg.objective.mask_ratio) if masked else None
+        # (patch_size from the model's variant where the group leaves it null: model=vit_s16, eva02_ti14)
+        mae = (vit_config(cfg.model).patch_hw, cfg.objective.mask_ratio) if masked else None
         written += draw_views(dm, cfg.objective.name, cfg.num_images, cfg.draws, out, mae=mae)
     if cfg.ckpt_path:
         module = inference.load_for_inference(cfg.ckpt_path).eval()

@@ -27,6 +27,7 @@ def a_checkpoint_named_x(tmp_path, monkeypatch):
     """ckpt_path=x.ckpt is looked for before anything is read (issue 64 point 17): one is there, where checks run."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "x.ckpt").write_bytes(b"PK")
+    (tmp_path / "a.png").write_bytes(b"\x89PNG")  # (predict's images too: issue 74, point 11)
     for name in (
         "imagenet",
         "shards",

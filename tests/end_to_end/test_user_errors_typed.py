@@ -1,13 +1,9 @@
 """Issue 64's wrong answers a new user met (points 7-19), each through the command as typed: one line and nothing left
 behind, or the right result."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.helpers.commands import ROOT, assert_refused, run_cli
+from tests.helpers.commands import assert_refused, refused_without_torch, run_cli
 from tests.helpers.docs import documented
 from tests.helpers.runs import earlier_run
 
@@ -137,14 +133,7 @@ def test_a_refusal_that_needs_no_data_comes_before_torch_lightning_or_timm(tmp_p
 
 
 def _refused_without_torch(tmp_path, args, said):
-    for name in ("torch", "lightning", "timm"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('{name} imported')\n")
-    command, *rest = args
-    r = subprocess.run([sys.executable, "-m", f"vitlab.{command}", *rest], cwd=tmp_path, capture_output=True,
-                       text=True, env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT / 'src'}"},
-                       timeout=120)  # fmt: skip
-    assert_refused(r, said, {}, tmp_path / "outputs")
+    refused_without_torch(tmp_path, args, said)
 
 
 def test_a_class_count_refusal_comes_before_torch_lightning_or_timm(tmp_path, records):

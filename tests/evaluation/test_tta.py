@@ -58,14 +58,16 @@ def test_timms_test_time_pool_does_not_apply_to_a_vit():
         pooled(torch.randn(1, 3, 48, 48))
 
 
-def test_eval_reports_tta_beside_the_plain_numbers(compose_cfg, tmp_path, digits_ckpt):
+def test_eval_reports_tta_beside_the_plain_numbers(compose_cfg, tmp_path, digits_ckpt, capsys):
     """metrics.json: the plain test/acc (as without tta) and test/acc_tta, which is the accuracy of the mean of each
-    test image's views' logits, computed here image by image."""
+    test image's views' logits, computed here image by image. The second table, TTA's, is labelled (issue 74, 11)."""
     from vitlab.eval import evaluate
     from vitlab.training.run import inference
 
     common = [f"ckpt_path={digits_ckpt}", "progress_bar=none", "trainer.limit_test_batches=1.0"]
     metrics = evaluate(compose_cfg("eval", [*common, "tta=flip_crops"], output_dir=tmp_path / "tta"))
+    said = "with test-time augmentation, tta=flip_crops: the logits averaged over 10 views of each image (<metric>_tta)"
+    assert capsys.readouterr().out.count(said) == 1
     plain = evaluate(compose_cfg("eval", common, output_dir=tmp_path / "plain"))
     assert metrics["test/acc"] == plain["test/acc"] and metrics["tta"] == "flip_crops" and metrics["tta_views"] == 10
     assert json.loads((tmp_path / "tta" / "metrics.json").read_text()) == metrics

@@ -105,6 +105,18 @@ def test_what_views_from_the_command_line_shows_maes_mask(tmp_path):
         assert all(0 <= k < 4 for k in view["masked_patches"])
 
 
+@pytest.mark.parametrize("model, patch, side", [("vit_s16", 16, 224), ("eva02_ti14", 14, 224)])
+def test_maes_mask_on_a_zoo_model_whose_patch_size_comes_from_its_variant(tmp_path, model, patch, side):
+    """Issue 74, point 8: the zoo files leave patch_size null (their variant gives it): `w // None` was a TypeError."""
+    r = run_cli("visualize", "what=views", "data=digits", f"model={model}", "objective=mae", "num_images=1", "draws=1",
+                f"hydra.run.dir={tmp_path}")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    (image,) = json.loads((tmp_path / "views.json").read_text())["images"]
+    (view,) = image["draws"][0]
+    n = (side // patch) ** 2
+    assert view["size"] == [side, side] and view["patch"] == patch and len(view["masked_patches"]) == n - n // 4
+
+
 def test_an_objective_without_views_is_one_line(compose_cfg):
     from vitlab.evaluation.views import training_views
 

@@ -131,6 +131,21 @@ def assert_refused(r, message: str, before: dict | None = None, outputs: Path | 
         assert left == set(before), sorted(map(str, left - set(before)))
 
 
+def refused_without_torch(cwd: Path, args: list[str], said: str) -> subprocess.CompletedProcess:
+    """`python -m vitlab.<args[0]> args[1:]` in `cwd` where torch, Lightning and timm cannot be imported (a package of
+    each name that fails on import comes first on the path), refused as assert_refused says with nothing left in
+    cwd/outputs: a refusal that needs no data comes before those imports (seconds on a CPU)."""
+    for name in ("torch", "lightning", "timm"):
+        (cwd / name).mkdir(exist_ok=True)
+        (cwd / name / "__init__.py").write_text(f"raise ImportError('{name} imported')\n")
+    command, *rest = args  # ("vitlab", "train", ...: the console script's way)
+    module = "vitlab" if command == "vitlab" else f"vitlab.{command}"
+    r = subprocess.run([sys.executable, "-m", module, *rest], cwd=cwd, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": f"{cwd}{os.pathsep}{ROOT / 'src'}"}, timeout=120)  # fmt: skip
+    assert_refused(r, said, {}, cwd / "outputs")
+    return r
+
+
 @contextlib.contextmanager
 def tmpfs(path: Path, options: str):
     """A small file system mounted at `path` (`options`: "size=300k", "ro,size=1m"): a full or read-only disk for

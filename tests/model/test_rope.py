@@ -127,7 +127,11 @@ def test_kept_rows_follow_patch_dropout():
     "fields, named",
     [
         (dict(rope="axial", rope_ref_feat_shape=[0, 14]), r"rope_ref_feat_shape \(0, 14\)"),  # not a grid
-        (dict(rope="dinov3", rope_ref_feat_shape=16), r"rope_ref_feat_shape 16 .* with rope 'axial'"),  # not its grid
+        (
+            dict(rope="dinov3", rope_ref_feat_shape=16),
+            r"16 .* needs rope 'axial' \(got rope 'dinov3'\)",
+        ),  # not its grid
+        (dict(rope="axial", rope_ref_feat_shape=[16]), r"rope_ref_feat_shape \(16,\) must be a grid"),  # issue 74, 11
         (dict(rope="mixed", embed_dim=36, num_heads=6), r"embed_dim / num_heads 6 .* divisible by 4"),
         (dict(rope="axial", pos_embed="sincos1d"), r"rope with pos_embed 'sincos1d'"),
         (dict(rope="mixed", rope_rotate_half=True), r"rope 'mixed' .* rope_rotate_half must be false"),

@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from vitlab.utils.errors import MissingFileError
+from vitlab.utils.errors import MissingFileError, UserError
 
 
 def config_dir() -> Path:
@@ -45,12 +45,15 @@ def read_user_config_dir(argv: list[str]) -> Path | None:
     before vitlab's; a folder that is not there refused in one line. Hydra itself would put the folder after ours (a
     file of the same name as ours never read) and report a missing one with a traceback."""
     given = None
+    _user_dir.clear()
     for i, arg in enumerate(argv):
         if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
             given = argv[i + 1]
         elif arg.startswith("--config-dir="):
             given = arg.partition("=")[2]
-    _user_dir.clear()
+        if given == "" or arg in ("--config-dir", "-cd") and i + 1 == len(argv):  # (Hydra's argparse: its usage)
+            raise UserError(f"{arg.partition('=')[0]} needs a folder: --config-dir <dir>, the folder of your config "
+                            "files (experiment/, model/, data/, ... as in vitlab's conf/)")  # fmt: skip
     if given is None:
         return None
     path = Path(given).expanduser().resolve()
@@ -87,6 +90,22 @@ def shadowing_note() -> str | None:
     if not names:
         return None
     return f"note: --config-dir {user}: your {', '.join(names)} take{'s' * (len(names) == 1)} the place of vitlab's"
+
+
+def yaml_error(e: Exception) -> UserError:
+    """A YAML file that does not parse (an unclosed `[`, a tab in the indent) as one line naming the file, the line and
+    the column (1-based, as an editor counts them), instead of PyYAML's traceback from inside Hydra."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    if mark is None:
+        return UserError(f"a config file is not valid YAML: {' '.join(str(e).split())}")
+    problem = getattr(e, "problem", None) or "not valid YAML"
+    if r"'\t'" in problem:  # (PyYAML's words: "found character '\t' that cannot start any token")
+        problem = "a tab, which YAML does not take where it reads indentation or a token: indent with spaces"
+    context, at = getattr(e, "context", None), getattr(e, "context_mark", None)
+    opened = (
+        f" ({context} begun at line {at.line + 1}, column {at.column + 1})" if context and at and at != mark else ""
+    )
+    return UserError(f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: {problem}{opened}")
 
 
 def _new_run_id() -> str:

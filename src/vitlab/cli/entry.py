@@ -182,6 +182,7 @@ def check_config(cfg: DictConfig, schema: Any = None, check: Check | None = None
         values = {k: _plain(cfg[k]) for k in typing.get_type_hints(schema) if k in cfg}
         check_arguments(schema, values, "")
     _check_data_dir(cfg)
+    _check_logger_packages(cfg)
     if check is not None:  # (the checks that need no Lightning first: their refusals come within a second)
         check(cfg)
     if "_target_:" in OmegaConf.to_yaml(cfg):
@@ -203,6 +204,28 @@ def _check_data_dir(cfg: DictConfig) -> None:
     remote = "://" in str(data_dir)  # an object store's or a server's (s3://, gs://, https://): its reader says
     if data_dir is not None and not remote and not Path(str(data_dir)).expanduser().exists():
         raise MissingFileError(f"data.data_dir {str(data_dir)!r} does not exist")
+
+
+# Lightning's loggers and the package each imports as it is built (one of them): without it, Lightning's
+# ModuleNotFoundError came from Hydra's instantiate after the run directory was made.
+LOGGER_PACKAGES = {"MLFlowLogger": ("mlflow",), "WandbLogger": ("wandb",), "CometLogger": ("comet_ml",),
+                   "NeptuneLogger": ("neptune",), "TensorBoardLogger": ("tensorboard", "tensorboardX")}  # fmt: skip
+
+
+def _check_logger_packages(cfg: DictConfig) -> None:
+    """A logger (logger=mlflow from a user's --config-dir) whose package is not installed, said in one line before
+    Lightning is imported and before the run directory is made."""
+    import importlib.util
+
+    loggers = cfg.get("logger")
+    for name, node in loggers.items() if OmegaConf.is_dict(loggers) else ():
+        target = str(node.get("_target_", "")) if OmegaConf.is_dict(node) else ""
+        packages = LOGGER_PACKAGES.get(target.rpartition(".")[2]) if ".loggers" in target else None
+        if packages and not any(importlib.util.find_spec(p) for p in packages):
+            raise UserError(
+                f"logger.{name}: {target} needs the {packages[0]} package, which is not installed here: pip install "
+                f"{packages[0]} (or choose a logger without it: logger=csv)"
+            )
 
 
 @contextlib.contextmanager

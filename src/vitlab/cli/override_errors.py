@@ -10,20 +10,23 @@ from typing import Any
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from vitlab.cli.config_tree import config_dir
-from vitlab.cli.overrides import override_value, quoting_hint
+from vitlab.cli.config_tree import config_dir, yaml_error
+from vitlab.cli.overrides import override_value, quoting_hint, refuse_wrong_forms
 from vitlab.utils.errors import config_errors, fail, one_line, user_error
 
 
 def compose(config_name: str, overrides: list[str], with_hydra: bool = False):
     """The config `config_name` with `overrides`, composed from conf/ (Hydra's node too, `with_hydra`)."""
     import hydra
+    import yaml
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             return hydra.compose(config_name, overrides=overrides, return_hydra_config=with_hydra)
+    except yaml.YAMLError as e:  # a file of the user's --config-dir (or ours) that does not parse
+        raise yaml_error(e) from None
     finally:
         GlobalHydra.instance().clear()
 
@@ -44,6 +47,7 @@ def compose_first_job(config_name: str, overrides: list[str]) -> None:
         except (HydraException, StopIteration, TypeError):
             continue  # a search space (Optuna's interval(...)): the sweeper draws its values
         first.append(o.input_line if value is None else f"{o.get_key_element()}={value}")
+    refuse_wrong_forms(first, lambda o: compose(config_name, o))
     try:
         compose(config_name, first)
     except config_errors() as e:

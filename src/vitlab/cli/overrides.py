@@ -130,3 +130,44 @@ def override_value(argv: list[str], key: str) -> str | None:
     parsed = _parsed([a for a in argv if not a.startswith("-")])
     found = [o for o in parsed or [] if o.key_or_group == key and not o.is_delete()]
     return str(found[-1].value()) if found else None
+
+
+def refuse_wrong_forms(overrides: list[str], compose: Callable) -> None:
+    """A group of keys given a single value (`objective.mixup=0.8`: its code met a float where it iterates over keys,
+    a TypeError deep in the build) or a single value given a group (`optim.lr={a: 1}`), refused in one line naming the
+    key and its form. `compose(overrides)` gives the config the group choices make (`model=`, `experiment=`), where each
+    dotted key's form is read; null stays allowed for a group (it turns a callback or logger off)."""
+    parsed = _parsed(overrides) or []
+    dotted = [o for o in parsed if "." in o.key_or_group and not o.is_delete() and not o.is_sweep_override()]
+    if not dotted:
+        return
+    try:
+        base = compose([x for x in overrides if x not in {o.input_line for o in dotted}])
+    except Exception:  # (an error of the others' own, said as they are composed with the rest)
+        return
+    for o in dotted:
+        node, value = _node(base, o.key_or_group), o.value()
+        if node is None or node._is_none() or node._is_interpolation() or node._is_missing():
+            continue
+        if OmegaConf.is_dict(node) and value is not None and not isinstance(value, dict):
+            keys = [str(k) for k in node.keys() if not str(k).startswith("_")]
+            example = f"{o.key_or_group}.{keys[0]}={o.input_line.partition('=')[2]}" if keys else None
+            fail(
+                f"{o.input_line}: {o.key_or_group} is a group of keys {keys}, not a single value; set one of them"
+                + (f", e.g. {example}" if example else "")
+            )
+        if not OmegaConf.is_config(node) and isinstance(value, dict):
+            fail(
+                f"{o.input_line}: {o.key_or_group} takes a single value (its default: {node._value()!r}), not a group "
+                "of keys"
+            )
+
+
+def _node(cfg: DictConfig, dotted: str) -> Any:
+    """The node at `dotted` in `cfg`, unresolved, or None where there is none."""
+    node: Any = cfg
+    for part in dotted.split("."):
+        if not OmegaConf.is_dict(node) or part not in node.keys():
+            return None
+        node = node._get_node(part)
+    return node

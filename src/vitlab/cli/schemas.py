@@ -217,12 +217,28 @@ def check_train(cfg: DictConfig) -> None:
             "encoder without one: nothing would learn; drop freeze_backbone"
         )
     check_devices(cfg.trainer)  # (torch only where the machine may have a GPU) before check_request reads them
+    _check_float8_on_a_cpu(cfg.trainer)
+    if "folds" in cfg.data or "fold" in cfg.data:  # (whether the data module takes folds: check_nodes)
+        from vitlab.data.folds import check_folds
+
+        check_folds(cfg.data.get("folds", 0), cfg.data.get("fold", 0))
 
     from vitlab.cli.node_checks import check_launch
     from vitlab.training.devices.sharding import check_request
 
     check_launch(cfg)  # a -m sweep of multi-process runs on a launcher that cannot start them
     check_request(cfg.trainer, cfg.get("callbacks"))  # trainer=fsdp: what cannot shard (its note is logged by train)
+
+
+def _check_float8_on_a_cpu(trainer: DictConfig) -> None:
+    """trainer.precision=float8 where no GPU can be in use (the CPU asked for, or none here), refused before torch is
+    imported; on a machine with GPUs, their compute capability is asked as the Trainer is configured
+    (training.devices.hardware)."""
+    from vitlab.training.devices.float8_request import check_float8, is_float8
+    from vitlab.utils.cuda import no_cuda_here
+
+    if is_float8(precision := trainer.get("precision")) and (trainer.get("accelerator") == "cpu" or no_cuda_here()):
+        check_float8(str(precision), [])
 
 
 def _pretrains(objective: str | None) -> bool:
@@ -283,8 +299,13 @@ def _model_given(cfg: DictConfig) -> bool:
 
 
 def check_predict(cfg: DictConfig) -> None:
+    from vitlab.utils.errors import MissingFileError
+
     _check_ckpt_path(cfg.ckpt_path)
     check_device("device", cfg.device)
+    for image in [cfg.images] if isinstance(cfg.images, str) else cfg.images:  # (data.images.read_image's words)
+        if not Path(str(image)).expanduser().exists():
+            raise MissingFileError(f"image file {str(image)!r} does not exist")
     if (cfg.ckpt_path is None) == (cfg.model.pretrained is None):
         raise UserError(
             "give ckpt_path=<file.ckpt> (a trained checkpoint) or model.pretrained=<timm name | local-dir:<folder> | "

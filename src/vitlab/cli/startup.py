@@ -17,7 +17,7 @@ from omegaconf import OmegaConf, open_dict
 
 from vitlab.cli.config_tree import config_dir, groups_read, refuse_unread_groups, shadowing_note, without_config_dir
 from vitlab.cli.override_errors import compose, compose_first_job, explain
-from vitlab.cli.overrides import override_value, refuse_repeated, refuse_unread_keys
+from vitlab.cli.overrides import override_value, refuse_repeated, refuse_unread_keys, refuse_wrong_forms
 from vitlab.cli.ranks import primary_run_dir, process_rank, torchrun_store
 from vitlab.cli.rundir import check_writable, claim_run_dir
 from vitlab.cli.sweep import check_sweep_dir
@@ -46,6 +46,16 @@ def _check_as_job(cfg, check: Callable[[Any], None]) -> None:
         check(job)
     finally:
         HydraConfig.instance().cfg = None  # the job's own is set by Hydra
+
+
+def _refuse_bad_overrides(config_name: str, overrides: list[str]) -> None:
+    """What is wrong with the overrides themselves, in one line: a group the command does not read, a key given twice,
+    a + key no command reads, a group of keys given one value or one value a group (a sweep's swept keys: the first
+    job's, compose_first_job)."""
+    refuse_unread_groups(config_name, overrides)
+    refuse_repeated(overrides)
+    refuse_unread_keys(config_name, overrides, groups_read(config_name), lambda o: compose(config_name, o))
+    refuse_wrong_forms(overrides, lambda o: compose(config_name, o))
 
 
 def prepare(config_name: str, argv: list[str], check: Callable[[Any], None] | None = None) -> list[str]:
@@ -78,9 +88,7 @@ def prepare(config_name: str, argv: list[str], check: Callable[[Any], None] | No
         return typed
 
     overrides = [a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/")) and not a.startswith("-")]
-    refuse_unread_groups(config_name, overrides)
-    refuse_repeated(overrides)
-    refuse_unread_keys(config_name, overrides, groups_read(config_name), lambda o: compose(config_name, o))
+    _refuse_bad_overrides(config_name, overrides)
     if flags:  # a sweep: what every job would refuse alike (a misspelt key) is said once; the jobs check the rest
         compose_first_job(config_name, overrides)
         return typed

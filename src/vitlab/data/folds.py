@@ -6,15 +6,13 @@ read. `python -m vitlab.train -m data.folds=5 'data.fold=range(5)'` trains every
 the mean and standard deviation over the folds (vitlab.cli.sweep).
 
 The map-style readers take it (data=digits, imagefolder, hf, list): their labels are known before the split.
+`check_folds` needs no torch nor numpy (imported where a split is made): the command checks the values at once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
-
-import numpy as np
-import torch
 
 from vitlab.utils.errors import UserError
 
@@ -50,6 +48,7 @@ def labels_of(dataset: Any) -> list[int]:
 def fold_split(labels: Sequence[int], folds: int, fold: int, seed: int) -> tuple[list[int], list[int]]:
     """(kept, held): the positions in `labels` that train and the ones of fold `fold` (validation), class-stratified.
     The same (labels, folds, seed) give the same folds whatever `fold`: they are disjoint and cover every position."""
+    import numpy as np
     from sklearn.model_selection import StratifiedKFold
 
     check_folds(folds, fold)
@@ -67,6 +66,8 @@ def fold_split(labels: Sequence[int], folds: int, fold: int, seed: int) -> tuple
 def held_out(n: int, held: int, seed: int) -> tuple[list[int], list[int]]:
     """Indices (kept, held out) of n images, `held` of them held out at random, fixed by `seed` (big_vision's
     minival, CIFAR's validation images: a slice of train that selects the checkpoint)."""
+    import torch
+
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     return sorted(order[held:]), sorted(order[:held])
 

@@ -82,11 +82,12 @@ def score_with_tta(trainer, module, datamodule, tta: str) -> dict[str, float]:
     out = {k: float(v) for k, v in metrics.items()}
     if tta == "none":
         return out
-    plain = module.model
+    plain, n = module.model, len(views(torch.zeros(1, 1, *datamodule.img_hw), tta))
+    # (Lightning's table of the same names follows: said, or the two tables look alike)
+    print(f"with test-time augmentation, tta={tta}: the logits averaged over {n} views of each image (<metric>_tta)")
     module.model = TestTimeAugmentation(plain, tta)
     try:
         (augmented,) = run(module, datamodule=datamodule)
     finally:
         module.model = plain
-    n = len(views(torch.zeros(1, 1, *datamodule.img_hw), tta))
     return out | {f"{k}_tta": float(v) for k, v in augmented.items()} | {"tta": tta, "tta_views": n}

@@ -66,16 +66,17 @@ def training_views(
     return [_masked(view, *mae) if kind == "masked" else view]
 
 
-def _masked(view: dict[str, Any], patch: int, mask_ratio: float) -> dict[str, Any]:
-    """The crop with the patches MAE's encoder does not see greyed (its random_masking, `mask_ratio` of them)."""
-    (h, w), image = view["size"], view["image"].clone()
-    gw, n = w // patch, (h // patch) * (w // patch)
+def _masked(view: dict[str, Any], patch: tuple[int, int], mask_ratio: float) -> dict[str, Any]:
+    """The crop with the patches (`patch`: height, width) MAE's encoder does not see greyed (its random_masking,
+    `mask_ratio` of them)."""
+    (h, w), image, (ph, pw) = view["size"], view["image"].clone(), patch
+    gw, n = w // pw, (h // ph) * (w // pw)
     kept, _ = random_masking(1, n, int(n * (1 - mask_ratio)))  # as encode_visible keeps them
     masked = sorted(set(range(n)) - set(kept[0].tolist()))
     for k in masked:
         r, c = divmod(k, gw)
-        image[:, r * patch : (r + 1) * patch, c * patch : (c + 1) * patch] = 0.5
-    return view | {"image": image, "masked_patches": masked, "patch": patch}
+        image[:, r * ph : (r + 1) * ph, c * pw : (c + 1) * pw] = 0.5
+    return view | {"image": image, "masked_patches": masked, "patch": ph if ph == pw else [ph, pw]}
 
 
 def _device_views(dm: Any, img: torch.Tensor, seed: int) -> list[dict[str, Any]]:

@@ -50,9 +50,11 @@ def check_rope(self: ViTConfig) -> None:
         if getattr(self, name) not in allowed:
             raise UserError(f"{name} {getattr(self, name)!r} is not one of {list(allowed)}")
     ref = self.rope_ref_feat_shape
-    if ref is not None and (self.rope != "axial" or not _positive_pair(ref)):
-        raise UserError(f"rope_ref_feat_shape {ref!r} is the grid axial RoPE's positions are rescaled to: "
-                            f"positive [height, width] with rope 'axial' (got rope {self.rope!r})")  # fmt: skip
+    if ref is not None and self.rope != "axial":
+        raise UserError(f"rope_ref_feat_shape {ref!r} is the grid axial RoPE's positions are rescaled to: it needs "
+                        f"rope 'axial' (got rope {self.rope!r})")  # fmt: skip
+    if ref is not None and not _positive_pair(ref):
+        raise UserError(f"rope_ref_feat_shape {ref!r} must be a grid of positive sizes: an int n or [height, width]")
     if self.rope == "mixed" and self.rope_rotate_half:
         raise UserError("rope 'mixed' rotates interleaved channel pairs: rope_rotate_half must be false")
     periods = self.rope_period_range
@@ -69,7 +71,9 @@ def check_rope(self: ViTConfig) -> None:
 def _positive_pair(size: Any) -> bool:
     """An int n >= 1 or a pair of them (a grid, as config.as_hw reads one)."""
     sizes = [size] if isinstance(size, int) else list(size) if isinstance(size, (list, tuple)) else [None, None, None]
-    return len(sizes) in (1, 2) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)
+    return (len(sizes) == 2 or isinstance(size, int)) and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes
+    )
 
 
 def check_kv_heads(self: ViTConfig) -> None:

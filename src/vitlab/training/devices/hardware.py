@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from vitlab.training.devices.float8 import check_float8, is_float8
+from vitlab.training.devices.float8_request import check_float8, is_float8
 from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
