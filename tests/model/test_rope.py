@@ -165,3 +165,23 @@ def test_evas_init_draws_as_timms_eva():
         ours_std, their_std = model.get_parameter(name).std().item(), theirs.get_parameter(name).std().item()
         assert abs(ours_std / their_std - 1) < 0.2, (name, ours_std, their_std)
     assert model.head.weight.std() < 1e-4 and torch.equal(model.blocks[0].gamma_1, theirs.blocks[0].gamma_1)
+
+
+def test_mixed_initial_frequencies_are_timms_draw_and_magnitudes():
+    """RoPE-Mixed's initial frequencies (issue 74 point 12): the comparisons above copy ours into timm's module, so a
+    wrong magnitude would pass them. Drawn under the same seed they equal timm's init_random_2d_freqs; and in a
+    model, each pair (f_x, f_y) has the magnitude 1 / T^(4i / Dh), i < Dh/4, whatever direction it was drawn in."""
+    from timm.layers.pos_embed_sincos import init_random_2d_freqs
+
+    head_dim, depth, heads = 16, 3, 2
+    mine = Rope(rope_spec(tiny(rope="mixed", embed_dim=32, num_heads=heads, depth=depth)), depth=depth,
+                num_heads=heads, grid_size=(4, 4))  # fmt: skip
+    torch.manual_seed(5)
+    mine.reset_parameters()
+    torch.manual_seed(5)
+    torch.testing.assert_close(mine.freqs, init_random_2d_freqs(head_dim, depth, heads, temperature=1e4), rtol=0,
+                               atol=0)  # fmt: skip
+    model = ViT(tiny(rope="mixed", rope_temperature=100.0, embed_dim=64, num_heads=2))  # Dh 32: 8 magnitudes
+    magnitude = model.rope.freqs.detach().norm(dim=0)  # (depth, H, Dh/2): |(f_x, f_y)| per pair
+    expected = 1.0 / 100.0 ** (4 * torch.arange(8) / 32)
+    torch.testing.assert_close(magnitude, expected.repeat(2).expand_as(magnitude), rtol=1e-6, atol=0)
