@@ -161,6 +161,16 @@ class Rope(nn.Module):
         if not self.per_block:
             self.cached = rope_table(self.grid_size, self.spec, device=self.cached.device).to(self.cached.dtype)
 
+    def at(self, grid: tuple[int, int]) -> torch.Tensor:
+        """The table of a (h, w) grid given as numbers (NaFlex: an image's grid, from its size or its patches'
+        coordinates): the kept one at the kept grid, else computed (float32, as timm's get_embed)."""
+        augment = self.training and self.augments
+        if self.per_block:
+            return rope_table(grid, self.spec, augment, self.freqs)
+        if augment or tuple(grid) != self.grid_size:
+            return rope_table(grid, self.spec, augment, device=self.cached.device)
+        return self.cached
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # tokens (B, h, w, D)
         augment = self.training and self.augments
         if self.per_block:
@@ -196,15 +206,18 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor, num_prefix: int, rotate_hal
     return torch.cat([x[:, :, :num_prefix], rotated], dim=2)
 
 
-def keep_rows(table: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def keep_rows(table: torch.Tensor, keep: torch.Tensor, batched: bool = False) -> torch.Tensor:
     """The table's rows of the kept patches `keep` (B, n) of each image (patch dropout, MAE's masking): (N, 2*Dh) ->
-    (B, 1, n, 2*Dh); mixed (depth, H, N, 2*Dh) -> (depth, B, H, n, 2*Dh)."""
-    table = table.unsqueeze(-3) if table.ndim == 2 else table  # (1, N, C) or (depth, H, N, C)
-    table = table.unsqueeze(-4)  # a batch axis before the heads
+    (B, 1, n, 2*Dh); mixed (depth, H, N, 2*Dh) -> (depth, B, H, n, 2*Dh). `batched`: a table with its batch axis
+    already, (B, 1, N, 2*Dh) or (depth, B, H, N, 2*Dh) (NaFlex's, one grid per image)."""
+    if not batched:
+        table = table.unsqueeze(-3) if table.ndim == 2 else table  # (1, N, C) or (depth, H, N, C)
+        table = table.unsqueeze(-4)  # a batch axis before the heads
+        table = table.expand(*table.shape[:-4], keep.shape[0], *table.shape[-3:])
     shape = list(table.shape)
-    shape[-4], shape[-2] = keep.shape[0], keep.shape[1]
+    shape[-2] = keep.shape[1]
     index = keep[:, None, :, None] if table.ndim == 4 else keep[None, :, None, :, None]
-    return table.expand(*table.shape[:-4], keep.shape[0], *table.shape[-3:]).gather(-2, index.expand(shape))
+    return table.gather(-2, index.expand(shape))
 
 
 ROPES = {"axial": Rope, "mixed": Rope, "dinov3": Rope}  # config.py's rope ('' none); built with (spec, ...)
