@@ -185,3 +185,23 @@ def test_mixed_initial_frequencies_are_timms_draw_and_magnitudes():
     magnitude = model.rope.freqs.detach().norm(dim=0)  # (depth, H, Dh/2): |(f_x, f_y)| per pair
     expected = 1.0 / 100.0 ** (4 * torch.arange(8) / 32)
     torch.testing.assert_close(magnitude, expected.repeat(2).expand_as(magnitude), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("rotate_half", [False, True])
+def test_rotation_is_timms_bit_for_bit_and_an_unchanged_grid_keeps_its_table(rotate_half):
+    """Issue 74 point 16: the rotation with the sign in the table and identity rows for the prefix (no negation, no
+    concatenation) equals timm's apply_rot_embed_cat on the patches bit for bit, for a table of any values; with
+    dynamic_img_size the kept table answers for the kept grid (timm rebuilds it), another grid is computed."""
+    from timm.layers.pos_embed_sincos import apply_rot_embed_cat
+
+    from vitlab.model.rope import rotate_pairs
+
+    g = torch.Generator().manual_seed(0)
+    q, k, rows = torch.randn(2, 3, 1 + 6, 8, generator=g), torch.randn(2, 3, 1 + 6, 8, generator=g), torch.randn(6, 16)
+    for ours_x, x in zip(rotate_pairs((q, k), rows, 1, rotate_half), (q, k), strict=True):
+        theirs = torch.cat([x[:, :, :1], apply_rot_embed_cat(x[:, :, 1:], rows, half=rotate_half)], dim=2)
+        assert torch.equal(ours_x, theirs)
+    rope = ours(rope="axial")  # tiny(): a 4x4 grid
+    rope.reset_parameters()
+    assert table(rope, (4, 4)) is rope.cached and table(rope, (3, 5)) is not rope.cached
+    assert torch.equal(table(rope, (3, 5)), RotaryEmbeddingCat(HEAD, in_pixels=False).get_embed([3, 5]))

@@ -17,6 +17,7 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -176,34 +177,50 @@ class Rope(nn.Module):
         if self.per_block:
             return _table_at(tokens, self.spec, augment, self.freqs)
         if augment or self.dynamic_img_size:
-            return _table_at(tokens, self.spec, augment, self.cached)  # float32, as timm's
+            return _table_at(tokens, self.spec, augment, self.cached, self.grid_size)  # float32, as timm's
         return self.cached
 
 
 @torch.fx.wrap  # FX records one call: the grid comes from the input's shape
-def _table_at(tokens: torch.Tensor, spec: RopeSpec, augment: bool, like: torch.Tensor) -> torch.Tensor:
+def _table_at(tokens: torch.Tensor, spec: RopeSpec, augment: bool, like: torch.Tensor, kept=None) -> torch.Tensor:
+    """The table of the tokens' grid; the kept one (`like`, of grid `kept`) where the grid is that grid and nothing
+    is drawn (timm rebuilds it every forward: the same values). Symbolic sizes (export, compile) take the computation:
+    a comparison would fix the size."""
+    grid = (tokens.shape[1], tokens.shape[2])
+    eager = type(grid[0]) is int and type(grid[1]) is int and not torch.compiler.is_compiling()
+    if eager and kept is not None and not augment and grid == tuple(kept) and like.dtype == torch.float32:
+        return like
     freqs = like if spec.kind == "mixed" else None
-    return rope_table((tokens.shape[1], tokens.shape[2]), spec, augment, freqs, device=like.device)
+    return rope_table(grid, spec, augment, freqs, device=like.device)
 
 
 # ---- applying a table --------------------------------------------------------------------------------
 
 
-def _rotate(x: torch.Tensor, rotate_half: bool) -> torch.Tensor:
-    """Each channel pair (a, b) -> (-b, a): the halves of the head, or interleaved neighbours (timm's rot)."""
+def rotate_pairs(xs: tuple[torch.Tensor, ...], table: torch.Tensor, num_prefix: int, rotate_half: bool) -> tuple:
+    """Each of `xs` (queries and keys, (B, H, prefix + N, Dh)) rotated by one table, prepared once for all: x cos +
+    swap(x) (sign . sin), where swap exchanges each pair (a, b) -> (b, a) and the sign (-, +) of the rotation
+    (a, b) -> (-b, a) sits in the table, so a head costs one copy, two products and a sum (timm's: a negation and
+    a copy, the same products and sum, and a concatenation). The prefix rows get cos 1 and sin 0, so the prefix
+    tokens come out as they went in (x * 1 + 0) with no concatenation. Each value equals timm's apply_rot_embed_cat's
+    bit for bit (a product with the sign moved is the same float)."""
+    sin, cos = table.chunk(2, -1)
+    if rotate_half:
+        s1, s2 = sin.chunk(2, -1)
+        sin = torch.cat([-s1, s2], dim=-1)
+    else:
+        sin = torch.stack([-sin[..., ::2], sin[..., 1::2]], -1).flatten(-2)
+    if num_prefix:
+        sin, cos = F.pad(sin, (0, 0, num_prefix, 0)), F.pad(cos, (0, 0, num_prefix, 0), value=1.0)
+    return tuple((x * cos + _swap(x, rotate_half) * sin).to(x.dtype) for x in xs)
+
+
+def _swap(x: torch.Tensor, rotate_half: bool) -> torch.Tensor:
+    """Each channel pair (a, b) -> (b, a): the halves of the head, or interleaved neighbours."""
     if rotate_half:
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([-x2, x1], dim=-1)
-    return torch.stack([-x[..., 1::2], x[..., ::2]], -1).reshape(x.shape)
-
-
-def apply_rope(x: torch.Tensor, table: torch.Tensor, num_prefix: int, rotate_half: bool) -> torch.Tensor:
-    """Queries or keys (B, H, prefix + N, Dh) rotated by a table (N, 2*Dh), (H, N, 2*Dh) or with a batch axis; the
-    prefix tokens as they are (timm's EvaAttention / AttentionRope)."""
-    sin, cos = table.chunk(2, -1)
-    patches = x[:, :, num_prefix:]
-    rotated = (patches * cos + _rotate(patches, rotate_half) * sin).to(x.dtype)
-    return torch.cat([x[:, :, :num_prefix], rotated], dim=2)
+        return torch.cat([x2, x1], dim=-1)
+    return torch.stack([x[..., 1::2], x[..., ::2]], -1).flatten(-2)  # (flip(-1) is twice as slow on the CPU)
 
 
 def keep_rows(table: torch.Tensor, keep: torch.Tensor, batched: bool = False) -> torch.Tensor:
