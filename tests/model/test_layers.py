@@ -1,6 +1,7 @@
 """The model's layers built alone from explicit arguments (issue 73 point 5), against their timm counterparts: our
 Attention vs timm.layers.Attention, our EvaAttention vs timm's (fused q/v biases, RoPE on the patch tokens), our
-Block vs timm's Block. The reference's own random weights, with every bias and norm moved off its init (a zero bias
+Block vs timm's Block, our EvaBlock vs timm's (LayerScale gammas of 1), 8 query heads over 2 key/value heads vs
+timm's AttentionRope. The reference's own random weights, with every bias and norm moved off its init (a zero bias
 or a unit norm weight hides a swapped pair), are loaded into ours under the same keys; outputs held to 1e-6."""
 
 from functools import partial
@@ -8,13 +9,15 @@ from functools import partial
 import pytest
 import torch
 from timm.layers import Attention as TimmAttention
+from timm.layers import AttentionRope as TimmAttentionRope
 from timm.models.eva import EvaAttention as TimmEvaAttention
+from timm.models.eva import EvaBlock as TimmEvaBlock
 from timm.models.vision_transformer import Block as TimmBlock
 from torch import nn
 
 from vitlab.model.attention import Attention, EvaAttention
-from vitlab.model.blocks import Block
-from vitlab.model.layers import Mlp
+from vitlab.model.blocks import Block, EvaBlock
+from vitlab.model.layers import Mlp, SwiGLUPacked
 
 DIM, HEADS, N = 48, 4, 11  # head width 12, 1 class token + 10 patches
 NORM = partial(nn.LayerNorm, eps=1e-6)
@@ -66,3 +69,37 @@ def test_block_built_alone_from_its_layers_is_timms():
         init_values=0.5,
     )
     _same(ours, _perturbed(reference))
+
+
+def test_eva_block_with_layerscale_gammas_of_one_is_timms():
+    """timm's EvaBlock (EvaAttention with random q/v biases, RoPE, the packed SwiGLU) against ours built from its
+    layers, gammas set to 1 (issue 74 point 13): at EVA's LayerScale of 1e-5 a swapped q/v bias moves the block's
+    output by ~1e-5, inside the tolerance."""
+    kwargs = dict(qkv_bias=True, num_prefix_tokens=1, rotate_half=True)
+    reference = _perturbed(TimmEvaBlock(DIM, HEADS, mlp_ratio=2.0, swiglu_mlp=True, init_values=1e-5,
+                                        norm_layer=NORM, **kwargs))  # fmt: skip
+    with torch.no_grad():
+        reference.gamma_1.fill_(1.0), reference.gamma_2.fill_(1.0)
+    ours = EvaBlock(
+        DIM,
+        attn_layer=partial(EvaAttention, DIM, HEADS, **kwargs),
+        mlp_layer=partial(SwiGLUPacked, DIM, 4 * DIM, act_layer=nn.SiLU),  # timm's GluMlp: fc1 (gate; value)
+        norm_layer=NORM,
+        init_values=1e-5,
+    )
+    rope = torch.randn(N - 1, 2 * DIM // HEADS, generator=torch.Generator().manual_seed(2))
+    _same(ours, reference, None, None, rope, rope=rope)
+
+
+def test_grouped_query_heads_are_timms_attention_rope():
+    """8 query heads over 2 key/value heads (issue 74 point 14): key/value head j serves query heads 4j..4j+3, as
+    timm's AttentionRope tiles them (repeat_interleave). One key/value head would hide a tiling in the wrong order."""
+    dim, heads, kv_heads = 64, 8, 2
+    kwargs = dict(qkv_bias=True, qkv_fused=False, num_kv_heads=kv_heads, num_prefix_tokens=1)
+    reference = _perturbed(TimmAttentionRope(dim, heads, **kwargs))
+    ours = Attention(dim, heads, **kwargs)
+    ours.load_state_dict(reference.state_dict())
+    assert ours.k_proj.weight.shape == (dim // heads * kv_heads, dim)
+    x = torch.randn(2, N, dim, generator=torch.Generator().manual_seed(1))
+    rope = torch.randn(N - 1, 2 * dim // heads, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(ours.eval()(x, None, None, rope), reference(x, rope=rope), atol=1e-6, rtol=0)

@@ -106,8 +106,9 @@ def test_config_reads_timm_naflex_arguments_and_refuses_what_it_cannot_express()
     cfg = config_from_timm("naflexvit_base_patch16_parfac_gap")
     assert (cfg.naflex, cfg.pos_embed, cfg.pos_embed_ar_preserving, cfg.reg_tokens) == (True, "factorized", True, 4)
     assert pos_grid(cfg) == (16, 16) and cfg.img_hw == (256, 256)
-    with pytest.raises(UserError, match="rope_type='axial'"):
-        config_from_timm("naflexvit_base_patch16_gap", rope_type="axial")
+    assert config_from_timm("naflexvit_base_patch16_gap", rope_type="axial").rope == "axial"  # (issue 74 point 2)
+    with pytest.raises(UserError, match="rope_type='mrope'"):
+        config_from_timm("naflexvit_base_patch16_gap", rope_type="mrope", rope_mrope_section=(2, 3, 3))
     with pytest.raises(UserError, match="pos_embed 'factorized' is NaFlex's"):
         ViTConfig(pos_embed="factorized")
     with pytest.raises(ValueError, match="naflex=true"):
@@ -119,3 +120,51 @@ def test_patch_dropout_keeps_validity_aligned():
     ours.train()
     feats = ours.forward_features(naflex_batch(IMAGES, 15))
     assert feats["patches"].shape[1] == 4 + 7 and feats["patch_valid"].shape == (2, 7)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        dict(rope_type="axial"),
+        dict(rope_type="axial", pos_embed="none", rope_grid_indexing="xy", rope_ref_feat_shape=(4, 4)),
+        dict(rope_type="mixed", pos_embed="none"),
+        dict(rope_type="mixed", rope_temperature=10.0),
+        dict(rope_type="dinov3", rope_rotate_half=True, pos_embed="none"),
+        dict(rope_type="dinov3", rope_grid_offset=0.5),
+    ],
+    ids=["axial", "axial_xy_ref_no_table", "mixed_no_table", "mixed", "dinov3_half_no_table", "dinov3"],
+)
+def test_naflex_with_rope_is_timms_on_images_and_naflex_batches(rope):
+    """timm's NaFlexVit with rope_type (issue 74 point 2), with and without the learned table: the same RoPE at each
+    image's grid, held to timm's logits on an image tensor and on a padded NaFlex batch of two grids."""
+    ours, theirs = pair("naflexvit_base_patch16_gap", **rope)
+    assert ours.rope is not None and ours.cfg.block_fn == "eva"
+    state = theirs.state_dict()
+    for value in state.values():  # attention far from uniform (at pair()'s 0.05 the RoPE hardly moves the logits)
+        value.normal_(0, 0.3)
+    theirs.load_state_dict(state), ours.load_state_dict(state)
+    x = torch.randn(2, 3, 48, 80)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=0)
+        batch = naflex_batch(IMAGES, 16)
+        torch.testing.assert_close(ours(batch), theirs(batch), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rope", ["axial", "mixed", "dinov3"])
+def test_rope_on_a_naflex_config_turns_the_logits(rope):
+    """model=naflexvit_b16 model.rope=...: the RoPE is applied, on images and on NaFlex batches (it was built and
+    ignored: the logits equalled rope none's), and patch dropout keeps each kept patch's rows in training."""
+    cfg = ViTConfig(naflex=True, img_size=32, patch_size=P, class_token=False, reg_tokens=2, global_pool="avg",
+                    init_values=1.0, patch_drop_rate=0.25, **SMALL)  # fmt: skip
+    plain, rotated = ViT(cfg).eval(), ViT(cfg.replace(rope=rope)).eval()
+    state = plain.state_dict()
+    for value in state.values():  # attention far from uniform, so that positions matter
+        value.normal_(0, 0.3)
+    rotated.load_state_dict(state, strict=False)  # the same weights; mixed's rope.freqs its own
+    plain.load_state_dict(state)
+    batch, x = naflex_batch(IMAGES, 16), torch.randn(2, 3, 48, 80)
+    with torch.no_grad():
+        assert (rotated(x) - plain(x)).abs().max() > 1e-3
+        assert (rotated(batch) - plain(batch)).abs().max() > 1e-3
+    rotated.train()
+    rotated(batch).sum().backward()  # patch dropout with the table's rows kept alongside

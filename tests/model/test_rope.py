@@ -169,3 +169,43 @@ def test_evas_init_draws_as_timms_eva():
         ours_std, their_std = model.get_parameter(name).std().item(), theirs.get_parameter(name).std().item()
         assert abs(ours_std / their_std - 1) < 0.2, (name, ours_std, their_std)
     assert model.head.weight.std() < 1e-4 and torch.equal(model.blocks[0].gamma_1, theirs.blocks[0].gamma_1)
+
+
+def test_mixed_initial_frequencies_are_timms_draw_and_magnitudes():
+    """RoPE-Mixed's initial frequencies (issue 74 point 12): the comparisons above copy ours into timm's module, so a
+    wrong magnitude would pass them. Drawn under the same seed they equal timm's init_random_2d_freqs; and in a
+    model, each pair (f_x, f_y) has the magnitude 1 / T^(4i / Dh), i < Dh/4, whatever direction it was drawn in."""
+    from timm.layers.pos_embed_sincos import init_random_2d_freqs
+
+    head_dim, depth, heads = 16, 3, 2
+    mine = Rope(rope_spec(tiny(rope="mixed", embed_dim=32, num_heads=heads, depth=depth)), depth=depth,
+                num_heads=heads, grid_size=(4, 4))  # fmt: skip
+    torch.manual_seed(5)
+    mine.reset_parameters()
+    torch.manual_seed(5)
+    torch.testing.assert_close(mine.freqs, init_random_2d_freqs(head_dim, depth, heads, temperature=1e4), rtol=0,
+                               atol=0)  # fmt: skip
+    model = ViT(tiny(rope="mixed", rope_temperature=100.0, embed_dim=64, num_heads=2))  # Dh 32: 8 magnitudes
+    magnitude = model.rope.freqs.detach().norm(dim=0)  # (depth, H, Dh/2): |(f_x, f_y)| per pair
+    expected = 1.0 / 100.0 ** (4 * torch.arange(8) / 32)
+    torch.testing.assert_close(magnitude, expected.repeat(2).expand_as(magnitude), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("rotate_half", [False, True])
+def test_rotation_is_timms_bit_for_bit_and_an_unchanged_grid_keeps_its_table(rotate_half):
+    """Issue 74 point 16: the rotation with the sign in the table and identity rows for the prefix (no negation, no
+    concatenation) equals timm's apply_rot_embed_cat on the patches bit for bit, for a table of any values; with
+    dynamic_img_size the kept table answers for the kept grid (timm rebuilds it), another grid is computed."""
+    from timm.layers.pos_embed_sincos import apply_rot_embed_cat
+
+    from vitlab.model.rope import rotate_pairs
+
+    g = torch.Generator().manual_seed(0)
+    q, k, rows = torch.randn(2, 3, 1 + 6, 8, generator=g), torch.randn(2, 3, 1 + 6, 8, generator=g), torch.randn(6, 16)
+    for ours_x, x in zip(rotate_pairs((q, k), rows, 1, rotate_half), (q, k), strict=True):
+        theirs = torch.cat([x[:, :, :1], apply_rot_embed_cat(x[:, :, 1:], rows, half=rotate_half)], dim=2)
+        assert torch.equal(ours_x, theirs)
+    rope = ours(rope="axial")  # tiny(): a 4x4 grid
+    rope.reset_parameters()
+    assert table(rope, (4, 4)) is rope.cached and table(rope, (3, 5)) is not rope.cached
+    assert torch.equal(table(rope, (3, 5)), RotaryEmbeddingCat(HEAD, in_pixels=False).get_embed([3, 5]))

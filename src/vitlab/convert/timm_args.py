@@ -38,7 +38,9 @@ def timm_components() -> dict[str, dict[str, Any]]:
 # Other names timm's registered models give the same components (class names, lower case).
 TIMM_ALIASES = {
     "act_layer": {"gelutanh": "gelu_tanh", "quickgelu": "quick_gelu", "swish": "silu"},
-    "attn_layer": {alias: name for name, kind in ATTENTION_KINDS.items() for alias in kind.timm[1:]},
+    "attn_layer": {alias: name for name, kind in ATTENTION_KINDS.items() for alias in kind.timm[1:]}
+    | {"evaattention": "eva"},
+    "block_fn": {"evablock": "eva"},  # timm's NaFlexVit builds EvaBlocks for RoPE (convert/timm_naflex.py)
 }
 
 # timm arguments our ViT has no counterpart for, with the value that means "off" (timm's default)

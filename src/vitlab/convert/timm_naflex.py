@@ -22,11 +22,19 @@ SAME = (
     "act_layer", "norm_layer", "embed_norm_layer", "mlp_layer", "attn_layer", "block_fn", *DROPOUTS,
 )  # fmt: skip
 RENAMED = {"scale_attn_inner_norm": "scale_attn_norm"}
+# RoPE (model/rope.py): NaFlexVitCfg's rope_type and the fields of the same name; with it (or attn_type 'eva' /
+# 'rope') timm builds EvaBlocks, ours block_fn 'eva' (LayerScale as gamma_1 / gamma_2) with attn_type's attention.
+ROPE_TYPES = {"axial": "axial", "mixed": "mixed", "dinov3": "dinov3"}
+ROPE_SAME = ("rope_temperature", "rope_ref_feat_shape", "rope_grid_offset", "rope_grid_indexing", "rope_rotate_half",
+             "rope_shift_coords", "rope_jitter_coords", "rope_rescale_coords")  # fmt: skip
+# timm's attn_type in an EvaBlock -> its attention, by the class name timm_args.vitlab_args reads
+EVA_ATTN = {"standard": "Attention", "rope": "Attention", "eva": "EvaAttention"}
 POS_EMBED = {"learned": "learn", "factorized": "factorized", "none": "none", "": "none"}
-# NaFlexVitCfg fields our ViT has no counterpart for, with the value that means "off" (timm's default): RoPE and
-# EVA's blocks (model/ after RoPE lands), grouped-query heads, the patch-size interpolator, other patch layouts.
+# NaFlexVitCfg fields our ViT has no counterpart for here, with the value that means "off" (timm's default): MRoPE,
+# grouped-query heads, EVA's SwiGLU, the patch-size interpolator, other patch layouts.
 UNSUPPORTED = {
-    "num_kv_heads": None, "use_key_only_attn_mask": False, "rope_type": ("", "none"), "attn_type": "standard",
+    "num_kv_heads": None, "use_key_only_attn_mask": False, "rope_type": ("", "none", *ROPE_TYPES),
+    "attn_type": tuple(EVA_ATTN),
     "attn_gated": False, "swiglu_mlp": False, "qkv_fused": True, "attn_only_layer_scale": False,
     "enable_patch_interpolator": False, "patchify_channels_last": True, "embed_proj_type": "linear",
     "input_norm_layer": None, "attn_pool_num_heads": None, "attn_pool_mlp_ratio": None,
@@ -61,6 +69,7 @@ def naflex_args(cfg: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {name: getattr(cfg, name) for name in SAME if getattr(cfg, name) is not None}
     out.update({ours: getattr(cfg, theirs) for theirs, ours in RENAMED.items()})
     out.update(naflex=True, pos_embed=POS_EMBED[cfg.pos_embed])
+    out.update(_rope_args(cfg))
     out["fc_norm"] = cfg.global_pool == "avg" if cfg.fc_norm is None else cfg.fc_norm  # NaFlexVit's default
     if cfg.embed_norm_layer is not None:  # timm's name for it (vitlab_args compares it with norm_layer)
         out["norm_layer"] = cfg.norm_layer or "layernorm"
@@ -88,9 +97,29 @@ def naflex_timm_kwargs(cfg: ViTConfig) -> dict[str, Any]:
         norm_layer=partial(norm, eps=cfg.norm_eps),
         embed_norm_layer=partial(norm, eps=cfg.norm_eps) if cfg.embed_norm else None,
     )  # fmt: skip
-    if cfg.mlp_layer != "mlp" or cfg.attn_layer != "attn" or cfg.block_fn != "block":
-        raise UserError("naflex_timm_kwargs: only the plain block (mlp, attn, block) has a timm counterpart here")
+    plain = cfg.attn_layer == "attn" and cfg.block_fn == "block" and not cfg.rope
+    eva = cfg.block_fn == "eva" and cfg.attn_layer in ("attn", "eva")
+    if cfg.mlp_layer != "mlp" or not (plain or eva):
+        raise UserError("naflex_timm_kwargs: only the plain block (mlp, attn, block) or EVA's (mlp, attn or eva, eva; "
+                        "with RoPE, eva) has a timm counterpart here")  # fmt: skip
+    if eva:
+        kw["attn_type"] = "eva" if cfg.attn_layer == "eva" else "rope"
+    if cfg.rope:
+        kw |= {name: getattr(cfg, name) for name in ROPE_SAME} | dict(rope_type=cfg.rope)
     return kw
+
+
+def _rope_args(cfg: Any) -> dict[str, Any]:
+    """NaFlexVitCfg's RoPE and EVA block fields as ViTConfig fields: EvaBlocks when timm builds them."""
+    rope = ROPE_TYPES.get(cfg.rope_type, "")
+    if not rope and cfg.attn_type == "standard":
+        return {}
+    out = dict(block_fn="EvaBlock", attn_layer=EVA_ATTN[cfg.attn_type])
+    if rope:
+        out |= {name: getattr(cfg, name) for name in ROPE_SAME} | dict(rope=rope)
+        if out["rope_ref_feat_shape"] is not None:
+            out["rope_ref_feat_shape"] = tuple(out["rope_ref_feat_shape"])
+    return out
 
 
 _COMPONENTS = ("act_layer", "norm_layer", "embed_norm_layer", "mlp_layer", "attn_layer", "block_fn")

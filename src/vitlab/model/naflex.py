@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitlab.model.layers import NormLayer, optional_norm, random_order
+from vitlab.model.rope import Rope
 
 NAFLEX_KEYS = ("patches", "patch_coord", "patch_valid")
 
@@ -82,13 +83,35 @@ def masked_pool(x: torch.Tensor, valid: torch.Tensor, kind: str) -> torch.Tensor
 
 
 def drop_patches(x: torch.Tensor, valid: torch.Tensor, p: float, num_prefix: int):
-    """Patch dropout on a NaFlex batch: the kept patches of each image (as layers.PatchDropout draws them) and their
-    validity, (B, prefix + kept, D) and (B, kept)."""
+    """Patch dropout on a NaFlex batch: the kept patches of each image (as layers.PatchDropout draws them), their
+    validity and their indices, (B, prefix + kept, D), (B, kept) and (B, kept)."""
     prefix, x = x[:, :num_prefix], x[:, num_prefix:]
     L = x.shape[1]
     keep = random_order(x.shape[0], L, x.device)[:, : max(1, int(L * (1.0 - p)))]
     x = x.gather(1, keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-    return torch.cat([prefix, x], dim=1), valid.gather(1, keep)
+    return torch.cat([prefix, x], dim=1), valid.gather(1, keep), keep
+
+
+def naflex_rope(rope: Rope, patch_coord: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The RoPE table of a NaFlex batch, each image's at its own grid in its first h*w rows (row-major), zero on the
+    padding (timm's NaFlexVit._generate_rope_naflex): (B, 1, N, 2*Dh), mixed (depth, B, H, N, 2*Dh)."""
+    B, N = patch_coord.shape[:2]
+    by_size: dict[tuple[int, int], list[int]] = {}
+    for b, size in enumerate(grid_sizes(patch_coord)):
+        by_size.setdefault(size, []).append(b)
+    tables = {size: rope.at(size).to(dtype) for size in by_size}
+    first = next(iter(tables.values()))  # (N', C) or (depth, H, N', C)
+    if rope.per_block:
+        out = first.new_zeros(first.shape[0], B, first.shape[1], N, first.shape[-1])
+    else:
+        out = first.new_zeros(B, N, first.shape[-1])
+    for size, rows in by_size.items():
+        n = min(N, size[0] * size[1])
+        if rope.per_block:
+            out[:, rows, :, :n] = tables[size][:, None, :, :n]
+        else:
+            out[rows, :n] = tables[size][:n]
+    return out if rope.per_block else out.unsqueeze(1)
 
 
 class NaFlexEmbeds(nn.Module):

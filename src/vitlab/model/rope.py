@@ -17,6 +17,7 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -161,50 +162,79 @@ class Rope(nn.Module):
         if not self.per_block:
             self.cached = rope_table(self.grid_size, self.spec, device=self.cached.device).to(self.cached.dtype)
 
+    def at(self, grid: tuple[int, int]) -> torch.Tensor:
+        """The table of a (h, w) grid given as numbers (NaFlex: an image's grid, from its size or its patches'
+        coordinates): the kept one at the kept grid, else computed (float32, as timm's get_embed)."""
+        augment = self.training and self.augments
+        if self.per_block:
+            return rope_table(grid, self.spec, augment, self.freqs)
+        if augment or tuple(grid) != self.grid_size:
+            return rope_table(grid, self.spec, augment, device=self.cached.device)
+        return self.cached
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # tokens (B, h, w, D)
         augment = self.training and self.augments
         if self.per_block:
             return _table_at(tokens, self.spec, augment, self.freqs)
         if augment or self.dynamic_img_size:
-            return _table_at(tokens, self.spec, augment, self.cached)  # float32, as timm's
+            return _table_at(tokens, self.spec, augment, self.cached, self.grid_size)  # float32, as timm's
         return self.cached
 
 
 @torch.fx.wrap  # FX records one call: the grid comes from the input's shape
-def _table_at(tokens: torch.Tensor, spec: RopeSpec, augment: bool, like: torch.Tensor) -> torch.Tensor:
+def _table_at(tokens: torch.Tensor, spec: RopeSpec, augment: bool, like: torch.Tensor, kept=None) -> torch.Tensor:
+    """The table of the tokens' grid; the kept one (`like`, of grid `kept`) where the grid is that grid and nothing
+    is drawn (timm rebuilds it every forward: the same values). Symbolic sizes (export, compile) take the computation:
+    a comparison would fix the size."""
+    grid = (tokens.shape[1], tokens.shape[2])
+    eager = type(grid[0]) is int and type(grid[1]) is int and not torch.compiler.is_compiling()
+    if eager and kept is not None and not augment and grid == tuple(kept) and like.dtype == torch.float32:
+        return like
     freqs = like if spec.kind == "mixed" else None
-    return rope_table((tokens.shape[1], tokens.shape[2]), spec, augment, freqs, device=like.device)
+    return rope_table(grid, spec, augment, freqs, device=like.device)
 
 
 # ---- applying a table --------------------------------------------------------------------------------
 
 
-def _rotate(x: torch.Tensor, rotate_half: bool) -> torch.Tensor:
-    """Each channel pair (a, b) -> (-b, a): the halves of the head, or interleaved neighbours (timm's rot)."""
+def rotate_pairs(xs: tuple[torch.Tensor, ...], table: torch.Tensor, num_prefix: int, rotate_half: bool) -> tuple:
+    """Each of `xs` (queries and keys, (B, H, prefix + N, Dh)) rotated by one table, prepared once for all: x cos +
+    swap(x) (sign . sin), where swap exchanges each pair (a, b) -> (b, a) and the sign (-, +) of the rotation
+    (a, b) -> (-b, a) sits in the table, so a head costs one copy, two products and a sum (timm's: a negation and
+    a copy, the same products and sum, and a concatenation). The prefix rows get cos 1 and sin 0, so the prefix
+    tokens come out as they went in (x * 1 + 0) with no concatenation. Each value equals timm's apply_rot_embed_cat's
+    bit for bit (a product with the sign moved is the same float)."""
+    sin, cos = table.chunk(2, -1)
+    if rotate_half:
+        s1, s2 = sin.chunk(2, -1)
+        sin = torch.cat([-s1, s2], dim=-1)
+    else:
+        sin = torch.stack([-sin[..., ::2], sin[..., 1::2]], -1).flatten(-2)
+    if num_prefix:
+        sin, cos = F.pad(sin, (0, 0, num_prefix, 0)), F.pad(cos, (0, 0, num_prefix, 0), value=1.0)
+    return tuple((x * cos + _swap(x, rotate_half) * sin).to(x.dtype) for x in xs)
+
+
+def _swap(x: torch.Tensor, rotate_half: bool) -> torch.Tensor:
+    """Each channel pair (a, b) -> (b, a): the halves of the head, or interleaved neighbours."""
     if rotate_half:
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([-x2, x1], dim=-1)
-    return torch.stack([-x[..., 1::2], x[..., ::2]], -1).reshape(x.shape)
+        return torch.cat([x2, x1], dim=-1)
+    return torch.stack([x[..., 1::2], x[..., ::2]], -1).flatten(-2)  # (flip(-1) is twice as slow on the CPU)
 
 
-def apply_rope(x: torch.Tensor, table: torch.Tensor, num_prefix: int, rotate_half: bool) -> torch.Tensor:
-    """Queries or keys (B, H, prefix + N, Dh) rotated by a table (N, 2*Dh), (H, N, 2*Dh) or with a batch axis; the
-    prefix tokens as they are (timm's EvaAttention / AttentionRope)."""
-    sin, cos = table.chunk(2, -1)
-    patches = x[:, :, num_prefix:]
-    rotated = (patches * cos + _rotate(patches, rotate_half) * sin).to(x.dtype)
-    return torch.cat([x[:, :, :num_prefix], rotated], dim=2)
-
-
-def keep_rows(table: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def keep_rows(table: torch.Tensor, keep: torch.Tensor, batched: bool = False) -> torch.Tensor:
     """The table's rows of the kept patches `keep` (B, n) of each image (patch dropout, MAE's masking): (N, 2*Dh) ->
-    (B, 1, n, 2*Dh); mixed (depth, H, N, 2*Dh) -> (depth, B, H, n, 2*Dh)."""
-    table = table.unsqueeze(-3) if table.ndim == 2 else table  # (1, N, C) or (depth, H, N, C)
-    table = table.unsqueeze(-4)  # a batch axis before the heads
+    (B, 1, n, 2*Dh); mixed (depth, H, N, 2*Dh) -> (depth, B, H, n, 2*Dh). `batched`: a table with its batch axis
+    already, (B, 1, N, 2*Dh) or (depth, B, H, N, 2*Dh) (NaFlex's, one grid per image)."""
+    if not batched:
+        table = table.unsqueeze(-3) if table.ndim == 2 else table  # (1, N, C) or (depth, H, N, C)
+        table = table.unsqueeze(-4)  # a batch axis before the heads
+        table = table.expand(*table.shape[:-4], keep.shape[0], *table.shape[-3:])
     shape = list(table.shape)
-    shape[-4], shape[-2] = keep.shape[0], keep.shape[1]
+    shape[-2] = keep.shape[1]
     index = keep[:, None, :, None] if table.ndim == 4 else keep[None, :, None, :, None]
-    return table.expand(*table.shape[:-4], keep.shape[0], *table.shape[-3:]).gather(-2, index.expand(shape))
+    return table.gather(-2, index.expand(shape))
 
 
 ROPES = {"axial": Rope, "mixed": Rope, "dinov3": Rope}  # config.py's rope ('' none); built with (spec, ...)

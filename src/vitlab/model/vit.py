@@ -22,7 +22,15 @@ from vitlab.model.attention import ATTENTIONS, AttentionPool
 from vitlab.model.blocks import BLOCKS, EvaBlock
 from vitlab.model.config import ViTConfig, as_hw
 from vitlab.model.layers import ACTIVATIONS, MLPS, POOLS, PatchDropout, PatchEmbed, norm_layer
-from vitlab.model.naflex import NAFLEX_KEYS, NaFlexEmbeds, NaFlexPos, attention_mask, drop_patches, masked_pool
+from vitlab.model.naflex import (
+    NAFLEX_KEYS,
+    NaFlexEmbeds,
+    NaFlexPos,
+    attention_mask,
+    drop_patches,
+    masked_pool,
+    naflex_rope,
+)
 from vitlab.model.naflex_config import pos_grid
 from vitlab.model.posemb import POS_EMBEDS, resample_grid, resample_pos_embed
 from vitlab.model.recompute import recompute_region
@@ -221,8 +229,10 @@ class ViT(TimmAPI, nn.Module):
         dropout the table keeps the kept patches' rows (model/rope.py: keep_rows)."""
         cfg = self.cfg
         _check_input_size(x, cfg.img_hw, cfg.patch_hw, cfg.dynamic_img_size or cfg.naflex, cfg.dynamic_img_pad)
-        if cfg.naflex:  # any size: the table resampled to this batch's grid (NaFlex takes no RoPE: naflex_config)
-            return self.norm_pre(self.patch_drop(self.embeds(x))), None
+        if cfg.naflex:  # any size: the position and RoPE tables at this batch's grid (padded up with dynamic_img_pad)
+            (ph, pw), (H, W) = cfg.patch_hw, x.shape[-2:]
+            rope = self.rope.at((-(-H // ph), -(-W // pw))) if self.rope is not None else None
+            return self._drop_patches(self.embeds(x), rope)
         x = self.patch_embed(x)  # (B, h, w, D)
         rope = self.rope(x) if self.rope is not None else None  # this grid's
         pos = self.pos_embed
@@ -239,7 +249,9 @@ class ViT(TimmAPI, nn.Module):
         else:  # patches only (DeiT-III, big_vision): add then concat
             x = x + pos
             x = torch.cat(prefix + [x], dim=1) if prefix else x
-        x = self.pos_drop(x)
+        return self._drop_patches(self.pos_drop(x), rope)
+
+    def _drop_patches(self, x: torch.Tensor, rope: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if rope is not None and isinstance(self.patch_drop, PatchDropout) and self.training:
             x, keep = self.patch_drop.forward_with_kept(x)
             return self.norm_pre(x), keep_rows(rope, keep)
@@ -267,12 +279,14 @@ class ViT(TimmAPI, nn.Module):
         return blk(x, rows, attn_mask, rope)
 
     def embed_naflex(self, patches: torch.Tensor, patch_coord: torch.Tensor, patch_valid: torch.Tensor) -> tuple:
-        """NaFlex's dict -> tokens (B, prefix + N, D), the patches' validity (B, N) after patch dropout, and the
-        attention mask of the padded sequences (B, 1, N', N')."""
+        """NaFlex's dict -> tokens (B, prefix + N, D), the patches' validity (B, N) after patch dropout, the
+        attention mask of the padded sequences (B, 1, N', N') and the RoPE table of each image's grid (or None)."""
         x = self.embeds(patches, patch_coord)
+        rope = naflex_rope(self.rope, patch_coord, x.dtype) if self.rope is not None else None
         if self.training and self.cfg.patch_drop_rate:
-            x, patch_valid = drop_patches(x, patch_valid, self.cfg.patch_drop_rate, self.num_prefix_tokens)
-        return self.norm_pre(x), patch_valid, attention_mask(patch_valid, self.num_prefix_tokens, x.dtype)
+            x, patch_valid, keep = drop_patches(x, patch_valid, self.cfg.patch_drop_rate, self.num_prefix_tokens)
+            rope = keep_rows(rope, keep, batched=True) if rope is not None else None
+        return self.norm_pre(x), patch_valid, attention_mask(patch_valid, self.num_prefix_tokens, x.dtype), rope
 
     def _tokens(self, x, attn_mask=None, last_rows=None, patch_coord=None, patch_valid=None) -> tuple:
         """(final normed tokens, patch validity or None) of images, or of NaFlex patches with their coordinates."""
@@ -281,8 +295,8 @@ class ViT(TimmAPI, nn.Module):
         if isinstance(x, dict):
             x, patch_coord, patch_valid = (x.get(k) for k in NAFLEX_KEYS)
         if self.cfg.naflex and patch_coord is not None:
-            x, patch_valid, mask = self.embed_naflex(x, patch_coord, patch_valid)
-            attn_mask, rope = mask if attn_mask is None else attn_mask, None
+            x, patch_valid, mask, rope = self.embed_naflex(x, patch_coord, patch_valid)
+            attn_mask = mask if attn_mask is None else attn_mask
         else:
             x, rope = self.embed_with_rope(x)
         for i, blk in enumerate(self.blocks):
