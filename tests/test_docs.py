@@ -79,7 +79,7 @@ def test_every_study_is_a_page_with_its_plots(site):
                 "FakeDataModule",
             ],
         ),
-        ("evaluation", ["tasks", "probe", "knn_accuracy", "linear_grid", "fewshot_accuracy"]),
+        ("evaluation", ["tasks", "run_probe", "knn_accuracy", "linear_grid", "fewshot_accuracy"]),
     ],
 )
 def test_the_api_reference_covers(site, page, names):

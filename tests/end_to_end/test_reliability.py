@@ -5,6 +5,7 @@ import pickle
 
 import pytest
 import torch
+from PIL import Image
 
 from tests.helpers.commands import assert_refused, replaced, run_cli
 from tests.helpers.configs import RESUMABLE, extra_callback
@@ -92,13 +93,15 @@ class _RunsCode:
 
 
 def test_crafted_pickle_checkpoint_is_refused(tmp_path):
+    png = tmp_path / "x.png"  # an image predict reads (it checks its images first): the checkpoint is what is refused
+    Image.new("L", (8, 8)).save(png)
     evil = tmp_path / "evil.ckpt"
     with open(evil, "wb") as f:
         pickle.dump({"state_dict": {}, "hyper_parameters": _RunsCode()}, f, protocol=2)
     for module, args in (
         ("train", [f"ckpt_path={evil}"]),
         ("eval", [f"ckpt_path={evil}"]),
-        ("predict", [f"ckpt_path={evil}", "images=[x.png]"]),
+        ("predict", [f"ckpt_path={evil}", f"images=[{png}]"]),
     ):
         r = run_cli(
             module,

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from tests.helpers.commands import assert_refused, ctrl_c_as_in_a_terminal, run_cli, tmpfs
 from tests.helpers.images import image_tree
@@ -21,6 +22,14 @@ from tests.helpers.runs import digits_checkpoint, earlier_run
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     return digits_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def png(tmp_path_factory) -> Path:
+    """An image predict can read: the refusals below are of other values (predict checks its images first)."""
+    path = tmp_path_factory.mktemp("image") / "a.png"
+    Image.new("L", (8, 8)).save(path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +106,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_bad_value_of_any_command_is_one_line_and_leaves_nothing(ckpt, tmp_path, case):
+def test_a_bad_value_of_any_command_is_one_line_and_leaves_nothing(ckpt, png, tmp_path, case):
     before = earlier_run(tmp_path)
     command, args, said = CASES[case]
+    args = [a.replace("images=[a.png]", f"images=[{png}]") for a in args]
     given = [f"ckpt_path={ckpt}"] if command not in ("parity", "pack") else []
     r = run_cli(command, *given, *args, cwd=tmp_path)
     assert_refused(r, "error: " + said.format(ckpt=ckpt), before, tmp_path / "outputs")
@@ -208,13 +218,13 @@ NOT_CHECKPOINTS = {"empty": b"", "text": b"hello, this is not a checkpoint\n"}
     [("eval", "empty"), ("eval", "text"), ("predict", "text"), ("export", "empty"), ("visualize", "text"),
      ("train", "empty"), ("train", "text")],
 )  # fmt: skip
-def test_a_file_that_is_not_a_checkpoint_is_one_line_and_leaves_nothing(tmp_path, command, kind):
+def test_a_file_that_is_not_a_checkpoint_is_one_line_and_leaves_nothing(png, tmp_path, command, kind):
     before = earlier_run(tmp_path)
     bad = tmp_path / f"{kind}.ckpt"
     bad.write_bytes(NOT_CHECKPOINTS[kind])
     key = "model.pretrained" if command == "train" else "ckpt_path"
     label = "weights file" if command == "train" else "ckpt_path"
-    args = {"predict": ["images=[a.png]"], "train": ["trainer.max_epochs=1"]}.get(command, [])
+    args = {"predict": [f"images=[{png}]"], "train": ["trainer.max_epochs=1"]}.get(command, [])
     r = run_cli(command, f"{key}={bad}", *args, cwd=tmp_path)
     said = "is empty (0 bytes): not a " if kind == "empty" else "is not a "
     assert_refused(r, f"error: {label} '{bad}' {said}", before, tmp_path / "outputs")

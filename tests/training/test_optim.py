@@ -234,7 +234,8 @@ def test_lr_base_scales_with_batch_times_devices_times_nodes_times_accumulation(
     from vitlab.cli.plans import train_plan
 
     overrides = ["optim.lr_base=1.5e-4", "data.batch_size=512", "trainer.accumulate_grad_batches=8"]
-    cfg = compose_cfg("train", [*overrides, "trainer.devices=8", "trainer.num_nodes=1"])
+    # (8 CPU processes: the plan checks the device request, and this machine has no GPU)
+    cfg = compose_cfg("train", [*overrides, "trainer=ddp_cpu", "trainer.devices=8", "trainer.num_nodes=1"])
     with caplog.at_level("INFO"):
         optim = train_plan(cfg).optim
     assert optim["global_batch"] == 4096 and optim["lr"] == pytest.approx(1.5e-4 * 4096 / 256, rel=1e-12)
