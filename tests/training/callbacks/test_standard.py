@@ -7,7 +7,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from vitlab.training.callbacks.standard import EpochLog, LastCheckpoint
+from vitlab.training.callbacks.standard import BestCheckpoint, EpochLog, LastCheckpoint
 from vitlab.training.checkpoint_io import AtomicCheckpointIO
 from vitlab.utils.errors import UserError
 
@@ -227,3 +227,18 @@ def test_the_epoch_a_run_resumes_in_gets_its_line(caplog):
             getattr(fresh, hook)(trainer, None)
     lines = [r.getMessage().split(" (")[0] + " " + r.getMessage().split(" (")[1].split(",")[0] for r in caplog.records]
     assert lines == ["epoch 4/8 4 steps", "epoch 5/8 9 steps", "epoch 1/8 9 steps"]
+
+
+def test_a_resumed_run_says_the_best_checkpoint_is_gone_only_when_there_was_one(tmp_path, caplog):
+    """A run stopped before its first validation had no best checkpoint: its resumption in a new directory says
+    nothing about one (it said "the earlier run's best checkpoint is gone"); one whose best file was deleted says so."""
+    earlier = tmp_path / "old" / "checkpoints"
+    state = {"dirpath": str(earlier), "best_model_path": "", "best_k_models": {}, "best_model_score": None}
+    with caplog.at_level(logging.INFO, logger="vitlab.training.callbacks.standard"):
+        BestCheckpoint(dirpath=tmp_path / "new").load_state_dict(state)
+        assert "gone" not in caplog.text
+        gone = str(earlier / "epoch=1.ckpt")
+        BestCheckpoint(dirpath=tmp_path / "new").load_state_dict(
+            state | {"best_model_path": gone, "best_k_models": {gone: torch.tensor(0.5)}}
+        )
+    assert caplog.text.count("best checkpoint is gone") == 1

@@ -47,7 +47,9 @@ class BestCheckpoint(ModelCheckpoint):
         here = {
             p: str(Path(self.dirpath) / Path(p).name) for p in state_dict.get("best_k_models", {}) if Path(p).exists()
         }
-        if state_dict.get("best_model_path") not in here:
+        if not state_dict.get("best_model_path"):  # stopped before its first best: nothing to carry
+            return
+        if state_dict["best_model_path"] not in here:
             log.info("the earlier run's best checkpoint is gone (%s): the ranking starts anew", earlier)
             return
         if getattr(self, "_writes", True):
