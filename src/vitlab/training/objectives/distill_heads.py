@@ -106,11 +106,11 @@ class TeacherShape:
     grid: tuple[int, int] | None  # None: no patch tokens (a CNN's feature map, pooled features only)
 
 
-def probe_teacher(teacher: Any, source: str, channels: int) -> TeacherShape:
+def probe_teacher(teacher: Any, source: str) -> TeacherShape:
     """The teacher's width, prefix-token count and patch grid at its input size (`teacher`: distillation.Teacher)."""
     model = teacher.kd.model
     with torch.no_grad():
-        x = torch.zeros(1, channels, *teacher.input_hw)
+        x = torch.zeros(1, teacher.kd.mean_kd.shape[1], *teacher.input_hw)
         tokens = model.forward_features(x)
         pooled = model.forward_head(tokens, pre_logits=True)
     width = int(pooled.shape[-1])

@@ -63,7 +63,7 @@ class FeatureDistillation(Distillation):
         self.specs = teacher_specs(c.teacher, c.teachers, c.teacher_pretrained)
         self.task_weight, self.distill_weight = loss_weights(c.task_weight, c.distill_weight, c.alpha)
         self.token_weights = TokenWeights(c.cls_weight, c.patch_weight, c.cos_weight, c.smooth_l1_weight)
-        self.student_dim, self.channels = model.embed_dim, model.in_chans
+        self.student_dim = model.embed_dim
         self.heads = DistillHeads()  # filled once the teachers' widths are known (setup_fit)
         self.teachers: dict[str, Teacher] = {}
         self.shapes: dict[str, TeacherShape] = {}
@@ -109,7 +109,8 @@ class FeatureDistillation(Distillation):
         for spec in self.specs:
             if spec.name not in self.teachers:
                 self.teachers[spec.name] = open_teacher(spec.source, spec.pretrained, num_classes)
-                self.shapes[spec.name] = probe_teacher(self.teachers[spec.name], spec.source, self.channels)
+            if spec.name not in self.shapes:
+                self.shapes[spec.name] = probe_teacher(self.teachers[spec.name], spec.source)
         sources = {s.name: s.source for s in self.specs}
         build_heads(self.heads, self.cfg.kind, self.cfg.head, self.student_dim, self.shapes, sources)
 
