@@ -26,7 +26,7 @@ from vitlab.training.devices.float8 import Float8Precision, plain_state
 from vitlab.training.devices.sharding import new_vit, splits_weights
 from vitlab.training.objectives.classification import Classification
 from vitlab.training.objectives.dino import DINO
-from vitlab.training.objectives.distillation import Distillation
+from vitlab.training.objectives.distill_kinds import Distill
 from vitlab.training.objectives.mae import MAE
 from vitlab.training.objectives.objective import Objective, reads_no_labels
 from vitlab.training.optim import (
@@ -42,7 +42,7 @@ from vitlab.utils.kernels import compile_mode
 
 log = logging.getLogger("vitlab.train")  # the command's own lines
 
-OBJECTIVES: dict[str, type[Objective]] = {"classify": Classification, "distill": Distillation, "mae": MAE, "dino": DINO}
+OBJECTIVES: dict[str, type[Objective]] = {"classify": Classification, "distill": Distill, "mae": MAE, "dino": DINO}
 
 
 def build_objective(options: dict[str, Any] | None, model: ViTConfig, unlabeled: bool = False) -> Objective:

@@ -97,28 +97,6 @@ class Distillation(Classification):
     config_class = DistillConfig
     schedules = frozenset({"naflex"})  # the teacher sees each NaFlex batch (NaFlexBatch.teacher_logits)
 
-    def __new__(cls, options: Mapping[str, Any] | None = None, model: ViTConfig | None = None):
-        """objective.kind=feature or tokens: the feature distillation of feature_distill.py (one objective, its kinds
-        apart)."""
-        if cls is Distillation and (options or {}).get("kind", "logits") in FEATURE_KINDS:
-            from vitlab.training.objectives.feature_distill import FeatureDistillation
-
-            cls = FeatureDistillation
-        return super().__new__(cls)
-
-    @classmethod
-    def unlabeled_refusal(cls, options: Mapping[str, Any]) -> str | None:
-        if options.get("kind", "logits") in FEATURE_KINDS:
-            return None
-        return (
-            "objective.kind=logits (DeiT's) learns from the labels beside the teacher's logits, and data.labels=false "
-            "has none: distil features without labels with objective.kind=feature or tokens"
-        )
-
-    @classmethod
-    def best_of(cls, options: Mapping[str, Any], unlabeled: bool) -> tuple[str, str]:
-        return ("loss", "min") if unlabeled else cls.best  # label-free: the distillation loss on the val images
-
     def __init__(self, options: Mapping[str, Any], model: ViTConfig):
         super().__init__(options, model)
         # The teacher: loaded when fitting begins, never saved with the student nor wrapped by DDP (not a submodule).

@@ -80,11 +80,6 @@ class FeatureDistillation(Distillation):
                 f"model.num_classes {model.num_classes}: objective.kind={self.cfg.kind} with labels trains a "
                 "classifier head beside the distillation; distil the backbone alone with data.labels=false"
             )
-        if model.naflex:
-            raise UserError(
-                f"objective.kind={self.cfg.kind} distils image batches, and model.naflex=true trains on NaFlex's patch "
-                "sequences: use objective.kind=logits with it"
-            )
 
     def prepare(self, model: ViT) -> None:
         if self.uses_labels:
@@ -133,7 +128,10 @@ class FeatureDistillation(Distillation):
         """timm's order: the student's tokens, its logits and pooled pre-logits from them, the label loss, then each
         teacher's term; task_weight x label loss + distill_weight x the teachers' weighted sum."""
         if not isinstance(x, torch.Tensor):
-            raise UserError(f"objective.kind={self.cfg.kind} distils image batches: use objective.kind=logits")
+            raise UserError(  # (NaFlex's patch sequences: kind=logits takes them)
+                f"objective.kind={self.cfg.kind} distils image batches, and this batch is {type(x).__name__}'s: use "
+                "objective.kind=logits with it"
+            )
         target = None
         if self.uses_labels:
             x, target = self.mix(x, y, epoch)  # the teachers see the images the student saw, mixed as they were
