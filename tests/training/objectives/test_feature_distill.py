@@ -23,7 +23,7 @@ def _objective(student_cfg, teacher_model, input_hw, **options):
     objective.teachers["teacher"] = Teacher(teacher_model, input_hw)
     objective.setup_fit(student_cfg.num_classes)
     s = ViT(student_cfg).pretrained_cfg
-    objective.student_norm = tuple(torch.tensor(s[k]).view(1, -1, 1, 1) for k in ("mean", "std"))
+    objective.fitted.student_norm = tuple(torch.tensor(s[k]).view(1, -1, 1, 1) for k in ("mean", "std"))
     return objective
 
 

@@ -106,11 +106,12 @@ class TeacherShape:
     grid: tuple[int, int] | None  # None: no patch tokens (a CNN's feature map, pooled features only)
 
 
-def probe_teacher(teacher: Any, source: str) -> TeacherShape:
-    """The teacher's width, prefix-token count and patch grid at its input size (`teacher`: distillation.Teacher)."""
-    model = teacher.kd.model
+def probe_teacher(model: nn.Module, input_hw: Sequence[int], channels: int, source: str) -> TeacherShape:
+    """The teacher's width, prefix-token count and patch grid at its input size, by one forward of a blank image (on
+    the device of its weights: the meta device gives the shapes without weights)."""
+    input_hw = tuple(int(v) for v in input_hw)
     with torch.no_grad():
-        x = torch.zeros(1, teacher.kd.mean_kd.shape[1], *teacher.input_hw)
+        x = torch.zeros(1, channels, *input_hw, device=next(model.parameters()).device)
         tokens = model.forward_features(x)
         pooled = model.forward_head(tokens, pre_logits=True)
     width = int(pooled.shape[-1])
@@ -123,13 +124,13 @@ def probe_teacher(teacher: Any, source: str) -> TeacherShape:
     if patch is not None:
         ph, pw = (patch, patch) if isinstance(patch, int) else patch
         for rounding in (math.floor, math.ceil):  # (a padded dynamic input: the ceiling)
-            h, w = rounding(teacher.input_hw[0] / ph), rounding(teacher.input_hw[1] / pw)
+            h, w = rounding(input_hw[0] / ph), rounding(input_hw[1] / pw)
             if h * w == patches:
                 grid = (h, w)
                 break
     if grid is None:
         raise UserError(
-            f"objective.teacher {source!r}: its {patches} patch tokens at {teacher.input_hw[0]}x{teacher.input_hw[1]} "
+            f"objective.teacher {source!r}: its {patches} patch tokens at {input_hw[0]}x{input_hw[1]} "
             "px are no grid of its patch size, so they cannot be resampled to the student's: use objective.kind=feature"
         )
     return TeacherShape(int(tokens.shape[-1]), prefix, grid)

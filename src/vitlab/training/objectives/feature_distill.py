@@ -23,7 +23,10 @@ vitlab.export writes the plain ViT without them. No Lightning or Hydra here.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -35,6 +38,7 @@ from vitlab.training.objectives.classification import Classification
 from vitlab.training.objectives.distill_heads import (
     DistillHeads,
     TeacherShape,
+    TeacherSpec,
     TokenWeights,
     build_heads,
     feature_loss,
@@ -64,11 +68,34 @@ class FeatureDistillation(Distillation):
         self.task_weight, self.distill_weight = loss_weights(c.task_weight, c.distill_weight, c.alpha)
         self.token_weights = TokenWeights(c.cls_weight, c.patch_weight, c.cos_weight, c.smooth_l1_weight)
         self.student_dim = model.embed_dim
-        self.heads = DistillHeads()  # filled once the teachers' widths are known (setup_fit)
-        self.teachers: dict[str, Teacher] = {}
-        self.shapes: dict[str, TeacherShape] = {}
-        self.student_norm: tuple[torch.Tensor, torch.Tensor] | None = None
+        # What fitting loads (the teachers, the student's normalisation) is shared with a copy of the module (EMA's
+        # average deep-copies it before fitting begins), not copied.
+        self.fitted = SimpleNamespace(teachers={}, student_norm=None)
         self.terms: dict[str, torch.Tensor] = {}
+        # The heads, from the teachers' shapes read without their weights (the meta device); a teacher not at hand
+        # (a student's checkpoint read for evaluation) leaves its heads to the checkpoint's shapes (DistillHeads).
+        self.heads = DistillHeads()
+        self.shapes = {s.name: shape for s in self.specs if (shape := _meta_shape(s, model.num_classes)) is not None}
+        self._build_heads()
+
+    @property
+    def teachers(self) -> dict[str, Teacher]:
+        return self.fitted.teachers
+
+    @property
+    def student_norm(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.fitted.student_norm
+
+    def __deepcopy__(self, memo: dict) -> FeatureDistillation:
+        copied = object.__new__(type(self))
+        memo[id(self)] = copied
+        for key, value in self.__dict__.items():
+            setattr(copied, key, value if key == "fitted" else copy.deepcopy(value, memo))
+        return copied
+
+    def _build_heads(self) -> None:
+        build_heads(self.heads, self.cfg.kind, self.cfg.head, self.student_dim, self.shapes,
+                    {s.name: s.source for s in self.specs})  # fmt: skip
 
     def read_no_labels(self) -> None:
         super().read_no_labels()
@@ -105,9 +132,9 @@ class FeatureDistillation(Distillation):
             if spec.name not in self.teachers:
                 self.teachers[spec.name] = open_teacher(spec.source, spec.pretrained, num_classes)
             if spec.name not in self.shapes:
-                self.shapes[spec.name] = probe_teacher(self.teachers[spec.name], spec.source)
-        sources = {s.name: s.source for s in self.specs}
-        build_heads(self.heads, self.cfg.kind, self.cfg.head, self.student_dim, self.shapes, sources)
+                t = self.teachers[spec.name]
+                self.shapes[spec.name] = probe_teacher(t.kd.model, t.input_hw, t.kd.mean_kd.shape[1], spec.source)
+        self._build_heads()
 
     def fit_start(self, datamodule: Any, device: torch.device) -> None:
         for teacher in self.teachers.values():
@@ -117,7 +144,7 @@ class FeatureDistillation(Distillation):
                 )
             teacher.to(device)
         self.heads.to(device)
-        self.student_norm = tuple(
+        self.fitted.student_norm = tuple(
             torch.tensor(v, dtype=torch.float32, device=device).view(1, -1, 1, 1)
             for v in (datamodule.mean, datamodule.std)
         )
@@ -193,3 +220,29 @@ class _WithHeads(nn.Module):
 
     def no_weight_decay(self) -> set[str]:
         return {f"model.{n}" for n in getattr(self.model, "no_weight_decay", lambda: set())()}
+
+
+def _meta_shape(spec: TeacherSpec, num_classes: int) -> TeacherShape | None:
+    """A teacher's shapes from its architecture alone, built on the meta device (no weights read): a vitlab
+    checkpoint's model config (its file opened memory-mapped), a timm name's model. None where the source is not at
+    hand; a teacher that cannot serve (no patch tokens, no grid) is refused here, before anything is built."""
+    import timm
+    from timm.data import resolve_data_config
+
+    if spec.source.endswith(".ckpt"):
+        if not Path(spec.source).is_file():
+            return None
+        hp = torch.load(spec.source, map_location="meta", mmap=True, weights_only=True).get("hyper_parameters") or {}
+        if not isinstance(hp.get("model"), dict):
+            return None
+        cfg = ViTConfig.from_dict(hp["model"])
+        with torch.device("meta"):
+            model = ViT(cfg)
+        return probe_teacher(model, cfg.img_hw, cfg.in_chans, spec.source)
+    from vitlab.convert.timm_hub import check_timm_name
+
+    check_timm_name(spec.source)  # (one line naming an unknown model)
+    with torch.device("meta"):
+        model = timm.create_model(spec.source, pretrained=False, **({} if spec.pretrained else {"num_classes": num_classes}))
+    info = resolve_data_config({}, model=model)
+    return probe_teacher(model, info["input_size"][-2:], info["input_size"][0], spec.source)
