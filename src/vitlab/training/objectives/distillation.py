@@ -16,6 +16,9 @@ wrapped in timm's DistillationTeacher (eval mode). Its input is made from the st
 timm's `normalize_input` with the teacher's own mean and std (its pretrained configuration; a checkpoint's data
 settings), resized to the teacher's input size. It is not part of the student's checkpoint: a resumed run loads it again
 from where the config says. Under DDP each process runs its own copy on its own shard. No Lightning or Hydra here.
+
+This is `objective.kind=logits`, the default; `feature` and `tokens` (feature_distill.py) distil a teacher's features
+with the same config, Teacher and loading; distill_kinds.py picks the kind's class.
 """
 
 from __future__ import annotations
