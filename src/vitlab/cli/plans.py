@@ -23,6 +23,7 @@ from vitlab.training import pretrained
 from vitlab.training.callbacks import trial
 from vitlab.training.devices import sharding
 from vitlab.training.module import OBJECTIVES
+from vitlab.training.objectives.objective import reads_no_labels
 from vitlab.training.run import build, resume
 from vitlab.training.run.plan import TrainPlan
 
@@ -107,7 +108,7 @@ def optimized_metric(config: Mapping[str, Any]) -> str | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    key, (watched, _) = config.get("optimized_metric"), OBJECTIVES[_objective_name(config)].best
+    key, (watched, _) = config.get("optimized_metric"), _best(config)
     single = not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN
     return f"val/{watched}_best" if key == "val/acc_best" and watched != "acc" and single else key
 
@@ -118,7 +119,7 @@ def checkpoint_follows_objective(config: Mapping[str, Any]) -> dict[str, Any]:
     `config` (an early stop's monitor, `${callbacks.model_checkpoint.monitor}`, follows it once resolved); a monitor
     set in a recipe or on the command line is kept."""
     node = (config.get("callbacks") or {}).get("model_checkpoint")
-    watched, mode = OBJECTIVES[_objective_name(config)].best
+    watched, mode = _best(config)
     if node is None or node.get("monitor") != "val/acc" or watched == "acc":
         return dict(config)
     config = copy.deepcopy(dict(config))
@@ -127,6 +128,12 @@ def checkpoint_follows_objective(config: Mapping[str, Any]) -> dict[str, Any]:
         log.info("objective=%s logs no val/acc: the best checkpoint is the one of the %s val/%s",
                  _objective_name(config), "lowest" if mode == "min" else "highest", watched)  # fmt: skip
     return config
+
+
+def _best(config: Mapping[str, Any]) -> tuple[str, str]:
+    """(metric, min|max) choosing the best checkpoint: the objective's, on data with or without labels."""
+    options = config.get("objective") or {}
+    return OBJECTIVES[_objective_name(config)].best_of(options, reads_no_labels(config.get("data")))
 
 
 def _objective_name(config: Mapping[str, Any]) -> str:

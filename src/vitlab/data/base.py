@@ -53,8 +53,10 @@ class DataModule(L.LightningDataModule):
         data_dir: str | None = None,
         num_classes: int | None = None,
         channels: int | None = None,
+        labels: bool = True,  # false: the run learns from the images alone (objective.Objective.read_no_labels)
     ):
         super().__init__()
+        self.labels = labels
         # The config states these so the model can be wired to them; datasets with fixed values check them.
         for name, value in (("num_classes", num_classes), ("channels", channels)):
             fixed = getattr(type(self), name, None)

@@ -26,9 +26,9 @@ from vitlab.training.devices.float8 import Float8Precision, plain_state
 from vitlab.training.devices.sharding import new_vit, splits_weights
 from vitlab.training.objectives.classification import Classification
 from vitlab.training.objectives.dino import DINO
-from vitlab.training.objectives.distillation import Distillation
+from vitlab.training.objectives.distill_kinds import Distill
 from vitlab.training.objectives.mae import MAE
-from vitlab.training.objectives.objective import Objective
+from vitlab.training.objectives.objective import Objective, reads_no_labels
 from vitlab.training.optim import (
     PLATEAU_MODES,
     OptimConfig,
@@ -42,7 +42,7 @@ from vitlab.utils.kernels import compile_mode
 
 log = logging.getLogger("vitlab.train")  # the command's own lines
 
-OBJECTIVES: dict[str, type[Objective]] = {"classify": Classification, "distill": Distillation, "mae": MAE, "dino": DINO}
+OBJECTIVES: dict[str, type[Objective]] = {"classify": Classification, "distill": Distill, "mae": MAE, "dino": DINO}
 
 
 def build_objective(options: dict[str, Any] | None, model: ViTConfig, unlabeled: bool = False) -> Objective:
@@ -57,9 +57,12 @@ def build_objective(options: dict[str, Any] | None, model: ViTConfig, unlabeled:
             f"objective.gram (DINOv3's Gram anchoring of a DINO teacher's patch features) is objective=dino's; "
             f"objective={name} has no Gram teacher: drop objective.gram or train with objective=dino"
         )
-    if unlabeled and OBJECTIVES[name].uses_labels:
-        raise UserError("data.unlabeled=true has no labels to learn from: pretrain on it with objective=mae or dino")
-    return OBJECTIVES[name](values, model)
+    if unlabeled and (refusal := OBJECTIVES[name].unlabeled_refusal(values)):
+        raise UserError(refusal)
+    objective = OBJECTIVES[name](values, model)
+    if unlabeled:
+        objective.read_no_labels()  # (objective=distill kind=feature|tokens: the distillation term alone)
+    return objective
 
 
 class ViTModule(L.LightningModule):
@@ -89,7 +92,7 @@ class ViTModule(L.LightningModule):
         self.scheduler_cfg = SchedulerConfig.from_dict(scheduler)  # conf/scheduler/warmup_cosine.yaml's
         self.compile_mode = compile_mode(compile)
         self.compile_regional = compile == "regional"
-        self.objective = build_objective(objective, cfg, unlabeled=bool((data or {}).get("unlabeled")))
+        self.objective = build_objective(objective, cfg, unlabeled=reads_no_labels(data))
         self.objective.check(cfg, self.optim)
         self.objective.prepare(self.model)
         for name, network in self.objective.extra_modules().items():  # e.g. a decoder: checkpoint keys decoder.*

@@ -16,6 +16,9 @@ wrapped in timm's DistillationTeacher (eval mode). Its input is made from the st
 timm's `normalize_input` with the teacher's own mean and std (its pretrained configuration; a checkpoint's data
 settings), resized to the teacher's input size. It is not part of the student's checkpoint: a resumed run loads it again
 from where the config says. Under DDP each process runs its own copy on its own shard. No Lightning or Hydra here.
+
+This is `objective.kind=logits`, the default; `feature` and `tokens` (feature_distill.py) distil a teacher's features
+with the same config, Teacher and loading; distill_kinds.py picks the kind's class.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from torch import nn
 
 from vitlab.model import ViT, ViTConfig
 from vitlab.training.objectives.classification import Classification, ClassifyConfig
+from vitlab.training.objectives.distill_heads import FEATURE_KINDS, HEADS, teacher_specs
 from vitlab.utils.errors import MissingFileError, UserError
 from vitlab.utils.values import check_range
 
@@ -39,6 +43,7 @@ if TYPE_CHECKING:
     from vitlab.data.naflex_batch import NaFlexBatch
 
 DISTILL_TYPES = ("soft", "hard")
+DISTILL_KINDS = ("logits", *FEATURE_KINDS)  # logits: DeiT's (here); feature, tokens: feature_distill.py
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,16 @@ class DistillConfig(ClassifyConfig):
     tau: float = 1.0  # soft: the temperature
     teacher: str | None = None  # a vitlab checkpoint (.ckpt) or a timm model name
     teacher_pretrained: bool = True  # a timm name: its pretrained weights (false: random ones, to try the wiring)
+    # Feature and token distillation (feature_distill.py): what is distilled, from whom, how the terms weigh.
+    kind: str = "logits"  # DISTILL_KINDS
+    teachers: list[Any] | None = None  # feature, tokens: several teachers (sources, or {teacher, weight, name})
+    task_weight: float | None = None  # feature, tokens: timm's task_loss_weight (null: 1 - alpha, or 1)
+    distill_weight: float | None = None  # feature, tokens: timm's distill_loss_weight (null: alpha, or 1 - task)
+    head: str = "mlp"  # tokens: the projection heads, HEADS
+    cls_weight: float = 1.0  # tokens: the class token's cosine distance
+    patch_weight: float = 1.0  # tokens: the patch tokens' term
+    cos_weight: float = 0.9  # tokens: the patch tokens' cosine distance (AM-RADIO's 0.9)
+    smooth_l1_weight: float = 0.1  # tokens: the patch tokens' smooth-L1 (AM-RADIO's 0.1)
 
     def __post_init__(self):
         super().__post_init__()
@@ -58,10 +73,23 @@ class DistillConfig(ClassifyConfig):
             raise UserError(f"objective.type {self.type!r} is not one of {list(DISTILL_TYPES)}")
         check_range("objective.alpha", self.alpha, 0, 1)
         check_range("objective.tau", self.tau, 0, float("inf"), low_open=True, high_open=True)
-        if not self.teacher:
+        if self.kind not in DISTILL_KINDS:
+            raise UserError(f"objective.kind {self.kind!r} is not one of {list(DISTILL_KINDS)}")
+        if self.head not in HEADS:
+            raise UserError(f"objective.head {self.head!r} is not one of {list(HEADS)}")
+        for key in ("task_weight", "distill_weight", "cls_weight", "patch_weight", "cos_weight", "smooth_l1_weight"):
+            if getattr(self, key) is not None:
+                check_range(f"objective.{key}", getattr(self, key), 0, float("inf"), high_open=True)
+        if self.teachers and self.kind == "logits":
+            raise UserError(
+                "objective.teachers (several teachers) distil features: give objective.kind=feature or tokens, or one "
+                "objective.teacher for kind=logits"
+            )
+        if not self.teacher and not self.teachers:
             raise UserError(
                 "objective=distill needs objective.teacher: a vitlab checkpoint (.ckpt) or a timm model name"
             )
+        teacher_specs(self.teacher, self.teachers, self.teacher_pretrained)  # (their entries checked)
 
 
 class Distillation(Classification):
@@ -150,6 +178,11 @@ class Teacher(nn.Module):
     def forward(self, x: torch.Tensor | NaFlexBatch, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):  # a batch of another kind (NaFlex's patches) readies itself for a teacher
             return x.teacher_logits(self.kd, mean, std)
+        return self.kd(self.prepare(x, mean, std)).float()
+
+    def prepare(self, x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+        """The student's normalised batch as the teacher takes it: renormalised to its mean and std, resized to its
+        input size."""
         channels = self.kd.mean_kd.shape[1]
         if x.shape[1] != channels:
             raise UserError(
@@ -158,17 +191,13 @@ class Teacher(nn.Module):
         x = self.kd.normalize_input(x, mean, std)
         if tuple(x.shape[-2:]) != self.input_hw:
             x = F.interpolate(x, size=self.input_hw, mode="bicubic", align_corners=False, antialias=True)
-        return self.kd(x).float()
+        return x
 
 
 def load_teacher(cfg: DistillConfig, num_classes: int) -> Teacher:
     """The teacher `cfg.teacher` names, checked to predict the student's `num_classes` classes."""
     source = str(cfg.teacher)
-    teacher = (
-        _from_checkpoint(source)
-        if source.endswith(".ckpt")
-        else _from_timm(source, cfg.teacher_pretrained, num_classes)
-    )
+    teacher = open_teacher(source, cfg.teacher_pretrained, num_classes)
     classes = getattr(teacher.kd.model, "num_classes", None)
     if classes != num_classes:
         raise UserError(
@@ -176,6 +205,12 @@ def load_teacher(cfg: DistillConfig, num_classes: int) -> Teacher:
             "same classes is needed"
         )
     return teacher
+
+
+def open_teacher(source: str, pretrained: bool, num_classes: int) -> Teacher:
+    """The teacher `source` names: a vitlab checkpoint (.ckpt) or a timm name (`num_classes`: its head without
+    pretrained weights)."""
+    return _from_checkpoint(source) if source.endswith(".ckpt") else _from_timm(source, pretrained, num_classes)
 
 
 def _from_checkpoint(path: str) -> Teacher:

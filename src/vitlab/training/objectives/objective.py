@@ -9,6 +9,7 @@ accepted. No Lightning or Hydra here.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -19,6 +20,12 @@ from torchmetrics.classification import MulticlassAccuracy
 from vitlab.model import ViT, ViTConfig
 from vitlab.model.cost import activation_values
 from vitlab.model.recompute import recompute_region
+
+
+def reads_no_labels(data: Mapping[str, Any] | None) -> bool:
+    """The data config trains on images alone: data.labels=false, or a folder without classes (data.unlabeled=true)."""
+    data = data or {}
+    return bool(data.get("unlabeled")) or data.get("labels") is False
 
 
 class Objective:
@@ -35,6 +42,24 @@ class Objective:
     # square sizes (data.train_img_sizes); "naflex", NaFlex's sequence lengths. None by default: a teacher, MAE's
     # masks and DINO's crops have sizes of their own.
     schedules: frozenset[str] = frozenset()
+
+    @classmethod
+    def unlabeled_refusal(cls, options: Mapping[str, Any]) -> str | None:
+        """Why this objective, with `options`, cannot train on images without labels (None: it can)."""
+        if not cls.uses_labels:
+            return None
+        return "data.unlabeled=true has no labels to learn from: pretrain on it with objective=mae or dino"
+
+    @classmethod
+    def best_of(cls, options: Mapping[str, Any], unlabeled: bool) -> tuple[str, str]:
+        """`best` of this objective with `options`, on data with or without labels (the plan reads it before the
+        objective is built)."""
+        return cls.best
+
+    def read_no_labels(self) -> None:
+        """The data has no labels (data.labels=false): an objective that can learn without them (unlabeled_refusal
+        None) stops reading them."""
+        self.uses_labels = False
 
     @classmethod
     def data_views(cls, options: dict[str, Any], model: ViTConfig) -> dict[str, Any]:
