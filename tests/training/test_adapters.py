@@ -119,6 +119,9 @@ def test_bitfit_and_partial_train_what_they_say():
     partial = apply(ViT(tiny()), PeftConfig(method="partial", blocks=1, names=("cls_token",)))
     assert trainable(partial) == {n for n, _ in partial.named_parameters()
                                   if n.startswith(("blocks.1.", "norm.", "head.")) or n == "cls_token"}  # fmt: skip
+    distilled = apply(ViT(tiny(distilled=True)), PeftConfig(method="lora", rank=2))  # objective=distill's second head
+    assert {n for n in trainable(distilled) if "lora_" not in n} == {
+        f"{h}.modules_to_save.default.{w}" for h in ("head", "head_dist") for w in ("weight", "bias")}
     probe = apply(ViT(tiny()), PeftConfig(method="partial", blocks=0, trainable=("head",)))
     assert trainable(probe) == {"norm.weight", "norm.bias", "head.weight", "head.bias"}
 
@@ -190,3 +193,15 @@ def test_bad_peft_input_is_one_line():
 def test_the_train_schema_refuses_what_peft_cannot_do(compose_cfg, overrides, said):
     with pytest.raises(UserError, match=said):
         check_config(compose_cfg("train", overrides), *SCHEMAS["train"])
+
+
+def test_a_checkpoint_goes_on_only_with_the_peft_settings_it_trained_with(base_file):
+    peft = plan_peft({"method": "lora", "rank": 2}, resolve(str(base_file)), None)
+    resumed = {"peft": peft}  # a peft=lora peft.rank=2 checkpoint's hyper-parameters
+    assert plan_peft({"method": "lora", "rank": 2}, None, resumed) == peft  # its base, as it names it
+    with pytest.raises(UserError, match=r"trained with peft=lora .*'rank': 2.*: go on with the same peft settings"):
+        plan_peft({"method": "lora", "rank": 4}, None, resumed)
+    with pytest.raises(UserError, match="trained with peft=lora"):
+        plan_peft({"method": "none"}, None, resumed)
+    with pytest.raises(UserError, match="a full fine-tune's: to adapt its weights with peft=lora, give it as model"):
+        plan_peft({"method": "lora"}, resolve(str(base_file)), {"model": {}})

@@ -14,11 +14,11 @@ from __future__ import annotations
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypedDict
+from typing import Any, Literal, TypedDict
 
-from annotated_types import Interval
 from omegaconf import DictConfig, OmegaConf
 
+from vitlab.cli.peft_checks import check_peft
 from vitlab.utils.arguments import (
     ByteSize,
     NonEmpty,
@@ -51,20 +51,6 @@ class TrainSettings(TypedDict):
     freeze_backbone: bool
     task_name: str
     tags: list[str]
-
-
-class PeftSettings(TypedDict):  # conf/peft/ (training.adapters.PeftConfig)
-    method: Literal["none", "lora", "dora", "bitfit", "partial"]
-    rank: PositiveInt
-    alpha: PositiveNumber
-    dropout: Annotated[float, Interval(ge=0, lt=1)]
-    use_dora: bool
-    use_rslora: bool
-    init: bool | str
-    targets: NonEmpty[str]
-    trainable: list[str]
-    blocks: NonNegativeInt
-    names: list[str]
 
 
 class KnnSettings(TypedDict):
@@ -231,7 +217,7 @@ def check_train(cfg: DictConfig) -> None:
             f"freeze_backbone=true trains only the classifier head, and objective={cfg.objective.name} pretrains the "
             "encoder without one: nothing would learn; drop freeze_backbone"
         )
-    _check_peft(cfg)
+    check_peft(cfg)  # peft=: its ranges, and what it cannot go with (cli/peft_checks.py)
     check_devices(cfg.trainer)  # (torch only where the machine may have a GPU) before check_request reads them
     _check_float8_on_a_cpu(cfg.trainer)
     if "folds" in cfg.data or "fold" in cfg.data:  # (whether the data module takes folds: check_nodes)
@@ -244,23 +230,6 @@ def check_train(cfg: DictConfig) -> None:
 
     check_launch(cfg)  # a -m sweep of multi-process runs on a launcher that cannot start them
     check_request(cfg.trainer, cfg.get("callbacks"))  # trainer=fsdp: what cannot shard (its note is logged by train)
-
-
-def _check_peft(cfg: DictConfig) -> None:
-    """peft=: its settings' types and ranges, and what it cannot go with, before torch is imported."""
-    if cfg.get("peft") is None or cfg.peft.method == "none":
-        return
-    check_arguments(PeftSettings, OmegaConf.to_container(cfg.peft, resolve=True), "peft")
-    if cfg.freeze_backbone:
-        raise UserError(
-            f"peft={cfg.peft.method} chooses what trains, and freeze_backbone=true too: drop freeze_backbone (a linear "
-            "probe is peft=partial peft.blocks=0)"
-        )
-    if _pretrains(cfg.objective.get("name")):
-        raise UserError(
-            f"peft={cfg.peft.method} fine-tunes a classifier of pretrained weights; objective={cfg.objective.name} "
-            "pretrains the whole encoder without labels, which frozen weights and adapters would not do: drop peft="
-        )
 
 
 def _check_float8_on_a_cpu(trainer: DictConfig) -> None:

@@ -102,11 +102,16 @@ def plan_peft(
     """The plan's part of peft= (None for the full fine-tune): the settings with the base weights they adapt, named by
     source and sha256: model.pretrained's (`weights`, convert.source.Weights), or the base that the checkpoint to go
     on from names (`resumed`: its hyper-parameters)."""
-    cfg = PeftConfig.from_dict(settings)
+    cfg, before = PeftConfig.from_dict(settings), (resumed or {}).get("peft")
+    if before and PeftConfig.from_dict(before) != cfg:
+        raise UserError(f"the checkpoint to go on from trained with peft={before['method']} "
+                        f"{ {k: v for k, v in before.items() if k != 'base'} }: go on with the same peft settings")  # fmt: skip
+    if resumed is not None and not before and cfg.method != "none":
+        raise UserError(f"the checkpoint to go on from is a full fine-tune's: to adapt its weights with peft="
+                        f"{cfg.method}, give it as model.pretrained=<it> (a new run), not as ckpt_path")  # fmt: skip
     if cfg.method == "none":
         return None
     check_peft_version()
-    before = (resumed or {}).get("peft")
     if weights is None and before:
         base = dict(before["base"])
     elif weights is None:
@@ -172,6 +177,8 @@ def attach(module: Any, peft: Mapping[str, Any] | None) -> None:
 def apply(model: nn.Module, cfg: PeftConfig) -> nn.Module:
     """`model` made to train what `cfg` says, in place: peft's LoRA/DoRA injected (timm's module names), or BitFit's
     and partial fine-tuning's parameters left trainable; everything else frozen."""
+    if "head" in cfg.trainable and isinstance(getattr(model, "head_dist", None), nn.Linear):  # DeiT's second head
+        cfg = dataclasses.replace(cfg, trainable=(*cfg.trainable, "head_dist"))  # (objective=distill trains it too)
     _check_names(model, cfg.targets if cfg.lora else (), "peft.targets")
     _check_names(model, cfg.trainable, "peft.trainable")
     if cfg.lora:
