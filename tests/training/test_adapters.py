@@ -27,9 +27,13 @@ SMALL = dict(depth=2, embed_dim=32, num_heads=2, num_classes=5)
 # (timm name, its arguments, the adapters' targets): each family, in timm's module names
 FAMILIES = {
     "vision_transformer": ("vit_tiny_patch16_224", SMALL | dict(img_size=32), ("qkv", "fc2")),
-    "eva_unfused": ("eva02_tiny_patch14_224", shrink("eva02_tiny_patch14_224") | dict(qkv_fused=False, num_classes=5),
-                    ("q_proj", "k_proj", "v_proj")),  # fmt: skip
-    "naflexvit": ("naflexvit_base_patch16_gap", SMALL | dict(init_values=1.0), ("qkv", "attn.proj")),  # (LayerScale 1e-5 hides)
+    "eva_unfused": (
+        "eva02_tiny_patch14_224",
+        shrink("eva02_tiny_patch14_224") | dict(qkv_fused=False, num_classes=5),
+        ("q_proj", "k_proj", "v_proj"),
+    ),
+    # (naflexvit's LayerScale of 1e-5 would hide the adapters: 1.0)
+    "naflexvit": ("naflexvit_base_patch16_gap", SMALL | dict(init_values=1.0), ("qkv", "attn.proj")),
 }
 
 
@@ -121,7 +125,8 @@ def test_bitfit_and_partial_train_what_they_say():
                                   if n.startswith(("blocks.1.", "norm.", "head.")) or n == "cls_token"}  # fmt: skip
     distilled = apply(ViT(tiny(distilled=True)), PeftConfig(method="lora", rank=2))  # objective=distill's second head
     assert {n for n in trainable(distilled) if "lora_" not in n} == {
-        f"{h}.modules_to_save.default.{w}" for h in ("head", "head_dist") for w in ("weight", "bias")}
+        f"{h}.modules_to_save.default.{w}" for h in ("head", "head_dist") for w in ("weight", "bias")
+    }
     probe = apply(ViT(tiny()), PeftConfig(method="partial", blocks=0, trainable=("head",)))
     assert trainable(probe) == {"norm.weight", "norm.bias", "head.weight", "head.bias"}
 
@@ -188,6 +193,7 @@ def test_bad_peft_input_is_one_line():
         (["peft=lora", "peft.rank=0"], "peft.rank"),
         (["peft=dora", "objective=mae"], "objective=mae pretrains the whole encoder"),
         (["peft=partial", "peft.blocks=-1"], "peft.blocks"),
+        (["peft=lora", "trainer=fsdp"], "peft=lora with trainer=fsdp is not supported yet"),
     ],
 )
 def test_the_train_schema_refuses_what_peft_cannot_do(compose_cfg, overrides, said):

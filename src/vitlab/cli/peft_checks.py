@@ -1,5 +1,5 @@
 """peft='s settings (conf/peft/, training.adapters.PeftConfig) checked before torch is imported: their types and ranges,
-and what peft= cannot go with (freeze_backbone, an objective that pretrains without labels)."""
+and what peft= cannot go with (freeze_backbone, trainer=fsdp, an objective that pretrains without labels)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,12 @@ def check_peft(cfg: DictConfig) -> None:
             f"peft={cfg.peft.method} chooses what trains, and freeze_backbone=true too: drop freeze_backbone (a linear "
             "probe is peft=partial peft.blocks=0)"
         )
+    strategy = cfg.trainer.get("strategy")
+    if isinstance(strategy, DictConfig) and str(strategy.get("_target_", "")).endswith("FSDP2Strategy"):
+        raise UserError(
+            f"peft={cfg.peft.method} with trainer=fsdp is not supported yet (a frozen, sharded base): train the "
+            "adapters with trainer=ddp, or one device"
+        )
     if _pretrains(cfg.objective.get("name")):
         raise UserError(
             f"peft={cfg.peft.method} fine-tunes a classifier of pretrained weights; objective={cfg.objective.name} "
@@ -44,7 +50,7 @@ def check_peft(cfg: DictConfig) -> None:
 
 
 def _pretrains(objective: str | None) -> bool:
-    """objective=`objective` reads no labels (training.module.OBJECTIVES' `uses_labels`). (Torch imported: only here.)"""
+    """objective=`objective` reads no labels (training.module.OBJECTIVES' `uses_labels`); torch imported only here."""
     from vitlab.training.module import OBJECTIVES
 
     return objective in OBJECTIVES and not OBJECTIVES[objective].uses_labels

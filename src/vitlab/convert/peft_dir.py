@@ -68,7 +68,9 @@ def save_peft_dir(
         (folder / "README.md").write_text(_card(config, base))
         measured["diff"] = diff = _peft_reads_it_back(model, folder)
         if not diff <= atol:
-            raise UserError(f"peft's model of the folder is {diff:.3g} from ours (over {atol}): refused, nothing written")  # noqa: E501
+            raise UserError(
+                f"peft's model of the folder is {diff:.3g} from ours (over {atol}): refused, nothing written"
+            )
 
     atomic_dir(out, write, "peft folder")
     loads = f"PeftModel.from_pretrained(timm's model of the base, '{out}')"

@@ -104,8 +104,9 @@ def plan_peft(
     on from names (`resumed`: its hyper-parameters)."""
     cfg, before = PeftConfig.from_dict(settings), (resumed or {}).get("peft")
     if before and PeftConfig.from_dict(before) != cfg:
-        raise UserError(f"the checkpoint to go on from trained with peft={before['method']} "
-                        f"{ {k: v for k, v in before.items() if k != 'base'} }: go on with the same peft settings")  # fmt: skip
+        settings = {k: v for k, v in before.items() if k != "base"}
+        raise UserError(f"the checkpoint to go on from trained with peft={before['method']} {settings}: go on with the "
+                        "same peft settings")  # fmt: skip
     if resumed is not None and not before and cfg.method != "none":
         raise UserError(f"the checkpoint to go on from is a full fine-tune's: to adapt its weights with peft="
                         f"{cfg.method}, give it as model.pretrained=<it> (a new run), not as ckpt_path")  # fmt: skip
@@ -150,7 +151,7 @@ def attach(module: Any, peft: Mapping[str, Any] | None) -> None:
     applied to its ViT. On the meta device (a memory probe, FSDP's layout) only the method: nothing to load."""
     if not peft:
         return
-    from vitlab.convert.source import Weights, resolve
+    from vitlab.convert.source import resolve
     from vitlab.training.pretrained import load_pretrained
 
     cfg, base = PeftConfig.from_dict(peft), peft["base"]
@@ -162,7 +163,7 @@ def attach(module: Any, peft: Mapping[str, Any] | None) -> None:
     if not any(p.is_meta for p in module.model.parameters()):
         if base.get("is_file", True) and not Path(base["source"]).is_file():
             raise UserError(f"the base weights {base['source']!r} the adapters were trained on are not there")
-        weights = Weights(base["source"]) if base.get("is_file", True) else resolve(base["source"])
+        weights = resolve(base["source"])  # (a file: its position rule too, as model.pretrained resolves it)
         if (found := weights_digest(weights)) != base["sha256"]:
             raise UserError(
                 f"base weights {base['source']!r} have sha256 {found[:12]}..., not the {base['sha256'][:12]}... the "
