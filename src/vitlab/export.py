@@ -1,4 +1,4 @@
-"""python -m vitlab.export ckpt_path=<file.ckpt> [format=onnx|pt2|mae|ckpt|timm] [output=<file>]: a checkpoint's
+"""python -m vitlab.export ckpt_path=<file.ckpt> [format=onnx|pt2|mae|ckpt|timm|peft] [output=<file>]: a checkpoint's
 model as an ONNX file (for onnxruntime, TensorRT, ...) or a torch.export program (.pt2), with a dynamic batch, and a
 dynamic height and width when the model was built with dynamic_img_size; an objective=mae checkpoint as MAE's own
 `{'model': ...}` .pth (format=mae: MAE's key names, encoder and decoder; vitlab.convert.mae); format=ckpt makes one
@@ -25,13 +25,12 @@ from vitlab.utils.errors import UserError
 
 def export(cfg: DictConfig) -> dict:
     from vitlab.cli.rundir import check_writable
-    from vitlab.convert.programs import FORMATS, export
+    from vitlab.convert.programs import export
     from vitlab.training.run import inference
 
-    if cfg.format in ("mae", "timm"):  # a checkpoint's networks in another library's own layout
-        return {"mae": export_mae, "timm": export_timm}[cfg.format](cfg)
-    if f".{cfg.format}" not in FORMATS and cfg.format != "ckpt":
-        raise UserError(f"format {cfg.format!r} is not one of {sorted(FORMATS.values()) + ['mae', 'ckpt', 'timm']}")
+    if cfg.format in ("mae", "timm", "peft"):  # a checkpoint's networks in another library's own layout
+        return {"mae": export_mae, "timm": export_timm, "peft": export_timm}[cfg.format](cfg)
+    # (another format: refused before this by its schema's Literal, cli.schemas.ExportSettings)
     out = Path(cfg.output) if cfg.output else Path(cfg.paths.output_dir) / f"model.{cfg.format}"
     if out.suffix != f".{cfg.format}":
         raise UserError(f"output {str(out)!r} must end in .{cfg.format} for format={cfg.format}")
@@ -91,14 +90,16 @@ def export_timm(cfg: DictConfig) -> dict:
     1e-5 (convert.timm_dir); its pretrained_cfg holds the class names and the eval transform of the checkpoint's data
     (input size, crop_mode, crop_pct, interpolation, mean, std), the one vitlab.predict applies, so that timm's
     resolve_data_config and create_transform prepare an image as vitlab does. An objective=mae checkpoint gives its
-    encoder (the decoder is MAE's, not timm's: format=mae writes both)."""
+    encoder (the decoder is MAE's, not timm's: format=mae writes both); a peft=lora|dora one its merged weights.
+    format=peft: such a checkpoint's adapters as peft's own folder (convert.peft_dir), which
+    `PeftModel.from_pretrained(timm.create_model(<base>, ...), folder)` loads with the same logits."""
     from vitlab.cli.rundir import check_writable
-    from vitlab.convert import publish, timm_dir
+    from vitlab.convert import peft_dir, publish, timm_dir
     from vitlab.training.run import inference
 
-    out = Path(cfg.output) if cfg.output else Path(cfg.paths.output_dir) / "timm"
+    out = Path(cfg.output) if cfg.output else Path(cfg.paths.output_dir) / cfg.format
     if out.exists() and not out.is_dir():
-        raise UserError(f"output {str(out)!r} is a file and format=timm writes a folder: choose another output")
+        raise UserError(f"output {str(out)!r} is a file and format={cfg.format} writes a folder: choose another output")
     if out.exists() and not cfg.overwrite:
         raise UserError(f"output {str(out)!r} exists; choose another output or set overwrite=true")
     check_writable(out.parent, "output", out)  # before the checkpoint is read
@@ -107,9 +108,10 @@ def export_timm(cfg: DictConfig) -> dict:
     if module.hparams.get("data"):
         module.model.pretrained_cfg.update(inference.inference_datamodule(module, cfg.ckpt_path).preprocessing)
     names, atol = module.hparams.get("class_names"), min(float(cfg.atol), 1e-5)
-    report = timm_dir.save_timm_dir(module.model.float(), out, names, atol=atol, overwrite=cfg.overwrite, card=card)
-    report |= {"ckpt_path": str(cfg.ckpt_path), "format": "timm"}
-    print(f"wrote {out}: timm.create_model('local-dir:{out}', pretrained=True), |diff| {report['max_abs_diff']:.2g}")
+    write = timm_dir.save_timm_dir if cfg.format == "timm" else peft_dir.save_peft_dir  # (timm: adapters merged)
+    report = write(module.model.float(), out, names, atol=atol, overwrite=cfg.overwrite, card=card)
+    report |= {"ckpt_path": str(cfg.ckpt_path), "format": cfg.format}
+    print(f"wrote {out}: {report['loads_with']}, |diff| {report['max_abs_diff']:.2g}")
     report["commit_url"] = publish.push_folder(out, cfg.push_to_hub, cfg.private, cfg.revision)  # (None: not pushed)
     return report
 

@@ -19,7 +19,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from vitlab.model.config import vit_config
-from vitlab.training import pretrained
+from vitlab.training import adapters, pretrained
 from vitlab.training.callbacks import trial
 from vitlab.training.devices import sharding
 from vitlab.training.module import OBJECTIVES
@@ -82,6 +82,9 @@ def train_plan(cfg: DictConfig) -> TrainPlan:
         optimized_metric=optimized_metric(config),
         pruning=(trial.PruneTrial(config["optimized_metric"]),) if trial.sweep_pruner()[0] else (),
         config=config,
+        peft=adapters.plan_peft(  # peft=: its settings and the base weights they adapt, named by sha256
+            config.get("peft"), weights, ckpt.hparams if ckpt else None, bool(config["model"].get("resample_patch"))
+        ),
     )
 
 

@@ -18,6 +18,7 @@ from typing import Any, Literal, TypedDict
 
 from omegaconf import DictConfig, OmegaConf
 
+from vitlab.cli.peft_checks import check_peft
 from vitlab.utils.arguments import (
     ByteSize,
     NonEmpty,
@@ -129,7 +130,7 @@ class PredictSettings(TypedDict):
 class ExportSettings(TypedDict):
     task_name: str
     ckpt_path: str
-    format: Literal["onnx", "pt2", "mae", "ckpt", "timm"]  # convert.programs.FORMATS' and vitlab.export's own
+    format: Literal["onnx", "pt2", "mae", "ckpt", "timm", "peft"]  # convert.programs.FORMATS' and vitlab.export's own
     output: str | None
     overwrite: bool
     atol: NonNegativeNumber
@@ -216,6 +217,7 @@ def check_train(cfg: DictConfig) -> None:
             f"freeze_backbone=true trains only the classifier head, and objective={cfg.objective.name} pretrains the "
             "encoder without one: nothing would learn; drop freeze_backbone"
         )
+    check_peft(cfg)  # peft=: its ranges, and what it cannot go with (cli/peft_checks.py)
     check_devices(cfg.trainer)  # (torch only where the machine may have a GPU) before check_request reads them
     _check_float8_on_a_cpu(cfg.trainer)
     if "folds" in cfg.data or "fold" in cfg.data:  # (whether the data module takes folds: check_nodes)

@@ -193,7 +193,9 @@ def save_timm_dir(
     and the check (architecture, max_abs_diff, atol, parameters). Returns what was written and measured."""
     from safetensors.torch import save_file
 
-    out = Path(out)
+    from vitlab.convert.peft_dir import merged
+
+    out, model = Path(out), merged(model)  # peft's adapters merged into plain timm layers
     if out.exists() and not overwrite:
         raise UserError(f"output {str(out)!r} exists; choose another output or set overwrite=true")
     hint = model.pretrained_cfg.get("architecture")
@@ -216,7 +218,9 @@ def save_timm_dir(
             (folder / "README.md").write_text(card(config, checked))
 
     atomic_dir(out, write, what="timm export", advice="free space, or export elsewhere with output=<folder>")
-    return {"output": str(out), "architecture": config["architecture"], "max_abs_diff": measured["diff"]}
+    loads = f"timm.create_model('local-dir:{out}', pretrained=True)"
+    arch = config["architecture"]
+    return {"output": str(out), "architecture": arch, "max_abs_diff": measured["diff"], "loads_with": loads}
 
 
 @torch.no_grad()

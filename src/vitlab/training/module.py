@@ -22,6 +22,7 @@ from torch import nn
 from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
 from vitlab.model import ViTConfig
+from vitlab.training.adapters import attach, drop_frozen, fill_frozen
 from vitlab.training.devices.float8 import Float8Precision, plain_state
 from vitlab.training.devices.sharding import new_vit, splits_weights
 from vitlab.training.objectives.classification import Classification
@@ -79,6 +80,7 @@ class ViTModule(L.LightningModule):
         class_names: list[str] | None = None,
         data: dict[str, Any] | None = None,  # the data config that trained it, for vitlab.eval/predict
         freeze_backbone: bool = False,  # linear probe: train the head (and fc_norm) only
+        peft: dict[str, Any] | None = None,  # peft=: the method and its base weights (training.adapters.plan_peft)
     ):
         super().__init__()
         cfg = model if isinstance(model, ViTConfig) else ViTConfig.from_dict(model)
@@ -95,6 +97,7 @@ class ViTModule(L.LightningModule):
         self.objective = build_objective(objective, cfg, unlabeled=reads_no_labels(data))
         self.objective.check(cfg, self.optim)
         self.objective.prepare(self.model)
+        attach(self, peft)  # peft=: the base weights loaded, the adapters injected (training.adapters)
         for name, network in self.objective.extra_modules().items():  # e.g. a decoder: checkpoint keys decoder.*
             self.add_module(name, network)
         # Updated every step, computed (and synced across processes) once per epoch: logging a value costs ~1 ms in
@@ -259,12 +262,14 @@ class ViTModule(L.LightningModule):
         checkpoint["max_epochs"] = self.trainer.max_epochs
         if getattr(self.trainer.precision_plugin, "float8_all_gather", False) and "state_dict" in checkpoint:
             checkpoint["state_dict"] = plain_state(checkpoint["state_dict"])  # plain weights, without torchao's wrapper
+        drop_frozen(self, checkpoint)  # peft=: the trainable tensors only; the hyper-parameters name the base
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Metric states are bookkeeping, not weights: a checkpoint without them (older, or written elsewhere) starts
         # them fresh; the networks' own keys stay strictly checked.
         if "state_dict" not in checkpoint:  # a sharded strategy has loaded it already (training.devices.sharding)
             return
+        fill_frozen(self, checkpoint["state_dict"])  # peft=: the base, as attach loaded it
         state, ours = checkpoint["state_dict"], self.state_dict()
         for key, value in ours.items():
             if not key.startswith(self.network_prefixes) and key not in state:

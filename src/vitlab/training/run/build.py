@@ -90,6 +90,7 @@ def build_module(plan: TrainPlan, datamodule: L.LightningDataModule | None, prob
             class_names=list(getattr(datamodule, "class_names", []) or []),
             data=plan.data,
             freeze_backbone=plan.freeze_backbone,
+            peft=plan.peft,  # peft=: loads its base weights itself (training.adapters.attach)
         )
 
 

@@ -73,6 +73,7 @@ class TrainPlan:
     print_config: bool  # config.yaml shown as a tree too
     optimized_metric: str | None  # what a sweeper optimises (optimized_metric, following the objective)
     pruning: tuple[L.Callback, ...] = ()  # an Optuna trial's pruning callback, in a sweep with a pruner
+    peft: dict[str, Any] | None = None  # peft=: the method and the base weights it adapts (training.adapters)
     batch_size_auto: dict[str, Any] | None = None  # what data.batch_size=auto chose, and why
     config: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)  # as planned: cli.plans.as_ran's
 

@@ -69,7 +69,7 @@ def starting_point(plan: TrainPlan, module: ViTModule) -> str | None:
     if ckpt:  # a job that restarts goes on to test even when it had finished
         check_resumable(ckpt, module, plan.trainer if ckpt.given and plan.train else None)
         return ckpt.path
-    if plan.weights is not None:
+    if plan.weights is not None and plan.peft is None:  # (peft=: its base loaded as the module was built)
         load_pretrained(module, plan.weights, plan.resample_patch)  # objective=mae: the file's MAE decoder too
     return None
 
