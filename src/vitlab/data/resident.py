@@ -189,7 +189,7 @@ def store(dataset: TransformDataset, transform: T.Compose, device: torch.device,
     for x, y in _chunks(dataset, transform, workers):
         if images is None:
             images = torch.empty((len(dataset), *x.shape[1:]), dtype=torch.uint8, device=device)
-            labels = torch.empty(len(dataset), dtype=torch.long, device=device)
+            labels = torch.empty((len(dataset), *torch.as_tensor(y).shape[1:]), dtype=torch.long, device=device)
         if x.shape[1:] != images.shape[1:]:
             raise UserError(
                 f"data.on_device needs images of one size, and the training split has {tuple(images.shape[1:])} "
