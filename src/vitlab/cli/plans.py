@@ -107,7 +107,7 @@ def optimized_metric(config: Mapping[str, Any]) -> str | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    key, (watched, _) = config.get("optimized_metric"), OBJECTIVES[_objective_name(config)].best
+    key, (watched, _) = config.get("optimized_metric"), OBJECTIVES[_objective_name(config)].best_of(_options(config))
     single = not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN
     return f"val/{watched}_best" if key == "val/acc_best" and watched != "acc" and single else key
 
@@ -118,7 +118,7 @@ def checkpoint_follows_objective(config: Mapping[str, Any]) -> dict[str, Any]:
     `config` (an early stop's monitor, `${callbacks.model_checkpoint.monitor}`, follows it once resolved); a monitor
     set in a recipe or on the command line is kept."""
     node = (config.get("callbacks") or {}).get("model_checkpoint")
-    watched, mode = OBJECTIVES[_objective_name(config)].best
+    watched, mode = OBJECTIVES[_objective_name(config)].best_of(_options(config))
     if node is None or node.get("monitor") != "val/acc" or watched == "acc":
         return dict(config)
     config = copy.deepcopy(dict(config))
@@ -127,6 +127,10 @@ def checkpoint_follows_objective(config: Mapping[str, Any]) -> dict[str, Any]:
         log.info("objective=%s logs no val/acc: the best checkpoint is the one of the %s val/%s",
                  _objective_name(config), "lowest" if mode == "min" else "highest", watched)  # fmt: skip
     return config
+
+
+def _options(config: Mapping[str, Any]) -> dict[str, Any]:  # (issue 77: multilabel's best is val/map)
+    return dict(config.get("objective") or {})
 
 
 def _objective_name(config: Mapping[str, Any]) -> str:

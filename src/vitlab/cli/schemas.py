@@ -23,6 +23,7 @@ from vitlab.utils.arguments import (
     NonEmpty,
     NonNegativeInt,
     NonNegativeNumber,
+    OpenUnit,
     PositiveInt,
     PositiveNumber,
     Seed,
@@ -123,6 +124,7 @@ class PredictSettings(TypedDict):
     model: PretrainedModel
     images: str | NonEmpty[str]
     top_k: PositiveInt | None  # null: min(5, the model's classes)
+    threshold: OpenUnit | None  # multi-label checkpoints: the labels above it; null: objective.threshold's
     device: str  # cpu, cuda, cuda:<i> that this machine has (check_predict)
 
 

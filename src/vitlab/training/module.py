@@ -224,8 +224,12 @@ class ViTModule(L.LightningModule):
             if name.startswith("loss_") and not metric.weight:  # a loss term not begun (objective.gram.start)
                 metric.reset()
                 continue
-            values[f"{stage}/{name}"] = metric.compute()
+            value = metric.compute()
             metric.reset()
+            if isinstance(value, dict):  # one value a class (objectives/label_metrics.py): <stage>/<prefix><class>
+                values |= {f"{stage}/{k}": v for k, v in value.items()}
+                continue
+            values[f"{stage}/{name}"] = value
         # torchmetrics has already reduced these over processes; sync_dist=True averages equal values (and
         # keeps Lightning from warning, under DDP, that epoch-level values were not synced).
         self.log_dict(values, prog_bar=stage == "val", sync_dist=True)

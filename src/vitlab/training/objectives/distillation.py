@@ -58,6 +58,12 @@ class DistillConfig(ClassifyConfig):
             raise UserError(f"objective.type {self.type!r} is not one of {list(DISTILL_TYPES)}")
         check_range("objective.alpha", self.alpha, 0, 1)
         check_range("objective.tau", self.tau, 0, float("inf"), low_open=True, high_open=True)
+        if self.multilabel:
+            raise UserError(
+                f"objective=distill is DeiT's distillation of one label an image (type {self.type}: the teacher's "
+                f"{'top class' if self.type == 'hard' else 'softmax'}), and objective.multilabel=true asks for "
+                "several: train objective=classify objective.multilabel=true"
+            )
         if not self.teacher:
             raise UserError(
                 "objective=distill needs objective.teacher: a vitlab checkpoint (.ckpt) or a timm model name"
@@ -88,6 +94,7 @@ class Distillation(Classification):
 
     def fit_start(self, datamodule: Any, device: torch.device) -> None:
         """The teacher on this process's device, with the student's normalisation to undo."""
+        super().fit_start(datamodule, device)  # (the label loss's class weights)
         if len(datamodule.mean) != (channels := self.teacher.kd.mean_kd.shape[1]):
             raise UserError(
                 f"objective.teacher takes {channels}-channel images, and the data has {len(datamodule.mean)}"

@@ -37,6 +37,12 @@ class Objective:
     schedules: frozenset[str] = frozenset()
 
     @classmethod
+    def best_of(cls, options: dict[str, Any]) -> tuple[str, str]:
+        """`best` for these options (objective=classify's multilabel watches val/map): the plan reads it before the
+        objective is built."""
+        return cls.best
+
+    @classmethod
     def data_views(cls, options: dict[str, Any], model: ViTConfig) -> dict[str, Any]:
         """What the data module must make of each training batch for this objective (`options`: the objective's
         settings), as arguments of the data module beside its own settings; none for most objectives."""
