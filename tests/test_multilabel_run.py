@@ -53,11 +53,12 @@ def test_a_list_of_several_labels_trains_and_reports_map(run):
     assert metrics["class_counts"] == {n: sum(n in c for c in cells) for n in NAMES}  # the training list's
     assert metrics["best_checkpoint"] == metrics["tested_checkpoint"]
     assert {"val/map_best", "test/map", "test/map_micro", "test/f1", "test/f1_micro"} <= set(metrics)
-    aps = [metrics[f"test/ap_{i}"] for i in range(3)]
+    aps = [metrics[f"test/ap/{name}"] for name in NAMES]  # each class's AP, by name (metrics.json alone)
     assert metrics["test/map"] == pytest.approx(sum(aps) / 3) and metrics["test/map"] > 0.75  # learnt the colours
     config = (run / "run" / "config.yaml").read_text()
     assert "monitor: val/map" in config and "multilabel: true" in config
     assert "val/map_best" in (run / "stdout").read_text().splitlines()[-3]  # the run's last line reports it
+    assert "test/ap" not in (run / "stdout").read_text()  # (no console row a class)
 
 
 def test_predict_gives_every_label_over_the_threshold(run, tmp_path):
@@ -85,3 +86,4 @@ def test_data_of_one_label_an_image_is_refused_under_multilabel(folder, tmp_path
     assert r.returncode == 2
     said = r.stderr.strip().splitlines()[-1]
     assert said.startswith("error: objective.multilabel=true needs several labels an image, and ImageFolderDataModule")
+    assert list(tmp_path.iterdir()) == []  # refused before the run's directory is made

@@ -29,3 +29,5 @@ def test_each_canvas_is_labelled_by_the_digits_on_it():
 def test_bad_canvases_are_one_line():
     with pytest.raises(UserError, match=r"^data.canvases \[4, 4\] must be \[train, val, test\] counts >= 1$"):
         DigitPairsDataModule(img_size=16, canvases=[4, 4])
+    with pytest.raises(UserError, match=r"^data=digit_pairs has several labels an image: train it with objective.mul"):
+        DigitPairsDataModule(img_size=16, multilabel=False)

@@ -218,6 +218,12 @@ def check_train(cfg: DictConfig) -> None:
             f"freeze_backbone=true trains only the classifier head, and objective={cfg.objective.name} pretrains the "
             "encoder without one: nothing would learn; drop freeze_backbone"
         )
+    if cfg.objective.get("multilabel") and "multilabel" not in cfg.data:  # (issue 77: before the run's directory)
+        target = str(cfg.data.get("_target_", "")).rsplit(".", 1)[-1]
+        raise UserError(
+            f"objective.multilabel=true needs several labels an image, and {target} reads one (an image folder cannot "
+            "say more): give the labels in a list (data=list) or a dataset (data=hf)"
+        )
     check_devices(cfg.trainer)  # (torch only where the machine may have a GPU) before check_request reads them
     _check_float8_on_a_cpu(cfg.trainer)
     if "folds" in cfg.data or "fold" in cfg.data:  # (whether the data module takes folds: check_nodes)

@@ -32,7 +32,9 @@ class DigitPairsDataModule(ImageDataModule):
     multilabel = True  # objective.multilabel=true reads it (training.objectives.classification)
 
     def __init__(self, canvas_size: int = 32, canvases: tuple[int, int, int] = (1024, 256, 256), split_seed: int = 0,
-                 channels: int = 3, mean=None, std=None, **kwargs):  # fmt: skip
+                 channels: int = 3, mean=None, std=None, multilabel: bool = True, **kwargs):  # fmt: skip
+        if not multilabel:
+            raise UserError("data=digit_pairs has several labels an image: train it with objective.multilabel=true")
         if channels not in MEAN:
             raise UserError(f"data.channels {channels} must be 1 (gray) or 3 (RGB)")
         if len(canvases) != 3 or any(not isinstance(n, int) or n < 1 for n in canvases):

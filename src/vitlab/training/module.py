@@ -27,6 +27,7 @@ from vitlab.training.devices.sharding import new_vit, splits_weights
 from vitlab.training.objectives.classification import Classification
 from vitlab.training.objectives.dino import DINO
 from vitlab.training.objectives.distillation import Distillation
+from vitlab.training.objectives.label_metrics import class_values
 from vitlab.training.objectives.mae import MAE
 from vitlab.training.objectives.objective import Objective
 from vitlab.training.optim import (
@@ -226,8 +227,8 @@ class ViTModule(L.LightningModule):
                 continue
             value = metric.compute()
             metric.reset()
-            if isinstance(value, dict):  # one value a class (objectives/label_metrics.py): <stage>/<prefix><class>
-                values |= {f"{stage}/{k}": v for k, v in value.items()}
+            if value.ndim == 1:  # one value a class (objectives/label_metrics.py): metrics.json's alone
+                self.class_values = getattr(self, "class_values", {}) | class_values(stage, name, value, self.hparams)
                 continue
             values[f"{stage}/{name}"] = value
         # torchmetrics has already reduced these over processes; sync_dist=True averages equal values (and

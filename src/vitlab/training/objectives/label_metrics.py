@@ -1,13 +1,16 @@
 """The metrics of `objective=classify` beyond top-1 (torchmetrics'): several labels an image (mAP over classes and
 over every (image, class) pair, F1 at objective.threshold, each class's AP on the test split), and for one label
 an image the numbers a long tail is judged by (the mean of the classes' recalls on val and test, each class's
-accuracy on the test split). A metric whose value is one number a class comes back as a dict (torchmetrics'
-ClasswiseWrapper): `<stage>/<prefix><class index>` in the logs and metrics.json (the class names: the run's
-class_names, metrics.json's class_counts).
+accuracy on the test split). A metric whose value is one number a class (a (C,) tensor) goes to metrics.json only,
+as `<stage>/<name>/<class name>` (training.module: a console table or a logger of 1,000 rows is no summary).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+import torch
 from torchmetrics import Metric
 from torchmetrics.classification import (
     MulticlassAccuracy,
@@ -15,7 +18,6 @@ from torchmetrics.classification import (
     MultilabelAveragePrecision,
     MultilabelF1Score,
 )
-from torchmetrics.wrappers import ClasswiseWrapper
 
 
 def multilabel_metrics(stage: str, num_classes: int, threshold: float) -> dict[str, Metric]:
@@ -31,10 +33,7 @@ def multilabel_metrics(stage: str, num_classes: int, threshold: float) -> dict[s
         "f1_micro": MultilabelF1Score(num_classes, threshold=threshold, average="micro", validate_args=False),
     }
     if stage == "test":
-        out["ap"] = ClasswiseWrapper(
-            MultilabelAveragePrecision(num_classes, average=None), labels=[str(i) for i in range(num_classes)],
-            prefix="ap_",
-        )  # fmt: skip
+        out["ap"] = MultilabelAveragePrecision(num_classes, average=None)
     return out
 
 
@@ -45,8 +44,12 @@ def long_tail_metrics(stage: str, num_classes: int) -> dict[str, Metric]:
         return {}
     out: dict[str, Metric] = {"recall_mean": MulticlassRecall(num_classes, average="macro", validate_args=False)}
     if stage == "test":
-        out["acc_class"] = ClasswiseWrapper(
-            MulticlassAccuracy(num_classes, average=None, validate_args=False),
-            labels=[str(i) for i in range(num_classes)], prefix="acc_class_",
-        )  # fmt: skip
+        out["acc_class"] = MulticlassAccuracy(num_classes, average=None, validate_args=False)
     return out
+
+
+def class_values(stage: str, name: str, value: torch.Tensor, hparams: Mapping[str, Any]) -> dict[str, float]:
+    """A metric of one value a class as metrics.json's `<stage>/<name>/<class name>` (the index where the run knows
+    no names)."""
+    names = hparams.get("class_names") or [str(i) for i in range(len(value))]
+    return {f"{stage}/{name}/{names[i]}": float(v) for i, v in enumerate(value.tolist())}

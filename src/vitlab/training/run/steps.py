@@ -110,4 +110,5 @@ def tested(trainer: L.Trainer, datamodule: Any, weights: str | None) -> dict[str
     if weights is None:
         return out
     out |= {k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
+    out |= {k: v for k, v in getattr(trainer.lightning_module, "class_values", {}).items() if k.startswith("test/")}
     return out | {"tested_checkpoint": weights or "final weights"}
