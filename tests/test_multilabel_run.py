@@ -87,3 +87,13 @@ def test_data_of_one_label_an_image_is_refused_under_multilabel(folder, tmp_path
     said = r.stderr.strip().splitlines()[-1]
     assert said.startswith("error: objective.multilabel=true needs several labels an image, and ImageFolderDataModule")
     assert list(tmp_path.iterdir()) == []  # refused before the run's directory is made
+
+
+def test_eval_tests_a_multilabel_checkpoint_by_map_and_the_probes_refuse(run, tmp_path):
+    ckpt = run / "run" / "checkpoints" / "last.ckpt"
+    r = run_cli("eval", f"ckpt_path={ckpt}", "task=knn", f"hydra.run.dir={tmp_path / 'knn'}")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith("error: task=knn scores one label an image, and this data has")
+    r = run_cli("eval", f"ckpt_path={ckpt}", "task=test", f"hydra.run.dir={tmp_path / 'test'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "test/map" in r.stdout + r.stderr
