@@ -5,7 +5,10 @@ checkpoint's test images were.
 
 Without a checkpoint, `model.pretrained=<timm name | local-dir:<folder> | hf-hub:<repo>>` ranks the classes of timm's
 weights' own head, each image prepared by their eval transform (crop_mode, crop_pct, interpolation, mean, std: what
-timm's resolve_data_config gives), so the probabilities are timm's (vitlab.evaluation.classifier)."""
+timm's resolve_data_config gives), so the probabilities are timm's (vitlab.evaluation.classifier).
+
+A multi-label checkpoint (objective.multilabel=true) gives each image every label whose sigmoid probability is above
+`threshold` (null: the checkpoint's objective.threshold), highest first, with its score: not a top-k."""
 
 from __future__ import annotations
 
@@ -32,22 +35,25 @@ class PredictPlan:
     top_k: int | None
     device: str
     output_dir: Path
+    threshold: float | None = None  # multi-label checkpoints: the labels above it (None: the objective's)
 
     @classmethod
     def of(cls, cfg: DictConfig) -> PredictPlan:
         model = OmegaConf.to_container(cfg.model, resolve=True) if "model" in cfg else {}
         images = [cfg.images] if isinstance(cfg.images, str) else list(cfg.images)
         return cls(cfg.ckpt_path, model.get("pretrained"), model.get("img_size"), images, cfg.top_k, cfg.device,
-                   Path(cfg.paths.output_dir))  # fmt: skip
+                   Path(cfg.paths.output_dir), cfg.get("threshold"))  # fmt: skip
 
 
 def predict(cfg: DictConfig) -> list[dict]:
     import torch
 
     from vitlab.data.images import read_image
+    from vitlab.evaluation.labels import over_threshold, threshold_of, top_classes
 
     plan = PredictPlan.of(cfg)
-    model, prepare, names = _checkpoint(plan) if plan.ckpt_path is not None else _pretrained(plan)
+    model, prepare, names, trained = _checkpoint(plan) if plan.ckpt_path is not None else _pretrained(plan)
+    threshold = threshold_of(plan.threshold, trained)  # a multi-label model's; None: one label an image
     top_k = min(5, len(names)) if plan.top_k is None else plan.top_k  # (a model of 3 classes ranks 3 by default)
     if top_k > len(names):  # (it was clamped silently)
         raise UserError(f"top_k {top_k} is more than the model's {len(names)} classes: give top_k up to {len(names)}")
@@ -55,11 +61,13 @@ def predict(cfg: DictConfig) -> list[dict]:
     results = []
     for path, img in zip(plan.images, pixels, strict=True):
         with torch.no_grad():
-            probs = model(prepare(img).to(plan.device)).float().softmax(-1)[0]  # (NaFlex's: a NaFlexBatch)
-        top = probs.topk(top_k)
-        ranked = [
-            {"class": names[i], "index": int(i), "prob": float(p)} for p, i in zip(top.values, top.indices, strict=True)
-        ]
+            logits = model(prepare(img).to(plan.device)).float()[0]  # (NaFlex's: a NaFlexBatch)
+        if threshold is not None:  # every label over the threshold, with its score
+            labels = over_threshold(logits, names, threshold)
+            results.append({"image": str(path), "threshold": threshold, "labels": labels})
+            print(f"{path}: " + (", ".join(f"{r['class']} ({r['prob']:.3f})" for r in labels) or "no label"))
+            continue
+        ranked = top_classes(logits, names, top_k)
         results.append({"image": str(path), "top_k": ranked})
         print(f"{path}: " + ", ".join(f"{r['class']} ({r['prob']:.3f})" for r in ranked))
     out = plan.output_dir / "predictions.json"
@@ -81,7 +89,9 @@ def _checkpoint(plan: PredictPlan) -> tuple:
         )
     datamodule = inference.inference_datamodule(module, plan.ckpt_path)
     names = module.hparams.get("class_names") or [str(i) for i in range(module.model.cfg.num_classes)]
-    return module.model, datamodule.predict_tensor, names
+    cfg = module.objective.cfg
+    trained = cfg.threshold if getattr(cfg, "multilabel", False) else None  # its threshold; None: one label an image
+    return module.model, datamodule.predict_tensor, names, trained
 
 
 def _pretrained(plan: PredictPlan) -> tuple:
@@ -92,7 +102,7 @@ def _pretrained(plan: PredictPlan) -> tuple:
     weights = resolve(plan.pretrained, run={"img_size": plan.img_size})  # the one look at timm or the folder
     model = classifier.classifier(weights).to(plan.device)
     prepare: Callable = classifier.preprocess(weights, model.cfg.img_hw)
-    return model, prepare, classifier.class_names(weights, model.cfg.num_classes)
+    return model, prepare, classifier.class_names(weights, model.cfg.num_classes), None
 
 
 @entry_point("predict")

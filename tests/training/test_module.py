@@ -105,7 +105,7 @@ def test_bce_is_timms_binary_cross_entropy_and_starts_the_head_bias_at_minus_log
     np.random.seed(1)
     _, soft = mixed.objective.mixup(x.clone(), y)
     torch.testing.assert_close(loss, BinaryCrossEntropy()(logits, soft * 0.9 + 0.1 / 7))
-    with pytest.raises(ValueError, match=r"objective.loss 'hinge' is not one of \['ce', 'bce'\]"):
+    with pytest.raises(ValueError, match=r"objective.loss 'hinge' is not one of \['ce', 'bce', 'asl'\]"):
         ViTModule(model=tiny().to_dict(), objective=classify(loss="hinge"))
 
 
@@ -118,7 +118,7 @@ def test_a_bce_run_trains_from_the_command_line(compose_cfg):
     )
     plan = train_plan(cfg)
     module = build_module(plan, fit_datamodule(plan))
-    assert module.objective.bce is not None and module.hparams["objective"]["bce_target_thresh"] == 0.2
+    assert module.objective.loss.sigmoid is not None and module.hparams["objective"]["bce_target_thresh"] == 0.2
 
 
 def test_mixing_stops_at_mixup_off_epoch():

@@ -52,6 +52,11 @@ def eval_plan(cfg: DictConfig) -> EvalPlan:
         return EvalPlan(probe, None, None, pretrained, dict(pretrained.data), None, **common)
     module = _checkpoint(cfg.ckpt_path, cfg.task)
     data = _data(tree, module.hparams.get("data"), cfg.ckpt_path, module.model.cfg.to_dict()["img_size"])
+    if data.get("multilabel") and cfg.task != "test":  # (issue 77: the probes score one label an image)
+        raise UserError(
+            f"task={cfg.task} scores one label an image, and this data has several (objective.multilabel): score "
+            "the checkpoint's classifier with task=test (mAP), or probe its features on one-label data (data=<name>)"
+        )
     tester = build.settle_trainer(trainer, said=False) if cfg.task == "test" else None  # (said where auto chose)
     return EvalPlan(probe, cfg.ckpt_path, module, None, data, tester, **common)
 

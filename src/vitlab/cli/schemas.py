@@ -24,6 +24,7 @@ from vitlab.utils.arguments import (
     NonEmpty,
     NonNegativeInt,
     NonNegativeNumber,
+    OpenUnit,
     PositiveInt,
     PositiveNumber,
     Seed,
@@ -124,6 +125,7 @@ class PredictSettings(TypedDict):
     model: PretrainedModel
     images: str | NonEmpty[str]
     top_k: PositiveInt | None  # null: min(5, the model's classes)
+    threshold: OpenUnit | None  # multi-label checkpoints: the labels above it; null: objective.threshold's
     device: str  # cpu, cuda, cuda:<i> that this machine has (check_predict)
 
 
@@ -218,6 +220,12 @@ def check_train(cfg: DictConfig) -> None:
             "encoder without one: nothing would learn; drop freeze_backbone"
         )
     check_peft(cfg)  # peft=: its ranges, and what it cannot go with (cli/peft_checks.py)
+    if cfg.objective.get("multilabel") and "multilabel" not in cfg.data:  # (issue 77: before the run's directory)
+        target = str(cfg.data.get("_target_", "")).rsplit(".", 1)[-1]
+        raise UserError(
+            f"objective.multilabel=true needs several labels an image, and {target} reads one (an image folder cannot "
+            "say more): give the labels in a list (data=list) or a dataset (data=hf)"
+        )
     check_devices(cfg.trainer)  # (torch only where the machine may have a GPU) before check_request reads them
     _check_float8_on_a_cpu(cfg.trainer)
     if "folds" in cfg.data or "fold" in cfg.data:  # (whether the data module takes folds: check_nodes)

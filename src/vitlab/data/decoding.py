@@ -62,7 +62,8 @@ class EncodedBatch(NamedTuple):
 
 def collate(items: list[tuple]) -> EncodedBatch:
     data, records, labels, names = zip(*items, strict=True)
-    return EncodedBatch(list(data), torch.stack(records), torch.as_tensor(labels), list(names))
+    labels = torch.stack(labels) if isinstance(labels[0], torch.Tensor) else torch.as_tensor(labels)  # (multi-hot)
+    return EncodedBatch(list(data), torch.stack(records), labels, list(names))
 
 
 def encoded(base: Any, i: int) -> tuple[bytes, str, int]:

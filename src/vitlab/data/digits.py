@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
+from vitlab.data.balanced import long_tail
 from vitlab.data.folds import fold_split
 from vitlab.data.image_module import ImageDataModule
 from vitlab.data.resident import ArrayImages
@@ -65,6 +66,7 @@ class DigitsDataModule(ImageDataModule):
         shift: int = 1,
         rotate: float = 0.0,
         scale: tuple[float, float] = (1.0, 1.0),
+        imbalance: float = 1.0,  # > 1: the training split a long tail of this ratio (data/balanced.py: long_tail)
         train_transform: dict | None = None,  # refused: the per-image settings of the other datasets
         eval_transform: dict | None = None,
         **kwargs,
@@ -88,6 +90,9 @@ class DigitsDataModule(ImageDataModule):
         if len(scale) != 2 or not 0 < scale[0] <= scale[1]:
             raise UserError(f"data.scale {list(scale)} must be [min, max] with 0 < min <= max")
         self.rotate, self.scale, self.shift = rotate, tuple(scale), shift
+        if isinstance(imbalance, bool) or not isinstance(imbalance, (int, float)) or imbalance < 1:
+            raise UserError(f"data.imbalance {imbalance!r} must be >= 1 (1: every class as the data has it)")
+        self.imbalance = imbalance
         self.val_fraction, self.test_fraction, self.split_seed = val_fraction, test_fraction, split_seed
         self.black = (0.0 - self.mean[0]) / self.std[0]  # the fill for pixels moved in by rotation and zoom
 
@@ -112,14 +117,17 @@ class DigitsDataModule(ImageDataModule):
                 stratify=labels[rest].tolist(),
                 random_state=self.split_seed,
             )
+        if self.imbalance > 1:  # a long tail to train on; validation and test stay balanced
+            train = long_tail(train, labels.tolist(), self.imbalance, self.split_seed)
         base = ArrayImages(images, labels)
         self.train_set = TransformDataset(base, self.train_tf, sorted(train))
         self.val_set = TransformDataset(base, self.eval_tf, sorted(val))
         self.test_set = TransformDataset(base, self.eval_tf, sorted(test))
         how = f"stratified, split_seed {self.split_seed}"
         share = f"fold {self.fold} of {self.folds}" if self.folds else f"{self.val_fraction:g}"
+        tail = f", a long tail of ratio {self.imbalance:g}" if self.imbalance > 1 else ""
         self.splits = {
-            "train": f"{len(train):,} digits",
+            "train": f"{len(train):,} digits{tail}",
             "val": f"{len(val):,} digits ({share}, {how})",
             "test": f"{len(test):,} digits ({self.test_fraction:g}, {how})",
         }

@@ -1,5 +1,6 @@
 """k-fold cross-validation splits (`data.folds=K data.fold=i`): the training split cut into K class-stratified folds,
-fixed by `data.split_seed` (scikit-learn's StratifiedKFold, shuffled); fold i validates (selects the checkpoint) and
+fixed by `data.split_seed` (scikit-learn's StratifiedKFold, shuffled; several labels an image: iterative
+stratification, iterstrat's MultilabelStratifiedKFold); fold i validates (selects the checkpoint) and
 the other K - 1 train. The test split is left as it is: every fold is tested on the same images. Where the data has no
 test split, its validation split tests (as with data.val_fraction); where it has both, its own validation split is not
 read. `python -m vitlab.train -m data.folds=5 'data.fold=range(5)'` trains every fold, and the sweep's summary gives
@@ -35,11 +36,13 @@ def check_folds(folds: int, fold: int, refused_by: str | None = None) -> None:
 READERS = "data=digits, imagefolder, hf, list"
 
 
-def labels_of(dataset: Any) -> list[int]:
+def labels_of(dataset: Any) -> list[int] | list[list[int]]:
     """The class index of every item of a map-style dataset, read without decoding an image: torchvision's ImageFolder
-    (`targets`), vitlab's readers (`labels`)."""
+    (`targets`), vitlab's readers (`labels`); several labels an image: each item's 0/1 row (multi-hot)."""
     for name in ("targets", "labels"):
         labels = getattr(dataset, name, None)
+        if labels is not None and getattr(labels, "ndim", 1) == 2:
+            return labels.tolist()
         if labels is not None:
             return [int(v) for v in labels]
     raise UserError(f"data.folds splits by class, and {type(dataset).__name__} does not list its labels")
@@ -53,6 +56,14 @@ def fold_split(labels: Sequence[int], folds: int, fold: int, seed: int) -> tuple
 
     check_folds(folds, fold)
     labels = np.asarray(labels)
+    if labels.ndim == 2:  # several labels an image: iterative stratification (Sechidis et al. 2011, as skmultilearn's)
+        from iterstrat.ml_stratifiers import MultilabelStratifiedKFold
+
+        if len(labels) < folds:
+            raise UserError(f"data.folds {folds} is more than the {len(labels)} images: give fewer folds")
+        splitter = MultilabelStratifiedKFold(n_splits=folds, shuffle=True, random_state=seed)
+        kept, held = list(splitter.split(np.zeros(len(labels)), labels))[fold]
+        return sorted(int(i) for i in kept), sorted(int(i) for i in held)
     counts = np.bincount(labels) if len(labels) else np.array([0])
     if counts.max() < folds:
         raise UserError(

@@ -43,6 +43,7 @@ FORMATS: dict[str, Format] = {
     "cifar10": Format("CIFAR10DataModule", "cifar"),
     "cifar100": Format("CIFAR100DataModule", "cifar"),
     "digits": Format("DigitsDataModule", "digits"),
+    "digit_pairs": Format("DigitPairsDataModule", "digit_pairs"),
     "fake": Format("FakeDataModule", "fake"),
     "hf": Format("HFDataModule", "hf", indexes.hf_classes, where="name"),
     "imagefolder": Format("ImageFolderDataModule", "imagefolder", before_build=_class_folders),

@@ -23,7 +23,9 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from vitlab.data.images import decode_image
-from vitlab.data.indexes import SIZES, class_names, columns, label_indices, load, pick
+from vitlab.data.indexes import SIZES, class_names, columns, hf_multilabels, label_indices, load, pick
+from vitlab.data.lists import multi_hot
+from vitlab.data.multilabels import class_counts
 from vitlab.data.records import RecordsDataModule
 from vitlab.data.streamed import StreamedSplit
 from vitlab.utils.errors import UserError
@@ -111,6 +113,8 @@ class HFDataModule(RecordsDataModule):
         shuffle_buffer: int = 1024,  # streaming: samples shuffled among (timm's shuffle_size)
         corrupt: str = "skip",  # streaming: skip (and count) an image that cannot be decoded, or error
         cache_dir: str | None = None,  # where load_dataset keeps what it prepares; null: Hugging Face's default
+        multilabel: bool = False,  # several labels an image (objective.multilabel): data/multilabels.py
+        label_format: str = "names",  # names (a list column, or ;-separated names) | columns (a 0/1 column a class)
         **kwargs: Any,
     ):
         if corrupt not in ("skip", "error"):
@@ -123,6 +127,7 @@ class HFDataModule(RecordsDataModule):
         self.streaming, self.num_train = streaming, num_train
         self.shuffle_buffer, self.corrupt = shuffle_buffer, corrupt
         self.cache_dir = cache_dir
+        self.multilabel, self.label_format = bool(multilabel), label_format
         self.can_reside = not streaming
 
     def setup(self, stage: str | None = None) -> None:
@@ -136,6 +141,8 @@ class HFDataModule(RecordsDataModule):
             names["test"] = None  # (the default: a dataset without a test split tests nothing)
         chosen = {role: pick(splits, s, self.name) for role, s in names.items() if s is not None}
         where = {role: f"{self.name} [{s}]" for role, s in names.items() if s is not None}
+        if self.multilabel:
+            return self._setup_multilabel(chosen, where)
         image, label = columns(chosen["train"], self.image_key, self.label_key, where["train"])
         names_of = class_names(chosen["train"], label)
         if self.streaming:
@@ -149,6 +156,19 @@ class HFDataModule(RecordsDataModule):
         self._check_classes(names_of, where["train"])
         log.info("%s: %s images in %d classes", self.name, ", ".join(f"{len(d):,} {r}" for r, d in made.items()),
                  len(names_of))  # fmt: skip
+        self._set_map_splits(made["train"], made.get("val"), made.get("test"), where)
+
+    def _setup_multilabel(self, chosen: dict, where: dict) -> None:
+        """Several labels a row (objective.multilabel): each image's multi-hot row (data/multilabels.py)."""
+        made, names = {}, None
+        for role, split in chosen.items():
+            image, labels, names = hf_multilabels(
+                split, self.image_key, self.label_key, self.label_format, where[role], self.streaming, names
+            )
+            if role == "train":
+                self.class_counts = class_counts(labels, names)
+            made[role] = HFImages(split, image, multi_hot(labels, names), where[role], self.channels)
+        self._check_classes(names, where["train"])
         self._set_map_splits(made["train"], made.get("val"), made.get("test"), where)
 
     def _epoch_size(self, chosen: dict) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Sampler, default_collate
 
-from vitlab.data import decoding, image_views, resident, sizes, transforms
+from vitlab.data import balanced, decoding, image_views, resident, sizes, transforms
 from vitlab.data import folds as folds_module
 from vitlab.data import naflex as naflex_loading
 from vitlab.data.base import DataModule
@@ -53,6 +53,8 @@ class ImageDataModule(DataModule):
         fold: int = 0,  # ...of which this one validates
         naflex: dict | None = None,  # images at their own aspect ratio, batches of variable length (data/naflex.py)
         decode: str = "workers",  # workers | device: decoded and augmented a batch at a time there (data/decoding.py)
+        sampler: str = "uniform",  # uniform | class_balanced (a long tail's classes drawn alike: data/balanced.py)
+        sampler_balance: str = "sqrt",  # class_balanced: sqrt | inverse (of the class's count)
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
@@ -60,13 +62,12 @@ class ImageDataModule(DataModule):
         self.folds, self.fold = folds, fold
         if multicrop is not None:  # objective=dino: its views are the training augmentation (data/image_views.py)
             train_transform = {"random_resized_crop": None, "hflip": 0.0}
-        if repeated_aug < 0 or repeated_aug == 1:
-            raise UserError(f"data.repeated_aug {repeated_aug} must be 0 (off) or a number of copies >= 2")
         if on_device is not True and on_device is not False and on_device != "auto":
             raise UserError(f"data.on_device {on_device!r} must be true, false or auto")
         if isinstance(on_device_gb, bool) or not isinstance(on_device_gb, (int, float)) or not on_device_gb > 0:
             raise UserError(f"data.on_device_gb {on_device_gb!r} must be a number of GB > 0")
         self.repeated_aug, self.on_device, self.on_device_gb = repeated_aug, on_device, on_device_gb
+        self.sampler, self.sampler_balance = balanced.check_samplers(sampler, sampler_balance, repeated_aug)
         self.resides: bool | None = None  # decided when a loader is first asked for (resident.decide)
         self._stores: dict[str, ResidentImages] = {}
         self.size_schedule = sizes.SizeSchedule.from_keys(
@@ -141,6 +142,8 @@ class ImageDataModule(DataModule):
         return self.resides
 
     def _train_sampler(self, dataset: Dataset, world: int, rank: int) -> Sampler:
+        if self.sampler == "class_balanced":
+            return balanced.balanced_sampler(dataset, self.sampler_balance, world, rank, self.shuffle_seed)
         if self.repeated_aug:
             kind = RepeatSeededSampler if isinstance(dataset, TransformDataset) else RepeatSampler
             return kind(dataset, world, rank, self.shuffle_seed, self.repeated_aug)

@@ -42,8 +42,8 @@ def label_indices(values: Sequence[Any], where: str, names: list[str] | None = N
 
 
 @functools.lru_cache(maxsize=16)
-def read_list(file: str, image_key: str = "path", label_key: str = "label") -> tuple[list[str], list[Any]]:
-    """The (paths, labels) of a CSV or JSONL list; a path is made absolute against the list's folder."""
+def read_rows(file: str) -> list[dict]:
+    """The rows of a CSV or JSONL list, each {column: value}."""
     path = Path(file).expanduser()
     if not path.is_file():
         raise MissingFileError(f"image list {file!r} does not exist")
@@ -56,7 +56,16 @@ def read_list(file: str, image_key: str = "path", label_key: str = "label") -> t
             rows = list(csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ","))
     if not rows:
         raise UserError(f"image list {file!r} holds no images")
+    return rows
+
+
+def read_list(file: str, image_key: str = "path", label_key: str | None = "label") -> tuple[list[str], list[Any]]:
+    """The (paths, labels) of a CSV or JSONL list; a path is made absolute against the list's folder. `label_key`
+    None: the labels are the rows (data.label_format=columns, data/multilabels.py)."""
+    rows, path = read_rows(file), Path(file).expanduser()
     for key, what in ((image_key, "image"), (label_key, "label")):
+        if key is None:
+            continue
         if key not in rows[0]:
             raise UserError(
                 f"image list {file!r} has no column {key!r}; its columns: {', '.join(rows[0])} (name the {what} "
@@ -64,6 +73,8 @@ def read_list(file: str, image_key: str = "path", label_key: str = "label") -> t
             )
     root = path.parent
     paths = [str(root / row[image_key]) for row in rows]
+    if label_key is None:
+        return paths, list(rows)
     labels = [row[label_key] for row in rows]
     if path.suffix.lower() != ".jsonl" and all(str(v).lstrip("-").isdigit() for v in labels):
         labels = [int(v) for v in labels]  # (a CSV's numbers are text)
@@ -80,10 +91,30 @@ def _json_row(line: str, path: Path, n: int) -> dict:
     return row
 
 
-def list_classes(train_file: str, image_key: str = "path", label_key: str = "label") -> int:
-    """`${data_classes:}` for data=list: the classes of the training list's labels."""
-    paths, labels = read_list(str(train_file), image_key, label_key)
-    return len(label_indices(labels, f"the labels of {train_file}")[1])
+def list_classes(train_file: str, image_key: str = "path", label_key: str = "label", multilabel: bool = False,
+                 label_format: str = "names") -> int:  # fmt: skip
+    """`${data_classes:}` for data=list: the classes of the training list's labels (several a row: multilabel)."""
+    return len(list_labels(str(train_file), image_key, label_key, multilabel, label_format)[2])
+
+
+def list_labels(file: str, image_key: str, label_key: str, multilabel: bool, label_format: str,
+                names: list[str] | None = None) -> tuple[list[str], list[Any], list[str]]:  # fmt: skip
+    """(paths, labels, class names) of a list: a label a row as its class index, or (multilabel) each row's list of
+    class indices (data/multilabels.py)."""
+    from vitlab.data import multilabels
+
+    multilabels.check_label_format(label_format)
+    if label_format == "columns" and not multilabel:
+        raise UserError("data.label_format=columns (a 0/1 column per class) is several labels an image: set "
+                        "objective.multilabel=true, or give a label column (data.label_format=names)")  # fmt: skip
+    where = f"the labels of {file}"
+    if label_format == "columns":
+        paths, rows = read_list(file, image_key, None)
+        return paths, *multilabels.column_labels(rows, image_key, where, names)
+    paths, labels = read_list(file, image_key, label_key)
+    if multilabel:
+        return paths, *multilabels.multilabel_indices(labels, where, names)
+    return paths, *label_indices(labels, where, names)
 
 
 # ---- data=wds: the pack's description beside the shards ----
@@ -205,10 +236,13 @@ def class_names(split: Any, label_key: str) -> list[str] | None:
 
 
 def hf_classes(name: str, config: str | None = None, label_key: str | None = None, streaming: bool = False,
-               cache_dir: str | None = None, train_split: str = "train") -> int:  # fmt: skip
-    """`${data_classes:}` for data=hf: the classes of the train split's label column."""
+               cache_dir: str | None = None, train_split: str = "train", multilabel: bool = False,
+               label_format: str = "names", image_key: str | None = None) -> int:  # fmt: skip
+    """`${data_classes:}` for data=hf: the classes of the train split's label column (several a row: multilabel)."""
     splits = load(str(name), config, bool(streaming), cache_dir)
     train = pick(splits, train_split, name)
+    if multilabel:
+        return len(hf_multilabels(train, image_key, label_key, label_format, f"{name} [{train_split}]", streaming)[2])
     label = columns(train, None, label_key, f"{name} [{train_split}]")[1]
     names = class_names(train, label)
     if names is None:
@@ -222,3 +256,35 @@ def pick(splits: dict, split: str, name: str) -> Any:
     if split not in splits:
         raise UserError(f"{name} has no split {split!r}; its splits: {', '.join(splits)}")
     return splits[split]
+
+
+def hf_multilabels(
+    split: Any,
+    image_key: str | None,
+    label_key: str | None,
+    label_format: str,
+    where: str,
+    streaming: bool = False,
+    names: list[str] | None = None,
+) -> tuple[str, list[list[int]], list[str]]:
+    """(image column, each row's class indices, class names) of a Hugging Face split with several labels a row
+    (data/multilabels.py): a list column (its Sequence(ClassLabel)'s names, or the names found), or
+    `label_format=columns` (a 0/1 column a class, every column but the image's)."""
+    import datasets
+
+    from vitlab.data import multilabels
+
+    multilabels.check_label_format(label_format)
+    if streaming:
+        raise UserError("objective.multilabel=true reads a dataset's labels before training: set data.streaming=false")
+    if label_format == "columns":
+        image = find_column(split.features, image_key, (datasets.Image,), IMAGE_KEYS, "image", where)
+        return image, *multilabels.column_labels(split.remove_columns(image).to_list(), image, where, names)
+    listed = [c for c, f in split.features.items() if isinstance(getattr(f, "feature", None), datasets.ClassLabel)]
+    if label_key is None and len(listed) == 1:  # the one column of class-label lists (Sequence(ClassLabel))
+        label_key = listed[0]
+    image, label = columns(split, image_key, label_key, where)
+    inner = getattr(split.features[label], "feature", None)
+    if names is None and isinstance(inner, datasets.ClassLabel):
+        names = list(inner.names)
+    return image, *multilabels.multilabel_indices(split[label], f"the label column {label!r} of {where}", names)

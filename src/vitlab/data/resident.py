@@ -49,8 +49,9 @@ CHUNK = 1024  # images prepared and copied to the device at a time when a split 
 
 
 class ArrayImages(Dataset):
-    """Images already decoded, in host memory: uint8 (N, C, H, W) and int64 labels (N,) (digits, CIFAR). Its items
-    are a folder's: (uint8 (C, H, W) image, int label)."""
+    """Images already decoded, in host memory: uint8 (N, C, H, W) and int64 labels (N,) (digits, CIFAR), or (N,
+    classes) multi-hot rows (several labels an image). Its items are a folder's: (uint8 (C, H, W) image, int label),
+    or the image and its row."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor):
         self.images, self.labels = images, labels
@@ -59,7 +60,7 @@ class ArrayImages(Dataset):
         return len(self.labels)
 
     def __getitem__(self, i: int):
-        return self.images[i], int(self.labels[i])
+        return self.images[i], int(self.labels[i]) if self.labels.ndim == 1 else self.labels[i]
 
 
 class ResidentImages(Dataset):
@@ -189,7 +190,7 @@ def store(dataset: TransformDataset, transform: T.Compose, device: torch.device,
     for x, y in _chunks(dataset, transform, workers):
         if images is None:
             images = torch.empty((len(dataset), *x.shape[1:]), dtype=torch.uint8, device=device)
-            labels = torch.empty(len(dataset), dtype=torch.long, device=device)
+            labels = torch.empty((len(dataset), *torch.as_tensor(y).shape[1:]), dtype=torch.long, device=device)
         if x.shape[1:] != images.shape[1:]:
             raise UserError(
                 f"data.on_device needs images of one size, and the training split has {tuple(images.shape[1:])} "

@@ -28,6 +28,7 @@ from vitlab.training.devices.sharding import new_vit, splits_weights
 from vitlab.training.objectives.classification import Classification
 from vitlab.training.objectives.dino import DINO
 from vitlab.training.objectives.distill_kinds import Distill
+from vitlab.training.objectives.label_metrics import class_values
 from vitlab.training.objectives.mae import MAE
 from vitlab.training.objectives.objective import Objective, reads_no_labels
 from vitlab.training.optim import (
@@ -230,8 +231,12 @@ class ViTModule(L.LightningModule):
             if name.startswith("loss_") and not metric.weight:  # a loss term not begun (objective.gram.start)
                 metric.reset()
                 continue
-            values[f"{stage}/{name}"] = metric.compute()
+            value = metric.compute()
             metric.reset()
+            if value.ndim == 1:  # one value a class (objectives/label_metrics.py): metrics.json's alone
+                self.class_values = getattr(self, "class_values", {}) | class_values(stage, name, value, self.hparams)
+                continue
+            values[f"{stage}/{name}"] = value
         # torchmetrics has already reduced these over processes; sync_dist=True averages equal values (and
         # keeps Lightning from warning, under DDP, that epoch-level values were not synced).
         self.log_dict(values, prog_bar=stage == "val", sync_dist=True)

@@ -26,6 +26,7 @@ NonNegativeInt = Annotated[int, Ge(0)]
 PositiveNumber = Annotated[float, Gt(0)]
 NonNegativeNumber = Annotated[float, Ge(0)]
 Fraction = Annotated[float, Interval(ge=0, le=1)]
+OpenUnit = Annotated[float, Interval(gt=0, lt=1)]  # a probability threshold: (0, 1)
 Seed = Annotated[int, Interval(ge=0, le=2**32 - 1)]  # what Lightning's seed_everything (numpy's) takes
 NonEmpty = Annotated[list[T], MinLen(1)]  # NonEmpty[PositiveInt]: a list of one or more
 

@@ -115,6 +115,7 @@ def describe_run(module: Any, data: Mapping[str, Any], trainer: Mapping[str, Any
 RESULTS = (
     (("val/acc_best", "val"), ("test/acc", "test")),
     (("val/loss_best", "val"), ("test/loss", "test"), ("knn/top1", "val"), ("test/knn_top1", "test")),
+    (("val/map_best", "val"), ("test/map", "test"), ("test/map_micro", "test"), ("test/f1", "test")),  # multilabel
 )
 
 
@@ -123,7 +124,7 @@ def summarize(metrics: dict, best_checkpoint: str, run_dir) -> None:
     splits = metrics.get("splits") or {}
     results = ", ".join(
         f"{k} {shown(metrics[k])}" + (f" on {splits[split]}" if split in splits else "")
-        for k, split in RESULTS["val/acc_best" not in metrics and "val/loss_best" in metrics]
+        for k, split in RESULTS[result_row(metrics)]
         if k in metrics
     )
     logging.getLogger("vitlab.train").info(
@@ -132,6 +133,13 @@ def summarize(metrics: dict, best_checkpoint: str, run_dir) -> None:
     print(f"run directory: {run_dir}", flush=True)
     if best_checkpoint:
         print(f"best checkpoint: {best_checkpoint}", flush=True)
+
+
+def result_row(metrics: dict) -> int:
+    """Which RESULTS row a run's metrics give: a multi-label classifier's, a classifier's, a pretraining's."""
+    if "val/map_best" in metrics:
+        return 2
+    return int("val/acc_best" not in metrics and "val/loss_best" in metrics)
 
 
 def shown(value: float) -> str:

@@ -176,6 +176,8 @@ class EpochLog(L.Callback):
         "val/acc",
         "val/acc_best",
         "val/loss_best",
+        "val/map",
+        "val/map_best",
         "knn/top1",
         "fewshot/10shot",
     )

@@ -1,7 +1,9 @@
 """`objective=classify`: the labels' loss, as the supervised ViT recipes train it. MixUp/CutMix (timm's Mixup, as
 DeiT's main.py builds it), then softmax cross-entropy with label smoothing (`ce`: class indices or mixed targets, the
 same as timm's SoftTargetCrossEntropy) or sigmoid binary cross-entropy (`bce`: timm's BinaryCrossEntropy, as DeiT
-III and big_vision train). The metrics read the unmixed labels. conf/objective/classify.yaml.
+III and big_vision train). The metrics read the unmixed labels. Several labels an image (`multilabel`), class
+weights and logit adjustment for long tails: label_losses.py; their metrics: label_metrics.py.
+conf/objective/classify.yaml.
 """
 
 from __future__ import annotations
@@ -11,17 +13,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from timm.data import Mixup
-from timm.loss import BinaryCrossEntropy
 
 from vitlab.model import ViT, ViTConfig
 from vitlab.model.init import log_prior_head_bias_
+from vitlab.training.objectives import label_losses, label_metrics
 from vitlab.training.objectives.objective import Objective
 from vitlab.utils.errors import UserError
 from vitlab.utils.values import check_at_least, check_range, from_mapping
 
-LOSSES = ("ce", "bce")  # softmax cross-entropy, sigmoid binary cross-entropy (evaluation reports cross-entropy)
+# softmax cross-entropy, sigmoid binary cross-entropy (evaluation reports cross-entropy), timm's asymmetric loss
+# (several labels an image; with objective.multilabel, ce and bce both mean a sigmoid binary cross-entropy a class)
+LOSSES = ("ce", "bce", "asl")
 MIXUP_MODES = ("batch", "pair", "elem")  # timm's: one draw a batch, a pair of images, an image
 
 
@@ -58,7 +61,7 @@ class MixupConfig:
     def from_dict(cls, values: Mapping[str, Any] | None) -> MixupConfig:
         return from_mapping(cls, values, "objective.mixup")
 
-    def build(self, num_classes: int) -> Mixup | None:
+    def build(self, num_classes: int, multi_label: bool = False) -> Mixup | None:
         """timm's Mixup, its targets unsmoothed (the loss smooths them, as it smooths class indices)."""
         if not self.mixup_alpha and not self.cutmix_alpha and self.cutmix_minmax is None:
             return None
@@ -71,6 +74,7 @@ class MixupConfig:
             mode=self.mode,
             label_smoothing=0.0,
             num_classes=num_classes,
+            multi_label=multi_label,  # multi-hot targets mixed as they are (timm's mixup_target)
         )
 
 
@@ -82,6 +86,12 @@ class ClassifyConfig:
     loss: str = "ce"  # LOSSES
     bce_target_thresh: float | None = None  # bce: targets above it become 1, the rest 0 (DeiT III: 0.2)
     mixup: MixupConfig = field(default_factory=MixupConfig)
+    multilabel: bool = False  # several labels an image: a sigmoid a class, mAP chooses the checkpoint
+    threshold: float = 0.5  # multilabel: a label is predicted above this probability (F1, vitlab.predict)
+    asl: label_losses.AslConfig = field(default_factory=label_losses.AslConfig)  # loss=asl's settings
+    class_weights: str | list[float] | None = None  # inverse | effective_number | one weight a class | null
+    class_weights_beta: float = 0.999  # effective_number's beta (Cui et al. 2019)
+    logit_adjust: float = 0.0  # tau of Menon et al. 2021's logit-adjusted loss (1.0 in the paper); 0: off
 
     def __post_init__(self):
         check_range("objective.label_smoothing", self.label_smoothing, 0, 1, high_open=True)
@@ -89,6 +99,11 @@ class ClassifyConfig:
             raise UserError(f"objective.loss {self.loss!r} is not one of {list(LOSSES)}")
         if not isinstance(self.mixup, MixupConfig):
             object.__setattr__(self, "mixup", MixupConfig.from_dict(self.mixup))
+        if not isinstance(self.asl, label_losses.AslConfig):
+            object.__setattr__(self, "asl", label_losses.AslConfig.from_dict(self.asl))
+        if not isinstance(self.multilabel, bool):
+            raise UserError(f"objective.multilabel {self.multilabel!r} must be true or false")
+        label_losses.check_long_tail(self)
 
 
 class Classification(Objective):
@@ -103,15 +118,32 @@ class Classification(Objective):
         if model.num_classes < 2:
             raise UserError(f"model.num_classes {model.num_classes} must be >= 2 to train a classifier")
         self.cfg = from_mapping(self.config_class, options, f"objective={self.name}")
-        self.mixup = self.cfg.mixup.build(model.num_classes)
-        self.bce = None
-        if self.cfg.loss == "bce":
-            self.bce = BinaryCrossEntropy(
-                smoothing=self.cfg.label_smoothing, target_threshold=self.cfg.bce_target_thresh
+        self.mixup = self.cfg.mixup.build(model.num_classes, multi_label=self.cfg.multilabel)
+        self.loss = label_losses.LabelLoss(self.cfg)
+        self.best = self.best_of(options)
+
+    @classmethod
+    def best_of(cls, options: Mapping[str, Any]) -> tuple[str, str]:
+        return ("map", "max") if options.get("multilabel") else cls.best
+
+    def metrics(self, stage: str, num_classes: int) -> dict[str, Any]:
+        if self.cfg.multilabel:
+            return label_metrics.multilabel_metrics(stage, num_classes, self.cfg.threshold)
+        return super().metrics(stage, num_classes) | label_metrics.long_tail_metrics(stage, num_classes)
+
+    def fit_start(self, datamodule: Any, device: torch.device) -> None:
+        """Refuse data of one label an image under multilabel; the class weights and priors of the training split."""
+        if self.cfg.multilabel and not getattr(datamodule, "multilabel", False):
+            raise UserError(
+                f"objective.multilabel=true needs several labels an image, and {type(datamodule).__name__} reads one "
+                "(an image folder cannot say more): give the labels in a list (data=list) or a dataset (data=hf)"
             )
+        if self.cfg.class_weights is not None or self.cfg.logit_adjust:
+            counts, images = label_losses.train_counts(datamodule)
+            self.loss.fit(counts, images, device)
 
     def prepare(self, model: ViT) -> None:
-        if self.bce is not None and isinstance(model.head, torch.nn.Linear):
+        if self.loss.sigmoid is not None and isinstance(model.head, torch.nn.Linear):
             log_prior_head_bias_(model.head, model.cfg.num_classes)  # sigmoid targets are mostly 0: start improbable
 
     def training_loss(
@@ -135,8 +167,8 @@ class Classification(Objective):
         return self.mixup(x, y)
 
     def label_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.bce is None:
-            return F.cross_entropy(logits, target, label_smoothing=self.cfg.label_smoothing)
-        if target.ndim == 2:  # mixed targets, smoothed as timm's Mixup smooths them (its BCE smooths indices only)
-            target = target * (1 - self.cfg.label_smoothing) + self.cfg.label_smoothing / logits.shape[-1]
-        return self.bce(logits, target)
+        return self.loss(logits, target)
+
+    def evaluation_loss(self, model: ViT, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(x)
+        return label_losses.evaluation_loss(self.cfg.multilabel, logits, y), logits

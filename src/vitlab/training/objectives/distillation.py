@@ -85,6 +85,12 @@ class DistillConfig(ClassifyConfig):
                 "objective.teachers (several teachers) distil features: give objective.kind=feature or tokens, or one "
                 "objective.teacher for kind=logits"
             )
+        if self.multilabel:
+            raise UserError(
+                f"objective=distill is DeiT's distillation of one label an image (type {self.type}: the teacher's "
+                f"{'top class' if self.type == 'hard' else 'softmax'}), and objective.multilabel=true asks for "
+                "several: train objective=classify objective.multilabel=true"
+            )
         if not self.teacher and not self.teachers:
             raise UserError(
                 "objective=distill needs objective.teacher: a vitlab checkpoint (.ckpt) or a timm model name"
@@ -116,6 +122,7 @@ class Distillation(Classification):
 
     def fit_start(self, datamodule: Any, device: torch.device) -> None:
         """The teacher on this process's device, with the student's normalisation to undo."""
+        super().fit_start(datamodule, device)  # (the label loss's class weights)
         if len(datamodule.mean) != (channels := self.teacher.kd.mean_kd.shape[1]):
             raise UserError(
                 f"objective.teacher takes {channels}-channel images, and the data has {len(datamodule.mean)}"

@@ -51,7 +51,7 @@ class Objective:
         return "data.unlabeled=true has no labels to learn from: pretrain on it with objective=mae or dino"
 
     @classmethod
-    def best_of(cls, options: Mapping[str, Any], unlabeled: bool) -> tuple[str, str]:
+    def best_of(cls, options: Mapping[str, Any], unlabeled: bool = False) -> tuple[str, str]:
         """`best` of this objective with `options`, on data with or without labels (the plan reads it before the
         objective is built)."""
         return cls.best

@@ -100,6 +100,8 @@ def stop_while_testing(trainer: L.Trainer, metrics: dict[str, Any], weights: str
 def tested(trainer: L.Trainer, datamodule: Any, weights: str | None) -> dict[str, Any]:
     """The data's splits, and the test split's metrics of `weights` (what_to_test's) where they were tested."""
     out: dict[str, Any] = {"splits": dict(getattr(datamodule, "splits", {}))}
+    if counts := getattr(datamodule, "class_counts", None):  # the training list's images of each class (data=list)
+        out["class_counts"] = dict(counts)
     for split, limit, counted in (("val", trainer.limit_val_batches, trainer.num_val_batches),
                                   ("test", trainer.limit_test_batches, trainer.num_test_batches)):  # fmt: skip
         if split in out["splits"] and (isinstance(limit, int) or limit < 1.0):  # debug=fdr, limit_*_batches
@@ -108,4 +110,5 @@ def tested(trainer: L.Trainer, datamodule: Any, weights: str | None) -> dict[str
     if weights is None:
         return out
     out |= {k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
+    out |= {k: v for k, v in getattr(trainer.lightning_module, "class_values", {}).items() if k.startswith("test/")}
     return out | {"tested_checkpoint": weights or "final weights"}
