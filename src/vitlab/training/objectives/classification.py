@@ -123,7 +123,7 @@ class Classification(Objective):
         self.best = self.best_of(options)
 
     @classmethod
-    def best_of(cls, options: Mapping[str, Any]) -> tuple[str, str]:
+    def best_of(cls, options: Mapping[str, Any], unlabeled: bool = False) -> tuple[str, str]:
         return ("map", "max") if options.get("multilabel") else cls.best
 
     def metrics(self, stage: str, num_classes: int) -> dict[str, Any]:

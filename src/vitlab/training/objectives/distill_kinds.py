@@ -34,6 +34,6 @@ class Distill(Distillation):
         )
 
     @classmethod
-    def best_of(cls, options: Mapping[str, Any], unlabeled: bool) -> tuple[str, str]:
+    def best_of(cls, options: Mapping[str, Any], unlabeled: bool = False) -> tuple[str, str]:
         """Without labels (feature, tokens): the distillation term on the validation images, lowest."""
         return ("loss", "min") if unlabeled and _kind(options) is FeatureDistillation else cls.best
