@@ -187,10 +187,15 @@ def test_every_command_is_a_leaf_of_at_most_80_lines_of_code():
     assert max(sizes.values()) <= 80, sizes
 
 
+# Third-party code kept verbatim (its header and license kept, excluded from ruff in pyproject.toml): its style is its
+# authors'. iterative-stratification's file is vendored, not installed: the package installs a top-level `tests`.
+VENDORED = {SRC / "data" / "ml_stratifiers.py"}
+
+
 def test_no_function_over_60_lines():
     long = [
         f"{path.relative_to(SRC)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
-        for path in SRC.rglob("*.py")
+        for path in sorted(set(SRC.rglob("*.py")) - VENDORED)
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60
     ]

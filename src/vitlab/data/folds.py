@@ -1,10 +1,10 @@
 """k-fold cross-validation splits (`data.folds=K data.fold=i`): the training split cut into K class-stratified folds,
 fixed by `data.split_seed` (scikit-learn's StratifiedKFold, shuffled; several labels an image: iterative
-stratification, iterstrat's MultilabelStratifiedKFold); fold i validates (selects the checkpoint) and
-the other K - 1 train. The test split is left as it is: every fold is tested on the same images. Where the data has no
-test split, its validation split tests (as with data.val_fraction); where it has both, its own validation split is not
-read. `python -m vitlab.train -m data.folds=5 'data.fold=range(5)'` trains every fold, and the sweep's summary gives
-the mean and standard deviation over the folds (vitlab.cli.sweep).
+stratification, iterative-stratification's MultilabelStratifiedKFold, vendored in ml_stratifiers.py); fold i
+validates (selects the checkpoint) and the other K - 1 train. The test split is left as it is: every fold is tested
+on the same images. Where the data has no test split, its validation split tests (as with data.val_fraction); where
+it has both, its own validation split is not read. `python -m vitlab.train -m data.folds=5 'data.fold=range(5)'`
+trains every fold, and the sweep's summary gives the mean and standard deviation over the folds (vitlab.cli.sweep).
 
 The map-style readers take it (data=digits, imagefolder, hf, list): their labels are known before the split.
 `check_folds` needs no torch nor numpy (imported where a split is made): the command checks the values at once.
@@ -57,7 +57,7 @@ def fold_split(labels: Sequence[int], folds: int, fold: int, seed: int) -> tuple
     check_folds(folds, fold)
     labels = np.asarray(labels)
     if labels.ndim == 2:  # several labels an image: iterative stratification (Sechidis et al. 2011, as skmultilearn's)
-        from iterstrat.ml_stratifiers import MultilabelStratifiedKFold
+        from vitlab.data.ml_stratifiers import MultilabelStratifiedKFold
 
         if len(labels) < folds:
             raise UserError(f"data.folds {folds} is more than the {len(labels)} images: give fewer folds")
