@@ -65,7 +65,12 @@ def test_the_tests_cover_every_conf_file():
         )
         for o in options(g)
     }
-    covered |= {CONF / "model/_base.yaml", CONF / "peft/_base.yaml", CONF / "hydra/default.yaml", CONF / "hydra/launcher/slurm.yaml"}
+    covered |= {
+        CONF / "model/_base.yaml",
+        CONF / "peft/_base.yaml",
+        CONF / "hydra/default.yaml",
+        CONF / "hydra/launcher/slurm.yaml",
+    }
     covered |= {CONF / "hydra/sweeper/vitlab_optuna.yaml"}  # tests/end_to_end/test_sweeps.py
     commands = ("train", "eval", "predict", "parity", "visualize", "benchmark", "export", "pack", "average")
     covered |= {CONF / f"{n}.yaml" for n in commands}

@@ -112,13 +112,13 @@ def test_the_refusals_in_one_line(monkeypatch):
     with pytest.raises(UserError, match=r"^objective.teacher 't.ckpt': its 16 patch tokens at 32x32 px are no grid .* "
                                         r"cannot be resampled to the student's"):  # fmt: skip
         _objective(tiny(), odd, (32, 32), kind="tokens")
-    with pytest.raises(UserError, match=r"^objective.kind=logits \(DeiT's\) learns from the labels .* data.labels=false"):
+    with pytest.raises(UserError, match=r"^objective.kind=logits \(DeiT's\) learns from the labels .* data.labels"):
         build_objective({"name": "distill", "teacher": "t.ckpt"}, tiny(), unlabeled=True)
-    with pytest.raises(UserError, match=r"^model.num_classes 0: objective.kind=feature with labels trains a classifier"):
+    with pytest.raises(UserError, match=r"^model.num_classes 0: objective.kind=feature with labels trains a"):
         build_objective({"name": "distill", "teacher": "t.ckpt", "kind": "feature"}, tiny(num_classes=0)).check(
             tiny(num_classes=0), None
         )
-    with pytest.raises(UserError, match=r"^objective.teachers \(several teachers\) distil features: give objective.kind"):
+    with pytest.raises(UserError, match=r"^objective.teachers \(several teachers\) distil features: give"):
         build_objective({"name": "distill", "teachers": ["a.ckpt", "b.ckpt"]}, tiny())
     with pytest.raises(UserError, match=r"^objective.kind 'patches' is not one of \['logits', 'feature', 'tokens'\]"):
         build_objective({"name": "distill", "teacher": "a.ckpt", "kind": "patches"}, tiny())

@@ -55,7 +55,9 @@ def teacher_specs(teacher: str | None, teachers: Sequence[Any] | None, pretraine
         name = name if name not in seen else f"{name}_{i}"
         seen.add(name)
         check_range(f"objective.teachers[{i}].weight", entry.get("weight", 1.0), 0, math.inf, high_open=True)
-        specs.append(TeacherSpec(name, source, float(entry.get("weight", 1.0)), bool(entry.get("pretrained", pretrained))))
+        specs.append(
+            TeacherSpec(name, source, float(entry.get("weight", 1.0)), bool(entry.get("pretrained", pretrained)))
+        )
     return tuple(specs)
 
 
@@ -175,7 +177,9 @@ def token_loss(
     (B, N, D), the teacher's already on the student's grid."""
     cls = 1 - F.cosine_similarity(s_cls, t_cls, dim=-1).mean()
     cos = 1 - F.cosine_similarity(s_patch, t_patch, dim=-1).mean()
-    return w.cls_weight * cls + w.patch_weight * (w.cos_weight * cos + w.smooth_l1_weight * F.smooth_l1_loss(s_patch, t_patch))
+    return w.cls_weight * cls + w.patch_weight * (
+        w.cos_weight * cos + w.smooth_l1_weight * F.smooth_l1_loss(s_patch, t_patch)
+    )
 
 
 def resample_grid(tokens: torch.Tensor, grid: tuple[int, int], to: tuple[int, int]) -> torch.Tensor:

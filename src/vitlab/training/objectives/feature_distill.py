@@ -243,6 +243,8 @@ def _meta_shape(spec: TeacherSpec, num_classes: int) -> TeacherShape | None:
 
     check_timm_name(spec.source)  # (one line naming an unknown model)
     with torch.device("meta"):
-        model = timm.create_model(spec.source, pretrained=False, **({} if spec.pretrained else {"num_classes": num_classes}))
+        model = timm.create_model(
+            spec.source, pretrained=False, **({} if spec.pretrained else {"num_classes": num_classes})
+        )
     info = resolve_data_config({}, model=model)
     return probe_teacher(model, info["input_size"][-2:], info["input_size"][0], spec.source)
