@@ -251,7 +251,7 @@ def test_the_blocks_turns_are_kept_for_the_kept_grid_and_follow_a_new_one(monkey
     from vitlab.model import rope as rope_module
 
     built, build = [], rope_module.turns
-    monkeypatch.setattr(rope_module, "turns", lambda table, *args: built.append(tuple(table.shape)) or build(table, *args))
+    monkeypatch.setattr(rope_module, "turns", lambda t, *args: built.append(tuple(t.shape)) or build(t, *args))
     cfg = tiny(block_fn="eva", weight_init="eva", fix_init=True, pos_embed="none", dynamic_img_size=True, rope="axial",
                reg_tokens=1, pool_include_prefix=False)  # fmt: skip
     torch.manual_seed(0)

@@ -165,9 +165,9 @@ class ViT(TimmAPI, nn.Module):
             PatchDropout(cfg.patch_drop_rate, self.num_prefix_tokens) if cfg.patch_drop_rate else nn.Identity()
         )
         rope = dict(
-            depth=cfg.depth, num_heads=cfg.num_heads, grid_size=cfg.grid_size, dynamic_img_size=cfg.dynamic_img_size,
-            num_prefix=cfg.num_prefix_tokens,
+            depth=cfg.depth, num_heads=cfg.num_heads, grid_size=cfg.grid_size, dynamic_img_size=cfg.dynamic_img_size
         )
+        rope["num_prefix"] = cfg.num_prefix_tokens  # (the rows its blocks' turns leave as they are)
         self.rope = Rope(rope_spec(cfg), **rope) if cfg.rope else None  # rotary position embedding (model/rope.py)
         self.norm_pre = _norm(cfg)(D) if cfg.pre_norm else nn.Identity()
         # Stochastic depth grows linearly with depth (timm's torch.linspace, float32 included).
