@@ -1,4 +1,5 @@
 import json
+import logging
 
 import onnxruntime
 import pytest
@@ -99,3 +100,21 @@ def test_rope_models_export_to_a_file_timms_model_of_the_name_loads(tmp_path, na
     x = torch.randn(2, 3, 48, 32)
     with torch.no_grad():
         torch.testing.assert_close(theirs(x), model(x), atol=1e-5, rtol=0)
+
+
+def test_onnx_export_of_a_fixed_size_rope_model_says_nothing_a_user_cannot_act_on(tmp_path, caplog):
+    """Issue 74 point 11: a fixed-size RoPE model's table is a constant the ONNX exporter leaves unfolded, and
+    onnxscript's optimizer warned of it twice a block ("Skipping constant folding for op Split with multiple
+    outputs": 4 lines at depth 2, 48 for the 12 blocks of eva02_ti14 twice over). Those lines are dropped for the
+    export alone: the logger keeps no filter afterwards."""
+    from vitlab.convert.timm_args import config_from_timm
+
+    torch.manual_seed(0)
+    model = ViT(config_from_timm("eva02_tiny_patch14_224", **ROPE_SMALL)).eval()  # its grid fixed: a constant table
+    logger = logging.getLogger("onnxscript.optimizer._constant_folding")
+    filters = list(logger.filters)
+    with caplog.at_level(logging.WARNING):
+        export(model, tmp_path / "m.onnx")
+    shown = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(shown) == 0, shown
+    assert logger.filters == filters

@@ -212,6 +212,24 @@ def test_config_from_timm_names_what_it_cannot_express():
     assert timm_model_args("vit_small_patch14_dinov2")["img_size"] == (518, 518)  # timm's pretrained-cfg default
 
 
+def test_a_bad_value_given_with_a_timm_name_is_named_with_what_is_allowed_not_blamed_on_timm():
+    """Issue 74 point 11: a typo in a value given on top of timm's architecture (config_from_timm's overrides,
+    create_model's keywords, the run's fields model.pretrained=<timm name> resolves with) is the value's, named with
+    what is allowed; what timm registers and we cannot express still names timm's architecture."""
+    import vitlab
+    from vitlab.convert.source import resolve
+
+    rope = r"^rope 'axiall' is not one of \['', 'axial', 'mixed', 'dinov3'\] \('' = none\)$"
+    with pytest.raises(UserError, match=rope):
+        config_from_timm("vit_tiny_patch16_224", rope="axiall")
+    with pytest.raises(UserError, match=rope):
+        vitlab.create_model("vit_tiny_patch16_224", depth=1, rope="axiall")
+    with pytest.raises(UserError, match=r"^drop_path_rate 2.0 must be in \[0, 1\)$"):
+        resolve("vit_tiny_patch16_224", run=dict(img_size=32, num_classes=10, drop_path_rate=2.0))
+    with pytest.raises(UserError, match="^timm's vit_so400m_patch14_siglip_384 is not expressible .* img_size"):
+        config_from_timm("vit_so400m_patch14_siglip_384", depth=1)
+
+
 def test_config_from_timm_takes_a_tag_without_weights_and_refuses_keywords_as_timm():
     """A registered tag without published weights names a configuration (pretrained is not asked for); an unknown tag
     is a one-line UserError; a keyword no ViT takes is a TypeError, as timm's create_model raises (issue 40)."""

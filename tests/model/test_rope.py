@@ -209,3 +209,69 @@ def test_rotation_is_timms_bit_for_bit_and_an_unchanged_grid_keeps_its_table(rot
     rope.reset_parameters()
     assert table(rope, (4, 4)) is rope.cached and table(rope, (3, 5)) is not rope.cached
     assert torch.equal(table(rope, (3, 5)), RotaryEmbeddingCat(HEAD, in_pixels=False).get_embed([3, 5]))
+
+
+@pytest.mark.parametrize("rotate_half", [False, True])
+def test_attentions_eager_rotation_by_complex_products_is_timms(rotate_half):
+    """Issue 74 point 16: run eagerly, the model hands its blocks a table's complex turns and attention turns each
+    channel pair by one complex product (model/rope.py turns, rotate), for any angles, the prefix rows left as they
+    are: timm's apply_rot_embed_cat bit for bit at a head of 64 channels (the products vectorised), within rounding
+    at a head of 8 (its products in scalar code that may fuse a multiply and an add); a bfloat16 query as timm's
+    float32 promotion gives it; and the gradients of the queries, keys and angles (mixed RoPE learns its frequencies
+    through them) as timm's."""
+    from timm.layers.pos_embed_sincos import apply_rot_embed_cat
+
+    from vitlab.model.rope import rotate, turns
+
+    g = torch.Generator().manual_seed(0)
+    for head, dtype, exact in ((64, torch.float32, True), (8, torch.float32, False), (64, torch.bfloat16, True)):
+        qkv = torch.randn(2, 1 + 6, 3, 3, head, generator=g).to(dtype).requires_grad_()
+        q, k, _ = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, N, Dh) views of one projection, as attention's
+        angles = (4 * torch.randn(6, head // 2, generator=g)).requires_grad_()
+        layout = (lambda t: torch.cat([t, t], -1)) if rotate_half else (lambda t: t.repeat_interleave(2, -1))
+        rows = torch.cat([layout(angles.sin()), layout(angles.cos())], -1)
+        ours = rotate((q, k), turns(rows, 1, rotate_half), 1, rotate_half)
+        theirs = [torch.cat([x[:, :, :1], apply_rot_embed_cat(x[:, :, 1:], rows, half=rotate_half).type_as(x)], 2)
+                  for x in (q, k)]  # fmt: skip
+        for o, t in zip(ours, theirs, strict=True):
+            assert o.dtype == t.dtype and (torch.equal(o, t) if exact else torch.allclose(o, t, atol=1e-6, rtol=0))
+        up = torch.randn(2, *ours[0].shape, generator=g).to(dtype)
+        grads = [torch.autograd.grad((torch.stack(out) * up).sum(), (qkv, angles), retain_graph=True)
+                 for out in (ours, theirs)]  # fmt: skip
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)  # (a bf16 ulp)
+        for mine, ref in zip(*grads, strict=True):
+            torch.testing.assert_close(mine, ref, **tol)
+
+
+def test_the_blocks_turns_are_kept_for_the_kept_grid_and_follow_a_new_one(monkeypatch):
+    """Issue 74 point 16: the kept grid's turns are built with its table (a buffer, not in the state dict): forwards at
+    that grid build none, a forward at another grid builds its own once for every block, and a new input size
+    (set_input_size) rebuilds the kept ones, here a grid of as many patches (2x8 for 4x4), whose stale turns would
+    rotate by the old grid's angles; the logits timm's Eva's at each."""
+    from vitlab.model import rope as rope_module
+
+    built, build = [], rope_module.turns
+    monkeypatch.setattr(rope_module, "turns", lambda t, *args: built.append(tuple(t.shape)) or build(t, *args))
+    cfg = tiny(block_fn="eva", weight_init="eva", fix_init=True, pos_embed="none", dynamic_img_size=True, rope="axial",
+               reg_tokens=1, pool_include_prefix=False)  # fmt: skip
+    torch.manual_seed(0)
+    model = ViT(cfg).eval()
+    with torch.no_grad():  # weights large enough that each rotation moves the logits (EVA's init nearly hides them)
+        [p.normal_(0.0, 0.5) for p in model.parameters()]
+    assert not any("turns" in k for k in model.state_dict())
+
+    def timms_at(hw, x):
+        theirs = Eva(**eva_kwargs(cfg.replace(img_size=hw))).eval()
+        theirs.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), theirs(x), atol=1e-5, rtol=0)
+
+    built.clear()
+    for hw in ((32, 32), (32, 32), (24, 40)):
+        timms_at((32, 32), torch.randn(2, 3, *hw))
+    assert built == [(15, 2 * HEAD)]  # the 3x5 grid's table, once for both blocks; the kept 4x4 grid's none
+    model.set_input_size(img_size=(16, 64))
+    built.clear()
+    for hw in ((16, 64), (16, 64)):
+        timms_at((16, 64), torch.randn(2, 3, *hw))
+    assert built == []

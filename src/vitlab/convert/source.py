@@ -102,7 +102,7 @@ def resolve(
         requested = requested or {}
         args = timm_model_args(source, **run)  # (captured, not built: an img_size of another patch is named below)
         _check_patch(source, requested.get("patch_size") or args.get("patch_size", 16), run, preprocessing)
-        arch = config_from_args(name, args).to_dict()
+        arch = config_from_args(name, args, given=run).to_dict()  # (a run's bad value named, not timm's architecture)
         kept = {k: requested[k] for k in arch if k in requested and k not in RUN_FIELDS}  # in ViTConfig's order
         kept = {k: v for k, v in kept.items() if v != arch[k] and v is not None}
         if kept:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from typing import Any
 
@@ -205,24 +205,44 @@ def config_from_timm(name: str, **overrides: Any) -> ViTConfig:
     arguments timm registers for it, with timm's keyword `overrides` applied (`depth=2`, `img_size=384`,
     `num_classes=10`), so that `fit_state_dict(timm.create_model(name, **overrides).state_dict(), cfg)`
     loads into `ViT(cfg)`. An architecture our ViT cannot express is a UserError saying which argument."""
-    return config_from_args(timm_architecture(name), timm_model_args(name, **overrides))
+    return config_from_args(timm_architecture(name), timm_model_args(name, **overrides), given=overrides)
 
 
-def config_from_args(arch: str, args: dict[str, Any]) -> ViTConfig:
+def config_from_args(arch: str, args: dict[str, Any], given: Iterable[str] = ()) -> ViTConfig:
     """The ViTConfig of timm's VisionTransformer arguments `args` (for architecture `arch`, named in errors), or its
     Eva's for an architecture of timm's eva module (convert/timm_eva.py). A keyword no ViT takes is an
     UnknownArgumentError (a TypeError, as timm's constructor raises); an architecture our ViT cannot express a
-    UserError saying which argument."""
+    UserError saying which argument. `given`: the keywords the caller set on top of timm's registered ones (a command
+    line's, create_model's): a value our config refuses among them, where timm's own arguments make a ViT of ours,
+    is the caller's, named with what is allowed (not blamed on timm's architecture)."""
     from vitlab.convert.timm_eva import eva_config_fields
 
     try:
         fields = eva_config_fields(arch, args) if arch in timm_eva_names() else vitlab_args(args)
-        return ViTConfig.from_dict(fields)
     except UnknownArgumentError:
         raise
-    except UserError as e:  # (what timm asserts stays an AssertionError: UnsupportedRequestError)
-        kind = UnsupportedRequestError if isinstance(e, AssertionError) else UserError
-        raise kind(f"timm's {arch} is not expressible by vitlab's ViT: {e}") from None
+    except UserError as e:
+        raise _not_expressible(arch, e) from None
+    try:
+        return ViTConfig.from_dict(fields)
+    except UserError as e:
+        if set(given) & set(args) and _expressible(arch):
+            raise  # a value of the caller's that no ViT of ours takes (a typo in a choice, a number out of range)
+        raise _not_expressible(arch, e) from None
+
+
+def _not_expressible(arch: str, e: UserError) -> UserError:
+    kind = UnsupportedRequestError if isinstance(e, AssertionError) else UserError  # (timm's asserts stay asserts)
+    return kind(f"timm's {arch} is not expressible by vitlab's ViT: {e}")
+
+
+def _expressible(arch: str) -> bool:
+    """Whether timm's registered arguments of `arch` alone make a ViT of ours."""
+    try:
+        config_from_args(arch, timm_model_args(arch))
+    except (UserError, TypeError):
+        return False
+    return True
 
 
 # What a run decides for itself when it starts from a timm architecture (model.pretrained=<timm name>): the size

@@ -54,7 +54,7 @@ def create_model(
 
     def build(**args: Any) -> ViT:
         device, dtype = args.pop("device", None), args.pop("dtype", None)
-        return ViT(config_from_args(arch, args), device=device, dtype=dtype)
+        return ViT(config_from_args(arch, args, given=kwargs), device=device, dtype=dtype)
 
     local = model_name.startswith("local-dir:") or (pretrained_cfg_overlay or {}).get("file")
     downloads = model_name.startswith("hf-hub:") or (pretrained and not local)

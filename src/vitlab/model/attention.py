@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitlab.model.layers import Mlp, NormLayer, optional_norm
-from vitlab.model.rope import rotate_pairs
+from vitlab.model.rope import rotate
+
+torch.fx.wrap("rotate")  # FX records one call (its path is chosen by how it runs: model/rope.py)
 
 # ---- self-attention ---------------------------------------------------------------------------------------
 # Every attention path takes `rows`: with it only the first `rows` tokens query (every token is still a key and
@@ -164,7 +166,7 @@ class Attention(_Softmax):
         q, k, v = self._qkv(x)
         if rope is not None:
             n = self.num_prefix_tokens
-            q, k = rotate_pairs((q, k), rope, n, self.rotate_half)
+            q, k = rotate((q, k), rope, n, self.rotate_half)
         if self.num_kv_heads != self.num_heads:  # each key/value head serves its group of query heads (as timm's)
             groups = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)

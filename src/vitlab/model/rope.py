@@ -136,11 +136,19 @@ class Rope(nn.Module):
     rope.freqs)."""
 
     def __init__(
-        self, spec: RopeSpec, *, depth: int, num_heads: int, grid_size: tuple[int, int], dynamic_img_size: bool = False
+        self,
+        spec: RopeSpec,
+        *,
+        depth: int,
+        num_heads: int,
+        grid_size: tuple[int, int],
+        dynamic_img_size: bool = False,
+        num_prefix: int = 0,
     ):
-        """`grid_size`: the patch grid whose table is kept; `depth`, `num_heads`: mixed RoPE's frequencies' axes."""
+        """`grid_size`: the patch grid whose table is kept; `depth`, `num_heads`: mixed RoPE's frequencies' axes;
+        `num_prefix`: the tokens before the patches, which the blocks' turns leave as they are."""
         super().__init__()
-        self.spec, self.depth, self.num_heads = spec, depth, num_heads
+        self.spec, self.depth, self.num_heads, self.num_prefix = spec, depth, num_heads, num_prefix
         self.grid_size, self.dynamic_img_size = tuple(grid_size), dynamic_img_size
         self.per_block = spec.kind == "mixed"
         self.augments = any(v is not None for v in (spec.shift, spec.jitter, spec.rescale))
@@ -148,6 +156,9 @@ class Rope(nn.Module):
             self.freqs = nn.Parameter(torch.empty(2, depth, num_heads, spec.head_dim // 2))
         cached = None if self.per_block else torch.empty(math.prod(grid_size), 2 * spec.head_dim)
         self.register_buffer("cached", cached, persistent=False)
+        # the kept table's turns (turns() as real pairs (prefix + N, Dh/2, 2)): built with it, not every forward
+        kept = None if self.per_block else torch.empty(num_prefix + math.prod(grid_size), spec.head_dim // 2, 2)
+        self.register_buffer("cached_turns", kept, persistent=False)
 
     def reset_parameters(self) -> None:  # init.py resets every layer (after to_empty too)
         with torch.no_grad():
@@ -155,12 +166,23 @@ class Rope(nn.Module):
                 self.freqs.copy_(mixed_freqs(self.spec.head_dim, self.depth, self.num_heads, self.spec.temperature))
             else:
                 self.cached.copy_(rope_table(self.grid_size, self.spec))
+                self.cached_turns.copy_(torch.view_as_real(self._turns(self.cached)))
 
     def set_grid(self, grid_size: tuple[int, int]) -> None:
-        """Another image or patch size (ViT.set_input_size): the kept table recomputed for the new grid."""
+        """Another image or patch size (ViT.set_input_size): the kept table and its turns recomputed for its grid."""
         self.grid_size = tuple(grid_size)
         if not self.per_block:
             self.cached = rope_table(self.grid_size, self.spec, device=self.cached.device).to(self.cached.dtype)
+            self.cached_turns = torch.view_as_real(self._turns(self.cached)).to(self.cached_turns.dtype)
+
+    def _turns(self, table: torch.Tensor) -> torch.Tensor:
+        return turns(table, self.num_prefix, self.spec.rotate_half)
+
+    def for_blocks(self, table: torch.Tensor) -> torch.Tensor:
+        """What the blocks' attention takes of a table of this model's (forward, at, keep_rows): run eagerly its
+        complex turns (the kept grid's kept ones), so that each block only multiplies; compiled or exported the
+        table itself (model/attention.py rotates by either)."""
+        return _blocks_table(table, self.num_prefix, self.spec.rotate_half, self.cached, self.cached_turns)
 
     def at(self, grid: tuple[int, int]) -> torch.Tensor:
         """The table of a (h, w) grid given as numbers (NaFlex: an image's grid, from its size or its patches'
@@ -194,6 +216,15 @@ def _table_at(tokens: torch.Tensor, spec: RopeSpec, augment: bool, like: torch.T
     return rope_table(grid, spec, augment, freqs, device=like.device)
 
 
+@torch.fx.wrap  # FX records one call: the choice is made when the graph runs
+def _blocks_table(table: torch.Tensor, num_prefix: int, rotate_half: bool, kept, kept_turns) -> torch.Tensor:
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return table
+    if table is kept and kept_turns.dtype in (torch.float32, torch.float64):
+        return torch.view_as_complex(kept_turns)
+    return turns(table, num_prefix, rotate_half)
+
+
 # ---- applying a table --------------------------------------------------------------------------------
 
 
@@ -213,6 +244,46 @@ def rotate_pairs(xs: tuple[torch.Tensor, ...], table: torch.Tensor, num_prefix: 
     if num_prefix:
         sin, cos = F.pad(sin, (0, 0, num_prefix, 0)), F.pad(cos, (0, 0, num_prefix, 0), value=1.0)
     return tuple((x * cos + _swap(x, rotate_half) * sin).to(x.dtype) for x in xs)
+
+
+def rotate(xs: tuple[torch.Tensor, ...], table: torch.Tensor, num_prefix: int, rotate_half: bool) -> tuple:
+    """Queries and keys (B, H, prefix + N, Dh) rotated as attention rotates them: by a table's complex turns (`turns`:
+    what the model hands its blocks when it runs eagerly), each channel pair (a, b) one complex number a + ib times
+    its angle's cos + i sin, one kernel a tensor where rotate_pairs takes four; by a real table [sin | cos] (compiled
+    or exported, where real operations fuse and ONNX expresses them), rotate_pairs. Both are timm's
+    apply_rot_embed_cat: the complex product's real part a cos - b sin and imaginary part b cos + a sin, each product
+    rounded before the sum (bit for bit where the products are vectorised, as at a head of 64)."""
+    if not table.is_complex():
+        return rotate_pairs(xs, table, num_prefix, rotate_half)
+    return tuple(_turned(x, table, rotate_half) for x in xs)
+
+
+def turns(table: torch.Tensor, num_prefix: int, rotate_half: bool) -> torch.Tensor:
+    """A table (..., N, 2*Dh) [sin | cos] as one complex number cos + i sin per channel pair, (..., prefix + N, Dh/2),
+    complex64 (complex128 from float64), the prefix rows 1 (left as they are). Each pair's angle is read once: its two
+    channels hold the same one in every RoPE table."""
+    sin, cos = table.chunk(2, -1)
+    pick = (lambda t: t[..., : t.shape[-1] // 2]) if rotate_half else (lambda t: t[..., ::2])
+    real = torch.float64 if table.dtype == torch.float64 else torch.float32
+    out = torch.complex(pick(cos).to(real), pick(sin).to(real))
+    if num_prefix:
+        out = torch.cat([out.new_ones(*out.shape[:-2], num_prefix, out.shape[-1]), out], dim=-2)
+    return out
+
+
+def _turned(x: torch.Tensor, turns: torch.Tensor, rotate_half: bool) -> torch.Tensor:
+    """`x` (..., Dh) rotated: its pairs (interleaved neighbours, or the two halves) times `turns`, computed in
+    float32 at least (a bfloat16 query meets timm's float32 table in float32 too) and returned in x's dtype."""
+    real = torch.float64 if torch.float64 in (x.dtype, turns.real.dtype) else torch.float32
+    turns = turns.to(torch.complex128 if real == torch.float64 else torch.complex64)
+    if rotate_half:
+        a, b = x.to(real).chunk(2, dim=-1)
+        out = torch.view_as_real(torch.complex(a, b) * turns)  # (..., Dh/2, 2)
+        return torch.cat([out[..., 0], out[..., 1]], dim=-1).to(x.dtype)
+    pairs = x.to(real).unflatten(-1, (-1, 2))  # (..., Dh/2, 2): a view of the projection's output where it can be
+    if pairs.stride(-1) != 1 or pairs.storage_offset() % 2 or any(s % 2 for s in pairs.stride()[:-1]):
+        pairs = pairs.contiguous()  # (view_as_complex reads whole pairs: even strides)
+    return torch.view_as_real(torch.view_as_complex(pairs) * turns).flatten(-2).to(x.dtype)
 
 
 def _swap(x: torch.Tensor, rotate_half: bool) -> torch.Tensor:

@@ -167,6 +167,7 @@ class ViT(TimmAPI, nn.Module):
         rope = dict(
             depth=cfg.depth, num_heads=cfg.num_heads, grid_size=cfg.grid_size, dynamic_img_size=cfg.dynamic_img_size
         )
+        rope["num_prefix"] = cfg.num_prefix_tokens  # (the rows its blocks' turns leave as they are)
         self.rope = Rope(rope_spec(cfg), **rope) if cfg.rope else None  # rotary position embedding (model/rope.py)
         self.norm_pre = _norm(cfg)(D) if cfg.pre_norm else nn.Identity()
         # Stochastic depth grows linearly with depth (timm's torch.linspace, float32 included).
@@ -299,6 +300,7 @@ class ViT(TimmAPI, nn.Module):
             attn_mask = mask if attn_mask is None else attn_mask
         else:
             x, rope = self.embed_with_rope(x)
+        rope = self.rope.for_blocks(rope) if rope is not None else None  # once for every block (model/rope.py)
         for i, blk in enumerate(self.blocks):
             x = self._block(blk, x, last_rows if i == len(self.blocks) - 1 else None, attn_mask, i, rope)
         return self.norm(x), patch_valid if self.cfg.naflex else None  # (traced: an argument is a proxy)

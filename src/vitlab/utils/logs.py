@@ -3,11 +3,12 @@ file), and the warnings nobody running vitlab can act on dropped. Imports neithe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import typing
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 # progress_bar=: auto (rich on a terminal; otherwise a log line per epoch), rich, tqdm, none.
@@ -54,6 +55,18 @@ class _Drop(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return self.text not in record.getMessage()
+
+
+@contextlib.contextmanager
+def dropped(logger: str, text: str) -> Iterator[None]:
+    """Within the block, the records of `logger` whose message holds `text` are dropped (around one library call
+    whose notes nobody can act on: the rest of that logger, and that logger after the block, are left as they are)."""
+    drop, log = _Drop(text), logging.getLogger(logger)
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
 
 
 class _NoTips(logging.Filter):
