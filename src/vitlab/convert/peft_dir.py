@@ -8,11 +8,11 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from vitlab.convert.timm_args import create_timm_model
@@ -50,7 +50,7 @@ def save_peft_dir(
 
     out = Path(out)
     configs = getattr(model, "peft_config", None)
-    if not configs or not any(isinstance(m, BaseTunerLayer) for m in model.modules()):
+    if not configs or not _adapted(model):
         raise UserError("format=peft writes LoRA/DoRA adapters, and this checkpoint was trained without them "
                         "(peft=none, bitfit or partial): export it with format=timm")  # fmt: skip
     if out.exists() and not overwrite:
@@ -80,10 +80,11 @@ def save_peft_dir(
 def merged(model: nn.Module) -> nn.Module:
     """A copy of `model` with peft's adapters merged into its layers and its modules_to_save copies in place of the
     originals: plain timm names and layers again (format=timm). A model without adapters: itself."""
+    if not _adapted(model, saved_copies=True):
+        return model
+    from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import ModulesToSaveWrapper
 
-    if not any(isinstance(m, (BaseTunerLayer, ModulesToSaveWrapper)) for m in model.modules()):
-        return model
     model = copy.deepcopy(model)
     for name, m in list(model.named_modules()):
         if isinstance(m, BaseTunerLayer):
@@ -129,3 +130,15 @@ def _card(config: Any, base: dict[str, Any]) -> str:
         "```python\nimport timm\nfrom peft import PeftModel\n"
         "model = PeftModel.from_pretrained(timm.create_model(<the base's architecture>, ...), <this folder>)\n```\n"
     )
+
+
+def _adapted(model: nn.Module, saved_copies: bool = False) -> bool:
+    """Whether `model` holds peft's adapter layers (`saved_copies`: or its modules_to_save copies). Only a process
+    that imported peft can hold them: a plain model is answered without importing peft (and torchao with it)."""
+    if "peft" not in sys.modules:
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    kinds = (BaseTunerLayer, ModulesToSaveWrapper) if saved_copies else BaseTunerLayer
+    return any(isinstance(m, kinds) for m in model.modules())

@@ -40,11 +40,13 @@ QUIET_WARNINGS = (
 
 
 # Log records nobody running vitlab can act on, by logger: torch's note under compile that a selectively
-# checkpointed region must hold no in-place ops (vitlab's blocks hold none; model/recompute.py), and that a
-# CPU-only torch compiling on the CPU found no CUDA runtime.
+# checkpointed region must hold no in-place ops (vitlab's blocks hold none; model/recompute.py), that a
+# CPU-only torch compiling on the CPU found no CUDA runtime, and torch's deprecation of how torchao (imported by
+# peft, peft=lora|dora) registers its enums.
 QUIET_LOGS = {
     "torch._higher_order_ops.wrap": "context_fn is passed to torch.utils.checkpoint under torch.compile",
     "torch.utils.cpp_extension": "No CUDA runtime is found",
+    "torch.utils._pytree": "is an Enum subclass and is now natively supported by torch.compile",
 }
 
 
