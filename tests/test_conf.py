@@ -114,6 +114,8 @@ def test_data_configs(compose_cfg, data, tmp_path, request):
         for cls in ("cat", "dog", "eel"):
             (tmp_path / "tree" / "train" / cls).mkdir(parents=True)
         extra = [f"data.data_dir={tmp_path / 'tree'}"]
+    if data == "digit_pairs":  # several labels an image: what it trains
+        extra = ["objective.multilabel=true"]
     if data == "streaming":  # and from the description python -m vitlab.pack writes beside the shards
         (tmp_path / "shards").mkdir()
         (tmp_path / "shards" / "vitlab-shards.json").write_text('{"class_names": ["cat", "dog", "eel"]}')
