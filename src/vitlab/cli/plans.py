@@ -123,13 +123,15 @@ def checkpoint_follows_objective(config: Mapping[str, Any]) -> dict[str, Any]:
     set in a recipe or on the command line is kept."""
     node = (config.get("callbacks") or {}).get("model_checkpoint")
     watched, mode = _best(config)
-    if node is None or node.get("monitor") != "val/acc" or watched == "acc":
+    given = node.get("monitor") if node is not None else None
+    if given not in ("val/acc", "val/acc_ema") or watched == "acc":  # (callbacks=ema's: the averaged weights')
         return dict(config)
+    watched += given.removeprefix("val/acc")
     config = copy.deepcopy(dict(config))
     config["callbacks"]["model_checkpoint"] |= {"monitor": f"val/{watched}", "mode": mode}
     if rank_zero_only.rank == 0:
-        log.info("objective=%s logs no val/acc: the best checkpoint is the one of the %s val/%s",
-                 _objective_name(config), "lowest" if mode == "min" else "highest", watched)  # fmt: skip
+        log.info("objective=%s logs no %s: the best checkpoint is the one of the %s val/%s",
+                 _objective_name(config), given, "lowest" if mode == "min" else "highest", watched)  # fmt: skip
     return config
 
 

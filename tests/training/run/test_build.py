@@ -34,6 +34,9 @@ CHECKPOINT = "callbacks.model_checkpoint"
         (["objective=dino", "model.num_classes=0"], "val/loss", "min"),
         ([], "val/acc", "max"),  # the classifier keeps the default
         (["objective=mae", "model.num_classes=0", f"{CHECKPOINT}.monitor=train/loss"], "train/loss", "max"),  # kept
+        # callbacks=ema's val/acc_ema: the objective's own, of the averaged weights
+        (["objective=mae", "model.num_classes=0", "callbacks=ema"], "val/loss_ema", "min"),
+        (["callbacks=ema"], "val/acc_ema", "max"),
     ],
 )
 def test_the_best_checkpoint_follows_an_objective_without_accuracy(compose_cfg, overrides, monitor, mode):
