@@ -12,7 +12,7 @@ from vitlab.cli.plans import train_plan
 from vitlab.model.config import vit_config
 from vitlab.training.module import ViTModule
 from vitlab.training.run import build
-from vitlab.training.run.build import build_trainer, settle_trainer
+from vitlab.training.run.build import build_trainer, settle_trainer, trainer_arguments
 from vitlab.utils.errors import UserError
 
 CONF = config_dir()
@@ -148,11 +148,15 @@ def test_trainer_configs(compose_cfg, trainer):
     if cfg.trainer.accelerator in fewer and fewer[cfg.trainer.accelerator] < cfg.trainer.devices:
         if cfg.trainer.accelerator == "mps":  # not an Apple GPU: one line says so
             with pytest.raises(UserError, match="trainer.accelerator='mps' trainer.devices=1 cannot run here"):
-                build_trainer(settings, logger=False)
+                build_trainer(settings, trainer_arguments(settings), logger=False)
         # Fewer GPUs here than it asks for: build the same trainer on CPU processes to check every other argument.
-        trainer_obj = build_trainer(settings, accelerator="cpu", precision="32-true", logger=False)
+        trainer_obj = build_trainer(
+            settings, trainer_arguments(settings), accelerator="cpu", precision="32-true", logger=False
+        )
     else:
-        trainer_obj = build_trainer(settings, logger=False)  # precision/strategy auto resolved as a run's plan does
+        trainer_obj = build_trainer(
+            settings, trainer_arguments(settings), logger=False
+        )  # precision/strategy auto resolved as a run's plan does
     assert trainer_obj.max_epochs == cfg.trainer.max_epochs
 
 
@@ -183,7 +187,9 @@ def test_debug_configs(compose_cfg, debug):
     cfg = compose_cfg("train", [f"debug={debug}"])
     assert cfg.task_name == "debug"
     build_everything(cfg)
-    trainer = build_trainer(settle_trainer(OmegaConf.to_container(cfg.trainer, resolve=True)), logger=False)
+    trainer = build_trainer(
+        s := settle_trainer(OmegaConf.to_container(cfg.trainer, resolve=True)), trainer_arguments(s), logger=False
+    )
     if debug == "default":  # one epoch, one device, anomaly detection
         assert (trainer.max_epochs, trainer.num_devices, trainer._detect_anomaly) == (1, 1, True)
 
@@ -234,7 +240,9 @@ def test_other_entry_point_configs(compose_cfg, name):
     assert cfg.task_name == name
     if name == "eval":
         instantiate(cfg.data)
-        build_trainer(settle_trainer(OmegaConf.to_container(cfg.trainer, resolve=True)), logger=False)
+        build_trainer(
+            s := settle_trainer(OmegaConf.to_container(cfg.trainer, resolve=True)), trainer_arguments(s), logger=False
+        )
     if name == "benchmark":
         from vitlab.benchmark.config import BenchmarkConfig
 

@@ -26,7 +26,7 @@ from tests.training.test_recipe_schedules import (  # noqa: E402
 from vitlab.cli.config_tree import config_dir, register_resolvers  # noqa: E402
 from vitlab.model import ViT, ViTConfig  # noqa: E402
 from vitlab.training.optim import OptimConfig, SchedulerConfig, make_optimizer, make_scheduler  # noqa: E402
-from vitlab.training.run.build import scaled_optim  # noqa: E402
+from vitlab.training.batch_lr import scaled_optim  # noqa: E402
 
 IMAGENET = 1_281_167
 

@@ -62,7 +62,12 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         return write_metrics(plan, tasks.probe_checkpoint(plan.probe, plan.ckpt_path, module.model, datamodule))
     bars, show_bar = build.progress_bar(plan.progress_bar)
     trainer = build.build_trainer(
-        plan.trainer, logger=False, callbacks=bars, enable_progress_bar=show_bar, enable_checkpointing=False
+        plan.trainer,
+        plan.trainer_args,
+        logger=False,
+        callbacks=bars,
+        enable_progress_bar=show_bar,
+        enable_checkpointing=False,
     )
     return write_metrics(plan, score_with_tta(trainer, module, datamodule, plan.tta))
 

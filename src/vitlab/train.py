@@ -43,7 +43,9 @@ def train(cfg: DictConfig) -> float | None:
     plan = plans.train_plan(cfg)  # pretrained architecture, trainer, learning rate, the checkpoint to go on from
     seed_everything(plan.seed, workers=True, verbose=False)
     callbacks, show_bar = build.build_callbacks(plan.callbacks, plan.progress_bar, extra=plan.pruning)
-    trainer = build.build_trainer(plan.trainer, callbacks=callbacks, logger=False, enable_progress_bar=show_bar)
+    trainer = build.build_trainer(
+        plan.trainer, plan.trainer_args, callbacks=callbacks, logger=False, enable_progress_bar=show_bar
+    )
     datamodule = build.fit_datamodule(plan, **auto_batch.provisional(plan, trainer))
     plan = auto_batch.settle(plan, trainer, datamodule)  # data.batch_size=auto: chosen (before the LR uses it)
     module = build.build_module(plan, datamodule)

@@ -15,8 +15,8 @@ from vitlab.data.seeded import TransformDataset
 from vitlab.data.sizes import ScheduledBatches, SizeSchedule, check_model
 from vitlab.data.transforms import train_transform
 from vitlab.model.config import ViTConfig
+from vitlab.training.batch_lr import global_batch
 from vitlab.training.module import OBJECTIVES
-from vitlab.training.run.build import global_batch
 from vitlab.utils.errors import UserError
 
 # the kinds of schedule each objective trains on, as the fit reads them (training/run/build.py)

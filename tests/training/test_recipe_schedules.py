@@ -105,7 +105,7 @@ def run_schedule(cfg, epochs: int, steps: int, mae: bool = False) -> tuple[list[
 def recipe(compose_cfg, name: str | None, *overrides: str):
     from omegaconf import open_dict
 
-    from vitlab.training.run.build import scaled_optim
+    from vitlab.training.batch_lr import scaled_optim
 
     cfg = compose_cfg("train", ([f"experiment={name}"] if name else []) + list(overrides))
     with open_dict(cfg):  # lr_base x global batch / lr_base_size, as the run's plan does

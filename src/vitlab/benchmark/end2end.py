@@ -29,6 +29,7 @@ from vitlab.benchmark.config import BenchmarkConfig
 from vitlab.benchmark.measure import sync
 from vitlab.training.optim import OptimConfig
 from vitlab.training.run import build
+from vitlab.training.run.fit import build_fit
 from vitlab.training.run.plan import TrainPlan
 from vitlab.utils.errors import UserError
 
@@ -120,7 +121,7 @@ def train_window(plan: TrainPlan, datamodule, e) -> Window:
     L.seed_everything(plan.seed, workers=True, verbose=False)
     window = Window(e.warmup_steps, e.steps)
     steps = {"max_epochs": -1, "max_steps": e.warmup_steps + e.steps, "limit_val_batches": 1, "num_sanity_val_steps": 0}
-    with build.build_fit(plan, [window], datamodule=datamodule, **steps).finished() as fit:
+    with build_fit(plan, [window], datamodule=datamodule, **steps).finished() as fit:
         trainer = fit.trainer
         trainer.fit(fit.module, datamodule=datamodule, weights_only=True)
     if window.t1 is None:  # training stopped early (an interrupt), or Lightning counted steps unlike the window

@@ -20,6 +20,7 @@ from vitlab.benchmark.measure import pick_device, summarise, sync
 from vitlab.training.module import ViTModule
 from vitlab.training.optim import make_optimizer, make_scheduler
 from vitlab.training.run import build
+from vitlab.training.run.fit import build_fit
 from vitlab.training.run.plan import TrainPlan
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def run_lightning(plan: TrainPlan, epochs: int) -> LoopTimes:
     """`vitlab.train`'s fit, as it builds it, for `epochs` epochs; progress bar as configured there."""
     L.seed_everything(plan.seed, workers=True, verbose=False)
     timer = LoopTimer()
-    with build.build_fit(plan, [timer], max_epochs=epochs).finished() as fit:
+    with build_fit(plan, [timer], max_epochs=epochs).finished() as fit:
         fit.trainer.fit(fit.module, datamodule=fit.datamodule, weights_only=True)
     return timer.times
 

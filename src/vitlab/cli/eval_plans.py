@@ -34,6 +34,7 @@ class EvalPlan:
     pretrained: Pretrained | None
     data: dict[str, Any]
     trainer: dict[str, Any] | None  # a checkpoint's task=test: its Trainer's settings, settled (build.settle_trainer)
+    trainer_args: dict[str, Any]  # the Trainer's arguments they translate to (build.trainer_arguments)
     tta: str
     progress_bar: str
     output_dir: Path
@@ -49,7 +50,7 @@ def eval_plan(cfg: DictConfig) -> EvalPlan:
     common = {"tta": cfg.tta, "progress_bar": cfg.progress_bar, "output_dir": Path(cfg.paths.output_dir)}
     if cfg.ckpt_path is None:
         pretrained = _pretrained(tree, cfg.task)
-        return EvalPlan(probe, None, None, pretrained, dict(pretrained.data), None, **common)
+        return EvalPlan(probe, None, None, pretrained, dict(pretrained.data), None, {}, **common)
     module = _checkpoint(cfg.ckpt_path, cfg.task)
     data = _data(tree, module.hparams.get("data"), cfg.ckpt_path, module.model.cfg.to_dict()["img_size"])
     if data.get("multilabel") and cfg.task != "test":  # (issue 77: the probes score one label an image)
@@ -58,7 +59,8 @@ def eval_plan(cfg: DictConfig) -> EvalPlan:
             "the checkpoint's classifier with task=test (mAP), or probe its features on one-label data (data=<name>)"
         )
     tester = build.settle_trainer(trainer, said=False) if cfg.task == "test" else None  # (said where auto chose)
-    return EvalPlan(probe, cfg.ckpt_path, module, None, data, tester, **common)
+    args = build.trainer_arguments(tester) if tester is not None else {}
+    return EvalPlan(probe, cfg.ckpt_path, module, None, data, tester, args, **common)
 
 
 def _checkpoint(ckpt_path: str, task: str) -> ViTModule:

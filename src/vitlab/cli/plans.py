@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vitlab.model.config import vit_config
 from vitlab.training import adapters, pretrained
+from vitlab.training.batch_lr import scaled_optim
 from vitlab.training.callbacks import trial
 from vitlab.training.devices import sharding
 from vitlab.training.module import OBJECTIVES
@@ -49,7 +50,7 @@ def train_plan(cfg: DictConfig) -> TrainPlan:
     if weights is not None:
         pretrained.take_preprocessing(data, weights, requested)
     trainer = build.settle_trainer(config["trainer"])
-    optim = config["optim"] if data.get("batch_size") == "auto" else build.scaled_optim(config["optim"], data, trainer)
+    optim = config["optim"] if data.get("batch_size") == "auto" else scaled_optim(config["optim"], data, trainer)
     paths = config["paths"]
     ckpt = resume.planned_checkpoint(
         config["ckpt_path"], Path(paths["log_dir"]) / config["task_name"] / "runs", Path(paths["output_dir"]), trainer
@@ -64,6 +65,8 @@ def train_plan(cfg: DictConfig) -> TrainPlan:
         optim=optim,
         scheduler=config["scheduler"],
         trainer=trainer,
+        trainer_args=build.trainer_arguments(trainer),
+        on_meta=sharding.requests_fsdp(trainer) and weights is None,  # (weights are loaded into a whole model)
         callbacks=config.get("callbacks") or {},
         loggers=config.get("logger") or {},
         weights=weights,

@@ -237,6 +237,16 @@ def for_model(naflex: Any, model: Any) -> dict:
     return plain | {"patch_size": plain.get("patch_size") or list(model.patch_hw)}
 
 
+def training_schedule(data: Mapping[str, Any]) -> SizeSchedule | None:
+    """The schedule of training sizes a data module of the settings `data` (its views beside them) trains at, for the
+    checks made as a run is planned: NaFlex's sequence lengths where data.naflex gives them, else the sizes of
+    data.train_img_sizes (data/sizes.py); None at one size. (Its batches are at one image where data.batch_size is
+    still `auto`.)"""
+    batch = data.get("batch_size")
+    schedule = NaFlexSchedule.from_config(data.get("naflex"), batch if isinstance(batch, int) else 1)
+    return schedule if schedule is not None else SizeSchedule.from_data(data)
+
+
 def data_views(data: Mapping[str, Any], objective: Mapping[str, Any], model: Any) -> dict[str, Any]:
     """The data module's arguments a run of `model` (a ViTConfig) adds to its data settings `data`: NaFlex's patches
     at the model's patch size where the data asks for NaFlex batches (data.naflex.seq_lens), objective.mixup refused

@@ -257,15 +257,6 @@ def optimizer_info(name: str):
     return info
 
 
-def scaled_lr(o: OptimConfig, batch_size: int) -> float:
-    """The learning rate of `o` for a global batch of `batch_size` (o.global_batch when set): lr_base * (batch /
-    lr_base_size), or its square root with lr_base_scale=sqrt (timm's train.py); `o.lr` when lr_base is not set."""
-    if o.lr_base is None:
-        return o.lr
-    ratio = (o.global_batch or batch_size) / o.lr_base_size
-    return o.lr_base * (math.sqrt(ratio) if o.lr_base_scale == "sqrt" else ratio)
-
-
 def make_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
     """Optimizer `o.name`, built by timm's `create_optimizer_v2` over our `param_groups`; betas, eps and fused
     only where the optimizer takes them (betas or eps given to one that does not is refused)."""

@@ -136,7 +136,11 @@ def test_agc_leaves_gradients_under_the_threshold_untouched_and_clips_the_rest_r
 
 def test_trainer_agc_is_built_as_a_callback_and_needs_a_clip_factor(compose_cfg):
     cfg = compose_cfg("train", ["trainer.gradient_clip_algorithm=agc", "trainer.gradient_clip_val=0.02"])
-    trainer = build.build_trainer(build.settle_trainer(OmegaConf.to_container(cfg.trainer, resolve=True)), logger=False)
+    trainer = build.build_trainer(
+        s := build.settle_trainer(OmegaConf.to_container(cfg.trainer, resolve=True)),
+        build.trainer_arguments(s),
+        logger=False,
+    )
     (agc,) = [c for c in trainer.callbacks if isinstance(c, AdaptiveGradientClipping)]
     assert agc.clip_factor == 0.02 and trainer.gradient_clip_val is None
     with open_dict(cfg):

@@ -113,11 +113,13 @@ def test_float8_is_refused_without_float8_gpus(compose_cfg, monkeypatch, gpus, m
 
 def test_the_trainer_gets_bf16_mixed_and_the_float8_plugin_beside_its_own(compose_cfg, monkeypatch):
     from vitlab.training.checkpoint_io import AtomicCheckpointIO
-    from vitlab.training.run.build import build_trainer, settle_trainer
+    from vitlab.training.run.build import build_trainer, settle_trainer, trainer_arguments
 
     monkeypatch.setattr(hardware, "check_float8", lambda precision, gpus: None)  # (as on an H100)
     cfg = compose_cfg("train", ["trainer=cpu", "trainer.precision=float8-rowwise"])
-    trainer = build_trainer(settle_trainer(OmegaConf.to_container(cfg.trainer, resolve=True)), logger=False)
+    trainer = build_trainer(
+        s := settle_trainer(OmegaConf.to_container(cfg.trainer, resolve=True)), trainer_arguments(s), logger=False
+    )
     plugin = trainer.precision_plugin
     assert isinstance(plugin, Float8Precision) and (plugin.recipe, plugin.precision) == ("rowwise", "bf16-mixed")
     assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)  # the config's plugins kept

@@ -20,7 +20,7 @@ BUDGET = 0.05  # GB: a few hundred digits per process at the default model
 def chosen(compose_cfg, *overrides):
     cfg = compose_cfg("train", ["data.batch_size=auto", f"memory_budget_gb={BUDGET}", *overrides])
     plan = train_plan(cfg)
-    trainer = build.build_trainer(plan.trainer, logger=False)
+    trainer = build.build_trainer(plan.trainer, plan.trainer_args, logger=False)
     datamodule = build.fit_datamodule(plan, **auto_batch.provisional(plan, trainer))
     plan = auto_batch.settle(plan, trainer, datamodule)
     return plan, trainer, datamodule, plan.batch_size_auto

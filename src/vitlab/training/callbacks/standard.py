@@ -28,6 +28,8 @@ from vitlab.utils.signals import StopSignals
 
 log = logging.getLogger(__name__)
 
+LOGGER_IDS = "logger_run_ids"  # a checkpoint's key for its loggers' run ids (RunIds)
+
 
 class BestCheckpoint(ModelCheckpoint):
     """Lightning's ModelCheckpoint (the best checkpoints by a metric), which also carries its ranking into a run
@@ -348,3 +350,18 @@ class TQDMBar(TQDMProgressBar):
         self.train_progress_bar.reset(total=convert_inf(self.total_train_batches))
         self.train_progress_bar.initial = 0
         self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch + 1}")
+
+
+class RunIds(L.Callback):
+    """The run ids of this run's loggers (W&B's), saved in every checkpoint: a run resumed from it continues them."""
+
+    key = LOGGER_IDS
+
+    def __init__(self):
+        self.ids: dict[str, str] = {}  # kept once seen: a logger dropped on the way to a stop's checkpoint is in it
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        wandb = [lg.version for lg in trainer.loggers if isinstance(lg, WandbLogger) and lg.version]
+        self.ids |= {"wandb": wandb[0]} if wandb else {}
+        if self.ids:
+            checkpoint[self.key] = dict(self.ids)

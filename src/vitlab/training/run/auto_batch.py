@@ -13,8 +13,9 @@ from typing import Any
 
 import lightning as L
 
+from vitlab.training.batch_lr import scaled_optim
 from vitlab.training.devices import memory, sharding
-from vitlab.training.run.build import build_module, scaled_optim
+from vitlab.training.run.build import build_module
 from vitlab.training.run.plan import TrainPlan
 from vitlab.utils.errors import UserError
 

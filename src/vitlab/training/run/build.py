@@ -1,18 +1,17 @@
 """The assembly of a fit: a run's plan (training.run.plan.TrainPlan, made once by vitlab.cli.plans) becomes the
 objects a command runs (data module, module, callbacks, Trainer), each builder taking the part of the plan it uses;
 a checkpoint becomes a module to test or predict with in inference.py. Every command (`train`, `eval`, `predict`,
-`visualize`, `benchmark`) calls these; no command imports another. The loggers' lifecycle is in loggers.py,
-Lightning's work-arounds in workarounds.py.
+`visualize`, `benchmark`) calls these; no command imports another. Every Hydra node with a `_target_` a run builds
+(data, callbacks, loggers, Trainer) is instantiated here; the loggers' lifecycle is in loggers.py, the benchmarks'
+one-call assembly in fit.py, Lightning's work-arounds in workarounds.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning as L
@@ -25,13 +24,11 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from vitlab.data import naflex, sizes
 from vitlab.model.config import ViTConfig
 from vitlab.training.callbacks.health import AdaptiveGradientClipping
-from vitlab.training.callbacks.standard import NonFiniteLoss, RichBar, TQDMBar
+from vitlab.training.callbacks.standard import NonFiniteLoss, RichBar, RunIds, TQDMBar
 from vitlab.training.devices import float8, sharding
 from vitlab.training.devices.hardware import resolve_trainer
 from vitlab.training.devices.rank_state import RankState
 from vitlab.training.module import OBJECTIVES, ViTModule
-from vitlab.training.optim import OptimConfig, scaled_lr
-from vitlab.training.run.loggers import RunIds, build_loggers, instantiate_group, loggers_finished
 from vitlab.training.run.plan import TrainPlan
 from vitlab.training.run.ranges import check_devices
 from vitlab.training.run.workarounds import LightningWorkarounds
@@ -46,12 +43,20 @@ __all__ = [
     "build_datamodule",
     "data_views",
     "fit_datamodule",
-    "build_fit",
     "build_module",
     "build_trainer",
     "build_callbacks",
     "settle_trainer",
+    "instantiate_group",
+    "trainer_arguments",
 ]
+
+
+def instantiate_group(group: Mapping[str, Any] | None, extra: Any = None) -> list[Any]:
+    """Every entry with a _target_ in a callbacks/logger group (plain nodes), in order (`extra(its node)`: further
+    arguments). The one place a run's callbacks and loggers (a user's own classes too) are instantiated."""
+    nodes = [node for node in (group or {}).values() if isinstance(node, Mapping) and "_target_" in node]
+    return [instantiate(node, **(extra(node) if extra else {})) for node in nodes]
 
 
 def build_datamodule(data: Mapping[str, Any], **extra: Any) -> L.LightningDataModule:
@@ -61,9 +66,13 @@ def build_datamodule(data: Mapping[str, Any], **extra: Any) -> L.LightningDataMo
 
 def data_views(data: Mapping[str, Any], objective: Mapping[str, Any], model: ViTConfig) -> dict[str, Any]:
     """The data module's arguments beside its settings `data` that a run of `model` under `objective` adds: the
-    objective's views (objective=dino's multi-crop: Objective.data_views) and NaFlex's patches (data/naflex.py)."""
-    views = OBJECTIVES[objective.get("name", "classify")].data_views(dict(objective), model)
-    return views | naflex.data_views(data, objective, model)
+    objective's views (objective=dino's multi-crop: Objective.data_views) and NaFlex's patches (data/naflex.py). A
+    schedule of training sizes is checked against the model and the objective here, as the run is planned."""
+    name = objective.get("name", "classify")
+    views = OBJECTIVES[name].data_views(dict(objective), model) | naflex.data_views(data, objective, model)
+    schedules = {name: kind.schedules for name, kind in OBJECTIVES.items()}
+    sizes.check_model(naflex.training_schedule({**data, **views}), model, name, schedules)
+    return views
 
 
 def fit_datamodule(plan: TrainPlan, **extra: Any) -> L.LightningDataModule:
@@ -76,11 +85,8 @@ def build_module(plan: TrainPlan, datamodule: L.LightningDataModule | None, prob
     module memory.estimate reads before the batch size is chosen (auto_batch): laid out on the meta device (nothing
     allocated), no data module yet."""
     # trainer=fsdp: the ViT is laid out on the meta device and each process initialises its shards
-    # (training.devices.sharding); pretrained weights are loaded into a whole model, built on the host.
-    on_meta = probe or (sharding.requests_fsdp(plan.trainer) and plan.weights is None)
-    schedules = {name: kind.schedules for name, kind in OBJECTIVES.items()}
-    sizes.check_model(getattr(datamodule, "size_schedule", None), plan.model, plan.objective.get("name"), schedules)
-    with sharding.networks_on_meta(on_meta):
+    # (training.devices.sharding); pretrained weights are loaded into a whole model, built on the host (plan.on_meta).
+    with sharding.networks_on_meta(probe or plan.on_meta):
         return ViTModule(
             model=plan.model,
             objective=plan.objective,
@@ -92,44 +98,6 @@ def build_module(plan: TrainPlan, datamodule: L.LightningDataModule | None, prob
             freeze_backbone=plan.freeze_backbone,
             peft=plan.peft,  # peft=: loads its base weights itself (training.adapters.attach)
         )
-
-
-def scaled_optim(optim: Mapping[str, Any], data: Mapping[str, Any], trainer: Mapping[str, Any]) -> dict[str, Any]:
-    """The optimiser settings `optim` with optim.lr_base set: optim.lr becomes lr_base scaled by the global batch
-    (timm's, DeiT's and MAE's rule), the batch being data.batch_size (already global: per device x devices x nodes) x
-    trainer.accumulate_grad_batches. Both are logged and kept in the settings, so config.yaml and the checkpoints
-    say which learning rate ran. Without lr_base, `optim` as it is."""
-    given = OptimConfig.from_dict(dict(optim))
-    if given.lr_base is None:
-        return dict(optim)
-    batch, how = global_batch(data, trainer)
-    lr = scaled_lr(given, batch)
-    log.info(
-        "optim.lr %.4g: optim.lr_base %g x %s(global batch %d / optim.lr_base_size %d); global batch %s",
-        lr,
-        given.lr_base,
-        "sqrt" if given.lr_base_scale == "sqrt" else "",
-        given.global_batch or batch,
-        given.lr_base_size,
-        f"{given.global_batch} (optim.global_batch)" if given.global_batch else how,
-    )
-    return {**optim, "lr": lr, "global_batch": given.global_batch or batch}
-
-
-def global_batch(data: Mapping[str, Any], trainer: Mapping[str, Any]) -> tuple[int, str]:
-    """The images per optimizer step over every process (MAE's eff_batch_size), and how it was counted."""
-    t = trainer or {}
-    accumulate, devices, nodes = t.get("accumulate_grad_batches", 1) or 1, t.get("devices", 1), t.get("num_nodes", 1)
-    batch, how = data["batch_size"], f"= data.batch_size {data['batch_size']}"
-    schedule = sizes.SizeSchedule.from_data(data)
-    if schedule is not None and schedule.batch_sizes:  # as timm's train.py: the schedule's average batch
-        average = schedule.average_batch(batch, t.get("max_epochs"))
-        batch, how = round(average), f"= {average:.2f}, data.train_batch_sizes averaged over their schedule,"
-    elif isinstance(devices, int) and devices > 0 and isinstance(nodes, int) and nodes > 0:
-        per = data["batch_size"] / (devices * nodes)
-        how += f" ({per:g} per device x {devices} devices x {nodes} nodes)"
-    batch *= accumulate
-    return batch, how + f" x trainer.accumulate_grad_batches {accumulate}"
 
 
 def progress_bar(choice: str) -> tuple[list, bool]:
@@ -153,40 +121,6 @@ def build_callbacks(
     return instantiate_group(callbacks) + bars + [RunIds(), *extra], show_bar
 
 
-@dataclasses.dataclass
-class Fit:
-    """What the benchmarks fit, assembled as `vitlab.train` assembles it: built by `build_fit`, its loggers ended by
-    `finished`."""
-
-    datamodule: L.LightningDataModule
-    module: ViTModule
-    trainer: L.Trainer
-    loggers: list[Any]
-
-    @contextlib.contextmanager
-    def finished(self) -> Iterator[Fit]:
-        with loggers_finished(self.loggers):
-            yield self
-
-
-def build_fit(
-    plan: TrainPlan,
-    callbacks: Sequence[L.Callback] = (),
-    datamodule: L.LightningDataModule | None = None,
-    **trainer_kwargs: Any,
-) -> Fit:
-    """vitlab.train's steps from data to Trainer (a data module built from the plan's data may be given), with
-    `callbacks` added and `trainer_kwargs` over the plan's trainer settings."""
-    datamodule = fit_datamodule(plan) if datamodule is None else datamodule
-    module = build_module(plan, datamodule)
-    all_callbacks, show_bar = build_callbacks(plan.callbacks, plan.progress_bar, callbacks)
-    loggers = build_loggers(plan.loggers)
-    trainer = build_trainer(
-        plan.trainer, callbacks=all_callbacks, logger=loggers or False, enable_progress_bar=show_bar, **trainer_kwargs
-    )
-    return Fit(datamodule, module, trainer, loggers)
-
-
 def settle_trainer(trainer: Mapping[str, Any], *, said: bool = True) -> dict[str, Any]:
     """The trainer settings checked and settled, once, before anything is built: the devices it asks for
     (ranges.check_devices), `auto` precision and strategy resolved (devices/hardware.py) and the choice said in one
@@ -200,19 +134,29 @@ def settle_trainer(trainer: Mapping[str, Any], *, said: bool = True) -> dict[str
     return settled
 
 
-def build_trainer(trainer: Mapping[str, Any], **kwargs: Any) -> L.Trainer:
-    """The Lightning Trainer of the settled trainer settings `trainer` (settle_trainer's, with their `_target_`).
+def trainer_arguments(trainer: Mapping[str, Any]) -> dict[str, Any]:
+    """The Trainer's arguments that the settled settings `trainer` translate to beyond Lightning's own, decided when
+    the run is planned: `gradient_clip_algorithm=agc` (Lightning knows value and norm only) as the
+    AdaptiveGradientClipping callback, `precision=float8` as its plugin (devices/float8.py); none otherwise."""
+    args: dict[str, Any] = {"callbacks": []}
+    if trainer.get("gradient_clip_algorithm") == "agc":
+        args["callbacks"] = [AdaptiveGradientClipping(float(trainer["gradient_clip_val"]))]
+        args |= {"gradient_clip_val": None, "gradient_clip_algorithm": None}
+    return args | float8.trainer_arguments(trainer)
+
+
+def build_trainer(trainer: Mapping[str, Any], args: Mapping[str, Any], **kwargs: Any) -> L.Trainer:
+    """The Lightning Trainer of the settled trainer settings `trainer` (settle_trainer's, with their `_target_`) and
+    the arguments they translate to (`args`: trainer_arguments', made with the plan), `kwargs` beside them.
     Lightning's own refusal of a setting becomes one line: a device request this machine cannot serve names what there
     is; any other names the setting."""
+    args = dict(args)
     # What every run needs, whatever its callbacks group says: the non-finite-loss stop, each process's state in
-    # its checkpoints, and the Lightning workarounds (workarounds.py).
-    kwargs["callbacks"] = [*kwargs.get("callbacks", []), NonFiniteLoss(), RankState(), LightningWorkarounds()]
-    if trainer.get("gradient_clip_algorithm") == "agc":  # Lightning's Trainer knows value and norm only
-        factor = trainer["gradient_clip_val"]
-        kwargs["callbacks"].append(AdaptiveGradientClipping(float(factor)))  # after Health: it reads unclipped norms
-        kwargs |= {"gradient_clip_val": None, "gradient_clip_algorithm": None}
+    # its checkpoints, and the Lightning workarounds (workarounds.py); AGC after Health: it reads unclipped norms.
+    standard = [NonFiniteLoss(), RankState(), LightningWorkarounds()]
+    kwargs["callbacks"] = [*kwargs.get("callbacks", []), *standard, *args.pop("callbacks", [])]
     try:
-        return instantiate(trainer, **kwargs | float8.trainer_arguments(trainer))  # (precision=float8)
+        return instantiate(trainer, **kwargs | args)
     except InstantiationException as e:
         cause = e.__cause__
         if not isinstance(cause, (MisconfigurationException, ValueError)) or isinstance(cause, UserError):

@@ -11,21 +11,14 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import lightning as L
-from hydra.utils import get_object, instantiate
+from hydra.utils import get_object
 from lightning.pytorch.loggers import WandbLogger
 
-from vitlab.training.run.plan import LOGGER_IDS, Checkpoint
+from vitlab.training.run.build import instantiate_group
+from vitlab.training.run.plan import Checkpoint
 from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
-
-
-def instantiate_group(group: Mapping[str, Any] | None, extra: Any = None) -> list[Any]:
-    """Every entry with a _target_ in a callbacks/logger group (plain nodes), in order (`extra(its node)`: further
-    arguments). The one place a run's callbacks and loggers (a user's own classes too) are instantiated."""
-    nodes = [node for node in (group or {}).values() if isinstance(node, Mapping) and "_target_" in node]
-    return [instantiate(node, **(extra(node) if extra else {})) for node in nodes]
 
 
 def build_loggers(group: Mapping[str, Any] | None, resumed: Checkpoint | None = None) -> list[Any]:
@@ -52,21 +45,6 @@ def build_loggers(group: Mapping[str, Any] | None, resumed: Checkpoint | None = 
 def _is_wandb(node: Mapping[str, Any]) -> bool:
     target = get_object(node["_target_"]) if isinstance(node["_target_"], str) else node["_target_"]
     return isinstance(target, type) and issubclass(target, WandbLogger)
-
-
-class RunIds(L.Callback):
-    """The run ids of this run's loggers (W&B's), saved in every checkpoint: a run resumed from it continues them."""
-
-    key = LOGGER_IDS
-
-    def __init__(self):
-        self.ids: dict[str, str] = {}  # kept once seen: a logger dropped on the way to a stop's checkpoint is in it
-
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        wandb = [lg.version for lg in trainer.loggers if isinstance(lg, WandbLogger) and lg.version]
-        self.ids |= {"wandb": wandb[0]} if wandb else {}
-        if self.ids:
-            checkpoint[self.key] = dict(self.ids)
 
 
 def _check_wandb_login(node: Mapping[str, Any]) -> None:

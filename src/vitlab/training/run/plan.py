@@ -16,8 +16,7 @@ import lightning as L
 
 from vitlab.convert.source import Weights
 from vitlab.model.config import ViTConfig
-
-LOGGER_IDS = "logger_run_ids"  # a checkpoint's key for its loggers' run ids (loggers.RunIds)
+from vitlab.training.callbacks.standard import LOGGER_IDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +40,7 @@ class Checkpoint:
         return "averaged" in self.meta
 
     def logger_id(self, name: str) -> str | None:
-        """The run id of logger `name` ("wandb") this checkpoint's run logged to (loggers.RunIds)."""
+        """The run id of logger `name` ("wandb") this checkpoint's run logged to (callbacks.standard.RunIds)."""
         return (self.meta.get(LOGGER_IDS) or {}).get(name)
 
 
@@ -56,6 +55,8 @@ class TrainPlan:
     optim: dict[str, Any]  # optim.lr scaled from optim.lr_base by the global batch
     scheduler: dict[str, Any]
     trainer: dict[str, Any]  # Lightning's Trainer settings with its _target_, precision and strategy `auto` chosen
+    on_meta: bool  # trainer=fsdp without pretrained weights: the ViT laid out on the meta device, sharded as it starts
+    trainer_args: dict[str, Any]  # the Trainer's arguments they translate to: AGC's callback, float8's plugin
     callbacks: dict[str, Any]  # conf/callbacks' nodes (the best checkpoint following the objective's metric)
     loggers: dict[str, Any]  # conf/logger's nodes
     weights: Weights | None  # model.pretrained, resolved once (convert.source): loaded where the run starts
