@@ -174,6 +174,21 @@ def test_an_adapter_checkpoint_holds_the_trainable_tensors_and_its_base_by_hash(
         ViTModule(**hparams)
 
 
+def test_a_training_run_hashes_its_base_once_and_loads_the_weights_its_plan_resolved(base_file, monkeypatch):
+    """The plan names the base by sha256 (plan_peft); the module it builds loads the Weights the plan resolved as
+    they are: the file is read and hashed once, not again as the adapters are attached (a checkpoint rebuilt later
+    resolves and checks its base itself: the test above)."""
+    from vitlab.training import adapters
+
+    digests = []
+    monkeypatch.setattr(adapters, "weights_digest", lambda w, f=adapters.weights_digest: digests.append(1) or f(w))
+    weights = resolve(str(base_file))
+    peft = plan_peft({"method": "lora", "rank": 2}, weights, None)
+    module = ViTModule(tiny(), peft=peft, base_weights=weights)
+    assert len(digests) == 1 and "base_weights" not in module.hparams
+    torch.testing.assert_close(module.model.pos_embed, weights.tensors.encoder["pos_embed"], atol=0, rtol=0)
+
+
 def test_bad_peft_input_is_one_line():
     with pytest.raises(UserError, match=r"peft.targets 'qkvv' matches no module of this ViT; its Linear modules end "
                                         r"in \['fc1', 'fc2', 'head', 'proj', 'qkv'\]"):  # fmt: skip

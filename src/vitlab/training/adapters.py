@@ -146,12 +146,13 @@ def weights_digest(weights: Any) -> str:
     return h.hexdigest()
 
 
-def attach(module: Any, peft: Mapping[str, Any] | None) -> None:
-    """The base weights `peft["base"]` loaded into `module` (a new ViTModule; their sha256 checked) and the method
-    applied to its ViT. On the meta device (a memory probe, FSDP's layout) only the method: nothing to load."""
+def attach(module: Any, peft: Mapping[str, Any] | None, weights: Any = None) -> None:
+    """The base weights `peft["base"]` loaded into `module` (a new ViTModule) and the method applied to its ViT. A
+    training run hands the `weights` its plan resolved and named by sha256 (plan_peft); a module rebuilt from a
+    checkpoint resolves them from their source, their sha256 checked. On the meta device (a memory probe, FSDP's
+    layout) only the method: nothing to load."""
     if not peft:
         return
-    from vitlab.convert.source import resolve
     from vitlab.training.pretrained import load_pretrained
 
     cfg, base = PeftConfig.from_dict(peft), peft["base"]
@@ -161,18 +162,26 @@ def attach(module: Any, peft: Mapping[str, Any] | None) -> None:
             f"{type(module.objective).__name__.lower()} pretrains the whole encoder, which adapters would not change"
         )
     if not any(p.is_meta for p in module.model.parameters()):
-        if base.get("is_file", True) and not Path(base["source"]).is_file():
-            raise UserError(f"the base weights {base['source']!r} the adapters were trained on are not there")
-        weights = resolve(base["source"])  # (a file: its position rule too, as model.pretrained resolves it)
-        if (found := weights_digest(weights)) != base["sha256"]:
-            raise UserError(
-                f"base weights {base['source']!r} have sha256 {found[:12]}..., not the {base['sha256'][:12]}... the "
-                "adapters were trained on: give the original file"
-            )
-        load_pretrained(module, weights, bool(base.get("resample_patch")))
+        load_pretrained(module, weights or _checked_base(base), bool(base.get("resample_patch")))
     apply(module.model, cfg)
     module.model.adapter_base = dict(base)  # what format=peft's folder names (convert.peft_dir)
     log.info(describe(module.model, peft))
+
+
+def _checked_base(base: Mapping[str, Any]) -> Any:
+    """The base weights a checkpoint's adapters were trained on, resolved from their source (convert.source.Weights),
+    refused in one line where the file is gone or its sha256 is not the one the adapters were trained on."""
+    from vitlab.convert.source import resolve
+
+    if base.get("is_file", True) and not Path(base["source"]).is_file():
+        raise UserError(f"the base weights {base['source']!r} the adapters were trained on are not there")
+    weights = resolve(base["source"])  # (a file: its position rule too, as model.pretrained resolves it)
+    if (found := weights_digest(weights)) != base["sha256"]:
+        raise UserError(
+            f"base weights {base['source']!r} have sha256 {found[:12]}..., not the {base['sha256'][:12]}... the "
+            "adapters were trained on: give the original file"
+        )
+    return weights
 
 
 def apply(model: nn.Module, cfg: PeftConfig) -> nn.Module:

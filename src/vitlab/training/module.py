@@ -82,11 +82,12 @@ class ViTModule(L.LightningModule):
         data: dict[str, Any] | None = None,  # the data config that trained it, for vitlab.eval/predict
         freeze_backbone: bool = False,  # linear probe: train the head (and fc_norm) only
         peft: dict[str, Any] | None = None,  # peft=: the method and its base weights (training.adapters.plan_peft)
+        base_weights: Any = None,  # peft='s base resolved and checked by the plan (convert.source.Weights); not saved
     ):
         super().__init__()
         cfg = model if isinstance(model, ViTConfig) else ViTConfig.from_dict(model)
         model = cfg.to_dict()  # what save_hyperparameters keeps: a checkpoint carries the config as plain data
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["base_weights"])
         self.model = new_vit(cfg)  # on the meta device under sharding.networks_on_meta (trainer=fsdp)
         if freeze_backbone:
             for name, p in self.model.named_parameters():
@@ -98,7 +99,7 @@ class ViTModule(L.LightningModule):
         self.objective = build_objective(objective, cfg, unlabeled=reads_no_labels(data))
         self.objective.check(cfg, self.optim)
         self.objective.prepare(self.model)
-        attach(self, peft)  # peft=: the base weights loaded, the adapters injected (training.adapters)
+        attach(self, peft, base_weights)  # peft=: the base weights loaded, the adapters injected (training.adapters)
         for name, network in self.objective.extra_modules().items():  # e.g. a decoder: checkpoint keys decoder.*
             self.add_module(name, network)
         # Updated every step, computed (and synced across processes) once per epoch: logging a value costs ~1 ms in
@@ -115,6 +116,7 @@ class ViTModule(L.LightningModule):
         self.test_metrics = nn.ModuleDict({"loss": MeanMetric()} | self.objective.metrics("test", k))
         watched, mode = self.objective.best  # val/acc_best (max) or val/loss_best (min): what chooses the checkpoint
         self.best_key = f"val/{watched}"
+        self.class_values: dict[str, Any] = {}  # metrics with one value a class, for metrics.json (_log_epoch)
         self.kept_values: dict[str, torch.Tensor] | None = None  # set by an EMA whose average the checkpoints keep
         self.add_module(f"val_{watched}_best", MaxMetric() if mode == "max" else MinMetric())
         # Running training metrics and the best so far are checkpointed, so a run resumed mid-epoch logs the same
@@ -234,7 +236,7 @@ class ViTModule(L.LightningModule):
             value = metric.compute()
             metric.reset()
             if value.ndim == 1:  # one value a class (objectives/label_metrics.py): metrics.json's alone
-                self.class_values = getattr(self, "class_values", {}) | class_values(stage, name, value, self.hparams)
+                self.class_values |= class_values(stage, name, value, self.hparams)
                 continue
             values[f"{stage}/{name}"] = value
         # torchmetrics has already reduced these over processes; sync_dist=True averages equal values (and

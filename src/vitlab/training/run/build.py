@@ -96,7 +96,8 @@ def build_module(plan: TrainPlan, datamodule: L.LightningDataModule | None, prob
             class_names=list(getattr(datamodule, "class_names", []) or []),
             data=plan.data,
             freeze_backbone=plan.freeze_backbone,
-            peft=plan.peft,  # peft=: loads its base weights itself (training.adapters.attach)
+            peft=plan.peft,  # peft=: its base weights loaded as the adapters are attached (training.adapters.attach)
+            base_weights=plan.weights if plan.peft else None,  # (resolved and named by sha256 once, by the plan)
         )
 
 
