@@ -37,17 +37,16 @@ def train(cfg: DictConfig) -> float | None:
     from lightning import seed_everything
 
     from vitlab.cli import plans
-    from vitlab.training.run import auto_batch, build, loggers, resume, steps
+    from vitlab.training.run import build, loggers, resume, steps
 
     started = time.time()
-    plan = plans.train_plan(cfg)  # pretrained architecture, trainer, learning rate, the checkpoint to go on from
+    plan = plans.train_plan(cfg)  # pretrained architecture, trainer, batch, learning rate, the checkpoint to go on from
     seed_everything(plan.seed, workers=True, verbose=False)
     callbacks, show_bar = build.build_callbacks(plan.callbacks, plan.progress_bar, extra=plan.pruning)
     trainer = build.build_trainer(
         plan.trainer, plan.trainer_args, callbacks=callbacks, logger=False, enable_progress_bar=show_bar
     )
-    datamodule = build.fit_datamodule(plan, **auto_batch.provisional(plan, trainer))
-    plan = auto_batch.settle(plan, trainer, datamodule)  # data.batch_size=auto: chosen (before the LR uses it)
+    datamodule = build.fit_datamodule(plan)
     module = build.build_module(plan, datamodule)
     estimate = steps.check_memory(plan, trainer, module, datamodule)
     start = resume.starting_point(plan, module)  # the checkpoint to go on from, or the pretrained weights loaded

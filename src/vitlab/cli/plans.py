@@ -25,7 +25,7 @@ from vitlab.training.callbacks import trial
 from vitlab.training.devices import sharding
 from vitlab.training.module import OBJECTIVES
 from vitlab.training.objectives.objective import reads_no_labels
-from vitlab.training.run import build, resume
+from vitlab.training.run import auto_batch, build, resume
 from vitlab.training.run.plan import TrainPlan
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def train_plan(cfg: DictConfig) -> TrainPlan:
     )
     model_cfg = vit_config(config["model"])
     objective = OmegaConf.to_container(cfg.objective, resolve=True, throw_on_missing=True)  # a `???` named
-    return TrainPlan(
+    plan = TrainPlan(
         model=model_cfg,
         data=data,
         views=build.data_views(data, objective, model_cfg),
@@ -89,6 +89,7 @@ def train_plan(cfg: DictConfig) -> TrainPlan:
             config.get("peft"), weights, ckpt.hparams if ckpt else None, bool(config["model"].get("resample_patch"))
         ),
     )
+    return auto_batch.planned(plan)  # data.batch_size=auto: the batch that fits, the learning rate scaled from it
 
 
 def _resolved(composed: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ kept."""
 import logging
 
 import pytest
+from omegaconf import OmegaConf
 
 from vitlab.training.devices import hardware
 
@@ -55,6 +56,28 @@ def test_cpu_and_explicit_values(compose_cfg, monkeypatch):
 def test_the_named_trainers_compose_as_before(compose_cfg, monkeypatch, trainer, precision, strategy):
     t, _ = resolved(compose_cfg, monkeypatch, [H100] * 4, [f"trainer={trainer}"])
     assert (t["precision"], t["strategy"]) == (precision, strategy)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["trainer=ddp_cpu", "trainer.devices=2"], ["trainer=fsdp_cpu", "trainer.devices=2"], ["trainer=fsdp_cpu"],
+     ["trainer.precision=bf16"], ["trainer.accelerator=cpu", "trainer.devices=3", "trainer.num_nodes=2"]],
+)  # fmt: skip
+def test_the_devices_a_plan_reads_are_the_trainers(compose_cfg, overrides):
+    """What data.batch_size=auto reads as the run is planned (hardware.Devices, from the settled settings) is what the
+    Trainer built from them runs on: its processes, its precision, whether FSDP splits the weights."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    from vitlab.training.run import build
+
+    cfg = compose_cfg("train", list(overrides))
+    settled = build.settle_trainer(OmegaConf.to_container(cfg.trainer, resolve=True))
+    devices = hardware.devices_of(settled)
+    trainer = build.build_trainer(settled, build.trainer_arguments(settled), logger=False)
+    assert devices.processes == trainer.num_devices * trainer.num_nodes and devices.local == trainer.num_devices
+    assert devices.precision == str(trainer.precision) and devices.device == trainer.strategy.root_device.type
+    sharded = isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)) and trainer.strategy.shards
+    assert devices.sharded == sharded
 
 
 def test_the_command_as_typed_on_this_cpu_records_its_choice(compose_cfg, tmp_path, caplog):

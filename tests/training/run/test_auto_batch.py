@@ -1,7 +1,7 @@
 """data.batch_size=auto (training/run/auto_batch.py): the largest batch whose memory estimate fits 90% of the budget
 (one image more would not), a multiple of the processes, at most the training images; recorded in config.yaml and
 metrics.json, the learning rate scaled from it; a resumed run keeps its checkpoint's batch; too little memory is one
-line."""
+line. Chosen as the run is planned: the data module and the Trainer are built at the batch chosen."""
 
 import json
 from pathlib import Path
@@ -11,6 +11,7 @@ import yaml
 
 from vitlab.cli.plans import train_plan
 from vitlab.training.devices import memory
+from vitlab.training.devices.hardware import devices_of
 from vitlab.training.run import auto_batch, build
 from vitlab.utils.errors import UserError
 
@@ -21,19 +22,19 @@ def chosen(compose_cfg, *overrides):
     cfg = compose_cfg("train", ["data.batch_size=auto", f"memory_budget_gb={BUDGET}", *overrides])
     plan = train_plan(cfg)
     trainer = build.build_trainer(plan.trainer, plan.trainer_args, logger=False)
-    datamodule = build.fit_datamodule(plan, **auto_batch.provisional(plan, trainer))
-    plan = auto_batch.settle(plan, trainer, datamodule)
+    datamodule = build.fit_datamodule(plan)
+    datamodule.setup("fit")
     return plan, trainer, datamodule, plan.batch_size_auto
 
 
 def estimate_at(plan, trainer, per_process: int) -> float:
-    return memory.estimate(*auto_batch._probe_args(plan, trainer, auto_batch.processes(trainer), per_process)).total
+    return memory.estimate(*auto_batch.probe_args(plan, devices_of(plan.trainer), per_process)).total
 
 
 @pytest.mark.parametrize("overrides", [[], ["trainer=ddp_cpu", "trainer.devices=2"]], ids=["one", "two-processes"])
 def test_the_batch_is_the_largest_that_fits_and_divides_among_the_processes(compose_cfg, overrides):
     plan, trainer, datamodule, got = chosen(compose_cfg, *overrides)
-    n, per = auto_batch.processes(trainer), got["per_process"]
+    n, per = trainer.num_devices * trainer.num_nodes, got["per_process"]
     assert (
         got["batch_size"] == plan.data["batch_size"] == datamodule.batch_size == per * n
         and got["limited_by"] == "memory"

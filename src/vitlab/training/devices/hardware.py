@@ -8,6 +8,7 @@ says it).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -21,6 +22,40 @@ from vitlab.utils.errors import UserError
 log = logging.getLogger(__name__)
 
 GPU_ACCELERATORS = ("auto", "gpu", "cuda")
+LEGACY_PRECISIONS = {"bf16": "bf16-mixed", "16": "16-mixed", "32": "32-true", "64": "64-true"}  # Lightning's names
+
+
+@dataclasses.dataclass(frozen=True)
+class Devices:
+    """What settled trainer settings run on, known before a Trainer is built (the plan's: data.batch_size=auto reads
+    it): the CUDA GPUs in use (their indices; none on the CPU), the processes on a node and in all, the precision as
+    Lightning names it (float8's: bf16-mixed around its Linears), and whether FSDP splits the weights."""
+
+    gpus: tuple[int, ...]
+    local: int
+    processes: int
+    precision: str
+    sharded: bool
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.gpus else "cpu"
+
+
+def devices_of(t: Mapping[str, Any]) -> Devices:
+    """The Devices of the settled trainer settings `t` (resolve_trainer's): Lightning's choice of devices, made here as
+    resolve_trainer makes it, the FSDP2 strategy's split as FSDP2Strategy.shards decides it."""
+    accelerator = str(t.get("accelerator", "auto"))
+    count = len(cuda_devices()) if accelerator in GPU_ACCELERATORS else 0
+    gpus = tuple(_in_use(t.get("devices", 1), list(range(count))))
+    local = len(gpus) if gpus else _cpu_processes(t.get("devices", 1)) if accelerator in ("auto", "cpu") else 1
+    processes = max(1, local) * int(t.get("num_nodes", 1) or 1)
+    precision = str(t.get("precision", "32-true"))
+    precision = "bf16-mixed" if is_float8(precision) else LEGACY_PRECISIONS.get(precision, precision)
+    strategy = t.get("strategy")
+    fsdp = isinstance(strategy, Mapping) and str(strategy.get("_target_", "")).endswith("FSDP2Strategy")
+    sharded = fsdp and (processes > 1 or bool(strategy.get("cpu_offload")))
+    return Devices(gpus, max(1, local), processes, precision, sharded)
 
 
 def cuda_devices() -> list[tuple[str, bool]]:
@@ -63,7 +98,7 @@ def resolve_trainer(t: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
     auto)."""
     precision, strategy = str(t.get("precision", "32-true")), t.get("strategy", "auto")
     accelerator = str(t.get("accelerator", "auto"))
-    gpus = _in_use(t.get("devices", 1), cuda_devices()) if accelerator in GPU_ACCELERATORS else []
+    gpus = [cuda_devices()[i] for i in devices_of(t).gpus]
     why = ""
     if is_float8(precision):  # (Lightning's bf16-mixed plus float8 Linears: built in training.run.build)
         check_float8(precision, _in_use(t.get("devices", 1), cuda_capabilities()) if gpus else [])
@@ -75,8 +110,7 @@ def resolve_trainer(t: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
             precision, why = "32-true", f"{', '.join(old)} has no bf16 (compute capability < 8.0)"
         else:
             precision, why = "32-true", "no GPU in use"
-    per_node = len(gpus) if gpus else _cpu_processes(t.get("devices", 1)) if accelerator in ("auto", "cpu") else 1
-    processes = max(1, per_node) * int(t.get("num_nodes", 1) or 1)
+    processes = devices_of(t).processes
     if strategy == "auto" and processes > 1:
         strategy = "ddp"  # Lightning's choice, made here: one process per device, the command re-run
     t = {**t, "precision": precision} | ({"strategy": strategy} if "strategy" in t or strategy != "auto" else {})

@@ -81,11 +81,24 @@ def available(trainer: Any) -> tuple[float, str]:
     root = trainer.strategy.root_device
     if root.type == "cuda":
         return torch.cuda.get_device_properties(root).total_memory, f"{torch.cuda.get_device_name(root)}'s"
+    return _host_share(trainer.num_devices)
+
+
+def budget(gpus: tuple[int, ...], local: int) -> tuple[float, str]:
+    """The bytes one process may use before its Trainer is built (hardware.Devices' `gpus` and `local` processes), and
+    whose they are: the smallest of its GPUs' (each process has one), or this host's shared by its processes."""
+    if gpus:
+        i = min(gpus, key=lambda i: torch.cuda.get_device_properties(i).total_memory)
+        return torch.cuda.get_device_properties(i).total_memory, f"{torch.cuda.get_device_name(i)}'s"
+    return _host_share(local)
+
+
+def _host_share(local: int) -> tuple[float, str]:
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     limit = Path("/sys/fs/cgroup/memory.max")
     if limit.is_file() and limit.read_text().strip().isdigit():
         host = min(host, int(limit.read_text()))
-    local = max(1, trainer.num_devices)  # the processes on this host
+    local = max(1, local)  # the processes on this host
     return host / local, "this host's" + (f" (shared by {local} processes)" if local > 1 else "")
 
 

@@ -49,7 +49,7 @@ class TrainPlan:
     """What a vitlab.train run does, settled before anything is built; each builder takes the part it uses."""
 
     model: ViTConfig  # the model to build: pretrained weights' architecture applied
-    data: dict[str, Any]  # the data module's settings with its _target_; batch_size "auto" until auto_batch.with_batch
+    data: dict[str, Any]  # the data module's settings with its _target_; batch_size=auto chosen (auto_batch.planned)
     views: dict[str, Any]  # the data module's arguments beside `data`: the objective's and NaFlex's (build.data_views)
     objective: dict[str, Any]  # {"name": an OBJECTIVES key, its options}
     optim: dict[str, Any]  # optim.lr scaled from optim.lr_base by the global batch

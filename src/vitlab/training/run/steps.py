@@ -1,7 +1,6 @@
 """The steps of vitlab/train.py's `train` that read its plan (plan.py's TrainPlan), each decision made in one place: the
 memory check (`check_memory`), a stop by signal during fit (`stop_on_signal`), what fit leaves (`fitted`), and what to
-test (`what_to_test`) and what the test gave (`tested`). (The plan at the batch data.batch_size=auto chose:
-auto_batch.with_batch.)
+test (`what_to_test`) and what the test gave (`tested`).
 """
 
 from __future__ import annotations
