@@ -49,7 +49,7 @@ def train(cfg: DictConfig) -> float | None:
     datamodule = build.fit_datamodule(plan)
     module = build.build_module(plan, datamodule)
     estimate = steps.check_memory(plan, trainer, module, datamodule)
-    start = resume.starting_point(plan, module)  # the checkpoint to go on from, or the pretrained weights loaded
+    start = resume.starting_point(plan, module)  # the checkpoint to go on from (None: a new run)
     trainer.loggers = run_loggers = loggers.build_loggers(plan.loggers, resumed=plan.resume if start else None)
     _announce(plan, trainer, module, estimate)
     metrics, best, out = plan.first_metrics(), "", plan.output_dir

@@ -152,8 +152,8 @@ def base_file(tmp_path):
 
 
 def test_an_adapter_checkpoint_holds_the_trainable_tensors_and_its_base_by_hash(base_file):
-    peft = plan_peft({"method": "lora", "rank": 2}, resolve(str(base_file)), None)
-    module = ViTModule(tiny(), peft=peft)
+    weights = resolve(str(base_file))
+    module = ViTModule(tiny(), peft=plan_peft({"method": "lora", "rank": 2}, weights, None), weights=weights)
     with torch.no_grad():
         for name, p in module.model.named_parameters():
             if "lora_B" in name:
@@ -163,29 +163,29 @@ def test_an_adapter_checkpoint_holds_the_trainable_tensors_and_its_base_by_hash(
     kept = {k for k in checkpoint["state_dict"] if k.startswith("model.")}
     assert kept == {f"model.{n}" for n in trainable(module.model)}
     hparams = dict(module.hparams)
-    again = ViTModule(**hparams)  # the base loaded from the named file, the adapters injected
-    again.on_load_checkpoint(checkpoint)
-    again.load_state_dict(checkpoint["state_dict"])
+    again = ViTModule(**hparams)  # the adapters injected; the base from the named file, as the checkpoint loads
+    again.on_load_checkpoint(filled := copy.deepcopy(checkpoint))
+    again.load_state_dict(filled["state_dict"])
     x = torch.randn(2, 3, 16, 16)
     torch.testing.assert_close(again.eval()(x), module.eval()(x), atol=0, rtol=0)
     torch.manual_seed(5)
     save_file(ViT(tiny()).state_dict(), str(base_file))  # other base weights under the same name
     with pytest.raises(UserError, match=r"base weights .*base.safetensors' have sha256 \w+\.\.\., not the"):
-        ViTModule(**hparams)
+        ViTModule(**hparams).on_load_checkpoint(copy.deepcopy(checkpoint))
 
 
 def test_a_training_run_hashes_its_base_once_and_loads_the_weights_its_plan_resolved(base_file, monkeypatch):
     """The plan names the base by sha256 (plan_peft); the module it builds loads the Weights the plan resolved as
     they are: the file is read and hashed once, not again as the adapters are attached (a checkpoint rebuilt later
     resolves and checks its base itself: the test above)."""
-    from vitlab.training import adapters
+    from vitlab.training import pretrained
 
     digests = []
-    monkeypatch.setattr(adapters, "weights_digest", lambda w, f=adapters.weights_digest: digests.append(1) or f(w))
+    monkeypatch.setattr(pretrained, "weights_digest", lambda w, f=pretrained.weights_digest: digests.append(1) or f(w))
     weights = resolve(str(base_file))
     peft = plan_peft({"method": "lora", "rank": 2}, weights, None)
-    module = ViTModule(tiny(), peft=peft, base_weights=weights)
-    assert len(digests) == 1 and "base_weights" not in module.hparams
+    module = ViTModule(tiny(), peft=peft, weights=weights)
+    assert len(digests) == 1 and "weights" not in module.hparams
     torch.testing.assert_close(module.model.pos_embed, weights.tensors.encoder["pos_embed"], atol=0, rtol=0)
 
 

@@ -55,6 +55,7 @@ def train_plan(cfg: DictConfig) -> TrainPlan:
     ckpt = resume.planned_checkpoint(
         config["ckpt_path"], Path(paths["log_dir"]) / config["task_name"] / "runs", Path(paths["output_dir"]), trainer
     )
+    ckpt, weights = resume.weights_to_start_from(ckpt, weights)  # (an average's: a new run from its weights)
     model_cfg = vit_config(config["model"])
     objective = OmegaConf.to_container(cfg.objective, resolve=True, throw_on_missing=True)  # a `???` named
     plan = TrainPlan(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import hashlib
 import logging
 from collections.abc import Iterable, Mapping
 from importlib.metadata import version
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vitlab.training import pretrained
 from vitlab.utils.errors import UserError
 
 log = logging.getLogger("vitlab.train")
@@ -122,7 +122,7 @@ def plan_peft(
         )
     else:
         source = str(Path(weights.source).resolve()) if weights.is_file else weights.source
-        base = {"source": source, "sha256": weights_digest(weights), "is_file": bool(weights.is_file)}
+        base = {"source": source, "sha256": pretrained.weights_digest(weights), "is_file": bool(weights.is_file)}
         base["resample_patch"] = resample_patch
     if before and dict(before["base"])["sha256"] != base["sha256"]:
         raise UserError(
@@ -132,56 +132,20 @@ def plan_peft(
     return dataclasses.asdict(cfg) | {"base": base}
 
 
-def weights_digest(weights: Any) -> str:
-    """sha256 of a weights file's bytes; of the state dict's tensors for a timm source (its cache's file is timm's)."""
-    h = hashlib.sha256()
-    if weights.is_file:
-        with open(weights.source, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 24), b""):
-                h.update(chunk)
-        return h.hexdigest()
-    for key, tensor in sorted(weights.tensors.encoder.items()):
-        h.update(key.encode())
-        h.update(tensor.detach().cpu().contiguous().view(-1).view(dtype=torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def attach(module: Any, peft: Mapping[str, Any] | None, weights: Any = None) -> None:
-    """The base weights `peft["base"]` loaded into `module` (a new ViTModule) and the method applied to its ViT. A
-    training run hands the `weights` its plan resolved and named by sha256 (plan_peft); a module rebuilt from a
-    checkpoint resolves them from their source, their sha256 checked. On the meta device (a memory probe, FSDP's
-    layout) only the method: nothing to load."""
+def attach(module: Any, peft: Mapping[str, Any] | None) -> None:
+    """peft='s method applied to the ViT of `module` (a new ViTModule, its base weights already loaded:
+    training.pretrained.load_initial), what the adapters adapt named on the ViT for format=peft's folder."""
     if not peft:
         return
-    from vitlab.training.pretrained import load_pretrained
-
     cfg, base = PeftConfig.from_dict(peft), peft["base"]
     if not module.objective.uses_labels:
         raise UserError(
             f"peft={cfg.method} fine-tunes a classifier (objective=classify or distill); objective="
             f"{type(module.objective).__name__.lower()} pretrains the whole encoder, which adapters would not change"
         )
-    if not any(p.is_meta for p in module.model.parameters()):
-        load_pretrained(module, weights or _checked_base(base), bool(base.get("resample_patch")))
     apply(module.model, cfg)
     module.model.adapter_base = dict(base)  # what format=peft's folder names (convert.peft_dir)
     log.info(describe(module.model, peft))
-
-
-def _checked_base(base: Mapping[str, Any]) -> Any:
-    """The base weights a checkpoint's adapters were trained on, resolved from their source (convert.source.Weights),
-    refused in one line where the file is gone or its sha256 is not the one the adapters were trained on."""
-    from vitlab.convert.source import resolve
-
-    if base.get("is_file", True) and not Path(base["source"]).is_file():
-        raise UserError(f"the base weights {base['source']!r} the adapters were trained on are not there")
-    weights = resolve(base["source"])  # (a file: its position rule too, as model.pretrained resolves it)
-    if (found := weights_digest(weights)) != base["sha256"]:
-        raise UserError(
-            f"base weights {base['source']!r} have sha256 {found[:12]}..., not the {base['sha256'][:12]}... the "
-            "adapters were trained on: give the original file"
-        )
-    return weights
 
 
 def apply(model: nn.Module, cfg: PeftConfig) -> nn.Module:
@@ -240,11 +204,29 @@ def drop_frozen(module: Any, checkpoint: dict[str, Any]) -> None:
 
 
 def fill_frozen(module: Any, state: dict[str, Any]) -> None:
-    """A peft= checkpoint's state dict completed with the base `module` loaded (`attach`) before it is loaded."""
-    if module.hparams.get("peft"):
-        ours = module.state_dict()
-        for key in frozen_keys(module) - set(state):
-            state[key] = ours[key]
+    """A peft= checkpoint's state dict completed with its frozen base before it is loaded into `module`: the base
+    `module` started from (a training run's, to test its best checkpoint), else the one the hyper-parameters name
+    (`base_state`: a module rebuilt from the checkpoint)."""
+    missing = frozen_keys(module) - set(state) if module.hparams.get("peft") else set()
+    if not missing:
+        return
+    ours = module.state_dict() if module.started_from_weights else base_state(module, missing)
+    for key in missing:
+        state[key] = ours[key]
+
+
+def base_state(module: Any, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The frozen base of an adapted `module` under its state-dict `keys`, from the base weights its peft=
+    hyper-parameters name (resolved, their sha256 checked: pretrained.checked_base) loaded into a plain ViT of its
+    config: peft's `base_layer` and `original_module` are the plain ViT's own layers."""
+    from vitlab.model import ViT
+
+    base = module.hparams["peft"]["base"]
+    plain = ViT(module.model.cfg)
+    pretrained.checked_base(base).load_into(plain, resample_patch=bool(base.get("resample_patch")))
+    tensors = plain.state_dict()
+    named = {k: k.removeprefix("model.").replace(".base_layer.", ".").replace(".original_module.", ".") for k in keys}
+    return {key: tensors[name] for key, name in named.items()}
 
 
 def describe(model: nn.Module, cfg: Mapping[str, Any]) -> str:

@@ -39,6 +39,7 @@ from vitlab.training.optim import (
     make_scheduler,
     name_parameters,
 )
+from vitlab.training.pretrained import load_initial
 from vitlab.utils.errors import UserError
 from vitlab.utils.kernels import compile_mode
 
@@ -82,12 +83,13 @@ class ViTModule(L.LightningModule):
         data: dict[str, Any] | None = None,  # the data config that trained it, for vitlab.eval/predict
         freeze_backbone: bool = False,  # linear probe: train the head (and fc_norm) only
         peft: dict[str, Any] | None = None,  # peft=: the method and its base weights (training.adapters.plan_peft)
-        base_weights: Any = None,  # peft='s base resolved and checked by the plan (convert.source.Weights); not saved
+        weights: Any = None,  # the plan's weights to start from (convert.source.Weights); not a hyper-parameter
+        resample_patch: bool = False,  # model.resample_patch, for them
     ):
         super().__init__()
         cfg = model if isinstance(model, ViTConfig) else ViTConfig.from_dict(model)
         model = cfg.to_dict()  # what save_hyperparameters keeps: a checkpoint carries the config as plain data
-        self.save_hyperparameters(ignore=["base_weights"])
+        self.save_hyperparameters(ignore=["weights", "resample_patch"])
         self.model = new_vit(cfg)  # on the meta device under sharding.networks_on_meta (trainer=fsdp)
         if freeze_backbone:
             for name, p in self.model.named_parameters():
@@ -99,7 +101,8 @@ class ViTModule(L.LightningModule):
         self.objective = build_objective(objective, cfg, unlabeled=reads_no_labels(data))
         self.objective.check(cfg, self.optim)
         self.objective.prepare(self.model)
-        attach(self, peft, base_weights)  # peft=: the base weights loaded, the adapters injected (training.adapters)
+        self.started_from_weights = load_initial(self, weights, resample_patch)  # pretrained, an average's, a base
+        attach(self, peft)  # peft=: the adapters injected (training.adapters)
         for name, network in self.objective.extra_modules().items():  # e.g. a decoder: checkpoint keys decoder.*
             self.add_module(name, network)
         # Updated every step, computed (and synced across processes) once per epoch: logging a value costs ~1 ms in

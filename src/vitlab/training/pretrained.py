@@ -4,22 +4,25 @@ run's model becomes that timm architecture at the run's own size, channels, clas
 experiment or the command line sets explicitly is kept, or refused in one line where the weights cannot serve it); the
 data takes the weights' preprocessing where its settings leave it open (`take_preprocessing`). A command's plan
 (vitlab.cli.plans) takes both before anything is built, so config.yaml and the checkpoints describe what ran;
-`load_pretrained` then loads the weights into the new module, the MAE decoder too when the run pretrains with
-objective=mae."""
+the new module starts from them (`load_initial`: the MAE decoder too when the run pretrains with objective=mae; peft='s
+base, checked by sha256, when a module of adapters is rebuilt from its checkpoint)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from vitlab.convert.source import Weights, resolve, show
 from vitlab.convert.timm_args import RUN_FIELDS
 from vitlab.model.config import MODEL_EXTRA_KEYS
+from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +89,45 @@ def explicit_model_keys() -> set[str]:
             found |= set(node) if isinstance(node, DictConfig) else set()
             break
     return found - set(MODEL_EXTRA_KEYS)
+
+
+def load_initial(module: Any, weights: Weights | None, resample_patch: bool) -> bool:
+    """The weights a new ViTModule starts from, the plan's (`weights`: model.pretrained's, an average's, peft='s base;
+    resolved, and named by sha256, once): whether they were loaded (not on the meta device: a memory probe, FSDP's
+    layout; a module rebuilt from a checkpoint has none: its state is the checkpoint's, peft='s base the one its
+    hyper-parameters name, adapters.fill_frozen)."""
+    if weights is None or any(p.is_meta for p in module.model.parameters()):
+        return False
+    load_pretrained(module, weights, resample_patch)
+    return True
+
+
+def checked_base(base: Mapping[str, Any]) -> Weights:
+    """The base weights a checkpoint's adapters were trained on, resolved from their source (convert.source.Weights),
+    refused in one line where the file is gone or its sha256 is not the one the adapters were trained on."""
+    if base.get("is_file", True) and not Path(base["source"]).is_file():
+        raise UserError(f"the base weights {base['source']!r} the adapters were trained on are not there")
+    weights = resolve(base["source"])  # (a file: its position rule too, as model.pretrained resolves it)
+    if (found := weights_digest(weights)) != base["sha256"]:
+        raise UserError(
+            f"base weights {base['source']!r} have sha256 {found[:12]}..., not the {base['sha256'][:12]}... the "
+            "adapters were trained on: give the original file"
+        )
+    return weights
+
+
+def weights_digest(weights: Any) -> str:
+    """sha256 of a weights file's bytes; of the state dict's tensors for a timm source (its cache's file is timm's)."""
+    h = hashlib.sha256()
+    if weights.is_file:
+        with open(weights.source, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+        return h.hexdigest()
+    for key, tensor in sorted(weights.tensors.encoder.items()):
+        h.update(key.encode())
+        h.update(tensor.detach().cpu().contiguous().view(-1).view(dtype=torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def load_pretrained(module: Any, weights: Weights, resample_patch: bool = False) -> None:

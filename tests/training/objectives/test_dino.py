@@ -191,15 +191,13 @@ def test_pretraining_from_weights_starts_student_and_teacher_from_them(compose_c
     weights."""
     from vitlab.model import ViT
     from vitlab.model.config import vit_config
-    from vitlab.training.pretrained import load_pretrained
 
     cfg = dino_cfg(compose_cfg, f"model.pretrained={tmp_path / 'backbone.pth'}")
     torch.manual_seed(3)
     weights = ViT(vit_config(cfg.model)).state_dict()
     torch.save(weights, tmp_path / "backbone.pth")
     plan = train_plan(cfg)
-    module = build.build_module(plan, build.fit_datamodule(plan))
-    load_pretrained(module, plan.weights)
+    module = build.build_module(plan, build.fit_datamodule(plan))  # (the weights it starts from loaded)
     for name, value in weights.items():
         assert torch.equal(module.model.state_dict()[name], value), name
         assert torch.equal(module.objective.student.backbone.state_dict()[name], value), name

@@ -86,9 +86,9 @@ def test_objective_mae_with_model_pretrained_goes_on_with_the_decoder(pretrained
         assert report["format"] == "mae" and list(torch.load(source, weights_only=True)) == ["model"]
     cfg = compose_cfg("train", [*PRETRAIN, f"model.pretrained={source}"], output_dir=tmp_path / "run")
     plan = train_plan(cfg)
-    module = build.build_module(plan, build.fit_datamodule(plan))
     with caplog.at_level("INFO"):
-        assert resume.starting_point(plan, module) is None  # weights loaded; a new run, not a resumption
+        module = build.build_module(plan, build.fit_datamodule(plan))  # the weights it starts from loaded
+    assert resume.starting_point(plan, module) is None  # a new run, not a resumption
     assert "with its MAE decoder" in caplog.text
     trained = ViTModule.load_from_checkpoint(best, weights_only=True)
     for mine, theirs in ((module.model, trained.model), (module.decoder, trained.decoder)):

@@ -96,8 +96,11 @@ def build_module(plan: TrainPlan, datamodule: L.LightningDataModule | None, prob
             class_names=list(getattr(datamodule, "class_names", []) or []),
             data=plan.data,
             freeze_backbone=plan.freeze_backbone,
-            peft=plan.peft,  # peft=: its base weights loaded as the adapters are attached (training.adapters.attach)
-            base_weights=plan.weights if plan.peft else None,  # (resolved and named by sha256 once, by the plan)
+            peft=plan.peft,  # peft=: the adapters on the base weights (training.adapters)
+            # What a new run starts from (model.pretrained's, an average's; resolved once, by the plan); a resumed run
+            # from its checkpoint's state, over peft='s base alone (its checkpoints keep the adapters).
+            weights=plan.weights if plan.resume is None or plan.peft else None,
+            resample_patch=plan.resample_patch,
         )
 
 

@@ -20,14 +20,13 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
-from vitlab.convert.source import resolve
+from vitlab.convert.source import Weights, resolve
 from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
 from vitlab.model.choices import DROPOUTS
 from vitlab.model.config import ViTConfig
 from vitlab.training.callbacks.standard import SaveOnInterrupt
 from vitlab.training.devices.sharding import requests_fsdp
 from vitlab.training.module import ViTModule
-from vitlab.training.pretrained import load_pretrained
 from vitlab.training.run.plan import Checkpoint, TrainPlan
 from vitlab.utils.atomic import remove_stale_temporaries
 from vitlab.utils.errors import MissingFileError, UserError
@@ -42,7 +41,7 @@ RESUME_MAY_DIFFER = {*DROPOUTS, "grad_checkpointing"}
 def planned_checkpoint(ckpt_path: str | None, runs_dir: Path, run_dir: Path, trainer: Mapping) -> Checkpoint | None:
     """The checkpoint a run goes on from, read once: the user's `ckpt_path` (`last`: the newest of `runs_dir`'s), else
     one a restarted job left in its own run directory `run_dir`; None for a new run. An average's weights are resolved
-    here too (starting_point loads them). A directory of shards is refused without trainer=fsdp (`trainer`: the run's
+    here too (weights_to_start_from). A directory of shards is refused without trainer=fsdp (`trainer`: the run's
     settings)."""
     path = resolve_ckpt_path(ckpt_path, runs_dir)
     if path and is_sharded_checkpoint(path) and not requests_fsdp(trainer):
@@ -59,19 +58,24 @@ def planned_checkpoint(ckpt_path: str | None, runs_dir: Path, run_dir: Path, tra
 
 def starting_point(plan: TrainPlan, module: ViTModule) -> str | None:
     """The checkpoint `vitlab.train` goes on from (the plan's: the user's, refused if its run had finished; a restarted
-    job's own), or None after loading the plan's pretrained weights, if any, into the new module."""
+    job's own), or None: a new run, from the weights the module was built with (the plan's: model.pretrained's, an
+    average's)."""
     ckpt = plan.resume
-    if ckpt and ckpt.averaged:
-        log.info("ckpt_path %s is an average of checkpoints (vitlab.average), without a training state to go on "
-                 "from: training starts anew from its weights, as with model.pretrained=<file>", ckpt.path)  # fmt: skip
-        load_pretrained(module, ckpt.weights)
-        return None
     if ckpt:  # a job that restarts goes on to test even when it had finished
         check_resumable(ckpt, module, plan.trainer if ckpt.given and plan.train else None)
         return ckpt.path
-    if plan.weights is not None and plan.peft is None:  # (peft=: its base loaded as the module was built)
-        load_pretrained(module, plan.weights, plan.resample_patch)  # objective=mae: the file's MAE decoder too
     return None
+
+
+def weights_to_start_from(ckpt: Checkpoint | None, weights: Weights | None) -> tuple[Checkpoint | None, Weights | None]:
+    """(the checkpoint to go on from, the weights a new run starts from): an average of checkpoints (vitlab.average)
+    as ckpt_path has no training state to go on from, and starts a new run from its weights, as model.pretrained=<file>
+    does; anything else as it is."""
+    if ckpt is None or not ckpt.averaged:
+        return ckpt, weights
+    log.info("ckpt_path %s is an average of checkpoints (vitlab.average), without a training state to go on "
+             "from: training starts anew from its weights, as with model.pretrained=<file>", ckpt.path)  # fmt: skip
+    return None, ckpt.weights
 
 
 def resolve_ckpt_path(ckpt_path: str | None, runs_dir: Path) -> str | None:
