@@ -303,7 +303,7 @@ def test_fine_tunes_from_a_folder_as_timm_saves_one(compose_cfg, tmp_path):
     from omegaconf import OmegaConf
     from timm.models._hub import save_for_hf
 
-    from vitlab.cli.plans import as_ran, train_plan
+    from vitlab.cli.plans import train_plan
     from vitlab.convert.source import load_timm_weights
     from vitlab.convert.timm_args import config_from_timm
     from vitlab.training.run import build
@@ -313,7 +313,7 @@ def test_fine_tunes_from_a_folder_as_timm_saves_one(compose_cfg, tmp_path):
     save_for_hf(theirs, str(folder), safe_serialization=True)
     overrides = [f"model.pretrained=local-dir:{folder}", "model.img_size=32", "data=fake"]
     plan = train_plan(compose_cfg("train", overrides))
-    cfg = OmegaConf.create(as_ran(plan))  # the config as the run saves it
+    cfg = OmegaConf.create(plan.config)  # the config as the run saves it
     assert cfg.model.timm_name == "vit_base_patch16_siglip_224" and cfg.model.global_pool == "map"
     expected = config_from_timm("vit_base_patch16_siglip_224", depth=1, embed_dim=64, num_heads=2, img_size=32)
     run_fields = ("img_size", "num_classes")  # the run's: 32 px (a list in timm's), the data's 10 classes

@@ -2,9 +2,10 @@
 
 The steps, top to bottom: the config is composed, checked (vitlab.cli.schemas: its keys, every node that builds
 something, the launch) and the run directory claimed (`@entry_point`, before `train` runs); the config becomes the
-run's plan, every decision in it taken once (vitlab.cli.plans); the data, the module (our ViT and its objective), the
-callbacks, loggers and Trainer are built from their parts of the plan; training starts from scratch, from
-pretrained weights or from a checkpoint; fit; test the best checkpoint; the summary: metrics.json, the last lines
+run's plan, every decision in it taken once (vitlab.cli.plans: the batch, the learning rate, the memory estimate, the
+weights to start from, the checkpoint to go on from); the loggers, callbacks, Trainer, data and module (our ViT and its
+objective, from the plan's weights) are built from their parts of the plan; fit, from scratch or from the checkpoint;
+test the best checkpoint; the summary: metrics.json, the last lines
 naming the run directory and the best checkpoint, and `optimized_metric` returned to sweepers (-m, Optuna).
 
 torch and Lightning are imported when the task runs, not with this module: `--help` and config errors
@@ -16,16 +17,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from vitlab.cli.entry import entry_point, save_config
+from vitlab.cli.entry import entry_point
 from vitlab.cli.sweep import optimized_value
-from vitlab.utils.logs import describe_run, summarize
-
-if TYPE_CHECKING:
-    from vitlab.training.run.plan import TrainPlan
+from vitlab.utils.errors import UserError
+from vitlab.utils.logs import summarize
 
 log = logging.getLogger("vitlab.train")  # not __main__: the name the log lines show
 
@@ -40,18 +38,19 @@ def train(cfg: DictConfig) -> float | None:
     from vitlab.training.run import build, loggers, resume, steps
 
     started = time.time()
-    plan = plans.train_plan(cfg)  # pretrained architecture, trainer, batch, learning rate, the checkpoint to go on from
+    plan = plans.train_plan(cfg)  # weights, trainer, batch, learning rate, memory, the checkpoint to go on from
+    if plan.memory_refusal:  # (memory_check: the run would not fit; refused before anything is built)
+        raise UserError(plan.memory_refusal)
     seed_everything(plan.seed, workers=True, verbose=False)
+    run_loggers = loggers.build_loggers(plan.loggers, resumed=plan.resume)  # (a resumed run's W&B run goes on)
     callbacks, show_bar = build.build_callbacks(plan.callbacks, plan.progress_bar, extra=plan.pruning)
     trainer = build.build_trainer(
-        plan.trainer, plan.trainer_args, callbacks=callbacks, logger=False, enable_progress_bar=show_bar
+        plan.trainer, plan.trainer_args, callbacks=callbacks, logger=run_loggers or False, enable_progress_bar=show_bar
     )
     datamodule = build.fit_datamodule(plan)
-    module = build.build_module(plan, datamodule)
-    estimate = steps.check_memory(plan, trainer, module, datamodule)
+    module = build.build_module(plan, datamodule)  # from the plan's weights, if any
     start = resume.starting_point(plan, module)  # the checkpoint to go on from (None: a new run)
-    trainer.loggers = run_loggers = loggers.build_loggers(plan.loggers, resumed=plan.resume if start else None)
-    _announce(plan, trainer, module, estimate)
+    steps.announce(plan, trainer, module)
     metrics, best, out = plan.first_metrics(), "", plan.output_dir
     with loggers.loggers_finished(run_loggers):  # one W&B run per job, also in sweeps
         if plan.train:
@@ -67,21 +66,6 @@ def train(cfg: DictConfig) -> float | None:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
         summarize(metrics, best, out)
     return optimized_value(plan.optimized_metric, metrics, warn=trainer.is_global_zero)
-
-
-def _announce(plan: TrainPlan, trainer: Any, module: Any, estimate: Any) -> None:
-    """The run's config as it ran in its directory (vitlab.cli.plans.as_ran), what it trains and where (and its memory
-    estimate) in the log, and its hyperparameters to each logger."""
-    from vitlab.cli.plans import as_ran
-
-    config, out = as_ran(plan), plan.output_dir
-    if trainer.is_global_zero:
-        save_config(OmegaConf.create(config), out / "config.yaml", show=plan.print_config)
-        log.info("%s; run directory %s (config in config.yaml)", describe_run(module, plan.data, plan.trainer), out)
-        for line in (estimate.line(), *estimate.notes):  # (and what the settings cost)
-            log.info(line)
-    for logger in trainer.loggers:
-        logger.log_hyperparams(config)
 
 
 @entry_point("train")

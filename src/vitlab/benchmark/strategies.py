@@ -42,6 +42,7 @@ class Probe(Window):
 
     def _write(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         from vitlab.training.devices import memory
+        from vitlab.training.devices.hardware import Devices
 
         local = lambda t: getattr(t, "_local_tensor", t)  # noqa: E731  (a DTensor's shard)
         nbytes = lambda t: local(t).numel() * local(t).element_size()  # noqa: E731
@@ -49,7 +50,7 @@ class Probe(Window):
         grads = [p.grad for p in params if p.grad is not None]
         states = [v for s in trainer.optimizers[0].state.values() for v in s.values() if torch.is_tensor(v) and v.ndim]
         cfg = trainer.datamodule
-        estimate = memory.for_run(module, trainer, module.optim.name, cfg.batch_size)
+        estimate = memory.for_run(module, Devices.of_trainer(trainer), module.optim.name, cfg.batch_size)
         cuda = module.device.type == "cuda"
         if cuda:
             peak = torch.cuda.max_memory_allocated(module.device)

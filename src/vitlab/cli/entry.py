@@ -354,7 +354,7 @@ def _stop_line(cfg: DictConfig, command: str, name: str) -> tuple[str, bool]:
     out = Path(HydraConfig.get().runtime.output_dir)
     last = out / "checkpoints" / "last.ckpt"
     if command == "train" and last.is_file():
-        from vitlab.training.run.resume import resume_command
+        from vitlab.training.run.steps import resume_command
 
         return f"{command} stopped by {name}: {out} keeps what it wrote; go on with: {resume_command(last)}", says
     return f"{command} stopped by {name}: {out} keeps what it wrote", says
@@ -370,21 +370,3 @@ def _stopped_after_sweep() -> None:
         name, signum = stop_name(stop)
         fail(f"stopped by {name} while drawing the sweep's plots: every job's result is kept in {sweep_dir} (the "
              "table above: summary.json); the plots were not drawn", 128 + signum)  # fmt: skip
-
-
-def save_config(cfg: DictConfig, path: Path, show: bool = False) -> None:
-    """The resolved config as YAML in the run directory; with `show`, also as a tree on the terminal
-    (the full tree is ~170 lines: the log says where the file is instead)."""
-    path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    if not show:
-        return
-    import rich
-    import rich.syntax
-    import rich.tree
-
-    tree = rich.tree.Tree("config", guide_style="dim")
-    for key, value in cfg.items():
-        branch = tree.add(str(key), style="bold")
-        text = OmegaConf.to_yaml(value, resolve=True) if isinstance(value, DictConfig) else str(value)
-        branch.add(rich.syntax.Syntax(text, "yaml", theme="ansi_dark", background_color="default"))
-    rich.print(tree)

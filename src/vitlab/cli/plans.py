@@ -4,7 +4,7 @@ composed config is read. Each decision the config settles is taken once, before 
 architecture and preprocessing, the trainer's settings checked and its `auto` precision and strategy chosen, the data
 module's views, the learning rate from optim.lr_base, the checkpoint to go on from (read once; an average's weights
 resolved), the best checkpoint's metric following the objective, the metric a sweeper optimises. The config is made
-plain data first; nothing here writes into it. What ran is what config.yaml says (`as_ran`).
+plain data first; nothing here writes into it. What runs is what config.yaml says (the plan's `config`).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def train_plan(cfg: DictConfig) -> TrainPlan:
         print_config=bool(config.get("print_config")),
         optimized_metric=optimized_metric(config),
         pruning=(trial.PruneTrial(config["optimized_metric"]),) if trial.sweep_pruner()[0] else (),
-        config=config,
+        config=config | {"data": data, "optim": optim, "trainer": trainer},  # as it runs: config.yaml's
         peft=adapters.plan_peft(  # peft=: its settings and the base weights they adapt, named by sha256
             config.get("peft"), weights, ckpt.hparams if ckpt else None, bool(config["model"].get("resample_patch"))
         ),
@@ -101,13 +101,6 @@ def _resolved(composed: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]
     planned = OmegaConf.create(checkpoint_follows_objective(composed))
     planned.model.update(model)
     return OmegaConf.to_container(planned, resolve=True)
-
-
-def as_ran(plan: TrainPlan) -> dict[str, Any]:
-    """The run's resolved config as it ran, for config.yaml and the loggers' hyperparameters: the config as planned with
-    the plan's data (the batch auto chose, the weights' preprocessing), optimiser (the scaled lr) and trainer (`auto`
-    chosen)."""
-    return plan.config | {"data": plan.data, "optim": plan.optim, "trainer": plan.trainer}
 
 
 def optimized_metric(config: Mapping[str, Any]) -> str | None:

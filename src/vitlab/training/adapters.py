@@ -134,7 +134,7 @@ def plan_peft(
 
 def attach(module: Any, peft: Mapping[str, Any] | None) -> None:
     """peft='s method applied to the ViT of `module` (a new ViTModule, its base weights already loaded:
-    training.pretrained.load_initial), what the adapters adapt named on the ViT for format=peft's folder."""
+    ViTModule._start_from), what the adapters adapt named on the ViT for format=peft's folder."""
     if not peft:
         return
     cfg, base = PeftConfig.from_dict(peft), peft["base"]

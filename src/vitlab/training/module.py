@@ -33,13 +33,11 @@ from vitlab.training.objectives.mae import MAE
 from vitlab.training.objectives.objective import Objective, reads_no_labels
 from vitlab.training.optim import (
     PLATEAU_MODES,
-    OptimConfig,
-    SchedulerConfig,
     make_optimizer,
     make_scheduler,
     name_parameters,
+    recipe,
 )
-from vitlab.training.pretrained import load_initial
 from vitlab.utils.errors import UserError
 from vitlab.utils.kernels import compile_mode
 
@@ -94,14 +92,12 @@ class ViTModule(L.LightningModule):
         if freeze_backbone:
             for name, p in self.model.named_parameters():
                 p.requires_grad_(name.startswith(("head.", "fc_norm.")))
-        self.optim = OptimConfig.from_dict(optim)  # omitted keys: the same defaults as conf/optim/adamw.yaml
-        self.scheduler_cfg = SchedulerConfig.from_dict(scheduler)  # conf/scheduler/warmup_cosine.yaml's
-        self.compile_mode = compile_mode(compile)
-        self.compile_regional = compile == "regional"
         self.objective = build_objective(objective, cfg, unlabeled=reads_no_labels(data))
+        self.optim, self.scheduler_cfg = recipe(optim, scheduler)  # omitted keys: conf/optim, conf/scheduler's
+        compile_mode(compile)  # a bad compile= refused here (its mode is read where the steps are compiled)
         self.objective.check(cfg, self.optim)
         self.objective.prepare(self.model)
-        self.started_from_weights = load_initial(self, weights, resample_patch)  # pretrained, an average's, a base
+        self.started_from_weights = self._start_from(weights, resample_patch)  # pretrained, an average's, a base
         attach(self, peft)  # peft=: the adapters injected (training.adapters)
         for name, network in self.objective.extra_modules().items():  # e.g. a decoder: checkpoint keys decoder.*
             self.add_module(name, network)
@@ -126,6 +122,27 @@ class ViTModule(L.LightningModule):
         # values as one that was never interrupted.
         for metric in [*self.train_metrics.values(), self.best_metric]:
             metric.persistent(True)
+
+    def _start_from(self, weights: Any, resample_patch: bool) -> bool:
+        """The weights the module starts from, the plan's (model.pretrained's, an average's, peft='s base; resolved,
+        and named by sha256, once): the encoder, and objective=mae's decoder from a file that holds one, so pretraining
+        goes on. Nothing on the meta device (a memory probe, FSDP's layout) or without weights (a module rebuilt from a
+        checkpoint: its state is the checkpoint's, adapters.fill_frozen); whether they were loaded."""
+        if weights is None or any(p.is_meta for p in self.model.parameters()):
+            return False
+        decoder = self.objective.extra_modules().get("decoder")
+        weights.load_into(self.model, decoder=decoder, resample_patch=resample_patch)
+        self.objective.prepare(self.model)  # what it sets from the weights (objective=dino: the student starts as them)
+        return True
+
+    @property
+    def compile_mode(self) -> str | None:
+        """compile= as torch.compile's mode (None: eager), read where the steps are compiled (setup)."""
+        return compile_mode(self.hparams.compile)
+
+    @property
+    def compile_regional(self) -> bool:
+        return self.hparams.compile == "regional"
 
     @property
     def best_metric(self) -> MaxMetric | MinMetric:

@@ -226,6 +226,13 @@ class SchedulerConfig:
         return from_mapping(cls, values, "scheduler")
 
 
+def recipe(optim: Mapping[str, Any] | None, scheduler: Mapping[str, Any] | None) -> tuple[OptimConfig, SchedulerConfig]:
+    """A module's optimiser and schedule settings (plain data: a run's plan, a checkpoint's hyper-parameters) as typed
+    settings, each unknown key refused in one line, omitted keys at conf/optim/adamw.yaml's and
+    conf/scheduler/warmup_cosine.yaml's defaults."""
+    return from_mapping(OptimConfig, optim, "optim"), from_mapping(SchedulerConfig, scheduler, "scheduler")
+
+
 def optimizer_info(name: str):
     """timm's facts about optimizer `name` (its class, whether it takes betas, eps, momentum), or a one-line
     error listing the names timm has. `lookahead_<name>` wraps <name> in Lookahead, as timm does."""

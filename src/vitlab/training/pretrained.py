@@ -4,8 +4,8 @@ run's model becomes that timm architecture at the run's own size, channels, clas
 experiment or the command line sets explicitly is kept, or refused in one line where the weights cannot serve it); the
 data takes the weights' preprocessing where its settings leave it open (`take_preprocessing`). A command's plan
 (vitlab.cli.plans) takes both before anything is built, so config.yaml and the checkpoints describe what ran;
-the new module starts from them (`load_initial`: the MAE decoder too when the run pretrains with objective=mae; peft='s
-base, checked by sha256, when a module of adapters is rebuilt from its checkpoint)."""
+the new module starts from them (ViTModule: the MAE decoder too when the run pretrains with objective=mae); peft='s base
+is checked by sha256 when a module of adapters is rebuilt from its checkpoint (`checked_base`)."""
 
 from __future__ import annotations
 
@@ -91,17 +91,6 @@ def explicit_model_keys() -> set[str]:
     return found - set(MODEL_EXTRA_KEYS)
 
 
-def load_initial(module: Any, weights: Weights | None, resample_patch: bool) -> bool:
-    """The weights a new ViTModule starts from, the plan's (`weights`: model.pretrained's, an average's, peft='s base;
-    resolved, and named by sha256, once): whether they were loaded (not on the meta device: a memory probe, FSDP's
-    layout; a module rebuilt from a checkpoint has none: its state is the checkpoint's, peft='s base the one its
-    hyper-parameters name, adapters.fill_frozen)."""
-    if weights is None or any(p.is_meta for p in module.model.parameters()):
-        return False
-    load_pretrained(module, weights, resample_patch)
-    return True
-
-
 def checked_base(base: Mapping[str, Any]) -> Weights:
     """The base weights a checkpoint's adapters were trained on, resolved from their source (convert.source.Weights),
     refused in one line where the file is gone or its sha256 is not the one the adapters were trained on."""
@@ -128,16 +117,6 @@ def weights_digest(weights: Any) -> str:
         h.update(key.encode())
         h.update(tensor.detach().cpu().contiguous().view(-1).view(dtype=torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def load_pretrained(module: Any, weights: Weights, resample_patch: bool = False) -> None:
-    """Pretrained `weights` (pretrained_model's value) into a new ViTModule: the encoder, and objective=mae's decoder
-    from a file that holds one (MAE's released or training checkpoints, a vitlab MAE checkpoint), so pretraining goes
-    on; `resample_patch`: model.resample_patch."""
-    weights.load_into(
-        module.model, decoder=module.objective.extra_modules().get("decoder"), resample_patch=resample_patch
-    )
-    module.objective.prepare(module.model)  # what it sets from the weights (objective=dino: the student starts as them)
 
 
 def pretrained_preprocessing(data: MutableMapping[str, Any], pretrained: dict, channels: int) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import re
 import typing
 import warnings
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 # progress_bar=: auto (rich on a terminal; otherwise a log line per epoch), rich, tqdm, none.
@@ -110,6 +111,26 @@ def route_lightning_logs() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _NoTips) for f in logger.filters):
             logger.addFilter(_NoTips())
+
+
+def save_config(config: Mapping[str, Any], path: Path, show: bool = False) -> None:
+    """A run's resolved config (plain data) as YAML in its run directory; with `show`, also as a tree on the terminal
+    (the full tree is ~170 lines: the log says where the file is instead)."""
+    from omegaconf import OmegaConf
+
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create(dict(config))))
+    if not show:
+        return
+    import rich
+    import rich.syntax
+    import rich.tree
+
+    tree = rich.tree.Tree("config", guide_style="dim")
+    for key, value in config.items():
+        branch = tree.add(str(key), style="bold")
+        text = OmegaConf.to_yaml(OmegaConf.create(value)) if isinstance(value, Mapping) else str(value)
+        branch.add(rich.syntax.Syntax(text, "yaml", theme="ansi_dark", background_color="default"))
+    rich.print(tree)
 
 
 def describe_run(module: Any, data: Mapping[str, Any], trainer: Mapping[str, Any]) -> str:

@@ -7,6 +7,7 @@ import torch
 
 from tests.helpers.configs import tiny
 from vitlab.training.devices import memory
+from vitlab.training.devices.hardware import Devices
 from vitlab.training.module import ViTModule
 
 
@@ -92,8 +93,6 @@ def test_the_activation_estimate_is_what_autograd_keeps(model, objective, precis
 def test_a_schedule_of_sizes_is_estimated_at_its_batch_of_the_most_activations():
     """data.train_img_sizes: each size's estimate is what autograd keeps at that size (15%, as above), and the run's
     is the size whose batch keeps the most: 16 images of 32 px (65 tokens) against 48 of 16 px (17 tokens)."""
-    from types import SimpleNamespace
-
     from vitlab.data.sizes import SizeSchedule
 
     module = ViTModule(model=tiny(depth=4, embed_dim=64, img_size=16, dynamic_img_size=True).to_dict())
@@ -102,13 +101,13 @@ def test_a_schedule_of_sizes_is_estimated_at_its_batch_of_the_most_activations()
         measured = saved_bytes(module, torch.randn(4, 3, px, px))
         at = memory.estimate(module, "adamw", batch=4, processes=1, precision="32-true", sharded=False, px=px)
         assert at.activations == pytest.approx(measured, rel=0.15), (px, measured, at.activations)
-    trainer = SimpleNamespace(num_devices=2, num_nodes=1, precision="32-true", accelerator=None, strategy=None)
+    devices = Devices(gpus=(), local=2, processes=2, precision="32-true", sharded=False)
     schedule = SizeSchedule.from_keys([16, 32], [96, 32], None, "constant", 0.65, 0.1)
-    run = memory.for_run(module, trainer, "adamw", 64, schedule)
+    run = memory.for_run(module, devices, "adamw", 64, schedule)
     large = memory.estimate(module, "adamw", batch=16, processes=2, precision="32-true", sharded=False, px=32)
     small = memory.estimate(module, "adamw", batch=48, processes=2, precision="32-true", sharded=False, px=16)
     assert run == large and large.activations > small.activations and "(16 images of 32 px)" in run.line()
-    assert memory.for_run(module, trainer, "adamw", 64).px is None
+    assert memory.for_run(module, devices, "adamw", 64).px is None
 
 
 @pytest.mark.parametrize("mode", [False, True, 2, 3, "selective"])
@@ -157,19 +156,16 @@ def test_the_optimizer_state_per_parameter_is_found_by_stepping_it(name, states)
 def test_a_run_that_does_not_fit_is_refused_with_the_settings_not_yet_used():
     """check_fits against this host's memory: a small run passes; one of 10 TB per process names the estimate, the
     memory, and only the settings that would bring it down and are not set already."""
-    from types import SimpleNamespace
-
     from vitlab.utils.errors import UserError
 
-    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), num_devices=2,
-                              precision="bf16-mixed")  # fmt: skip
-    have, whose = memory.available(trainer)
+    devices = Devices(gpus=(), local=2, processes=2, precision="bf16-mixed", sharded=True)
+    have, whose = memory.budget(devices)
     assert 0 < have and whose == "this host's (shared by 2 processes)"
     small = memory.Estimate(1e6, 1e6, 2e6, 0, 1e7, 8, "ddp over 2 processes")
-    memory.check_fits(small, trainer, checkpointing=False)
+    memory.check_fits(small, devices, checkpointing=False)
     big = memory.Estimate(1e12, 1e12, 2e12, 0, 6e12, 8, "fsdp over 2 processes")
     with pytest.raises(UserError) as e:
-        memory.check_fits(big, trainer, checkpointing=True)
+        memory.check_fits(big, devices, checkpointing=True)
     assert str(e.value) == (
         f"the run needs about 10000.0 GB per process (activations 6000.0 GB for 8 images, fsdp over 2 processes), "
         f"more than this host's (shared by 2 processes) {memory.size(have)}: bring it down with data.batch_size; or "
@@ -179,16 +175,14 @@ def test_a_run_that_does_not_fit_is_refused_with_the_settings_not_yet_used():
 
 def test_eager_selective_checkpointing_says_its_cost_and_what_to_use_instead():
     """The note rides with the run's estimate (vitlab.train logs it after the memory line): eager selective only."""
-    from types import SimpleNamespace
-
     from vitlab.training.devices.memory import checkpointing_note
 
-    trainer = SimpleNamespace(num_devices=1, num_nodes=1, precision="32-true", accelerator=None, strategy=None)
+    devices = Devices(gpus=(), local=1, processes=1, precision="32-true", sharded=False)
     for compile_mode, said in ((False, 1), ("regional", 0)):
         module = ViTModule(model=tiny(depth=2, grad_checkpointing="selective").to_dict(), compile=compile_mode)
-        notes = memory.for_run(module, trainer, "adamw", 8).notes
+        notes = memory.for_run(module, devices, "adamw", 8).notes
         assert len(notes) == said and all(n.startswith("model.grad_checkpointing=selective without") for n in notes)
-    assert memory.for_run(ViTModule(model=tiny(depth=2).to_dict()), trainer, "adamw", 8).notes == ()
+    assert memory.for_run(ViTModule(model=tiny(depth=2).to_dict()), devices, "adamw", 8).notes == ()
 
     note = checkpointing_note("selective", compiled=False)
     assert note.startswith("model.grad_checkpointing=selective without compile: torch's selective policy")

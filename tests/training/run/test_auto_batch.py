@@ -11,7 +11,7 @@ import yaml
 
 from vitlab.cli.plans import train_plan
 from vitlab.training.devices import memory
-from vitlab.training.devices.hardware import devices_of
+from vitlab.training.devices.hardware import Devices, devices_of
 from vitlab.training.run import auto_batch, build
 from vitlab.utils.errors import UserError
 
@@ -28,7 +28,8 @@ def chosen(compose_cfg, *overrides):
 
 
 def estimate_at(plan, trainer, per_process: int) -> float:
-    return memory.estimate(*auto_batch.probe_args(plan, devices_of(plan.trainer), per_process)).total
+    probe = build.build_module(plan, None, probe=True)
+    return memory.estimate(*auto_batch.probe_args(plan, devices_of(plan.trainer), probe, per_process)).total
 
 
 @pytest.mark.parametrize("overrides", [[], ["trainer=ddp_cpu", "trainer.devices=2"]], ids=["one", "two-processes"])
@@ -77,9 +78,9 @@ def test_with_several_training_sizes_the_batch_fits_at_the_size_of_the_most_acti
     plan, trainer, datamodule, got = chosen(compose_cfg, *sizes)
     module = build.build_module(plan, datamodule)
     batch, optimizer = plan.data["batch_size"], plan.optim["name"]
-    run = memory.for_run(module, trainer, optimizer, batch, datamodule.size_schedule)
+    run = memory.for_run(module, Devices.of_trainer(trainer), optimizer, batch, datamodule.size_schedule)
     assert run.px == 12 and run.total <= 0.9 * BUDGET * 1e9
-    more = memory.for_run(module, trainer, optimizer, batch + 1, datamodule.size_schedule)
+    more = memory.for_run(module, Devices.of_trainer(trainer), optimizer, batch + 1, datamodule.size_schedule)
     assert more.total > 0.9 * BUDGET * 1e9
     plain = chosen(compose_cfg)[3]["batch_size"]
     assert got["batch_size"] < plain  # (the model's own 8 px would have allowed more)

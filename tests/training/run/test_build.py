@@ -31,7 +31,7 @@ CHECKPOINT = "callbacks.model_checkpoint"
     ("overrides", "monitor", "mode"),
     [
         (["objective=mae", "model.num_classes=0"], "val/loss", "min"),  # logs no accuracy: its own best
-        (["objective=dino", "model.num_classes=0"], "val/loss", "min"),
+        (["objective=dino", "model.num_classes=0", "model.dynamic_img_size=true"], "val/loss", "min"),
         ([], "val/acc", "max"),  # the classifier keeps the default
         (["objective=mae", "model.num_classes=0", f"{CHECKPOINT}.monitor=train/loss"], "train/loss", "max"),  # kept
         # callbacks=ema's val/acc_ema: the objective's own, of the averaged weights

@@ -79,10 +79,3 @@ class PruneTrial(L.Callback):
                     "trial %d pruned at epoch %d (%s %.4g): the study's pruner stops it here",
                     self.trial.number, self.pruned_at, self.metric, value,
                 )  # fmt: skip
-
-
-def pruned(callbacks: list[PruneTrial]) -> dict[str, Any]:
-    """What a run's metrics.json says of its pruning: `pruned` with the epoch it reached, where the pruner stopped it
-    (every rank knows), else nothing."""
-    at = next((cb.pruned_at for cb in callbacks if cb.pruned_at), None)
-    return {"pruned": {"epoch": at}} if at else {}

@@ -41,6 +41,16 @@ class Devices:
     def device(self) -> str:
         return "cuda" if self.gpus else "cpu"
 
+    @classmethod
+    def of_trainer(cls, trainer: Any) -> Devices:
+        """The Devices of a built Trainer (what a process of it runs on: its own GPU, or the host)."""
+        from vitlab.training.devices.sharding import splits_weights
+
+        root = trainer.strategy.root_device
+        gpus = (root.index or 0,) if root.type == "cuda" else ()
+        local = max(1, trainer.num_devices)
+        return cls(gpus, local, local * max(1, trainer.num_nodes), str(trainer.precision), splits_weights(trainer))
+
 
 def devices_of(t: Mapping[str, Any]) -> Devices:
     """The Devices of the settled trainer settings `t` (resolve_trainer's): Lightning's choice of devices, made here as

@@ -24,12 +24,15 @@ import dataclasses
 import functools
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from vitlab.model.blocks import Block
+
+if TYPE_CHECKING:
+    from vitlab.training.devices.hardware import Devices
 
 # Bytes per saved activation value, by the Trainer's precision, on a CPU (measured:
 # tests/training/devices/test_memory.py) and on a GPU (half-precision autocast: from the H100's measured peak,
@@ -75,22 +78,13 @@ def size(n: float) -> str:
     return f"{n / GB:.1f} GB" if n >= 0.1 * GB else f"{n / 1e6:.1f} MB"
 
 
-def available(trainer: Any) -> tuple[float, str]:
-    """The bytes one process of `trainer` may use, and whose they are: its GPU's, or this host's (the smaller of its
-    memory and its cgroup's limit) shared by the processes it runs."""
-    root = trainer.strategy.root_device
-    if root.type == "cuda":
-        return torch.cuda.get_device_properties(root).total_memory, f"{torch.cuda.get_device_name(root)}'s"
-    return _host_share(trainer.num_devices)
-
-
-def budget(gpus: tuple[int, ...], local: int) -> tuple[float, str]:
-    """The bytes one process may use before its Trainer is built (hardware.Devices' `gpus` and `local` processes), and
-    whose they are: the smallest of its GPUs' (each process has one), or this host's shared by its processes."""
-    if gpus:
-        i = min(gpus, key=lambda i: torch.cuda.get_device_properties(i).total_memory)
+def budget(devices: Devices) -> tuple[float, str]:
+    """The bytes one process on `devices` may use, and whose they are: the smallest of its GPUs' (each process has one),
+    or this host's (the smaller of its memory and its cgroup's limit) shared by the processes it runs."""
+    if devices.gpus:
+        i = min(devices.gpus, key=lambda i: torch.cuda.get_device_properties(i).total_memory)
         return torch.cuda.get_device_properties(i).total_memory, f"{torch.cuda.get_device_name(i)}'s"
-    return _host_share(local)
+    return _host_share(devices.local)
 
 
 def _host_share(local: int) -> tuple[float, str]:
@@ -102,21 +96,28 @@ def _host_share(local: int) -> tuple[float, str]:
     return host / local, "this host's" + (f" (shared by {local} processes)" if local > 1 else "")
 
 
-def check_fits(est: Estimate, trainer: Any, checkpointing: bool | int | str) -> None:
-    """A run estimated to need more memory per process than there is: refused in one line naming the estimate, the
-    memory, and the settings that bring it down (those not set already); `memory_check=false` starts it anyway."""
+def check_fits(est: Estimate, devices: Devices, checkpointing: bool | int | str) -> None:
+    """A run estimated to need more memory per process than there is: refused in one line (`refusal`)."""
     from vitlab.utils.errors import UserError
 
-    have, whose = available(trainer)
+    if said := refusal(est, devices, checkpointing):
+        raise UserError(said)
+
+
+def refusal(est: Estimate, devices: Devices, checkpointing: bool | int | str) -> str | None:
+    """The one line that refuses a run estimated to need more memory per process than `devices` have, naming the
+    estimate, the memory, and the settings that bring it down (those not set already); None where it fits.
+    `memory_check=false` starts it anyway."""
+    have, whose = budget(devices)
     if est.total <= have:
-        return
+        return None
     fixes = [
         "data.batch_size",
         *(["model.grad_checkpointing=true"] if checkpointing is not True else []),
         *(["trainer=fsdp (over several devices)"] if not est.strategy.startswith("fsdp") else []),
-        *(["trainer.precision=bf16-mixed"] if str(trainer.precision) in ("32-true", "64-true") else []),
+        *(["trainer.precision=bf16-mixed"] if devices.precision in ("32-true", "64-true") else []),
     ]
-    raise UserError(
+    return (
         f"the run needs about {size(est.total)} per process (activations {size(est.activations)} for {est.batch} "
         f"images, {est.strategy}), more than {whose} {size(have)}: bring it down with {', '.join(fixes)}; "
         "or start anyway with memory_check=false"
@@ -185,15 +186,12 @@ def recomputed(shapes: list[tuple[int, int, int, float]], precision: str, device
     return max(tokens * width * values for tokens, width, _, values in shapes) * activation_bytes(precision, device)
 
 
-def for_run(module: Any, trainer: Any, optimizer: str, batch: int, schedule: Any = None) -> Estimate:
-    """The estimate for a run about to start: `trainer`'s processes, precision and strategy, the global `batch`
-    (data.batch_size) split over the processes; with a `schedule` of training sizes (data/sizes.py) its batch of the
-    most activations, each size with its own batch size."""
-    from vitlab.training.devices.sharding import splits_weights
-
-    processes = max(1, trainer.num_devices * trainer.num_nodes)
-    device = "cuda" if type(trainer.accelerator).__name__ == "CUDAAccelerator" else "cpu"
-    args = (optimizer, processes, str(trainer.precision), splits_weights(trainer), device)
+def for_run(module: Any, devices: Devices, optimizer: str, batch: int, schedule: Any = None) -> Estimate:
+    """The estimate for a run of `module` on `devices` (hardware.Devices: its processes, precision and strategy), the
+    global `batch` (data.batch_size) split over the processes; with a `schedule` of training sizes (data/sizes.py) its
+    batch of the most activations, each size with its own batch size."""
+    processes = devices.processes
+    args = (optimizer, processes, devices.precision, devices.sharded, devices.device)
     note = checkpointing_note(module.model.cfg.grad_checkpointing, bool(getattr(module, "compile_mode", None)))
     if schedule is None:
         est = estimate(module, args[0], max(1, batch // processes), *args[1:])

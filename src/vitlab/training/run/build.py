@@ -8,6 +8,7 @@ one-call assembly in fit.py, Lightning's work-arounds in workarounds.py.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -86,7 +87,7 @@ def build_module(plan: TrainPlan, datamodule: L.LightningDataModule | None, prob
     allocated), no data module yet."""
     # trainer=fsdp: the ViT is laid out on the meta device and each process initialises its shards
     # (training.devices.sharding); pretrained weights are loaded into a whole model, built on the host (plan.on_meta).
-    with sharding.networks_on_meta(probe or plan.on_meta):
+    with sharding.networks_on_meta() if probe or plan.on_meta else contextlib.nullcontext():
         return ViTModule(
             model=plan.model,
             objective=plan.objective,

@@ -76,7 +76,9 @@ class TrainPlan:
     pruning: tuple[L.Callback, ...] = ()  # an Optuna trial's pruning callback, in a sweep with a pruner
     peft: dict[str, Any] | None = None  # peft=: the method and the base weights it adapts (training.adapters)
     batch_size_auto: dict[str, Any] | None = None  # what data.batch_size=auto chose, and why
-    config: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)  # as planned: cli.plans.as_ran's
+    memory: Any = None  # the memory estimate per process (devices.memory.Estimate)
+    memory_refusal: str | None = None  # with memory_check: why the run would not fit (it stops on it), else None
+    config: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)  # as it runs: config.yaml's
 
     def first_metrics(self) -> dict[str, Any]:
         return {"batch_size_auto": self.batch_size_auto} if self.batch_size_auto else {}

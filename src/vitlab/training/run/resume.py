@@ -1,36 +1,27 @@
 """Going on from a checkpoint: which one (the user's, `last`, or the one a restarted job left in its own run
 directory), read once when the run is planned (`Checkpoint`), whether this run can go on from it (one-line refusals of
-another architecture, batch size or a finished run), and, for a run stopped on a signal, what was saved and the command
-that resumes it."""
+another architecture, batch size or a finished run). A run stopped on a signal says what to resume from: steps.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-import shlex
-import signal
-import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-import lightning as L
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 
 from vitlab.convert.source import Weights, resolve
 from vitlab.convert.weights import is_sharded_checkpoint, read_checkpoint
 from vitlab.model.choices import DROPOUTS
 from vitlab.model.config import ViTConfig
-from vitlab.training.callbacks.standard import SaveOnInterrupt
 from vitlab.training.devices.sharding import requests_fsdp
 from vitlab.training.module import ViTModule
 from vitlab.training.run.plan import Checkpoint, TrainPlan
 from vitlab.utils.atomic import remove_stale_temporaries
 from vitlab.utils.errors import MissingFileError, UserError
-from vitlab.utils.signals import pass_on
 
 log = logging.getLogger(__name__)
 
@@ -186,55 +177,3 @@ def check_unfinished(ckpt_path: str, ckpt: dict[str, Any], limit: int | None) ->
             f"trainer.max_epochs is not given (the config's {limit} would train it on): train it on with "
             f"trainer.max_epochs above {done} (the epochs to reach), {test}"
         )
-
-
-def resume_command(ckpt_path: Path) -> str:
-    """This run's command line (its own overrides, as typed) with ckpt_path set to `ckpt_path`. A job of a sweep
-    resumes as a single run: its overrides are its own values, and hydra.mode=RUN keeps a config that asks for
-    a sweep (hparams_search=...) from starting a new one."""
-    hydra_cfg = HydraConfig.get()
-    overrides = [o for o in hydra_cfg.overrides.task if not o.lstrip("+~").startswith(("ckpt_path=", "hydra.mode="))]
-    single = ["hydra.mode=RUN"] if hydra_cfg.mode == RunMode.MULTIRUN else []
-    return shlex.join([*launcher(), "-m", "vitlab.train", *overrides, *single, f"ckpt_path={ckpt_path}"])
-
-
-def launcher() -> list[str]:
-    """How this run's processes were started, for its resume line: torchrun's (as this node started them: on several
-    nodes, node 0's line, each other node with its own --node-rank), else `python`."""
-    env = os.environ
-    if "TORCHELASTIC_RUN_ID" not in env:
-        return ["python"]
-    nodes, per_node = int(env.get("GROUP_WORLD_SIZE") or 1), env.get("LOCAL_WORLD_SIZE") or "1"
-    if nodes == 1:
-        return ["torchrun", "--standalone", f"--nproc-per-node={per_node}"]
-    where = [f"--master-addr={env.get('MASTER_ADDR', '127.0.0.1')}", f"--master-port={env.get('MASTER_PORT', 29500)}"]
-    return [
-        "torchrun",
-        f"--nnodes={nodes}",
-        f"--node-rank={env.get('GROUP_RANK', 0)}",
-        f"--nproc-per-node={per_node}",
-        *where,
-    ]
-
-
-def stopped(trainer: L.Trainer) -> NoReturn:
-    """Training stopped on a signal: say what was saved and the command that resumes it, pass the signal on to the
-    handler that was there before (submitit's requeues a Slurm job) and exit with 128 + the signal's number."""
-    saved = next((cb.saved for cb in trainer.callbacks if isinstance(cb, SaveOnInterrupt) and cb.saved), None)
-    if saved is None:  # callbacks without save_on_interrupt: Lightning's own SIGTERM handling
-        if trainer.is_global_zero:
-            print("stopped by SIGTERM; no checkpoint saved (callbacks without save_on_interrupt)", file=sys.stderr)
-        raise SystemExit(128 + signal.SIGTERM)
-    if trainer.is_global_zero:
-        name, path, command = signal.Signals(saved["signal"]).name, saved["path"], resume_command(saved["path"])
-        said = {"signal": name, "step": saved["step"], "epoch": saved["epoch"] + 1, "checkpoint": str(path)}
-        out = Path(HydraConfig.get().runtime.output_dir)  # beside the checkpoint, for a sweep's summary
-        (out / "interrupted.json").write_text(json.dumps(said | {"resume": command}, indent=2))
-        print(
-            f"interrupted by {name} at step {saved['step']} (epoch {saved['epoch'] + 1}): saved {path}; resume with: "
-            f"{command}",
-            file=sys.stderr,
-            flush=True,
-        )
-    pass_on(saved["signal"])
-    raise SystemExit(128 + saved["signal"])
