@@ -2,9 +2,9 @@
 SIGTERM mid-epoch and resumed as the printed command says, it ends as the uninterrupted run (the student, its heads,
 every logged value; the teacher loaded again from its checkpoint)."""
 
-from tests.helpers.commands import replaced, run_cli
+from tests.helpers.commands import replaced
 from tests.helpers.configs import RESUMABLE
-from tests.helpers.runs import assert_same_run, digits_checkpoint, interrupt, resume
+from tests.helpers.runs import assert_resumes_exactly, digits_checkpoint
 
 
 def test_a_label_free_token_distillation_resumes_exactly(tmp_path, tmp_path_factory):
@@ -18,8 +18,4 @@ def test_a_label_free_token_distillation_resumes_exactly(tmp_path, tmp_path_fact
         "callbacks.model_checkpoint.monitor=val/loss_ema",  # (callbacks=ema's val/acc_ema: no accuracy here)
         "callbacks.model_checkpoint.mode=min",
     ]
-    full = tmp_path / "full"
-    r = run_cli("train", *args, f"hydra.run.dir={full}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    command = interrupt(args, tmp_path, "SIGTERM", 13)
-    assert_same_run(full, resume(command, tmp_path))
+    assert_resumes_exactly(args, tmp_path, "SIGTERM", 13)

@@ -5,7 +5,7 @@ import pytest
 
 from tests.data.test_streaming import RUN, TWO  # 9 steps of 8 an epoch on the `folder` fixture's 72 training images
 from tests.helpers.commands import run_cli
-from tests.helpers.runs import assert_same_run, interrupt, resume
+from tests.helpers.runs import assert_resumes_exactly
 
 
 def _wds(shards):
@@ -16,20 +16,12 @@ def _wds(shards):
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_run_on_webdataset_shards_interrupted_mid_epoch_resumes_exactly(wds_shards, tmp_path, processes):
     args = [*_wds(wds_shards), *RUN, *(TWO if processes == 2 else [])]
-    full = tmp_path / "full"
-    r = run_cli("train", *args, f"hydra.run.dir={full}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    command = interrupt(args, tmp_path, "SIGTERM", 12)
-    assert_same_run(full, resume(command, tmp_path))
+    assert_resumes_exactly(args, tmp_path, "SIGTERM", 12)
 
 
 def test_a_streamed_hugging_face_run_in_two_processes_interrupted_mid_epoch_resumes_exactly(records, tmp_path):
     args = ["data=hf", f"data.name={records / 'saved'}", "data.streaming=true", "data.shuffle_buffer=16", *RUN, *TWO]
-    full = tmp_path / "full"
-    r = run_cli("train", *args, f"hydra.run.dir={full}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    command = interrupt(args, tmp_path, "SIGTERM", 12)
-    assert_same_run(full, resume(command, tmp_path))
+    assert_resumes_exactly(args, tmp_path, "SIGTERM", 12)
 
 
 def test_a_naflex_run_on_webdataset_shards_interrupted_mid_epoch_resumes_exactly(wds_shards, tmp_path):
@@ -39,12 +31,8 @@ def test_a_naflex_run_on_webdataset_shards_interrupted_mid_epoch_resumes_exactly
             "data.naflex.seq_lens=[4,9]", "data.naflex.batch_divisor=2", "data.num_train=96", "data.batch_size=8",
             "data.num_workers=2", "trainer.max_epochs=2", "progress_bar=none",
             "data.train_transform.random_erasing=0.5", "data.train_transform.erasing_mode=pixel"]  # fmt: skip
-    full = tmp_path / "full"
-    r = run_cli("train", *args, f"hydra.run.dir={full}")
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = assert_resumes_exactly(args, tmp_path, "SIGTERM", 9)
     assert "NaFlex: sequence lengths [4, 9] patches, global batch sizes [18, 8]" in r.stderr + r.stdout
-    command = interrupt(args, tmp_path, "SIGTERM", 9)
-    assert_same_run(full, resume(command, tmp_path))
 
 
 SHORT = ["model.img_size=8", "data.batch_size=8", "data.num_workers=2", "trainer.max_epochs=1", "progress_bar=none"]

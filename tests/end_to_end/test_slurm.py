@@ -9,17 +9,17 @@ import json
 import os
 import shutil
 import subprocess
-import sys
+import threading
 import time
 from pathlib import Path
 
 import optuna
 import pytest
 
-from tests.helpers.commands import ROOT, replaced, run_cli
+from tests.helpers.commands import ROOT, TESTS_ON_PATH, replaced, run_cli
 from tests.helpers.configs import extra_callback
 from tests.helpers.docs import documented
-from tests.helpers.runs import assert_same_run, wandb_steps
+from tests.helpers.runs import assert_same_run, trained, wandb_steps
 
 CLUSTER = ROOT / "tests" / "cluster" / "slurm-localhost.sh"
 SHORT = ["trainer.max_epochs=2", "data.batch_size=128", "progress_bar=none", "trainer.deterministic=true"]
@@ -51,7 +51,7 @@ def _squeue(job: str) -> str:
     return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
 
 
-def test_the_readmes_sweep_runs_as_typed_and_each_job_equals_the_local_run(cluster, tmp_path):
+def test_the_readmes_sweep_runs_as_typed_and_each_job_equals_the_local_run(cluster, tmp_path, tmp_path_factory):
     r = run_cli("train", *SWEEP, "optim.lr=1e-3,3e-4", *SHORT, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     sweep = _sweep_dir(tmp_path)
@@ -64,8 +64,12 @@ def test_the_readmes_sweep_runs_as_typed_and_each_job_equals_the_local_run(clust
     assert not any("gpu" in flag or "gres" in flag or "mem" in flag for flag in flags), flags
     for job, lr in (("0", "1e-3"), ("1", "3e-4")):
         local = tmp_path / f"local{job}"
-        r = run_cli("train", "trainer=ddp_cpu", "trainer.devices=2", f"optim.lr={lr}", *SHORT, f"hydra.run.dir={local}")
-        assert r.returncode == 0, r.stderr[-3000:]
+        if lr == "1e-3":  # optim.lr's default: the run test_launchers.py compares torchrun's with, trained once
+            local = trained(tmp_path_factory, "ddp-two-short", "trainer=ddp_cpu", "trainer.devices=2", *SHORT)
+        else:
+            r = run_cli("train", "trainer=ddp_cpu", "trainer.devices=2", f"optim.lr={lr}", *SHORT,
+                        f"hydra.run.dir={local}")  # fmt: skip
+            assert r.returncode == 0, r.stderr[-3000:]
         assert_same_run(local, sweep / job)
         assert (sweep / job / "train_rank1.log").is_file()  # the second task logs on its own
     # The same sweep into its directory again (issue 42): both jobs had ended, neither trains again.
@@ -77,10 +81,11 @@ def test_the_readmes_sweep_runs_as_typed_and_each_job_equals_the_local_run(clust
         assert "ended in an earlier run of this sweep (done): not run again" in (sweep / job / "train.log").read_text()
 
 
-def test_a_sweep_of_sharded_runs_requests_one_task_per_device_and_each_job_trains(cluster, tmp_path):
+def test_a_sweep_of_sharded_runs_requests_one_task_per_device_and_each_job_trains(cluster, tmp_path, tmp_path_factory):
     """trainer=fsdp_cpu under hydra/launcher=slurm: the request follows the run as for DDP (two tasks, no GPU), each
     job shards over its two tasks, and each ends with the metrics of the same command run locally (measured: the
-    training's equal, validation losses within 3e-7: the Slurm tasks compute with one thread each)."""
+    training's equal, validation losses within 3e-7: the Slurm tasks compute with one thread each). Job 0's, at
+    optim.lr's default, is compared: the local run is test_launchers.py's, trained once."""
     sweep_args = ["-m", "hydra/launcher=slurm", "trainer=fsdp_cpu"]
     r = run_cli("train", *sweep_args, "optim.lr=1e-3,3e-4", *SHORT, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -88,10 +93,8 @@ def test_a_sweep_of_sharded_runs_requests_one_task_per_device_and_each_job_train
     assert [row["status"] for row in json.loads((sweep / "summary.json").read_text())] == ["done", "done"]
     (script,) = (sweep / ".submitit").glob("*/*_submission.sh")
     assert "#SBATCH --ntasks-per-node=2" in script.read_text() and "gres" not in script.read_text()
-    local = tmp_path / "local"
-    r = run_cli("train", "trainer=fsdp_cpu", "optim.lr=3e-4", *SHORT, f"hydra.run.dir={local}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    ours, theirs = (json.loads((d / "metrics.json").read_text()) for d in (local, sweep / "1"))
+    local = trained(tmp_path_factory, "fsdp-two-short", "trainer=fsdp_cpu", "trainer.devices=2", *SHORT)
+    ours, theirs = (json.loads((d / "metrics.json").read_text()) for d in (local, sweep / "0"))
     keys = [k for k in ours if k.startswith(("train/", "val/", "test/")) and "per_sec" not in k]
     assert {k: theirs[k] for k in keys} == pytest.approx({k: ours[k] for k in keys}, rel=1e-6, abs=1e-6)
 
@@ -122,42 +125,57 @@ def test_sbatch_refusals_are_one_line(cluster, tmp_path, overrides, said):
     assert line.startswith("error: sbatch refused the job: ") and said in line, r.stderr
 
 
+class _Sweep(threading.Thread):
+    """`python -m vitlab.train args` in tmp_path, as run_cli runs every command here (forked from the fork server,
+    which has the libraries imported: the sweep submits its jobs at once, not after a new interpreter's ~10 s of
+    imports), in a thread while the test acts on its jobs; the test callbacks on its command line are found on
+    PYTHONPATH (the jobs inherit it). `result()` waits for its CompletedProcess."""
+
+    def __init__(self, tmp_path: Path, *args: str, timeout: int):
+        super().__init__(daemon=True)  # (a test that fails while waiting leaves it to the session's end)
+        self.command, self.outcome = (args, tmp_path, timeout), None
+        self.start()
+
+    def run(self):
+        args, cwd, timeout = self.command
+        try:
+            self.outcome = run_cli("train", *args, cwd=cwd, env=TESTS_ON_PATH, timeout=timeout)
+        except BaseException as error:  # raised again by result()
+            self.outcome = error
+
+    def result(self) -> subprocess.CompletedProcess:
+        self.join()
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+
 def test_a_job_cancelled_without_a_result_is_one_line(cluster, tmp_path):
     slow = extra_callback("slow", "SleepPerStep", seconds=0.2)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the job finds the test callback
-    sweep = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vitlab.train",
-            *SWEEP,
-            "optim.lr=1e-3",
-            *replaced(SHORT, "trainer.max_epochs=20"),
-            *slow,
-        ],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    sweep = _Sweep(tmp_path, *SWEEP, "optim.lr=1e-3", *replaced(SHORT, "trainer.max_epochs=20"), *slow, timeout=600)
     log = lambda: _sweep_dir(tmp_path) / "0" / "train.log"  # noqa: E731
     _wait(
-        lambda: (tmp_path / "outputs").exists() and log().exists() and "- epoch 1/20 " in log().read_text(), "an epoch"
+        lambda: (tmp_path / "outputs").exists() and log().exists() and "- epoch 1/20 " in log().read_text(),
+        "an epoch",
+        sweep,
     )
     (job,) = [p.name for p in (_sweep_dir(tmp_path) / ".submitit").iterdir() if p.is_dir()]
     subprocess.run(["scancel", job], check=True)
-    _, err = sweep.communicate(timeout=300)
-    assert sweep.returncode == 2
-    (line,) = err.strip().splitlines()[-1:]
-    assert line.startswith(f"error: Slurm job {job} ended without a result (") and "its log: " in line, err[-2000:]
+    r = sweep.result()
+    assert r.returncode == 2
+    (line,) = r.stderr.strip().splitlines()[-1:]
+    assert line.startswith(f"error: Slurm job {job} ended without a result (") and "its log: " in line, r.stderr[-2000:]
 
 
-def _wait(condition, what: str, timeout: float = 300):
+def _wait(condition, what: str, sweep: _Sweep | None = None, timeout: float = 300):
+    """Until `condition()`; an AssertionError past `timeout` seconds, or at once if the `sweep` waited on has ended."""
     end = time.time() + timeout
     while time.time() < end:
         if condition():
             return
+        if sweep is not None and not sweep.is_alive():
+            r = sweep.result()
+            raise AssertionError(f"the sweep ended (exit {r.returncode}) before {what}: {r.stderr[-3000:]}")
         time.sleep(0.5)
     raise AssertionError(f"timed out waiting for {what}")
 
@@ -180,28 +198,20 @@ def _requeued(job: str) -> None:
 def test_a_requeued_or_timed_out_job_resumes_by_itself_and_equals_the_uninterrupted_run(cluster, tmp_path):
     run = ["optim.lr=1e-3", "trainer.max_epochs=8", *SHORT[1:], *extra_callback("slow", "SleepPerStep", seconds=0.1)]
     run += ["logger=wandb", "logger.wandb.offline=true"]  # one W&B run over the requeues (issue 42)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}  # the job finds the test callback
-    sweep = subprocess.Popen(
-        [sys.executable, "-m", "vitlab.train", *SWEEP, *run],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    _wait(lambda: (tmp_path / "outputs").exists(), "the sweep directory")
+    sweep = _Sweep(tmp_path, *SWEEP, *run, timeout=900)
+    _wait(lambda: (tmp_path / "outputs").exists(), "the sweep directory", sweep)
     log = _sweep_dir(tmp_path) / "0" / "train.log"
     logged = lambda epoch: log.exists() and f"[INFO] - epoch {epoch}/8 " in log.read_text()  # noqa: E731
-    _wait(lambda: logged(2), "two epochs")
+    _wait(lambda: logged(2), "two epochs", sweep)
     (job,) = [p.name for p in (_sweep_dir(tmp_path) / ".submitit").iterdir() if p.is_dir()]  # one job: no array
     # What Slurm sends signal_delay_s before the time limit: the run checkpoints, submitit requeues the job.
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
     _requeued(job)
-    _wait(lambda: logged(4), "the resumed run's fourth epoch")
+    _wait(lambda: logged(4), "the resumed run's fourth epoch", sweep)
     subprocess.run(["scontrol", "requeue", job], check=True)  # how a cluster pre-empts a job
     _requeued(job)
-    output = sweep.communicate(timeout=600)[0]
-    assert sweep.returncode == 0, output[-3000:]
+    r = sweep.result()
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
     text = log.read_text()
     assert text.count("holds a checkpoint of an earlier start") == 2, text[-3000:]

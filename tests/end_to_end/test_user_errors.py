@@ -298,13 +298,15 @@ def test_a_bad_value_is_refused_before_torch_or_lightning_is_imported(tmp_path, 
     assert_refused(r, said)
 
 
-def test_a_finished_run_is_not_resumed(tmp_path):
+def test_a_finished_run_is_not_resumed(ckpt, tmp_path):
     """`ckpt_path=last` after a run that ended trains nothing: said in one line, not a test of the old weights
-    and a warning that the metric was not logged."""
-    assert run_cli("train", "trainer.max_epochs=1", cwd=tmp_path).returncode == 0
+    and a warning that the metric was not logged. (The run that ended: the suite's one-epoch digits run, copied
+    where this directory's `last` looks.)"""
+    shutil.copytree(ckpt.parent.parent, tmp_path / "outputs" / "train" / "runs" / "ended")
     before = {p: p.read_bytes() for p in (tmp_path / "outputs").rglob("*") if p.is_file()}
     (last,) = (tmp_path / "outputs").rglob("last.ckpt")
-    r = run_cli("train", "ckpt_path=last", "trainer.max_epochs=1", cwd=tmp_path)
+    again = ["ckpt_path=last", "trainer.max_epochs=1", "data.batch_size=256"]  # the copied run's epochs and batch
+    r = run_cli("train", *again, cwd=tmp_path)
     message = f"error: ckpt_path '{last}' is of a run that had finished (1 of 1 epochs): nothing is left to train"
     assert_refused(r, message, before, tmp_path / "outputs")
     assert f"python -m vitlab.eval ckpt_path={last}" in r.stderr

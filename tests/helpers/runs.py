@@ -1,5 +1,6 @@
-"""Runs several files need, trained once per pytest run (`once`, `trained`); a run interrupted and resumed, two
-runs compared, an earlier run's files, an offline W&B run's steps."""
+"""Runs several files need, trained once per pytest run (`once`, `trained`); a run interrupted and resumed, and the
+whole sequence of a resume test (`assert_resumes_exactly`); two runs compared, an earlier run's files, an offline W&B
+run's steps."""
 
 import json
 import os
@@ -69,6 +70,18 @@ def resume(command, tmp_path) -> Path:
     assert r.returncode == 0, r.stderr[-3000:]
     (run_dir,) = (tmp_path / "outputs" / "train" / "runs").iterdir()
     return run_dir
+
+
+def assert_resumes_exactly(args, tmp_path, signum, step, **stop):
+    """`python -m vitlab.train args` run whole into tmp_path/full, then again stopped by `signum` after optimizer
+    step `step` (`interrupt`, with its `stop` options) and resumed by the command it prints (`resume`): the resumed
+    run is the uninterrupted one (`assert_same_run`). Returns the whole run's process (its output, to read)."""
+    full = tmp_path / "full"
+    r = run_cli("train", *args, f"hydra.run.dir={full}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    command = interrupt(args, tmp_path, signum, step, **stop)
+    assert_same_run(full, resume(command, tmp_path))
+    return r
 
 
 def shared_dir(tmp_path_factory) -> Path:

@@ -85,7 +85,16 @@ def test_a_timm_teacher_by_name_and_the_settings_checks():
         DistillConfig(label_smoothing=1.0, teacher="t.ckpt")  # the label loss's options: objective=classify's
 
 
-def test_distillation_from_a_vitlab_teacher_trains_on_digits(compose_cfg, tmp_path):
+def _teacher(tmp_path_factory) -> str:
+    """A vitlab teacher on digits: the tested checkpoint of the suite's `debug=limit` run (tests/evaluation's too),
+    trained once per pytest run."""
+    from tests.helpers.runs import trained
+
+    run = trained(tmp_path_factory, "debug-limit", "debug=limit", "progress_bar=none")
+    return json.loads((run / "metrics.json").read_text())["tested_checkpoint"]
+
+
+def test_distillation_from_a_vitlab_teacher_trains_on_digits(compose_cfg, tmp_path, tmp_path_factory):
     """A teacher trained on digits, then a distilled student (token, hard) and a plain one (logits, soft, tau 2)
     learning from its checkpoint: each first step's loss is DeiT's, (1 - alpha) x the label loss + alpha x the
     distillation term against the teacher's logits on the same images (the teacher read back from its file here, and
@@ -99,8 +108,7 @@ def test_distillation_from_a_vitlab_teacher_trains_on_digits(compose_cfg, tmp_pa
     from vitlab.training.run.inference import load_for_inference
 
     base = ["debug=limit", "progress_bar=none", "callbacks=default"]
-    train(compose_cfg("train", base, output_dir=tmp_path / "teacher"))
-    ckpt = json.loads((tmp_path / "teacher" / "metrics.json").read_text())["tested_checkpoint"]
+    ckpt = _teacher(tmp_path_factory)
     teacher = load_for_inference(ckpt).model.eval()
     first = extra_callback("first", "FirstStep")
     for name, extra in (
@@ -145,12 +153,10 @@ def test_a_distilled_run_with_ema_warmup_resumes_exactly(tmp_path, tmp_path_fact
     """Token distillation (soft) from a vitlab teacher, EMA with warm-up, the raw weights chosen: stopped mid-epoch
     by SIGTERM and resumed as the printed command says, it ends as the uninterrupted run (weights, both EMA and raw,
     and every logged value). The teacher is loaded again from its checkpoint, not saved with the student."""
-    from tests.helpers.commands import run_cli
     from tests.helpers.configs import RESUMABLE
-    from tests.helpers.runs import assert_same_run, interrupt, resume, trained
+    from tests.helpers.runs import assert_resumes_exactly
 
-    teacher = trained(tmp_path_factory, "debug-limit", "debug=limit", "progress_bar=none")  # tests/evaluation's too
-    ckpt = json.loads((teacher / "metrics.json").read_text())["tested_checkpoint"]
+    ckpt = _teacher(tmp_path_factory)
     args = [
         *replaced(RESUMABLE, "trainer.max_epochs=2"),
         "model.distilled=true",
@@ -161,8 +167,4 @@ def test_a_distilled_run_with_ema_warmup_resumes_exactly(tmp_path, tmp_path_fact
         "callbacks.ema.warmup=true",
         "callbacks.model_checkpoint.monitor=val/acc",
     ]
-    full = tmp_path / "full"
-    r = run_cli("train", *args, f"hydra.run.dir={full}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    command = interrupt(args, tmp_path, "SIGTERM", 11)
-    assert_same_run(full, resume(command, tmp_path))
+    assert_resumes_exactly(args, tmp_path, "SIGTERM", 11)
