@@ -17,7 +17,7 @@ from timm.data import create_transform, resolve_data_config
 from tests.helpers.commands import run_cli
 from tests.helpers.docs import documented
 from tests.helpers.runs import digits_checkpoint
-from vitlab import predict
+from vitlab.cli import predict_plan
 from vitlab.data.images import read_image
 from vitlab.training.run import inference
 
@@ -64,9 +64,8 @@ def test_predict_and_the_timm_export_prepare_and_rank_photos_alike(ckpt, tmp_pat
     assert pretrained_cfg["crop_mode"] == "center" and pretrained_cfg["crop_pct"] == 1.0
     theirs = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
     timm_tf = create_transform(**resolve_data_config(model=theirs))
-    from_ckpt = predict._checkpoint(predict.PredictPlan(str(ckpt), None, None, [], None, "cpu", tmp_path))[1]
-    local = predict.PredictPlan(None, f"local-dir:{folder}", None, [], None, "cpu", tmp_path)
-    from_export = predict._pretrained(local)[1]
+    from_ckpt = predict_plan._checkpoint(str(ckpt), "cpu")[1]
+    from_export = predict_plan._pretrained(f"local-dir:{folder}", None, "cpu")[1]
     x = torch.cat([timm_tf(Image.open(p).convert("L"))[None] for p in photos])  # (3, 1, 8, 8)
     for prepare in (from_ckpt, from_export, data.predict_tensor):
         assert torch.equal(torch.cat([prepare(read_image(p, 1)) for p in photos]), x)

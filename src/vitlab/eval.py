@@ -60,16 +60,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         check_classes(module.hparams.get("class_names") or [], getattr(datamodule, "class_names", []), plan.ckpt_path)
     if task != "test":
         return write_metrics(plan, tasks.probe_checkpoint(plan.probe, plan.ckpt_path, module.model, datamodule))
-    bars, show_bar = build.progress_bar(plan.progress_bar)
-    trainer = build.build_trainer(
-        plan.trainer,
-        plan.trainer_args,
-        logger=False,
-        callbacks=bars,
-        enable_progress_bar=show_bar,
-        enable_checkpointing=False,
-    )
-    return write_metrics(plan, score_with_tta(trainer, module, datamodule, plan.tta))
+    return write_metrics(plan, score_with_tta(plan.tester, module, datamodule, plan.tta))
 
 
 def write_metrics(plan, metrics: dict | None) -> dict:

@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from vitlab.evaluation.tasks import Pretrained, Probe
+from vitlab.evaluation.tasks import Pretrained, Probe, check_launch
 from vitlab.training.module import ViTModule
 from vitlab.training.run import build
 from vitlab.utils.errors import UserError
@@ -25,42 +25,52 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class EvalPlan:
     """What vitlab.eval runs: a checkpoint's module (`module`, read once) or timm's weights (`pretrained`), the data
-    mapping to build the data module of (with its `_target_`), the task, the settled trainer settings of a
-    checkpoint's task=test and where metrics.json goes."""
+    mapping to build the data module of (with its `_target_`), the task, the Trainer of a checkpoint's task=test and
+    where metrics.json goes."""
 
     probe: Probe
     ckpt_path: str | None
     module: ViTModule | None
     pretrained: Pretrained | None
     data: dict[str, Any]
-    trainer: dict[str, Any] | None  # a checkpoint's task=test: its Trainer's settings, settled (build.settle_trainer)
-    trainer_args: dict[str, Any]  # the Trainer's arguments they translate to (build.trainer_arguments)
+    tester: Any  # a checkpoint's task=test: the Lightning Trainer that tests it (its settings settled), else None
     tta: str
-    progress_bar: str
     output_dir: Path
 
 
 def eval_plan(cfg: DictConfig) -> EvalPlan:
-    """eval's checked config (cli/schemas.py's EvalSettings) -> its plan."""
-    part = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("knn", "linear", "fewshot", "segmentation")}
-    layers = OmegaConf.to_container(cfg.layers) if OmegaConf.is_list(cfg.layers) else cfg.layers
-    trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
-    probe = Probe(cfg.task, layers, **part, trainer=trainer, features_dir=cfg.features_dir)
-    tree = OmegaConf.create(OmegaConf.to_container(cfg))  # a copy the plan's decisions are laid into, never cfg
-    common = {"tta": cfg.tta, "progress_bar": cfg.progress_bar, "output_dir": Path(cfg.paths.output_dir)}
-    if cfg.ckpt_path is None:
-        pretrained = _pretrained(tree, cfg.task)
-        return EvalPlan(probe, None, None, pretrained, dict(pretrained.data), None, {}, **common)
-    module = _checkpoint(cfg.ckpt_path, cfg.task)
-    data = _data(tree, module.hparams.get("data"), cfg.ckpt_path, module.model.cfg.to_dict()["img_size"])
-    if data.get("multilabel") and cfg.task != "test":  # (issue 77: the probes score one label an image)
+    """eval's checked config (cli/schemas.py's EvalSettings) -> its plan, read from a copy of it (`tree`: the plan's
+    decisions are laid into it, never into `cfg`)."""
+    tree = OmegaConf.create(OmegaConf.to_container(cfg))
+    part = {k: OmegaConf.to_container(tree[k], resolve=True) for k in ("knn", "linear", "fewshot", "segmentation")}
+    layers = OmegaConf.to_container(tree.layers) if OmegaConf.is_list(tree.layers) else tree.layers
+    trainer = OmegaConf.to_container(tree.trainer, resolve=True)
+    task, ckpt_path = tree.task, tree.ckpt_path
+    probe = Probe(task, layers, **part, trainer=trainer, features_dir=tree.features_dir)
+    if task != "test" or ckpt_path is None:  # the processes that extract features (or score timm's head)
+        check_launch(trainer)
+    common = {"tta": tree.tta, "output_dir": Path(tree.paths.output_dir)}
+    if ckpt_path is None:
+        pretrained = _pretrained(tree, task)
+        return EvalPlan(probe, None, None, pretrained, dict(pretrained.data), None, **common)
+    module = _checkpoint(ckpt_path, task)
+    data = _data(tree, module.hparams.get("data"), ckpt_path, module.model.cfg.to_dict()["img_size"])
+    if data.get("multilabel") and task != "test":  # (issue 77: the probes score one label an image)
         raise UserError(
-            f"task={cfg.task} scores one label an image, and this data has several (objective.multilabel): score "
+            f"task={task} scores one label an image, and this data has several (objective.multilabel): score "
             "the checkpoint's classifier with task=test (mAP), or probe its features on one-label data (data=<name>)"
         )
-    tester = build.settle_trainer(trainer, said=False) if cfg.task == "test" else None  # (said where auto chose)
-    args = build.trainer_arguments(tester) if tester is not None else {}
-    return EvalPlan(probe, cfg.ckpt_path, module, None, data, tester, args, **common)
+    tester = _tester(trainer, tree.progress_bar) if task == "test" else None
+    return EvalPlan(probe, ckpt_path, module, None, data, tester, **common)
+
+
+def _tester(trainer: dict[str, Any], progress_bar: str) -> Any:
+    """The Trainer of a checkpoint's task=test: its settings settled (said where `auto` chose), the progress bar of
+    progress_bar=, no logger, no checkpoints."""
+    settled = build.settle_trainer(trainer, said=False)
+    bars, show_bar = build.progress_bar(progress_bar)
+    return build.build_trainer(settled, build.trainer_arguments(settled), logger=False, callbacks=bars,
+                               enable_progress_bar=show_bar, enable_checkpointing=False)  # fmt: skip
 
 
 def _checkpoint(ckpt_path: str, task: str) -> ViTModule:
@@ -128,7 +138,14 @@ def _pretrained(tree: DictConfig, task: str) -> Pretrained:
         tree.model.update(model)
         take_preprocessing(tree.data, weights, before)
     model, data = (OmegaConf.to_container(tree[k], resolve=True) for k in ("model", "data"))
-    return Pretrained(source, weights, model, data, Path(tree.paths.log_dir))
+    network = None
+    if task != "test":  # our ViT at the model's size, the weights loaded, no head (the features never reach one)
+        from vitlab.model import ViT
+        from vitlab.model.config import vit_config
+
+        network = ViT(vit_config(model))
+        weights.load_into(network, reset_head=True)
+    return Pretrained(source, weights, model, data, Path(tree.paths.log_dir), network)
 
 
 def _take_preprocessing(tree: DictConfig, weights: Any) -> None:

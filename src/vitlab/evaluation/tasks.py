@@ -20,8 +20,6 @@ import torch
 from vitlab.convert.source import Weights
 from vitlab.evaluation import classifier
 from vitlab.evaluation.features import Layers, _world, layers_of, source_id, split_features
-from vitlab.model import ViT
-from vitlab.model.config import vit_config
 from vitlab.training.run import build
 from vitlab.training.run.ranges import check_devices
 from vitlab.utils.errors import UserError
@@ -52,29 +50,35 @@ class Probe:
 @dataclass(frozen=True)
 class Pretrained:
     """`model.pretrained=<source>` without a checkpoint, resolved once by the plan: the weights (timm's architecture
-    and preprocessing), our model's config at the run's size (task=test: unused, the weights' own head is scored), the
-    data mapping with the weights' preprocessing laid in where it was left null, and where runs log (the features
-    cache: <log_dir>/features/<name>/)."""
+    and preprocessing), our model's config at the run's size and that model with the weights loaded (task=test:
+    neither, the weights' own head is scored), the data mapping with the weights' preprocessing laid in where it was
+    left null, and where runs log (the features cache: <log_dir>/features/<name>/)."""
 
     source: str
     weights: Weights
     model: Mapping[str, Any]
     data: Mapping[str, Any]
     log_dir: Path
+    network: Any = None  # task=knn|linear|fewshot|segmentation: our ViT of `model` with the weights, without a head
 
 
-def launch(trainer: Mapping[str, Any]) -> torch.device:
-    """Start the processes of trainer.accelerator / devices / num_nodes / strategy (this one becomes rank 0);
-    this process's device."""
-    from lightning.fabric import Fabric
-
+def check_launch(trainer: Mapping[str, Any]) -> None:
+    """The processes `launch` would start, checked as the command is planned: the devices asked for, a strategy that
+    extracts features (each process a share of the images, the whole model in each)."""
     check_devices(trainer)
-    strategy = trainer.get("strategy", "auto")
-    if not isinstance(strategy, str):
+    if not isinstance(trainer.get("strategy", "auto"), str):
         raise UserError(
             "frozen features are extracted with trainer.strategy=auto or ddp (each process a share of the images, "
             "the whole model in each); this config gives an object (trainer=fsdp?): use trainer=ddp or trainer=ddp_cpu"
         )
+
+
+def launch(trainer: Mapping[str, Any]) -> torch.device:
+    """Start the processes of trainer.accelerator / devices / num_nodes / strategy (checked by the plan:
+    check_launch; this one becomes rank 0); this process's device."""
+    from lightning.fabric import Fabric
+
+    strategy = trainer.get("strategy", "auto")
     t = trainer
     fabric = Fabric(accelerator=t.get("accelerator", "auto"), strategy=strategy, devices=t.get("devices", 1),
                     num_nodes=t.get("num_nodes", 1))  # fmt: skip
@@ -96,11 +100,9 @@ def probe_pretrained(probe: Probe, pretrained: Pretrained) -> dict | None:
     (`score_pretrained`)."""
     if probe.task == "test":
         return score_pretrained(probe, pretrained)
-    source, weights = pretrained.source, pretrained.weights
+    source, weights, model = pretrained.source, pretrained.weights, pretrained.network
     datamodule = build.build_datamodule(pretrained.data)
     datamodule.setup("test")
-    model = ViT(vit_config(pretrained.model))
-    weights.load_into(model, reset_head=True)
     data = {k: v for k, v in pretrained.data.items() if k not in LOADER_KEYS}
     named = source_id(source) if weights.is_file else {"pretrained": source}
     ident = named | {"model": dict(pretrained.model), "data": data}
