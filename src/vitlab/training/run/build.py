@@ -82,9 +82,9 @@ def fit_datamodule(plan: TrainPlan, **extra: Any) -> L.LightningDataModule:
 
 
 def build_module(plan: TrainPlan, datamodule: L.LightningDataModule | None, probe: bool = False) -> ViTModule:
-    """The ViTModule of a plan, training its objective (random weights; `train` loads pretrained ones). `probe`: the
-    module memory.estimate reads before the batch size is chosen (auto_batch): laid out on the meta device (nothing
-    allocated), no data module yet."""
+    """The ViTModule of a plan, training its objective, from the plan's weights (random ones without). `probe`: the
+    module the memory estimate and data.batch_size=auto read as the run is planned (auto_batch): laid out on the meta
+    device (nothing allocated, nothing loaded), no data module yet."""
     # trainer=fsdp: the ViT is laid out on the meta device and each process initialises its shards
     # (training.devices.sharding); pretrained weights are loaded into a whole model, built on the host (plan.on_meta).
     with sharding.networks_on_meta() if probe or plan.on_meta else contextlib.nullcontext():
