@@ -58,6 +58,9 @@ def train_plan(cfg: DictConfig) -> TrainPlan:
     ckpt, weights = resume.weights_to_start_from(ckpt, weights)  # (an average's: a new run from its weights)
     model_cfg = vit_config(config["model"])
     objective = OmegaConf.to_container(cfg.objective, resolve=True, throw_on_missing=True)  # a `???` named
+    peft = adapters.plan_peft(  # peft=: its settings and the base weights they adapt, named by sha256
+        config.get("peft"), weights, ckpt.hparams if ckpt else None, bool(config["model"].get("resample_patch"))
+    )
     plan = TrainPlan(
         model=model_cfg,
         data=data,
@@ -70,7 +73,9 @@ def train_plan(cfg: DictConfig) -> TrainPlan:
         on_meta=sharding.requests_fsdp(trainer) and weights is None,  # (weights are loaded into a whole model)
         callbacks=config.get("callbacks") or {},
         loggers=config.get("logger") or {},
-        weights=weights,
+        # What the module starts from: none for a resumed run, whose checkpoint holds its state, but peft='s base
+        # (its checkpoints keep the adapters alone).
+        weights=weights if ckpt is None or peft else None,
         resume=ckpt,
         output_dir=Path(paths["output_dir"]),
         seed=config["seed"],
@@ -86,9 +91,7 @@ def train_plan(cfg: DictConfig) -> TrainPlan:
         optimized_metric=optimized_metric(config),
         pruning=(trial.PruneTrial(config["optimized_metric"]),) if trial.sweep_pruner()[0] else (),
         config=config | {"data": data, "optim": optim, "trainer": trainer},  # as it runs: config.yaml's
-        peft=adapters.plan_peft(  # peft=: its settings and the base weights they adapt, named by sha256
-            config.get("peft"), weights, ckpt.hparams if ckpt else None, bool(config["model"].get("resample_patch"))
-        ),
+        peft=peft,
     )
     return auto_batch.planned(plan)  # data.batch_size=auto: the batch that fits, the learning rate scaled from it
 

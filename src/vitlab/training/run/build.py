@@ -98,9 +98,7 @@ def build_module(plan: TrainPlan, datamodule: L.LightningDataModule | None, prob
             data=plan.data,
             freeze_backbone=plan.freeze_backbone,
             peft=plan.peft,  # peft=: the adapters on the base weights (training.adapters)
-            # What a new run starts from (model.pretrained's, an average's; resolved once, by the plan); a resumed run
-            # from its checkpoint's state, over peft='s base alone (its checkpoints keep the adapters).
-            weights=plan.weights if plan.resume is None or plan.peft else None,
+            weights=plan.weights,  # what it starts from (the plan's: a resumed run's checkpoint state goes over them)
             resample_patch=plan.resample_patch,
         )
 

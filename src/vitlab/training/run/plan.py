@@ -59,7 +59,8 @@ class TrainPlan:
     trainer_args: dict[str, Any]  # the Trainer's arguments they translate to: AGC's callback, float8's plugin
     callbacks: dict[str, Any]  # conf/callbacks' nodes (the best checkpoint following the objective's metric)
     loggers: dict[str, Any]  # conf/logger's nodes
-    weights: Weights | None  # model.pretrained or an average as ckpt_path, resolved once: the module starts from them
+    weights: Weights | None  # model.pretrained, an average as ckpt_path or peft='s base, resolved once: the module
+    # starts from them (None for a run resumed from a checkpoint that holds its whole state)
     resume: Checkpoint | None  # the checkpoint fit goes on from, read once
     output_dir: Path
     seed: int
