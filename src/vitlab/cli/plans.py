@@ -58,9 +58,7 @@ def train_plan(cfg: DictConfig) -> TrainPlan:
     ckpt, weights = resume.weights_to_start_from(ckpt, weights)  # (an average's: a new run from its weights)
     model_cfg = vit_config(config["model"])
     objective = OmegaConf.to_container(cfg.objective, resolve=True, throw_on_missing=True)  # a `???` named
-    peft = adapters.plan_peft(  # peft=: its settings and the base weights they adapt, named by sha256
-        config.get("peft"), weights, ckpt.hparams if ckpt else None, bool(config["model"].get("resample_patch"))
-    )
+    peft = _peft(config, weights, ckpt)
     plan = TrainPlan(
         model=model_cfg,
         data=data,
@@ -73,9 +71,7 @@ def train_plan(cfg: DictConfig) -> TrainPlan:
         on_meta=sharding.requests_fsdp(trainer) and weights is None,  # (weights are loaded into a whole model)
         callbacks=config.get("callbacks") or {},
         loggers=config.get("logger") or {},
-        # What the module starts from: none for a resumed run, whose checkpoint holds its state, but peft='s base
-        # (its checkpoints keep the adapters alone).
-        weights=weights if ckpt is None or peft else None,
+        weights=weights if ckpt is None or peft else None,  # (a resumed run's checkpoint holds its state, but peft's)
         resume=ckpt,
         output_dir=Path(paths["output_dir"]),
         seed=config["seed"],
@@ -94,6 +90,12 @@ def train_plan(cfg: DictConfig) -> TrainPlan:
         peft=peft,
     )
     return auto_batch.planned(plan)  # data.batch_size=auto: the batch that fits, the learning rate scaled from it
+
+
+def _peft(config: Mapping[str, Any], weights: Any, ckpt: Any) -> dict | None:
+    """peft='s plan: its settings and the base weights they adapt, named by sha256 (training.adapters.plan_peft)."""
+    resumed = ckpt.hparams if ckpt else None
+    return adapters.plan_peft(config.get("peft"), weights, resumed, bool(config["model"].get("resample_patch")))
 
 
 def _resolved(composed: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
