@@ -1,7 +1,8 @@
 """Issue 77's acceptance, as typed: `python -m vitlab.train data=list data.train_file=<a CSV of ;-separated names>
 objective.multilabel=true` trains, chooses its checkpoint by mAP and reports it (each class's AP, the class counts, in
-metrics.json); `vitlab.predict` on the checkpoint gives every label over a threshold with its score; data that has
-one label an image is refused under multilabel, in one line."""
+metrics.json); `vitlab.predict` on the checkpoint gives every label over a threshold with its score; `vitlab.eval`
+scores the checkpoint and its frozen features (k-NN, linear) by mAP; data that has one label an image is refused under
+multilabel, in one line."""
 
 import json
 
@@ -89,11 +90,31 @@ def test_data_of_one_label_an_image_is_refused_under_multilabel(folder, tmp_path
     assert list(tmp_path.iterdir()) == []  # refused before the run's directory is made
 
 
-def test_eval_tests_a_multilabel_checkpoint_by_map_and_the_probes_refuse(run, tmp_path):
+def test_eval_scores_a_multilabel_checkpoint_by_map_in_test_knn_and_linear_and_fewshot_refuses(run, tmp_path):
+    """vitlab.eval on the checkpoint: its classifier (task=test) and its frozen features (task=knn, task=linear) each
+    give mAP over the classes and over every (image, class) pair, in metrics.json; few-shot (one label an image) is
+    refused in one line. The features separate the colours: each mAP above the 0.69 a constant score gets (the test
+    split's share of positive (image, class) pairs; per class 0.62-0.75)."""
     ckpt = run / "run" / "checkpoints" / "last.ckpt"
-    r = run_cli("eval", f"ckpt_path={ckpt}", "task=knn", f"hydra.run.dir={tmp_path / 'knn'}")
-    assert r.returncode == 2
-    assert r.stderr.strip().splitlines()[-1].startswith("error: task=knn scores one label an image, and this data has")
+    labels = [line.split(",")[1].split(";") for line in (run / "test.csv").read_text().splitlines()[1:]]
+    chance = sum(map(len, labels)) / (3 * len(labels))
     r = run_cli("eval", f"ckpt_path={ckpt}", "task=test", f"hydra.run.dir={tmp_path / 'test'}")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "test/map" in r.stdout + r.stderr
+    assert json.loads((tmp_path / "test" / "metrics.json").read_text())["test/map"] > chance
+    r = run_cli("eval", f"ckpt_path={ckpt}", "task=knn", "knn.k=[5,20]", f"hydra.run.dir={tmp_path / 'knn'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    knn = json.loads((tmp_path / "knn" / "metrics.json").read_text())
+    assert {"knn/map_k5", "knn/map_micro_k5", "knn/map_k20", "knn/map_micro_k20"} <= set(knn)
+    assert not any("top1" in name for name in knn) and knn["knn/map_k5"] > chance and knn["knn/map_micro_k5"] > chance
+    r = run_cli("eval", f"ckpt_path={ckpt}", "task=linear", "linear.iterations=60", "linear.batch_size=8",
+                "linear.n_last_blocks=[1]", f"hydra.run.dir={tmp_path / 'linear'}")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    linear = json.loads((tmp_path / "linear" / "metrics.json").read_text())
+    assert linear["linear/map"] > chance and 0 < linear["linear/val_map"] <= 1 and "linear/map_micro" in linear
+    assert linear["split"] == "test" and "linear/top1" not in linear
+    r = run_cli("eval", f"ckpt_path={ckpt}", "task=fewshot", f"hydra.run.dir={tmp_path / 'fewshot'}")
+    assert r.returncode == 2 and not (tmp_path / "fewshot" / "metrics.json").exists()
+    assert r.stderr.strip().splitlines()[-1] == (
+        "error: task=fewshot scores one label an image, and this data has several (objective.multilabel): use "
+        "task=knn or task=linear or task=test, which score mAP"
+    )

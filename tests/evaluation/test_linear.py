@@ -46,11 +46,22 @@ def test_the_stream_is_dinov2s_sharded_infinite_sampler(n, world):
     assert len(set(first_pass.tolist())) == len(first_pass) == n // world * world
 
 
-def test_a_step_is_torch_sgd_with_a_learning_rate_per_head_and_cosine(one_thread):
+@pytest.mark.parametrize("multilabel", [False, True])
+def test_a_step_is_torch_sgd_with_a_learning_rate_per_head_and_cosine(one_thread, multilabel):
     """The stacked heads and the hand-written step against one nn.Linear per head, torch.optim.SGD (momentum 0.9, a
-    parameter group per head, lr x batch / 256) and CosineAnnealingLR, on the same batches: the same weights."""
+    parameter group per head, lr x batch / 256) and CosineAnnealingLR, on the same batches: the same weights. Several
+    labels an image (multi-hot rows): each head's loss a binary cross-entropy a class, summed over the classes and
+    averaged over the batch (a logit's gradient sigmoid - target, cross-entropy's scale)."""
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g)
+    x = torch.randn(64, 6, generator=g)
+    y = torch.randint(0, 2, (64, 3), generator=g) if multilabel else torch.randint(0, 3, (64,), generator=g)
+
+    def loss_of(logits, target):
+        if multilabel:
+            bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, target.float(), reduction="sum")
+            return bce / len(target)
+        return torch.nn.functional.cross_entropy(logits, target)
+
     views, lrs = {"a": slice(0, 4), "b": slice(2, 6)}, (0.01, 0.5)
     s = Schedule(iterations=30, batch_size=16, lrs=lrs)
     heads = Heads(views, 6, 3, len(lrs), torch.Generator().manual_seed(1))
@@ -65,7 +76,7 @@ def test_a_step_is_torch_sgd_with_a_learning_rate_per_head_and_cosine(one_thread
     batches = [(x[i % 4 * 16 : i % 4 * 16 + 16], y[i % 4 * 16 : i % 4 * 16 + 16]) for i in range(30)]
     for bx, by in batches:
         cols = [views["a"], views["a"], views["b"], views["b"]]
-        loss = sum(torch.nn.functional.cross_entropy(lin(bx[:, c]), by) for lin, c in zip(ref, cols, strict=True))
+        loss = sum(loss_of(lin(bx[:, c]), by) for lin, c in zip(ref, cols, strict=True))
         opt.zero_grad(), loss.backward(), opt.step(), sched.step()
     train_heads(heads, iter(batches), s)
     for i, lin in enumerate(ref):
@@ -151,6 +162,36 @@ def test_the_head_is_chosen_on_validation_never_on_test(one_thread):
     )
     assert out["lr"] == next(lr for lr in s.lrs if per[f"clusters/lr{lr:g}"] == out["val_acc"])  # the first of equals
     assert out["test_acc"] < 0.2  # scored, not chosen, on test
+
+
+def test_several_labels_an_image_choose_the_head_on_validation_map_and_report_test_map(one_thread):
+    """Multi-hot labels (a class per bit of the cluster's index: 1 to 2 labels an image), one configuration of noise:
+    the head best by validation mAP is chosen, and its test mAP (macro and micro, scikit-learn's
+    average_precision_score on the chosen head's logits) reported, where test's labels would have chosen otherwise."""
+    from sklearn.metrics import average_precision_score
+
+    from tests.evaluation.test_probes import clusters
+
+    train, y, val, val_y = clusters(3, 12, (64, 16), seed=4, spread=3)
+    bits = torch.tensor([[1, 0], [0, 1], [1, 1]])  # cluster -> its labels
+    noise = [torch.randn(len(t), 12, generator=torch.Generator().manual_seed(5)) for t in (train, val)]
+    views = {"noise": slice(0, 12), "clusters": slice(12, 24)}
+    tr, va = torch.cat([noise[0], train], 1), torch.cat([noise[1], val], 1)
+    test_y = 1 - bits[val_y]  # the same images with every label flipped: test would pick the worst head
+    s = Schedule(iterations=60, batch_size=32, lrs=(1e-5, 1e-3, 0.1))
+    out = linear_grid(views, tr, bits[y], va, bits[val_y], va.clone(), test_y, 2, s)
+    per = out["val_map_per_head"]
+    assert out["features"] == "clusters" and out["val_map"] == max(per.values()) > 0.95
+    assert max(v for k, v in per.items() if k.startswith("noise")) < 0.9
+    assert out["lr"] == next(lr for lr in s.lrs if per[f"clusters/lr{lr:g}"] == out["val_map"])  # the first of equals
+    g = torch.Generator().manual_seed(s.seed)  # the chosen head again, scored by scikit-learn
+    heads = Heads(views, 24, 2, len(s.lrs), g)
+    train_heads(heads, cached_batches(tr, bits[y], s), s)
+    logits = heads(va)[:, list(per).index(f"{out['features']}/lr{out['lr']:g}")].detach().numpy()
+    assert out["test_map"] == pytest.approx(average_precision_score(test_y.numpy(), logits, average="macro"), abs=1e-6)
+    assert out["test_map_micro"] == pytest.approx(average_precision_score(test_y.numpy(), logits, average="micro"),
+                                                  abs=1e-6)  # fmt: skip
+    assert out["test_map"] < 0.5  # scored, not chosen, on test
 
 
 def test_augment_recomputes_features_on_crops_and_flips_at_every_step(digits_ckpt, compose_cfg, tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vitlab.evaluation.probes import fewshot_accuracy, knn_predict, lsr_fit, lsr_predict
+from vitlab.evaluation.probes import fewshot_accuracy, knn_map, knn_predict, lsr_fit, lsr_predict
 
 
 def direct_knn(train, train_labels, test, num_classes, k, T):
@@ -42,6 +42,38 @@ def test_knn_equals_a_direct_computation_with_temperature_weights_and_ties():
     q = torch.tensor([[1.0, 0.0]])
     assert knn_predict(near, lab, q, 2, ks=(3,), temperature=0.07)[3].tolist() == [0]
     assert knn_predict(near, lab, q, 2, ks=(3,), temperature=100.0)[3].tolist() == [1]
+
+
+def direct_knn_scores(train, train_labels, test, k, T):
+    """Several labels an image: one test feature at a time, its k most similar training features (cosine), each of
+    weight exp(s / T); a class's score the share of that weight whose images carry the class."""
+    scores = np.zeros((len(test), train_labels.shape[1]))
+    for row, q in enumerate(test):
+        sims = [float(np.dot(q, t) / (np.linalg.norm(q) * np.linalg.norm(t))) for t in train]
+        nearest = sorted(range(len(train)), key=lambda i: -sims[i])[:k]
+        for i in nearest:
+            scores[row] += math.exp(sims[i] / T) * train_labels[i]
+        scores[row] /= sum(math.exp(sims[i] / T) for i in nearest)
+    return scores
+
+
+def test_knn_map_scores_each_class_by_its_neighbours_weighted_votes_as_scikit_learn_ranks_them():
+    """mAP over the classes and over every (image, class) pair, of the direct computation's scores, by scikit-learn's
+    average_precision_score (the reference the classifier's test/map is held to)."""
+    from sklearn.metrics import average_precision_score
+
+    g = torch.Generator().manual_seed(3)
+    train, test = torch.randn(60, 8, generator=g), torch.randn(30, 8, generator=g)
+    labels, test_labels = torch.randint(0, 2, (60, 4), generator=g), torch.randint(0, 2, (30, 4), generator=g)
+    test_labels[0] = 1  # every class has a positive test image
+    for T in (0.5, 0.07):  # (0.07, DINO's: weights of exp(14), far outside a float32 sigmoid's range)
+        found = knn_map(train, labels, test, test_labels, ks=(1, 5, 20), temperature=T)
+        for k in (1, 5, 20):
+            scores = direct_knn_scores(train.numpy(), labels.numpy(), test.numpy(), k, T)
+            for name, average in (("map", "macro"), ("map_micro", "micro")):
+                want = average_precision_score(test_labels.numpy(), scores, average=average)
+                assert found[k][name] == pytest.approx(want, abs=1e-6), (k, T, name)
+        assert found[1] != found[20]  # the votes of more neighbours rank otherwise
 
 
 @pytest.mark.parametrize("n, d", [(40, 6), (6, 40)])

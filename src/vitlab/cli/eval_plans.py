@@ -52,16 +52,24 @@ def eval_plan(cfg: DictConfig) -> EvalPlan:
     common = {"tta": tree.tta, "output_dir": Path(tree.paths.output_dir)}
     if ckpt_path is None:
         pretrained = _pretrained(tree, task)
+        _check_labels(task, pretrained.data, checkpoint=False)
         return EvalPlan(probe, None, None, pretrained, dict(pretrained.data), None, **common)
     module = _checkpoint(ckpt_path, task)
     data = _data(tree, module.hparams.get("data"), ckpt_path, module.model.cfg.to_dict()["img_size"])
-    if data.get("multilabel") and task != "test":  # (issue 77: the probes score one label an image)
-        raise UserError(
-            f"task={task} scores one label an image, and this data has several (objective.multilabel): score "
-            "the checkpoint's classifier with task=test (mAP), or probe its features on one-label data (data=<name>)"
-        )
+    _check_labels(task, data)
     tester = _tester(trainer, tree.progress_bar) if task == "test" else None
     return EvalPlan(probe, ckpt_path, module, None, data, tester, **common)
+
+
+def _check_labels(task: str, data: dict[str, Any], checkpoint: bool = True) -> None:
+    """Several labels an image (data.multilabel): knn and linear score frozen features by mAP, test a checkpoint's
+    classifier; the rest (fewshot, segmentation, and test of timm's one-label head) refused in one line."""
+    scored = ("knn", "linear", "test") if checkpoint else ("knn", "linear")
+    if data.get("multilabel") and task not in scored:
+        raise UserError(
+            f"task={task} scores one label an image, and this data has several (objective.multilabel): use "
+            f"{' or '.join(f'task={t}' for t in scored)}, which score mAP"
+        )
 
 
 def _tester(trainer: dict[str, Any], progress_bar: str) -> Any:

@@ -122,9 +122,9 @@ def split_features(
     label_spec: tuple[tuple[int, ...], torch.dtype] = ((), torch.int64),
     copy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
-    """(features (N, D) float32, labels (N,) int64) of `split`, from the cache where it holds them; in rank 0 only
-    where several processes share the work (all must call it; the others get (None, None)). Rank 0 alone reads and
-    writes the cache. `dataset` (else `eval_view`), `label_spec` and `copy` serve seg_probe's maps and masks."""
+    """(features (N, D) float32, labels (N,) int64, or `label_spec`'s) of `split`, from the cache where it holds them;
+    in rank 0 only where several processes share the work (all must call it; the others get (None, None)). Rank 0
+    alone reads and writes the cache. `dataset` (else `eval_view`) and `copy` serve seg_probe's maps and masks."""
     dataset = datamodule.eval_view(split) if dataset is None else dataset
     n, (rank, world) = len(dataset), _world()
     if n == 0:  # (a held-out validation slice that held nothing: data/streamed.py refuses it in training now)

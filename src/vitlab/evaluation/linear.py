@@ -13,6 +13,12 @@ processes, which is one step on the processes' batches together: so a single pro
 
 The heads of a configuration are one tensor (L, C, D): a step is one matmul per configuration and a hand-written SGD
 step, equal to torch.optim.SGD's (dampening 0, no Nesterov) with a learning rate per head. Plain torch, no Lightning.
+
+Several labels an image (multi-hot (N, C) labels, objective.multilabel data), which DINOv2 does not evaluate: each
+head's loss is a sigmoid binary cross-entropy a class, summed over the classes (a logit's gradient sigmoid - target,
+on cross-entropy's scale, so the same learning-rate grid serves), and the head is chosen on the validation split's
+mAP and scored on the test split by mAP over the classes and over every (image, class) pair (torchmetrics, as the
+classifier's val/map and test/map).
 """
 
 from __future__ import annotations
@@ -122,8 +128,8 @@ class Heads(torch.nn.Module):
 
 
 def train_heads(heads: Heads, batches: Iterator[tuple], s: Schedule, on_step: Callable | None = None) -> Heads:
-    """`s.iterations` steps of DINOv2's loop: the summed cross-entropy of every head on the step's batch, SGD with
-    momentum and each head's learning rate, cosine-annealed."""
+    """`s.iterations` steps of DINOv2's loop: the summed cross-entropy of every head on the step's batch (multi-hot
+    labels: binary cross-entropy a class, summed), SGD with momentum and each head's learning rate, cosine-annealed."""
     params = [*heads.weights, *heads.biases]
     base = torch.tensor(s.lrs, dtype=torch.float32) * s.lr_scale  # (L,)
     momenta: list[torch.Tensor | None] = [None] * len(params)
@@ -131,7 +137,10 @@ def train_heads(heads: Heads, batches: Iterator[tuple], s: Schedule, on_step: Ca
         x, y = next(batches)
         logits = heads(x.float())  # (B, H, C)
         b, h, c = logits.shape
-        loss = F.cross_entropy(logits.reshape(b * h, c), y.repeat_interleave(h), reduction="sum") / b
+        if y.ndim == 2:  # several labels an image
+            loss = F.binary_cross_entropy_with_logits(logits, y[:, None].float().expand_as(logits), reduction="sum") / b
+        else:
+            loss = F.cross_entropy(logits.reshape(b * h, c), y.repeat_interleave(h), reduction="sum") / b
         grads = torch.autograd.grad(loss, params)
         lr = base * s.lr_at(step)
         with torch.no_grad():
@@ -147,7 +156,10 @@ def train_heads(heads: Heads, batches: Iterator[tuple], s: Schedule, on_step: Ca
 @torch.no_grad()
 def choose(heads: Heads, lrs: tuple, val, val_labels, test, test_labels) -> dict:
     """The head best on validation (the first of equals in the heads' order, as DINOv2's strict >), and its test
-    accuracy: the test split never takes part in the choice."""
+    accuracy: the test split never takes part in the choice. Multi-hot labels: chosen on validation mAP, its test mAP
+    (`val_map`, `test_map`, `test_map_micro`) in place of the accuracies."""
+    if val_labels.ndim == 2:
+        return _choose_on_map(heads, lrs, val, val_labels, test, test_labels)
     val_acc = (heads(val.float()).argmax(-1) == val_labels[:, None]).float().mean(0)  # (H,)
     best = int(val_acc.argmax())  # argmax's first maximum
     names = [(view, lr) for view in heads.views for lr in lrs]
@@ -160,6 +172,25 @@ def choose(heads: Heads, lrs: tuple, val, val_labels, test, test_labels) -> dict
         "val_acc": val_acc[best].item(),
         "test_acc": test_acc,
         "val_acc_per_head": per_head,
+    }
+
+
+def _choose_on_map(heads: Heads, lrs: tuple, val, val_labels, test, test_labels) -> dict:
+    from vitlab.evaluation.probes import average_precision as ap
+
+    val_logits = heads(val.float())  # (N, H, C)
+    val_map = torch.tensor([ap(val_logits[:, h], val_labels) for h in range(val_logits.shape[1])])
+    best = int(val_map.argmax())  # argmax's first maximum
+    names = [(view, lr) for view in heads.views for lr in lrs]
+    test_logits = heads(test.float())[:, best]
+    view, lr = names[best]
+    return {
+        "features": view,
+        "lr": lr,
+        "val_map": val_map[best].item(),
+        "test_map": ap(test_logits, test_labels),
+        "test_map_micro": ap(test_logits, test_labels, "micro"),
+        "val_map_per_head": {f"{v}/lr{lr:g}": a for (v, lr), a in zip(names, val_map.tolist(), strict=True)},
     }
 
 

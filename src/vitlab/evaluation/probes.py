@@ -4,7 +4,8 @@
   cosine similarity to every training feature, the k most similar vote for their class with weight
   exp(similarity / T) (T = 0.07); ties go to the lowest class index (torch.argmax's first maximum);
   `knn_topk_accuracy` also top-5, as DINOv2 reports it (torchmetrics' top-k accuracy: the target among
-  torch.topk's 5 classes of the votes);
+  torch.topk's 5 classes of the votes); `knn_map` for several labels an image: a class's score the share of the
+  neighbours' weight that carries it, mAP (macro and micro) on them;
 - `fewshot_accuracy`: big_vision's `fewshot_lsr` (evaluators/fewshot_lsr.py): per shot count, that many training
   images per class drawn with a seeded generator, features whitened on them, a constant bias feature of 100,
   targets one-hot in {-1, 1}, L2-regularised least squares in closed form (l2_reg 2^10), argmax; `fewshot_seeds`
@@ -30,6 +31,29 @@ FEWSHOT_SHOTS = (1, 5, 10, 25)  # big_vision's common_fewshot
 BIAS_CONSTANT = 100.0  # big_vision: large, so the bias is almost unregularised
 
 
+def _votes(train, train_labels, test, num_classes: int, ks: Sequence[int], temperature: float, chunk: int,
+           total: bool = False):  # fmt: skip
+    """For each chunk of `test`, {k: (chunk, C) votes}: the labels of its k nearest training features by cosine
+    similarity, each weighted exp(similarity / T) and summed. A label is a class index (one-hot), or a multi-hot row
+    (several labels an image). k larger than the training set is capped at its size. `total`: {k: (votes, (chunk, 1)
+    the neighbours' summed weight)}, both float64."""
+    if temperature <= 0:
+        raise UserError(f"knn temperature {temperature} must be > 0")
+    train, test = F.normalize(train.float(), dim=1), F.normalize(test.float(), dim=1)
+    top = min(max(ks), len(train))
+    for start in range(0, len(test), chunk):
+        sims, idx = (test[start : start + chunk] @ train.T).topk(top, dim=1)  # sorted, most similar first
+        found = train_labels[idx]
+        found = found.float() if train_labels.ndim == 2 else F.one_hot(found, num_classes).float()
+        weights = (sims / temperature).exp().unsqueeze(-1)
+        votes = found * weights
+        if total:  # summed one neighbour after the other, in float64: a class all k carry has a share of exactly 1
+            cum, weight = votes.double().cumsum(1), weights.double().cumsum(1)
+            yield {k: (cum[:, min(k, top) - 1], weight[:, min(k, top) - 1]) for k in ks}
+        else:
+            yield {k: votes[:, : min(k, top)].sum(1) for k in ks}
+
+
 @torch.no_grad()
 def knn_predict(
     train: torch.Tensor,
@@ -42,16 +66,10 @@ def knn_predict(
 ) -> dict[int, torch.Tensor]:
     """The predicted class of each test feature, per k: the temperature-weighted vote of its k nearest training
     features by cosine similarity. k larger than the training set is capped at its size."""
-    if temperature <= 0:
-        raise UserError(f"knn temperature {temperature} must be > 0")
-    train, test = F.normalize(train.float(), dim=1), F.normalize(test.float(), dim=1)
-    top = min(max(ks), len(train))
     preds: dict[int, list[torch.Tensor]] = {k: [] for k in ks}
-    for start in range(0, len(test), chunk):
-        sims, idx = (test[start : start + chunk] @ train.T).topk(top, dim=1)  # sorted, most similar first
-        votes = F.one_hot(train_labels[idx], num_classes).float() * (sims / temperature).exp().unsqueeze(-1)
+    for summed in _votes(train, train_labels, test, num_classes, ks, temperature, chunk):
         for k in ks:
-            preds[k].append(votes[:, : min(k, top)].sum(1).argmax(1))
+            preds[k].append(summed[k].argmax(1))
     return {k: torch.cat(p) for k, p in preds.items()}
 
 
@@ -70,21 +88,46 @@ def knn_topk_accuracy(
     at the fifth place, classes no neighbour voted for among them, go as torch.topk leaves them; DINO's eval_knn.py
     sorts votes padded to 1,000 classes and may break them otherwise). Data of fewer than 5 classes: top-1 only (as
     torchmetrics refuses top_k > classes)."""
-    if temperature <= 0:
-        raise UserError(f"knn temperature {temperature} must be > 0")
-    train, test = F.normalize(train.float(), dim=1), F.normalize(test.float(), dim=1)
-    top, tops = min(max(ks), len(train)), (1, 5) if num_classes >= 5 else (1,)
+    tops = (1, 5) if num_classes >= 5 else (1,)
     right = {k: dict.fromkeys(tops, 0) for k in ks}
-    for start in range(0, len(test), chunk):
+    votes = _votes(train, train_labels, test, num_classes, ks, temperature, chunk)
+    for start, summed in zip(range(0, len(test), chunk), votes, strict=True):
         target = test_labels[start : start + chunk, None]
-        sims, idx = (test[start : start + chunk] @ train.T).topk(top, dim=1)  # sorted, most similar first
-        votes = F.one_hot(train_labels[idx], num_classes).float() * (sims / temperature).exp().unsqueeze(-1)
         for k in ks:
-            summed = votes[:, : min(k, top)].sum(1)  # (chunk, C)
-            right[k][1] += int((summed.argmax(1, keepdim=True) == target).sum())
+            right[k][1] += int((summed[k].argmax(1, keepdim=True) == target).sum())
             if 5 in tops:
-                right[k][5] += int((summed.topk(5, dim=1).indices == target).any(1).sum())
+                right[k][5] += int((summed[k].topk(5, dim=1).indices == target).any(1).sum())
     return {k: {f"top{t}": n / len(test) for t, n in r.items()} for k, r in right.items()}
+
+
+@torch.no_grad()
+def knn_map(train, train_labels, test, test_labels, ks=KNN_KS, temperature: float = 0.07, chunk: int = 1024):
+    """Several labels an image ((N, C) multi-hot rows): a test image's score for a class is the share of its k
+    nearest training images' weight (exp(similarity / T), as `knn_predict` weighs votes) that carry that class;
+    {k: {"map": mAP over the classes, "map_micro": over every (image, class) pair}} (`average_precision`)."""
+    num_classes = train_labels.shape[1]
+    scores: dict[int, list[torch.Tensor]] = {k: [] for k in ks}
+    for summed in _votes(train, train_labels, test, num_classes, ks, temperature, chunk, total=True):
+        for k in ks:
+            votes, weight = summed[k]
+            scores[k].append(votes / weight)
+    return {
+        k: {"map": average_precision(torch.cat(s), test_labels), "map_micro": average_precision(torch.cat(s),
+                                                                                              test_labels, "micro")}
+        for k, s in scores.items()
+    }  # fmt: skip
+
+
+def average_precision(scores: torch.Tensor, labels: torch.Tensor, average: str = "macro") -> float:
+    """torchmetrics' multi-label average precision (`average`: macro, over the classes; micro, over every (image,
+    class) pair) of any real scores, the same number as scikit-learn's average_precision_score: the scores are
+    first mapped into [0, 1] by one increasing map in float64 (torchmetrics would put scores outside [0, 1] through a
+    float32 sigmoid, where scores above about 17 all become 1.0 and tie)."""
+    from torchmetrics.functional.classification import multilabel_average_precision
+
+    x = scores.double()
+    span = (x.max() - x.min()).clamp_min(torch.finfo(torch.float64).tiny)
+    return multilabel_average_precision((x - x.min()) / span, labels.long(), labels.shape[1], average=average).item()
 
 
 def lsr_fit(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2_reg: float) -> tuple[torch.Tensor, ...]:

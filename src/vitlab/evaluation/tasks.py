@@ -159,7 +159,8 @@ def run_probe(probe: Probe, model, datamodule, source: dict, cache: Path | None,
     layers, views = linear_views(probe.layers, lp, model) if linear else (layers_of(model, probe.layers), None)
     augment = linear and lp["augment"]  # the heads train on features recomputed each step: none cached for train
     splits = (["val", split] if augment else ["train", "val", split]) if linear else ["train", split]
-    feats = {s: split_features(model, datamodule, s, device, cache, source, layers) for s in splits}
+    labels = label_spec(datamodule)
+    feats = {s: split_features(model, datamodule, s, device, cache, source, layers, label_spec=labels) for s in splits}
     if linear:  # under augment every process extracts training features all along: each runs it
         metrics = score_linear(lp, model, datamodule, layers, views, feats, split, device)
     if feats[split][0] is None:  # not rank 0
@@ -201,13 +202,22 @@ def linear_views(layers: int | list[int] | None, lp: Mapping[str, Any], model) -
     return picked, views
 
 
+def label_spec(datamodule) -> tuple[tuple[int, ...], torch.dtype]:
+    """The shape and type of an image's label in the features cache: a class index, or with several labels an image
+    (objective.multilabel data) its multi-hot row of the classes."""
+    return ((datamodule.num_classes,), torch.int64) if getattr(datamodule, "multilabel", False) else ((), torch.int64)
+
+
 def _score(probe: Probe, feats: dict, split: str, k: int) -> dict:
-    from vitlab.evaluation.probes import fewshot_seeds, knn_topk_accuracy
+    from vitlab.evaluation.probes import fewshot_seeds, knn_map, knn_topk_accuracy
 
     (train, train_y), (test, test_y) = feats["train"], feats[split]
     if probe.task == "knn":
         knn = probe.knn
-        found = knn_topk_accuracy(train, train_y, test, test_y, k, tuple(knn["k"]), knn["temperature"])
+        if train_y.ndim == 2:  # several labels an image: mAP of the neighbours' votes
+            found = knn_map(train, train_y, test, test_y, tuple(knn["k"]), knn["temperature"])
+        else:
+            found = knn_topk_accuracy(train, train_y, test, test_y, k, tuple(knn["k"]), knn["temperature"])
         return {f"knn/{name}_k{n}": acc for n, accs in found.items() for name, acc in accs.items()}
     f = probe.fewshot
     check_shots(list(f["shots"]), train_y, k)
@@ -253,9 +263,14 @@ def score_linear(
     train_heads(heads, batches, s, on_step=_progress("linear probe", s.iterations))
     (val, val_y), (test, test_y) = feats["val"], feats[split]
     found = choose(heads, s.lrs, val.to(device), val_y.to(device), test.to(device), test_y.to(device))
-    return {"linear/top1": found["test_acc"], "linear/val_top1": found["val_acc"], "linear/lr": found["lr"],
-            "linear/features": found["features"], "linear/protocol": s.describe(len(views), lp["augment"]),
-            "linear/chosen_on": "val", "linear/reported_on": split}  # fmt: skip
+    if val_y.ndim == 2:  # several labels an image: chosen on validation mAP
+        scores = {"linear/map": found["test_map"], "linear/map_micro": found["test_map_micro"],
+                  "linear/val_map": found["val_map"]}  # fmt: skip
+    else:
+        scores = {"linear/top1": found["test_acc"], "linear/val_top1": found["val_acc"]}
+    return scores | {"linear/lr": found["lr"], "linear/features": found["features"],
+                     "linear/protocol": s.describe(len(views), lp["augment"]), "linear/chosen_on": "val",
+                     "linear/reported_on": split}  # fmt: skip
 
 
 def _progress(what: str, total: int, minute: float = 60.0) -> Callable[[int], None]:
