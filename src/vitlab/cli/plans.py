@@ -109,14 +109,17 @@ def _resolved(composed: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]
 
 
 def optimized_metric(config: Mapping[str, Any]) -> str | None:
-    """`optimized_metric`; in a single run its default (val/acc_best) follows an objective that logs no accuracy
-    (val/loss_best), as the best checkpoint does. A sweep keeps what it was given: its direction goes with it."""
+    """`optimized_metric`; its default (val/acc_best) follows an objective that logs no accuracy, as the best
+    checkpoint does: val/map_best of several labels an image (higher is better, as accuracy: in a sweep too), and in
+    a single run val/loss_best (a sweep keeps val/acc_best there: its sweeper's direction, maximize, goes with it)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    key, (watched, _) = config.get("optimized_metric"), _best(config)
+    key, (watched, mode) = config.get("optimized_metric"), _best(config)
+    if key != "val/acc_best" or watched == "acc":
+        return key
     single = not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN
-    return f"val/{watched}_best" if key == "val/acc_best" and watched != "acc" and single else key
+    return f"val/{watched}_best" if single or mode == "max" else key
 
 
 def checkpoint_follows_objective(config: Mapping[str, Any]) -> dict[str, Any]:

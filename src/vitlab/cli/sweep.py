@@ -22,6 +22,9 @@ from vitlab.utils.errors import UserError, fail
 
 # What a finished job of each entry point writes in its directory: train, parity, benchmark.
 RESULT_FILES = ("metrics.json", "parity.json", "benchmark.json")
+# A column of the summary that no job logged, shown as what runs of several labels an image log in its place (the
+# checkpoint and the sweeper follow val/map: cli/plans.py optimized_metric).
+IN_PLACE_OF = {"val/acc_best": "val/map_best", "test/acc": "test/map"}
 
 
 class SweepSummary(Callback):
@@ -52,7 +55,7 @@ class SweepSummary(Callback):
         sweeper, target = hydra_cfg.sweeper, str(hydra_cfg.sweeper.get("_target_", ""))
         ours = target.endswith("vitlab_optuna.OptunaSweeper")  # (which writes it from its study, trial by trial)
         if "optuna" in target.lower() and not ours and isinstance(sweeper.get("direction"), str):
-            best = _best_trial(sweep_dir, metric, sweeper)
+            best = _best_trial(sweep_dir, _shown(metric, rows), sweeper)
             if best is not None:
                 text = OmegaConf.to_yaml(OmegaConf.create(best)).encode()
                 atomic_write(sweep_dir / "optimization_results.yaml", lambda f: f.write(text), what="sweep results")
@@ -79,7 +82,7 @@ class SweepSummary(Callback):
             "job": int(job.name),
             "overrides": overrides,
             "status": status,
-            **{c: metrics.get(c) for c in self.columns},
+            **{_shown(c, [metrics]): metrics.get(_shown(c, [metrics])) for c in self.columns},
             **({"error": error} if error else {}),
             **({"bug": True} if failure.get("bug") else {}),
             **({"resume": resume} if resume else {}),
@@ -91,7 +94,7 @@ class SweepSummary(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = self.show(config.hydra, config.get("optimized_metric"))
         if "optuna" not in str(config.hydra.sweeper.get("_target_", "")).lower():  # (Optuna's: the study's plots)
-            plot_grid(rows, config.get("optimized_metric"), sweep_dir)
+            plot_grid(rows, _shown(config.get("optimized_metric"), rows), sweep_dir)
         failed = [r for r in rows if r["status"] != "done" and not r["status"].startswith("pruned")]
         if failed:
             first = failed[0]
@@ -113,16 +116,17 @@ class SweepSummary(Callback):
 
         sweep_dir = Path(hydra_cfg.sweep.dir)
         rows = self.write(hydra_cfg, metric)
-        order = f", best {metric} first" if metric in self.columns else ""
+        columns, metric = [_shown(c, rows) for c in self.columns], _shown(metric, rows)
+        order = f", best {metric} first" if metric in columns else ""
         table = Table(title=f"sweep summary ({sweep_dir}){order}")
-        for col in ["job", "overrides", "status", *self.columns]:
+        for col in ["job", "overrides", "status", *columns]:
             table.add_column(col)
         for r in _by_metric(rows, metric, _direction(hydra_cfg, metric)):
             table.add_row(
                 str(r["job"]),
                 " ".join(r["overrides"]),
                 r["status"],
-                *[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in self.columns],
+                *[f"{r.get(c):.4g}" if isinstance(r.get(c), float) else str(r.get(c)) for c in columns],
             )
         console = Console(width=None if sys.stdout.isatty() else 160)
         console.print(table)
@@ -167,6 +171,14 @@ def _folds_table(over_folds: list[dict[str, Any]], columns: list[str], sweep_dir
         cells = [f"{e[c]['mean']:.4g} ± {e[c]['std']:.2g}" if c in e else "-" for c in columns]
         table.add_row(" ".join(e["overrides"]) or "(all)", f"{e['done']}/{e['folds']}", *cells)
     return table
+
+
+def _shown(column: str | None, rows: list[dict[str, Any]]) -> str | None:
+    """`column`, or what several labels an image log in its place (IN_PLACE_OF) where no row has it and one has that."""
+    instead = IN_PLACE_OF.get(column or "")
+    if instead and not any(r.get(column) is not None for r in rows) and any(r.get(instead) is not None for r in rows):
+        return instead
+    return column
 
 
 def _direction(hydra_cfg: DictConfig, metric: str | None) -> str:
