@@ -10,10 +10,12 @@ import pytest
 import timm
 import torch
 from peft import PeftModel
+from PIL import Image
 
 from tests.helpers.commands import run_cli
 from tests.helpers.configs import RESUMABLE
 from tests.helpers.runs import assert_same_run, digits_checkpoint, interrupt, resume, trained
+from vitlab.convert.averaging import ema_weights
 from vitlab.convert.source import resolve
 from vitlab.convert.timm_args import create_timm_model
 from vitlab.convert.weights import read_checkpoint
@@ -35,9 +37,13 @@ def lora_run(tmp_path_factory, base):
 
 
 def test_a_lora_checkpoint_holds_the_trainable_tensors_and_names_its_base(lora_run, base):
+    """Every set of weights in it (callbacks=ema's: the EMA's, and the raw weights beside them, which held the whole
+    network, base and all, before) holds the adapters and the head only."""
     ckpt = read_checkpoint(lora_run / "checkpoints" / "last.ckpt")
     model_keys = {k for k in ckpt["state_dict"] if k.startswith("model.")}
     assert model_keys and all(".lora_" in k or ".modules_to_save." in k for k in model_keys), model_keys
+    beside = ckpt.get("current_model_state") or ckpt["average_model_state"]  # (which: the monitor's choice)
+    assert {k for k in beside if k.startswith("model.")} == model_keys
     named = ckpt["hyper_parameters"]["peft"]["base"]
     assert named["source"] == str(base.resolve())
     assert named["sha256"] == hashlib.sha256(base.read_bytes()).hexdigest()
@@ -71,3 +77,44 @@ def test_an_adapter_checkpoint_is_evaluated_and_exported_both_ways_with_its_logi
         assert (logits - before).abs().max() > 1e-4  # the adapters changed the base's logits
         torch.testing.assert_close(merged(x), logits, atol=1e-5, rtol=0)
         torch.testing.assert_close(adapted(x), logits, atol=1e-5, rtol=0)
+
+
+def test_adapter_checkpoints_are_averaged_raw_and_ema_and_the_average_is_evaluated_visualized_and_predicted(
+    lora_run, base, tmp_path
+):
+    """vitlab.average over a LoRA run's checkpoints (issue 75, point 3): the averaged checkpoint holds the adapters'
+    mean (the trainable tensors only, its base still named by sha256), and with use_ema=true the EMA's; eval scores
+    it, visualize draws its attention on an image, predict ranks the image's classes: each takes it as it takes a
+    full checkpoint (the base found and checked as it loads)."""
+    ckpts = sorted((lora_run / "checkpoints").glob("*.ckpt"))
+    assert len(ckpts) >= 2, ckpts
+    paths = f"ckpt_paths=[{','.join(map(str, ckpts))}]"
+    for name, extra in (("averaged", []), ("ema", ["use_ema=true"])):
+        r = run_cli("average", paths, *extra, f"output={tmp_path / name}.ckpt", f"hydra.run.dir={tmp_path / name}")
+        assert r.returncode == 0, r.stderr[-3000:]
+    held = [read_checkpoint(c) for c in ckpts]
+    averaged, ema = (read_checkpoint(tmp_path / f"{n}.ckpt") for n in ("averaged", "ema"))
+    keys = {k for k in averaged["state_dict"] if k.startswith("model.")}
+    assert keys and all(".lora_" in k or ".modules_to_save." in k for k in keys), keys
+    assert averaged["hyper_parameters"]["peft"]["base"]["sha256"] == hashlib.sha256(base.read_bytes()).hexdigest()
+    for k in keys:
+        mean = sum(c["state_dict"][k] for c in held) / len(held)
+        torch.testing.assert_close(averaged["state_dict"][k], mean, atol=1e-7, rtol=0)
+    lora_b = next(k for k in keys if ".lora_B." in k)
+    ema_mean = sum(ema_weights(c)[lora_b] for c in held) / len(held)
+    torch.testing.assert_close(ema["state_dict"][lora_b], ema_mean, atol=1e-7, rtol=0)
+    raw = sum(c["current_model_state"][lora_b] for c in held) / len(held)  # (the monitor, val/acc_ema, chose the EMA)
+    torch.testing.assert_close(averaged["current_model_state"][lora_b], raw, atol=1e-7, rtol=0)
+    assert set(averaged["current_model_state"]) == keys and not torch.equal(raw, ema_mean)
+    r = run_cli("eval", f"ckpt_path={tmp_path / 'averaged.ckpt'}", f"hydra.run.dir={tmp_path / 'eval'}")
+    assert r.returncode == 0 and 0 <= json.loads((tmp_path / "eval" / "metrics.json").read_text())["test/acc"] <= 1
+    image = tmp_path / "digit.png"
+    Image.fromarray((torch.rand(8, 8, generator=torch.Generator().manual_seed(0)) * 255).byte().numpy()).save(image)
+    r = run_cli(
+        "visualize", f"ckpt_path={tmp_path / 'averaged.ckpt'}", f"image={image}", f"hydra.run.dir={tmp_path / 'v'}"
+    )
+    assert r.returncode == 0 and (tmp_path / "v" / "attention_rollout.png").is_file(), r.stderr[-3000:]
+    r = run_cli("predict", f"ckpt_path={tmp_path / 'ema.ckpt'}", f"images=[{image}]", f"hydra.run.dir={tmp_path / 'p'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    (result,) = json.loads((tmp_path / "p" / "predictions.json").read_text())
+    assert len(result["top_k"]) == 5

@@ -196,11 +196,18 @@ def frozen_keys(module: nn.Module, prefix: str = "model.") -> set[str]:
     return {f"{prefix}{n}" for n, p in module.model.named_parameters() if not p.requires_grad}
 
 
+# The sets of weights a checkpoint may hold: its own, and callbacks=ema's other set beside them (the EMA's, or the raw
+# weights where the checkpoint holds the EMA's: convert/averaging.py EMA_BESIDE, RAW_BESIDE).
+WEIGHT_SETS = ("state_dict", "average_model_state", "current_model_state")
+
+
 def drop_frozen(module: Any, checkpoint: dict[str, Any]) -> None:
-    """A peft= run's checkpoint without the frozen base (its hyper-parameters name the base's source and sha256)."""
-    if module.hparams.get("peft") and "state_dict" in checkpoint:
+    """A peft= run's checkpoint without the frozen base in any set of its weights (its hyper-parameters name the
+    base's source and sha256): with callbacks=ema the set beside held the whole network, base and all."""
+    if module.hparams.get("peft"):
         frozen = frozen_keys(module)
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
+        for key in (k for k in WEIGHT_SETS if k in checkpoint):
+            checkpoint[key] = {k: v for k, v in checkpoint[key].items() if k not in frozen}
 
 
 def fill_frozen(module: Any, state: dict[str, Any]) -> None:

@@ -22,7 +22,7 @@ from torch import nn
 from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
 from vitlab.model import ViTConfig
-from vitlab.training.adapters import attach, drop_frozen, fill_frozen
+from vitlab.training.adapters import WEIGHT_SETS, attach, drop_frozen, fill_frozen
 from vitlab.training.devices.float8 import Float8Precision, plain_state
 from vitlab.training.devices.sharding import new_vit, splits_weights
 from vitlab.training.objectives.classification import Classification
@@ -296,7 +296,8 @@ class ViTModule(L.LightningModule):
         # them fresh; the networks' own keys stay strictly checked.
         if "state_dict" not in checkpoint:  # a sharded strategy has loaded it already (training.devices.sharding)
             return
-        fill_frozen(self, checkpoint["state_dict"])  # peft=: the base, as attach loaded it
+        for key in (k for k in WEIGHT_SETS if k in checkpoint):  # peft=: the base, as attach loaded it
+            fill_frozen(self, checkpoint[key])
         state, ours = checkpoint["state_dict"], self.state_dict()
         for key, value in ours.items():
             if not key.startswith(self.network_prefixes) and key not in state:
