@@ -249,3 +249,26 @@ def test_the_config_yaml_a_run_writes_is_what_the_card_reads(tmp_path):
     assert (run.run_dir, run.test_metrics(), run.config["seed"]) == (tmp_path, {"test/acc": 0.5}, 3)
     assert Run.of_checkpoint(tmp_path / "last.ckpt").run_dir == tmp_path  # a checkpoint in the run directory itself
     assert Run.of_checkpoint(tmp_path / "checkpoints" / "sub" / "x.ckpt").run_dir is None
+
+
+def test_the_card_of_a_peft_run_says_which_adapter_was_merged_and_over_which_base():
+    """format=timm of an adapter checkpoint (issue 75, point 4): the training table names the base (started from) and
+    the adapter merged into the weights, for each method; a full fine-tune has no such row."""
+    from vitlab.convert.publish import Run, _training
+
+    def card(**peft):
+        config = {"model": {"pretrained": "/runs/base/last.ckpt"}, "peft": {"trainable": ["head"], **peft}}
+        return _training(Run(None, {}, config))
+
+    lora = card(method="lora", rank=8, alpha=16, targets=["qkv", "fc1"])
+    assert "| started from | /runs/base/last.ckpt |" in lora
+    assert (
+        "| fine-tuned (peft) | LoRA rank 8, alpha 16 on qkv, fc1; trained whole: head; merged into these weights"
+        in lora
+    )
+    assert "DoRA rank 4, alpha 8 (rsLoRA scaling) on qkv" in card(method="dora", rank=4, alpha=8, targets=["qkv"],
+                                                                   use_rslora=True)  # fmt: skip
+    assert "BitFit: the biases and norms" in card(method="bitfit")
+    assert "the last 2 blocks and the final norm, blocks.*.attn.*" in card(method="partial", blocks=2,
+                                                                           names=["blocks.*.attn.*"])  # fmt: skip
+    assert "fine-tuned" not in card(method="none")

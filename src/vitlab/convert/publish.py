@@ -220,6 +220,7 @@ def _training(run: Run) -> str:
         ("objective", (c.get("objective") or {}).get("name")),
         ("data", f"{_data_name(c)}, {data.get('img_size')} px, batch {data.get('batch_size')}"),
         ("started from", model.get("pretrained") or "scratch"),
+        *_adapted(c.get("peft") or {}),
         ("optimizer", f"{optim.get('name')}, lr {optim.get('lr')}, weight decay {optim.get('weight_decay')}"),
         ("schedule", (c.get("scheduler") or {}).get("name")),
         ("epochs", trainer.get("max_epochs")),
@@ -227,6 +228,24 @@ def _training(run: Run) -> str:
         ("seed", c.get("seed")),
     ]  # fmt: skip
     return "## Training\n\n" + _table(("", ""), [(k, str(v)) for k, v in rows])
+
+
+def _adapted(peft: dict[str, Any]) -> list[tuple[str, str]]:
+    """A peft= run's row: what trained beside the frozen base "started from" names, merged into these weights."""
+    method, whole = peft.get("method", "none"), ", ".join(peft.get("trainable") or []) or "nothing"
+    if method in ("lora", "dora"):
+        extra = " (rsLoRA scaling)" if peft.get("use_rslora") else ""
+        what = (f"{method.replace('dora', 'DoRA').replace('lora', 'LoRA')} rank {peft.get('rank')}, alpha "
+                f"{peft.get('alpha')}{extra} on {', '.join(peft.get('targets') or [])}")  # fmt: skip
+    elif method == "bitfit":
+        what = "BitFit: the biases and norms"
+    elif method == "partial":
+        what = f"the last {peft.get('blocks')} blocks and the final norm" + "".join(
+            f", {n}" for n in peft.get("names") or []
+        )
+    else:
+        return []
+    return [("fine-tuned (peft)", f"{what}; trained whole: {whole}; merged into these weights, the rest the base's")]
 
 
 def _parity(config: dict[str, Any], checked: dict[str, Any], source: str) -> str:
