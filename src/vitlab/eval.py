@@ -59,8 +59,26 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     if not masks:
         check_classes(module.hparams.get("class_names") or [], getattr(datamodule, "class_names", []), plan.ckpt_path)
     if task != "test":
-        return write_metrics(plan, tasks.probe_checkpoint(plan.probe, plan.ckpt_path, module.model, datamodule))
+        teachers = [(t.name, t.ckpt_path, t.module.model, teacher_data(t)) for t in plan.teachers]
+        return write_metrics(
+            plan, tasks.probe_checkpoint(plan.probe, plan.ckpt_path, module.model, datamodule, teachers)
+        )
     return write_metrics(plan, score_with_tta(plan.tester, module, datamodule, plan.tta))
+
+
+def teacher_data(teacher):
+    """The data module of a teacher probed beside its student: the student's images as the teacher takes them."""
+    from vitlab.training.run import build
+
+    datamodule = build.build_datamodule(teacher.data)
+    channels = teacher.module.model.cfg.in_chans
+    if channels != datamodule.channels:
+        raise UserError(
+            f"teacher {teacher.ckpt_path!r} takes {channels}-channel images and the data has {datamodule.channels}: "
+            "give teacher=false to evaluate the student alone"
+        )
+    datamodule.setup("test")
+    return datamodule
 
 
 def write_metrics(plan, metrics: dict | None) -> dict:

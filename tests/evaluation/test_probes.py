@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vitlab.evaluation.probes import fewshot_accuracy, knn_map, knn_predict, lsr_fit, lsr_predict
+from vitlab.evaluation.probes import fewshot_accuracy, fewshot_seeds, knn_map, knn_predict, lsr_fit, lsr_predict
 
 
 def direct_knn(train, train_labels, test, num_classes, k, T):
@@ -74,6 +74,32 @@ def test_knn_map_scores_each_class_by_its_neighbours_weighted_votes_as_scikit_le
                 want = average_precision_score(test_labels.numpy(), scores, average=average)
                 assert found[k][name] == pytest.approx(want, abs=1e-6), (k, T, name)
         assert found[1] != found[20]  # the votes of more neighbours rank otherwise
+
+
+def test_fewshot_of_several_labels_an_image_draws_each_classs_carriers_and_ranks_the_ridge_by_map():
+    """Multi-hot labels: per class the first `shots` of a seeded permutation of the images that carry it (an image
+    drawn twice taken once), the closed-form ridge on targets 2 x multi-hot - 1 (numpy, the primal form), its scores on
+    the test split by scikit-learn's macro average_precision_score; named fewshot_map/ over the seeds."""
+    from sklearn.metrics import average_precision_score
+
+    g = torch.Generator().manual_seed(6)
+    train, test = torch.randn(50, 5, generator=g), torch.randn(20, 5, generator=g)
+    labels, test_labels = torch.randint(0, 2, (50, 3), generator=g), torch.randint(0, 2, (20, 3), generator=g)
+    test_labels[0] = 1
+    found = fewshot_accuracy(train, labels, test, test_labels, 3, shots=(1, 4), l2_reg=8.0, seed=2)
+    for s in (1, 4):
+        rng = np.random.default_rng(2)
+        carriers = [rng.permutation(np.flatnonzero(labels[:, c].numpy())) for c in range(3)]
+        idx = sorted({int(i) for ix in carriers for i in ix[:s]})
+        x = train[idx].double().numpy()
+        mean, std = x.mean(0), x.std(0) + 1e-5
+        xs = np.pad((x - mean) / std, ((0, 0), (0, 1)), constant_values=100.0)
+        ridge = np.linalg.solve(xs.T @ xs + 8.0 * np.eye(6), xs.T @ (2.0 * labels[idx].numpy() - 1.0))
+        scores = np.pad((test.double().numpy() - mean) / std, ((0, 0), (0, 1)), constant_values=100.0) @ ridge
+        assert found[s] == pytest.approx(average_precision_score(test_labels.numpy(), scores), abs=1e-6), s
+    named = fewshot_seeds(train, labels, test, test_labels, 3, shots=(1, 4), l2_reg=8.0, seeds=(0, 2))
+    assert named["fewshot_map/4shot-seed-2"] == found[4] and not any(k.startswith("fewshot/") for k in named)
+    assert named["fewshot_map/4shot"] == pytest.approx((named["fewshot_map/4shot-seed-0"] + found[4]) / 2)
 
 
 @pytest.mark.parametrize("n, d", [(40, 6), (6, 40)])

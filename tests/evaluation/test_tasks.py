@@ -69,3 +69,39 @@ def test_what_pretrained_evaluation_needs_is_named(compose_cfg, overrides, messa
 
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         evaluate(compose_cfg("eval", overrides))
+
+
+def test_a_distilled_checkpoint_is_probed_beside_its_teacher_with_the_retention(
+    digits_ckpt, tmp_path_factory, tmp_path
+):
+    """Issue 76, point 5: vitlab.eval task=knn of a student distilled from a vitlab checkpoint probes its teacher too,
+    on the same images as the teacher takes them: `teacher/<metric>` as vitlab.eval of the teacher alone gives it,
+    `retention/<metric>` the student's over the teacher's; teacher=false evaluates the student alone."""
+    from tests.helpers.runs import trained
+
+    run = trained(tmp_path_factory, "distilled-feature", "debug=limit", "progress_bar=none", "objective=distill",
+                  "objective.kind=feature", f"objective.teacher={digits_ckpt}", "model.depth=2")  # fmt: skip
+    student = json.loads((run / "metrics.json").read_text())["tested_checkpoint"]
+    knn = ["task=knn", "knn.k=[5,10]"]
+    for name, ckpt, extra in (("both", student, []), ("alone", digits_ckpt, [f"features_dir={tmp_path / 'f'}"]),
+                              ("student", student, ["teacher=false"])):  # fmt: skip
+        r = run_cli("eval", f"ckpt_path={ckpt}", *knn, *extra, f"hydra.run.dir={tmp_path / name}")
+        assert r.returncode == 0, r.stderr[-3000:]
+    both, alone, only = (json.loads((tmp_path / n / "metrics.json").read_text()) for n in ("both", "alone", "student"))
+    for k in ("knn/top1_k5", "knn/top1_k10", "knn/top5_k10"):
+        assert both[f"teacher/{k}"] == pytest.approx(alone[k], abs=1e-9) and both[k] == only[k]
+        assert both[f"retention/{k}"] == pytest.approx(both[k] / alone[k])
+    assert not any(k.startswith(("teacher", "retention")) for k in only)
+
+
+def test_several_teachers_are_named_beside_the_student_and_only_scores_get_a_retention():
+    from vitlab.evaluation.tasks import beside_teacher
+
+    student = {"linear/top1": 0.6, "linear/val_top1": 0.7, "linear/lr": 0.01, "fewshot/5shot_std": 0.1, "split": "test"}
+    teacher = {"linear/top1": 0.8, "linear/val_top1": 0.9, "linear/lr": 0.1, "fewshot/5shot_std": 0.2, "split": "test"}
+    one = beside_teacher(student, "teacher", teacher)
+    assert one["teacher/linear/top1"] == 0.8 and one["retention/linear/top1"] == pytest.approx(0.75)
+    assert {k for k in one if k.startswith("retention/")} == {"retention/linear/top1"} and "teacher/split" not in one
+    named = beside_teacher(one, "dinov2", {"linear/top1": 0.5})
+    assert named["teacher_dinov2/linear/top1"] == 0.5 and named["retention_dinov2/linear/top1"] == pytest.approx(1.2)
+    assert beside_teacher(None, "teacher", None) is None  # (a process other than rank 0)

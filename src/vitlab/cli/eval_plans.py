@@ -36,6 +36,19 @@ class EvalPlan:
     tester: Any  # a checkpoint's task=test: the Lightning Trainer that tests it (its settings settled), else None
     tta: str
     output_dir: Path
+    teachers: tuple[TeacherPlan, ...] = ()  # a distilled checkpoint's, probed beside it (eval's teacher=true)
+
+
+@dataclass(frozen=True)
+class TeacherPlan:
+    """A teacher a checkpoint was distilled from (objective=distill), probed beside it: its name in the student's
+    objective, its checkpoint (read once), and the student's data mapping prepared as the teacher takes its images
+    (its image size and normalisation)."""
+
+    name: str
+    ckpt_path: str
+    module: ViTModule
+    data: dict[str, Any]
 
 
 def eval_plan(cfg: DictConfig) -> EvalPlan:
@@ -58,17 +71,44 @@ def eval_plan(cfg: DictConfig) -> EvalPlan:
     data = _data(tree, module.hparams.get("data"), ckpt_path, module.model.cfg.to_dict()["img_size"])
     _check_labels(task, data)
     tester = _tester(trainer, tree.progress_bar) if task == "test" else None
-    return EvalPlan(probe, ckpt_path, module, None, data, tester, **common)
+    teachers = _teachers(module, data, task) if tree.teacher and task != "test" else ()
+    return EvalPlan(probe, ckpt_path, module, None, data, tester, **common, teachers=teachers)
+
+
+def _teachers(module: ViTModule, data: dict[str, Any], task: str) -> tuple[TeacherPlan, ...]:
+    """The teachers of a checkpoint trained with objective=distill (objective.teacher, or objective.teachers), each
+    to be probed beside it on the same images: those that are vitlab checkpoints; a timm name's weights are probed by
+    their own command, said in a line."""
+    from vitlab.convert.weights import is_sharded_checkpoint
+    from vitlab.training.objectives.distillation import normalisation
+
+    plans = []
+    for spec in module.objective.taught_by():
+        if not spec.source.endswith(".ckpt"):
+            said = "probe it beside with python -m vitlab.eval model.pretrained=%s model=<its model group> data=<...>"
+            log.info("teacher %s is timm's %s: " + said + " task=%s", spec.name, spec.source, spec.source, task)
+            continue
+        if not Path(spec.source).is_file() and not is_sharded_checkpoint(spec.source):
+            raise UserError(
+                f"teacher {spec.source!r}, which this checkpoint was distilled from, is not there to be probed beside "
+                "it: give teacher=false to evaluate the student alone"
+            )
+        teacher = _checkpoint(spec.source, task)
+        mean, std = normalisation(teacher.hparams.get("data") or {})
+        norm = {"mean": list(mean), "std": list(std)} if mean is not None and std is not None else {}
+        taken = {**data, "img_size": teacher.model.cfg.to_dict()["img_size"], **norm}
+        plans.append(TeacherPlan(spec.name, spec.source, teacher, taken))
+    return tuple(plans)
 
 
 def _check_labels(task: str, data: dict[str, Any], checkpoint: bool = True) -> None:
-    """Several labels an image (data.multilabel): knn and linear score frozen features by mAP, test a checkpoint's
-    classifier; the rest (fewshot, segmentation, and test of timm's one-label head) refused in one line."""
-    scored = ("knn", "linear", "test") if checkpoint else ("knn", "linear")
+    """Several labels an image (data.multilabel): knn, linear and fewshot score frozen features by mAP, test a
+    checkpoint's classifier; the rest (segmentation, and test of timm's one-label head) refused in one line."""
+    scored = ("knn", "linear", "fewshot", "test") if checkpoint else ("knn", "linear", "fewshot")
     if data.get("multilabel") and task not in scored:
         raise UserError(
             f"task={task} scores one label an image, and this data has several (objective.multilabel): use "
-            f"{' or '.join(f'task={t}' for t in scored)}, which score mAP"
+            f"{', '.join(f'task={t}' for t in scored[:-1])} or task={scored[-1]}, which score mAP"
         )
 
 

@@ -110,6 +110,7 @@ class EvalSettings(TypedDict):
     task: Literal["test", "knn", "linear", "fewshot", "segmentation"]
     tta: Literal["none", "flip", "flip_crops"]  # task=test of a checkpoint (vitlab.evaluation.tta)
     features_dir: str | None
+    teacher: bool  # a distilled checkpoint's teachers probed beside it (task=knn|linear|fewshot|segmentation)
     layers: int | NonEmpty[int] | None
     knn: KnnSettings
     linear: LinearSettings

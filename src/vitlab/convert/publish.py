@@ -240,9 +240,7 @@ def _adapted(peft: dict[str, Any]) -> list[tuple[str, str]]:
     elif method == "bitfit":
         what = "BitFit: the biases and norms"
     elif method == "partial":
-        what = f"the last {peft.get('blocks')} blocks and the final norm" + "".join(
-            f", {n}" for n in peft.get("names") or []
-        )
+        what = ", ".join([f"the last {peft.get('blocks')} blocks and the final norm", *(peft.get("names") or [])])
     else:
         return []
     return [("fine-tuned (peft)", f"{what}; trained whole: {whole}; merged into these weights, the rest the base's")]

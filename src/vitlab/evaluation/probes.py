@@ -9,7 +9,8 @@
 - `fewshot_accuracy`: big_vision's `fewshot_lsr` (evaluators/fewshot_lsr.py): per shot count, that many training
   images per class drawn with a seeded generator, features whitened on them, a constant bias feature of 100,
   targets one-hot in {-1, 1}, L2-regularised least squares in closed form (l2_reg 2^10), argmax; `fewshot_seeds`
-  over big_vision's 3 seeds (num_seeds), each reported, with their mean and standard deviation.
+  over big_vision's 3 seeds (num_seeds), each reported, with their mean and standard deviation; several labels an
+  image: each class's images those that carry it, targets 2 x multi-hot - 1, mAP (`fewshot_map/...`).
 
 DINOv2's linear probe is `vitlab.evaluation.linear`.
 
@@ -111,11 +112,12 @@ def knn_map(train, train_labels, test, test_labels, ks=KNN_KS, temperature: floa
         for k in ks:
             votes, weight = summed[k]
             scores[k].append(votes / weight)
-    return {
-        k: {"map": average_precision(torch.cat(s), test_labels), "map_micro": average_precision(torch.cat(s),
-                                                                                              test_labels, "micro")}
-        for k, s in scores.items()
-    }  # fmt: skip
+    out = {}
+    for k, parts in scores.items():
+        found = torch.cat(parts)
+        macro, micro = average_precision(found, test_labels), average_precision(found, test_labels, "micro")
+        out[k] = {"map": macro, "map_micro": micro}
+    return out
 
 
 def average_precision(scores: torch.Tensor, labels: torch.Tensor, average: str = "macro") -> float:
@@ -135,7 +137,7 @@ def lsr_fit(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2_reg: float) -
     x = x.double()
     mean, std = x.mean(0, keepdim=True), x.std(0, unbiased=False, keepdim=True) + 1e-5
     x = F.pad((x - mean) / std, (0, 1), value=BIAS_CONSTANT)
-    targets = 2.0 * F.one_hot(y, num_classes).double() - 1.0
+    targets = 2.0 * (y.double() if y.ndim == 2 else F.one_hot(y, num_classes).double()) - 1.0  # (or multi-hot rows)
     n, d = x.shape
     if n >= d:  # (x^T x + l2 I)^-1 x^T y
         w = torch.linalg.solve(x.T @ x + l2_reg * torch.eye(d, dtype=x.dtype), x.T @ targets)
@@ -144,24 +146,40 @@ def lsr_fit(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2_reg: float) -
     return w, mean, std
 
 
+def lsr_scores(x: torch.Tensor, w: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Each row of `x` (whitened by the few-shot set's `mean`, `std`) through `lsr_fit`'s ridge solution `w`: a score
+    a class."""
+    return F.pad((x.double() - mean) / std, (0, 1), value=BIAS_CONSTANT) @ w
+
+
 def lsr_predict(x: torch.Tensor, w: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """The class `lsr_fit`'s ridge solution `w` gives each row of `x` (whitened by the few-shot set's `mean`, `std`)."""
-    return (F.pad((x.double() - mean) / std, (0, 1), value=BIAS_CONSTANT) @ w).argmax(1)
+    return lsr_scores(x, w, mean, std).argmax(1)
 
 
 def fewshot_accuracy(
     train, train_labels, test, test_labels, num_classes, shots=FEWSHOT_SHOTS, l2_reg=2.0**10, seed=0
 ) -> dict[int, float]:
     """big_vision's few-shot linear evaluation: for each shot count, the first `shots` of a seeded permutation of
-    each class's training images (fewer where a class has fewer), least squares, accuracy on the test features."""
+    each class's training images (fewer where a class has fewer), least squares, accuracy on the test features.
+    Several labels an image (multi-hot rows, which big_vision does not evaluate): a class's images are those that
+    carry it (an image drawn for two classes is taken once), the targets 2 x multi-hot - 1, and the ridge's scores are
+    ranked by mAP over the classes (`average_precision`) in place of accuracy."""
     rng = np.random.default_rng(seed)
     labels = train_labels.cpu().numpy()
-    per_class = [rng.permutation(np.where(labels == c)[0]) for c in range(num_classes)]
+    several = labels.ndim == 2
+    carries = [labels[:, c] == 1 if several else labels == c for c in range(num_classes)]
+    per_class = [rng.permutation(np.where(carry)[0]) for carry in carries]
     results = {}
     for s in shots:
-        idx = torch.from_numpy(np.concatenate([ix[:s] for ix in per_class]))
+        drawn = np.concatenate([ix[:s] for ix in per_class])
+        idx = torch.from_numpy(np.unique(drawn) if several else drawn)
         w, mean, std = lsr_fit(train[idx].cpu(), train_labels[idx].cpu(), num_classes, l2_reg)
-        results[s] = (lsr_predict(test.cpu(), w, mean, std) == test_labels.cpu()).double().mean().item()
+        scores = lsr_scores(test.cpu(), w, mean, std)
+        if several:
+            results[s] = average_precision(scores, test_labels.cpu())
+        else:
+            results[s] = (scores.argmax(1) == test_labels.cpu()).double().mean().item()
     return results
 
 
@@ -177,9 +195,10 @@ def fewshot_seeds(
     score by points at 1 and 5 shots."""
     per_seed = {seed: fewshot_accuracy(train, train_labels, test, test_labels, num_classes, shots, l2_reg, seed)
                 for seed in seeds}  # fmt: skip
-    out = {f"fewshot/{s}shot-seed-{seed}": acc[s] for seed, acc in per_seed.items() for s in shots}
+    name = "fewshot_map" if train_labels.ndim == 2 else "fewshot"  # several labels an image: mAP (fewshot_accuracy)
+    out = {f"{name}/{s}shot-seed-{seed}": acc[s] for seed, acc in per_seed.items() for s in shots}
     for s in shots:
         accs = np.array([acc[s] for acc in per_seed.values()])
-        out[f"fewshot/{s}shot"] = float(accs.mean())
-        out[f"fewshot/{s}shot_std"] = float(accs.std(ddof=1)) if len(accs) > 1 else 0.0
+        out[f"{name}/{s}shot"] = float(accs.mean())
+        out[f"{name}/{s}shot_std"] = float(accs.std(ddof=1)) if len(accs) > 1 else 0.0
     return out

@@ -86,11 +86,37 @@ def launch(trainer: Mapping[str, Any]) -> torch.device:
     return fabric.device
 
 
-def probe_checkpoint(probe: Probe, ckpt_path: str, model: torch.nn.Module, datamodule) -> dict | None:
-    """The task on a checkpoint's model, its features cached beside its run (<run>/features/<checkpoint name>/)."""
+def probe_checkpoint(probe: Probe, ckpt_path: str, model: torch.nn.Module, datamodule, teachers=()) -> dict | None:
+    """The task on a checkpoint's model, its features cached beside its run (<run>/features/<checkpoint name>/).
+    `teachers`: (name, checkpoint, model, data module) of the teachers it was distilled from, each probed after it in
+    the same processes on the same images (its data module: the teacher's size and normalisation), its features
+    cached in the student's cache under teacher_<name>/; their metrics beside the student's (`beside_teacher`)."""
     ckpt = Path(ckpt_path)
     cache = Path(probe.features_dir) if probe.features_dir else ckpt.resolve().parent.parent / "features" / ckpt.stem
-    return run_probe(probe, model, datamodule, source_id(ckpt_path), cache, launch(probe.trainer))
+    device = launch(probe.trainer)
+    metrics = run_probe(probe, model, datamodule, source_id(ckpt_path), cache, device)
+    for name, path, teacher, data in teachers:
+        log.info("teacher %s (%s), probed beside the student on the same images:", name, path)
+        found = run_probe(probe, teacher, data, source_id(path), cache / f"teacher_{name}", device)
+        metrics = beside_teacher(metrics, name, found)
+    return metrics
+
+
+def beside_teacher(student: dict | None, name: str, teacher: dict | None) -> dict | None:
+    """The student's metrics with a teacher's beside them, `teacher/<metric>` (of several teachers:
+    `teacher_<name>/<metric>`), and each score's retention, the student's over the teacher's: `retention/<metric>`
+    (`retention_<name>/...`). Scores: the numbers that grow with quality, not learning rates, spreads over seeds,
+    single seeds or the validation numbers that chose a head. None in the processes other than rank 0."""
+    if student is None or teacher is None:
+        return student
+    label, kept = ("teacher", "retention") if name == "teacher" else (f"teacher_{name}", f"retention_{name}")
+    out = dict(student) | {f"{label}/{k}": v for k, v in teacher.items() if k != "split"}
+    for k, v in student.items():
+        t = teacher.get(k)
+        score = not any(w in k for w in ("/lr", "_std", "-seed-", "val_", "loss"))
+        if score and isinstance(v, float) and isinstance(t, float) and t > 0:
+            out[f"{kept}/{k}"] = v / t
+    return out
 
 
 def probe_pretrained(probe: Probe, pretrained: Pretrained) -> dict | None:
@@ -225,9 +251,10 @@ def _score(probe: Probe, feats: dict, split: str, k: int) -> dict:
 
 
 def check_shots(shots: list[int], labels: torch.Tensor, num_classes: int) -> None:
-    """A shot count beyond a class's training images would silently take all of them (fewshot/500shot computed on
-    every image of each class): refused, as knn.k beyond the bank is."""
-    counts = torch.bincount(labels.long(), minlength=num_classes)
+    """A shot count beyond a class's training images (with several labels an image: those that carry it) would
+    silently take all of them (fewshot/500shot computed on every image of each class): refused, as knn.k beyond the
+    bank is."""
+    counts = labels.long().sum(0) if labels.ndim == 2 else torch.bincount(labels.long(), minlength=num_classes)
     fewest, cls = int(counts.min()), int(counts.argmin())
     if max(shots) > fewest:
         fits = [s for s in shots if s <= fewest]

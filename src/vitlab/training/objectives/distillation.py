@@ -120,6 +120,9 @@ class Distillation(Classification):
     def setup_fit(self, num_classes: int) -> None:
         self.teacher = load_teacher(self.cfg, num_classes)
 
+    def taught_by(self) -> tuple[Any, ...]:
+        return teacher_specs(self.cfg.teacher, self.cfg.teachers, self.cfg.teacher_pretrained)
+
     def fit_start(self, datamodule: Any, device: torch.device) -> None:
         """The teacher on this process's device, with the student's normalisation to undo."""
         super().fit_start(datamodule, device)  # (the label loss's class weights)
@@ -232,14 +235,18 @@ def _from_checkpoint(path: str) -> Teacher:
     model = ViT(ViTConfig.from_dict(hp["model"]))
     weights = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     model.load_state_dict(weights)
-    data = hp.get("data") or {}
-    kind = pydoc.locate(str(data.get("_target_", "")))
-    mean = data.get("mean") or getattr(kind, "mean", None)
-    std = data.get("std") or getattr(kind, "std", None)
+    mean, std = normalisation(hp.get("data") or {})
     if mean is None or std is None:
         raise UserError(f"objective.teacher {path!r}: its checkpoint does not say how its images were normalised")
     model.pretrained_cfg.update(mean=tuple(mean), std=tuple(std))
     return Teacher(model, model.cfg.img_hw)
+
+
+def normalisation(data: Mapping[str, Any]) -> tuple[Any, Any]:
+    """(mean, std) a checkpoint's images were normalised with: its data config's, or its data module's own where the
+    config left them null (None where neither says)."""
+    kind = pydoc.locate(str(data.get("_target_", "")))
+    return data.get("mean") or getattr(kind, "mean", None), data.get("std") or getattr(kind, "std", None)
 
 
 def _from_timm(name: str, pretrained: bool, num_classes: int) -> Teacher:

@@ -155,6 +155,11 @@ class Objective:
         """The network whose forward the training and evaluation steps call (a sharded strategy shards it)."""
         return model
 
+    def taught_by(self) -> tuple[Any, ...]:
+        """The teachers a distilled student learnt from (distill_heads.TeacherSpec: name, source), which vitlab.eval
+        probes beside it; none for the other objectives."""
+        return ()
+
     def optimized(self, model: ViT) -> nn.Module:
         """What the optimizer's parameter groups are built over."""
         return model
