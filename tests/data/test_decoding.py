@@ -4,14 +4,13 @@ libjpeg-turbo here and the crop, resize and colour kernels are the same; on a GP
 test_gpu.py), evaluation within one level (PIL's resize against torchvision's); the DDP share-out and a mid-epoch
 resume are the sampler's; what it cannot do is refused in one line."""
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 from torchvision.transforms import v2 as T
 
+from tests.helpers.trainers import fake_trainer
 from vitlab.data import HFDataModule, ImageFolderDataModule, ListDataModule, StreamingDataModule, decoding
 from vitlab.data.seeded import seeded
 from vitlab.utils.errors import UserError
@@ -54,10 +53,7 @@ def jpegs(tmp_path_factory):
 def _module(root, decode, rank=0, world=1, workers=0, kind=ImageFolderDataModule, **train_transform):
     where = {"data_dir": str(root), "num_classes": 2} if kind is ImageFolderDataModule else root
     dm = kind(**where, img_size=16, batch_size=4, num_workers=workers, decode=decode, train_transform=train_transform)
-    epochs = SimpleNamespace(current=SimpleNamespace(processed=0))
-    dm.trainer = SimpleNamespace(world_size=world, global_rank=rank, num_devices=world,
-                                 fit_loop=SimpleNamespace(epoch_progress=epochs), training=True,
-                                 strategy=SimpleNamespace(root_device=torch.device("cpu")))  # fmt: skip
+    dm.trainer = fake_trainer(world, rank)
     dm.setup("fit")
     return dm
 

@@ -12,6 +12,7 @@ from PIL import Image
 from torchvision.transforms.v2 import functional as TF
 
 from tests.helpers.images import image_tree
+from tests.helpers.trainers import fake_trainer
 from vitlab.data import CIFAR10DataModule, DigitsDataModule, FakeDataModule, ImageFolderDataModule
 from vitlab.data.resident import ResidentImages, ShiftFlip
 from vitlab.data.seeded import TransformDataset
@@ -19,11 +20,7 @@ from vitlab.data.seeded import TransformDataset
 
 def _as_rank(dm, rank: int, world: int, epoch: int = 0, device: str = "cpu") -> None:
     """`dm` as process `rank` of `world` sees it under a Trainer, in `epoch`."""
-    dm.trainer = SimpleNamespace(
-        world_size=world, global_rank=rank, num_devices=world, training=True,
-        strategy=SimpleNamespace(root_device=torch.device(device)),
-        fit_loop=SimpleNamespace(epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=epoch))),
-    )  # fmt: skip
+    dm.trainer = fake_trainer(world, rank, epoch, device)
 
 
 def _batches(dm, world: int) -> list[torch.Tensor]:
@@ -34,6 +31,7 @@ def _batches(dm, world: int) -> list[torch.Tensor]:
             _as_rank(dm, rank, world, epoch)
             for x, y in dm.train_dataloader():
                 out += dm.device_transform([x, y], train=True)
+                dm.trainer.next_batch()
     for rank in range(world):
         _as_rank(dm, rank, world)
         for loader in (dm.val_dataloader(), dm.test_dataloader()):

@@ -14,7 +14,7 @@ import torch
 
 from tests.helpers.commands import run_cli
 from tests.helpers.configs import RESUMABLE, extra_callback
-from tests.helpers.runs import assert_same_run, interrupt, resume
+from tests.helpers.runs import assert_close_run, assert_same_run, interrupt, resume
 from vitlab.training.optim import states_by_name
 
 FSDP = ["trainer=fsdp_cpu"]
@@ -144,6 +144,15 @@ def test_interrupted_mid_epoch_it_resumes_bit_for_bit(uninterrupted, tmp_path, s
     every logged value)."""
     command = interrupt([*RESUMABLE, *FSDP], tmp_path, signum, step)
     assert_same_run(uninterrupted, resume(command, tmp_path))
+
+
+def test_stopped_on_two_processes_it_goes_on_on_one_as_the_uninterrupted_two(uninterrupted, tmp_path):
+    """Issue 78 under FSDP2: the sharded run's checkpoint (model and optimiser gathered, the global position) resumed
+    on one process is the two processes' run up to the order of reductions."""
+    command = interrupt([*RESUMABLE, *FSDP], tmp_path, "SIGTERM", 13)
+    resumed = resume(f"{command} trainer.devices=1", tmp_path)
+    assert "written by 2 processes, resumed on 1: exact" in (resumed / "train.log").read_text()
+    assert_close_run(uninterrupted, resumed)
 
 
 def test_its_checkpoint_is_evaluated_predicted_from_exported_and_resumed_in_one_process(fsdp, tmp_path):

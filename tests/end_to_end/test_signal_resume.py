@@ -15,7 +15,7 @@ import pytest
 from tests.helpers.commands import ROOT, replaced, run_cli
 from tests.helpers.configs import RESUMABLE, extra_callback
 from tests.helpers.images import image_tree
-from tests.helpers.runs import assert_same_run, interrupt, resume, trained
+from tests.helpers.runs import assert_close_run, assert_same_run, interrupt, resume, trained
 
 DIGITS = RESUMABLE
 TWO = ["trainer=ddp_cpu", "trainer.devices=2"]  # two CPU processes (gloo)
@@ -182,6 +182,16 @@ def test_two_sizes_on_two_processes_resume_exactly_replaying_the_sizes(sizes_two
 def test_two_processes_stop_together_and_resume_exactly(digits_two, tmp_path, signum, step):
     command = interrupt([*DIGITS, *TWO], tmp_path, signum, step)
     assert_same_run(digits_two, resume(command, tmp_path))
+
+
+@pytest.mark.parametrize("count", [1])
+def test_two_processes_stopped_mid_epoch_go_on_on_another_count_as_the_uninterrupted_run(digits_two, tmp_path, count):
+    """Issue 78: the global order, each image's shift and each sample's stochastic depth are the global batch's,
+    whichever process holds it: resumed on `count` processes the run is the two processes' up to reduction order."""
+    command = interrupt([*DIGITS, *TWO], tmp_path, "SIGTERM", 13)
+    resumed = resume(command.replace("trainer.devices=2", f"trainer.devices={count}"), tmp_path)
+    assert f"written by 2 processes, resumed on {count}: exact" in (resumed / "train.log").read_text()
+    assert_close_run(digits_two, resumed)
 
 
 def test_a_signal_to_one_rank_stops_every_rank(digits_two, tmp_path):

@@ -124,6 +124,8 @@ class RecordTrainIndices(L.Callback):
         self.epochs.append([])
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if not self.epochs:  # resumed mid-epoch
+            self.epochs.append([])
         self.epochs[-1] += self._fetched.pop(id(batch[1]))[1]
 
     def on_train_end(self, trainer, pl_module):

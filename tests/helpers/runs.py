@@ -34,6 +34,23 @@ def assert_same_run(a: Path, b: Path) -> None:
             assert not differ, f"{key} of {a} and {b} differs in {differ}"
 
 
+def assert_close_run(a: Path, b: Path, values: float = 1e-5, weights: float = 1e-4) -> None:
+    """Two run directories hold the same run up to the order of reductions (another number of processes): every
+    logged value but timings within `values`, the final weights (raw and EMA) within `weights`."""
+    ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (a, b))
+    keys = [k for k in ma if k.startswith(("train/", "val/", "test/", "lr-")) and "per_sec" not in k]
+    differ = {k: (ma[k], mb.get(k)) for k in keys if mb.get(k) is None or abs(ma[k] - mb[k]) > values}
+    assert not differ, f"metrics of {a} and {b} differ: {differ}"
+    ca, cb = (read_checkpoint(d / "checkpoints" / "last.ckpt") for d in (a, b))
+    assert ca["global_step"] == cb["global_step"]
+    for key in ("state_dict", "current_model_state", "average_model_state"):
+        if key in ca:
+            assert ca[key].keys() == cb[key].keys()
+            far = {k: float((ca[key][k].float() - cb[key][k].float()).abs().max()) for k in ca[key]
+                   if ca[key][k].is_floating_point()}  # fmt: skip
+            assert max(far.values()) <= weights, f"{key} of {a} and {b}: {max(far.items(), key=lambda kv: kv[1])}"
+
+
 def interrupt(args, tmp_path, signum, step, group=True, rank=0, hook=None, times=1) -> str:
     """`python -m vitlab.train args` stopped by `signum` after optimizer step `step` (SignalAtStep; `hook`: at that
     epoch boundary instead; `times`: sent that many times in a row): checks the exit, the checkpoint, the last line

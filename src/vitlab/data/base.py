@@ -23,7 +23,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitlab.data import decoding, lookahead, sizes
 from vitlab.data.resident import ResidentImages, already_batched
-from vitlab.data.seeded import SeededSampler, TransformDataset, init_worker
+from vitlab.data.seeded import GlobalOrder, Rows, SeededSampler, TransformDataset, batch_rows, init_worker
 from vitlab.model.config import as_hw
 from vitlab.utils.errors import UserError
 
@@ -92,19 +92,24 @@ class DataModule(L.LightningDataModule):
         # its own (one per process: rank_state.seed_process), checkpointed: a resumed run augments as it would have.
         self.shuffle_seed = torch.initial_seed()
         self.rng = torch.Generator().manual_seed(self.shuffle_seed + 1)
+        self.draws: torch.Generator | Rows = self.rng  # what the batch on the device now draws from (batch_draws)
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None  # None after setup: the data has no test split (nothing is tested)
         self.splits: dict[str, str] = {}  # what each split is, where a dataset's layout leaves it open
         self.placement: torch.device | None = None  # data_device without a Trainer
+        # Training's order is global (seeded.GlobalOrder) unless a sampler deals per process; resumed on another
+        self.global_order, self.resume_at = True, None  # count, the loader starts at (epoch, batches) = resume_at
 
     @property
     def per_device_batch_size(self) -> int:
         world = self.trainer.world_size if self.trainer is not None else 1
         if self.batch_size % world:
+            counts = [n for n in range(1, min(self.batch_size, 4 * world) + 1) if self.batch_size % n == 0]
             raise UserError(
                 f"data.batch_size {self.batch_size} is global and must be divisible by the "
-                f"{world} processes (trainer.devices x trainer.num_nodes)"
+                f"{world} processes (trainer.devices x trainer.num_nodes); counts that divide it: "
+                f"{', '.join(map(str, counts))}"
             )
         return self.batch_size // world
 
@@ -143,13 +148,33 @@ class DataModule(L.LightningDataModule):
             kwargs.setdefault("prefetch_factor", self.prefetch_factor)
             kwargs.setdefault("worker_init_fn", init_worker)
         kwargs.setdefault("batch_size", self.per_device_batch_size)
+        if train:
+            self.global_order = isinstance(kwargs["sampler"], GlobalOrder)
+        start = self.resume_at if train else None  # (kept: Lightning may build the loader twice, and counts its epoch)
         if train and kwargs["batch_size"] is not None and kwargs.get("persistent_workers"):  # data/lookahead.py:
-            return lookahead.LookaheadLoader(dataset, **kwargs)  # its workers run on into the next epoch (no refill)
+            loader = lookahead.LookaheadLoader(dataset, **kwargs)  # its workers run on into the next epoch (no refill)
+            loader._resume = start  # (the global position: the same batches whatever the count of processes)
+            return loader
+        if start is not None and isinstance(kwargs["sampler"], GlobalOrder):
+            kwargs["sampler"].start = start
         return StatefulDataLoader(dataset, drop_last=train and kwargs["batch_size"] is not None, **kwargs)
 
     def _train_sampler(self, dataset: Dataset, world: int, rank: int) -> Sampler:
-        kind = SeededSampler if isinstance(dataset, TransformDataset) else DistributedSampler
-        return kind(dataset, num_replicas=world, rank=rank, shuffle=True, seed=self.shuffle_seed)
+        if self.size_schedule is not None:  # batches of several sizes: timm's sampler deals them (data/sizes.py)
+            kind = SeededSampler if isinstance(dataset, TransformDataset) else DistributedSampler
+            return kind(dataset, num_replicas=world, rank=rank, shuffle=True, seed=self.shuffle_seed)
+        keyed = isinstance(dataset, TransformDataset)
+        return GlobalOrder(dataset, world, rank, self.shuffle_seed, self.per_device_batch_size, keyed=keyed)
+
+    def batch_draws(self, n: int) -> Rows | torch.Generator:
+        """What a training batch of `n` images on this process draws its augmentation from, on the device: in a fit,
+        the Rows of its global batch (seeded.batch_rows: the same draws for an image in the same place of the same
+        global batch, however many processes share it); without a Trainer, the module's generator."""
+        trainer = self.trainer
+        if trainer is None or not self.global_order:
+            return self.rng
+        batch = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # (counted once it is on the device)
+        return batch_rows(self.shuffle_seed, trainer.current_epoch, batch, trainer.global_rank, n, trainer.world_size)
 
     def seed_process(self, seed: int) -> None:
         """This process's own augmentation draws (rank_state.seed_process: one stream per rank)."""
@@ -175,18 +200,22 @@ class DataModule(L.LightningDataModule):
         return self._loader(self._served("train"), train=True)
 
     def val_dataloader(self) -> StatefulDataLoader:
-        return self._loader(self._served("val"), train=False)
+        return self._evaluated("val")
 
     def test_dataloader(self) -> StatefulDataLoader:
+        return self._evaluated("test")
+
+    def _evaluated(self, split: str) -> StatefulDataLoader:
+        """Each process evaluates its own share, no image twice (Lightning's sampler would repeat some to even the
+        shares out), so the synced metrics are those of one process evaluating them all, on any count of processes.
+        Testing runs outside DDP's wrapper, and validation without gradients syncs nothing per batch: shares that
+        differ by a batch cannot stall them."""
         world = self.trainer.world_size if self.trainer is not None else 1
-        test = self._served("test")
-        if world == 1:
-            return self._loader(test, train=False)
-        # Each process tests its own share, no image twice (Lightning's sampler would repeat some to even the
-        # shares out), so the synced metrics are those of one process testing them all. Testing runs outside DDP's
-        # wrapper: shares that differ by a batch cannot stall it.
-        share = UnrepeatedDistributedSampler(test, num_replicas=world, rank=self.trainer.global_rank, shuffle=False)
-        return self._loader(test, train=False, sampler=share)
+        data = self._served(split)
+        if world == 1 or data is None:
+            return self._loader(data, train=False)
+        share = UnrepeatedDistributedSampler(data, num_replicas=world, rank=self.trainer.global_rank, shuffle=False)
+        return self._loader(data, train=False, sampler=share)
 
     def _served(self, split: str) -> Dataset | None:
         """The dataset `split`'s loader reads (ImageDataModule: a copy held on the device, data/resident.py)."""

@@ -24,19 +24,25 @@ from vitlab.data.balanced import long_tail
 from vitlab.data.folds import fold_split
 from vitlab.data.image_module import ImageDataModule
 from vitlab.data.resident import ArrayImages
-from vitlab.data.seeded import TransformDataset
+from vitlab.data.seeded import Rows, TransformDataset, rows_of
 from vitlab.utils.errors import UserError
 
 
 def random_affine(
-    x: torch.Tensor, degrees: float, scale: tuple[float, float], fill: float, generator: torch.Generator | None = None
+    x: torch.Tensor,
+    degrees: float,
+    scale: tuple[float, float],
+    fill: float,
+    generator: torch.Generator | Rows | None = None,
 ) -> torch.Tensor:
     """Rotate each image of (B, C, H, W) by its own angle in [-degrees, degrees] and zoom by a factor in
     `scale`, about the centre (bilinear), filling uncovered pixels with `fill`. The matrices are made on the host
-    (the same on a CPU and a GPU) and cross in one copy that does not wait."""
+    (the same on a CPU and a GPU) and cross in one copy that does not wait. `generator`: or the Rows of a global
+    batch (data/seeded.py)."""
     B = x.shape[0]
-    angle = (torch.rand(B, generator=generator) * 2 - 1) * math.radians(degrees)
-    zoom = torch.empty(B).uniform_(*scale, generator=generator)
+    generator, start, n = rows_of(generator, B)
+    angle = ((torch.rand(n, generator=generator) * 2 - 1) * math.radians(degrees))[start : start + B]
+    zoom = torch.empty(n).uniform_(*scale, generator=generator)[start : start + B]
     cos, sin = angle.cos() / zoom, angle.sin() / zoom  # the grid maps output to input: inverse zoom
     zero = torch.zeros_like(cos)
     theta = torch.stack([torch.stack([cos, -sin, zero], 1), torch.stack([sin, cos, zero], 1)], 1)  # (B, 2, 3)
@@ -135,7 +141,7 @@ class DigitsDataModule(ImageDataModule):
     def device_transform(self, batch, train: bool):
         x, y = super().device_transform(batch, train)
         if train and self.views is None and (self.rotate or self.scale != (1.0, 1.0)):
-            x = random_affine(x, self.rotate, self.scale, fill=self.black, generator=self.rng)
+            x = random_affine(x, self.rotate, self.scale, fill=self.black, generator=self.draws)
         return x, y
 
     def predict_tensor(self, img) -> torch.Tensor:

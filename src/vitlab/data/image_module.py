@@ -159,10 +159,14 @@ class ImageDataModule(DataModule):
             return self.views.normalised(x, self.rng), y
         if train and self.views is not None:  # objective=dino: the views (and iBOT's masks) of every image
             return self.views(x.to(torch.float32).div_(255), self.rng), y
+        # A batch of images draws as its global batch (data/seeded.py's Rows), shared by this step's draws in order;
+        # NaFlex's patches from the module's generator.
+        images = isinstance(self.to_input, transforms.DeviceTransform)
+        self.draws = self.batch_draws(len(x)) if train and images else self.rng
         if train and self.resides:
-            x = self.shift_flip(x, self.rng)
+            x = self.shift_flip(x, self.draws)
         size = self.size_schedule.batch_hw(batch) if train and self.size_schedule is not None else None
-        return self.to_input(x, train, self.rng, size), y  # (NaFlex's patches: its Normalise, data/naflex.py)
+        return self.to_input(x, train, self.draws, size), y  # (NaFlex's patches: its Normalise, data/naflex.py)
 
     def eval_view(self, split: str) -> Dataset:
         dataset = super().eval_view(split)

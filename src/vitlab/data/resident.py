@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2 as T
 
 from vitlab.data import image_views, transforms
-from vitlab.data.seeded import TransformDataset, init_worker
+from vitlab.data.seeded import Rows, TransformDataset, init_worker, rows_of
 from vitlab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -96,14 +96,17 @@ class ShiftFlip:
     def __init__(self, shift: int = 0, hflip: float = 0.0):
         self.shift, self.hflip = shift, hflip
 
-    def __call__(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, generator: torch.Generator | Rows | None = None) -> torch.Tensor:
+        """`generator`: or the Rows of a global batch (data/seeded.py): drawn for all of it, these rows kept."""
         if not self.shift and not self.hflip:
             return x
         B, _, H, W = x.shape
+        generator, start, n = rows_of(generator, B)
         p = self.shift
-        dy = torch.randint(0, 2 * p + 1, (B, 1), generator=generator) if p else torch.zeros(B, 1, dtype=torch.long)
-        dx = torch.randint(0, 2 * p + 1, (B, 1), generator=generator) if p else torch.zeros(B, 1, dtype=torch.long)
-        flip = torch.rand(B, 1, generator=generator) < self.hflip if self.hflip else torch.zeros(B, 1, dtype=torch.bool)
+        dy = torch.randint(0, 2 * p + 1, (n, 1), generator=generator) if p else torch.zeros(n, 1, dtype=torch.long)
+        dx = torch.randint(0, 2 * p + 1, (n, 1), generator=generator) if p else torch.zeros(n, 1, dtype=torch.long)
+        flip = torch.rand(n, 1, generator=generator) < self.hflip if self.hflip else torch.zeros(n, 1, dtype=torch.bool)
+        dy, dx, flip = dy[start : start + B], dx[start : start + B], flip[start : start + B]
         cols = torch.where(flip, torch.arange(W - 1, -1, -1), torch.arange(W)) + dx  # (B, W) in the padded image
         where = torch.cat([dy + torch.arange(H), cols], 1).to(x.device, non_blocking=True)  # (B, H + W)
         rows, cols = where[:, :H, None], where[:, None, H:]  # (B, H, 1), (B, 1, W)

@@ -1,18 +1,22 @@
-"""The loader path's seeded per-image augmentation: `TransformDataset` (an image's random transforms drawn from
-generators seeded with one number), the samplers that hand each index out with its number (`SeededSampler`,
-`RepeatSeededSampler`: DeiT's repeated augmentation) and what loader workers run at their start."""
+"""The training order and the random draws of its augmentation, kept apart from the processes that carry them:
+`GlobalOrder` (each epoch's global batches, each process its contiguous share), `TransformDataset` (an image's random
+transforms drawn from generators seeded with one number), the samplers that hand each index out with its number
+(`GlobalOrder(keyed=True)`, `SeededSampler`, `RepeatSeededSampler`: DeiT's repeated augmentation), `Rows` (what a
+batch draws on the device: its global batch's draws, this process's rows of them) and what loader workers run at
+their start."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from timm.data.distributed_sampler import RepeatAugSampler
 from torch.utils.data import Dataset, DistributedSampler, get_worker_info
 
+from vitlab.utils.seeds import mix
 from vitlab.utils.signals import ignore_stop_signals
 
 
@@ -63,14 +67,69 @@ def seeded(seed: int, transform, img):
             np.random.set_state(saved[2])
 
 
+class GlobalOrder(DistributedSampler):
+    """The training order of a run, whatever number of processes carries it: each epoch a permutation of the whole
+    set from (seed, epoch) (DistributedSampler's, so one process sees the order it always saw); the epoch's global
+    batches are its consecutive slices of `batch_size x num_replicas` (a last partial one dropped), and each process
+    takes its contiguous share of each, rows [rank x batch_size, (rank + 1) x batch_size). A global batch is then the
+    same images in the same rows on 1, 2 or 4 processes, and a run resumes on another count at its global position
+    (`start`: (epoch, the global batches of it already trained)). `keyed`: each index handed out with the seed of its
+    augmentation this epoch, (seed, index) pairs for TransformDataset, from the run's seed, the epoch and the image
+    alone."""
+
+    def __init__(self, dataset, num_replicas: int, rank: int, seed: int, batch_size: int, keyed: bool = False):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.batch_size, self.keyed = batch_size, keyed
+        self.start: tuple[int, int] | None = None
+
+    @property
+    def batches(self) -> int:
+        """Global batches an epoch."""
+        return len(self.dataset) // (self.batch_size * self.num_replicas)
+
+    def __len__(self) -> int:
+        return self.batches * self.batch_size
+
+    def __iter__(self):
+        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        b, whole = self.batch_size, self.batch_size * self.num_replicas
+        skip = self.start[1] if self.start is not None and self.start[0] == self.epoch else 0
+        for k in range(skip, self.batches):
+            for i in order[k * whole + self.rank * b : k * whole + (self.rank + 1) * b].tolist():
+                yield (mix(self.seed, self.epoch, i), i) if self.keyed else i
+
+
 class SeededSampler(DistributedSampler):
-    """A DistributedSampler (one permutation per epoch from the seed and the epoch, this process's share of it)
-    that hands each index out with the seed of its augmentation this epoch: (seed, index) pairs for
-    TransformDataset. The seed depends on the run's seed, the epoch and the image only."""
+    """A DistributedSampler (one permutation per epoch from the seed and the epoch, every num_replicas-th index of it
+    to this process) that hands each index out with the seed of its augmentation this epoch: (seed, index) pairs for
+    TransformDataset, as GlobalOrder's keys. What timm's sampler of batches of several sizes deals out
+    (data/sizes.py)."""
 
     def __iter__(self):
         for i in super().__iter__():
             yield mix(self.seed, self.epoch, i), i
+
+
+class Rows(NamedTuple):
+    """A training batch's random draws made for its whole global batch, in every process alike: `generator` seeded
+    from (seed, epoch, batch) (`batch_rows`), each draw made for `total` images and this process's rows kept,
+    [start, start + its batch). Draws made so depend on the image's place in the global batch, never on the process
+    that holds it."""
+
+    generator: torch.Generator
+    start: int
+    total: int
+
+
+def batch_rows(seed: int, epoch: int, batch: int, rank: int, rows: int, processes: int, stream: int = 0) -> Rows:
+    """The Rows of global batch `batch` of `epoch` for the process `rank` of `processes`, each with `rows` images;
+    `stream` tells apart the draws of different parts of a step (augmentation 0, the model's 1)."""
+    return Rows(torch.Generator().manual_seed(mix(seed, epoch, batch, stream)), rank * rows, rows * processes)
+
+
+def rows_of(generator: torch.Generator | Rows | None, n: int) -> tuple[torch.Generator | None, int, int]:
+    """(generator, start, total) for a draw of `n` images: a plain generator draws for its `n` alone."""
+    return tuple(generator) if isinstance(generator, Rows) else (generator, 0, n)
 
 
 class RepeatSampler(RepeatAugSampler, DistributedSampler):
@@ -94,17 +153,6 @@ class RepeatSeededSampler(RepeatSampler):
     def __iter__(self):
         for k, i in enumerate(super().__iter__()):
             yield mix(self.seed, self.epoch, i, self.rank + k * self.num_replicas), i
-
-
-def mix(*numbers: int) -> int:
-    """A 63-bit seed from `numbers` (splitmix64 steps): neighbouring inputs give unrelated seeds."""
-    h = 0
-    for n in numbers:
-        h = (h ^ n) + 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
-        h = (h ^ h >> 30) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        h = (h ^ h >> 27) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 31
-    return h >> 1
 
 
 def init_worker(worker_id: int) -> None:

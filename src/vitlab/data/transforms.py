@@ -18,7 +18,6 @@ No Hydra, OmegaConf or Lightning here.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2 as T
 
 from vitlab.data.crop_modes import CROP_MODES, PIL_FILTERS, ResizeCrop
+from vitlab.data.erasing import erase, erasing_boxes
 from vitlab.model.config import as_hw
 from vitlab.utils.errors import UserError
 from vitlab.utils.values import check_at_least, check_range, from_mapping, is_number
@@ -314,58 +314,6 @@ class DeviceTransform:
             boxes = erasing_boxes(len(x), x.shape[-2:], self.random_erasing, generator, self.count)
             x = erase(x, boxes.to(x.device, non_blocking=True), self.mode, generator)
         return x
-
-
-ERASE_SCALE, ERASE_RATIO, ERASE_ATTEMPTS = (0.02, 1 / 3), (0.3, 1 / 0.3), 10  # timm's (and torchvision's)
-
-
-def erasing_boxes(
-    n: int, hw: Sequence[int], p: float, generator: torch.Generator | None = None, count: int = 1
-) -> torch.Tensor:
-    """(n, count, 4) int64 boxes (top, left, height, width) as timm's RandomErasing draws them: an image is erased
-    with probability `p`, with k boxes (1 to `count`, uniformly); each box has up to 10 tries for an area of
-    2-33% of the image over k and an aspect ratio of 0.3-3.3 that fits; a box not drawn, or without a fit, has
-    height and width 0."""
-    H, W = int(hw[0]), int(hw[1])
-    chosen = torch.rand(n, generator=generator) < p
-    k = torch.randint(1, count + 1, (n,), generator=generator) if count > 1 else torch.ones(n, dtype=torch.long)
-    share = H * W / k[:, None, None]  # (n, 1, 1)
-    area = share * torch.empty(n, count, ERASE_ATTEMPTS).uniform_(*ERASE_SCALE, generator=generator)
-    log_ratio = torch.empty(n, count, ERASE_ATTEMPTS).uniform_(*map(math.log, ERASE_RATIO), generator=generator)
-    h = torch.sqrt(area * log_ratio.exp()).round().long()
-    w = torch.sqrt(area / log_ratio.exp()).round().long()
-    fits = (h < H) & (w < W)
-    first = fits.long().argmax(-1, keepdim=True)  # the first try that fits (0 when none does)
-    h, w = h.gather(-1, first).squeeze(-1), w.gather(-1, first).squeeze(-1)
-    keep = chosen[:, None] & fits.any(-1) & (torch.arange(count) < k[:, None])
-    h, w = torch.where(keep, h, 0), torch.where(keep, w, 0)
-    top = (torch.rand(n, count, generator=generator) * (H - h + 1)).long()
-    left = (torch.rand(n, count, generator=generator) * (W - w + 1)).long()
-    return torch.stack([top, left, h, w], -1)
-
-
-def erase(
-    x: torch.Tensor, boxes: torch.Tensor, mode: str = "const", generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """Fill each image's boxes ((B, K, 4) top, left, height, width) of a (B, C, H, W) batch, box after box as
-    timm does, with zeros (`const`), one normal colour a box (`rand`) or normal noise (`pixel`); the colours
-    and the noise's seed are drawn from `generator`."""
-    rows = torch.arange(x.shape[-2], device=x.device)
-    cols = torch.arange(x.shape[-1], device=x.device)
-    top, left, h, w = (boxes[..., k, None] for k in range(4))  # (B, K, 1) each
-    in_rows = (rows >= top) & (rows < top + h)  # (B, K, H)
-    in_cols = (cols >= left) & (cols < left + w)  # (B, K, W)
-    masks = in_rows[..., :, None] & in_cols[..., None, :]  # (B, K, H, W)
-    if mode == "const":
-        return x.masked_fill(masks.any(1, keepdim=True), 0.0)
-    if mode == "pixel":
-        seed = int(torch.randint(2**62, (), generator=generator))
-        noise = torch.randn(x.shape, generator=torch.Generator(x.device).manual_seed(seed), device=x.device)
-        return torch.where(masks.any(1, keepdim=True), noise, x)
-    colours = torch.randn(*boxes.shape[:2], x.shape[1], generator=generator).to(x.device, non_blocking=True)
-    for j in range(boxes.shape[1]):  # later boxes paint over earlier ones
-        x = torch.where(masks[:, j, None], colours[:, j, :, None, None], x)
-    return x
 
 
 class _ResizeIfNeeded(T.Transform):

@@ -6,12 +6,16 @@ Shapes: B batch, N tokens (prefix + patches), D embed_dim, H heads, Dh head dim,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vitlab.utils.seeds import mix
 
 # ---- activations, norms, poolings ----------------------------------------------------------------------
 
@@ -55,15 +59,35 @@ def optional_norm(layer: NormLayer | None, dim: int) -> nn.Module:
 # ---- regularisation and residual scaling -----------------------------------------------------------
 
 
+# What stochastic depth draws from in a training step (`drawn_by_rows`): (seed, start, count, total), or None.
+_ROWS: ContextVar[tuple[int, int, int, int] | None] = ContextVar("vitlab_drop_path_rows", default=None)
+
+
+@contextmanager
+def drawn_by_rows(model: nn.Module, seed: int, start: int, count: int, total: int) -> Iterator[None]:
+    """Within it, `model`'s stochastic depth draws a sample's keep from (`seed`, the layer, the sample's row of a global
+    batch of `total`), this process's `count` rows starting at `start`: the same whichever process holds the
+    sample and however many share the batch (a run resumed on another number of processes goes on exactly); a batch
+    of another size (views, crops) or a compiled graph draws from torch's generator, as outside."""
+    for site, layer in enumerate(m for m in model.modules() if isinstance(m, DropPath)):
+        layer.site = site
+    token = _ROWS.set((seed, start, count, total))
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
 class DropPath(nn.Module):
     """Stochastic depth (Huang et al. 2016): drop the whole residual branch per sample. The keep probability is a
     float64 scalar tensor (a non-persistent buffer, recomputed from `p` after every move or cast), not a Python float:
     the same draws, and every block's rate is an input of a compiled block rather than a constant of it, so
-    compile=regional's blocks share one graph whatever their rates."""
+    compile=regional's blocks share one graph whatever their rates. Within `drawn_by_rows`, each sample's draw is
+    its row's of the global batch."""
 
     def __init__(self, p: float):
         super().__init__()
-        self.p = p
+        self.p, self.site = p, 0
         self.register_buffer("keep", torch.tensor(1.0 - p, dtype=torch.float64), persistent=False)
 
     def _apply(self, fn, recurse=True):
@@ -74,6 +98,14 @@ class DropPath(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
             return x
+        rows = _ROWS.get()
+        if rows is not None and rows[2] == x.shape[0] and not torch.compiler.is_compiling():
+            seed, start, count, total = rows
+            drawn = torch.rand(
+                total, dtype=torch.float64, generator=torch.Generator().manual_seed(mix(seed, self.site))
+            )
+            mask = (drawn[start : start + count] < 1.0 - self.p).to(x.device, x.dtype, non_blocking=True)
+            return x * mask.view(-1, *(1,) * (x.ndim - 1)).div_(self.keep)
         mask = x.new_empty(x.shape[0], 1, 1).bernoulli_(self.keep)  # tokens (B, N, D): one draw per sample
         return x * mask.div_(self.keep)
 

@@ -12,6 +12,7 @@ training.checkpoint_io.load_module.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch import nn
 from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
 from vitlab.model import ViTConfig
+from vitlab.model.layers import drawn_by_rows
 from vitlab.training.adapters import WEIGHT_SETS, attach, drop_frozen, fill_frozen
 from vitlab.training.devices.float8 import Float8Precision, plain_state
 from vitlab.training.devices.sharding import new_vit, splits_weights
@@ -40,6 +42,7 @@ from vitlab.training.optim import (
 )
 from vitlab.utils.errors import UserError
 from vitlab.utils.kernels import compile_mode
+from vitlab.utils.seeds import mix
 
 log = logging.getLogger("vitlab.train")  # the command's own lines
 
@@ -210,7 +213,8 @@ class ViTModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss, logits = self.loss(x, y)
+        with self._drawn_by_rows(len(y) if y is not None else len(x), batch_idx):
+            loss, logits = self.loss(x, y)
         self.update_metrics("train", loss, logits, y)  # a classifier's accuracy: against the unmixed labels
         for name in self.objective.term_names():  # the loss's terms (objective=dino's), each a mean as train/loss is
             if name in self.objective.terms:
@@ -218,9 +222,21 @@ class ViTModule(L.LightningModule):
         if (self.global_step + 1) % self.trainer.log_every_n_steps == 0:  # the steps Lightning writes logs at
             # Read here, on a step that logs (and waits) anyway: a device tensor in the progress bar would be
             # read again, and waited for, after every later step.
-            self.log("train/loss_step", loss.detach().float().cpu(), prog_bar=True)
+            # The global batch's loss (the mean of the processes'), the same on any count of processes.
+            value = loss.detach().float()
+            value = self.trainer.strategy.reduce(value, reduce_op="mean") if self.trainer.world_size > 1 else value
+            self.log("train/loss_step", value.cpu(), prog_bar=True)
         scale = getattr(x, "loss_scale", None)  # a batch that weighs its loss: NaFlex's, by its size (data/naflex.py)
         return loss if scale is None else loss * scale
+
+    def _drawn_by_rows(self, count: int, batch_idx: int) -> contextlib.AbstractContextManager:
+        """Stochastic depth's draws as the global batch's rows (model.layers.drawn_by_rows), when the data's order is
+        global (data/seeded.py): keyed by the run's seed, the epoch and the batch, the same in every process."""
+        data = self._trainer.datamodule if self._trainer is not None else None
+        if not getattr(data, "global_order", False):
+            return contextlib.nullcontext()
+        seed = mix(data.shuffle_seed, self.current_epoch, batch_idx, 1)
+        return drawn_by_rows(self.model, seed, self.global_rank * count, count, count * self.trainer.world_size)
 
     def evaluate(self, stage: str, batch) -> None:
         """A validation or test batch's loss and metrics (EMA's averaged copy calls this too)."""

@@ -2,19 +2,26 @@
 weights_only, and which part each process takes back. The command-line runs that resume exactly:
 end_to_end/test_signal_resume.py."""
 
+import copy
 import io
+import logging
 import random
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
-from torchmetrics import MeanMetric
+from torchmetrics import MaxMetric, MeanMetric
 
 from vitlab.training.devices import rank_state
 
 
-def _trainer(rank=0, world=1, datamodule=None):
-    return SimpleNamespace(global_rank=rank, world_size=world, is_global_zero=rank == 0, datamodule=datamodule)
+def _trainer(rank=0, world=1, datamodule=None, epoch=0, batches=0):
+    progress = SimpleNamespace(current=SimpleNamespace(completed=batches), total=SimpleNamespace(completed=batches))
+    loop = SimpleNamespace(epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=epoch)),
+                           epoch_loop=SimpleNamespace(batch_progress=progress))  # fmt: skip
+    return SimpleNamespace(global_rank=rank, world_size=world, is_global_zero=rank == 0, datamodule=datamodule,
+                           fit_loop=loop)  # fmt: skip
 
 
 class _Module(torch.nn.Module):
@@ -89,3 +96,65 @@ def test_only_other_ranks_reseed():
     assert torch.equal(torch.get_rng_state(), before) and not hasattr(data, "seed")  # rank 0 as one process
     rank_state.seed_process(_trainer(rank=1, world=2, datamodule=data))
     assert data.seed == 6 and torch.initial_seed() == 6  # seed + rank
+
+
+def _written_by(world, drew=(), global_order=True, epoch=1, batches=3):
+    """A checkpoint as `world` processes of a global order write it, each with a MeanMetric's running state (rank r
+    has seen r + 1 images of value 2) and a MaxMetric's (synced: 7 on all)."""
+    parts = []
+    for r in range(world):
+        module, checkpoint = _Module(), _checkpoint([{"rank": r}])
+        module.metric, module.best = MeanMetric(), MaxMetric()
+        for m in (module.metric, module.best):
+            m.persistent(True)
+        module.metric.update(torch.full((r + 1,), 2.0))
+        module.best.update(torch.tensor(7.0))
+        dm = SimpleNamespace(batch_size=8, global_order=global_order, state_dict=dict)
+        rank_state.save(_trainer(r, world, dm, epoch, batches), module, checkpoint, drew=r in drew)
+        parts += checkpoint[rank_state.KEY]
+    return {**checkpoint, rank_state.KEY: parts}
+
+
+def _module():
+    module = _Module()
+    module.metric, module.best = MeanMetric(), MaxMetric()
+    return module
+
+
+@pytest.mark.parametrize("old, new", [(4, 2), (4, 3), (2, 1), (2, 3)])
+def test_on_another_count_a_global_order_resumes_at_its_position_with_every_image_s_metrics(old, new, caplog):
+    caplog.set_level(logging.INFO)
+    checkpoint = _written_by(old)
+    assert checkpoint[rank_state.POSITION] == {"epoch": 1, "batches": 3, "samples": 24, "processes": old,
+                                               "global_order": True}  # fmt: skip
+    seen = []
+    for rank in range(new):
+        loaded = copy.deepcopy(checkpoint)
+        dm = SimpleNamespace(load_state_dict=lambda state: None, resume_at=None)
+        module = _module()
+        mine = rank_state.take(_trainer(rank, new, dm), loaded, module)
+        assert dm.resume_at == (1, 3) and "combined_loader" not in loaded["loops"]["fit_loop"]["state_dict"]
+        if mine["metrics"] is not None:
+            rank_state.restore(module, mine)
+        seen.append((float(module.metric.weight), float(module.metric.mean_value), float(module.best.max_value)))
+    # every image the old processes had seen, once, among the new ones; the synced maximum kept
+    assert sum(w for w, _, _ in seen) == sum(range(1, old + 1)) and sum(v for _, v, _ in seen) == 2 * sum(
+        w for w, _, _ in seen
+    )
+    assert max(b for _, _, b in seen) == 7.0
+    assert f"written by {old} processes, resumed on {new}: exact" in caplog.text
+
+
+def test_on_another_count_a_run_that_drew_per_process_says_what_is_not_exact(caplog):
+    caplog.set_level(logging.INFO)
+    dm = SimpleNamespace(load_state_dict=lambda state: None, resume_at=None)
+    rank_state.take(_trainer(0, 1, dm), _written_by(2, drew=[1]), _module())
+    assert "written by 2 processes, resumed on 1: the data order and each image's augmentation" in caplog.text
+    assert "not exact" in caplog.text and dm.resume_at == (1, 3)
+
+
+def test_a_sampler_that_deals_per_process_resumes_on_another_count_with_today_s_warning(caplog):
+    dm = SimpleNamespace(load_state_dict=lambda state: None, resume_at=None)
+    rank_state.take(_trainer(0, 1, dm), _written_by(2, global_order=False), _module())
+    assert "written by 2 processes and resumes with 1: the data order and random draws" in caplog.text
+    assert dm.resume_at is None

@@ -26,6 +26,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 log = logging.getLogger(__name__)
 
 KEY = "rank_states"
+POSITION = "position"  # the run's global position (_position)
 
 
 def seed_process(trainer: L.Trainer) -> None:
@@ -44,14 +45,18 @@ def seed_process(trainer: L.Trainer) -> None:
         trainer.datamodule.seed_process(seed)
 
 
-def save(trainer: L.Trainer, module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-    """Add every process's part to `checkpoint` (a collective: Lightning builds the checkpoint on every rank)."""
+def save(trainer: L.Trainer, module: L.LightningModule, checkpoint: dict[str, Any], drew: bool = False) -> None:
+    """Add every process's part to `checkpoint` (a collective: Lightning builds the checkpoint on every rank), and
+    the run's global position (POSITION). `drew`: whether this process has drawn from its own generators in
+    training (dropout, MixUp, ...: `RankState` watches them)."""
     mine = {
         "rng": _rng_states(),
         "loader": _loader_state(checkpoint),
         "datamodule": checkpoint.get(_datamodule_key(trainer)),
         "metrics": _metric_states(module),
+        "drew": drew,
     }
+    checkpoint[POSITION] = _position(trainer)
     if trainer.world_size == 1 or not dist.is_initialized():
         checkpoint[KEY] = [mine]
         return
@@ -60,23 +65,36 @@ def save(trainer: L.Trainer, module: L.LightningModule, checkpoint: dict[str, An
     checkpoint[KEY] = everyone  # only rank 0 writes the file
 
 
-def take(trainer: L.Trainer, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+def _position(trainer: L.Trainer) -> dict[str, Any]:
+    """Where the run is, whatever the number of processes: the epoch, its global batches trained, the images seen,
+    and whether the order is global (data/seeded.py's GlobalOrder: a run resumes exactly on another count)."""
+    loop = trainer.fit_loop
+    epoch, batches = loop.epoch_progress.current.processed, loop.epoch_loop.batch_progress.current.completed
+    datamodule = trainer.datamodule
+    batch = getattr(datamodule, "batch_size", None)
+    return {
+        "epoch": epoch,
+        "batches": batches,
+        "samples": loop.epoch_loop.batch_progress.total.completed * batch if isinstance(batch, int) else None,
+        "processes": trainer.world_size,
+        "global_order": bool(getattr(datamodule, "global_order", False)),
+    }
+
+
+def take(
+    trainer: L.Trainer, checkpoint: dict[str, Any], module: L.LightningModule | None = None
+) -> dict[str, Any] | None:
     """This process's part of a loaded checkpoint: its datamodule state is loaded and its loader state put where
     Lightning restores it from; the random generators and metrics are returned, for `restore` before the first
-    batch."""
+    batch. Written by another number of processes: see `_another_count`."""
     parts = checkpoint.get(KEY)
     if not parts:  # written before per-process states: rank 0's generator only
         return {"rng": {"torch": checkpoint["rng_states"]["torch"]}} if "rng_states" in checkpoint else None
     rank = trainer.global_rank
     if len(parts) != trainer.world_size:
-        log.warning(
-            "the checkpoint was written by %d processes and resumes with %d: the data order and random draws "
-            "from here on differ from those of an uninterrupted run",
-            len(parts),
-            trainer.world_size,
-        )
-        rank, parts[0]["loader"] = 0, None  # another number of processes shares the data out differently
-    mine = parts[rank]
+        mine = _another_count(trainer, checkpoint, parts, module)
+    else:
+        mine = parts[rank]
     if mine["datamodule"] is not None:  # (Lightning has restored rank 0's before the callbacks see the checkpoint)
         checkpoint[_datamodule_key(trainer)] = mine["datamodule"]
         trainer.datamodule.load_state_dict(mine["datamodule"])
@@ -85,6 +103,65 @@ def take(trainer: L.Trainer, checkpoint: dict[str, Any]) -> dict[str, Any] | Non
     else:
         checkpoint["loops"]["fit_loop"]["state_dict"].pop("combined_loader", None)
     return mine
+
+
+def _another_count(
+    trainer: L.Trainer, checkpoint: dict[str, Any], parts: list[dict], module: L.LightningModule | None
+) -> dict[str, Any]:
+    """This process's part of a checkpoint written by another number of processes. With a global order (the
+    checkpoint's POSITION) the loader starts at the global position, which is the same batches on any count, and
+    the run goes on as the uninterrupted one would have where it drew nothing per process since it started (its
+    parts' "drew"); a checkpoint written before, or a sampler that deals per process, goes on with a warning, as
+    before. Each of the new processes takes the generators of the old one of its rank (modulo their count) and its
+    running metrics: those of the old ones beyond the new count are added into it (their sums), so that the epoch's
+    synced training metrics stay those of every image seen."""
+    old, new, rank = len(parts), trainer.world_size, trainer.global_rank
+    position = checkpoint.get(POSITION)
+    if position is None or not position["global_order"]:
+        log.warning(
+            "the checkpoint was written by %d processes and resumes with %d: the data order and random draws "
+            "from here on differ from those of an uninterrupted run",
+            old,
+            new,
+        )
+        mine = dict(parts[0], loader=None)  # another number of processes shares the data out differently
+        return mine
+    drew = [i for i, part in enumerate(parts) if part.get("drew")]
+    if trainer.is_global_zero:
+        if drew:
+            log.info(
+                "written by %d processes, resumed on %d: the data order and each image's augmentation go on as "
+                "they would have; not exact: the processes drew random numbers of their own (dropout, MixUp or "
+                "CutMix, the objective's: docs, Reliability)",
+                old,
+                new,
+            )
+        else:
+            log.info("written by %d processes, resumed on %d: exact", old, new)
+    trainer.datamodule.resume_at = (position["epoch"], position["batches"])
+    mine = dict(parts[rank % old], loader=None)
+    mine["metrics"] = _merged_metrics(parts, rank, new, module) if rank < old else None
+    return mine
+
+
+def _merged_metrics(parts: list[dict], rank: int, new: int, module: L.LightningModule | None) -> dict | None:
+    """Rank `rank`'s running metric states, with those of the old ranks beyond the new count that fall to it (j % new
+    == rank) added in where the metric sums its state across processes (torchmetrics' "sum" reduction)."""
+    mine = parts[rank].get("metrics")
+    if not mine or module is None:
+        return mine
+    summed = {
+        f"{name}.{key}"
+        for name, child in module.named_modules()
+        for key, fx in getattr(child, "_reductions", {}).items()
+        if getattr(fx, "__name__", "") == "dim_zero_sum"
+    }
+    merged = dict(mine)
+    for j in range(len(parts)):
+        if j >= new and j % new == rank and parts[j].get("metrics"):
+            for key in summed & merged.keys():
+                merged[key] = merged[key] + parts[j]["metrics"][key]
+    return merged
 
 
 def restore(module: L.LightningModule, mine: dict[str, Any]) -> None:
@@ -138,27 +215,59 @@ def _datamodule_key(trainer: L.Trainer) -> str | None:
     return type(trainer.datamodule).__qualname__ if trainer.datamodule is not None else None
 
 
+def _generators() -> bytes:
+    """The state of this process's own generators (torch's, CUDA's where started, Python's, numpy's), to tell whether
+    training drew from them."""
+    states = [
+        torch.get_rng_state().numpy().tobytes(),
+        repr(random.getstate()).encode(),
+        np.random.get_state()[1].tobytes(),
+    ]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += [state.numpy().tobytes() for state in torch.cuda.get_rng_state_all()]
+    return b"".join(states)
+
+
 class RankState(L.Callback):
     """The per-process state above, carried by every checkpoint of a fit (training.run.build adds this callback to every
     Trainer it builds): each process reseeded once DDP is set up, its part gathered when a checkpoint is written, and
     on resume taken back (datamodule and loader before Lightning restores them, the generators and metrics just
-    before the first batch)."""
+    before the first batch). It also watches whether training draws from the process's own generators (torch's and
+    the others, the datamodule's), which a resume on another number of processes cannot carry over."""
 
     def __init__(self) -> None:
         self._mine: dict[str, Any] | None = None
+        self._drew = False  # drawn from before the last resume (its checkpoint said so)
+        self._before: tuple[bytes | None, bytes | None] | None = None  # (generators, datamodule's) at the start
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":
             seed_process(trainer)
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._before = (None, _datamodule_generator(trainer))  # (its state resumed already)
+
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        save(trainer, pl_module, checkpoint)
+        save(trainer, pl_module, checkpoint, drew=self._drew or self._has_drawn(trainer))
+
+    def _has_drawn(self, trainer: L.Trainer) -> bool:
+        if self._before is None or self._before[0] is None:  # no training batch yet
+            return False
+        return (_generators(), _datamodule_generator(trainer)) != self._before
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         if trainer.state.fn == TrainerFn.FITTING:  # (Lightning calls it before testing from a checkpoint too)
-            self._mine = take(trainer, checkpoint)
+            self._mine = take(trainer, checkpoint, pl_module)
+            self._drew = any(part.get("drew", True) for part in checkpoint.get(KEY) or [{}])
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         if self._mine:
             restore(pl_module, self._mine)
             self._mine = None
+        if self._before is not None and self._before[0] is None:
+            self._before = (_generators(), self._before[1])
+
+
+def _datamodule_generator(trainer: L.Trainer) -> bytes | None:
+    rng = getattr(trainer.datamodule, "rng", None)
+    return rng.get_state().numpy().tobytes() if isinstance(rng, torch.Generator) else None

@@ -1,0 +1,68 @@
+"""Issue 78: a run stopped on some number of processes goes on, exactly, on another. The data order is global
+(data/seeded.py's GlobalOrder), each image's on-device augmentation and each sample's stochastic depth are its global
+batch's rows (Rows, model.layers.drawn_by_rows), and the checkpoint holds the global position
+(training/devices/rank_state.py): resumed on 2 or 3 processes, or on 1, the run is the uninterrupted one up to the
+order of reductions. Tiny runs: 4 gloo processes on a 2-core machine, one block of width 32."""
+
+import pytest
+
+from tests.helpers.commands import run_cli
+from tests.helpers.configs import RESUMABLE
+from tests.helpers.runs import assert_close_run, interrupt, resume, trained
+
+# 1,257 training digits in global batches of 96 (divisible by 1, 2, 3 and 4): 13 steps an epoch, 3 epochs; stochastic
+# depth (every sample's own draw), EMA and the default shift on the device (every image's own).
+ELASTIC = [
+    *[o for o in RESUMABLE if not o.startswith(("data.batch_size", "trainer.max_epochs", "model.drop_path_rate"))],
+    "data.batch_size=96",
+    "trainer.max_epochs=3",
+    "model.depth=1",
+    "model.embed_dim=32",
+    "model.num_heads=2",
+    "model.drop_path_rate=0.5",
+    "model.drop_path_uniform=true",  # (one block: linear in depth would give it 0)
+    "trainer=ddp_cpu",
+]
+
+
+def _on(count: int) -> list[str]:
+    return [*ELASTIC, f"trainer.devices={count}"]
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return trained(tmp_path_factory, "elastic-four", *_on(4))
+
+
+@pytest.fixture(scope="module")
+def stopped_four(tmp_path_factory):
+    """The four processes' run stopped by SIGTERM sent after step 4 of 39 (the processes agree on a later step), and the
+    command it printed."""
+    folder = tmp_path_factory.mktemp("stopped-four")
+    return interrupt(_on(4), folder, "SIGTERM", 4), folder
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_four_processes_stopped_mid_epoch_go_on_on_two_or_three_as_the_uninterrupted_four(
+    four, stopped_four, tmp_path, count
+):
+    command, _ = stopped_four
+    assert " trainer.devices=4 " in command
+    resumed = resume(command.replace(" trainer.devices=4 ", f" trainer.devices={count} "), tmp_path)
+    assert f"written by 4 processes, resumed on {count}: exact" in (resumed / "train.log").read_text()
+    assert_close_run(four, resumed)
+
+
+def test_a_resume_on_a_count_that_does_not_divide_the_global_batch_is_one_line_naming_the_counts_that_do(
+    stopped_four, tmp_path
+):
+    command, _ = stopped_four
+    saved = command.split()[-1]
+    before = open(saved.removeprefix("ckpt_path="), "rb").read()
+    r = run_cli("train", *_on(5), saved, cwd=tmp_path)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and last == (
+        "error: data.batch_size 96 is global and must be divisible by the 5 processes (trainer.devices x "
+        "trainer.num_nodes); counts that divide it: 1, 2, 3, 4, 6, 8, 12, 16"
+    ), r.stderr[-2000:]
+    assert open(saved.removeprefix("ckpt_path="), "rb").read() == before
