@@ -34,7 +34,7 @@ def main(out: Path) -> None:
     wdiff = max(float(g.max()) for g in gaps.values())
     metrics = [json.loads((out / n / "metrics.json").read_text()) for n in ("four", "resumed_on_2")]
     print(
-        f"steps compared: {len(shared)} (the resumed run logs from step {first}); largest |loss difference|: {diff:.2e} "
+        f"steps compared: {len(shared)} (the resumed run logs from step {first}); largest |loss gap|: {diff:.2e} "
         f"(after the resume: {diff_after:.2e}); largest |weight difference|: {wdiff:.2e} "
         f"(attention key biases: {key_bias:.2e})"
     )
