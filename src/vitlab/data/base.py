@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import lightning as L
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import Dataset, DistributedSampler, Sampler, Subset
+from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler, Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitlab.data import decoding, lookahead, sizes
@@ -99,7 +99,7 @@ class DataModule(L.LightningDataModule):
         self.splits: dict[str, str] = {}  # what each split is, where a dataset's layout leaves it open
         self.placement: torch.device | None = None  # data_device without a Trainer
         # Training's order is global (seeded.GlobalOrder) unless a sampler deals per process; resumed on another
-        self.global_order, self.resume_at = True, None  # count, the loader starts at (epoch, batches) = resume_at
+        self.global_order, self.resume_at = False, None  # count, the loader starts at (epoch, batches) = resume_at
 
     @property
     def per_device_batch_size(self) -> int:
@@ -212,7 +212,7 @@ class DataModule(L.LightningDataModule):
         differ by a batch cannot stall them."""
         world = self.trainer.world_size if self.trainer is not None else 1
         data = self._served(split)
-        if world == 1 or data is None:
+        if world == 1 or data is None or isinstance(data, IterableDataset):  # (a stream shares itself out)
             return self._loader(data, train=False)
         share = UnrepeatedDistributedSampler(data, num_replicas=world, rank=self.trainer.global_rank, shuffle=False)
         return self._loader(data, train=False, sampler=share)

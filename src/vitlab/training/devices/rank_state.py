@@ -1,5 +1,7 @@
 """What each process's training state adds to a checkpoint, so that a run resumed with N processes continues
-exactly as the uninterrupted one would have.
+exactly as the uninterrupted one would have, and the run's global position (epoch, global batches, images seen), so
+that one resumed on another number of processes does too where nothing it drew was a process's own (`_another_count`;
+data/seeded.py keeps the data order and the augmentation's draws apart from the processes).
 
 Under DDP every process has random generators of its own (dropout, stochastic depth, MixUp, the on-device
 augmentation of `data.base.DataModule.rng`), its own loader position (in its share of the epoch's
