@@ -18,8 +18,9 @@ METRICS = ["train/loss", "train/acc", "val/loss", "val/acc", "val/acc_best", "te
 
 def test_ddp_on_two_cpu_processes_shares_one_run_dir_and_syncs_metrics(tmp_path):
     """Two processes: one run directory, synced metrics, and the digits held on each process's device, each
-    training on its own share of the epoch's permutation, none twice, as the loader path shares it."""
-    from torch.utils.data import DistributedSampler
+    training on its own contiguous share of each global batch of the epoch's permutation (data/seeded.py
+    GlobalOrder), none twice, as the loader path shares it."""
+    from vitlab.data.seeded import GlobalOrder
 
     run_dir, record = tmp_path / "run", tmp_path / "record"
     record.mkdir()
@@ -45,7 +46,7 @@ def test_ddp_on_two_cpu_processes_shares_one_run_dir_and_syncs_metrics(tmp_path)
     for epoch in range(2):
         shares = []
         for rank in (0, 1):
-            sampler = DistributedSampler(range(1257), num_replicas=2, rank=rank, shuffle=True, seed=42)
+            sampler = GlobalOrder(range(1257), num_replicas=2, rank=rank, seed=42, batch_size=32)
             sampler.set_epoch(epoch)
             shares.append(trained[rank][epoch])
             assert len(shares[-1]) == 3 * 32 and shares[-1] == list(sampler)[: 3 * 32]  # debug=limit: 3 batches

@@ -16,9 +16,12 @@ from torchmetrics import MaxMetric, MeanMetric
 from vitlab.training.devices import rank_state
 
 
-def _trainer(rank=0, world=1, datamodule=None, epoch=0, batches=0):
+def _trainer(rank=0, world=1, datamodule=None, epoch=0, batches=0, epoch_over=False):
+    """A Trainer mid-epoch `epoch` after `batches` batches, or (`epoch_over`) as its end's checkpoint sees it: epoch
+    `epoch - 1` processed (its batches still counted), not yet completed."""
     progress = SimpleNamespace(current=SimpleNamespace(completed=batches), total=SimpleNamespace(completed=batches))
-    loop = SimpleNamespace(epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=epoch)),
+    epochs = SimpleNamespace(processed=epoch, completed=epoch - 1 if epoch_over else epoch)
+    loop = SimpleNamespace(epoch_progress=SimpleNamespace(current=epochs),
                            epoch_loop=SimpleNamespace(batch_progress=progress))  # fmt: skip
     return SimpleNamespace(global_rank=rank, world_size=world, is_global_zero=rank == 0, datamodule=datamodule,
                            fit_loop=loop)  # fmt: skip
@@ -158,3 +161,12 @@ def test_a_sampler_that_deals_per_process_resumes_on_another_count_with_today_s_
     rank_state.take(_trainer(0, 1, dm), _written_by(2, global_order=False), _module())
     assert "written by 2 processes and resumes with 1: the data order and random draws" in caplog.text
     assert dm.resume_at is None
+
+
+def test_a_checkpoint_at_an_epoch_s_end_resumes_on_another_count_at_the_next_epoch_s_start():
+    """The end of epoch 2's checkpoint (13 of 13 batches done; Lightning has processed the epoch, not completed it):
+    the position is epoch 3, batch 0, not epoch 3 past 13 batches (an epoch that would train nothing)."""
+    checkpoint = _checkpoint()
+    dm = SimpleNamespace(batch_size=8, global_order=True, state_dict=dict)
+    rank_state.save(_trainer(0, 2, dm, epoch=3, batches=13, epoch_over=True), _Module(), checkpoint)
+    assert checkpoint[rank_state.POSITION]["epoch"] == 3 and checkpoint[rank_state.POSITION]["batches"] == 0

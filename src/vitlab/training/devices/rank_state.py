@@ -70,8 +70,11 @@ def save(trainer: L.Trainer, module: L.LightningModule, checkpoint: dict[str, An
 def _position(trainer: L.Trainer) -> dict[str, Any]:
     """Where the run is, whatever the number of processes: the epoch, its global batches trained, the images seen,
     and whether the order is global (data/seeded.py's GlobalOrder: a run resumes exactly on another count)."""
-    loop = trainer.fit_loop
-    epoch, batches = loop.epoch_progress.current.processed, loop.epoch_loop.batch_progress.current.completed
+    loop, epochs = trainer.fit_loop, trainer.fit_loop.epoch_progress.current
+    # Saved once an epoch's training is over (its end's checkpoint: processed but not yet completed), the next epoch
+    # starts from its first batch; otherwise the epoch in progress goes on after its completed batches.
+    batches = 0 if epochs.processed > epochs.completed else loop.epoch_loop.batch_progress.current.completed
+    epoch = epochs.processed
     datamodule = trainer.datamodule
     batch = getattr(datamodule, "batch_size", None)
     return {
