@@ -168,3 +168,19 @@ def test_every_data_module_makes_the_views_of_its_training_batches(data, request
     assert [tuple(v.shape) for v in crops] == [(4, dm.channels, 16, 16)] * 2 + [(4, dm.channels, 8, 8)] * 2
     val, _ = dm.device_transform(next(iter(dm.val_dataloader())), train=False)
     assert isinstance(val, torch.Tensor) and val.dtype == torch.float32
+
+
+def test_a_view_of_an_image_is_its_global_batch_row_s_whichever_process_holds_it():
+    """Issue 78: drawn from the Rows of a global batch (data/seeded.py), two processes' views of their halves are the
+    one process's views of the whole batch, row for row (crop, flip, jitter, grayscale, blur, solarisation)."""
+    from vitlab.data.seeded import batch_rows
+
+    cfg = M.MultiCropConfig.from_dict({"global_size": 16, "local_size": 8, "local_crops": 2})
+    crop = M.MultiCrop(cfg, 16, (0.5,) * 3, (0.25,) * 3)
+    x = torch.rand(8, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    whole = crop(x, batch_rows(7, 1, 3, rank=0, rows=8, processes=1))
+    halves = [crop(x[r * 4 : (r + 1) * 4], batch_rows(7, 1, 3, rank=r, rows=4, processes=2)) for r in range(2)]
+    for view, (a, b) in zip(whole, zip(*halves, strict=True), strict=True):
+        torch.testing.assert_close(view, torch.cat([a, b]), rtol=0, atol=1e-6)
+    other = crop(x, batch_rows(7, 1, 4, rank=0, rows=8, processes=1))  # the next batch: other draws
+    assert not torch.allclose(other[0], whole[0])

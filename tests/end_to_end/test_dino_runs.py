@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from tests.helpers.commands import assert_refused, run_cli
-from tests.helpers.runs import assert_same_run, interrupt, resume
+from tests.helpers.commands import assert_refused, replaced, run_cli
+from tests.helpers.runs import assert_close_run, assert_same_run, interrupt, resume
 
 DINO = [
     "experiment=dino_pretrain_digits",
@@ -68,6 +68,28 @@ def test_two_processes_end_with_the_teachers_knn_that_vitlab_eval_reads_again(dd
     assert_refused(r, f"error: checkpoint {best!r} is objective=dino pretraining (an encoder without a classifier): "
                    "evaluate its features with task=knn, task=linear or task=fewshot")  # fmt: skip
     assert not (tmp_path / "test").exists()
+
+
+def test_stopped_on_two_processes_it_goes_on_on_one_saying_that_koleo_is_not_exact(ddp, tmp_path):
+    """Issue 78: the recipe's KoLeo searches each image's nearest neighbour within its process's share of the batch,
+    so a resume on another count says so (the views and the student's stochastic depth are the global batch's)."""
+    command = interrupt([*DINO, *DDP], tmp_path, "SIGTERM", 4)
+    resumed = resume(command.replace("trainer.devices=2", "trainer.devices=1"), tmp_path)
+    log = (resumed / "train.log").read_text()
+    assert "written by 2 processes, resumed on 1: the data order and each image's augmentation go on" in log
+    assert "not exact: KoLeo's nearest neighbours are searched within each process's share of the batch" in log
+
+
+def test_without_koleo_two_processes_stopped_mid_epoch_go_on_on_one_as_the_uninterrupted_two(tmp_path_factory):
+    """Issue 78: DINO's views, drawn by the global batch's rows on the device, and the student's stochastic depth on
+    the stacked views, so a run resumed on one process is the two processes' up to reduction order (one epoch)."""
+    args = [*replaced(DINO, "trainer.max_epochs=1"), "objective.koleo_weight=0", *DDP]
+    full, _ = _run(tmp_path_factory, "dino_no_koleo", args)
+    folder = tmp_path_factory.mktemp("dino_no_koleo_stopped")
+    command = interrupt(args, folder, "SIGTERM", 4)
+    resumed = resume(command.replace("trainer.devices=2", "trainer.devices=1"), folder)
+    assert "written by 2 processes, resumed on 1: exact" in (resumed / "train.log").read_text()
+    assert_close_run(full, resumed)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

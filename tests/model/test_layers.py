@@ -103,3 +103,30 @@ def test_grouped_query_heads_are_timms_attention_rope():
     x = torch.randn(2, N, dim, generator=torch.Generator().manual_seed(1))
     rope = torch.randn(N - 1, 2 * dim // heads, generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(ours.eval()(x, None, None, rope), reference(x, rope=rope), atol=1e-6, rtol=0)
+
+
+def test_within_drawn_by_rows_stochastic_depth_is_the_global_batch_row_s_views_included():
+    """Issue 78: each sample's keep is its row's of the global batch: two processes' halves drop what one process
+    drops of the whole batch; a stack of views (m x the rows, multi-crop's) draws each view as its own global batch,
+    and views of another shape draw apart."""
+    from vitlab.model.layers import DropPath, drawn_by_rows
+
+    net = torch.nn.Sequential(DropPath(0.5), DropPath(0.5)).train()
+    x = torch.ones(8, 3, 4)
+    with drawn_by_rows(net, 11, 0, 8, 8):
+        whole = net(x)
+    halves = []
+    for r in range(2):
+        with drawn_by_rows(net, 11, 4 * r, 4, 8):
+            halves.append(net(x[:4]))
+    torch.testing.assert_close(whole, torch.cat(halves), rtol=0, atol=0)
+    assert 0 < (whole == 0).all(-1).all(-1).sum() < 8  # some samples dropped, not all
+    views = torch.ones(3 * 8, 3, 4)  # three views of the batch, one after another
+    with drawn_by_rows(net, 11, 0, 8, 8):
+        stacked, other_shape = net(views), net(torch.ones(3 * 8, 5, 4))
+    shares = []
+    for r in range(2):
+        with drawn_by_rows(net, 11, 4 * r, 4, 8):
+            shares.append(net(torch.ones(3 * 4, 3, 4)).view(3, 4, 3, 4))
+    torch.testing.assert_close(stacked.view(3, 8, 3, 4), torch.cat(shares, 1), rtol=0, atol=0)
+    assert not torch.equal(stacked[:, 0, 0] == 0, other_shape[:, 0, 0] == 0)

@@ -157,8 +157,8 @@ class ImageDataModule(DataModule):
         x, y = batch[:2]
         if train and self.views is not None and isinstance(x, list):  # objective=dino, views cut in the workers
             return self.views.normalised(x, self.rng), y
-        if train and self.views is not None:  # objective=dino: the views (and iBOT's masks) of every image
-            return self.views(x.to(torch.float32).div_(255), self.rng), y
+        if train and self.views is not None:  # objective=dino: the views (its global batch's rows) and iBOT's masks
+            return self.views(x.to(torch.float32).div_(255), self.rng, self.batch_draws(len(x))), y
         # A batch of images draws as its global batch (data/seeded.py's Rows), shared by this step's draws in order;
         # NaFlex's patches from the module's generator.
         images = isinstance(self.to_input, transforms.DeviceTransform)

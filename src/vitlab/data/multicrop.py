@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torchvision.transforms.v2.functional._color import _hsv_to_rgb, _rgb_to_hsv
 
+from vitlab.data.seeded import Rows, rows_of
 from vitlab.utils.errors import UserError
 from vitlab.utils.values import check_at_least, check_range, from_mapping, is_number
 
@@ -116,16 +117,25 @@ class MultiCrop:
             (c.local_size, c.local_scale, 2)
         ] * c.local_crops
 
-    def __call__(self, x: torch.Tensor, generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    def __call__(self, x: torch.Tensor, generator: torch.Generator | Rows | None = None) -> list[torch.Tensor]:
         mean = torch.tensor(self.mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
         std = torch.tensor(self.std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
         return [(self.view(x, size, scale, which, generator) - mean) / std for size, scale, which in self.views()]
 
     def view(
-        self, x: torch.Tensor, size: int, scale: tuple[float, float], which: int, generator: torch.Generator | None
+        self,
+        x: torch.Tensor,
+        size: int,
+        scale: tuple[float, float],
+        which: int,
+        generator: torch.Generator | Rows | None,
     ) -> torch.Tensor:
-        """One view of every image: its draws (host), then the crop, flip, jitter, grayscale, blur, solarisation."""
-        return self.apply(x, size, which, self.draw(len(x), x.shape[-2:], scale, which, generator))
+        """One view of every image: its draws (host), then the crop, flip, jitter, grayscale, blur, solarisation.
+        `generator`: or the Rows of a global batch (data/seeded.py): the view's draws made for all of it, these rows
+        kept, so that an image's view is the same whichever process holds it."""
+        generator, start, total = rows_of(generator, len(x))
+        drawn = self.draw(total, x.shape[-2:], scale, which, generator)
+        return self.apply(x, size, which, {k: v[start : start + len(x)] for k, v in drawn.items()})
 
     def draw(
         self, n: int, hw: Sequence[int], scale: tuple[float, float], which: int, generator: torch.Generator | None
@@ -281,8 +291,11 @@ class Views:
         self.crop = MultiCrop(cfg, int(cfg.global_size or 0), mean, std)
         self.masks = dict(settings.get("masks") or {})
 
-    def __call__(self, x: torch.Tensor, generator: torch.Generator | None) -> tuple[list[torch.Tensor], Any]:
-        return self.crop(x, generator), self._masks(len(x), x.device, generator)
+    def __call__(
+        self, x: torch.Tensor, generator: torch.Generator | None, crops: torch.Generator | Rows | None = None
+    ) -> tuple[list[torch.Tensor], Any]:
+        """`crops`: what the crops draw from instead (the Rows of a global batch); the masks draw from `generator`."""
+        return self.crop(x, crops if crops is not None else generator), self._masks(len(x), x.device, generator)
 
     def normalised(
         self, views: list[torch.Tensor], generator: torch.Generator | None

@@ -67,8 +67,10 @@ _ROWS: ContextVar[tuple[int, int, int, int] | None] = ContextVar("vitlab_drop_pa
 def drawn_by_rows(model: nn.Module, seed: int, start: int, count: int, total: int) -> Iterator[None]:
     """Within it, `model`'s stochastic depth draws a sample's keep from (`seed`, the layer, the sample's row of a global
     batch of `total`), this process's `count` rows starting at `start`: the same whichever process holds the
-    sample and however many share the batch (a run resumed on another number of processes goes on exactly); a batch
-    of another size (views, crops) or a compiled graph draws from torch's generator, as outside."""
+    sample and however many share the batch (a run resumed on another number of processes goes on exactly). A batch
+    of m x `count` rows is m views of the batch, one after the other (multi-crop's), each drawn as its own global
+    batch (keyed by m and the tokens' shape, so the global and the local crops draw apart); a batch of another size,
+    or a compiled graph, draws from torch's generator, as outside."""
     for site, layer in enumerate(m for m in model.modules() if isinstance(m, DropPath)):
         layer.site = site
     token = _ROWS.set((seed, start, count, total))
@@ -99,12 +101,13 @@ class DropPath(nn.Module):
         if not self.training:
             return x
         rows = _ROWS.get()
-        if rows is not None and rows[2] == x.shape[0] and not torch.compiler.is_compiling():
+        if rows is not None and x.shape[0] % rows[2] == 0 and not torch.compiler.is_compiling():
+            # views of the batch stacked view after view (multi-crop: m of them): each view's rows of its global batch
             seed, start, count, total = rows
-            drawn = torch.rand(
-                total, dtype=torch.float64, generator=torch.Generator().manual_seed(mix(seed, self.site))
-            )
-            mask = (drawn[start : start + count] < 1.0 - self.p).to(x.device, x.dtype, non_blocking=True)
+            m = x.shape[0] // count
+            g = torch.Generator().manual_seed(mix(seed, self.site, m, *x.shape[1:]))  # (each kind of view its own)
+            drawn = torch.rand(m, total, dtype=torch.float64, generator=g)[:, start : start + count].reshape(-1)
+            mask = (drawn < 1.0 - self.p).to(x.device, x.dtype, non_blocking=True)
             return x * mask.view(-1, *(1,) * (x.ndim - 1)).div_(self.keep)
         mask = x.new_empty(x.shape[0], 1, 1).bernoulli_(self.keep)  # tokens (B, N, D): one draw per sample
         return x * mask.div_(self.keep)

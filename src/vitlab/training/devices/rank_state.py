@@ -131,18 +131,22 @@ def _another_count(
         )
         mine = dict(parts[0], loader=None)  # another number of processes shares the data out differently
         return mine
-    drew = [i for i, part in enumerate(parts) if part.get("drew")]
-    if trainer.is_global_zero:
-        if drew:
-            log.info(
-                "written by %d processes, resumed on %d: the data order and each image's augmentation go on as "
-                "they would have; not exact: the processes drew random numbers of their own (dropout, MixUp or "
-                "CutMix, the objective's: docs, Reliability)",
-                old,
-                new,
-            )
-        else:
-            log.info("written by %d processes, resumed on %d: exact", old, new)
+    why = []
+    if any(part.get("drew") for part in parts):
+        why.append("the processes drew random numbers of their own (dropout, MixUp or CutMix, the objective's)")
+    objective = getattr(module, "objective", None)
+    if objective is not None and objective.per_process():
+        why.append(objective.per_process())
+    if trainer.is_global_zero and why:
+        log.info(
+            "written by %d processes, resumed on %d: the data order and each image's augmentation go on as they "
+            "would have; not exact: %s (docs: Reliability)",
+            old,
+            new,
+            "; ".join(why),
+        )
+    elif trainer.is_global_zero:
+        log.info("written by %d processes, resumed on %d: exact", old, new)
     trainer.datamodule.resume_at = (position["epoch"], position["batches"])
     mine = dict(parts[rank % old], loader=None)
     mine["metrics"] = _merged_metrics(parts, rank, new, module) if rank < old else None

@@ -187,6 +187,11 @@ class DINO(Objective):
         gram = {"gram_teacher": self.gram_teacher} if self.gram_teacher is not None else {}
         return {"student": self.student, "teacher": self.teacher} | losses | gram
 
+    def per_process(self) -> str | None:
+        if self.cfg.koleo_weight:  # (dinov2's koleo_loss on each GPU's batch)
+            return "KoLeo's nearest neighbours are searched within each process's share of the batch"
+        return None
+
     def term_names(self) -> tuple[str, ...]:
         c = self.cfg
         return ("dino", *(name for name in ("koleo", "ibot") if getattr(c, f"{name}_weight")), *("gram",) * c.gram.on)
