@@ -8,6 +8,7 @@ import torch
 from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 
+from tests.helpers.trainers import fake_trainer
 from vitlab.data import multicrop as M
 from vitlab.utils.errors import UserError
 
@@ -132,7 +133,6 @@ def test_every_data_module_makes_the_views_of_its_training_batches(data, request
     """objective=dino's data modules (training.run.build.build_datamodule passes `multicrop`): photos (a folder,
     shards) give views cut from each whole image in the workers; data held at one size gives its images squared at the
     source size, the views made on the device; validation batches as ever."""
-    from types import SimpleNamespace
 
     from vitlab.data import DigitsDataModule, FakeDataModule, ImageFolderDataModule
     from vitlab.data.streaming import StreamingDataModule
@@ -150,11 +150,7 @@ def test_every_data_module_makes_the_views_of_its_training_batches(data, request
         ),  # fmt: skip
     }
     dm = make[data]()
-    epochs = SimpleNamespace(current=SimpleNamespace(processed=0))
-    dm.trainer = SimpleNamespace(
-        world_size=1, global_rank=0, num_devices=1, fit_loop=SimpleNamespace(epoch_progress=epochs),
-        strategy=SimpleNamespace(root_device=torch.device("cpu")),
-    )  # fmt: skip
+    dm.trainer = fake_trainer()
     dm.setup("fit")
     x, y = next(iter(dm.train_dataloader()))
     if data in ("imagefolder", "streaming"):  # photos: the views cut in the workers from each whole image, as uint8
