@@ -169,8 +169,8 @@ def test_ema_checkpoint_tests_and_reloads(compose_cfg, tmp_path):
 def test_mixup_label_smoothing_layer_decay_and_drop_path_options_train(compose_cfg, tmp_path):
     """Each option reaches the step that trains: the first step's loss is timm's Mixup (MixUp 0.8 / CutMix 1.0, its
     targets smoothed by 0.1) then SoftTargetCrossEntropy, on the same draws, through blocks that drop their paths at
-    timm's rates (0 rising to 0.1); the optimizer's groups have layer decay's rates (0.75 a block down from the
-    head); and the run trains to its end."""
+    timm's rates (0 rising to 0.1, each sample's by its row of the global batch); the optimizer's groups have layer
+    decay's rates (0.75 a block down from the head); and the run trains to its end."""
     from timm.data import Mixup
     from timm.loss import SoftTargetCrossEntropy
 
@@ -200,7 +200,8 @@ def test_mixup_label_smoothing_layer_decay_and_drop_path_options_train(compose_c
     mixup = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=cfg.model.num_classes)
     x, target = mixup(seen["x"].clone(), seen["y"].clone())
     assert not torch.equal(x, seen["x"])  # mixed
-    expected = SoftTargetCrossEntropy()(model.train()(x), target)
+    with seen["rows"]:  # each sample's stochastic depth by its row of the global batch, as the step drew it
+        expected = SoftTargetCrossEntropy()(model.train()(x), target)
     assert seen["loss"].item() == pytest.approx(expected.item(), rel=1e-6)
 
     lr = {name: rate for names, rate in seen["groups"] for name in names}

@@ -148,7 +148,8 @@ class RecordTrainSizes(L.Callback):
 
 class FirstStep(L.Callback):
     """Records what the first training step took and gave: its batch as the objective took it, the model and the
-    random generators' states before it, its loss; and the optimizer's groups (parameter names, learning rates)."""
+    random generators' states before it, the step's stochastic depth draws (`rows`: the context the step runs the
+    model in, model.layers.drawn_by_rows), its loss; and the optimizer's groups (parameter names, learning rates)."""
 
     seen: dict = {}
 
@@ -158,7 +159,7 @@ class FirstStep(L.Callback):
         if trainer.global_step == 0 and not FirstStep.seen:
             FirstStep.seen.update(
                 x=batch[0].clone(), y=batch[1].clone(), model=copy.deepcopy(pl_module.model),
-                numpy=numpy.random.get_state(), torch=torch.get_rng_state(),
+                numpy=numpy.random.get_state(), torch=torch.get_rng_state(), rows=pl_module._drawn_by_rows(batch_idx),
             )  # fmt: skip
 
     def on_before_backward(self, trainer, pl_module, loss):

@@ -71,13 +71,19 @@ def drawn_by_rows(model: nn.Module, seed: int, start: int, count: int, total: in
     of m x `count` rows is m views of the batch, one after the other (multi-crop's), each drawn as its own global
     batch (keyed by m and the tokens' shape, so the global and the local crops draw apart); a batch of another size,
     or a compiled graph, draws from torch's generator, as outside."""
-    for site, layer in enumerate(m for m in model.modules() if isinstance(m, DropPath)):
-        layer.site = site
+    number_draw_sites(model)
     token = _ROWS.set((seed, start, count, total))
     try:
         yield
     finally:
         _ROWS.reset(token)
+
+
+def number_draw_sites(model: nn.Module) -> None:
+    """Number `model`'s stochastic depth layers in order (each draws with its own key within `drawn_by_rows`); the
+    ViT numbers its own when built, so a copy of it keeps them."""
+    for site, layer in enumerate(m for m in model.modules() if isinstance(m, DropPath)):
+        layer.site = site
 
 
 class DropPath(nn.Module):

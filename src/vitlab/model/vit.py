@@ -21,7 +21,7 @@ from vitlab.model import init
 from vitlab.model.attention import ATTENTIONS, AttentionPool
 from vitlab.model.blocks import BLOCKS, EvaBlock
 from vitlab.model.config import ViTConfig, as_hw
-from vitlab.model.layers import ACTIVATIONS, MLPS, POOLS, PatchDropout, PatchEmbed, norm_layer
+from vitlab.model.layers import ACTIVATIONS, MLPS, POOLS, PatchDropout, PatchEmbed, norm_layer, number_draw_sites
 from vitlab.model.naflex import (
     NAFLEX_KEYS,
     NaFlexEmbeds,
@@ -140,6 +140,7 @@ class ViT(TimmAPI, nn.Module):
         self.cfg = cfg
         with torch.device("meta"):
             self._build(cfg)
+        number_draw_sites(self)  # (stochastic depth's keys within drawn_by_rows: copies keep them)
         self.pretrained_cfg = self._default_pretrained_cfg(cfg)  # replaced by the weights' (convert.weights)
         self.register_load_state_dict_pre_hook(_resample_pos_embed_on_load)
         self.to(dtype or torch.get_default_dtype())
