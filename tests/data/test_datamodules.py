@@ -197,3 +197,27 @@ def test_empty_class_folder_is_named(tmp_path):
     (tmp_path / "train" / "eel").mkdir()
     with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'train'}: Found no valid file for the classes eel"):
         ImageFolderDataModule(data_dir=str(tmp_path), num_classes=3, img_size=16).setup()
+
+
+@pytest.mark.parametrize("ddp", [True, False])
+def test_validation_shares_are_each_process_s_own_under_ddp_and_evened_out_where_a_stall_could_follow(ddp):
+    """Issue 78: under DDP each process validates its own share, none twice (the metrics the same on any count;
+    DDP's forward without gradients syncs nothing after the first batch, so uneven shares cannot stall it); under a
+    sharded strategy (every forward gathers the weights: an extra batch on one process would wait forever)
+    Lightning's evened-out shares stay."""
+    from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    from tests.helpers.trainers import fake_trainer
+
+    class OnCPU:  # the strategy's kind, on the CPU (no devices to set up)
+        root_device = torch.device("cpu")
+
+    kind = type("Strategy", (OnCPU, DDPStrategy if ddp else ModelParallelStrategy), {})
+    dm = DigitsDataModule(img_size=8, batch_size=64, on_device=False, num_workers=0)
+    dm.trainer = fake_trainer(world=4, rank=3)
+    dm.trainer.strategy = kind.__new__(kind)
+    dm.setup("fit")
+    sampler = dm.val_dataloader().sampler
+    assert isinstance(sampler, UnrepeatedDistributedSampler) == ddp
+    assert isinstance(dm.test_dataloader().sampler, UnrepeatedDistributedSampler)  # testing: outside any wrapper

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import lightning as L
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler, Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -208,11 +209,15 @@ class DataModule(L.LightningDataModule):
     def _evaluated(self, split: str) -> StatefulDataLoader:
         """Each process evaluates its own share, no image twice (Lightning's sampler would repeat some to even the
         shares out), so the synced metrics are those of one process evaluating them all, on any count of processes.
-        Testing runs outside DDP's wrapper, and validation without gradients syncs nothing per batch: shares that
-        differ by a batch cannot stall them."""
+        Testing runs outside DDP's wrapper; validation runs inside it, whose forward without gradients syncs the
+        buffers at the first batch only, so shares that differ by a batch cannot stall it where every process has
+        one. A sharded model gathers its weights at every forward: validated with FSDP, or with fewer images than
+        processes, the shares stay Lightning's (evened out by repeating a few)."""
         world = self.trainer.world_size if self.trainer is not None else 1
         data = self._served(split)
         if world == 1 or data is None or isinstance(data, IterableDataset):  # (a stream shares itself out)
+            return self._loader(data, train=False)
+        if split == "val" and (not isinstance(self.trainer.strategy, DDPStrategy) or len(data) < world):
             return self._loader(data, train=False)
         share = UnrepeatedDistributedSampler(data, num_replicas=world, rank=self.trainer.global_rank, shuffle=False)
         return self._loader(data, train=False, sampler=share)
