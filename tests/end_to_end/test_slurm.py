@@ -19,7 +19,7 @@ import pytest
 from tests.helpers.commands import ROOT, TESTS_ON_PATH, replaced, run_cli
 from tests.helpers.configs import extra_callback
 from tests.helpers.docs import documented
-from tests.helpers.runs import assert_same_run, trained, wandb_steps
+from tests.helpers.runs import assert_close_run, assert_same_run, trained, wandb_steps
 
 CLUSTER = ROOT / "tests" / "cluster" / "slurm-localhost.sh"
 SHORT = ["trainer.max_epochs=2", "data.batch_size=128", "progress_bar=none", "trainer.deterministic=true"]
@@ -227,6 +227,16 @@ def test_a_requeued_or_timed_out_job_resumes_by_itself_and_equals_the_uninterrup
     r = run_cli("train", "trainer=ddp_cpu", "trainer.devices=2", *run, f"hydra.run.dir={local}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_run(local, _sweep_dir(tmp_path) / "0")
+
+    # Issue 78: the job's last stop resumed by a job of one task instead of two (a requeue that came back on fewer
+    # nodes), as typed: it goes on as the two processes' run did.
+    stopped = _sweep_dir(tmp_path) / "0" / "checkpoints" / "interrupted.ckpt"
+    fewer = tmp_path / "fewer"
+    fewer.mkdir()
+    r = _Sweep(fewer, *replaced(SWEEP, "trainer.devices=1"), *run, f"ckpt_path={stopped}", timeout=900).result()
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "written by 2 processes, resumed on 1: exact" in (_sweep_dir(fewer) / "0" / "train.log").read_text()
+    assert_close_run(local, _sweep_dir(fewer) / "0")
 
 
 def test_an_optuna_search_on_slurm_with_two_processes_a_trial_prunes_and_goes_on_as_typed(cluster, tmp_path):
