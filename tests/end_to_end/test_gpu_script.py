@@ -4,11 +4,15 @@ start), so that a renamed key or a missing wheel is found on the CPU and not in 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.commands import _ForkServer
 
 REPO = Path(__file__).resolve().parents[2]
 GPU = REPO / "experiments" / "gpu"
@@ -20,19 +24,50 @@ import wheels  # noqa: E402
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    """points.py --dry-run with the import recorder that `make gpu-wheels` uses: (results, the recorded imports)."""
+    """points.py --dry-run with the import recorder that `make gpu-wheels` uses: (results, the recorded imports).
+    Its `python -m vitlab.<command>` commands are forked from a fork server started in the dry run's environment (as
+    run_cli's are: the same commands without a new interpreter's ~10 s of imports each, two thirds of the dry run);
+    with the recorder on its path, each child records the modules it ends with (the server's among them, which every
+    vitlab command imports). Its other commands (timm's train.py, pytest, the JPEG script) start afresh as points.run
+    starts them; `make gpu-dry-run` starts every command afresh."""
     out, imports = tmp_path_factory.mktemp("gpu"), tmp_path_factory.mktemp("imports")
     path = os.pathsep.join(filter(None, [str(GPU / "record"), os.environ.get("PYTHONPATH")]))  # (the rest kept)
-    env = {**os.environ, "VITLAB_RECORD_IMPORTS": str(imports), "PYTHONPATH": path}
-    r = subprocess.run(
-        [sys.executable, str(GPU / "points.py"), str(out), "--dry-run"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    handler = signal.getsignal(signal.SIGTERM)  # (points.main sets its own)
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {**points.DRY_ENV, "VITLAB_RECORD_IMPORTS": str(imports), "PYTHONPATH": path}.items():
+            mp.setenv(key, value)
+        server = _ForkServer()
+        mp.setattr(points, "run", _forked(server, points.run))
+        mp.setattr(sys, "argv", ["points.py", str(out), "--dry-run"])
+        try:
+            with pytest.raises(SystemExit) as ended:
+                points.main()
+        finally:
+            signal.signal(signal.SIGTERM, handler)
+            server.proc.stdin.close()
+            server.proc.wait(timeout=60)
+    assert ended.value.code == 0
     return json.loads((out / "results.json").read_text()), imports
+
+
+def _forked(server: _ForkServer, run):
+    """points.run, with `python -m vitlab.<command>` forked from `server` (in its own process group, stopped past its
+    limit) where the server serves the command's environment."""
+
+    def forked(argv: list[str], limit: float, log_path: Path, env: dict | None = None):
+        module = argv[2] if argv[1:2] == ["-m"] else ""
+        if not module.startswith("vitlab.") or not server.serves(env or dict(os.environ)):
+            return run(argv, limit, log_path, env)
+        start = time.monotonic()
+        try:
+            r = server.run(argv, module.removeprefix("vitlab."), argv[3:], REPO, env, True, max(1, int(limit)))
+        except subprocess.TimeoutExpired as stopped:
+            log_path.write_text(f"{stopped.stdout or ''}{stopped.stderr or ''}")
+            return "timeout", time.monotonic() - start
+        log_path.write_text(r.stdout + r.stderr)
+        return r.returncode, time.monotonic() - start
+
+    return forked
 
 
 def test_every_point_runs_its_commands_at_tiny_sizes(dry_run):
@@ -65,8 +100,6 @@ def test_the_wheels_carried_are_what_the_script_imports_and_the_image_lacks(dry_
 
 
 def test_a_point_past_its_limit_is_stopped_and_one_without_time_left_is_skipped(tmp_path):
-    import time
-
     t0 = time.monotonic()
     rc, seconds = points.run([sys.executable, "-c", "import time; time.sleep(60)"], 1.0, tmp_path / "log")
     assert rc == "timeout" and 1.0 <= seconds < 10 and time.monotonic() - t0 < 12
@@ -83,9 +116,6 @@ def test_a_point_past_its_limit_is_stopped_and_one_without_time_left_is_skipped(
 def test_a_stopped_dry_run_leaves_no_run_directories(tmp_path):
     """Issue 64 point 18: the run directories (checkpoints: 859 MB for a whole dry run) go with the script, also when
     it is stopped; the command it was running is stopped with it."""
-    import signal
-    import time
-
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     p = subprocess.Popen([sys.executable, str(GPU / "points.py"), str(tmp_path / "out"), "--dry-run"], cwd=REPO,
                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
