@@ -1,6 +1,6 @@
 """Issue 78: a run stopped on some number of processes goes on, exactly, on another. The data order is global
-(data/seeded.py's GlobalOrder), each image's on-device augmentation and each sample's stochastic depth are its global
-batch's rows (Rows, model.layers.drawn_by_rows), and the checkpoint holds the global position
+(data/seeded.py's GlobalOrder), each image's on-device augmentation and each sample's stochastic depth and dropout
+are its global batch's rows (Rows, model.draws.drawn_by_rows), and the checkpoint holds the global position
 (training/devices/rank_state.py): resumed on 2 or 3 processes, or on 1, the run is the uninterrupted one up to the
 order of reductions. Tiny runs: 4 gloo processes on a 2-core machine, one block of width 32."""
 
@@ -11,7 +11,8 @@ from tests.helpers.configs import RESUMABLE
 from tests.helpers.runs import assert_close_run, interrupt, resume, trained
 
 # 1,257 training digits in global batches of 96 (divisible by 1, 2, 3 and 4): 13 steps an epoch, 3 epochs; stochastic
-# depth (every sample's own draw), EMA and the default shift on the device (every image's own).
+# depth and every dropout (each sample's own draws: model/draws.py), EMA and the default shift on the device (every
+# image's own).
 ELASTIC = [
     *[o for o in RESUMABLE if not o.startswith(("data.batch_size", "trainer.max_epochs", "model.drop_path_rate"))],
     "data.batch_size=96",
@@ -21,6 +22,7 @@ ELASTIC = [
     "model.num_heads=2",
     "model.drop_path_rate=0.5",
     "model.drop_path_uniform=true",  # (one block: linear in depth would give it 0)
+    *[f"model.{rate}=0.1" for rate in ("drop_rate", "pos_drop_rate", "proj_drop_rate", "attn_drop_rate")],
     "trainer=ddp_cpu",
 ]
 

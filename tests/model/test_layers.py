@@ -109,7 +109,8 @@ def test_within_drawn_by_rows_stochastic_depth_is_the_global_batch_row_s_views_i
     """Issue 78: each sample's keep is its row's of the global batch: two processes' halves drop what one process
     drops of the whole batch; a stack of views (m x the rows, multi-crop's) draws each view as its own global batch,
     and views of another shape draw apart."""
-    from vitlab.model.layers import DropPath, drawn_by_rows
+    from vitlab.model.draws import drawn_by_rows
+    from vitlab.model.layers import DropPath
 
     net = torch.nn.Sequential(DropPath(0.5), DropPath(0.5)).train()
     x = torch.ones(8, 3, 4)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vitlab.model.draws import Dropout, sdpa
 from vitlab.model.layers import Mlp, NormLayer, optional_norm
 from vitlab.model.rope import rotate
 
@@ -43,7 +44,7 @@ class _MultiHead(nn.Module):
         """`qk_norm`: the norm over each head's queries and keys (ViT-22B), or None."""
         self.num_heads, self.head_dim = num_heads, head_dim
         self.scale = head_dim**-0.5  # SDPA's default scale too
-        self.attn_drop = attn_drop
+        self.attn_drop, self.site = attn_drop, 0  # (a draw site: model/draws.py)
         self.q_norm, self.k_norm = optional_norm(qk_norm, head_dim), optional_norm(qk_norm, head_dim)
 
 
@@ -54,7 +55,7 @@ class _Softmax(_MultiHead):
         """`attn_mask`: SDPA's, broadcastable to (B, H, N, N), bool (True attends) or added to the scores."""
         q, attn_mask = _queries(q, attn_mask, rows)  # (B, H, rows, Dh)
         drop = self.attn_drop if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=drop).transpose(1, 2).flatten(2)
+        return sdpa(q, k, v, attn_mask, drop, self.site).transpose(1, 2).flatten(2)
 
     def _map(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # (B, H, N, N), rows summing to 1
         return ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
@@ -95,7 +96,7 @@ class _Differential(_MultiHead):
     def _attend(self, q, k, v, rows: int | None, attn_mask: torch.Tensor | None) -> torch.Tensor:  # (B, rows|N, D)
         q, attn_mask = _queries(q, attn_mask, rows)  # (B, H, 2, rows, Dh/2)
         drop = self.attn_drop if self.training else 0.0
-        a1, a2 = (F.scaled_dot_product_attention(q[:, :, i], k[:, :, i], v, attn_mask, drop) for i in (0, 1))
+        a1, a2 = (sdpa(q[:, :, i], k[:, :, i], v, attn_mask, drop, self.site, i) for i in (0, 1))
         x = self.sub_norm(a1 - self._lambda().type_as(a1) * a2) * (1 - self.lambda_init)
         return x.transpose(1, 2).flatten(2)
 
@@ -136,7 +137,7 @@ class Attention(_Softmax):
         self.num_prefix_tokens, self.rotate_half = num_prefix_tokens, rotate_half
         self.norm = optional_norm(scale_norm, dim)
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
-        self.proj_drop = nn.Dropout(proj_drop)
+        self.proj_drop = Dropout(proj_drop)
 
     def _projections(self, dim: int, num_heads: int, num_kv_heads: int | None, bias: bool, fused: bool,
                      k_bias: bool = True) -> None:  # fmt: skip

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from vitlab.model.attention import _Differential, _Softmax
+from vitlab.model.draws import Dropout
 from vitlab.model.layers import NormLayer, scale_and_drop, stochastic_depth
 
 Layer = Callable[[], nn.Module]  # a block's attention or MLP, built by the block (in timm's registration order)
@@ -222,7 +223,7 @@ class _ParallelScaling(nn.Module):
         self.mlp_bias = None if qkv_bias else nn.Parameter(torch.zeros(mlp_hidden))
         self._init_heads(num_heads, self._head_dim(dim, num_heads), attn_drop, qk_norm)
         self._init_layer(layer)
-        self.mlp_drop = nn.Dropout(proj_drop)
+        self.mlp_drop = Dropout(proj_drop)
         self.mlp_act = act_layer()
         self._init_out(dim, mlp_hidden, proj_bias)
         self.ls, self.drop_path = scale_and_drop(dim, init_values, drop_path)

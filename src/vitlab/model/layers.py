@@ -6,15 +6,14 @@ Shapes: B batch, N tokens (prefix + patches), D embed_dim, H heads, Dh head dim,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vitlab.model.draws import Dropout, rows_for
 from vitlab.utils.seeds import mix
 
 # ---- activations, norms, poolings ----------------------------------------------------------------------
@@ -59,33 +58,6 @@ def optional_norm(layer: NormLayer | None, dim: int) -> nn.Module:
 # ---- regularisation and residual scaling -----------------------------------------------------------
 
 
-# What stochastic depth draws from in a training step (`drawn_by_rows`): (seed, start, count, total), or None.
-_ROWS: ContextVar[tuple[int, int, int, int] | None] = ContextVar("vitlab_drop_path_rows", default=None)
-
-
-@contextmanager
-def drawn_by_rows(model: nn.Module, seed: int, start: int, count: int, total: int) -> Iterator[None]:
-    """Within it, `model`'s stochastic depth draws a sample's keep from (`seed`, the layer, the sample's row of a global
-    batch of `total`), this process's `count` rows starting at `start`: the same whichever process holds the
-    sample and however many share the batch (a run resumed on another number of processes goes on exactly). A batch
-    of m x `count` rows is m views of the batch, one after the other (multi-crop's), each drawn as its own global
-    batch (keyed by m and the tokens' shape, so the global and the local crops draw apart); a batch of another size,
-    or a compiled graph, draws from torch's generator, as outside."""
-    number_draw_sites(model)
-    token = _ROWS.set((seed, start, count, total))
-    try:
-        yield
-    finally:
-        _ROWS.reset(token)
-
-
-def number_draw_sites(model: nn.Module) -> None:
-    """Number `model`'s stochastic depth layers in order (each draws with its own key within `drawn_by_rows`); the
-    ViT numbers its own when built, so a copy of it keeps them."""
-    for site, layer in enumerate(m for m in model.modules() if isinstance(m, DropPath)):
-        layer.site = site
-
-
 class DropPath(nn.Module):
     """Stochastic depth (Huang et al. 2016): drop the whole residual branch per sample. The keep probability is a
     float64 scalar tensor (a non-persistent buffer, recomputed from `p` after every move or cast), not a Python float:
@@ -106,8 +78,8 @@ class DropPath(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
             return x
-        rows = _ROWS.get()
-        if rows is not None and x.shape[0] % rows[2] == 0 and not torch.compiler.is_compiling():
+        rows = rows_for(x)
+        if rows is not None:
             # views of the batch stacked view after view (multi-crop: m of them): each view's rows of its global batch
             seed, start, count, total = rows
             m = x.shape[0] // count
@@ -197,10 +169,10 @@ class _Mlp(nn.Module):
         for name, layer in inputs.items():
             self.add_module(name, layer)
         self.act = act_layer()
-        self.drop1 = nn.Dropout(drop)
+        self.drop1 = Dropout(drop)
         self.norm = optional_norm(norm_layer, hidden)
         self.fc2 = nn.Linear(hidden, dim, bias=bias)
-        self.drop2 = nn.Dropout(drop)
+        self.drop2 = Dropout(drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D) -> (B, N, D)
         return self.drop2(self.fc2(self.norm(self.drop1(self._hidden(x)))))

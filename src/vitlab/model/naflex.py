@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vitlab.model.draws import Dropout
 from vitlab.model.layers import NormLayer, optional_norm, random_order
 from vitlab.model.rope import Rope
 
@@ -147,7 +148,7 @@ class NaFlexEmbeds(nn.Module):
         if pos.kind == "factorized":
             self.pos_embed_y = nn.Parameter(torch.zeros(1, h, dim))
             self.pos_embed_x = nn.Parameter(torch.zeros(1, w, dim))
-        self.pos_drop = nn.Dropout(pos_drop)
+        self.pos_drop = Dropout(pos_drop)
 
     def reset_parameters(self) -> None:  # timm's: tokens normal 1e-6, tables normal 0.02
         for tok in (self.cls_token, self.reg_token):

@@ -21,7 +21,8 @@ from vitlab.model import init
 from vitlab.model.attention import ATTENTIONS, AttentionPool
 from vitlab.model.blocks import BLOCKS, EvaBlock
 from vitlab.model.config import ViTConfig, as_hw
-from vitlab.model.layers import ACTIVATIONS, MLPS, POOLS, PatchDropout, PatchEmbed, norm_layer, number_draw_sites
+from vitlab.model.draws import Dropout, number_draw_sites
+from vitlab.model.layers import ACTIVATIONS, MLPS, POOLS, PatchDropout, PatchEmbed, norm_layer
 from vitlab.model.naflex import (
     NAFLEX_KEYS,
     NaFlexEmbeds,
@@ -140,7 +141,7 @@ class ViT(TimmAPI, nn.Module):
         self.cfg = cfg
         with torch.device("meta"):
             self._build(cfg)
-        number_draw_sites(self)  # (stochastic depth's keys within drawn_by_rows: copies keep them)
+        number_draw_sites(self)  # (the draw sites' keys within drawn_by_rows: copies keep them)
         self.pretrained_cfg = self._default_pretrained_cfg(cfg)  # replaced by the weights' (convert.weights)
         self.register_load_state_dict_pre_hook(_resample_pos_embed_on_load)
         self.to(dtype or torch.get_default_dtype())
@@ -161,7 +162,7 @@ class ViT(TimmAPI, nn.Module):
         else:
             self._build_patch_embed(cfg)
         self.dist_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.distilled else None  # DeiT
-        self.pos_drop = nn.Dropout(cfg.pos_drop_rate)
+        self.pos_drop = Dropout(cfg.pos_drop_rate)
         self.patch_drop = (
             PatchDropout(cfg.patch_drop_rate, self.num_prefix_tokens) if cfg.patch_drop_rate else nn.Identity()
         )
@@ -178,7 +179,7 @@ class ViT(TimmAPI, nn.Module):
         self.norm = _norm(cfg)(D) if cfg.final_norm and not cfg.use_fc_norm else nn.Identity()
         self.attn_pool = self._attn_pool(cfg) if cfg.global_pool == "map" else None
         self.fc_norm = _norm(cfg)(D) if cfg.final_norm and cfg.use_fc_norm else nn.Identity()
-        self.head_drop = nn.Dropout(cfg.drop_rate)
+        self.head_drop = Dropout(cfg.drop_rate)
         self.head = nn.Linear(D, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
         if cfg.distilled:  # DeiT's second head, on the distillation token
             self.head_dist = nn.Linear(D, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()

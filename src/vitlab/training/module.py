@@ -23,7 +23,7 @@ from torch import nn
 from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
 from vitlab.model import ViTConfig
-from vitlab.model.layers import drawn_by_rows
+from vitlab.model.draws import drawn_by_rows
 from vitlab.training.adapters import WEIGHT_SETS, attach, drop_frozen, fill_frozen
 from vitlab.training.devices.float8 import Float8Precision, plain_state
 from vitlab.training.devices.sharding import new_vit, splits_weights

@@ -133,7 +133,7 @@ def _another_count(
         return mine
     why = []
     if any(part.get("drew") for part in parts):
-        why.append("the processes drew random numbers of their own (dropout, MixUp or CutMix, the objective's)")
+        why.append("the processes drew random numbers of their own (MixUp or CutMix, a compiled model, the objective)")
     objective = getattr(module, "objective", None)
     if objective is not None and objective.per_process():
         why.append(objective.per_process())

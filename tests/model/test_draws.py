@@ -1,0 +1,62 @@
+"""model/draws.py: within drawn_by_rows, dropout (elementwise and attention's) draws by a sample's row of the global
+batch, so two processes' halves of a batch are dropped as one process drops the whole (issue 78)."""
+
+import pytest
+import torch
+
+from vitlab.model.attention import Attention
+from vitlab.model.draws import Dropout, Rows, drawn_by_rows, keep_mask
+
+
+def _split(net, x, processes: int, seed: int = 5):
+    """`net` on the whole batch `x` in one process, and on each of `processes` contiguous shares."""
+    n = x.shape[0]
+    with drawn_by_rows(net, seed, 0, n, n):
+        whole = net(x)
+    count, shares = n // processes, []
+    for r in range(processes):
+        with drawn_by_rows(net, seed, r * count, count, n):
+            shares.append(net(x[r * count : (r + 1) * count]))
+    return whole, torch.cat(shares)
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_dropout_draws_a_samples_mask_by_its_row_of_the_global_batch(processes):
+    net = torch.nn.Sequential(Dropout(0.3), torch.nn.Linear(6, 6), Dropout(0.3)).train()
+    x = torch.randn(8, 5, 6, generator=torch.Generator().manual_seed(0))
+    state = torch.get_rng_state()
+    whole, shares = _split(net, x, processes)
+    assert torch.equal(torch.get_rng_state(), state)  # torch's generator untouched
+    torch.testing.assert_close(whole, shares, rtol=0, atol=0)
+    with drawn_by_rows(net, 6, 0, 8, 8):  # another step's seed: another mask
+        assert not torch.equal(net(x) == 0, whole == 0)
+    net.eval()
+    assert torch.equal(net[0](x), x)
+
+
+def test_attention_dropout_within_rows_is_the_rows_and_is_sdpa_without_dropout():
+    torch.manual_seed(0)
+    attn = Attention(16, 4, attn_drop=0.25, proj_drop=0.1).train()
+    x = torch.randn(4, 7, 16)
+    whole, shares = _split(attn, x, 2)
+    torch.testing.assert_close(whole, shares, rtol=1e-6, atol=1e-6)  # (matmuls over another batch size)
+    # the materialised path is SDPA's: with nothing dropped the two agree, masks included
+    attn.attn_drop, attn.proj_drop.p = 1e-9, 0.0
+    mask = torch.rand(4, 1, 7, 7) > 0.3
+    mask[..., 0] = True
+    with drawn_by_rows(attn, 5, 0, 4, 4):
+        ours = attn._attend(*attn._rotated(x, None), None, mask)
+    attn.eval()
+    torch.testing.assert_close(ours, attn._attend(*attn._rotated(x, None), None, mask), rtol=1e-5, atol=1e-6)
+
+
+def test_keep_masks_keep_at_their_rate_and_differ_by_row_and_place():
+    rows = Rows(3, 0, 64, 64)
+    mask = keep_mask(torch.empty(64, 50, 40), 0.7, rows, 1)
+    assert abs(mask.float().mean().item() - 0.7) < 0.01
+    per_row, per_place = mask.float().mean((1, 2)), mask.float().mean(0)
+    assert per_row.std() < 0.02 and per_place.std() < 0.1  # no row or place favoured
+    assert not torch.equal(mask[0], mask[1]) and not torch.equal(mask, keep_mask(torch.empty(64, 50, 40), 0.7, rows, 2))
+    # neighbouring elements are unrelated: the correlation of a place with the next is noise
+    flat = mask.float().flatten()
+    assert abs(torch.corrcoef(torch.stack([flat[:-1], flat[1:]]))[0, 1]) < 0.01
