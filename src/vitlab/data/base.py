@@ -93,7 +93,6 @@ class DataModule(L.LightningDataModule):
         # its own (one per process: rank_state.seed_process), checkpointed: a resumed run augments as it would have.
         self.shuffle_seed = torch.initial_seed()
         self.rng = torch.Generator().manual_seed(self.shuffle_seed + 1)
-        self.draws: torch.Generator | Rows = self.rng  # what the batch on the device now draws from (batch_draws)
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None  # None after setup: the data has no test split (nothing is tested)

@@ -138,11 +138,11 @@ class DigitsDataModule(ImageDataModule):
             "test": f"{len(test):,} digits ({self.test_fraction:g}, {how})",
         }
 
-    def device_transform(self, batch, train: bool):
-        x, y = super().device_transform(batch, train)
-        if train and self.views is None and (self.rotate or self.scale != (1.0, 1.0)):
-            x = random_affine(x, self.rotate, self.scale, fill=self.black, generator=self.draws)
-        return x, y
+    def augment_input(self, x: torch.Tensor, draws) -> torch.Tensor:
+        """The rotation and zoom (`data.rotate`, `data.scale`), each image's drawn from the batch's `draws`."""
+        if self.rotate or self.scale != (1.0, 1.0):
+            return random_affine(x, self.rotate, self.scale, fill=self.black, generator=draws)
+        return x
 
     def predict_tensor(self, img) -> torch.Tensor:
         """A PIL image or tensor of a digit, of any size -> (1, 1, H, W): gray as uint8, then as the test images are

@@ -16,7 +16,7 @@ from vitlab.data import folds as folds_module
 from vitlab.data import naflex as naflex_loading
 from vitlab.data.base import DataModule
 from vitlab.data.resident import ResidentImages
-from vitlab.data.seeded import RepeatSampler, RepeatSeededSampler, TransformDataset
+from vitlab.data.seeded import RepeatSampler, RepeatSeededSampler, Rows, TransformDataset
 from vitlab.utils.errors import UserError
 from vitlab.utils.values import from_mapping
 
@@ -162,11 +162,17 @@ class ImageDataModule(DataModule):
         # A batch of images draws as its global batch (data/seeded.py's Rows), shared by this step's draws in order;
         # NaFlex's patches from the module's generator.
         images = isinstance(self.to_input, transforms.DeviceTransform)
-        self.draws = self.batch_draws(len(x)) if train and images else self.rng
+        draws = self.batch_draws(len(x)) if train and images else self.rng
         if train and self.resides:
-            x = self.shift_flip(x, self.draws)
+            x = self.shift_flip(x, draws)
         size = self.size_schedule.batch_hw(batch) if train and self.size_schedule is not None else None
-        return self.to_input(x, train, self.draws, size), y  # (NaFlex's patches: its Normalise, data/naflex.py)
+        x = self.to_input(x, train, draws, size)  # (NaFlex's patches: its Normalise, data/naflex.py)
+        return (self.augment_input(x, draws) if train and images else x), y
+
+    def augment_input(self, x: torch.Tensor, draws: Rows | torch.Generator) -> torch.Tensor:
+        """A data set's own augmentation of the model's input, in training, drawing from the batch's `draws` after
+        the shift, flip and erasing (digits' rotation and zoom); none here."""
+        return x
 
     def eval_view(self, split: str) -> Dataset:
         dataset = super().eval_view(split)
