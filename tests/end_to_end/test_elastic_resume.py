@@ -68,3 +68,17 @@ def test_a_resume_on_a_count_that_does_not_divide_the_global_batch_is_one_line_n
         "trainer.num_nodes); counts that divide it: 1, 2, 3, 4, 6, 8, 12, 16"
     ), r.stderr[-2000:]
     assert open(saved.removeprefix("ckpt_path="), "rb").read() == before
+
+
+MAE = ["experiment=mae_pretrain_digits", "trainer.max_epochs=1", "trainer.deterministic=true", "progress_bar=none",
+       "trainer=ddp_cpu", "trainer.devices=2"]  # fmt: skip
+
+
+def test_mae_stopped_on_two_processes_goes_on_on_one_as_the_uninterrupted_two(tmp_path_factory, tmp_path):
+    """objective=mae: each image's mask is its row's of the global batch (model/draws.py random_order), not drawn
+    from its process's generator: resumed on one process, the run is the two processes' (10 steps, stopped after 4)."""
+    two = trained(tmp_path_factory, "mae-two", *MAE)
+    command = interrupt(MAE, tmp_path, "SIGTERM", 4)
+    resumed = resume(command.replace(" trainer.devices=2 ", " trainer.devices=1 "), tmp_path)
+    assert "written by 2 processes, resumed on 1: exact" in (resumed / "train.log").read_text()
+    assert_close_run(two, resumed)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vitlab.model.attention import Attention
-from vitlab.model.draws import Dropout, Rows, drawn_by_rows, keep_mask
+from vitlab.model.draws import Dropout, Rows, drawn_by_rows, keep_mask, random_order
 
 
 def _split(net, x, processes: int, seed: int = 5):
@@ -60,3 +60,22 @@ def test_keep_masks_keep_at_their_rate_and_differ_by_row_and_place():
     # neighbouring elements are unrelated: the correlation of a place with the next is noise
     flat = mask.float().flatten()
     assert abs(torch.corrcoef(torch.stack([flat[:-1], flat[1:]]))[0, 1]) < 0.01
+
+
+def test_patch_orders_and_mae_masks_are_the_rows_own_and_permutations():
+    from vitlab.model.mae import random_masking
+
+    net = torch.nn.Identity()
+    n, length = 8, 49
+    whole = {}
+    with drawn_by_rows(net, 5, 0, n, n):
+        whole["order"], whole["mask"] = random_order(n, length, key=3), random_masking(n, length, 12)
+    for r in range(2):
+        with drawn_by_rows(net, 5, 4 * r, 4, n):
+            assert torch.equal(random_order(4, length, key=3), whole["order"][4 * r : 4 * r + 4])
+            kept, restore = random_masking(4, length, 12)
+            assert torch.equal(kept, whole["mask"][0][4 * r : 4 * r + 4])
+            assert torch.equal(restore, whole["mask"][1][4 * r : 4 * r + 4])
+    assert torch.equal(whole["order"].sort(dim=1).values, torch.arange(length).expand(n, -1))  # permutations
+    assert len({tuple(row.tolist()) for row in whole["order"]}) == n  # each image its own
+    assert not torch.equal(whole["order"][:, :12].sort(1).values, whole["mask"][0].sort(1).values)  # keys apart

@@ -26,12 +26,14 @@ from vitlab.utils.seeds import mix
 
 
 class Rows(NamedTuple):
-    """This process's rows of a global batch: `count` rows from `start` of `total`; `seed`: the step's."""
+    """This process's rows of a global batch: `count` rows from `start` of `total`; `seed`: the step's. Or, with
+    `numbers`, the rows those numbers (of `total`: an evaluated image's index in its split)."""
 
     seed: int
     start: int
     count: int
     total: int
+    numbers: torch.Tensor | None = None
 
 
 _ROWS: ContextVar[Rows | None] = ContextVar("vitlab_drawn_by_rows", default=None)
@@ -51,6 +53,17 @@ def drawn_by_rows(model: nn.Module, seed: int, start: int, count: int, total: in
         _ROWS.reset(token)
 
 
+@contextmanager
+def drawn_by_images(seed: int, numbers: torch.Tensor, total: int) -> Iterator[None]:
+    """Within it, a batch's draws (objective=mae's masks in evaluation) are by each image's number (`numbers`, its
+    index in a split of `total`): the same whichever process evaluates the image."""
+    token = _ROWS.set(Rows(seed, 0, len(numbers), total, numbers.to("cpu", torch.int64)))
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
 def number_draw_sites(model: nn.Module) -> None:
     """Number `model`'s draw sites (the modules with a `site`) in order: each draws with its own key."""
     sites = [m for m in model.modules() if hasattr(m, "site")]
@@ -59,18 +72,19 @@ def number_draw_sites(model: nn.Module) -> None:
     model.draw_sites = len(sites)
 
 
-def rows_for(x: torch.Tensor) -> Rows | None:
-    """The rows `x` (a batch, or m views of it stacked) draws by, or None: draw from torch's generator."""
+def rows_for(n: int) -> Rows | None:
+    """The rows a batch of `n` (a batch, or m views of it stacked) draws by, or None: draw from torch's generator."""
     if torch.compiler.is_compiling():  # (a compiled graph draws from torch's generator)
         return None
     rows = _ROWS.get()
-    return None if rows is None or x.shape[0] % rows.count else rows
+    return None if rows is None or n % rows.count else rows
 
 
-def row_numbers(x: torch.Tensor, rows: Rows) -> torch.Tensor:
-    """The global row of each of `x`'s rows (int64, on the CPU): view j's rows count from j x total."""
-    m = x.shape[0] // rows.count
-    return (torch.arange(m)[:, None] * rows.total + rows.start + torch.arange(rows.count)).reshape(-1)
+def row_numbers(n: int, rows: Rows) -> torch.Tensor:
+    """The global row of each of a batch's `n` rows (int64, on the CPU): view j's rows count from j x total."""
+    m = n // rows.count
+    numbers = rows.numbers if rows.numbers is not None else rows.start + torch.arange(rows.count)
+    return (torch.arange(m)[:, None] * rows.total + numbers).reshape(-1)
 
 
 _LOW16, _LOW17 = 0xFFFF, 0x1FFFF
@@ -86,17 +100,30 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16) & _LOW16
 
 
-def keep_mask(x: torch.Tensor, keep: float, rows: Rows, *key: int) -> torch.Tensor:
-    """A keep mask shaped like `x` (bool, on its device), each element kept with probability `keep`: a hash of
-    (`rows.seed`, `key`, x's shape, the element's row of the global batch, its place in the row)."""
-    k = mix(rows.seed, *key, *x.shape[1:])
+def hashed(shape: tuple[int, ...], rows: Rows, key: tuple[int, ...], device=None) -> torch.Tensor:
+    """31 random bits for each element of a tensor of `shape` (int32 >= 0, on `device`): a hash of (`rows.seed`,
+    `key`, the shape, the element's row of the global batch, its place in the row)."""
+    k = mix(rows.seed, *key, *shape[1:])
     a, b = (torch.tensor(k >> s & 0x7FFFFFFF, dtype=torch.int32) for s in (0, 31))
-    global_rows = row_numbers(x, rows).to(torch.int32)
+    global_rows = row_numbers(shape[0], rows).to(torch.int32)
     ka, kb = _hash32(global_rows ^ a), _hash32(_hash32(global_rows ^ b) ^ a)  # two keys a row
-    places = torch.arange(math.prod(x.shape[1:]), dtype=torch.int32, device=x.device)
-    ka, kb = ka.to(x.device)[:, None], kb.to(x.device)[:, None]
-    bits = _hash32(_hash32(places ^ ka) ^ kb) & 0xFFFFFF
-    return (bits < round(keep * (1 << 24))).view(x.shape)
+    places = torch.arange(math.prod(shape[1:]), dtype=torch.int32, device=device)
+    ka, kb = ka.to(device)[:, None], kb.to(device)[:, None]
+    return (_hash32(_hash32(places ^ ka) ^ kb) & 0x7FFFFFFF).view(shape)
+
+
+def keep_mask(x: torch.Tensor, keep: float, rows: Rows, *key: int) -> torch.Tensor:
+    """A keep mask shaped like `x` (bool, on its device), each element kept with probability `keep`: `hashed`'s."""
+    return (hashed(tuple(x.shape), rows, key, x.device) & 0xFFFFFF) < round(keep * (1 << 24))
+
+
+def random_order(n: int, length: int, device=None, key: int = 0) -> torch.Tensor:
+    """A random permutation of range(length) per row (n, length): from torch's generator (as timm draws it), or
+    within `drawn_by_rows` the row's own (`hashed`'s numbers, sorted stably; `key`: the draw's)."""
+    rows = rows_for(n)
+    if rows is None:
+        return torch.randn(n, length, device=device).argsort(dim=-1)
+    return hashed((n, length), rows, (key,), device).argsort(dim=-1, stable=True)
 
 
 class Dropout(nn.Dropout):
@@ -107,7 +134,7 @@ class Dropout(nn.Dropout):
         self.site = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = rows_for(x) if self.training and self.p > 0 else None
+        rows = rows_for(x.shape[0]) if self.training and self.p > 0 else None
         if rows is None:
             return super().forward(x)
         return x * keep_mask(x, 1.0 - self.p, rows, self.site).to(x.dtype) / (1.0 - self.p)
@@ -116,7 +143,7 @@ class Dropout(nn.Dropout):
 def sdpa(q, k, v, attn_mask: torch.Tensor | None, p: float, site: int, part: int = 0) -> torch.Tensor:
     """F.scaled_dot_product_attention with attention dropout `p` (0 outside training); within `drawn_by_rows` the
     dropout's mask is the rows' (`site`, `part`: which of a layer's attentions), the probabilities materialised."""
-    rows = rows_for(q) if p > 0 else None
+    rows = rows_for(q.shape[0]) if p > 0 else None
     if rows is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
     scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitlab.model.draws import Dropout, rows_for
+from vitlab.model.draws import Dropout, random_order, row_numbers, rows_for
 from vitlab.utils.seeds import mix
 
 # ---- activations, norms, poolings ----------------------------------------------------------------------
@@ -78,13 +78,12 @@ class DropPath(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
             return x
-        rows = rows_for(x)
+        rows = rows_for(x.shape[0])
         if rows is not None:
             # views of the batch stacked view after view (multi-crop: m of them): each view's rows of its global batch
-            seed, start, count, total = rows
-            m = x.shape[0] // count
-            g = torch.Generator().manual_seed(mix(seed, self.site, m, *x.shape[1:]))  # (each kind of view its own)
-            drawn = torch.rand(m, total, dtype=torch.float64, generator=g)[:, start : start + count].reshape(-1)
+            m = x.shape[0] // rows.count
+            g = torch.Generator().manual_seed(mix(rows.seed, self.site, m, *x.shape[1:]))  # (each kind of view its own)
+            drawn = torch.rand(m * rows.total, dtype=torch.float64, generator=g)[row_numbers(x.shape[0], rows)]
             mask = (drawn < 1.0 - self.p).to(x.device, x.dtype, non_blocking=True)
             return x * mask.view(-1, *(1,) * (x.ndim - 1)).div_(self.keep)
         mask = x.new_empty(x.shape[0], 1, 1).bernoulli_(self.keep)  # tokens (B, N, D): one draw per sample
@@ -97,30 +96,26 @@ def stochastic_depth(p: float) -> nn.Module:
 
 class PatchDropout(nn.Module):
     """In training, keep a random max(1, int(L * (1 - p))) of the L patch tokens of each image, prefix tokens
-    always (Li et al. 2023, FLIP; timm's PatchDropout, unordered)."""
+    always (Li et al. 2023, FLIP; timm's PatchDropout, unordered). A draw site: within `drawn_by_rows` each image's
+    patches are its row's (model/draws.py `random_order`)."""
 
     def __init__(self, p: float, num_prefix_tokens: int):
         super().__init__()
-        self.p, self.num_prefix_tokens = p, num_prefix_tokens
+        self.p, self.num_prefix_tokens, self.site = p, num_prefix_tokens, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, prefix + L, D) -> (B, prefix + kept, D)
-        return _drop_patches(x, self.p, self.num_prefix_tokens)[0] if self.training else x
+        return _drop_patches(x, self.p, self.num_prefix_tokens, self.site)[0] if self.training else x
 
     def forward_with_kept(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """In training: the tokens and the indices of the kept patches (B, kept) (a RoPE table follows them)."""
-        return _drop_patches(x, self.p, self.num_prefix_tokens)
-
-
-def random_order(n: int, length: int, device=None) -> torch.Tensor:
-    """A random permutation of range(length) per row (n, length), from torch's generator (as timm draws it)."""
-    return torch.randn(n, length, device=device).argsort(dim=-1)
+        return _drop_patches(x, self.p, self.num_prefix_tokens, self.site)
 
 
 @torch.fx.wrap  # the kept count comes from the input's shape
-def _drop_patches(x: torch.Tensor, p: float, num_prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _drop_patches(x: torch.Tensor, p: float, num_prefix: int, site: int) -> tuple[torch.Tensor, torch.Tensor]:
     prefix, x = x[:, :num_prefix], x[:, num_prefix:]
     L = x.shape[1]
-    keep = random_order(x.shape[0], L, x.device)[:, : max(1, int(L * (1.0 - p)))]
+    keep = random_order(x.shape[0], L, x.device, site)[:, : max(1, int(L * (1.0 - p)))]
     x = x.gather(1, keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
     return torch.cat([prefix, x], dim=1), keep
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from vitlab.model.blocks import Block
 from vitlab.model.config import ViTConfig
-from vitlab.model.layers import random_order
+from vitlab.model.draws import random_order
 from vitlab.model.posemb import posemb_sincos_2d, posemb_sincos_2d_mae
 from vitlab.model.rope import keep_rows
 from vitlab.model.vit import ViT, build_block
@@ -62,10 +62,15 @@ class MAEConfig:
 
 
 # ---- masking and targets ---------------------------------------------------------------------------
+MASKING = 1 << 20  # the masks' key among a step's draws (model/draws.py; the model's draw sites count from 0)
+
+
 def random_masking(n: int, num_patches: int, keep: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-image random masking: (the kept patches' indices (n, keep), the order that puts the shuffled patches
-    back (n, num_patches)). Drawn from torch's generator, so a resumed run masks as the uninterrupted one."""
-    shuffle = random_order(n, num_patches, device)
+    back (n, num_patches)). Drawn from torch's generator (checkpointed: a resumed run masks as the uninterrupted
+    one), or in a training step of a global order by each image's row of the global batch (model/draws.py), the
+    same on any number of processes."""
+    shuffle = random_order(n, num_patches, device, MASKING)
     return shuffle[:, :keep], shuffle.argsort(dim=1)
 
 

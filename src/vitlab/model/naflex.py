@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitlab.model.draws import Dropout
-from vitlab.model.layers import NormLayer, optional_norm, random_order
+from vitlab.model.draws import Dropout, random_order
+from vitlab.model.layers import NormLayer, optional_norm
 from vitlab.model.rope import Rope
 
 NAFLEX_KEYS = ("patches", "patch_coord", "patch_valid")

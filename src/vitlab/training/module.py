@@ -23,7 +23,7 @@ from torch import nn
 from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
 from vitlab.model import ViTConfig
-from vitlab.model.draws import drawn_by_rows
+from vitlab.model.draws import drawn_by_images, drawn_by_rows
 from vitlab.training.adapters import WEIGHT_SETS, attach, drop_frozen, fill_frozen
 from vitlab.training.devices.float8 import Float8Precision, plain_state
 from vitlab.training.devices.sharding import new_vit, splits_weights
@@ -101,6 +101,7 @@ class ViTModule(L.LightningModule):
         self.objective.check(cfg, self.optim)
         self.objective.prepare(self.model)
         self.started_from_weights = self._start_from(weights, resample_patch)  # pretrained, an average's, a base
+        self._eval_batches: dict = {}  # (evaluation_draws: an evaluation loader's batches of indices)
         attach(self, peft)  # peft=: the adapters injected (training.adapters)
         for name, network in self.objective.extra_modules().items():  # e.g. a decoder: checkpoint keys decoder.*
             self.add_module(name, network)
@@ -247,10 +248,26 @@ class ViTModule(L.LightningModule):
         self.update_metrics(stage, loss, logits, y)
 
     def validation_step(self, batch, batch_idx: int) -> None:
-        self.evaluate("val", batch)
+        with self.evaluation_draws("val", batch_idx):
+            self.evaluate("val", batch)
 
     def test_step(self, batch, batch_idx: int) -> None:
-        self.evaluate("test", batch)
+        with self.evaluation_draws("test", batch_idx):
+            self.evaluate("test", batch)
+
+    def evaluation_draws(self, stage: str, batch_idx: int) -> contextlib.AbstractContextManager:
+        """An evaluated batch's random draws (objective=mae's masks) by each image's index in the split
+        (model.draws.drawn_by_images): the same on any number of processes, and at every validation."""
+        loader = getattr(self.trainer, f"{stage}_dataloaders", None) if self._trainer is not None else None
+        data = self._trainer.datamodule if self._trainer is not None else None
+        batches = getattr(loader, "batch_sampler", None)
+        if batches is None or not hasattr(data, "shuffle_seed"):
+            return contextlib.nullcontext()
+        key = (stage, id(batches))
+        if self._eval_batches.get("key") != key:  # (an evaluation loader's batches are the same every time)
+            self._eval_batches = {"key": key, "batches": [torch.as_tensor(list(b)) for b in batches]}
+        numbers = self._eval_batches["batches"][batch_idx]
+        return drawn_by_images(mix(data.shuffle_seed, 2, stage == "test"), numbers, len(loader.dataset))
 
     def update_metrics(self, stage: str, loss: torch.Tensor, logits: torch.Tensor | None, y: torch.Tensor) -> None:
         m = getattr(self, f"{stage}_metrics")

@@ -98,8 +98,8 @@ class EMA(EMAWeightAveraging):
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         if self._average_model is None:
             return
-        with trainer.precision_plugin.forward_context():  # the autocast validation_step runs in (bf16-mixed)
-            self._average_model.module.evaluate("val", batch)
+        with trainer.precision_plugin.forward_context(), pl_module.evaluation_draws("val", batch_idx):
+            self._average_model.module.evaluate("val", batch)  # (in bf16-mixed's autocast; its draws the batch's)
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._average_model is None:
