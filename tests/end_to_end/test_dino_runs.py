@@ -81,9 +81,10 @@ def test_stopped_on_two_processes_it_goes_on_on_one_saying_that_koleo_is_not_exa
 
 
 def test_without_koleo_two_processes_stopped_mid_epoch_go_on_on_one_as_the_uninterrupted_two(tmp_path_factory):
-    """Issue 78: DINO's views, drawn by the global batch's rows on the device, and the student's stochastic depth on
-    the stacked views, so a run resumed on one process is the two processes' up to reduction order (one epoch)."""
-    args = [*replaced(DINO, "trainer.max_epochs=1"), "objective.koleo_weight=0", *DDP]
+    """Issue 78: DINO's views and iBOT's masks, drawn by the global batch's rows on the device, and the student's
+    stochastic depth on the stacked views, so a run resumed on one process is the two processes' up to reduction
+    order (one epoch)."""
+    args = [*replaced(DINO, "trainer.max_epochs=1"), "objective.koleo_weight=0", "objective.ibot_weight=1", *DDP]
     full, _ = _run(tmp_path_factory, "dino_no_koleo", args)
     folder = tmp_path_factory.mktemp("dino_no_koleo_stopped")
     command = interrupt(args, folder, "SIGTERM", 4)

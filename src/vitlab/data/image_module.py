@@ -156,7 +156,7 @@ class ImageDataModule(DataModule):
             return self.to_input(decoding.augmented(self, batch, train), train, self.rng), batch.labels
         x, y = batch[:2]
         if train and self.views is not None and isinstance(x, list):  # objective=dino, views cut in the workers
-            return self.views.normalised(x, self.rng), y
+            return self.views.normalised(x, self.batch_draws(len(x[0]))), y
         if train and self.views is not None:  # objective=dino: the views (its global batch's rows) and iBOT's masks
             return self.views(x.to(torch.float32).div_(255), self.rng, self.batch_draws(len(x))), y
         # A batch of images draws as its global batch (data/seeded.py's Rows), shared by this step's draws in order;

@@ -294,27 +294,33 @@ class Views:
     def __call__(
         self, x: torch.Tensor, generator: torch.Generator | None, crops: torch.Generator | Rows | None = None
     ) -> tuple[list[torch.Tensor], Any]:
-        """`crops`: what the crops draw from instead (the Rows of a global batch); the masks draw from `generator`."""
-        return self.crop(x, crops if crops is not None else generator), self._masks(len(x), x.device, generator)
+        """`crops`: what the crops and masks draw from instead (the Rows of a global batch: the masks are drawn for
+        the global batch, this process's rows kept); else the masks draw from `generator`."""
+        views = self.crop(x, crops if crops is not None else generator)
+        return views, self._masks(len(x), x.device, crops if isinstance(crops, Rows) else generator)
 
     def normalised(
-        self, views: list[torch.Tensor], generator: torch.Generator | None
+        self, views: list[torch.Tensor], generator: torch.Generator | Rows | None
     ) -> tuple[list[torch.Tensor], Any]:
         """Views cut in the loader's workers (data/image_views.py), uint8 (B, C, size, size) each: normalised, with
-        iBOT's masks drawn here as on the on-device path."""
+        iBOT's masks drawn here as on the on-device path (from `generator`, or for the global batch of Rows)."""
         x = views[0]
         mean = torch.tensor(self.crop.mean, device=x.device).view(1, -1, 1, 1)
         std = torch.tensor(self.crop.std, device=x.device).view(1, -1, 1, 1)
         out = [(v.to(torch.float32).div_(255) - mean) / std for v in views]
         return out, self._masks(len(x), x.device, generator)
 
-    def _masks(self, n: int, device: torch.device, generator: torch.Generator | None) -> torch.Tensor | None:
+    def _masks(self, n: int, device: torch.device, generator: torch.Generator | Rows | None) -> torch.Tensor | None:
+        """The masks of the 2 x n global crops (crop-major, as dinov2 collates them); for Rows, drawn for the global
+        batch's 2 x total crops and this process's rows of each crop kept (the same on any count of processes)."""
         p = self.masks.get("probability", 0.0)
         if not p:
             return None
+        generator, start, total = rows_of(generator, n)
         size, patch = self.crop.global_size, self.masks["patch"]
         rng = random.Random(int(torch.randint(2**62, (), generator=generator)))
-        masks = collate_masks(2 * n, (size // patch[0], size // patch[1]), p, tuple(self.masks["ratio"]), rng)
+        masks = collate_masks(2 * total, (size // patch[0], size // patch[1]), p, tuple(self.masks["ratio"]), rng)
+        masks = torch.cat([masks[start : start + n], masks[total + start : total + start + n]])
         return masks.to(device)
 
 
