@@ -46,6 +46,35 @@ def test_mixup_is_timms_in_each_mode(mode):
         m.loss(x[:5], y[:5])
 
 
+@pytest.mark.parametrize("mode", ["batch", "elem"])
+def test_mixup_within_a_global_order_pairs_within_the_starting_processes_shares_on_any_count_that_divides(mode):
+    """Issue 78: a run started on 4 processes mixes within each of their shares of the global batch, each share's
+    draws seeded by (step, share): resumed on 2 or 1 (each process holding whole shares) the images, pairs and
+    draws are the same, numpy's generator untouched; on 3 the objective says it is not exact."""
+    from vitlab.model.draws import drawn_by_rows
+
+    settings = {"mixup_alpha": 0.8, "cutmix_alpha": 1.0, "mode": mode}
+    objective = ViTModule(model=tiny().to_dict(), objective=classify(mixup=settings)).objective
+    objective.mix_groups = 4
+    x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 7, (16,))
+
+    def on(processes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n, images, targets = 16 // processes, [], []
+        for r in range(processes):
+            with drawn_by_rows(torch.nn.Identity(), 9, r * n, n, 16):
+                mixed, target = objective.mix(x[r * n : (r + 1) * n].clone(), y[r * n : (r + 1) * n], 0)
+            images.append(mixed)
+            targets.append(target)
+        return torch.cat(images), torch.cat(targets)
+
+    state = np.random.get_state()
+    four = on(4)
+    assert not torch.equal(four[0], x) and np.array_equal(np.random.get_state()[1], state[1])
+    for processes in (2, 1):
+        assert all(torch.equal(a, b) for a, b in zip(on(processes), four, strict=True))
+    assert objective.per_process(2) is None and "the 4 processes the run started on" in objective.per_process(3)
+
+
 def test_linear_probe_trains_only_the_head():
     m = ViTModule(model=tiny(global_pool="avg").to_dict(), freeze_backbone=True)
     names = {n for g in param_groups(m.model, 1e-3, 0.05) for n in g["names"]}

@@ -13,7 +13,9 @@ import pytest
 import torch
 from torchmetrics import MaxMetric, MeanMetric
 
+from tests.helpers.configs import tiny
 from vitlab.training.devices import rank_state
+from vitlab.training.objectives.classification import Classification
 
 
 def _trainer(rank=0, world=1, datamodule=None, epoch=0, batches=0, epoch_over=False):
@@ -129,7 +131,7 @@ def test_on_another_count_a_global_order_resumes_at_its_position_with_every_imag
     caplog.set_level(logging.INFO)
     checkpoint = _written_by(old)
     assert checkpoint[rank_state.POSITION] == {"epoch": 1, "batches": 3, "samples": 24, "processes": old,
-                                               "global_order": True}  # fmt: skip
+                                               "global_order": True, "mix_groups": None}  # fmt: skip
     seen = []
     for rank in range(new):
         loaded = copy.deepcopy(checkpoint)
@@ -170,3 +172,20 @@ def test_a_checkpoint_at_an_epoch_s_end_resumes_on_another_count_at_the_next_epo
     dm = SimpleNamespace(batch_size=8, global_order=True, state_dict=dict)
     rank_state.save(_trainer(0, 2, dm, epoch=3, batches=13, epoch_over=True), _Module(), checkpoint)
     assert checkpoint[rank_state.POSITION]["epoch"] == 3 and checkpoint[rank_state.POSITION]["batches"] == 0
+
+
+def test_mixups_groups_are_saved_with_the_position_and_come_back_with_it(caplog):
+    """MixUp pairs within the shares of the processes the run started on (objective.mix_groups): the position keeps
+    them, a resume on any count takes them back, and one whose count does not divide them says it is not exact."""
+    caplog.set_level(logging.INFO)
+    checkpoint = _written_by(4)
+    checkpoint[rank_state.POSITION]["mix_groups"] = 4
+    for new, said in (
+        (2, "resumed on 2: exact"),
+        (3, "not exact: MixUp/CutMix pair images within the shares of the 4"),
+    ):
+        module = _module()
+        module.objective = Classification({"mixup": {"mixup_alpha": 0.8}}, tiny())
+        dm = SimpleNamespace(load_state_dict=lambda state: None, resume_at=None)
+        rank_state.take(_trainer(0, new, dm), copy.deepcopy(checkpoint), module)
+        assert module.objective.mix_groups == 4 and said in caplog.text

@@ -83,6 +83,9 @@ def _position(trainer: L.Trainer) -> dict[str, Any]:
         "samples": loop.epoch_loop.batch_progress.total.completed * batch if isinstance(batch, int) else None,
         "processes": trainer.world_size,
         "global_order": bool(getattr(datamodule, "global_order", False)),
+        "mix_groups": getattr(
+            getattr(getattr(trainer, "lightning_module", None), "objective", None), "mix_groups", None
+        ),
     }
 
 
@@ -95,6 +98,9 @@ def take(
     parts = checkpoint.get(KEY)
     if not parts:  # written before per-process states: rank 0's generator only
         return {"rng": {"torch": checkpoint["rng_states"]["torch"]}} if "rng_states" in checkpoint else None
+    groups = (checkpoint.get(POSITION) or {}).get("mix_groups")
+    if groups and hasattr(getattr(module, "objective", None), "mix_groups"):
+        module.objective.mix_groups = groups  # MixUp's pairs: within the shares of the processes the run started on
     rank = trainer.global_rank
     if len(parts) != trainer.world_size:
         mine = _another_count(trainer, checkpoint, parts, module)
@@ -135,8 +141,8 @@ def _another_count(
     if any(part.get("drew") for part in parts):
         why.append("the processes drew random numbers of their own (MixUp or CutMix, a compiled model, the objective)")
     objective = getattr(module, "objective", None)
-    if objective is not None and objective.per_process():
-        why.append(objective.per_process())
+    if objective is not None and objective.per_process(new):
+        why.append(objective.per_process(new))
     if trainer.is_global_zero and why:
         log.info(
             "written by %d processes, resumed on %d: the data order and each image's augmentation go on as they "

@@ -12,14 +12,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy
 import torch
 from timm.data import Mixup
 
 from vitlab.model import ViT, ViTConfig
+from vitlab.model.draws import rows_for
 from vitlab.model.init import log_prior_head_bias_
 from vitlab.training.objectives import label_losses, label_metrics
 from vitlab.training.objectives.objective import Objective
 from vitlab.utils.errors import UserError
+from vitlab.utils.seeds import mix
 from vitlab.utils.values import check_at_least, check_range, from_mapping
 
 # softmax cross-entropy, sigmoid binary cross-entropy (evaluation reports cross-entropy), timm's asymmetric loss
@@ -119,6 +122,10 @@ class Classification(Objective):
             raise UserError(f"model.num_classes {model.num_classes} must be >= 2 to train a classifier")
         self.cfg = from_mapping(self.config_class, options, f"objective={self.name}")
         self.mixup = self.cfg.mixup.build(model.num_classes, multi_label=self.cfg.multilabel)
+        # MixUp/CutMix pair images within these parts of the global batch: the shares of the processes the run
+        # started on (the checkpoint keeps it: training/devices/rank_state.py), so on any count that divides it the
+        # pairs and draws are the same
+        self.mix_groups: int | None = None
         self.loss = label_losses.LabelLoss(self.cfg)
         self.best = self.best_of(options)
 
@@ -132,7 +139,11 @@ class Classification(Objective):
         return super().metrics(stage, num_classes) | label_metrics.long_tail_metrics(stage, num_classes)
 
     def fit_start(self, datamodule: Any, device: torch.device) -> None:
-        """Refuse data of one label an image under multilabel; the class weights and priors of the training split."""
+        """Refuse data of one label an image under multilabel; the class weights and priors of the training split;
+        MixUp's groups (the processes this run starts on, unless it resumes)."""
+        trainer = getattr(datamodule, "trainer", None)
+        if self.mix_groups is None:
+            self.mix_groups = trainer.world_size if trainer is not None else 1
         if self.cfg.multilabel and not getattr(datamodule, "multilabel", False):
             raise UserError(
                 f"objective.multilabel=true needs several labels an image, and {type(datamodule).__name__} reads one "
@@ -164,7 +175,31 @@ class Classification(Objective):
                 f"mixup pairs the images of a batch, and this process's batch has {len(x)}: make "
                 "data.batch_size / the processes even"
             )
-        return self.mixup(x, y)
+        rows = rows_for(len(x))  # the global batch's rows (a global order), or None
+        size = rows.total // self.mix_groups if rows is not None and self.mix_groups else 0
+        if not size or rows.total % self.mix_groups or rows.start % size or len(x) % size or size % 2:
+            return self.mixup(x, y)  # within this process's batch, from numpy's generator (timm's, DeiT's)
+        mixed = [
+            self._mixed(x[i : i + size], y[i : i + size], mix(rows.seed, 3, (rows.start + i) // size))
+            for i in range(0, len(x), size)
+        ]
+        return torch.cat([m[0] for m in mixed]), torch.cat([m[1] for m in mixed])
+
+    def _mixed(self, x: torch.Tensor, y: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """timm's Mixup on one group of the global batch, its draws (numpy's generator) seeded by the group's `seed`
+        and numpy's state put back after."""
+        state = numpy.random.get_state()
+        numpy.random.seed(seed % 2**32)
+        try:
+            return self.mixup(x, y)
+        finally:
+            numpy.random.set_state(state)
+
+    def per_process(self, processes: int) -> str | None:
+        groups = self.mix_groups
+        if self.mixup is not None and groups and groups % processes:
+            return f"MixUp/CutMix pair images within the shares of the {groups} processes the run started on"
+        return None
 
     def label_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss(logits, target)

@@ -187,7 +187,7 @@ class DINO(Objective):
         gram = {"gram_teacher": self.gram_teacher} if self.gram_teacher is not None else {}
         return {"student": self.student, "teacher": self.teacher} | losses | gram
 
-    def per_process(self) -> str | None:
+    def per_process(self, processes: int) -> str | None:
         if self.cfg.koleo_weight:  # (dinov2's koleo_loss on each GPU's batch)
             return "KoLeo's nearest neighbours are searched within each process's share of the batch"
         return None

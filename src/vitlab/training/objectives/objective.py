@@ -155,10 +155,10 @@ class Objective:
         """The network whose forward the training and evaluation steps call (a sharded strategy shards it)."""
         return model
 
-    def per_process(self) -> str | None:
-        """What of the loss depends on how the global batch is shared among processes (computed over each process's
-        share, not drawn: training/devices/rank_state.py watches the draws), said where a run resumes on another
-        count; None for a loss that is a mean over images."""
+    def per_process(self, processes: int) -> str | None:
+        """What of the loss depends on how the global batch is shared among `processes` (computed over each
+        process's share, not drawn: training/devices/rank_state.py watches the draws), said where a run resumes on
+        another count; None for a loss that is a mean over images."""
         return None
 
     def taught_by(self) -> tuple[Any, ...]:
