@@ -1,13 +1,15 @@
 """Random draws that belong to a sample's row of the global batch, not to the process that holds it (issue 78).
 
 Within `drawn_by_rows` (a training step of a run whose data order is global: data/seeded.py), each layer that
-draws (a "site": stochastic depth, dropout, attention dropout) draws a sample's randomness from (the step's seed,
-the site, the sample's row of the global batch): the same whichever process holds the sample and however many
-share the batch, so a run resumed on another number of processes goes on exactly. Elsewhere (evaluation, a
-compiled graph, a batch that is not whole rows) the layers draw from torch's generator as usual.
+draws (a "site": stochastic depth, dropout, attention dropout, patch dropout) and MAE's masking draw a sample's
+randomness from (the step's seed, the site, the sample's row of the global batch): the same whichever process holds
+the sample and however many share the batch, so a run resumed on another number of processes goes on exactly.
+Within `drawn_by_images` (an evaluated batch) MAE's masks are keyed by each image's index in its split instead.
+Elsewhere (a compiled graph, a batch that is not whole rows, no global order) they draw from torch's generator.
 
-Dropout's keep masks are counter-based: a hash of (site, row, element) computed on the tensor's device, so no
-process draws more than its own rows (a mask drawn for the global batch would cost every process the whole batch).
+Dropout's keep masks and the patch orders are counter-based: a hash of (site, row, element) computed on the
+tensor's device, so no process draws more than its own rows (a mask drawn for the global batch would cost every
+process the whole batch).
 """
 
 from __future__ import annotations
