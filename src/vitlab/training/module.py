@@ -20,6 +20,7 @@ import lightning as L
 import torch
 from timm.scheduler.scheduler import Scheduler as TimmScheduler
 from torch import nn
+from torch.utils.data import IterableDataset
 from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
 from vitlab.model import ViTConfig
@@ -261,8 +262,8 @@ class ViTModule(L.LightningModule):
         loader = getattr(self.trainer, f"{stage}_dataloaders", None) if self._trainer is not None else None
         data = self._trainer.datamodule if self._trainer is not None else None
         batches = getattr(loader, "batch_sampler", None)
-        if batches is None or not hasattr(data, "shuffle_seed"):
-            return contextlib.nullcontext()
+        if batches is None or isinstance(loader.dataset, IterableDataset) or not hasattr(data, "shuffle_seed"):
+            return contextlib.nullcontext()  # (a stream has no indices: its masks are drawn as before)
         key = (stage, id(batches))
         if self._eval_batches.get("key") != key:  # (an evaluation loader's batches are the same every time)
             self._eval_batches = {"key": key, "batches": [torch.as_tensor(list(b)) for b in batches]}
