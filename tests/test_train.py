@@ -174,6 +174,9 @@ def test_mixup_label_smoothing_layer_decay_and_drop_path_options_train(compose_c
     from timm.data import Mixup
     from timm.loss import SoftTargetCrossEntropy
 
+    from vitlab.model.draws import rows_for
+    from vitlab.training.objectives.classification import share_seed
+
     FirstStep.seen.clear()
     cfg = compose_cfg(
         "train",
@@ -195,13 +198,13 @@ def test_mixup_label_smoothing_layer_decay_and_drop_path_options_train(compose_c
     rates = [b.drop_path1.p if hasattr(b.drop_path1, "p") else 0.0 for b in model.blocks]
     assert rates == pytest.approx([0.1 * i / (depth - 1) for i in range(depth)])  # timm's linspace(0, rate, depth)
 
-    np.random.set_state(seen["numpy"])
     torch.set_rng_state(seen["torch"])
     mixup = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=cfg.model.num_classes)
-    x, target = mixup(seen["x"].clone(), seen["y"].clone())
-    assert not torch.equal(x, seen["x"])  # mixed
     with seen["rows"]:  # each sample's stochastic depth by its row of the global batch, as the step drew it
+        np.random.seed(share_seed(rows_for(len(seen["x"])).seed, 0))  # MixUp's draws: one process, one share
+        x, target = mixup(seen["x"].clone(), seen["y"].clone())
         expected = SoftTargetCrossEntropy()(model.train()(x), target)
+    assert not torch.equal(x, seen["x"])  # mixed
     assert seen["loss"].item() == pytest.approx(expected.item(), rel=1e-6)
 
     lr = {name: rate for names, rate in seen["groups"] for name in names}

@@ -180,7 +180,7 @@ class Classification(Objective):
         if not size or rows.total % self.mix_groups or rows.start % size or len(x) % size or size % 2:
             return self.mixup(x, y)  # within this process's batch, from numpy's generator (timm's, DeiT's)
         mixed = [
-            self._mixed(x[i : i + size], y[i : i + size], mix(rows.seed, 3, (rows.start + i) // size))
+            self._mixed(x[i : i + size], y[i : i + size], share_seed(rows.seed, (rows.start + i) // size))
             for i in range(0, len(x), size)
         ]
         return torch.cat([m[0] for m in mixed]), torch.cat([m[1] for m in mixed])
@@ -189,7 +189,7 @@ class Classification(Objective):
         """timm's Mixup on one group of the global batch, its draws (numpy's generator) seeded by the group's `seed`
         and numpy's state put back after."""
         state = numpy.random.get_state()
-        numpy.random.seed(seed % 2**32)
+        numpy.random.seed(seed)
         try:
             return self.mixup(x, y)
         finally:
@@ -207,3 +207,8 @@ class Classification(Objective):
     def evaluation_loss(self, model: ViT, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = model(x)
         return label_losses.evaluation_loss(self.cfg.multilabel, logits, y), logits
+
+
+def share_seed(step_seed: int, share: int) -> int:
+    """numpy's seed for MixUp's draws on share `share` of a training step's global batch (Classification.mix)."""
+    return mix(step_seed, 3, share) % 2**32
