@@ -1,22 +1,25 @@
-"""A process that has imported torch, Lightning, torchvision, timm and Hydra once, and forks a child for each
-`python -m vitlab.<command> ...` that `helpers.commands.run_cli` asks: the child becomes that command (its argv, working
-directory, environment, process group and output files) and runs it as the interpreter would (`runpy`, the module as
-__main__; an uncaught exception, SystemExit or Ctrl-C ends it as it ends `python -m`). Each command then starts in
-well under a second instead of the ~6 s these imports take on a CPU of the suite's machine; what it runs is the
-same code, vitlab's own modules imported fresh in the child, with random generators of its own (Python's, numpy's and
-torch's seeded anew from entropy: a run that forgot to seed differs from the next, as a test of two runs must see).
+"""A process that has imported torch, Lightning, torchvision, timm and Hydra once, and forks a child for each `python -m
+vitlab.<command> ...` (or torchrun's `python -m torch.distributed.run ...`) that `helpers.commands.python_m` asks: the
+child becomes that command (its argv, working directory, environment, process group and output files) and runs it as the
+interpreter would (`runpy`, the module as __main__; an uncaught exception, SystemExit or Ctrl-C ends it as it ends
+`python -m`). Each command then starts in well under a second instead of the ~6 s these imports take on a CPU of the
+suite's machine; what it runs is the same code, with random generators of its own (Python's, numpy's and torch's seeded
+anew from entropy: a run that forgot to seed differs from the next, as a test of two runs must see). vitlab's own
+modules are imported here too (~0.4 s a command), all but the commands themselves, which the child runs as `python -m`
+runs them (as __main__); a command whose working directory or PYTHONPATH holds another vitlab imports that one afresh.
 
 Only an environment the libraries would have read alike at import is served here (run_cli compares it with this
 process's own); any other, and any call where this process is not there, runs as a real subprocess. The imports
 start no thread (a fork of a process with threads, an OpenMP pool among them, can hang in the child).
 
 A command that starts more processes of its own as Lightning's DDP and FSDP launchers do (`subprocess.Popen` of
-`python -m vitlab.<command> ...` with a rank in the environment) gets the first of them from here too: a spare copy of
-the child, forked before the command runs (no thread yet), becomes that process (_Spare). It is then the command's own
-child, as the real one would be, in its process group, writing to the same files.
+`python -m vitlab.<command> ...` with a rank in the environment) gets them from here too: spare copies of the child,
+forked before the command runs (no thread yet), one for each process past the first that its trainer.devices asks
+for (one where it names none), each become one of those processes (_Spare). Each is then the command's own child, as
+the real one would be, in its process group, writing to the same files.
 
 Protocol, one JSON line each way on stdin/stdout: {"module", "args", "cwd", "env", "own_group", "out", "err"}
--> {"pid"} once forked, then {"status"} (os.waitpid's) when it ended.
+-> {"pid"} once forked, in the order asked; then {"pid", "status"} (os.waitpid's) when it ended, in the order they end.
 """
 
 from __future__ import annotations
@@ -24,25 +27,48 @@ from __future__ import annotations
 import gc
 import json
 import os
+import select
 import signal
 import sys
 
 
 def _serve() -> None:
-    control_in, control_out = sys.stdin.buffer, os.fdopen(os.dup(1), "w", buffering=1)
+    """Requests in, a child forked for each at once (several may run together: two torchrun nodes), and each child's
+    end reported as it comes (SIGCHLD wakes the wait)."""
+    control_in, control_out = sys.stdin.fileno(), os.fdopen(os.dup(1), "w", buffering=1)
+    woken, wake = os.pipe()
+    os.set_blocking(wake, False)
+    signal.set_wakeup_fd(wake)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     control_out.write(json.dumps({"ready": os.getpid()}) + "\n")
-    for line in control_in:
-        request = json.loads(line)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            control_out.close()
-            _become(request)  # returns in the child only to run the command at the top level
-            return
-        control_out.write(json.dumps({"pid": pid}) + "\n")
-        _, status = os.waitpid(pid, 0)
-        control_out.write(json.dumps({"status": status}) + "\n")
+    pending, running, open_ = b"", set(), True
+    while open_ or running:
+        ready, _, _ = select.select([control_in, woken] if open_ else [woken], [], [])
+        if woken in ready:
+            os.read(woken, 4096)
+        if control_in in ready:
+            chunk = os.read(control_in, 65536)
+            open_, pending = bool(chunk), pending + chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                for fd in (woken, wake):
+                    os.close(fd)
+                control_out.close()
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                _become(json.loads(line))  # returns in the child only to run the command at the top level
+                return
+            running.add(pid)
+            control_out.write(json.dumps({"pid": pid}) + "\n")
+        for pid in list(running):
+            ended, status = os.waitpid(pid, os.WNOHANG)
+            if ended:
+                running.discard(pid)
+                control_out.write(json.dumps({"pid": pid, "status": status}) + "\n")
     sys.exit(0)
 
 
@@ -102,26 +128,39 @@ def _enter(cwd: str, env: dict) -> None:
     os.environ.update(env)
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [cwd, *extra, *[p for p in _INSTALLED if p not in extra]]
+    vitlab = sys.modules.get("vitlab")  # (imported here; gone where this command imports another)
+    own = vitlab and os.path.dirname(os.path.dirname(vitlab.__file__))
+    if own and any(os.path.isdir(os.path.join(p, "vitlab")) and os.path.realpath(p) != own for p in [cwd, *extra]):
+        for name in [m for m in sys.modules if m == "vitlab" or m.startswith("vitlab.")]:
+            del sys.modules[name]  # another vitlab comes first on this command's path: it imports that one
 
 
 class _Spare:
     """A copy of the command's process, forked before the command runs, that becomes the first `python -m vitlab.X`
     the command starts with subprocess.Popen (Lightning's launcher starting rank 1) when nothing but Popen's defaults
-    is asked (no pipes, no new session) and the environment differs from the command's own (which the server's
-    imports read alike) only in what is read at run time (CUBLAS_WORKSPACE_CONFIG, which Lightning's deterministic
-    mode sets, among them) or in the launcher's variables (read at import only by Lightning's rank_zero_only, set
-    again here as its import sets it; and OMP_NUM_THREADS, OpenMP's thread count, applied here as OpenMP's start
-    applies it). Anything else runs as a real subprocess. Unasked, the spare ends when the command's last process
-    does (its end of the pipe closes)."""
+    is asked (no pipes; a new session, as torchrun starts its workers, is made here) and the environment differs from
+    the command's own (which the server's imports read alike) only in what is read at run time
+    (CUBLAS_WORKSPACE_CONFIG, which Lightning's deterministic mode sets, among them) or in the launchers' variables
+    (Lightning's and torchrun's: read at import only by Lightning's rank_zero_only, set again here as its import sets
+    it; and OMP_NUM_THREADS, OpenMP's thread count, applied here as OpenMP's start applies it). Anything else runs as
+    a real subprocess. Unasked, the spare ends when the command's last process does (its end of the pipe closes)."""
 
     LAUNCHER = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED",
-                "PL_SEED_WORKERS", "OMP_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG"}  # fmt: skip
+                "PL_SEED_WORKERS", "OMP_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG",
+                # torchrun's (torch/distributed/run.py, elastic/agent/server/local_elastic_agent.py,
+                # elastic/multiprocessing/api.py): read as its workers run
+                "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE",
+                "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+                "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ERROR_FILE",
+                "TORCHELASTIC_SIGNALS_TO_HANDLE"}  # fmt: skip
 
-    def __init__(self):
+    def __init__(self, earlier: list[_Spare]):
         read, self.write = os.pipe()
         self.pid = os.fork()
         if self.pid == 0:
             os.close(self.write)
+            for spare in earlier:  # their pipes' ends are the command's: an earlier spare asked reads to their end
+                os.close(spare.write)
             # Ctrl-C to the command's group while it waits (the group's processes get it) is the command's to answer
             # (a spare is not a process of the real command): it ends quietly, as an unasked spare does.
             signal.signal(signal.SIGINT, lambda *_: os._exit(0))
@@ -134,17 +173,20 @@ class _Spare:
         else:
             os.close(read)
 
-    def takes(self, args, cwd, env, plain: bool) -> bool:
+    def takes(self, args, cwd, env, plain: bool, new_session: bool) -> bool:
         if self.pid == 0 or self.write is None or not plain or not isinstance(args, (list, tuple)):
             return False
         args = [os.fspath(a) for a in args]
+        if args[1:2] == ["-u"]:  # (unbuffered output: the server's environment has PYTHONUNBUFFERED)
+            args = [args[0], *args[2:]]
         if args[:2] != [sys.executable, "-m"] or not args[2].startswith("vitlab.") or env is None:
             return False
         served = _COMMAND["env"]  # what the command started with: the server's environment up to READ_AT_RUN_TIME
         changed = {k for k in {*env, *served} if env.get(k) != served.get(k)}
         if changed - READ_AT_RUN_TIME - self.LAUNCHER:
             return False
-        request = {"args": args, "cwd": os.fspath(cwd or os.getcwd()), "env": {k: str(v) for k, v in env.items()}}
+        request = {"args": args, "cwd": os.fspath(cwd or os.getcwd()), "env": {k: str(v) for k, v in env.items()},
+                   "new_session": new_session}  # fmt: skip
         with os.fdopen(self.write, "wb") as pipe:
             pipe.write(json.dumps(request).encode())
         self.write = None
@@ -153,6 +195,8 @@ class _Spare:
     @staticmethod
     def become(request: dict) -> None:
         global _COMMAND
+        if request["new_session"]:
+            os.setsid()
         _enter(request["cwd"], request["env"])
         from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
 
@@ -161,32 +205,51 @@ class _Spare:
             import torch
 
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        _COMMAND = {"module": request["args"][2].removeprefix("vitlab."), "args": request["args"][3:], "rank": True}
+        _COMMAND = {"module": request["args"][2], "args": request["args"][3:], "rank": True}
         _fresh_random_state()
 
 
-def _spare_for_popen() -> None:
-    """Popen's start of a child goes through _execute_child; the spare takes the first it can."""
+def _spares_for_popen() -> None:
+    """Popen's start of a child goes through _execute_child; each spare takes the first it can, in turn."""
     import subprocess
 
-    spare = _Spare()
-    if spare.pid == 0:
-        return
+    spares: list[_Spare] = []
+    for _ in range(_processes_started(_COMMAND["module"], _COMMAND["args"])):
+        spare = _Spare(spares)
+        if spare.pid == 0:
+            return
+        spares.append(spare)
     start = subprocess.Popen._execute_child
 
     def execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags,
                       shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):  # fmt: skip
         fds = (p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
-        start_new_session = rest[5] if len(rest) > 5 else False
-        plain = not shell and executable is None and preexec_fn is None and set(fds) == {-1} and not start_new_session
+        new_session = bool(rest[5]) if len(rest) > 5 else False
+        plain = not shell and executable is None and preexec_fn is None and set(fds) == {-1}
         plain = plain and not pass_fds and (len(rest) < 7 or rest[6] in (None, -1))  # no process_group
-        if spare.takes(args, cwd, env, plain):
-            self.pid, self._child_created = spare.pid, True
-            return
+        for spare in spares:
+            if spare.takes(args, cwd, env, plain, new_session):
+                self.pid, self._child_created = spare.pid, True
+                return
         start(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags, shell,
               p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest)  # fmt: skip
 
     subprocess.Popen._execute_child = execute_child
+
+
+def _processes_started(module: str, args: list[str]) -> int:
+    """The processes a command starts on this host, a spare each: torchrun's --nproc-per-node; those past the first
+    that a vitlab command's trainer.devices asks for (up to 8), else one (trainer=ddp_cpu's second)."""
+    if module.startswith("vitlab."):
+        devices = _number(args, "trainer.devices")
+        return devices - 1 if devices and devices > 2 else 1
+    return _number([a.replace("_", "-") for a in args], "--nproc-per-node") or 1
+
+
+def _number(args: list[str], key: str) -> int | None:
+    """The number 1 to 8 that `args` give `key` (`key=N`, `+key=N`), or None."""
+    values = [a.partition("=")[2] for a in args if a.lstrip("+").partition("=")[0] == key]
+    return int(values[-1]) if values and values[-1].isdigit() and 0 < int(values[-1]) <= 8 else None
 
 
 def _exit(code: int) -> None:
@@ -203,6 +266,21 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
+def _import_vitlab() -> None:
+    """Every module of vitlab but its commands (`python -m vitlab.train` runs vitlab/train.py as __main__, which runpy
+    warns about where the module was imported before), and the packages' own __main__ modules likewise."""
+    import importlib
+    import pkgutil
+
+    import vitlab
+
+    commands = {f"vitlab.{m.name}" for m in pkgutil.iter_modules(vitlab.__path__) if not m.ispkg}
+    for module in pkgutil.walk_packages(vitlab.__path__, "vitlab."):
+        if module.name not in commands and not module.name.endswith(".__main__"):
+            importlib.import_module(module.name)
+    assert not commands & set(sys.modules), commands & set(sys.modules)
+
+
 if __name__ == "__main__":
     import hydra  # noqa: F401
     import lightning.pytorch  # noqa: F401  (torch, torchmetrics, torchvision with it)
@@ -215,6 +293,8 @@ if __name__ == "__main__":
     import torch  # noqa: F401
     import torchvision.transforms.v2  # noqa: F401
 
+    _import_vitlab()
+
     # What the imports made is never collected: moved out of the collector's reach, a child's collections and its
     # exit no longer touch (and so copy) the pages it shares with this process, which took ~2 s of CPU an exit.
     gc.collect()
@@ -224,13 +304,13 @@ if __name__ == "__main__":
     if _COMMAND is not None:  # the forked child: the command, as `python -m vitlab.<module>` runs it
         import runpy
 
-        if "rank" not in _COMMAND:  # the command itself, not a spare become a rank: its spare
-            _spare_for_popen()
+        if "rank" not in _COMMAND:  # the command itself, not a spare become a rank: its spares
+            _spares_for_popen()
 
-        sys.argv = [f"vitlab.{_COMMAND['module']}", *_COMMAND["args"]]
+        sys.argv = [_COMMAND["module"], *_COMMAND["args"]]
         del _serve, _become
         try:
-            runpy.run_module(f"vitlab.{_COMMAND['module']}", run_name="__main__", alter_sys=True)
+            runpy.run_module(_COMMAND["module"], run_name="__main__", alter_sys=True)
         except SystemExit as stop:
             if not isinstance(stop.code, (int, type(None))):
                 raise  # sys.exit("message"): Python prints it

@@ -60,7 +60,7 @@ def _forked(server: _ForkServer, run):
             return run(argv, limit, log_path, env)
         start = time.monotonic()
         try:
-            r = server.run(argv, module.removeprefix("vitlab."), argv[3:], REPO, env, True, max(1, int(limit)))
+            r = server.run(argv, module, argv[3:], REPO, env, True, max(1, int(limit)))
         except subprocess.TimeoutExpired as stopped:
             log_path.write_text(f"{stopped.stdout or ''}{stopped.stderr or ''}")
             return "timeout", time.monotonic() - start

@@ -1,17 +1,15 @@
 """Launchers as users start them: torchrun on two nodes gives one run directory, submitit_local refuses several
 devices."""
 
+import concurrent.futures
 import json
-import os
 import shlex
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.commands import run_cli
+from tests.helpers.commands import python_m, run_cli
 from tests.helpers.runs import assert_same_run, trained
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,25 +29,20 @@ def test_torchrun_on_two_nodes_gives_one_run_directory_and_the_metrics_of_one_no
 ):
     """FSDP's mesh follows the launch: data-parallel over nodes x devices, the shards as on one node of two."""
     # The same threads per process in both (torchrun sets none for one process a node, Lightning one for two).
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     port = _free_port()
-    nodes = [
-        subprocess.Popen(
-            [
-                *(sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}"),
-                *("--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}"),
-                *("-m", "vitlab.train", f"trainer={strategy}", "trainer.devices=1", "trainer.num_nodes=2", *SHORT),
-            ],
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for node in (0, 1)
-    ]
-    outputs = [p.communicate(timeout=600)[0] for p in nodes]
-    assert [p.returncode for p in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+
+    def node(rank: int):
+        return python_m(
+            "torch.distributed.run",
+            *("--nnodes=2", f"--node-rank={rank}", "--nproc-per-node=1", "--master-addr=127.0.0.1"),
+            *(f"--master-port={port}", "-m", "vitlab.train", f"trainer={strategy}", "trainer.devices=1"),
+            *("trainer.num_nodes=2", *SHORT),
+            cwd=tmp_path, env={"OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the two nodes side by side, as two hosts start them
+        nodes = list(pool.map(node, (0, 1)))
+    assert [r.returncode for r in nodes] == [0, 0], "".join(r.stdout[-1500:] + r.stderr[-1500:] for r in nodes)
     (run_dir,) = (tmp_path / "outputs" / "train" / "runs").iterdir()  # one, not one per node
     assert (run_dir / "train_rank1.log").is_file() and not (run_dir / ".hydra" / "train_rank1.log").exists()
 
@@ -73,15 +66,12 @@ def test_submitit_local_with_several_devices_is_refused_in_one_line(tmp_path):
 def test_torchrun_with_a_run_directory_trains_one_run_in_it(tmp_path):
     """The README's advice for several processes, with torchrun: every process is given the same hydra.run.dir, and
     rank 1 may write its log there before rank 0 claims it (issue 53: "already holds files", exit 1)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     run_dir = tmp_path / "runs" / "a"
-    r = subprocess.run(
-        [
-            *(sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2"),
-            *("--master-addr=127.0.0.1", f"--master-port={_free_port()}"),
-            *("-m", "vitlab.train", "trainer=ddp_cpu", "trainer.devices=2", *SHORT, f"hydra.run.dir={run_dir}"),
-        ],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    r = python_m(
+        "torch.distributed.run",
+        *("--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={_free_port()}"),
+        *("-m", "vitlab.train", "trainer=ddp_cpu", "trainer.devices=2", *SHORT, f"hydra.run.dir={run_dir}"),
+        cwd=tmp_path, env={"OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (run_dir / "train_rank1.log").is_file() and json.loads((run_dir / "metrics.json").read_text())["test/acc"]
@@ -92,7 +82,7 @@ def test_torchrun_stopped_by_the_group_s_sigterm_saves_once_and_its_resume_line_
     """SIGTERM to torchrun's process group (a scheduler, a terminal): the workers get it, and again from torchrun's
     agent, which forwards it (issue 53: one stop, not a second); the checkpoint is saved, and the resume line starts
     the run as it was started, with torchrun, and trains on from it."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     kill = [
         "+callbacks.kill._target_=tests.helpers.callbacks.SignalAtStep",
         "+callbacks.kill.step=6",
@@ -100,16 +90,13 @@ def test_torchrun_stopped_by_the_group_s_sigterm_saves_once_and_its_resume_line_
     ]
     run_dir = tmp_path / "runs" / "a"
     train = ["-m", "vitlab.train", "trainer=ddp_cpu", "trainer.devices=2", *SHORT, *kill, f"hydra.run.dir={run_dir}"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    r = subprocess.run([*torchrun, *train], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
-                       start_new_session=True)  # fmt: skip
+    torchrun = ["--standalone", "--nproc-per-node=2"]
+    r = python_m("torch.distributed.run", *torchrun, *train, cwd=tmp_path, env=env, own_group=True)
     saved = run_dir / "checkpoints" / "interrupted.ckpt"
     assert saved.is_file(), r.stdout[-3000:] + r.stderr[-3000:]
     (line,) = [x for x in r.stderr.splitlines() if x.startswith("interrupted by SIGTERM")]
     command = line.split("resume with: ")[1]
     assert command.startswith("torchrun --standalone --nproc-per-node=2 -m vitlab.train trainer=ddp_cpu")
     assert command.endswith(f"ckpt_path={saved}")
-    again = subprocess.run(
-        [*torchrun, *shlex.split(command)[3:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )  # fmt: skip
+    again = python_m("torch.distributed.run", *torchrun, *shlex.split(command)[3:], cwd=tmp_path, env=env)
     assert again.returncode == 0, again.stderr[-3000:]

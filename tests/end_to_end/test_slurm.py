@@ -82,15 +82,15 @@ def test_the_readmes_sweep_runs_as_typed_and_each_job_equals_the_local_run(clust
 
 
 def test_a_sweep_of_sharded_runs_requests_one_task_per_device_and_each_job_trains(cluster, tmp_path, tmp_path_factory):
-    """trainer=fsdp_cpu under hydra/launcher=slurm: the request follows the run as for DDP (two tasks, no GPU), each
-    job shards over its two tasks, and each ends with the metrics of the same command run locally (measured: the
-    training's equal, validation losses within 3e-7: the Slurm tasks compute with one thread each). Job 0's, at
-    optim.lr's default, is compared: the local run is test_launchers.py's, trained once."""
+    """trainer=fsdp_cpu under hydra/launcher=slurm: the request follows the run as for DDP (two tasks, no GPU), the
+    job shards over its two tasks, and ends with the metrics of the same command run locally (measured: the
+    training's equal, validation losses within 3e-7: the Slurm tasks compute with one thread each). One job, at
+    optim.lr's default (the DDP sweep above has two): the local run is test_launchers.py's, trained once."""
     sweep_args = ["-m", "hydra/launcher=slurm", "trainer=fsdp_cpu"]
-    r = run_cli("train", *sweep_args, "optim.lr=1e-3,3e-4", *SHORT, cwd=tmp_path)
+    r = run_cli("train", *sweep_args, "optim.lr=1e-3", *SHORT, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     sweep = _sweep_dir(tmp_path)
-    assert [row["status"] for row in json.loads((sweep / "summary.json").read_text())] == ["done", "done"]
+    assert [row["status"] for row in json.loads((sweep / "summary.json").read_text())] == ["done"]
     (script,) = (sweep / ".submitit").glob("*/*_submission.sh")
     assert "#SBATCH --ntasks-per-node=2" in script.read_text() and "gres" not in script.read_text()
     local = trained(tmp_path_factory, "fsdp-two-short", "trainer=fsdp_cpu", "trainer.devices=2", *SHORT)
@@ -152,7 +152,8 @@ class _Sweep(threading.Thread):
 
 def test_a_job_cancelled_without_a_result_is_one_line(cluster, tmp_path):
     slow = extra_callback("slow", "SleepPerStep", seconds=0.2)
-    sweep = _Sweep(tmp_path, *SWEEP, "optim.lr=1e-3", *replaced(SHORT, "trainer.max_epochs=20"), *slow, timeout=600)
+    one = replaced(SWEEP, "trainer.devices=1")  # (a job of one task: what is said does not depend on how many)
+    sweep = _Sweep(tmp_path, *one, "optim.lr=1e-3", *replaced(SHORT, "trainer.max_epochs=20"), *slow, timeout=600)
     log = lambda: _sweep_dir(tmp_path) / "0" / "train.log"  # noqa: E731
     _wait(
         lambda: (tmp_path / "outputs").exists() and log().exists() and "- epoch 1/20 " in log().read_text(),

@@ -1,4 +1,4 @@
-"""Running a command as a user does (`run_cli`: forked from tests/forkserver.py where it can), and what a
+"""Running a command as a user does (`run_cli`, `python_m`: forked from tests/forkserver.py where it can), and what a
 refusal, a full disk or a changed argument list look like to a test."""
 
 import contextlib
@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from tests.forkserver import READ_AT_RUN_TIME
@@ -19,7 +20,12 @@ ROOT = Path(__file__).resolve().parents[2]
 TESTS_ON_PATH = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def run_cli(
+def run_cli(module: str, *args: str, **how) -> subprocess.CompletedProcess:
+    """`python -m vitlab.<module> args` as python_m runs it."""
+    return python_m(f"vitlab.{module}", *args, **how)
+
+
+def python_m(
     module: str,
     *args: str,
     cwd: Path | None = None,
@@ -28,14 +34,15 @@ def run_cli(
     replace_env: bool = False,
     own_group: bool = False,
 ) -> subprocess.CompletedProcess:
-    """`python -m vitlab.<module> args` in a subprocess, output captured. `env` is added to this
-    process's environment, or replaces it with `replace_env`. `own_group` starts it in a process group (and
-    session) of its own, as a terminal starts a command: a signal to its group then reaches only it. Forked from
-    tests/forkserver.py, which has the libraries imported, where the environment allows (the same command, seconds
-    sooner); a real subprocess otherwise."""
+    """`python -m <module> args` (a vitlab command, or torchrun's torch.distributed.run) in a subprocess, output
+    captured. `env` is added to this process's environment, or replaces it with `replace_env`. `own_group` starts it
+    in a process group (and session) of its own, as a terminal starts a command: a signal to its group then reaches
+    only it. Forked from tests/forkserver.py, which has the libraries imported, where the environment allows (the same
+    command, seconds sooner; the processes it starts, Lightning's ranks or torchrun's workers, too); a real
+    subprocess otherwise."""
     full_env = {**({} if replace_env else os.environ), "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("HYDRA_FULL_ERROR", None)
-    argv = [sys.executable, "-m", f"vitlab.{module}", *args]
+    argv = [sys.executable, "-m", module, *args]
     server = _fork_server(full_env)
     if server is not None:
         return server.run(argv, module, list(args), Path(cwd or ROOT), full_env, own_group, timeout)
@@ -51,9 +58,11 @@ def run_cli(
 
 
 class _ForkServer:
+    """tests/forkserver.py, started here, and its answers: the pid of each command asked (in the order asked), and
+    each command's end (by pid). Commands asked from several threads run side by side."""
+
     def __init__(self):
         import queue
-        import threading
 
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.env = {k: v for k, v in env.items() if k not in READ_AT_RUN_TIME}
@@ -65,32 +74,46 @@ class _ForkServer:
             cwd=ROOT,
             text=True,
         )
-        self.replies: queue.Queue = queue.Queue()
-        threading.Thread(
-            target=lambda: [self.replies.put(json.loads(x)) for x in self.proc.stdout], daemon=True
-        ).start()
-        assert "ready" in self.replies.get(timeout=300)
+        self.forked: queue.Queue = queue.Queue()
+        self.ended: dict[int, int] = {}
+        self.asking, self.changed = threading.Lock(), threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+        assert "ready" in self.forked.get(timeout=300)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            reply = json.loads(line)
+            if "status" not in reply:
+                self.forked.put(reply)
+                continue
+            with self.changed:
+                self.ended[reply["pid"]] = reply["status"]
+                self.changed.notify_all()
 
     def serves(self, env: dict) -> bool:
         return self.proc.poll() is None and {k: v for k, v in env.items() if k not in READ_AT_RUN_TIME} == self.env
 
+    def _status(self, pid: int, timeout: float) -> int | None:
+        with self.changed:
+            self.changed.wait_for(lambda: pid in self.ended, timeout)
+            return self.ended.pop(pid, None)
+
     def run(self, argv, module, args, cwd, env, own_group, timeout) -> subprocess.CompletedProcess:
-        import queue
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
             out, err = Path(tmp) / "out", Path(tmp) / "err"
             request = dict(module=module, args=args, cwd=str(cwd), env=env, own_group=own_group, out=str(out),
                            err=str(err))  # fmt: skip
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            pid = self.replies.get(timeout=60)["pid"]
-            try:
-                status = self.replies.get(timeout=timeout)["status"]
-            except queue.Empty:
+            with self.asking:
+                self.proc.stdin.write(json.dumps(request) + "\n")
+                self.proc.stdin.flush()
+                pid = self.forked.get(timeout=60)["pid"]
+            status = self._status(pid, timeout)
+            if status is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL) if own_group else os.kill(pid, signal.SIGKILL)
-                self.replies.get(timeout=60)
+                self._status(pid, 60)
                 raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text()) from None
             code = os.waitstatus_to_exitcode(status)
             return subprocess.CompletedProcess(
@@ -99,14 +122,16 @@ class _ForkServer:
 
 
 _SERVER: list = []
+_STARTING = threading.Lock()  # (two threads' first commands start one server)
 
 
 def _fork_server(env: dict) -> _ForkServer | None:
     """This test process's fork server (started on first use) when it can run a command with `env`."""
     if os.environ.get("VITLAB_TEST_FORK", "1") == "0":
         return None
-    if not _SERVER:
-        _SERVER.append(_ForkServer())
+    with _STARTING:
+        if not _SERVER:
+            _SERVER.append(_ForkServer())
     return _SERVER[0] if _SERVER[0].serves(env) else None
 
 
