@@ -136,14 +136,17 @@ def _enter(cwd: str, env: dict) -> None:
 
 
 class _Spare:
-    """A copy of the command's process, forked before the command runs, that becomes the first `python -m vitlab.X`
-    the command starts with subprocess.Popen (Lightning's launcher starting rank 1) when nothing but Popen's defaults
-    is asked (no pipes; a new session, as torchrun starts its workers, is made here) and the environment differs from
-    the command's own (which the server's imports read alike) only in what is read at run time
-    (CUBLAS_WORKSPACE_CONFIG, which Lightning's deterministic mode sets, among them) or in the launchers' variables
-    (Lightning's and torchrun's: read at import only by Lightning's rank_zero_only, set again here as its import sets
-    it; and OMP_NUM_THREADS, OpenMP's thread count, applied here as OpenMP's start applies it). Anything else runs as
-    a real subprocess. Unasked, the spare ends when the command's last process does (its end of the pipe closes)."""
+    """A copy of the command's process, forked before the command runs, that becomes a `python -m vitlab.X` the
+    command starts with subprocess.Popen (Lightning's launcher starting rank 1, torchrun a worker, a benchmark its
+    training run) when Popen is asked for nothing a fork cannot give: its standard streams (pipes, files) are passed
+    over the spare's socket, a new session (as torchrun starts its workers) is made here; no shell, no preexec_fn,
+    no other file descriptors. And only where the environment differs from the command's own (which the server's
+    imports read alike) in what is read at run time (CUBLAS_WORKSPACE_CONFIG, which Lightning's deterministic mode
+    sets, among them) or in the launchers' variables (Lightning's and torchrun's: read at import only by Lightning's
+    rank_zero_only, set again here as its import sets it; and OMP_NUM_THREADS, OpenMP's thread count, applied here as
+    OpenMP's start applies it). Anything else runs as a real subprocess. Unasked, the spare ends when the command's
+    last process does (its end of the socket closes). A spare become a command of its own (not a launcher's rank)
+    has spares of its own."""
 
     LAUNCHER = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED",
                 "PL_SEED_WORKERS", "OMP_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG",
@@ -155,48 +158,65 @@ class _Spare:
                 "TORCHELASTIC_SIGNALS_TO_HANDLE"}  # fmt: skip
 
     def __init__(self, earlier: list[_Spare]):
-        read, self.write = os.pipe()
+        import socket
+
+        self.channel, theirs = socket.socketpair()
         self.pid = os.fork()
         if self.pid == 0:
-            os.close(self.write)
-            for spare in earlier:  # their pipes' ends are the command's: an earlier spare asked reads to their end
-                os.close(spare.write)
+            self.channel.close()
+            for spare in earlier:  # their channels' ends are the command's: an earlier spare asked reads to their end
+                spare.channel.close()
             # Ctrl-C to the command's group while it waits (the group's processes get it) is the command's to answer
             # (a spare is not a process of the real command): it ends quietly, as an unasked spare does.
             signal.signal(signal.SIGINT, lambda *_: os._exit(0))
-            with os.fdopen(read, "rb") as pipe:
-                asked = pipe.read()
+            asked, fds, _, _ = socket.recv_fds(theirs, 1 << 16, 3)
+            while asked and (more := theirs.recv(1 << 16)):
+                asked += more
+            theirs.close()
             if not asked:
                 os._exit(0)
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            self.become(json.loads(asked))  # returns, to run the command at the top level
+            self.become(json.loads(asked), fds)  # returns, to run the command at the top level
         else:
-            os.close(read)
+            theirs.close()
 
-    def takes(self, args, cwd, env, plain: bool, new_session: bool) -> bool:
-        if self.pid == 0 or self.write is None or not plain or not isinstance(args, (list, tuple)):
+    def takes(self, args, cwd, env, plain: bool, new_session: bool, stdio: tuple[int, int, int]) -> bool:
+        """Whether this spare becomes the process Popen starts; `stdio`: the file descriptors Popen gives it as its
+        standard input, output and error (-1: this process's), passed over the spare's socket."""
+        import socket
+
+        if self.pid == 0 or self.channel is None or not plain or not isinstance(args, (list, tuple)):
             return False
         args = [os.fspath(a) for a in args]
         if args[1:2] == ["-u"]:  # (unbuffered output: the server's environment has PYTHONUNBUFFERED)
             args = [args[0], *args[2:]]
-        if args[:2] != [sys.executable, "-m"] or not args[2].startswith("vitlab.") or env is None:
+        if args[:2] != [sys.executable, "-m"] or not args[2].startswith("vitlab."):
             return False
+        env = dict(os.environ) if env is None else env  # (Popen's default: this process's environment)
         served = _COMMAND["env"]  # what the command started with: the server's environment up to READ_AT_RUN_TIME
         changed = {k for k in {*env, *served} if env.get(k) != served.get(k)}
         if changed - READ_AT_RUN_TIME - self.LAUNCHER:
             return False
+        passed = sorted({fd for fd in stdio if fd != -1})
+        streams = [passed.index(fd) if fd != -1 else -1 for fd in stdio]
         request = {"args": args, "cwd": os.fspath(cwd or os.getcwd()), "env": {k: str(v) for k, v in env.items()},
-                   "new_session": new_session}  # fmt: skip
-        with os.fdopen(self.write, "wb") as pipe:
-            pipe.write(json.dumps(request).encode())
-        self.write = None
+                   "new_session": new_session, "stdio": streams}  # fmt: skip
+        socket.send_fds(self.channel, [json.dumps(request).encode()], passed)
+        self.channel.close()
+        self.channel = None
         return True
 
     @staticmethod
-    def become(request: dict) -> None:
+    def become(request: dict, fds: list[int]) -> None:
         global _COMMAND
         if request["new_session"]:
             os.setsid()
+        for target, index in enumerate(request["stdio"]):
+            if index != -1:
+                os.dup2(fds[index], target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
         _enter(request["cwd"], request["env"])
         from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
 
@@ -205,7 +225,9 @@ class _Spare:
             import torch
 
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        _COMMAND = {"module": request["args"][2], "args": request["args"][3:], "rank": True}
+        _COMMAND = {"module": request["args"][2], "args": request["args"][3:], "env": request["env"]}
+        if "LOCAL_RANK" in request["env"] or "RANK" in request["env"]:
+            _COMMAND["rank"] = True  # a launcher's process; anything else is a command started by one (a benchmark's)
         _fresh_random_state()
 
 
@@ -216,20 +238,22 @@ def _spares_for_popen() -> None:
     spares: list[_Spare] = []
     for _ in range(_processes_started(_COMMAND["module"], _COMMAND["args"])):
         spare = _Spare(spares)
-        if spare.pid == 0:
+        if spare.pid == 0:  # this process is that spare, become one of the command's processes
+            if "rank" not in _COMMAND:  # a command of its own (a benchmark's training run): its own spares
+                _spares_for_popen()
             return
         spares.append(spare)
     start = subprocess.Popen._execute_child
 
     def execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags,
                       shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):  # fmt: skip
-        fds = (p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
         new_session = bool(rest[5]) if len(rest) > 5 else False
-        plain = not shell and executable is None and preexec_fn is None and set(fds) == {-1}
+        plain = not shell and executable is None and preexec_fn is None
         plain = plain and not pass_fds and (len(rest) < 7 or rest[6] in (None, -1))  # no process_group
         for spare in spares:
-            if spare.takes(args, cwd, env, plain, new_session):
+            if spare.takes(args, cwd, env, plain, new_session, (p2cread, c2pwrite, errwrite)):
                 self.pid, self._child_created = spare.pid, True
+                self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)  # (as Popen's own)
                 return
         start(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags, shell,
               p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest)  # fmt: skip
@@ -239,7 +263,10 @@ def _spares_for_popen() -> None:
 
 def _processes_started(module: str, args: list[str]) -> int:
     """The processes a command starts on this host, a spare each: torchrun's --nproc-per-node; those past the first
-    that a vitlab command's trainer.devices asks for (up to 8), else one (trainer=ddp_cpu's second)."""
+    that a vitlab command's trainer.devices asks for (up to 8), else one (trainer=ddp_cpu's second); two for a
+    benchmark (its strategies task trains with DDP, then with FSDP: each run's second process is its own spare's)."""
+    if module == "vitlab.benchmark":
+        return 2
     if module.startswith("vitlab."):
         devices = _number(args, "trainer.devices")
         return devices - 1 if devices and devices > 2 else 1
