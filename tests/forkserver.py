@@ -83,7 +83,10 @@ def _serve() -> None:
 # subprocess (~6 s of imports each, for the rest of an xdist worker's session).
 READ_AT_RUN_TIME = {"PYTHONPATH", "HYDRA_FULL_ERROR", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST",
                     "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS",
-                    "CUBLAS_WORKSPACE_CONFIG", "WANDB_SERVICE"}  # fmt: skip
+                    "CUBLAS_WORKSPACE_CONFIG", "WANDB_SERVICE",
+                    # an object store's address and keys (tests/data/test_streaming.py's local S3): read as a
+                    # client is made (botocore, obstore), neither of which the server imports
+                    "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"}  # fmt: skip
 
 _COMMAND: dict | None = None
 _INSTALLED: list[str] = []  # sys.path[1:] as the server started: the installation's entries
