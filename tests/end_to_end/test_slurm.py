@@ -72,13 +72,17 @@ def test_the_readmes_sweep_runs_as_typed_and_each_job_equals_the_local_run(clust
             assert r.returncode == 0, r.stderr[-3000:]
         assert_same_run(local, sweep / job)
         assert (sweep / job / "train_rank1.log").is_file()  # the second task logs on its own
-    # The same sweep into its directory again (issue 42): both jobs had ended, neither trains again.
+    # The same sweep into its directory again (issue 42): both jobs had ended, neither trains again, nor is submitted
+    # (a job would wait its turn in the queue only to say so).
     ended = {job: (sweep / job / "metrics.json").read_bytes() for job in ("0", "1")}
+    submitted = sorted((sweep / ".submitit").iterdir())
     r = run_cli("train", *SWEEP, "optim.lr=1e-3,3e-4", *SHORT, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert {job: (sweep / job / "metrics.json").read_bytes() for job in ("0", "1")} == ended
+    assert sorted((sweep / ".submitit").iterdir()) == submitted and "submitted" not in r.stdout + r.stderr
     for job in ("0", "1"):
         assert "ended in an earlier run of this sweep (done): not run again" in (sweep / job / "train.log").read_text()
+    assert [row["status"] for row in json.loads((sweep / "summary.json").read_text())] == ["done", "done"]
 
 
 def test_a_sweep_of_sharded_runs_requests_one_task_per_device_and_each_job_trains(cluster, tmp_path, tmp_path_factory):

@@ -6,7 +6,9 @@ happens to them:
 - while the sweep waits, a line whenever a job's state changes (pending and why, running, requeued, done);
 - a job that Slurm can never start (its request exceeds what the partition has or allows) is named in one line,
   the sweep's jobs are cancelled and the sweep exits 2, rather than waiting forever;
-- a job that ends without a result (cancelled, killed) is named in one line with its log.
+- a job that ends without a result (cancelled, killed) is named in one line with its log;
+- a sweep run again into its directory submits no job for those that ended in an earlier run (their results are
+  read here, as each job would read them: cli/sweep.py earlier_result).
 
 A job that is pre-empted, requeued (`scontrol requeue`) or reaches its time limit (Slurm sends USR2
 `signal_delay_s` before it) checkpoints (vitlab.utils.signals), comes back, and resumes from its own checkpoint: its
@@ -29,7 +31,7 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, filter_overrides
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from vitlab.cli.rundir import discard_unused_sweep
 from vitlab.utils.errors import fail
@@ -71,15 +73,51 @@ class SlurmLauncher(SubmititSlurmLauncher):
         executor = self._executor()
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        params = []
+        params, ended = [], {}
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
             log.info("\t#%d : %s", idx, " ".join(filter_overrides(overrides)))
+            if (earlier := self._ended(list(overrides), idx)) is not None:
+                ended[idx] = earlier
+                continue
             params.append((list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()))
-        jobs = self._submit(executor, params)
-        folder = Path(str(self.params["submitit_folder"])).parent
-        log.info("Slurm jobs %s submitted; their logs: %s", ", ".join(j.job_id for j in jobs), folder)
-        self._wait(jobs)
-        return [self._result(job) for job in jobs]
+        jobs = self._submit(executor, params) if params else []
+        if jobs:
+            folder = Path(str(self.params["submitit_folder"])).parent
+            log.info("Slurm jobs %s submitted; their logs: %s", ", ".join(j.job_id for j in jobs), folder)
+            self._wait(jobs)
+        results = iter([self._result(job) for job in jobs])
+        numbers = range(initial_job_idx, initial_job_idx + len(job_overrides))
+        return [ended[i] if i in ended else next(results) for i in numbers]
+
+    def _ended(self, overrides: list[str], idx: int) -> JobReturn | None:
+        """Job `idx` of a sweep run again into its directory, where it ended in an earlier run: not submitted (a Slurm
+        job would wait its turn in the queue only to say so), its result read here as the job reads it
+        (cli/sweep.py: earlier_result), and said here and in the job's log."""
+        from hydra.core.utils import JobStatus
+
+        from vitlab.cli.sweep import ended_metrics, not_run_again, optimized_value
+
+        config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+        with open_dict(config.hydra.job):
+            config.hydra.job.num = idx
+        out = Path(str(config.hydra.sweep.dir)) / str(config.hydra.sweep.subdir)
+        metrics = ended_metrics(out, sorted(config.hydra.overrides.task))
+        if metrics is None:
+            return None
+        said = logging.FileHandler(out / f"{config.hydra.job.name}.log")  # (as the job's own logging writes it)
+        shown = OmegaConf.select(config, "hydra.job_logging.formatters.simple.format", default=None)
+        said.setFormatter(logging.Formatter(shown or "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        logging.getLogger("vitlab.train").addHandler(said)
+        try:
+            logging.getLogger("vitlab.train").info(not_run_again(out, metrics))
+        finally:
+            logging.getLogger("vitlab.train").removeHandler(said)
+            said.close()
+        task = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
+        done = JobReturn(overrides=overrides, cfg=task, hydra_cfg=config, working_dir=str(out),
+                         task_name=str(config.hydra.job.name), status=JobStatus.COMPLETED)  # fmt: skip
+        done.return_value = optimized_value(config.get("optimized_metric"), metrics)
+        return done
 
     def _executor(self):
         """submitit's executor with this launcher's parameters (as hydra-submitit-launcher builds it)."""

@@ -313,12 +313,25 @@ def earlier_result(out: Path) -> dict[str, Any] | None:
         (out / "error.json").unlink(missing_ok=True)  # failed before: it runs again, its row says how it ends now
         return None
     metrics = json.loads((out / "metrics.json").read_text())
-    how = f"pruned at epoch {metrics['pruned']['epoch']}" if metrics.get("pruned") else "done"
-    logging.getLogger("vitlab.train").info(
-        "sweep job %s ended in an earlier run of this sweep (%s): not run again; its result: %s",
-        out.name, how, out / "metrics.json",
-    )  # fmt: skip
+    logging.getLogger("vitlab.train").info(not_run_again(out, metrics))
     return metrics
+
+
+def ended_metrics(out: Path, overrides: list[str]) -> dict[str, Any] | None:
+    """What earlier_result finds as a job starts, read before it does (and writing nothing): the metrics of the job
+    of these (sorted) overrides in `out` where it ended in an earlier run of this sweep, or None. The Slurm launcher
+    submits no job for it (cli/slurm.py)."""
+    record, metrics = out / JOB_FILE, out / "metrics.json"
+    if not metrics.is_file() or not record.is_file() or json.loads(record.read_text()) != overrides:
+        return None
+    return json.loads(metrics.read_text())
+
+
+def not_run_again(out: Path, metrics: dict[str, Any]) -> str:
+    """The line a job that ended in an earlier run of its sweep logs instead of running."""
+    how = f"pruned at epoch {metrics['pruned']['epoch']}" if metrics.get("pruned") else "done"
+    result = out / "metrics.json"
+    return f"sweep job {out.name} ended in an earlier run of this sweep ({how}): not run again; its result: {result}"
 
 
 # A sweep job's overrides, sorted, written at its first start: a sweep run again into its directory finds them.
