@@ -12,11 +12,11 @@ Only an environment the libraries would have read alike at import is served here
 process's own); any other, and any call where this process is not there, runs as a real subprocess. The imports
 start no thread (a fork of a process with threads, an OpenMP pool among them, can hang in the child).
 
-A command that starts more processes of its own as Lightning's DDP and FSDP launchers do (`subprocess.Popen` of
-`python -m vitlab.<command> ...` with a rank in the environment) gets them from here too: spare copies of the child,
-forked before the command runs (no thread yet), one for each process past the first that its trainer.devices asks
-for (one where it names none), each become one of those processes (_Spare). Each is then the command's own child, as
-the real one would be, in its process group, writing to the same files.
+A command that starts more processes of its own (`subprocess.Popen` of `python -m vitlab.<command> ...`: Lightning's
+DDP and FSDP launchers' ranks, torchrun's workers, a benchmark's training runs) gets them from here too: spare copies
+of the child, forked before the command runs (no thread yet), one for each process it will start (_processes_started),
+each become one of those processes (_Spare). Each is then the command's own child, as the real one would be, in its
+process group (or a session of its own, as torchrun asks), writing to the same files or pipes.
 
 Protocol, one JSON line each way on stdin/stdout: {"module", "args", "cwd", "env", "own_group", "out", "err"}
 -> {"pid"} once forked, in the order asked; then {"pid", "status"} (os.waitpid's) when it ended, in the order they end.

@@ -71,8 +71,8 @@ def test_multirun_with_multi_process_ddp_stops_at_once(tmp_path):
 
 def test_runs_started_together_get_their_own_directories(tmp_path):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # (the fork server starts them side by side)
-        runs = list(pool.map(lambda _: run_cli("train", "debug=fdr", "progress_bar=none", cwd=tmp_path), range(2)))
-    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
+        done = list(pool.map(lambda _: run_cli("train", "debug=fdr", "progress_bar=none", cwd=tmp_path), range(2)))
+    assert [r.returncode for r in done] == [0, 0], done[0].stderr[-2000:] + done[1].stderr[-2000:]
     runs = list((tmp_path / "outputs" / "debug" / "runs").iterdir())
     assert len(runs) == 2 and all((r / "config.yaml").is_file() for r in runs)
 
