@@ -266,13 +266,12 @@ def _spares_for_popen() -> None:
 
 def _processes_started(module: str, args: list[str]) -> int:
     """The processes a command starts on this host, a spare each: torchrun's --nproc-per-node; those past the first
-    that a vitlab command's trainer.devices asks for (up to 8), else one (trainer=ddp_cpu's second); two for a
-    benchmark (its strategies task trains with DDP, then with FSDP: each run's second process is its own spare's)."""
-    if module == "vitlab.benchmark":
-        return 2
+    that a vitlab command's trainer.devices asks for (up to 8), and at least two (a launch's second process, or two
+    commands one after the other: the strategies benchmark trains with DDP, then with FSDP; an unasked spare costs a
+    fork)."""
     if module.startswith("vitlab."):
         devices = _number(args, "trainer.devices")
-        return devices - 1 if devices and devices > 2 else 1
+        return max(devices - 1 if devices else 1, 2)
     return _number([a.replace("_", "-") for a in args], "--nproc-per-node") or 1
 
 

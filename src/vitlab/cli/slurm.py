@@ -34,6 +34,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLaunche
 from omegaconf import OmegaConf, open_dict
 
 from vitlab.cli.rundir import discard_unused_sweep
+from vitlab.cli.sweep import JOB_FILE, ended_metrics, not_run_again, optimized_value
 from vitlab.utils.errors import fail
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,10 @@ class SlurmLauncher(SubmititSlurmLauncher):
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         params, ended = [], {}
+        again = next(sweep_dir.rglob(JOB_FILE), None) is not None  # (a new sweep: no job's config composed here)
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
             log.info("\t#%d : %s", idx, " ".join(filter_overrides(overrides)))
-            if (earlier := self._ended(list(overrides), idx)) is not None:
+            if again and (earlier := self._ended(list(overrides), idx)) is not None:
                 ended[idx] = earlier
                 continue
             params.append((list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()))
@@ -94,8 +96,6 @@ class SlurmLauncher(SubmititSlurmLauncher):
         job would wait its turn in the queue only to say so), its result read here as the job reads it
         (cli/sweep.py: earlier_result), and said here and in the job's log."""
         from hydra.core.utils import JobStatus
-
-        from vitlab.cli.sweep import ended_metrics, not_run_again, optimized_value
 
         config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
         with open_dict(config.hydra.job):
