@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 from omegaconf import OmegaConf
 
-from vitlab.cli.node_checks import TrainerRanges, check_node
+from vitlab.cli.node_checks import TrainerRanges, check_node, check_nodes
 from vitlab.utils.errors import UserError
 
 
@@ -58,3 +58,24 @@ def test_an_image_folders_class_count_is_checked_before_its_module_is_built(tmp_
         check_node(node, "data")
     node.num_classes = 2
     check_node(node, "data")
+
+
+@pytest.mark.parametrize(
+    "trainer, data, refused",
+    [
+        ({"devices": 5}, {"batch_size": 96}, 5),
+        ({"devices": [0, 1, 2], "num_nodes": 2}, {"batch_size": 64}, 6),  # a list of GPU indices: its length
+        ({"devices": 4, "num_nodes": 2}, {"batch_size": 96}, None),
+        ({"devices": "auto"}, {"batch_size": 97}, None),  # Lightning's count: the data module says it
+        ({"devices": 5}, {"batch_size": 96, "train_batch_sizes": [80, 40]}, None),  # a size schedule: timm's
+        ({"devices": 5}, {"batch_size": "auto"}, None),
+    ],
+)
+def test_the_processes_asked_for_divide_the_global_batch_before_any_starts(trainer, data, refused):
+    cfg = OmegaConf.create({"trainer": {"accelerator": "cpu", **trainer}, "data": data})
+    if refused is None:
+        check_nodes(cfg)
+        return
+    with pytest.raises(UserError, match=rf"^data.batch_size {data['batch_size']} is global and must be divisible by"
+                       rf" the {refused} processes "):  # fmt: skip
+        check_nodes(cfg)

@@ -104,13 +104,7 @@ class DataModule(L.LightningDataModule):
     @property
     def per_device_batch_size(self) -> int:
         world = self.trainer.world_size if self.trainer is not None else 1
-        if self.batch_size % world:
-            counts = [n for n in range(1, min(self.batch_size, 4 * world) + 1) if self.batch_size % n == 0]
-            raise UserError(
-                f"data.batch_size {self.batch_size} is global and must be divisible by the "
-                f"{world} processes (trainer.devices x trainer.num_nodes); counts that divide it: "
-                f"{', '.join(map(str, counts))}"
-            )
+        check_global_batch(self.batch_size, world)
         return self.batch_size // world
 
     def _loader(self, dataset: Dataset | None, train: bool, **kwargs) -> StatefulDataLoader:
@@ -272,3 +266,14 @@ class DataModule(L.LightningDataModule):
     def load_state_dict(self, state: dict) -> None:
         if "augment_rng" in state:
             self.rng.set_state(state["augment_rng"])
+
+
+def check_global_batch(batch_size: int, world: int) -> None:
+    """data.batch_size is the global batch: `world` processes must divide it (cli/node_checks.py asks before any
+    process starts, a data module again as it deals its loaders)."""
+    if batch_size % world:
+        counts = [n for n in range(1, min(batch_size, 4 * world) + 1) if batch_size % n == 0]
+        raise UserError(
+            f"data.batch_size {batch_size} is global and must be divisible by the {world} processes "
+            f"(trainer.devices x trainer.num_nodes); counts that divide it: {', '.join(map(str, counts))}"
+        )
