@@ -18,58 +18,185 @@ of the child, forked before the command runs (no thread yet), one for each proce
 each become one of those processes (_Spare). Each is then the command's own child, as the real one would be, in its
 process group (or a session of its own, as torchrun asks), writing to the same files or pipes.
 
-Protocol, one JSON line each way on stdin/stdout: {"module", "args", "cwd", "env", "own_group", "out", "err"}
--> {"pid"} once forked, in the order asked; then {"pid", "status"} (os.waitpid's) when it ended, in the order they end.
+Protocol, one JSON line each way on stdin/stdout: {"ready", "tasks"} as it starts (its pid, and the socket Slurm's
+tasks ask on); {"module", "args", "cwd", "env", "own_group", "out", "err"} -> {"pid"} once forked, in the order asked;
+then {"pid", "status"} (os.waitpid's) when it ended, in the order they end.
+
+Slurm's tasks (a job submitit submits: tests/end_to_end/test_slurm.py) are forked from here too: submitit's Slurm
+executor starts each task's interpreter as tests/slurm_task.py, which asks this server for it over a Unix socket
+(_task_asked) and passes on the signals Slurm sends; a task starts in well under a second, not after ~8 s of imports.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import select
 import signal
 import sys
+import tempfile
 
 
 def _serve() -> None:
     """Requests in, a child forked for each at once (several may run together: two torchrun nodes), and each child's
-    end reported as it comes (SIGCHLD wakes the wait)."""
+    end reported as it comes (SIGCHLD wakes the wait). Slurm's tasks ask on _TASKS (_task_asked)."""
     control_in, control_out = sys.stdin.fileno(), os.fdopen(os.dup(1), "w", buffering=1)
     woken, wake = os.pipe()
     os.set_blocking(wake, False)
     signal.set_wakeup_fd(wake)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    control_out.write(json.dumps({"ready": os.getpid()}) + "\n")
-    pending, running, open_ = b"", set(), True
-    while open_ or running:
-        ready, _, _ = select.select([control_in, woken] if open_ else [woken], [], [])
+    control_out.write(json.dumps({"ready": os.getpid(), "tasks": _TASKS[0].getsockname() if _TASKS else None}) + "\n")
+    pending, running, tasks, open_ = b"", set(), {}, True
+    while open_ or running or tasks:
+        asking = [*_TASKS[:1], *filter(None, tasks.values())] if open_ else [*filter(None, tasks.values())]
+        ready, _, _ = select.select([control_in, woken, *asking] if open_ else [woken, *asking], [], [])
         if woken in ready:
             os.read(woken, 4096)
         if control_in in ready:
             chunk = os.read(control_in, 65536)
             open_, pending = bool(chunk), pending + chunk
+            if not open_:  # the tests have ended: no task is asked for any more
+                _close_tasks({}, remove=True)
+        if _task_asked(ready, tasks):  # this process is the task's command, forked
+            for fd in (woken, wake):
+                os.close(fd)
+            control_out.close()
+            return
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
+            pid = _fork()
             if pid == 0:
                 for fd in (woken, wake):
                     os.close(fd)
                 control_out.close()
-                signal.set_wakeup_fd(-1)
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                _close_tasks(tasks)
                 _become(json.loads(line))  # returns in the child only to run the command at the top level
                 return
             running.add(pid)
             control_out.write(json.dumps({"pid": pid}) + "\n")
-        for pid in list(running):
+        for pid in list(running) + list(tasks):
             ended, status = os.waitpid(pid, os.WNOHANG)
-            if ended:
+            if ended and pid in tasks:
+                _task_ended(tasks.pop(pid), status)
+            elif ended:
                 running.discard(pid)
                 control_out.write(json.dumps({"pid": pid, "status": status}) + "\n")
+    _close_tasks(tasks, remove=True)
     sys.exit(0)
+
+
+# Slurm's tasks: a job submitit submits runs `<python> -u -m submitit.core._submit <folder>` in each task, <python>
+# being tests/slurm_task.py (_slurm_tasks_asked), which asks this server for the task's interpreter over a Unix socket.
+_TASKS: list = []  # the socket listened on
+# What Slurm's job script and srun add to the submitting command's environment (bash's own among them); none is read
+# as a library is imported: TMPDIR is read as a temporary file is first made, which the task's child does anew.
+_SLURM = ("SLURM_", "SLURMD_", "SRUN_", "SUBMITIT_", "PMI_", "PMIX_", "ENVIRONMENT", "HOSTNAME", "PWD", "SHLVL", "_",
+          "TMPDIR")  # fmt: skip
+_SERVED: dict[str, str] = {}  # the environment this server's imports read
+
+
+def _task_asked(ready: list, tasks: dict) -> bool:
+    """A task's interpreter asked for on _TASKS: forked (True in the child, which then runs the task's command) where
+    its environment differs from this server's only in what is read at run time, Slurm's variables among them;
+    otherwise refused (the interpreter runs as a real one). A task whose asking interpreter has ended (Slurm killed
+    it: the real one would have died with it) is killed with its process group."""
+    import socket
+
+    for pid, conn in list(tasks.items()):
+        if conn is not None and conn in ready:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            conn.close()
+            tasks[pid] = None  # (its end is waited for as any other's)
+    if not _TASKS or _TASKS[0] not in ready:
+        return False
+    conn, _ = _TASKS[0].accept()
+    message, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+    while not message.endswith(b"\n") and (more := conn.recv(1 << 16)):
+        message += more
+    request = json.loads(message)
+    args, env = [a for a in request["args"] if a != "-u"], request["env"]
+    changed = {k for k in {*env, *_SERVED} if env.get(k) != _SERVED.get(k) and not k.startswith(_SLURM[:6])}
+    changed -= set(_SLURM[6:])
+    refused = changed - READ_AT_RUN_TIME - _Spare.LAUNCHER or (args[:1] != ["-m"] and {"not python -m"})
+    pid = -1 if refused or len(fds) != 3 else _fork()
+    if pid == 0:
+        _TASKS.pop().close()
+        _close_tasks(tasks)
+        conn.close()
+        os.setsid()  # (a group of its own: killed with it as above)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        _Spare.become({"args": [sys.executable, *args], "new_session": False, "stdio": [-1, -1, -1],
+                       "cwd": request["cwd"], "env": env}, [])  # fmt: skip
+        _COMMAND["rank"] = True  # (srun started every process of the task's command)
+        tempfile.tempdir = None  # (the server's, found as it made its socket's folder: the task's TMPDIR decides)
+        return True
+    for fd in fds:
+        os.close(fd)
+    if pid == -1:
+        conn.sendall(json.dumps({"refused": sorted(refused or ["no standard streams"])}).encode() + b"\n")
+        conn.close()
+        return False
+    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    tasks[pid] = conn
+    return False
+
+
+def _task_ended(conn, status: int) -> None:
+    if conn is not None:
+        with contextlib.suppress(OSError):
+            conn.sendall(json.dumps({"status": status}).encode() + b"\n")
+        conn.close()
+
+
+def _close_tasks(tasks: dict, remove: bool = False) -> None:
+    """The sockets of the tasks' interpreters, and the one listened on (in a child: they are this server's), `remove`d
+    with its folder as the server ends."""
+    for conn in filter(None, tasks.values()):
+        conn.close()
+    if _TASKS:
+        listener = _TASKS.pop()
+        if remove:
+            os.unlink(listener.getsockname())
+            os.rmdir(os.path.dirname(listener.getsockname()))
+        listener.close()
+
+
+def _slurm_tasks_asked() -> None:
+    """A socket for Slurm's tasks to ask on, and submitit's Slurm executor starting each task's interpreter as
+    tests/slurm_task.py, which asks it (where no Python is named in its place, as a container's would be)."""
+    import shlex
+    import socket
+
+    from submitit.slurm import slurm
+
+    path = os.path.join(tempfile.mkdtemp(prefix="vitlab-forkserver-"), "tasks")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    _TASKS[:] = [listener]
+    shim = [sys.executable, "-I", "-S", os.path.join(os.path.dirname(os.path.abspath(__file__)), "slurm_task.py"), path]
+    start = slurm.SlurmExecutor.__init__
+
+    def __init__(self, *args, python=None, **kwargs):
+        start(self, *args, python=" ".join(map(shlex.quote, shim)) if python is None else python, **kwargs)
+
+    slurm.SlurmExecutor.__init__ = __init__
+
+
+def _fork() -> int:
+    """os.fork, the child's signals as a new interpreter's (no SIGCHLD handler, no wakeup fd)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    return pid
 
 
 # What no library reads as it is imported (pytest's name of the running test among them): a command's environment may
@@ -311,6 +438,7 @@ def _import_vitlab() -> None:
 
 
 if __name__ == "__main__":
+    _SERVED.update(os.environ)  # (as the imports below found it: some set variables of their own)
     import hydra  # noqa: F401
     import lightning.pytorch  # noqa: F401  (torch, torchmetrics, torchvision with it)
     import omegaconf  # noqa: F401
@@ -323,6 +451,7 @@ if __name__ == "__main__":
     import torchvision.transforms.v2  # noqa: F401
 
     _import_vitlab()
+    _slurm_tasks_asked()
 
     # What the imports made is never collected: moved out of the collector's reach, a child's collections and its
     # exit no longer touch (and so copy) the pages it shares with this process, which took ~2 s of CPU an exit.

@@ -6,8 +6,10 @@ second process is a real `python -m vitlab.train`, equals the same run with the 
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -99,3 +101,54 @@ def test_the_fork_server_still_serves_after_a_test_imported_scikit_learn_and_see
                         "WANDB_SERVICE": "elsewhere"}  # fmt: skip
     assert server.serves({**server.env, **set_by_libraries})
     assert not server.serves({**server.env, "OMP_NUM_THREADS": "7"})  # OpenMP's threads, set as torch is imported
+
+
+PROBE = """
+import os, signal, sys, time
+print(os.getpid(), os.getppid(), "torch" in sys.modules, os.environ.get("SLURM_PROCID"), flush=True)
+if sys.argv[1] == "wait":
+    signal.signal(signal.SIGUSR2, lambda *_: print("USR2", flush=True))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
+    print("waiting", flush=True)
+    time.sleep(120)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_a_slurm_tasks_interpreter_is_forked_passes_on_its_signals_and_ends_as_its_command(tmp_path):
+    """tests/slurm_task.py, as Slurm starts it in a job's task (tests/end_to_end/test_slurm.py): the task's command is
+    forked from the fork server where only Slurm's and bash's variables differ, gets USR2 and TERM as Slurm sends them
+    (before a time limit, as a job is requeued), ends with its command's exit code or signal, and goes when its task
+    is killed; another environment gets a real interpreter."""
+    server = _fork_server({**os.environ, "PYTHONUNBUFFERED": "1"})
+    (tmp_path / "probe.py").write_text(PROBE)
+    slurm = {"SLURM_PROCID": "1", "SLURM_JOB_ID": "5", "ENVIRONMENT": "BATCH", "TMPDIR": str(tmp_path), "SHLVL": "2"}
+    served = {**os.environ, "PYTHONUNBUFFERED": "1", **slurm}
+
+    def task(arg: str, env=served) -> tuple[subprocess.Popen, list[str]]:
+        argv = [sys.executable, "-I", "-S", str(ROOT / "tests" / "slurm_task.py"), server.tasks, "-u", "-m", "probe"]
+        p = subprocess.Popen([*argv, arg], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+        said = p.stdout.readline().split()
+        if arg == "wait":
+            assert p.stdout.readline() == "waiting\n"
+        return p, said
+
+    p, said = task("3")
+    assert p.wait(60) == 3 and said[1:] == [str(server.proc.pid), "True", "1"]  # the server's child, torch imported
+    p, said = task("wait")
+    p.send_signal(signal.SIGUSR2)
+    assert p.stdout.readline() == "USR2\n"
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(60) == 7
+    p, said = task("wait")
+    p.send_signal(signal.SIGHUP)  # (its default: the end of the command, and so of the task)
+    assert p.wait(60) == -signal.SIGHUP
+    p, said = task("wait")
+    p.kill()  # Slurm's SIGKILL, KillWait after its SIGTERM
+    p.wait(60)
+    end = time.time() + 30
+    while os.path.exists(f"/proc/{said[0]}") and time.time() < end:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{said[0]}")
+    p, said = task("0", {**served, "PYTHONHASHSEED": "7"})  # read as an interpreter starts: not the server's
+    assert p.wait(60) == 0 and said[:3] == [str(p.pid), str(os.getpid()), "False"]

@@ -78,7 +78,8 @@ class _ForkServer:
         self.ended: dict[int, int] = {}
         self.asking, self.changed = threading.Lock(), threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
-        assert "ready" in self.forked.get(timeout=300)
+        ready = self.forked.get(timeout=300)
+        self.tasks = ready["tasks"]  # the socket tests/slurm_task.py asks on
 
     def _read(self) -> None:
         for line in self.proc.stdout:
