@@ -14,7 +14,7 @@ from PIL import Image
 
 from tests.helpers.commands import run_cli
 from tests.helpers.configs import RESUMABLE
-from tests.helpers.runs import assert_same_run, digits_checkpoint, interrupt, resume, trained
+from tests.helpers.runs import assert_close_run, assert_same_run, digits_checkpoint, interrupt, resume, trained
 from vitlab.convert.averaging import ema_weights
 from vitlab.convert.source import resolve
 from vitlab.convert.timm_args import create_timm_model
@@ -52,6 +52,20 @@ def test_a_lora_checkpoint_holds_the_trainable_tensors_and_names_its_base(lora_r
 def test_a_lora_run_stopped_by_sigterm_resumes_exactly(lora_run, base, tmp_path):
     command = interrupt(lora(base), tmp_path, "SIGTERM", 12)
     assert_same_run(lora_run, resume(command, tmp_path))
+
+
+def test_two_processes_with_lora_dropout_stopped_mid_epoch_go_on_on_one_as_the_uninterrupted_two(
+    base, tmp_path_factory, tmp_path
+):
+    """DDP over two processes, peft's lora_dropout on: stopped by SIGTERM mid-epoch, the run goes on on one process as
+    the two would have (issue 78: the adapters' dropout draws by each sample's row of the global batch; issue 75: a
+    DDP adapter run resumes), its adapters' checkpoint read back on the new count."""
+    args = [*lora(base), "peft.dropout=0.2", "trainer=ddp_cpu", "trainer.devices=2"]
+    two = trained(tmp_path_factory, "peft-lora-dropout-two", *args)
+    command = interrupt(args, tmp_path, "SIGTERM", 4)
+    resumed = resume(command.replace(" trainer.devices=2 ", " trainer.devices=1 "), tmp_path)
+    assert "written by 2 processes, resumed on 1: exact" in (resumed / "train.log").read_text()
+    assert_close_run(two, resumed)
 
 
 def test_an_adapter_checkpoint_is_evaluated_and_exported_both_ways_with_its_logits(lora_run, base, tmp_path):

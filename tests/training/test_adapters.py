@@ -11,6 +11,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from safetensors.torch import save_file
 
 import vitlab
+from tests.model.test_draws import _split
 from tests.model.test_eva_models import shrink
 from vitlab.cli.entry import check_config
 from vitlab.cli.schemas import SCHEMAS
@@ -106,6 +107,22 @@ def test_lora_with_b_zero_is_the_base_model_exactly_and_merged_equals_unmerged(f
         plain = merged(ours)
         torch.testing.assert_close(plain(x), adapted_logits, atol=1e-5, rtol=0)
     assert list(plain.state_dict()) == list(base.state_dict())  # timm's names again
+
+
+def test_lora_dropout_draws_by_a_samples_row_of_the_global_batch():
+    """Issue 78: peft's lora_dropout drops by each sample's row of the global batch (model/draws.py), not from the
+    process's generator: two processes' halves of a batch are dropped as one process drops the whole."""
+    ours, _, targets = pair("vision_transformer")
+    apply(ours, PeftConfig(method="lora", rank=4, targets=targets, dropout=0.5))
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 1.0)  # (zero B: nothing the dropout drops would show)
+    x, state = images(ours), torch.get_rng_state()
+    whole, halves = _split(ours.train(), x, 2)
+    assert torch.equal(torch.get_rng_state(), state)  # torch's generator untouched
+    torch.testing.assert_close(whole, halves, rtol=1e-5, atol=1e-5)  # (matmuls over another batch size)
+    assert (whole - ours.eval()(x)).abs().max() > 1e-2  # it drops
 
 
 def tiny(**kw) -> ViTConfig:

@@ -159,6 +159,7 @@ def apply(model: nn.Module, cfg: PeftConfig) -> nn.Module:
         from peft import inject_adapter_in_model
 
         inject_adapter_in_model(cfg.lora_config(), model)
+        _dropout_by_rows(model)
         return model
     depth = len(getattr(model, "blocks", ()))
     last = {f"blocks.{i}." for i in range(max(0, depth - cfg.blocks), depth)}
@@ -172,6 +173,21 @@ def apply(model: nn.Module, cfg: PeftConfig) -> nn.Module:
             train = train or any(fnmatch.fnmatchcase(name, g) for g in cfg.names)
         p.requires_grad_(train or _within(name, cfg.trainable))
     return model
+
+
+def _dropout_by_rows(model: nn.Module) -> None:
+    """peft's `lora_dropout` (an nn.Dropout an adapted layer, applied to its input) made a draw site of model/draws.py:
+    within a training step of a global data order it drops by each sample's row of the global batch, not from the
+    process's generator, so an adapter run resumed on another number of processes goes on exactly (issue 78). Every
+    site is numbered again (the adapters' among the model's)."""
+    from vitlab.model.draws import Dropout, number_draw_sites
+
+    for layer in model.modules():
+        drops = getattr(layer, "lora_dropout", None)
+        for name, drop in drops.items() if isinstance(drops, nn.ModuleDict) else ():
+            if type(drop) is nn.Dropout:
+                drops[name] = Dropout(drop.p)
+    number_draw_sites(model)
 
 
 def _within(name: str, modules: Iterable[str]) -> bool:
