@@ -1,16 +1,14 @@
 """objective=distill objective.kind=tokens data.labels=false as typed (issue 76's acceptance command): stopped by
 SIGTERM mid-epoch and resumed as the printed command says, it ends as the uninterrupted run (the student, its heads,
-every logged value; the teacher loaded again from its checkpoint)."""
+every logged value; the teacher loaded again from its checkpoint), in one process and in two (DDP)."""
 
 from tests.helpers.commands import replaced
 from tests.helpers.configs import RESUMABLE
 from tests.helpers.runs import assert_resumes_exactly, digits_checkpoint
 
 
-def test_a_label_free_token_distillation_resumes_exactly(tmp_path, tmp_path_factory):
-    teacher = digits_checkpoint(tmp_path_factory)
-    args = [
-        *replaced(RESUMABLE, "trainer.max_epochs=2"),
+def _tokens(teacher) -> list[str]:
+    return [
         "objective=distill",
         "objective.kind=tokens",
         f"objective.teacher={teacher}",
@@ -18,4 +16,16 @@ def test_a_label_free_token_distillation_resumes_exactly(tmp_path, tmp_path_fact
         "callbacks.model_checkpoint.monitor=val/loss_ema",  # (callbacks=ema's val/acc_ema: no accuracy here)
         "callbacks.model_checkpoint.mode=min",
     ]
-    assert_resumes_exactly(args, tmp_path, "SIGTERM", 13)
+
+
+def test_a_label_free_token_distillation_resumes_exactly(tmp_path, tmp_path_factory):
+    teacher = digits_checkpoint(tmp_path_factory)
+    assert_resumes_exactly([*replaced(RESUMABLE, "trainer.max_epochs=2"), *_tokens(teacher)], tmp_path, "SIGTERM", 13)
+
+
+def test_a_label_free_token_distillation_on_two_processes_resumes_exactly(tmp_path, tmp_path_factory):
+    """DDP: the teacher loaded in each process, the student's heads synced; the ranks agree to stop within two of
+    their 8-step intervals (utils/signals.py), so the run is 27 steps long enough to go on after the stop."""
+    teacher = digits_checkpoint(tmp_path_factory)
+    assert_resumes_exactly([*RESUMABLE, *_tokens(teacher), "trainer=ddp_cpu", "trainer.devices=2"], tmp_path,
+                           "SIGTERM", 4)  # fmt: skip

@@ -3,6 +3,7 @@ validated side by side, the checkpoint holding the set its monitor chooses, and 
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -72,8 +73,10 @@ class EMA(EMAWeightAveraging):
         # Lightning's setup would call configure_model (which shards under trainer=fsdp) and deep-copy the module; a
         # sharded module cannot be copied, so its average is built once it is sharded (on_fit_start).
         if stage == "fit" and not is_sharded(trainer):
+            device = torch.device(self._device or pl_module.device)
+            share = device == pl_module.device
             self._average_model = CountedAverage(
-                pl_module, device=self._device or pl_module.device, use_buffers=self._use_buffers, **self._kwargs
+                pl_module, device=device, use_buffers=self._use_buffers, share=share, **self._kwargs
             )
         best = [c for c in trainer.checkpoint_callbacks if isinstance(c, BestCheckpoint)]
         self.keep_average = not best or str(best[0].monitor).endswith("_ema")
@@ -151,12 +154,26 @@ class CountedAverage(AveragedModel):
 
     _updates: int | None = None
 
+    def __init__(self, model: nn.Module, share: bool = False, **kwargs: Any):
+        """`share`: the copy to average into keeps `model`'s frozen tensors (a PEFT run's base, a distillation's
+        teacher: constant, so their average is themselves) and its hyper-parameters (the config, read only) as they
+        are instead of copying them (on the same device only): a LoRA run of a ViT-L held its base twice."""
+        memo: dict[int, Any] = {}
+        if share:
+            shared = [t for t in model.parameters() if not t.requires_grad]
+            shared += [getattr(model, k) for k in ("_hparams", "_hparams_initial") if hasattr(model, k)]
+            memo = {id(o): o for o in shared}
+        super().__init__(_Copied(copy.deepcopy(model, memo)), **kwargs)  # (AveragedModel deep-copies what it gets)
+
     @torch.no_grad()
     def update_parameters(self, model: nn.Module) -> None:
         if self._updates is None:
             self._updates = int(self.n_averaged)
-        ours = [t.detach() for t in (*self.module.parameters(), *self.module.buffers())]
-        theirs = [t.detach().to(a.device) for a, t in zip(ours, (*model.parameters(), *model.buffers()), strict=True)]
+        everything = zip((*self.module.parameters(), *self.module.buffers()), (*model.parameters(), *model.buffers()),
+                         strict=True)  # fmt: skip
+        pairs = [(a, t) for a, t in everything if a is not t]  # (a tensor shared with the model: itself already)
+        ours = [a.detach() for a, _ in pairs]
+        theirs = [t.detach().to(a.device) for a, t in pairs]
         if self._updates == 0:
             for a, t in zip(ours, theirs, strict=True):
                 a.copy_(t)
@@ -168,6 +185,17 @@ class CountedAverage(AveragedModel):
     def load_state_dict(self, *args, **kwargs):
         self._updates = None  # the loaded count, read at the next update
         return super().load_state_dict(*args, **kwargs)
+
+
+class _Copied:
+    """A module already copied (CountedAverage's, sharing what does not train): AveragedModel's deep copy of it is
+    itself."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __deepcopy__(self, memo: dict) -> nn.Module:
+        return self.module
 
 
 class ShardedAverage(nn.Module):
