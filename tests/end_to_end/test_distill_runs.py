@@ -24,8 +24,8 @@ def test_a_label_free_token_distillation_resumes_exactly(tmp_path, tmp_path_fact
 
 
 def test_a_label_free_token_distillation_on_two_processes_resumes_exactly(tmp_path, tmp_path_factory):
-    """DDP: the teacher loaded in each process, the student's heads synced; the ranks agree to stop within two of
-    their 8-step intervals (utils/signals.py), so the run is 27 steps long enough to go on after the stop."""
+    """DDP, each process loading the teacher: the ranks agree to stop within two of their 8-step intervals
+    (utils/signals.py), hence 27 steps, for the resumed run to go on after the stop."""
     teacher = digits_checkpoint(tmp_path_factory)
     assert_resumes_exactly([*RESUMABLE, *_tokens(teacher), "trainer=ddp_cpu", "trainer.devices=2"], tmp_path,
                            "SIGTERM", 4)  # fmt: skip
