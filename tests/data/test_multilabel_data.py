@@ -110,5 +110,14 @@ def test_a_hugging_face_list_column_and_0_1_columns(records, tmp_path):
         dm.setup("fit")
         assert dm.class_names == NAMES and torch.equal(dm.train_set.base.labels, HOT)
         assert hf_classes(str(tmp_path / name), multilabel=True, label_format=fmt) == 3
-    with pytest.raises(UserError, match=r"^objective.multilabel=true reads a dataset's labels before training"):
-        hf_classes(str(tmp_path / "listed"), multilabel=True, streaming=True)
+        # Streamed (data.streaming=true): the classes from the features, each row's multi-hot row as it is read
+        dm = HFDataModule(name=str(tmp_path / name), num_classes=3, img_size=8, multilabel=True, label_format=fmt,
+                          test_split=None, streaming=True, cache_dir=str(tmp_path / "cache"))  # fmt: skip
+        dm.setup("fit")
+        assert dm.class_names == NAMES
+        assert torch.equal(torch.stack([y for _, y in dm.eval_view("train").place(0, 0, 1, 2)]), HOT[:6])
+        assert hf_classes(str(tmp_path / name), multilabel=True, label_format=fmt, streaming=True) == 3
+    plain = listed.cast_column("tags", datasets.Sequence(datasets.Value("int64")))  # indices without class names
+    datasets.DatasetDict({"train": plain, "validation": plain}).save_to_disk(str(tmp_path / "plain"))
+    with pytest.raises(UserError, match=r"^objective.multilabel=true streams its classes from the dataset's features"):
+        hf_classes(str(tmp_path / "plain"), multilabel=True, streaming=True)

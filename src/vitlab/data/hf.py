@@ -23,9 +23,18 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from vitlab.data.images import decode_image
-from vitlab.data.indexes import SIZES, class_names, columns, hf_multilabels, label_indices, load, pick
+from vitlab.data.indexes import (
+    SIZES,
+    class_names,
+    columns,
+    hf_multilabels,
+    hf_streamed_multilabels,
+    label_indices,
+    load,
+    pick,
+)
 from vitlab.data.lists import multi_hot
-from vitlab.data.multilabels import class_counts
+from vitlab.data.multilabels import class_counts, column_labels, multilabel_indices
 from vitlab.data.records import RecordsDataModule
 from vitlab.data.streamed import StreamedSplit
 from vitlab.utils.errors import UserError
@@ -71,26 +80,42 @@ def image_bytes(value: Any, name: str) -> bytes:
 
 
 class HFStream:
-    """A split of an iterable Hugging Face dataset as a data/streamed.py Source: its shards, (name, bytes, label)."""
+    """A split of an iterable Hugging Face dataset as a data/streamed.py Source: its shards, (name, bytes, label).
+    With several labels a row (`multilabel`: the label columns, a list column or 0/1 columns, of the classes `names`)
+    a label is the row's multi-hot vector, as a map-style split's (data/lists.py multi_hot)."""
 
-    def __init__(self, split: Any, image_key: str, label_key: str, names: list[str] | None, where: str):
+    def __init__(self, split: Any, image_key: str, label_key: str, names: list[str] | None, where: str,
+                 multilabel: list[str] | None = None):  # fmt: skip
         import datasets
 
-        self.split = split.cast_column(image_key, datasets.Image(decode=False)).select_columns([image_key, label_key])
-        self.n_shards, self.image_key, self.label_key, self.where = split.num_shards, image_key, label_key, where
+        self.keys = multilabel or [label_key]
+        self.split = split.cast_column(image_key, datasets.Image(decode=False)).select_columns([image_key, *self.keys])
+        self.n_shards, self.image_key, self.where = split.num_shards, image_key, where
+        self.names, self.multilabel = names, multilabel is not None
         self.index = {n: i for i, n in enumerate(names)} if names else None
 
     def read(self, shard: int):
         # (.iter, not iteration: that deals the shards out to the loader's workers once more, as we have)
-        rows = self.split.shard(num_shards=self.n_shards, index=shard).iter(batch_size=64)
-        pairs = (pair for b in rows for pair in zip(b[self.image_key], b[self.label_key], strict=True))
-        for i, (image, label) in enumerate(pairs):
+        batches = self.split.shard(num_shards=self.n_shards, index=shard).iter(batch_size=64)
+        rows = (({k: b[k][j] for k in self.keys}, image) for b in batches for j, image in enumerate(b[self.image_key]))
+        for i, (labels, image) in enumerate(rows):
             name = f"{self.where} shard {shard} row {i}"
-            if isinstance(label, str) and self.index is not None and label in self.index:
-                label = self.index[label]
-            if not isinstance(label, int) or isinstance(label, bool):
-                raise UserError(f"{name} has the label {label!r}: labels must be integers or the class names")
-            yield name, image, label
+            yield name, image, self._multi_hot(labels, name) if self.multilabel else self._label(labels, name)
+
+    def _label(self, labels: dict, name: str) -> int:
+        (label,) = labels.values()
+        if isinstance(label, str) and self.index is not None and label in self.index:
+            label = self.index[label]
+        if not isinstance(label, int) or isinstance(label, bool):
+            raise UserError(f"{name} has the label {label!r}: labels must be integers or the class names")
+        return label
+
+    def _multi_hot(self, labels: dict, name: str) -> Any:
+        if self.keys == self.names:  # a 0/1 column a class (label_format=columns)
+            (indices,), _ = column_labels([labels], "", name, self.names)
+        else:
+            (indices,), _ = multilabel_indices(list(labels.values()), name, self.names)
+        return multi_hot([indices], self.names)[0]
 
 
 class HFDataModule(RecordsDataModule):
@@ -159,11 +184,24 @@ class HFDataModule(RecordsDataModule):
         self._set_map_splits(made["train"], made.get("val"), made.get("test"), where)
 
     def _setup_multilabel(self, chosen: dict, where: dict) -> None:
-        """Several labels a row (objective.multilabel): each image's multi-hot row (data/multilabels.py)."""
+        """Several labels a row (objective.multilabel): each image's multi-hot row (data/multilabels.py). Streamed,
+        the classes are the train split's features' (every split's the same) and nothing is counted."""
         made, names = {}, None
+        if self.streaming:
+            found = {r: hf_streamed_multilabels(s, self.image_key, self.label_key, self.label_format, where[r])
+                     for r, s in chosen.items()}  # fmt: skip
+            image, keys, names = found["train"]
+            for role, (_, _, theirs) in found.items():
+                if theirs != names:
+                    raise UserError(f"{where[role]} has the classes {theirs[:5]}..., not the train split's "
+                                    f"{names[:5]}...")  # fmt: skip
+            self._check_classes(names, where["train"])
+            streamed = self._stream(chosen, where, image, keys[0], multilabel=keys)
+            self._set_streamed_splits(streamed, where, self._epoch_size(chosen), {})
+            return
         for role, split in chosen.items():
             image, labels, names = hf_multilabels(
-                split, self.image_key, self.label_key, self.label_format, where[role], self.streaming, names
+                split, self.image_key, self.label_key, self.label_format, where[role], names
             )
             if role == "train":
                 self.class_counts = class_counts(labels, names)
@@ -185,9 +223,9 @@ class HFDataModule(RecordsDataModule):
         self.num_train = split.num_examples
         return self.num_train
 
-    def _stream(self, chosen: dict, where: dict, image: str, label: str):
+    def _stream(self, chosen: dict, where: dict, image: str, label: str, multilabel: list[str] | None = None):
         names = self.class_names or None
-        sources = {where[r]: HFStream(split, image, label, names, where[r]) for r, split in chosen.items()}
+        sources = {where[r]: HFStream(split, image, label, names, where[r], multilabel) for r, split in chosen.items()}
         saved = SIZES.get(str(Path(self.name).expanduser()), {})
         count = {where[r]: saved.get(self.split_names[r]) for r in chosen}
 

@@ -241,8 +241,10 @@ def hf_classes(name: str, config: str | None = None, label_key: str | None = Non
     """`${data_classes:}` for data=hf: the classes of the train split's label column (several a row: multilabel)."""
     splits = load(str(name), config, bool(streaming), cache_dir)
     train = pick(splits, train_split, name)
+    if multilabel and streaming:
+        return len(hf_streamed_multilabels(train, image_key, label_key, label_format, f"{name} [{train_split}]")[2])
     if multilabel:
-        return len(hf_multilabels(train, image_key, label_key, label_format, f"{name} [{train_split}]", streaming)[2])
+        return len(hf_multilabels(train, image_key, label_key, label_format, f"{name} [{train_split}]")[2])
     label = columns(train, None, label_key, f"{name} [{train_split}]")[1]
     names = class_names(train, label)
     if names is None:
@@ -264,7 +266,6 @@ def hf_multilabels(
     label_key: str | None,
     label_format: str,
     where: str,
-    streaming: bool = False,
     names: list[str] | None = None,
 ) -> tuple[str, list[list[int]], list[str]]:
     """(image column, each row's class indices, class names) of a Hugging Face split with several labels a row
@@ -275,8 +276,6 @@ def hf_multilabels(
     from vitlab.data import multilabels
 
     multilabels.check_label_format(label_format)
-    if streaming:
-        raise UserError("objective.multilabel=true reads a dataset's labels before training: set data.streaming=false")
     if label_format == "columns":
         image = find_column(split.features, image_key, (datasets.Image,), IMAGE_KEYS, "image", where)
         return image, *multilabels.column_labels(split.remove_columns(image).to_list(), image, where, names)
@@ -288,3 +287,34 @@ def hf_multilabels(
     if names is None and isinstance(inner, datasets.ClassLabel):
         names = list(inner.names)
     return image, *multilabels.multilabel_indices(split[label], f"the label column {label!r} of {where}", names)
+
+
+def hf_streamed_multilabels(
+    split: Any, image_key: str | None, label_key: str | None, label_format: str, where: str
+) -> tuple[str, list[str], list[str]]:
+    """(image column, label columns, class names) of a streamed Hugging Face split with several labels a row, the
+    classes read from its features (its rows are read only as training goes): a list column of ClassLabel
+    (Sequence(ClassLabel)), or `label_format=columns` (a 0/1 column a class, every column but the image's)."""
+    import datasets
+
+    from vitlab.data import multilabels
+
+    multilabels.check_label_format(label_format)
+    if split.features is None:
+        raise UserError(f"{where} does not say its columns before it is read: set data.streaming=false")
+    if label_format == "columns":
+        image = find_column(split.features, image_key, (datasets.Image,), IMAGE_KEYS, "image", where)
+        names = [c for c in split.features if c != image]
+        return image, names, names
+    listed = [c for c, f in split.features.items() if isinstance(getattr(f, "feature", None), datasets.ClassLabel)]
+    if label_key is None and len(listed) == 1:  # the one column of class-label lists
+        label_key = listed[0]
+    image, label = columns(split, image_key, label_key, where) if label_key or listed else (None, None)
+    inner = getattr(split.features[label], "feature", None) if label else None
+    if not isinstance(inner, datasets.ClassLabel):
+        why = f"the label column {label!r} of {where} names none" if label else f"no column of {where} names them"
+        raise UserError(
+            f"objective.multilabel=true streams its classes from the dataset's features, and {why} (a list of "
+            "ClassLabel would): use 0/1 columns a class (data.label_format=columns), or set data.streaming=false"
+        )
+    return image, [label], list(inner.names)
