@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 from omegaconf import OmegaConf
 
-from vitlab.cli.node_checks import TrainerRanges, check_node, check_nodes
+from vitlab.cli.node_checks import TrainerRanges, check_global_batch, check_node
 from vitlab.utils.errors import UserError
 
 
@@ -74,8 +74,8 @@ def test_an_image_folders_class_count_is_checked_before_its_module_is_built(tmp_
 def test_the_processes_asked_for_divide_the_global_batch_before_any_starts(trainer, data, refused):
     cfg = OmegaConf.create({"trainer": {"accelerator": "cpu", **trainer}, "data": data})
     if refused is None:
-        check_nodes(cfg)
+        check_global_batch(cfg)
         return
     with pytest.raises(UserError, match=rf"^data.batch_size {data['batch_size']} is global and must be divisible by"
                        rf" the {refused} processes "):  # fmt: skip
-        check_nodes(cfg)
+        check_global_batch(cfg)

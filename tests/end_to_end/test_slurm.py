@@ -187,8 +187,11 @@ def _wait(condition, what: str, sweep: _Sweep | None = None, timeout: float = 30
 
 def _requeued(job: str) -> None:
     """Wait for the job to be back in the queue and let it start at once: Slurm holds a requeued job a while, and
-    sets that hold as the requeue completes, so the release is repeated until the job runs."""
+    sets that hold as the requeue completes, so the release is repeated until the job runs. Not within the second of
+    the requeue: slurmd refuses a start whose credential is no newer (in whole seconds) than the one it revoked as the
+    job was requeued ("Killing non-startable batch job: Job credential revoked", and the job ends FAILED)."""
     _wait(lambda: _squeue(job) == "PENDING", f"job {job} to be requeued")
+    time.sleep(2)
 
     def started() -> bool:
         if _squeue(job) != "PENDING":

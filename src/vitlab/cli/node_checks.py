@@ -19,7 +19,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError
 
 import vitlab.data
-from vitlab.data.base import DataModule, check_global_batch
+from vitlab.data.base import DataModule, refuse_indivisible_batch
 from vitlab.data.folds import check_folds
 from vitlab.data.formats import FORMATS
 from vitlab.data.image_module import ImageDataModule
@@ -43,19 +43,19 @@ def check_nodes(cfg: DictConfig) -> None:
     if isinstance(cfg.get("trainer"), DictConfig):
         check_devices(cfg.trainer)
         check_clipping(cfg.trainer)
-        _check_global_batch(cfg)
 
 
-def _check_global_batch(cfg: DictConfig) -> None:
-    """The processes a trainer asks for (trainer.devices as a count or a list, times num_nodes) divide data.batch_size,
-    said once here rather than by every process as it starts (a resume on 5 processes of a run of 96 a step). A size
-    schedule (data.train_batch_sizes) is timm's to check, data.batch_size=auto the search's."""
+def check_global_batch(cfg: DictConfig) -> None:
+    """Training's processes (trainer.devices as a count or a list, times num_nodes) divide its global data.batch_size,
+    said once before any starts rather than by every process as it starts (a resume on 5 processes of a run of 96 a
+    step). A size schedule (data.train_batch_sizes) is timm's to check, data.batch_size=auto the search's. (vitlab.eval
+    reads data.batch_size per process.)"""
     get = lambda key: OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)  # noqa: E731
     devices, nodes, batch = get("trainer.devices"), get("trainer.num_nodes") or 1, get("data.batch_size")
     devices = len(devices) if isinstance(devices, ListConfig) else devices
     counts = (batch, devices, nodes)
     if get("data.train_batch_sizes") is None and all(type(v) is int and v > 0 for v in counts):
-        check_global_batch(batch, devices * nodes)
+        refuse_indivisible_batch(batch, devices * nodes)
 
 
 def _nodes(cfg: DictConfig) -> Iterator[tuple[str, DictConfig]]:

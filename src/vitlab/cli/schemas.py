@@ -234,10 +234,11 @@ def check_train(cfg: DictConfig) -> None:
 
         check_folds(cfg.data.get("folds", 0), cfg.data.get("fold", 0))
 
-    from vitlab.cli.node_checks import check_launch
+    from vitlab.cli.node_checks import check_global_batch, check_launch
     from vitlab.training.devices.sharding import check_request
 
     check_launch(cfg)  # a -m sweep of multi-process runs on a launcher that cannot start them
+    check_global_batch(cfg)
     check_request(cfg.trainer, cfg.get("callbacks"))  # trainer=fsdp: what cannot shard (its note is logged by train)
 
 

@@ -104,7 +104,7 @@ class DataModule(L.LightningDataModule):
     @property
     def per_device_batch_size(self) -> int:
         world = self.trainer.world_size if self.trainer is not None else 1
-        check_global_batch(self.batch_size, world)
+        refuse_indivisible_batch(self.batch_size, world)
         return self.batch_size // world
 
     def _loader(self, dataset: Dataset | None, train: bool, **kwargs) -> StatefulDataLoader:
@@ -268,7 +268,7 @@ class DataModule(L.LightningDataModule):
             self.rng.set_state(state["augment_rng"])
 
 
-def check_global_batch(batch_size: int, world: int) -> None:
+def refuse_indivisible_batch(batch_size: int, world: int) -> None:
     """data.batch_size is the global batch: `world` processes must divide it (cli/node_checks.py asks before any
     process starts, a data module again as it deals its loaders)."""
     if batch_size % world:
