@@ -205,12 +205,15 @@ def _fork() -> int:
 # environment then holds: scikit-learn's import sets KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK (read by Intel's
 # OpenMP, which torch does not load; a command sets them itself as it imports scikit-learn), Lightning's
 # seed_everything PL_GLOBAL_SEED and PL_SEED_WORKERS (read when a run seeds), its deterministic mode
-# CUBLAS_WORKSPACE_CONFIG (read as cuBLAS starts), wandb.init WANDB_SERVICE (read when a run logs). Without them,
+# CUBLAS_WORKSPACE_CONFIG (read as cuBLAS starts), wandb.init WANDB_SERVICE (read when a run logs), a torch.compile
+# of inductor's _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR (set and read as each compiled library loads). Without them,
 # every command after the first test that imported scikit-learn or trained in its own process ran as a real
 # subprocess (~6 s of imports each, for the rest of an xdist worker's session).
 READ_AT_RUN_TIME = {"PYTHONPATH", "HYDRA_FULL_ERROR", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST",
                     "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS",
                     "CUBLAS_WORKSPACE_CONFIG", "WANDB_SERVICE",
+                    # set by inductor before it loads each library it compiled, read by that library as it loads
+                    "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
                     # an object store's address and keys (tests/data/test_streaming.py's local S3): read as a
                     # client is made (botocore, obstore), neither of which the server imports
                     "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"}  # fmt: skip

@@ -91,14 +91,15 @@ def test_two_processes_launched_by_lightning_equal_the_run_whose_second_process_
 def test_the_fork_server_still_serves_after_a_test_imported_scikit_learn_and_seeded_in_its_own_process():
     """What libraries set in this process's environment as a test runs them here (scikit-learn's import: KMP_*;
     Lightning's seed_everything: PL_GLOBAL_SEED, PL_SEED_WORKERS; its deterministic mode: CUBLAS_WORKSPACE_CONFIG;
-    wandb.init: WANDB_SERVICE) is read at run time: the commands after such a test are still forked from
-    tests/forkserver.py, not started anew (~6 s of imports each, for the rest of the xdist worker's session). A
+    wandb.init: WANDB_SERVICE; a torch.compile by inductor: _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR) is read at run
+    time: the commands after such a test are still forked from tests/forkserver.py, not started anew (~6 s of imports
+    each, for the rest of the xdist worker's session, as after a test compiled with inductor in its own process). A
     variable read as the libraries are imported still is not served."""
     server = _fork_server({**os.environ, "PYTHONUNBUFFERED": "1"})
     assert server is not None
     set_by_libraries = {"KMP_DUPLICATE_LIB_OK": "maybe", "KMP_INIT_AT_FORK": "maybe", "PL_GLOBAL_SEED": "12345",
                         "PL_SEED_WORKERS": "1", "CUBLAS_WORKSPACE_CONFIG": ":16:8",
-                        "WANDB_SERVICE": "elsewhere"}  # fmt: skip
+                        "WANDB_SERVICE": "elsewhere", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR": "1"}  # fmt: skip
     assert server.serves({**server.env, **set_by_libraries})
     assert not server.serves({**server.env, "OMP_NUM_THREADS": "7"})  # OpenMP's threads, set as torch is imported
 
