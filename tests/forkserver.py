@@ -92,8 +92,8 @@ def _serve() -> None:
 _TASKS: list = []  # the socket listened on
 # What Slurm's job script and srun add to the submitting command's environment (bash's own among them); none is read
 # as a library is imported: TMPDIR is read as a temporary file is first made, which the task's child does anew.
-_SLURM = ("SLURM_", "SLURMD_", "SRUN_", "SUBMITIT_", "PMI_", "PMIX_", "ENVIRONMENT", "HOSTNAME", "PWD", "SHLVL", "_",
-          "TMPDIR")  # fmt: skip
+_SLURM_PREFIXES = ("SLURM_", "SLURMD_", "SRUN_", "SUBMITIT_", "PMI_", "PMIX_")
+_SLURM_NAMES = {"ENVIRONMENT", "HOSTNAME", "PWD", "SHLVL", "_", "TMPDIR"}
 _SERVED: dict[str, str] = {}  # the environment this server's imports read
 
 
@@ -118,9 +118,8 @@ def _task_asked(ready: list, tasks: dict) -> bool:
         message += more
     request = json.loads(message)
     args, env = [a for a in request["args"] if a != "-u"], request["env"]
-    changed = {k for k in {*env, *_SERVED} if env.get(k) != _SERVED.get(k) and not k.startswith(_SLURM[:6])}
-    changed -= set(_SLURM[6:])
-    refused = changed - READ_AT_RUN_TIME - _Spare.LAUNCHER or (args[:1] != ["-m"] and {"not python -m"})
+    changed = {k for k in {*env, *_SERVED} if env.get(k) != _SERVED.get(k) and not k.startswith(_SLURM_PREFIXES)}
+    refused = changed - _SLURM_NAMES - READ_AT_RUN_TIME - _Spare.LAUNCHER or (args[:1] != ["-m"] and {"not python -m"})
     pid = -1 if refused or len(fds) != 3 else _fork()
     if pid == 0:
         _TASKS.pop().close()
