@@ -110,6 +110,7 @@ print(os.getpid(), os.getppid(), "torch" in sys.modules, os.environ.get("SLURM_P
 if sys.argv[1] == "wait":
     signal.signal(signal.SIGUSR2, lambda *_: print("USR2", flush=True))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)  # (the suite started under nohup ignores it, as would its children)
     print("waiting", flush=True)
     time.sleep(120)
 sys.exit(int(sys.argv[1]))
