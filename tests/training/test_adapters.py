@@ -225,7 +225,6 @@ def test_bad_peft_input_is_one_line():
         (["peft=lora", "peft.rank=0"], "peft.rank"),
         (["peft=dora", "objective=mae"], "objective=mae pretrains the whole encoder"),
         (["peft=partial", "peft.blocks=-1"], "peft.blocks"),
-        (["peft=lora", "trainer=fsdp"], "peft=lora with trainer=fsdp is not supported yet"),
     ],
 )
 def test_the_train_schema_refuses_what_peft_cannot_do(compose_cfg, overrides, said):

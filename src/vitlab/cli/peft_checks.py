@@ -1,5 +1,5 @@
 """peft='s settings (conf/peft/, training.adapters.PeftConfig) checked before torch is imported: their types and ranges,
-and what peft= cannot go with (freeze_backbone, trainer=fsdp, an objective that pretrains without labels)."""
+and what peft= cannot go with (freeze_backbone, an objective that pretrains without labels)."""
 
 from __future__ import annotations
 
@@ -35,12 +35,6 @@ def check_peft(cfg: DictConfig) -> None:
         raise UserError(
             f"peft={cfg.peft.method} chooses what trains, and freeze_backbone=true too: drop freeze_backbone (a linear "
             "probe is peft=partial peft.blocks=0)"
-        )
-    strategy = cfg.trainer.get("strategy")
-    if isinstance(strategy, DictConfig) and str(strategy.get("_target_", "")).endswith("FSDP2Strategy"):
-        raise UserError(
-            f"peft={cfg.peft.method} with trainer=fsdp is not supported yet (a frozen, sharded base): train the "
-            "adapters with trainer=ddp, or one device"
         )
     if _pretrains(cfg.objective.get("name")):
         raise UserError(

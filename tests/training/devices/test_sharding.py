@@ -146,15 +146,32 @@ def _materialise_sharded(rank: int, world: int, port: int, out: str) -> None:
         assert materialize(model, torch.device("cpu")) and not materialize(model, torch.device("cpu"))
         state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
         local = {k: list(v.to_local().shape) for k, v in model.state_dict().items() if isinstance(v, DTensor)}
-        results.append({"state": state, "local": local, "after": after})
+        results.append({"state": state, "local": local, "after": after, "refused": _refused_without(model, state)})
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
 
 
+def _refused_without(model: torch.nn.Module, state: dict) -> str:
+    """What loading the whole `state` less its first tensor into the sharded `model` (as a run's module holds it,
+    under model.) says: torch's full-state load alone would keep the model's own value for it without a word."""
+    from vitlab.training.devices.sharding import load_full_module_state
+
+    holder = torch.nn.Module()
+    holder.model = model
+    full = {f"model.{k}": v for k, v in state.items()}
+    load_full_module_state(holder, full)  # (whole: loads)
+    try:
+        load_full_module_state(holder, dict(list(full.items())[1:]))
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
 def test_a_vit_built_on_meta_is_initialised_per_shard_as_on_the_host(tmp_path):
     """trainer=fsdp's build: on 2 CPU processes, the ViT laid out on the meta device, sharded and materialised holds
-    the weights a host build from the same seed draws (every tensor, bit for bit), each process only its half."""
+    the weights a host build from the same seed draws (every tensor, bit for bit), each process only its half; a
+    whole state dict loads back into it, and one missing a tensor is refused."""
     import socket
 
     import torch.multiprocessing as mp
@@ -178,6 +195,7 @@ def test_a_vit_built_on_meta_is_initialised_per_shard_as_on_the_host(tmp_path):
         )
         key = "blocks.0.mlp_out_proj.weight" if hasattr(host.blocks[0], "mlp_out_proj") else "blocks.0.mlp.fc2.weight"
         assert got["local"][key] == [math.ceil(w.shape[0] / 2), w.shape[1]]  # this process's half
+        assert f"missing keys ['model.{next(iter(host.state_dict()))}']" in got["refused"]  # a tensor missing
 
 
 CHECKPOINTING = [False, True, 2, "selective", "regional compile"]

@@ -353,12 +353,26 @@ def load_full_state(
 
 def load_full_module_state(module: nn.Module, state: Mapping[str, Any], strict: bool = True) -> None:
     """A whole state dict into a sharded module: each process keeps its shard of every tensor. Bookkeeping outside
-    the networks (metric states) that an older file lacks starts fresh, as ViTModule.on_load_checkpoint does."""
+    the networks (metric states) that an older file lacks starts fresh, as ViTModule.on_load_checkpoint does; a peft=
+    run's frozen base, which its checkpoints omit (training.adapters.drop_frozen), is the one the module holds (it
+    started from that base, checked by sha256, before it was sharded). Any other key missing is refused as a strict
+    load refuses it: torch's full-state load would keep the module's own value for it without a word."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     here = module.state_dict()
     state = dict(state) | {k: v for k, v in here.items() if k not in state and not is_network_key(module, k)}
+    missing = sorted(set(here) - set(state) - _frozen_base_keys(module))
+    if strict and missing:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}: missing keys {missing}")
     set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def _frozen_base_keys(module: nn.Module) -> set[str]:
+    """The state-dict keys of a peft= module's frozen parameters (none for any other module)."""
+    hparams = getattr(module, "hparams", None)
+    if not (hparams and hparams.get("peft")):
+        return set()
+    return {n for n, p in module.named_parameters() if not p.requires_grad}
 
 
 def is_network_key(module: nn.Module, key: str) -> bool:
