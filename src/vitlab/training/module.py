@@ -169,13 +169,14 @@ class ViTModule(L.LightningModule):
 
     def configure_model(self) -> None:
         """trainer.precision=float8 (training.devices.float8) swaps the ViT's large Linears for float8 ones, then a
-        sharded strategy (trainer=fsdp: training.devices.sharding) shards the network the steps call; each once, in
-        torchtitan's order (float8 before sharding). (Lightning calls this without a Trainer too, loading a checkpoint
+        sharded strategy (trainer=fsdp: training.devices.sharding) shards the network the steps call and those they
+        call beside it (a distillation's teachers and heads); each once, in torchtitan's order (float8 before
+        sharding). (Lightning calls this without a Trainer too, loading a checkpoint
         for inference: nothing to convert or shard then.)"""
         if self._trainer is not None and isinstance(self._trainer.precision_plugin, Float8Precision):
             self._trainer.precision_plugin.convert(self.model, sharded=splits_weights(self._trainer))
-        shard = getattr(self._trainer.strategy, "shard", None) if self._trainer is not None else None
-        if shard is not None and shard(self.objective.network(self.model)):
+        shard = getattr(self._trainer.strategy, "shard_module", None) if self._trainer is not None else None
+        if shard is not None and shard(self):
             self.objective.prepare(self.model)  # what it set on the weights, now that they exist
 
     def setup(self, stage: str) -> None:

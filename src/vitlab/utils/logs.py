@@ -37,6 +37,9 @@ QUIET_WARNINGS = (
     # timm's deprecation of PlateauLRScheduler, which tells timm's users to pick a fixed schedule: scheduler.name=
     # plateau is the user's choice here. (Its note stands: a resumed run's patience and cooldown counters restart.)
     r"PlateauLRScheduler is deprecated",
+    # FSDP2's caution that a sharded module returned a view (the class token, forward_head's pre-logits, under
+    # trainer=fsdp): an in-place op on it would skip a gather; vitlab's steps modify no network's output in place.
+    r"FSDP2-wrapped module \(\w+\) returned a view tensor",
 )
 
 

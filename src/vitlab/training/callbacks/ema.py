@@ -207,7 +207,8 @@ class ShardedAverage(nn.Module):
     def __init__(self, pl_module: L.LightningModule, strategy: Any, lerp: Callable):
         super().__init__()
         module = type(pl_module)(**pl_module.hparams).to(pl_module.device)
-        strategy.shard(module.objective.network(module.model))
+        module.objective.share_fitted(pl_module.objective)  # (a feature distillation's teachers)
+        strategy.shard_module(module)  # (the teachers it shares are sharded already)
         with torch.no_grad():
             for mine, theirs in zip(_tensors(module), _tensors(pl_module), strict=True):
                 mine.copy_(theirs)

@@ -193,12 +193,14 @@ def restore(module: L.LightningModule, mine: dict[str, Any]) -> None:
 
 
 def _metric_states(module: L.LightningModule, cpu: bool = True) -> dict[str, torch.Tensor]:
-    """The module's state outside the network (its running metrics), without asking the network for its state: a
-    sharded one (FSDP) would gather its weights for that."""
+    """The module's state outside its networks (its running metrics), without asking a network for its state: the
+    checkpoint's state dict holds them once (each process's copy here was the ViT's, an MAE decoder's, DINO's
+    student and teacher, a distillation's heads again), and a sharded one (FSDP) would hand over its shards."""
+    networks = tuple(getattr(module, "network_prefixes", ("model.",)))
     return {
         f"{name}.{key}": value.cpu() if cpu else value
         for name, child in module.named_children()
-        if name != "model"
+        if f"{name}." not in networks
         for key, value in child.state_dict().items()
     }
 

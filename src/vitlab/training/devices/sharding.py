@@ -114,7 +114,32 @@ class FSDP2Strategy(ModelParallelStrategy):
             if isinstance(module, Block):
                 fully_shard(module, mesh=mesh, **kwargs)
         fully_shard(root, mesh=mesh, **kwargs)
+        _gathers_in_methods(root)
         return materialize(root, self.parameter_device)
+
+    def shard_module(self, module: Any) -> bool:
+        """A ViTModule's networks sharded: the one its steps call (`shard`) and each one they call beside it
+        (`shard_beside`: a distillation's teachers and heads). Returns whether a network was materialised."""
+        made = self.shard(module.objective.network(module.model))
+        for network in module.objective.networks_beside():
+            self.shard_beside(network)
+        return made
+
+    def shard_beside(self, network: nn.Module) -> None:
+        """A network the steps call beside the student split as the student is, each block of its `blocks` and
+        then the rest: a distillation's teacher (ours or timm's, frozen: each process holds 1/N of it and gathers a
+        block at a time for its forward, with no gradient or optimizer state) or a projection head (trained: its
+        optimizer steps on shards as the student's does; a plain tensor beside DTensors stops fused AdamW). Once,
+        as shard."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(network, FSDPModule) or not self.shards:
+            return
+        mesh, kwargs = self.device_mesh["data_parallel"], self.policy()
+        for block in getattr(network, "blocks", ()):
+            fully_shard(block, mesh=mesh, **kwargs)
+        fully_shard(network, mesh=mesh, **kwargs)
+        _gathers_in_methods(network)
 
     @property
     def shards(self) -> bool:
@@ -182,6 +207,18 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self.global_rank == 0:
             replace_directory(temporary, target)
         self.barrier("sharded_checkpoint_renamed")
+
+
+def _gathers_in_methods(network: nn.Module) -> None:
+    """The sharded root `network`'s forward_features and forward_head gather its parameters as its forward does:
+    FSDP2 hooks forward alone, and a feature or token distillation calls these (the student's in its validation
+    loss, the teacher's in every step), which met the root's shards otherwise ("got mixed torch.Tensor and
+    DTensor")."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    for method in ("forward_features", "forward_head"):
+        if hasattr(network, method):
+            register_fsdp_forward_method(network, method)
 
 
 # ---- a ViT built on the meta device, materialised per shard -----------------------------------------------------

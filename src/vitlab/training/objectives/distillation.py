@@ -123,6 +123,9 @@ class Distillation(Classification):
     def taught_by(self) -> tuple[Any, ...]:
         return teacher_specs(self.cfg.teacher, self.cfg.teachers, self.cfg.teacher_pretrained)
 
+    def networks_beside(self) -> list[nn.Module]:
+        return [self.teacher.kd.model] if self.teacher is not None else []
+
     def fit_start(self, datamodule: Any, device: torch.device) -> None:
         """The teacher on this process's device, with the student's normalisation to undo."""
         super().fit_start(datamodule, device)  # (the label loss's class weights)

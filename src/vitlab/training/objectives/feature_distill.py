@@ -86,6 +86,12 @@ class FeatureDistillation(Distillation):
     def student_norm(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.fitted.student_norm
 
+    def networks_beside(self) -> list[nn.Module]:
+        return [*(t.kd.model for t in self.teachers.values()), *self.heads.values()]
+
+    def share_fitted(self, other: FeatureDistillation) -> None:
+        self.fitted = other.fitted  # (as __deepcopy__ shares it)
+
     def __deepcopy__(self, memo: dict) -> FeatureDistillation:
         copied = object.__new__(type(self))
         memo[id(self)] = copied

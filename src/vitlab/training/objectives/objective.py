@@ -155,6 +155,17 @@ class Objective:
         """The network whose forward the training and evaluation steps call (a sharded strategy shards it)."""
         return model
 
+    def share_fitted(self, other: Objective) -> None:
+        """What fitting loads into `other` (a feature distillation's teachers, which its validation loss calls)
+        shared with this objective of a second module built from the same hyper-parameters (the EMA's average of a
+        sharded run), not loaded again."""
+
+    def networks_beside(self) -> list[nn.Module]:
+        """Networks the steps call beside the one `network` returns, each called as a whole (a distillation's
+        teachers, frozen, once fitting has loaded them; a feature distillation's projection heads): a sharded
+        strategy splits each of them too (training.devices.sharding)."""
+        return []
+
     def per_process(self, processes: int) -> str | None:
         """What of the loss depends on how the global batch is shared among `processes` (computed over each
         process's share, not drawn: training/devices/rank_state.py watches the draws), said where a run resumes on
