@@ -63,6 +63,33 @@ def test_regional_compile_compiles_every_block_the_step_runs_and_keeps_the_keys(
     assert set(classify.state_dict()) == set(ViTModule(model=tiny().to_dict()).state_dict())
 
 
+@pytest.mark.parametrize("kind", ["logits", "tokens"])
+def test_a_distillations_teacher_is_compiled_with_the_student(eager_backend, kind):
+    """compile=true and objective=distill (issue 76, point 4): each block of the teacher (timm's model here) compiled
+    in place beside the student, and the step's loss the eager one's (Dynamo's graphs run eagerly here)."""
+    torch.manual_seed(0)
+    options = {"name": "distill", "kind": kind, "teacher": "vit_tiny_patch16_224", "teacher_pretrained": False}
+    if kind == "tokens":
+        options["distill_weight"] = 1.0
+    model = tiny(num_classes=7).to_dict()
+    eager, compiled = (ViTModule(model=model, objective=options, compile=c) for c in (False, True))
+    compiled.load_state_dict(eager.state_dict())
+    for module in (eager, compiled):
+        module.objective.setup_fit(7)
+        module.objective.fit_start(_Data(), torch.device("cpu"))
+    compiled.objective.teacher_networks()[0].load_state_dict(eager.objective.teacher_networks()[0].state_dict())
+    compiled.objective.compile(compiled.model, compiled.compile_mode, compiled.compile_regional)
+    blocks = compiled.objective.teacher_networks()[0].blocks
+    assert all(b._compiled_call_impl is not None for b in blocks)
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 7, (4,))
+    losses = [m.loss(x, y)[0] for m in (eager, compiled)]
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-6, rtol=0)
+
+
+class _Data:
+    mean, std = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+
+
 def test_regional_compile_with_inductor_gives_eagers_logits_and_gradients():
     torch._dynamo.reset()
     torch.manual_seed(0)

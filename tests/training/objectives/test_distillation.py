@@ -70,6 +70,20 @@ def test_the_teacher_sees_its_own_normalisation_and_size_without_gradients():
         small(torch.randn(2, 1, 32, 32), s_mean[:, :1], s_std[:, :1])
 
 
+def test_under_bf16_mixed_the_teacher_computes_in_bf16_and_hands_back_float32():
+    """trainer.precision=bf16-mixed (issue 76, point 4): the step's autocast (Lightning's, on a GPU as here on the
+    CPU) covers the teacher too, whose matmuls then run in bf16; the logits it hands the loss are float32, without
+    gradients."""
+    _, teacher_model = _pair()
+    teacher = Teacher(teacher_model, (32, 32))
+    seen = []
+    teacher_model.blocks[0].mlp.fc1.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    mean, std = torch.full((1, 3, 1, 1), 0.45), torch.full((1, 3, 1, 1), 0.22)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = teacher(torch.randn(2, 3, 32, 32), mean, std)
+    assert seen == [torch.bfloat16] and out.dtype == torch.float32 and not out.requires_grad
+
+
 def test_a_timm_teacher_by_name_and_the_settings_checks():
     cfg = DistillConfig(type="soft", teacher="vit_tiny_patch16_224", teacher_pretrained=False)
     teacher = load_teacher(cfg, num_classes=7)

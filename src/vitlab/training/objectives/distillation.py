@@ -123,8 +123,20 @@ class Distillation(Classification):
     def taught_by(self) -> tuple[Any, ...]:
         return teacher_specs(self.cfg.teacher, self.cfg.teachers, self.cfg.teacher_pretrained)
 
-    def networks_beside(self) -> list[nn.Module]:
+    def teacher_networks(self) -> list[nn.Module]:
+        """The teachers' networks, once fitting has loaded them."""
         return [self.teacher.kd.model] if self.teacher is not None else []
+
+    def networks_beside(self) -> list[nn.Module]:
+        return self.teacher_networks()
+
+    def compile(self, model: ViT, mode: str, regional: bool = False) -> None:
+        """The student as every objective compiles it, and each teacher's blocks with it (whichever of its methods
+        the step calls runs them: forward, or forward_features for kind=tokens), forward graphs only."""
+        super().compile(model, mode, regional)
+        for teacher in self.teacher_networks():
+            for block in getattr(teacher, "blocks", ()):
+                block.compile(mode=mode)
 
     def fit_start(self, datamodule: Any, device: torch.device) -> None:
         """The teacher on this process's device, with the student's normalisation to undo."""

@@ -86,8 +86,11 @@ class FeatureDistillation(Distillation):
     def student_norm(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.fitted.student_norm
 
+    def teacher_networks(self) -> list[nn.Module]:
+        return [t.kd.model for t in self.teachers.values()]
+
     def networks_beside(self) -> list[nn.Module]:
-        return [*(t.kd.model for t in self.teachers.values()), *self.heads.values()]
+        return [*self.teacher_networks(), *self.heads.values()]
 
     def share_fitted(self, other: FeatureDistillation) -> None:
         self.fitted = other.fitted  # (as __deepcopy__ shares it)
