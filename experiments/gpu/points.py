@@ -189,6 +189,32 @@ def float8_sweep() -> Command:
     return Command("vitlab.train", sweep | short | unsaved, dry, run_dir=False)
 
 
+def strategy_bench(train: tuple[str, ...], dry_train: tuple[str, ...]) -> Command:
+    """vitlab.benchmark task=strategies on one process (DDP's preset): vitlab.train's step time, images/s and peak
+    memory with `train`'s overrides (bf16-mixed, fake data, 5 + 20 steps)."""
+    return Command(
+        "vitlab.benchmark",
+        overrides(benchmark__task="strategies", benchmark__strategies__names="[ddp]",
+                  benchmark__strategies__devices="1",
+                  benchmark__train_overrides=train_list(*train, "data=fake", "trainer.precision=bf16-mixed", *CSV)),
+        {"benchmark.strategies.names": "[ddp_cpu]", "benchmark.strategies.warmup_steps": "1",
+         "benchmark.strategies.steps": "2",
+         "benchmark.train_overrides": train_list(*dry_train, *TINY, "data=fake", "data.num_train=32",
+                                                 "data.batch_size=8", *CSV)},
+    )  # fmt: skip
+
+
+def one_step_checkpoint(model: str) -> Command:
+    """One step of `model` on fake data: a checkpoint ({work}/0/checkpoints/last.ckpt) that the point's other
+    commands start from or distil from (the device reaches no weights online), its normalisation named (a teacher's
+    is read from it)."""
+    return few_steps(1, {"trainer": "cpu", "data.num_train": "16", "data.batch_size": "8"}, model=model,
+                     trainer="gpu", data__batch_size="64", data__num_train="640", data__mean="[0.5,0.5,0.5]",
+                     data__std="[0.5,0.5,0.5]")  # fmt: skip
+
+
+BASE_CKPT = "{work}/0/checkpoints/last.ckpt"
+
 # In priority order: the two costs this project removes on a GPU (FSDP on one device, the digits' launch-bound step),
 # the suite's GPU tests, then the compiled step and end to end, then the rest (issue 57's list).
 POINTS = [
@@ -480,6 +506,47 @@ POINTS = [
                 },
                 run_dir=False,
             )  # fmt: skip
+        ],
+    ),
+    Point(
+        "peft_l16",
+        "peft",
+        "ViT-L/16 LoRA r=16 on qkv against the full fine-tune of the same start: step time, images/s, peak memory "
+        "(bf16-mixed, batch 64)",
+        300,
+        120,
+        [
+            one_step_checkpoint("vit_l16"),
+            *(
+                strategy_bench(
+                    ("model=vit_l16", f"model.pretrained={BASE_CKPT}", *extra, "data.batch_size=64"),
+                    ("model=vit_l16", f"model.pretrained={BASE_CKPT}", *extra),
+                )
+                for extra in (("peft=lora", "peft.rank=16"), ())
+            ),
+        ],
+    ),
+    Point(
+        "distill_l16_s16",
+        "feature_distillation",
+        "a ViT-S/16 student token-distilled from a ViT-L/16 teacher without labels, against the student alone: "
+        "images/s, peak memory (bf16-mixed, batch 64)",
+        300,
+        120,
+        [
+            one_step_checkpoint("vit_l16"),
+            *(
+                strategy_bench(("model=vit_s16", *extra, "data.batch_size=64"), ("model=vit_s16", *extra))
+                for extra in (
+                    (
+                        "objective=distill",
+                        "objective.kind=tokens",
+                        f"objective.teacher={BASE_CKPT}",
+                        "data.labels=false",
+                    ),
+                    (),
+                )
+            ),  # fmt: skip
         ],
     ),
     Point(

@@ -162,3 +162,36 @@ def test_adapter_checkpoints_are_averaged_raw_and_ema_and_the_average_is_evaluat
     assert r.returncode == 0, r.stderr[-3000:]
     (result,) = json.loads((tmp_path / "p" / "predictions.json").read_text())
     assert len(result["top_k"]) == 5
+
+
+def test_a_soup_of_adapter_fine_tunes_is_an_adapter_checkpoint_of_their_mean(lora_run, base, tmp_path):
+    """vitlab.average method=greedy_soup over a sweep's LoRA fine-tunes of one base (issue 75, point 3; the sweep's
+    jobs stand in as the run's epoch checkpoints, as tests/test_average.py's do): each ingredient scored from its
+    adapter checkpoint (the base found by its path and sha256), the soup an adapter checkpoint of the same base whose
+    tensors are the mean of the ingredients it took, A and B each (peft's add_weighted_adapter "linear"); vitlab.eval
+    scores it."""
+    ckpts = sorted((lora_run / "checkpoints").glob("*.ckpt"))  # (the best epoch's and the last)
+    assert len(ckpts) >= 2, ckpts
+    sweep = tmp_path / "sweep"
+    for i, ckpt in enumerate(ckpts):
+        job = sweep / str(i)
+        (job / ".hydra").mkdir(parents=True)
+        (job / ".hydra" / "overrides.yaml").write_text(f"- optim.lr={i}\n")
+        (job / "config.yaml").write_text(f"model:\n  pretrained: {base}\n")
+        (job / "metrics.json").write_text(json.dumps({"tested_checkpoint": str(ckpt)}))
+    r = run_cli("average", "method=greedy_soup", f"sweep_dir={sweep}", f"hydra.run.dir={tmp_path / 'soup'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    record = json.loads((tmp_path / "soup" / "soup.json").read_text())
+    taken = [i["checkpoint"] for i in record["ingredients"] if i["job"] in record["soup"]["jobs"]]
+    soup = read_checkpoint(tmp_path / "soup" / "soup.ckpt")
+    keys = {k for k in soup["state_dict"] if k.startswith("model.")}
+    assert keys and all(".lora_" in k or ".modules_to_save." in k for k in keys), keys
+    assert soup["hyper_parameters"]["peft"]["base"]["sha256"] == hashlib.sha256(base.read_bytes()).hexdigest()
+    held = [read_checkpoint(c)["state_dict"] for c in taken]
+    for k in keys:
+        torch.testing.assert_close(soup["state_dict"][k], sum(h[k] for h in held) / len(held), atol=1e-7, rtol=0)
+    r = run_cli("eval", f"ckpt_path={tmp_path / 'soup' / 'soup.ckpt'}", f"hydra.run.dir={tmp_path / 'eval'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["test/acc"] == pytest.approx(
+        record["soup"]["test/acc"]
+    )

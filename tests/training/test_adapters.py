@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 import vitlab
 from tests.model.test_draws import _split
 from tests.model.test_eva_models import shrink
+from tests.training.test_compile import eager_backend  # noqa: F401  (a fixture)
 from vitlab.cli.entry import check_config
 from vitlab.cli.schemas import SCHEMAS
 from vitlab.convert.peft_dir import merged
@@ -158,6 +159,42 @@ def test_the_optimiser_and_the_memory_estimate_see_only_the_trainable_tensors(ba
     est = estimate(module, "adamw", 8, 1, "32-true", False)
     assert est.gradients == 4 * sum(p.numel() for p in module.model.parameters() if p.requires_grad)
     assert est.gradients < est.weights / 4
+
+
+@pytest.mark.usefixtures("eager_backend")
+@pytest.mark.parametrize("how", ["checkpointing", "regional compile"])
+def test_adapters_train_under_activation_checkpointing_and_regional_compile(base_file, how):
+    """peft=lora with model.grad_checkpointing (each block's activations recomputed in backward, the adapters' among
+    them) or compile=regional (each block compiled with its adapters; Dynamo's graphs run eagerly here): the same
+    loss and the same adapters' gradients as the plain step."""
+    weights = resolve(str(base_file))
+    plan = plan_peft({"method": "lora", "rank": 2, "dropout": 0.0}, weights, None)
+    plain = ViTModule(tiny(), peft=plan, weights=weights)
+    other = (
+        ViTModule(tiny(grad_checkpointing=True), peft=plan, weights=weights)
+        if how == "checkpointing"
+        else ViTModule(tiny(), peft=plan, weights=weights, compile="regional")
+    )
+    other.load_state_dict(plain.state_dict())
+    if how != "checkpointing":
+        other.objective.compile(other.model, other.compile_mode, other.compile_regional)
+        assert all(b._compiled_call_impl is not None for b in other.model.blocks)
+    x = torch.randn(4, 3, *plain.model.cfg.img_hw, generator=torch.Generator().manual_seed(0))
+    y = torch.tensor([0, 1, 2, 3])
+    losses, calls = [], []
+    for module in (plain, other):
+        module.train()
+        called = []
+        module.model.blocks[0].attn.qkv.lora_A["default"].register_forward_hook(lambda *_, c=called: c.append(1))
+        loss = module.loss(x, y)[0]
+        loss.backward()
+        losses.append(loss.detach())
+        calls.append(len(called))
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-6, rtol=0)
+    assert calls == ([1, 2] if how == "checkpointing" else [1, 1])  # (recomputed in backward, the adapter too)
+    grads = [{n: p.grad for n, p in m.model.named_parameters() if p.requires_grad} for m in (plain, other)]
+    assert grads[0].keys() == grads[1].keys() and any("lora_B" in n for n in grads[0])
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=0)
 
 
 @pytest.fixture

@@ -171,8 +171,8 @@ class ViTModule(L.LightningModule):
         """trainer.precision=float8 (training.devices.float8) swaps the ViT's large Linears for float8 ones, then a
         sharded strategy (trainer=fsdp: training.devices.sharding) shards the network the steps call and those they
         call beside it (a distillation's teachers and heads); each once, in torchtitan's order (float8 before
-        sharding). (Lightning calls this without a Trainer too, loading a checkpoint
-        for inference: nothing to convert or shard then.)"""
+        sharding). (Lightning calls this without a Trainer too, loading a checkpoint for inference: nothing to convert
+        or shard then.)"""
         if self._trainer is not None and isinstance(self._trainer.precision_plugin, Float8Precision):
             self._trainer.precision_plugin.convert(self.model, sharded=splits_weights(self._trainer))
         shard = getattr(self._trainer.strategy, "shard_module", None) if self._trainer is not None else None

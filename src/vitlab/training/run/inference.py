@@ -11,6 +11,7 @@ import inspect
 import lightning as L
 
 from vitlab.convert.weights import read_checkpoint
+from vitlab.training.adapters import WEIGHT_SETS
 from vitlab.training.checkpoint_io import upgrade_hparams
 from vitlab.training.module import ViTModule
 from vitlab.training.run import build
@@ -21,6 +22,10 @@ def load_for_inference(ckpt_path: str, map_location: str = "cpu", ckpt: dict | N
     """A trained ViTModule from a checkpoint file (or a directory of shards), rebuilt from the config stored in it
     (no Hydra) and the one read of the file (`ckpt`: that read, where the command made it already)."""
     ckpt = ckpt if ckpt is not None else read_checkpoint(ckpt_path)  # a missing, corrupt or unsafe file: one line
+    # on_load_checkpoint completes the sets of weights in place (a peft= checkpoint's base, fresh metric states): it
+    # gets copies of them, so that a read the caller keeps stays the file's (a soup scores every ingredient from its
+    # read: the best one's had grown the base, and no longer matched the others)
+    ckpt = ckpt | {key: dict(ckpt[key]) for key in WEIGHT_SETS if key in ckpt}
     hparams = ckpt["hyper_parameters"]
     upgraded = upgrade_hparams(hparams)  # written before objectives were objects: the same module
     takes = inspect.signature(ViTModule.__init__).parameters
