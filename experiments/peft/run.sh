@@ -1,12 +1,23 @@
 #!/bin/bash
-# experiments/peft: one pretrained start (5 epochs of the digits), then each way of fine-tuning it for 5 more (CPU);
-# then: python experiments/peft/table.py $OUT
+# experiments/peft: one self-supervised start (the repo's DINO recipe on the digits, experiment=dino_pretrain_digits:
+# no labels seen), then each way of fine-tuning it on the labelled digits, a task it was not trained for, SEEDS seeds
+# each (CPU); then: python experiments/peft/table.py $OUT
 set -e
 PY="${PYTHON:-python}"
 OUT=${OUT:-outputs/peft-study}
-$PY -m vitlab.train trainer.max_epochs=5 test=false seed=0 progress_bar=none hydra.run.dir=$OUT/base
+SEEDS=${SEEDS:-"1 2 3"}
+EPOCHS=${EPOCHS:-10}
+[ -f "$OUT/base/checkpoints/last.ckpt" ] || \
+  $PY -m vitlab.train experiment=dino_pretrain_digits seed=0 progress_bar=none hydra.run.dir=$OUT/base
 BASE=$OUT/base/checkpoints/last.ckpt
-run() { name=$1; shift; $PY -m vitlab.train model.pretrained=$BASE trainer.max_epochs=5 seed=1 progress_bar=none "$@" hydra.run.dir=$OUT/$name; }
+run() {
+  name=$1; shift
+  for s in $SEEDS; do
+    [ -f "$OUT/$name/seed$s/metrics.json" ] && continue
+    $PY -m vitlab.train model.pretrained=$BASE model.img_size=16 model.patch_size=4 trainer.max_epochs=$EPOCHS \
+      seed=$s progress_bar=none "$@" hydra.run.dir=$OUT/$name/seed$s
+  done
+}
 run full
 run lora_r4 peft=lora peft.rank=4
 run lora_r16 peft=lora peft.rank=16
