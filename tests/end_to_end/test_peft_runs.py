@@ -168,8 +168,7 @@ def test_a_soup_of_adapter_fine_tunes_is_an_adapter_checkpoint_of_their_mean(lor
     """vitlab.average method=greedy_soup over a sweep's LoRA fine-tunes of one base (issue 75, point 3; the sweep's
     jobs stand in as the run's epoch checkpoints, as tests/test_average.py's do): each ingredient scored from its
     adapter checkpoint (the base found by its path and sha256), the soup an adapter checkpoint of the same base whose
-    tensors are the mean of the ingredients it took, A and B each (peft's add_weighted_adapter "linear"); vitlab.eval
-    scores it."""
+    tensors are the mean of the ingredients it took, A and B each; vitlab.eval scores it."""
     ckpts = sorted((lora_run / "checkpoints").glob("*.ckpt"))  # (the best epoch's and the last)
     assert len(ckpts) >= 2, ckpts
     sweep = tmp_path / "sweep"

@@ -1,6 +1,7 @@
-"""vitlab.training.devices.sharding: the request checks made before any process starts, the optimizer state's two forms
-(one process's, numbered in group order with names; torch's, keyed by name), the directory swap that puts a sharded
-checkpoint in place, and (on two gloo processes) a ViT built on the meta device and initialised per shard."""
+"""vitlab.training.devices.sharding (and full_state, what it loads with): the request checks made before any process
+starts, the optimizer state's two forms (one process's, numbered in group order with names; torch's, keyed by name),
+the directory swap that puts a sharded checkpoint in place, and (on two gloo processes) a ViT built on the meta device
+and initialised per shard, a whole state dict loaded into it and one missing a tensor refused."""
 
 import math
 import os
@@ -12,7 +13,8 @@ from omegaconf import OmegaConf
 from tests.helpers.configs import tiny
 from vitlab.convert.weights import numbered_optimizer_state
 from vitlab.model import ViT
-from vitlab.training.devices.sharding import FSDP2Strategy, check_request, keyed_by_name, replace_directory
+from vitlab.training.devices.full_state import keyed_by_name
+from vitlab.training.devices.sharding import FSDP2Strategy, check_request, replace_directory
 from vitlab.training.optim import name_parameters, param_groups, states_by_name
 from vitlab.utils.errors import UserError
 
@@ -155,7 +157,7 @@ def _materialise_sharded(rank: int, world: int, port: int, out: str) -> None:
 def _refused_without(model: torch.nn.Module, state: dict) -> str:
     """What loading the whole `state` less its first tensor into the sharded `model` (as a run's module holds it,
     under model.) says: torch's full-state load alone would keep the model's own value for it without a word."""
-    from vitlab.training.devices.sharding import load_full_module_state
+    from vitlab.training.devices.full_state import load_full_module_state
 
     holder = torch.nn.Module()
     holder.model = model

@@ -17,7 +17,8 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
 from vitlab.training.callbacks.standard import BestCheckpoint
-from vitlab.training.devices.sharding import is_sharded, load_full_module_state
+from vitlab.training.devices.full_state import load_full_module_state
+from vitlab.training.devices.sharding import is_sharded
 from vitlab.utils.values import check_range
 
 
