@@ -115,13 +115,20 @@ class FSDP2Strategy(ModelParallelStrategy):
             if isinstance(module, Block):
                 fully_shard(module, mesh=mesh, **kwargs)
         fully_shard(root, mesh=mesh, **kwargs)
-        _gathers_in_methods(root)
         return materialize(root, self.parameter_device)
 
     def shard_module(self, module: Any) -> bool:
         """A ViTModule's networks sharded: the one its steps call (`shard`) and each one they call beside it
-        (`shard_beside`: a distillation's teachers and heads). Returns whether a network was materialised."""
-        made = self.shard(module.objective.network(module.model))
+        (`shard_beside`: a distillation's teachers and heads). The student's forward_features and forward_head gather
+        as its forward does only where the objective calls them itself (`calls_features`): our ViT's forward calls
+        forward_features, which would run the root's hooks twice a step. Returns whether a network was materialised."""
+        from torch.distributed.fsdp import FSDPModule
+
+        network = module.objective.network(module.model)
+        fresh = not isinstance(network, FSDPModule)
+        made = self.shard(network)
+        if fresh and self.shards and module.objective.calls_features:
+            _gathers_in_methods(network)
         for network in module.objective.networks_beside():
             self.shard_beside(network)
         return made
@@ -212,9 +219,8 @@ class FSDP2Strategy(ModelParallelStrategy):
 
 def _gathers_in_methods(network: nn.Module) -> None:
     """The sharded root `network`'s forward_features and forward_head gather its parameters as its forward does:
-    FSDP2 hooks forward alone, and a feature or token distillation calls these (the student's in its validation
-    loss, the teacher's in every step), which met the root's shards otherwise ("got mixed torch.Tensor and
-    DTensor")."""
+    FSDP2 hooks forward alone, and a feature or token distillation calls these (the student's in its steps, the
+    teacher's in every step), which met the root's shards otherwise ("got mixed torch.Tensor and DTensor")."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     for method in ("forward_features", "forward_head"):

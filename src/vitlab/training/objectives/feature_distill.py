@@ -58,6 +58,8 @@ class FeatureDistillation(Distillation):
     """objective=distill with kind=feature (timm's FeatureDistillationTask) or tokens (AM-RADIO's), one teacher or
     several, with or without labels."""
 
+    calls_features = True  # the student's pooled features and tokens, each step
+
     def __init__(self, options: Mapping[str, Any], model: ViTConfig):
         if model.num_classes >= 2:
             Classification.__init__(self, options, model)  # the label loss's settings (a head to train)

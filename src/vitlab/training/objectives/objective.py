@@ -42,6 +42,9 @@ class Objective:
     # square sizes (data.train_img_sizes); "naflex", NaFlex's sequence lengths. None by default: a teacher, MAE's
     # masks and DINO's crops have sizes of their own.
     schedules: frozenset[str] = frozenset()
+    # Whether its steps call the network's forward_features and forward_head themselves, not only its forward (a
+    # sharded strategy then gathers the network's parameters in those too: training.devices.sharding).
+    calls_features = False
 
     @classmethod
     def unlabeled_refusal(cls, options: Mapping[str, Any]) -> str | None:
