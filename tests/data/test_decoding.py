@@ -59,7 +59,9 @@ def _module(root, decode, rank=0, world=1, workers=0, kind=ImageFolderDataModule
 
 
 def test_the_workers_draw_the_worker_path_s_crops_and_the_batch_is_its_pixels(jpegs, monkeypatch):
-    workers, device = _module(jpegs, "workers", **EVERY_OP), _module(jpegs, "device", **EVERY_OP)
+    """The same boxes and pixels, random erasing's too (on the device: the global batch's draws, issue 78)."""
+    ops = EVERY_OP | {"random_erasing": 0.5}
+    workers, device = _module(jpegs, "workers", **ops), _module(jpegs, "device", **ops)
     boxes = []
     make_params = T.RandomResizedCrop.make_params
     monkeypatch.setattr(T.RandomResizedCrop, "make_params", lambda self, f: boxes.append(make_params(self, f)) or

@@ -4,7 +4,6 @@ every process, resumed mid-epoch exactly; every bad key one line."""
 
 import random
 import re
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from PIL import Image
 from timm.data.naflex_dataset import calculate_naflex_batch_size
 from timm.data.naflex_transforms import get_image_size_for_seq
 
+from tests.helpers.trainers import fake_trainer
 from vitlab.data import ImageFolderDataModule, StreamingDataModule
 from vitlab.data.naflex import NaFlexSchedule, eval_transform, train_transform
 from vitlab.data.sizes import check_model
@@ -41,11 +41,7 @@ def photos(tmp_path_factory):
 
 
 def _as_rank(dm, rank: int, world: int, epoch: int = 0) -> None:
-    dm.trainer = SimpleNamespace(
-        world_size=world, global_rank=rank, num_devices=world, training=True, max_epochs=2,
-        strategy=SimpleNamespace(root_device=torch.device("cpu")),
-        fit_loop=SimpleNamespace(epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=epoch))),
-    )  # fmt: skip
+    dm.trainer = fake_trainer(world, rank, epoch, max_epochs=2)
 
 
 def _dm(photos, train_transform=None, batch_size=4, **naflex):
@@ -87,18 +83,37 @@ def test_training_crop_and_evaluation_keep_each_images_aspect_within_the_budget(
         assert crop["patch_valid"].sum() <= seq_len and crop["patch_coord"][crop["patch_valid"]].amax(0)[1] >= 2
 
 
-def test_every_process_gets_the_same_lengths_and_a_resumed_loader_goes_on_exactly(photos):
+def test_every_count_of_processes_gets_the_same_lengths_and_images_and_resumes_at_the_global_position(photos):
+    """Issue 78: each epoch's schedule of lengths is drawn over the whole training set and each global batch shared
+    out, so 1 or 2 processes train the same images at the same lengths, step by step (each process its contiguous
+    share); a loader started at a global position (a resume on another count) goes on with the same batches, and one
+    resumed from its own state too."""
     with pytest.raises(UserError, match="batch_divisor to a multiple of 2"):
         _as_rank(dm := _dm(photos), 0, 2)
         dm.train_dataloader()
-    dm = _dm(photos, batch_divisor=2)
-    lengths = []
-    for rank in (0, 1):
-        _as_rank(dm, rank, 2, epoch=1)
-        lengths.append([b[0]["patches"].shape[1] for b in dm.train_dataloader()])
-    assert lengths[0] == lengths[1] and len(lengths[0]) > 2
-    _as_rank(dm, 0, 1, epoch=1)
-    loader = dm.train_dataloader()
+    dm = _dm(photos, dict(random_erasing=0.5, erasing_mode="pixel"), batch_divisor=2)  # erased on the device
+
+    def patches(rank: int, world: int, epoch: int, start: tuple[int, int] | None = None) -> list[torch.Tensor]:
+        """The patches the model takes at each step (`start`: a loader started at that global position)."""
+        _as_rank(dm, rank, world, epoch)
+        dm.resume_at, steps = start, []
+        dm.trainer.fit_loop.epoch_loop.batch_progress.current.ready = start[1] if start else 0
+        for batch in dm.train_dataloader():
+            steps.append(dm.device_transform(batch, train=True)[0]["patches"])
+            dm.trainer.next_batch()
+        return steps
+
+    epochs = []
+    for epoch in (0, 1):
+        one, shares = patches(0, 1, epoch), [patches(rank, 2, epoch) for rank in (0, 1)]
+        assert len(one) > 2 and all(torch.equal(torch.cat(parts), x) for x, *parts in zip(one, *shares, strict=True))
+        epochs.append(one)
+    assert not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(*epochs, strict=True))  # a new order
+    for world in (1, 2):  # started at the third global batch of epoch 1, as a resume on another count starts
+        rest = [patches(rank, world, 1, start=(1, 2)) for rank in range(world)]
+        assert all(torch.equal(torch.cat(parts), x) for x, *parts in zip(epochs[1][2:], *rest, strict=True))
+    dm.resume_at = None
+    loader = dm.train_dataloader()  # (the patches as the workers make them)
     it = iter(loader)
     next(it), next(it)
     state = loader.state_dict()
@@ -138,12 +153,14 @@ def test_training_augmentation_of_data_train_transform_runs_on_each_image(photos
 
 def test_random_erasing_draws_from_the_data_modules_generator_and_a_resumed_run_erases_alike(photos):
     """timm's PatchRandomErasing draws from the global generators, which a resumed run puts back only after its first
-    batch is made (training/devices/rank_state.py): seeded from the data module's own (checkpointed) generator instead,
-    the global ones left as they were; pixel mode's noise too."""
+    batch is made (training/devices/rank_state.py): seeded from the data module's own (checkpointed) generator instead
+    where there is no global order (in a fit with one: its global batch's Rows, tested above), the global ones left as
+    they were; pixel mode's noise too."""
     erasing = dict(random_erasing=1.0, erasing_mode="pixel")
     dm = _dm(photos, erasing, seq_lens=[36, 64])
     _as_rank(dm, 0, 1)
     batches = list(dm.train_dataloader())[:3]  # uint8, as the workers make them
+    dm.trainer = None  # erased without a fit's global order
 
     def erased(dm, batches):
         return [dm.device_transform(b, train=True)[0]["patches"] for b in batches]

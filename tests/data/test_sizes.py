@@ -4,12 +4,12 @@ process at every step; images cropped at their batch's size in the workers, or r
 the model's size; every bad key one line."""
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch
 from timm.data import ScheduledBatchSampler, create_loader
 
+from tests.helpers.trainers import fake_trainer
 from vitlab.data import FakeDataModule
 from vitlab.data.seeded import TransformDataset
 from vitlab.data.sizes import ScheduledBatches, SizeSchedule, check_model
@@ -25,15 +25,11 @@ SCHEDULES = {name: kind.schedules for name, kind in OBJECTIVES.items()}
 
 def _as_rank(dm, rank: int, world: int, epoch: int = 0, max_epochs: int = 3) -> None:
     """`dm` as process `rank` of `world` sees it under a Trainer, in `epoch` of `max_epochs`."""
-    dm.trainer = SimpleNamespace(
-        world_size=world, global_rank=rank, num_devices=world, training=True, max_epochs=max_epochs,
-        strategy=SimpleNamespace(root_device=torch.device("cpu")),
-        fit_loop=SimpleNamespace(epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=epoch))),
-    )  # fmt: skip
+    dm.trainer = fake_trainer(world, rank, epoch, max_epochs=max_epochs)
 
 
 class _Images(torch.utils.data.Dataset):
-    """`n` images for timm's create_loader (a process's share of the 96: 48), which sets their transform."""
+    """`n` images for timm's create_loader (the 96 training images), which sets their transform."""
 
     def __init__(self, n: int):
         self.n, self.transform = n, None
@@ -49,42 +45,44 @@ def _fake(**keys) -> FakeDataModule:
     return dm
 
 
-def _steps(dm, rank: int, world: int, epoch: int) -> list[tuple[int, int]]:
-    """(size, images) of each batch process `rank` trains on in `epoch`, as the model takes them."""
+def _steps(dm, rank: int, world: int, epoch: int) -> list[torch.Tensor]:
+    """The images (as the model takes them) of each batch process `rank` of `world` trains on in `epoch`."""
     _as_rank(dm, rank, world, epoch)
     steps = []
     for batch in dm.train_dataloader():
         x, y = dm.device_transform(batch, train=True)
+        dm.trainer.next_batch()
         assert x.dtype == torch.float32 and x.shape[-2] == x.shape[-1] and len(x) == len(y)
-        steps.append((x.shape[-1], len(x)))
+        steps.append(x)
     return steps
 
 
 @pytest.mark.parametrize("on_device", [False, True])
 @pytest.mark.parametrize("schedule", ["constant", "progressive"])
-def test_every_process_trains_on_the_same_sizes_in_timms_order(on_device, schedule):
-    """Two processes, sizes 8/12/16 with global batch sizes 16/8/4, weights 1:2:1: every step has one size and its
-    per-process batch size, alike on both processes, in the order timm's create_loader draws them (the same seed,
-    the same number of images per process, drop_last, trainer.max_epochs for progressive)."""
+def test_every_count_of_processes_trains_on_the_same_sizes_and_images_in_timms_order(on_device, schedule):
+    """Sizes 8/12/16 with global batch sizes 16/8/4, weights 1:2:1: each step's global batch is the one timm's
+    create_loader draws over the whole training set (the same seed, drop_last, trainer.max_epochs for progressive),
+    and on 2 or 4 processes each trains its contiguous share of it: the same images, augmented alike (issue 78)."""
     keys = dict(
         train_img_sizes=[8, 12, 16], train_batch_sizes=[16, 8, 4], train_size_probs=[1.0, 2.0, 1.0],
         train_size_schedule=schedule, on_device=on_device,
+        train_transform={"random_resized_crop": None, "hflip": 0.5, "shift": 2},  # drawn per image
     )  # fmt: skip
-    dm = _fake(**keys)
-    per_process, seen = {8: 8, 12: 4, 16: 2}, []
+    dm, seen = _fake(**keys), []
     for epoch in range(3):
-        a, b = (_steps(dm, rank, 2, epoch) for rank in (0, 1))
-        assert a == b
-        assert all(per_process[size] == n for size, n in a)
+        one = _steps(dm, 0, 1, epoch)
         timms = create_loader(
-            _Images(48), input_size=(3, 16, 16), batch_size=16, is_training=True, use_prefetcher=False,
-            input_size_choices=[8, 12, 16], batch_size_choices=[8, 4, 2], batch_choice_weights=[1.0, 2.0, 1.0],
+            _Images(96), input_size=(3, 16, 16), batch_size=16, is_training=True, use_prefetcher=False,
+            input_size_choices=[8, 12, 16], batch_size_choices=[16, 8, 4], batch_choice_weights=[1.0, 2.0, 1.0],
             batch_choice_seed=dm.shuffle_seed, batch_choice_schedule=schedule,
             batch_schedule_epochs=3 if schedule == "progressive" else None,
         ).batch_sampler  # fmt: skip
         timms.set_epoch(epoch)
-        assert a == [([8, 12, 16][batch[0][1]], len(batch)) for batch in timms]
-        seen.append(sum(size for size, _ in a) / len(a))
+        assert [(x.shape[-1], len(x)) for x in one] == [([8, 12, 16][batch[0][1]], len(batch)) for batch in timms]
+        for world in (2, 4):
+            shares = [_steps(dm, rank, world, epoch) for rank in range(world)]
+            assert all(torch.equal(torch.cat(parts), x) for x, *parts in zip(one, *shares, strict=True))
+        seen.append(sum(x.shape[-1] for x in one) / len(one))
     assert seen[0] < seen[2] if schedule == "progressive" else len(set(seen)) == 1  # from small to large; a fixed mix
 
 

@@ -159,7 +159,8 @@ class FirstStep(L.Callback):
         if trainer.global_step == 0 and not FirstStep.seen:
             FirstStep.seen.update(
                 x=batch[0].clone(), y=batch[1].clone(), model=copy.deepcopy(pl_module.model),
-                numpy=numpy.random.get_state(), torch=torch.get_rng_state(), rows=pl_module._drawn_by_rows(batch_idx),
+                numpy=numpy.random.get_state(), torch=torch.get_rng_state(),
+                rows=pl_module._drawn_by_rows(batch_idx, len(batch[1])),
             )  # fmt: skip
 
     def on_before_backward(self, trainer, pl_module, loss):
@@ -347,3 +348,16 @@ class AssertCompiled(L.Callback):
 
     def on_train_start(self, trainer, pl_module):
         assert pl_module.model._compiled_call_impl is not None, "compile=true did not compile the model"
+
+
+class EagerCompile(L.Callback):
+    """Dynamo's eager backend for compile= in this process (it captures the graphs as for inductor and runs them
+    eagerly: no code generated, seconds instead of minutes on a CPU), and the run fails unless the blocks were
+    compiled. Made when the run builds its Trainer, before the module compiles."""
+
+    def __init__(self):
+        compile_ = torch.nn.Module.compile
+        torch.nn.Module.compile = lambda module, **kwargs: compile_(module, **{**kwargs, "backend": "eager"})
+
+    def on_train_start(self, trainer, pl_module):
+        assert all(b._compiled_call_impl is not None for b in pl_module.model.blocks), "the blocks were not compiled"

@@ -153,7 +153,7 @@ def trained(tmp_path_factory, name: str, *args: str) -> Path:
 
     def train(folder: Path) -> None:
         (folder / "args.json").write_text(json.dumps(args))
-        r = run_cli("train", *args, f"hydra.run.dir={folder / 'run'}", cwd=folder)
+        r = run_cli("train", *args, f"hydra.run.dir={folder / 'run'}", cwd=folder, env=TESTS_ON_PATH)  # (its callbacks)
         assert r.returncode == 0, r.stderr[-3000:]
 
     folder = once(tmp_path_factory, name, train)

@@ -5,12 +5,15 @@ from types import SimpleNamespace
 import torch
 
 
-def fake_trainer(world: int = 1, rank: int = 0, epoch: int = 0, device: str = "cpu") -> SimpleNamespace:
+def fake_trainer(
+    world: int = 1, rank: int = 0, epoch: int = 0, device: str = "cpu", max_epochs: int | None = None
+) -> SimpleNamespace:
     """What data/base.py reads of a Trainer as process `rank` of `world` in `epoch`; `next_batch` counts the batches
     on the device as Lightning's batch progress does (data/seeded.py's Rows are keyed on it)."""
     batches = SimpleNamespace(current=SimpleNamespace(ready=0))
     trainer = SimpleNamespace(
         world_size=world, global_rank=rank, num_devices=world, training=True, current_epoch=epoch,
+        max_epochs=max_epochs,
         strategy=SimpleNamespace(root_device=torch.device(device)),
         fit_loop=SimpleNamespace(epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=epoch)),
                                  epoch_loop=SimpleNamespace(batch_progress=batches)),

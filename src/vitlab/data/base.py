@@ -142,21 +142,22 @@ class DataModule(L.LightningDataModule):
             kwargs.setdefault("prefetch_factor", self.prefetch_factor)
             kwargs.setdefault("worker_init_fn", init_worker)
         kwargs.setdefault("batch_size", self.per_device_batch_size)
+        global_order = train and isinstance(kwargs["sampler"], GlobalOrder | sizes.ScheduledBatches)
         if train:
-            self.global_order = isinstance(kwargs["sampler"], GlobalOrder)
+            self.global_order = global_order
         start = self.resume_at if train else None  # (kept: Lightning may build the loader twice, and counts its epoch)
         if train and kwargs["batch_size"] is not None and kwargs.get("persistent_workers"):  # data/lookahead.py:
             loader = lookahead.LookaheadLoader(dataset, **kwargs)  # its workers run on into the next epoch (no refill)
             loader._resume = start  # (the global position: the same batches whatever the count of processes)
             return loader
-        if start is not None and isinstance(kwargs["sampler"], GlobalOrder):
+        if start is not None and global_order:
             kwargs["sampler"].start = start
         return StatefulDataLoader(dataset, drop_last=train and kwargs["batch_size"] is not None, **kwargs)
 
     def _train_sampler(self, dataset: Dataset, world: int, rank: int) -> Sampler:
-        if self.size_schedule is not None:  # batches of several sizes: timm's sampler deals them (data/sizes.py)
+        if self.size_schedule is not None:  # batches of several sizes: timm's sampler cuts the order (data/sizes.py)
             kind = SeededSampler if isinstance(dataset, TransformDataset) else DistributedSampler
-            return kind(dataset, num_replicas=world, rank=rank, shuffle=True, seed=self.shuffle_seed)
+            return kind(dataset, num_replicas=1, rank=0, shuffle=True, seed=self.shuffle_seed)  # the whole set's
         keyed = isinstance(dataset, TransformDataset)
         return GlobalOrder(dataset, world, rank, self.shuffle_seed, self.per_device_batch_size, keyed=keyed)
 

@@ -153,16 +153,17 @@ class ImageDataModule(DataModule):
         """A uint8 batch, once on the device, to the model's normalised float32 input: held on the device, the training
         batch is shifted and flipped first; resized where kept at its own size; randomly erased in training."""
         if isinstance(batch, decoding.EncodedBatch):  # data.decode=device: decoded here, then as any uint8 batch
-            return self.to_input(decoding.augmented(self, batch, train), train, self.rng), batch.labels
+            draws = self.batch_draws(len(batch.labels)) if train else self.rng  # (its erasing: the global batch's)
+            return self.to_input(decoding.augmented(self, batch, train), train, draws), batch.labels
         x, y = batch[:2]
         if train and self.views is not None and isinstance(x, list):  # objective=dino, views cut in the workers
             return self.views.normalised(x, self.batch_draws(len(x[0]))), y
         if train and self.views is not None:  # objective=dino: the views (its global batch's rows) and iBOT's masks
             return self.views(x.to(torch.float32).div_(255), self.rng, self.batch_draws(len(x))), y
-        # A batch of images draws as its global batch (data/seeded.py's Rows), shared by this step's draws in order;
-        # NaFlex's patches from the module's generator.
+        # A batch draws as its global batch (data/seeded.py's Rows), shared by this step's draws in order (NaFlex's
+        # patches: its erasing).
         images = isinstance(self.to_input, transforms.DeviceTransform)
-        draws = self.batch_draws(len(x)) if train and images else self.rng
+        draws = self.batch_draws(len(y)) if train else self.rng
         if train and self.resides:
             x = self.shift_flip(x, draws)
         size = self.size_schedule.batch_hw(batch) if train and self.size_schedule is not None else None

@@ -6,8 +6,9 @@ ratio within a patch budget, batches of variable sequence length, padded, with m
   `ratio`, resized to the largest size whose patches fit the budget), then a flip; its batch size keeps the tokens
   of a batch constant, by timm's rule (`calculate_naflex_batch_size`: data.batch_size x max(seq_lens) tokens, floored
   to a multiple of `batch_divisor`). The batches are data/sizes.py's `ScheduledBatches` (timm's ScheduledBatchSampler,
-  the seq_lens its choices): a composition drawn once, in a new order every epoch, every process the same length at
-  the same step, resumed mid-epoch by its position and shared out under DDP as the other samplers. Streamed data
+  the seq_lens its choices): a composition drawn once for the whole training set, in a new order every epoch, each
+  global batch shared out in contiguous shares, the same lengths and images at every step on any number of
+  processes, resumed mid-epoch (on another count too) by its global position, as the other samplers. Streamed data
   (data=wds, hf streaming) has no indices: its readers yield the same schedule's whole batches (data/streamed.py).
 - Evaluation: timm's ResizeToSequence at `max_seq_len` (default max(seq_lens)), data.batch_size a batch.
 - A batch is a `NaFlexBatch` (data/naflex_batch.py): padded patches with their coordinates and masks, normalised on
@@ -106,18 +107,18 @@ class NaFlexSchedule(SizeSchedule):
         return f"NaFlex's global batch sizes {list(sizes)} (one per data.naflex.seq_lens {list(self.seq_lens)})"
 
     # ---- what sizes.py asks of a schedule --------------------------------------------------------------
-    def batches(self, sampler, batch_size: int, world: int, epochs, seed: int):
+    def batches(self, sampler, batch_size: int, world: int, epochs, seed: int, rank: int = 0):
         if any(b % world for b in self.batch_sizes):
             raise UserError(
                 f"NaFlex's global batch sizes {list(self.batch_sizes)} (one per data.naflex.seq_lens) must each be "
                 f"divisible by the {world} processes: set data.naflex.batch_divisor to a multiple of {world}"
             )
-        return super().batches(sampler, batch_size, world, epochs, seed)
+        return super().batches(sampler, batch_size, world, epochs, seed, rank)
 
     def describe(self, batches, world: int) -> str:
-        per_len = [b * world for b in batches.batch_sizes]
         return (
-            f"NaFlex: sequence lengths {list(self.seq_lens)} patches, global batch sizes {per_len} (tokens per batch "
+            f"NaFlex: sequence lengths {list(self.seq_lens)} patches, global batch sizes {list(batches.batch_sizes)} "
+            f"(tokens per batch "
             f"{self.reference_batch * max(self.seq_lens)}), evaluation at {self.max_seq_len}: {len(batches)} batches "
             f"an epoch"
         )

@@ -16,7 +16,7 @@ import torch
 from timm.data.naflex_random_erasing import PatchRandomErasing
 from torch.utils.data._utils.collate import default_collate
 
-from vitlab.data.seeded import seeded
+from vitlab.data.seeded import Rows, rows_of, seeded
 from vitlab.utils.errors import UserError
 
 
@@ -55,7 +55,7 @@ class NaFlexBatch(dict):
         mean: Sequence[float],
         std: Sequence[float],
         erasing: Erasing | None = None,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | Rows | None = None,
     ) -> NaFlexBatch:
         """uint8 patches (B, L, P*P*C) on the device -> float32 normalised per channel (C varies fastest), then erased
         (training's `erasing`, where data.train_transform.random_erasing is set, its draws seeded from `generator`)."""
@@ -109,10 +109,12 @@ class Collate:
 
 
 def loss_scale(batch: int, schedule: Any, world: int = 1) -> float:
-    """timm's train.py: a batch's loss times its size over data.batch_size's share (linear), its square root, or 1."""
+    """timm's train.py: a batch's loss times its size over data.batch_size (linear), its square root, or 1; `batch`:
+    a process's share of a global batch shared by `world` (its global batch over the global data.batch_size: the same
+    scale on any count)."""
     if schedule.loss_scale == "none":
         return 1.0
-    ratio = batch / max(1, schedule.reference_batch // world)
+    ratio = batch * world / schedule.reference_batch
     return ratio**0.5 if schedule.loss_scale == "sqrt" else ratio
 
 
@@ -131,25 +133,34 @@ class Erasing:
     """data.train_transform.random_erasing on NaFlex's normalised patches (B, L, P*P, C) as timm's NaFlex loader erases
     them (its PatchRandomErasing, region mode): with probability `p` an image gets 1 to `count` rectangles of whole
     patches of its own grid (area 2-33%, aspect 0.3-3.3), filled by `mode` (const zeros, rand a normal colour, pixel
-    normal noise). timm's code draws from Python's and torch's global generators: here they are seeded, for the call,
-    with a number drawn from `generator` (the data module's own, checkpointed, one stream per process, as the square
-    images' erasing draws) and put back after, so a run resumed mid-epoch erases as the uninterrupted one did."""
+    normal noise). timm's code draws from Python's and torch's global generators: here they are seeded, for each
+    image, with a number of its own drawn from `generator` and put back after, so a run resumed mid-epoch erases as
+    the uninterrupted one did: in a fit with a global order, the Rows of the image's global batch (data/seeded.py: the
+    same number for an image in the same row whatever the count of processes, issue 78), else the data module's own
+    generator (checkpointed, one stream per process)."""
 
     def __init__(self, p: float, mode: str, count: int):
         self.args = dict(erase_prob=p, mode=mode, max_count=count)
         self._by_device: dict[torch.device, PatchRandomErasing] = {}
 
     def __call__(
-        self, patches: torch.Tensor, coord: torch.Tensor, valid: torch.Tensor, generator: torch.Generator | None = None
+        self,
+        patches: torch.Tensor,
+        coord: torch.Tensor,
+        valid: torch.Tensor,
+        generator: torch.Generator | Rows | None = None,
     ) -> torch.Tensor:
         if patches.device not in self._by_device:
             self._by_device[patches.device] = PatchRandomErasing(**self.args, device=patches.device)
         erase = self._by_device[patches.device]
         if generator is None:
             return erase(patches, coord, valid)
-        seed = int(torch.randint(2**62, (1,), generator=generator))
+        g, start, total = rows_of(generator, len(patches))
+        seeds = torch.randint(2**62, (total,), generator=g)[start : start + len(patches)].tolist()
         cuda = [patches.device] if patches.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda, device_type="cuda"):  # (CPU's and this GPU's put back after)
-            if cuda:  # rand and pixel modes draw their values on the device
-                torch.cuda.default_generators[patches.device.index or 0].manual_seed(seed)
-            return seeded(seed, lambda x: erase(x, coord, valid), patches)
+            for i, seed in enumerate(seeds):  # (timm erases an image at a time too; in place)
+                if cuda:  # rand and pixel modes draw their values on the device
+                    torch.cuda.default_generators[patches.device.index or 0].manual_seed(seed)
+                seeded(seed, lambda x, i=i: erase(x, coord[i : i + 1], valid[i : i + 1]), patches[i : i + 1])
+        return patches

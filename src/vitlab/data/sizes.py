@@ -6,16 +6,19 @@
   order every epoch; `progressive`: each epoch's sizes drawn from a window (a Gaussian of `spread` choices) that moves
   from the first size to the last over trainer.max_epochs, with a `random_mix` share drawn uniformly.
 - Every batch is one size with that size's batch size (`batch_sizes`, global like data.batch_size; default
-  data.batch_size for every size). The schedule is drawn from the run's seed, the epoch and the length of a process's
-  share of the epoch, which every process has alike: every process trains on the same size at the same step.
+  data.batch_size for every size). The order and the schedule are global, as data/seeded.py's GlobalOrder is (issue
+  78): each epoch one permutation of the whole training set from (seed, epoch), cut into global batches by timm's
+  schedule drawn from the run's seed, the epoch and the whole set's length, and each of N processes trains its
+  contiguous share of each, batch / N images: the same sizes and images at every step on 1, 2 or 4 processes, so a
+  run resumes on another count at its global position.
 - A loader item is a whole batch (the DataLoader's batch_size is None; `ScheduledBatches` yields each batch's
   (index, size) pairs). It is also a DistributedSampler, so Lightning takes it as it is instead of trying to put its
   own sampler inside it, and the loader's position (its count of batches) resumes mid-epoch exactly as any other.
 - In the loader's workers each image is cropped by the training transform made for its batch's size; data held on
   the device (`data.on_device`) is shifted and flipped there and then resized to its batch's size.
 - A streamed split (data=wds, data=hf streaming; data/streamed.py) has no indices to sample: it yields whole batches
-  itself (`streamed_loading`), the schedule of an epoch drawn as above over a process's share of the epoch's samples,
-  its batches dealt out to the loader's workers in turn, each filled with the next samples of a worker's stream.
+  itself (`streamed_loading`), the schedule of an epoch drawn as above over the epoch's samples, its batches (each
+  process's share) dealt out to the loader's workers in turn, each filled with the next samples of a worker's stream.
 - Validation and testing stay at the model's size; the model resamples its position embeddings to each batch's grid
   (model.dynamic_img_size=true, `check_model`).
 
@@ -113,9 +116,10 @@ class SizeSchedule:
     def global_batch_sizes(self, batch_size: int) -> tuple[int, ...]:
         return self.batch_sizes or (batch_size,) * len(self.img_sizes)
 
-    def batches(self, sampler: Sampler, batch_size: int, world: int, epochs: int | None, seed: int):
-        """timm's ScheduledBatchSampler over `sampler` (this process's share of each epoch) with the per-process
-        batch sizes, as timm's create_loader makes it (drop_last in training; `epochs`: trainer.max_epochs)."""
+    def batches(self, sampler: Sampler, batch_size: int, world: int, epochs: int | None, seed: int, rank: int = 0):
+        """timm's ScheduledBatchSampler over `sampler` (each epoch's order of the whole training set) with the global
+        batch sizes, as timm's create_loader makes it (drop_last in training; `epochs`: trainer.max_epochs), process
+        `rank` of `world` taking its share of each batch."""
         sizes = self.global_batch_sizes(batch_size)
         if any(b % world for b in sizes):
             key = "data.train_batch_sizes" if self.batch_sizes else "data.batch_size"
@@ -128,7 +132,7 @@ class SizeSchedule:
         try:
             return ScheduledBatches(
                 sampler,
-                batch_sizes=[b // world for b in sizes],
+                batch_sizes=sizes,
                 choice_weights=self.probs,
                 seed=seed,
                 drop_last=True,
@@ -136,8 +140,10 @@ class SizeSchedule:
                 schedule_epochs=epochs if self.schedule == "progressive" else None,
                 schedule_spread=self.spread,
                 schedule_random_mix=self.random_mix,
+                world=world,
+                rank=rank,
             )
-        except ValueError as e:  # the one timm finds: not one full batch in a process's share of the images
+        except ValueError as e:  # the one timm finds: not one full batch in the training images
             raise UserError(self.no_full_batch(sampler, batch_size, world, epochs, seed)) from e
 
     def rebatched(self, batch_size: int) -> SizeSchedule:
@@ -148,17 +154,17 @@ class SizeSchedule:
         return f"global batch sizes {list(sizes)} (one per data.train_img_sizes {list(self.img_sizes)})"
 
     def no_full_batch(self, sampler: Sampler, batch_size: int, world: int, epochs: int | None, seed: int) -> str:
-        """Not one full batch in this process's `sampler`: the key that sets the batch sizes named, with the largest
-        data.batch_size that gives one where it does (the user may have set neither: NaFlex's defaults)."""
+        """Not one full batch in `sampler` (the training set's order): the key that sets the batch sizes named, with the
+        largest data.batch_size that gives one where it does (the user may have set neither: NaFlex's defaults)."""
         sizes, n = self.global_batch_sizes(batch_size), len(sampler)
-        share = f"the {n} training images" + (f" of each of the {world} processes" if world > 1 else "")
+        share = f"the {n} training images"
         if self.batch_sizes is not None and self.rebatched(1) is self:  # data.train_batch_sizes, the user's own
             return f"data.train_batch_sizes {list(sizes)} leave no full batch in {share}: give smaller ones"
 
         def fits(b: int) -> bool:
             try:
                 sizes = self.rebatched(b).global_batch_sizes(b)
-                ScheduledBatches(range(n), [x // world for x in sizes], self.probs, seed, drop_last=True,
+                ScheduledBatches(range(n), sizes, self.probs, seed, drop_last=True,
                                  choice_schedule=self.schedule, schedule_spread=self.spread,
                                  schedule_random_mix=self.random_mix,
                                  schedule_epochs=epochs if self.schedule == "progressive" else None)  # fmt: skip
@@ -182,14 +188,13 @@ class SizeSchedule:
 
     def describe(self, batches: ScheduledBatchSampler, world: int) -> str:
         """The log line of a run's schedule (as timm's train.py logs it)."""
-        per_size = [b * world for b in batches.batch_sizes]
-        said = f"training sizes {list(self.img_sizes)} px, global batch sizes {per_size}"
+        said = f"training sizes {list(self.img_sizes)} px, global batch sizes {list(batches.batch_sizes)}"
         if self.schedule == "progressive":
             said += (
                 f", progressive over {batches.schedule_epochs} epochs (spread {self.spread:g}, random mix "
                 f"{self.random_mix:g})"
             )
-        return said + f": {len(batches)} batches an epoch, average batch {batches.average_batch_size * world:g}"
+        return said + f": {len(batches)} batches an epoch, average batch {batches.average_batch_size:g}"
 
     def loading(self, dm: Any) -> tuple[list, list | None]:
         """Each size's training transform for the data module `dm` (an ImageDataModule), and its collate (None:
@@ -232,10 +237,23 @@ def _positive_int(v: Any) -> bool:
 
 
 class ScheduledBatches(ScheduledBatchSampler, DistributedSampler):
-    """timm's ScheduledBatchSampler, yielding each batch's [(index, size choice), ...]. It is also a
-    DistributedSampler (its methods are all timm's), so that Lightning uses it as the loader's sampler as it is
-    rather than trying to put a DistributedSampler of its own inside it; what it wraps is already this process's
-    share."""
+    """timm's ScheduledBatchSampler over the order of the whole training set, its batches global, yielding process
+    `rank`'s contiguous share of each, [(index, size choice), ...] of batch / `world` pairs: the same images in the
+    same rows on any count, as GlobalOrder's. A run resumed on another count starts at its global position (`start`:
+    (epoch, the global batches of it already trained)). It is also a DistributedSampler (its methods are all timm's),
+    so that Lightning uses it as the loader's sampler as it is rather than trying to put one of its own inside it."""
+
+    def __init__(self, sampler, batch_sizes, *args, world: int = 1, rank: int = 0, **kwargs):
+        super().__init__(sampler, batch_sizes, *args, **kwargs)
+        self.world, self.rank = world, rank
+        self.start: tuple[int, int] | None = None
+
+    def __iter__(self):
+        skip = self.start[1] if self.start is not None and self.start[0] == self.epoch else 0
+        for k, pairs in enumerate(super().__iter__()):
+            if k >= skip:
+                share = len(pairs) // self.world
+                yield pairs[self.rank * share : (self.rank + 1) * share]
 
 
 class ScheduledImages(Dataset):
@@ -268,7 +286,8 @@ class ScheduledImages(Dataset):
 
 def scheduled_loading(dm: Any, sampler: Sampler, dataset: Dataset, world: int) -> tuple[ScheduledBatches, Dataset]:
     """The batch sampler and the dataset of a training loader at the sizes of `dm.size_schedule` (an
-    ImageDataModule), over `sampler` and `dataset` as the one-size loader would read them."""
+    ImageDataModule), over `sampler` (each epoch's order of the whole set) and `dataset` as the one-size loader would
+    read them."""
     schedule: SizeSchedule = dm.size_schedule
     if isinstance(dataset, IterableDataset):  # (streamed splits batch themselves: streamed_loading)
         raise UserError(f"{schedule.key} needs images read by index; {type(dm).__name__} streams them")
@@ -280,9 +299,10 @@ def scheduled_loading(dm: Any, sampler: Sampler, dataset: Dataset, world: int) -
 
 def streamed_loading(dm: Any, split: Any, world: int) -> None:
     """A streamed training split (data/streamed.py's StreamedSplit) made to yield whole batches of `dm.size_schedule`:
-    the schedule of an epoch of this process's `num_samples // world` samples (the same in every process: the same
-    lengths, batch sizes and count of batches), each batch's images through its choice's transform and collate."""
-    batches = _scheduled_batches(dm, range(split.num_samples // world), world)
+    the schedule of an epoch of the split's `num_samples` (the same in every process and on any count: the same
+    lengths and global batch sizes), each process's share of each batch filled from its own stream, each image
+    through its choice's transform and collate."""
+    batches = _scheduled_batches(dm, range(split.num_samples), world)
     made, collates = dm.size_schedule.loading(dm)
     split.batched(batches, made, collates or [default_collate] * len(made))
 
@@ -290,7 +310,8 @@ def streamed_loading(dm: Any, split: Any, world: int) -> None:
 def _scheduled_batches(dm: Any, sampler: Sampler | range, world: int) -> ScheduledBatches:
     schedule: SizeSchedule = dm.size_schedule
     epochs = dm.trainer.max_epochs if dm.trainer is not None else None
-    batches = schedule.batches(sampler, dm.batch_size, world, epochs, dm.shuffle_seed)
+    rank = dm.trainer.global_rank if dm.trainer is not None else 0
+    batches = schedule.batches(sampler, dm.batch_size, world, epochs, dm.shuffle_seed, rank)
     said = schedule.describe(batches, world)
     if (dm.trainer is None or dm.trainer.global_rank == 0) and said != getattr(dm, "_said", None):
         log.info(said)  # once (Lightning asks for the loader twice as a run starts)

@@ -216,7 +216,7 @@ class ViTModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        with self._drawn_by_rows(batch_idx):
+        with self._drawn_by_rows(batch_idx, len(y)):
             loss, logits = self.loss(x, y)
         self.update_metrics("train", loss, logits, y)  # a classifier's accuracy: against the unmixed labels
         for name in self.objective.term_names():  # the loss's terms (objective=dino's), each a mean as train/loss is
@@ -232,14 +232,14 @@ class ViTModule(L.LightningModule):
         scale = getattr(x, "loss_scale", None)  # a batch that weighs its loss: NaFlex's, by its size (data/naflex.py)
         return loss if scale is None else loss * scale
 
-    def _drawn_by_rows(self, batch_idx: int) -> contextlib.AbstractContextManager:
+    def _drawn_by_rows(self, batch_idx: int, count: int) -> contextlib.AbstractContextManager:
         """Stochastic depth's draws as the global batch's rows (model.layers.drawn_by_rows), when the data's order is
-        global (data/seeded.py: whole batches of per_device_batch_size images): keyed by the run's seed, the epoch and
-        the batch, the same in every process."""
+        global (data/seeded.py: each process `count` rows of every global batch, count x world_size; a schedule's
+        batches vary in size, data/sizes.py): keyed by the run's seed, the epoch and the batch, the same in every
+        process."""
         data = self._trainer.datamodule if self._trainer is not None else None
         if not getattr(data, "global_order", False):
             return contextlib.nullcontext()
-        count = data.per_device_batch_size
         seed = mix(data.shuffle_seed, self.current_epoch, batch_idx, 1)
         return drawn_by_rows(self.model, seed, self.global_rank * count, count, count * self.trainer.world_size)
 
