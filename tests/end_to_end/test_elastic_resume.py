@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.commands import assert_refused, run_cli
-from tests.helpers.configs import RESUMABLE
+from tests.helpers.configs import RESUMABLE, extra_callback
 from tests.helpers.runs import assert_close_run, interrupt, resume, trained
 
 # 1,257 training digits in global batches of 96 (divisible by 1, 2, 3 and 4): 13 steps an epoch, 3 epochs; stochastic
@@ -82,6 +82,42 @@ def test_mae_stopped_on_two_processes_goes_on_on_one_as_the_uninterrupted_two(tm
     from its process's generator: resumed on one process, the run is the two processes' (10 steps, stopped after 4)."""
     two = trained(tmp_path_factory, "mae-two", *MAE)
     command = interrupt(MAE, tmp_path, "SIGTERM", 4)
+    resumed = resume(command.replace(" trainer.devices=2 ", " trainer.devices=1 "), tmp_path)
+    assert "written by 2 processes, resumed on 1: exact" in (resumed / "train.log").read_text()
+    assert_close_run(two, resumed)
+
+
+def _naflex(folder) -> list[str]:
+    """NaFlex on the `folder` fixture's 72 training images of 12 px: lengths of 4 and 9 patches of 4 px, global
+    batches of 8 and 4 (timm's rule at 36 tokens), 12 an epoch; erased on the device, stochastic depth and dropout."""
+    return [
+        "model=naflexvit_b16", "model.patch_size=4", "model.depth=1", "model.embed_dim=32", "model.num_heads=2",
+        "data=imagefolder", f"data.data_dir={folder}", "data.naflex.seq_lens=[4,9]", "data.naflex.batch_divisor=2",
+        "data.batch_size=4", "data.train_transform.random_erasing=0.5", "model.drop_path_rate=0.5",
+        "model.drop_path_uniform=true", "model.drop_rate=0.1", "trainer.max_epochs=2", "trainer.deterministic=true",
+        "progress_bar=none", "trainer=ddp_cpu", "trainer.devices=2",
+    ]  # fmt: skip
+
+
+def test_naflex_stopped_on_two_processes_goes_on_on_one_as_the_uninterrupted_two(folder, tmp_path_factory, tmp_path):
+    """NaFlex's sequence lengths are one schedule for the whole training set, each global batch shared out
+    (data/sizes.py's ScheduledBatches), its erasing drawn by the image's row of the global batch: stopped mid-epoch
+    (the processes agree on step 16 of 24) and resumed on one process, the run is the two processes'."""
+    two = trained(tmp_path_factory, "naflex-two", *_naflex(folder))
+    assert "global batch sizes [8, 4]" in (two / "train.log").read_text()
+    command = interrupt(_naflex(folder), tmp_path, "SIGTERM", 3)
+    resumed = resume(command.replace(" trainer.devices=2 ", " trainer.devices=1 "), tmp_path)
+    assert "written by 2 processes, resumed on 1: exact" in (resumed / "train.log").read_text()
+    assert_close_run(two, resumed)
+
+
+def test_a_compiled_model_stopped_on_two_processes_goes_on_on_one_as_the_uninterrupted_two(tmp_path_factory, tmp_path):
+    """compile=regional: the compiled blocks' stochastic depth and dropout draw by each sample's row of the global
+    batch as the eager ones do (the step's seed an input of the graph), not from the process's generator: resumed on
+    one process, the run is the two processes' (Dynamo's graphs run by its eager backend: tests/helpers/callbacks)."""
+    args = [*_on(2), "compile=regional", *extra_callback("eager", "EagerCompile")]
+    two = trained(tmp_path_factory, "compiled-two", *args)
+    command = interrupt(args, tmp_path, "SIGTERM", 4)
     resumed = resume(command.replace(" trainer.devices=2 ", " trainer.devices=1 "), tmp_path)
     assert "written by 2 processes, resumed on 1: exact" in (resumed / "train.log").read_text()
     assert_close_run(two, resumed)

@@ -1,9 +1,12 @@
 """model/draws.py: within drawn_by_rows, dropout (elementwise and attention's) draws by a sample's row of the global
 batch, so two processes' halves of a batch are dropped as one process drops the whole (issue 78)."""
 
+import copy
+
 import pytest
 import torch
 
+from tests.training.test_compile import eager_backend  # noqa: F401 (a fixture)
 from vitlab.model.attention import Attention
 from vitlab.model.draws import Dropout, Rows, drawn_by_rows, keep_mask, random_order
 
@@ -51,7 +54,7 @@ def test_attention_dropout_within_rows_is_the_rows_and_is_sdpa_without_dropout()
 
 
 def test_keep_masks_keep_at_their_rate_and_differ_by_row_and_place():
-    rows = Rows(3, 0, 64, 64)
+    rows = Rows.of(3, 0, 64, 64)
     mask = keep_mask(torch.empty(64, 50, 40), 0.7, rows, 1)
     assert abs(mask.float().mean().item() - 0.7) < 0.01
     per_row, per_place = mask.float().mean((1, 2)), mask.float().mean(0)
@@ -79,3 +82,57 @@ def test_patch_orders_and_mae_masks_are_the_rows_own_and_permutations():
     assert torch.equal(whole["order"].sort(dim=1).values, torch.arange(length).expand(n, -1))  # permutations
     assert len({tuple(row.tolist()) for row in whole["order"]}) == n  # each image its own
     assert not torch.equal(whole["order"][:, :12].sort(1).values, whole["mask"][0].sort(1).values)  # keys apart
+
+
+def _dropping_vit(depth: int):
+    from tests.helpers.configs import tiny
+    from vitlab.model.vit import ViT
+
+    rates = dict(drop_path_rate=0.4, drop_path_uniform=True, proj_drop_rate=0.2, attn_drop_rate=0.2, drop_rate=0.2)
+    return ViT(tiny(depth=depth, patch_drop_rate=0.25, **rates)).train()
+
+
+@pytest.mark.usefixtures("eager_backend")
+@pytest.mark.parametrize("regional, depths", [(False, [2]), (True, [2, 4])], ids=["compile", "regional"])
+def test_a_compiled_model_draws_by_rows_as_the_eager_one_in_the_same_graphs_at_every_step(regional, depths):
+    """Issue 78: compiled (the whole model, or each block as compile=regional), stochastic depth, every dropout and
+    patch dropout draw each sample's randomness by its row of the global batch as the eager model does: the same
+    outputs, on one process or two processes' halves, torch's generator untouched. The step's seed is an input of
+    the graphs (another step draws anew with the graphs it has), and so is a block's site (compile=regional: as many
+    graphs at depth 4 as at 2)."""
+    from torch._dynamo.utils import counters
+
+    graphs = []
+    for depth in depths:
+        torch.manual_seed(0)
+        eager = _dropping_vit(depth)
+        compiled = copy.deepcopy(eager)
+        for region in compiled.blocks if regional else [compiled]:
+            region.compile()
+        x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+        torch._dynamo.reset()
+        counters.clear()
+        state, made = torch.get_rng_state(), []
+        for seed in (5, 6):
+            whole, shares = _split(eager, x, 2, seed)
+            torch.testing.assert_close(whole, shares, rtol=1e-6, atol=1e-6)
+            ours, halves = _split(compiled, x, 2, seed)
+            torch.testing.assert_close(ours, whole, rtol=0, atol=0)
+            torch.testing.assert_close(halves, shares, rtol=0, atol=0)
+            made.append(counters["stats"]["unique_graphs"])
+        assert torch.equal(torch.get_rng_state(), state)
+        assert made[0] == made[1]  # (one per shape of batch and process: 4 rows from 0, 2 from 0, 2 from 2)
+        graphs.append(made[0])
+    assert len(set(graphs)) == 1
+
+
+def test_compiled_by_inductor_dropout_keeps_what_the_eager_one_keeps():
+    """The hash is int32 arithmetic that wraps: inductor's generated code keeps the same elements."""
+    drop = Dropout(0.3).train()
+    x = torch.randn(4, 33, 8, generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    compiled = torch.compile(drop)
+    for seed in (5, 6):
+        with drawn_by_rows(drop, seed, 4, 4, 12):
+            assert torch.equal(compiled(x), drop(x))
+    torch._dynamo.reset()

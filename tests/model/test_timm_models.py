@@ -255,11 +255,12 @@ def _assert_prunes_as_timm(ours, theirs, kwargs):
 
 
 def _assert_init_after_to_empty_is_the_hosts(model, host):
-    """A model laid out on meta, materialised with garbage (NaN), then init_weights(): the host build's values."""
+    """A model laid out on meta, materialised with garbage (NaN; -1 in integer buffers), then init_weights(): the host
+    build's values."""
     model.to_empty(device="cpu")
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
-            t.fill_(float("nan"))
+            t.fill_(float("nan") if t.is_floating_point() else -1)
     model.init_weights()
     torch.testing.assert_close(model.state_dict(), host.state_dict(), atol=0, rtol=0)
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitlab.model.draws import Dropout, sdpa
+from vitlab.model.draws import DrawSite, Dropout, sdpa
 from vitlab.model.layers import Mlp, NormLayer, optional_norm
 from vitlab.model.rope import rotate
 
@@ -36,7 +36,7 @@ def _queries(q: torch.Tensor, attn_mask: torch.Tensor | None, rows: int | None) 
     return (q, attn_mask) if rows is None else (q[..., :rows, :], _mask_rows(attn_mask, rows))
 
 
-class _MultiHead(nn.Module):
+class _MultiHead(DrawSite):
     """What every attention keeps per head: their number and width, the score scale 1/sqrt(Dh), the q/k norms and
     the attention dropout. `_attend` and `_map` come from `_Softmax` or `_Differential`."""
 
@@ -44,7 +44,7 @@ class _MultiHead(nn.Module):
         """`qk_norm`: the norm over each head's queries and keys (ViT-22B), or None."""
         self.num_heads, self.head_dim = num_heads, head_dim
         self.scale = head_dim**-0.5  # SDPA's default scale too
-        self.attn_drop, self.site = attn_drop, 0  # (a draw site: model/draws.py)
+        self.attn_drop = attn_drop  # (a draw site: model/draws.py)
         self.q_norm, self.k_norm = optional_norm(qk_norm, head_dim), optional_norm(qk_norm, head_dim)
 
 
@@ -55,7 +55,7 @@ class _Softmax(_MultiHead):
         """`attn_mask`: SDPA's, broadcastable to (B, H, N, N), bool (True attends) or added to the scores."""
         q, attn_mask = _queries(q, attn_mask, rows)  # (B, H, rows, Dh)
         drop = self.attn_drop if self.training else 0.0
-        return sdpa(q, k, v, attn_mask, drop, self.site).transpose(1, 2).flatten(2)
+        return sdpa(q, k, v, attn_mask, drop, self.site_key).transpose(1, 2).flatten(2)
 
     def _map(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # (B, H, N, N), rows summing to 1
         return ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
@@ -96,7 +96,7 @@ class _Differential(_MultiHead):
     def _attend(self, q, k, v, rows: int | None, attn_mask: torch.Tensor | None) -> torch.Tensor:  # (B, rows|N, D)
         q, attn_mask = _queries(q, attn_mask, rows)  # (B, H, 2, rows, Dh/2)
         drop = self.attn_drop if self.training else 0.0
-        a1, a2 = (sdpa(q[:, :, i], k[:, :, i], v, attn_mask, drop, self.site, i) for i in (0, 1))
+        a1, a2 = (sdpa(q[:, :, i], k[:, :, i], v, attn_mask, drop, self.site_key, i) for i in (0, 1))
         x = self.sub_norm(a1 - self._lambda().type_as(a1) * a2) * (1 - self.lambda_init)
         return x.transpose(1, 2).flatten(2)
 

@@ -5,11 +5,13 @@ draws (a "site": stochastic depth, dropout, attention dropout, patch dropout) an
 randomness from (the step's seed, the site, the sample's row of the global batch): the same whichever process holds
 the sample and however many share the batch, so a run resumed on another number of processes goes on exactly.
 Within `drawn_by_images` (an evaluated batch) MAE's masks are keyed by each image's index in its split instead.
-Elsewhere (a compiled graph, a batch that is not whole rows, no global order) they draw from torch's generator.
+Elsewhere (a batch that is not whole rows, no global order) they draw from torch's generator.
 
-Dropout's keep masks and the patch orders are counter-based: a hash of (site, row, element) computed on the
-tensor's device, so no process draws more than its own rows (a mask drawn for the global batch would cost every
-process the whole batch).
+Every draw is counter-based: a hash of (step, site, row, element) computed on the tensor's device, so no process
+draws more than its own rows (a mask drawn for the global batch would cost every process the whole batch). Compiled
+(compile=true|regional) a model draws the same: the step's seed enters the graph as a tensor (`Rows.keys`) and each
+site's number as a buffer (`DrawSite.site_key`), inputs rather than constants, so one graph serves every step and
+compile=regional's blocks share one graph as before.
 """
 
 from __future__ import annotations
@@ -28,14 +30,21 @@ from vitlab.utils.seeds import mix
 
 
 class Rows(NamedTuple):
-    """This process's rows of a global batch: `count` rows from `start` of `total`; `seed`: the step's. Or, with
-    `numbers`, the rows those numbers (of `total`: an evaluated image's index in its split)."""
+    """This process's rows of a global batch: `count` rows from `start` of `total`; `seed`: the step's, and `keys` the
+    same as two 31-bit int32 numbers (a tensor, which a compiled graph takes as an input). Or, with `numbers`, the rows
+    those numbers (of `total`: an evaluated image's index in its split)."""
 
     seed: int
     start: int
     count: int
     total: int
     numbers: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, seed: int, start: int, count: int, total: int, numbers: torch.Tensor | None = None) -> Rows:
+        keys = torch.tensor([seed & 0x7FFFFFFF, seed >> 31 & 0x7FFFFFFF], dtype=torch.int32)
+        return cls(seed, start, count, total, numbers, keys)
 
 
 _ROWS: ContextVar[Rows | None] = ContextVar("vitlab_drawn_by_rows", default=None)
@@ -48,7 +57,7 @@ def drawn_by_rows(model: nn.Module, seed: int, start: int, count: int, total: in
     each drawn as its own global batch (keyed by m and the shape, so global and local crops draw apart)."""
     if not hasattr(model, "draw_sites"):  # (a ViT numbers its sites when built: copies keep them)
         number_draw_sites(model)
-    token = _ROWS.set(Rows(seed, start, count, total))
+    token = _ROWS.set(Rows.of(mix(seed), start, count, total))
     try:
         yield
     finally:
@@ -59,25 +68,45 @@ def drawn_by_rows(model: nn.Module, seed: int, start: int, count: int, total: in
 def drawn_by_images(seed: int, numbers: torch.Tensor, total: int) -> Iterator[None]:
     """Within it, a batch's draws (objective=mae's masks in evaluation) are by each image's number (`numbers`, its
     index in a split of `total`): the same whichever process evaluates the image."""
-    token = _ROWS.set(Rows(seed, 0, len(numbers), total, numbers.to("cpu", torch.int64)))
+    token = _ROWS.set(Rows.of(mix(seed), 0, len(numbers), total, numbers.to("cpu", torch.int64)))
     try:
         yield
     finally:
         _ROWS.reset(token)
 
 
+class DrawSite(nn.Module):
+    """A module that draws: its number among the model's sites, `site`, and the same as `site_key`, an int32
+    buffer (not saved; made again after every move, so a model built on the meta device or moved has it): a compiled
+    block's input rather than a constant, so compile=regional's blocks share one graph."""
+
+    def __init__(self, *args, **kwargs) -> None:  # (cooperative: a block's classes pass their arguments on)
+        super().__init__(*args, **kwargs)
+        self.site = 0
+        self.register_buffer("site_key", torch.zeros((), dtype=torch.int32), persistent=False)
+
+    def number(self, site: int) -> None:
+        self.site = site
+        self.site_key = torch.full((), site, dtype=torch.int32, device=self.site_key.device)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.number(self.site)
+        return self
+
+
 def number_draw_sites(model: nn.Module) -> None:
-    """Number `model`'s draw sites (the modules with a `site`) in order: each draws with its own key."""
-    sites = [m for m in model.modules() if hasattr(m, "site")]
+    """Number `model`'s draw sites (DrawSite modules) in order: each draws with its own key."""
+    sites = [m for m in model.modules() if isinstance(m, DrawSite)]
     for site, layer in enumerate(sites):
-        layer.site = site
+        layer.number(site)
     model.draw_sites = len(sites)
 
 
 def rows_for(n: int) -> Rows | None:
-    """The rows a batch of `n` (a batch, or m views of it stacked) draws by, or None: draw from torch's generator."""
-    if torch.compiler.is_compiling():  # (a compiled graph draws from torch's generator)
-        return None
+    """The rows a batch of `n` (a batch, or m views of it stacked) draws by, or None: draw from torch's generator.
+    (Read in a compiled graph too: Dynamo reads the context variable, and guards on the rows being there and on
+    their count.)"""
     rows = _ROWS.get()
     return None if rows is None or n % rows.count else rows
 
@@ -102,47 +131,55 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16) & _LOW16
 
 
-def hashed(shape: tuple[int, ...], rows: Rows, key: tuple[int, ...], device=None) -> torch.Tensor:
-    """31 random bits for each element of a tensor of `shape` (int32 >= 0, on `device`): a hash of (`rows.seed`,
-    `key`, the shape, the element's row of the global batch, its place in the row)."""
-    k = mix(rows.seed, *key, *shape[1:])
-    a, b = (torch.tensor(k >> s & 0x7FFFFFFF, dtype=torch.int32) for s in (0, 31))
-    global_rows = row_numbers(shape[0], rows).to(torch.int32)
-    ka, kb = _hash32(global_rows ^ a), _hash32(_hash32(global_rows ^ b) ^ a)  # two keys a row
+def hashed(
+    shape: tuple[int, ...], rows: Rows, key: tuple[int, ...], device=None, site: torch.Tensor | int = 0
+) -> torch.Tensor:
+    """31 random bits for each element of a tensor of `shape` (int32 >= 0, on `device`): a hash of (the step's
+    `rows.keys`, the draw's `site` (a DrawSite's key), `key` and the shape, the element's row of the global batch, its
+    place in the row). Integer tensor arithmetic only: compiled, it draws what it draws eagerly."""
+    k = mix(*key, *shape[1:])  # (the draw's constants)
+    keys = rows.keys.to(device)
+    a = _hash32(_hash32(keys[0] ^ (k & 0x7FFFFFFF)) ^ site)
+    b = _hash32(_hash32(keys[1] ^ (k >> 31 & 0x7FFFFFFF)) ^ site)
+    global_rows = row_numbers(shape[0], rows).to(device=device, dtype=torch.int32)
+    ka, kb = _hash32(global_rows ^ a)[:, None], _hash32(_hash32(global_rows ^ b) ^ a)[:, None]  # two keys a row
     places = torch.arange(math.prod(shape[1:]), dtype=torch.int32, device=device)
-    ka, kb = ka.to(device)[:, None], kb.to(device)[:, None]
     return (_hash32(_hash32(places ^ ka) ^ kb) & 0x7FFFFFFF).view(shape)
 
 
-def keep_mask(x: torch.Tensor, keep: float, rows: Rows, *key: int) -> torch.Tensor:
+def uniform(shape: tuple[int, ...], rows: Rows, key: tuple[int, ...], device=None, site=0) -> torch.Tensor:
+    """`hashed`'s numbers as float64 uniform in [0, 1) on 2^-24 steps (each element's; a row's in a draw per row)."""
+    return (hashed(shape, rows, key, device, site) & 0xFFFFFF).to(torch.float64) / (1 << 24)
+
+
+def keep_mask(x: torch.Tensor, keep: float, rows: Rows, *key: int, site: torch.Tensor | int = 0) -> torch.Tensor:
     """A keep mask shaped like `x` (bool, on its device), each element kept with probability `keep`: `hashed`'s."""
-    return (hashed(tuple(x.shape), rows, key, x.device) & 0xFFFFFF) < round(keep * (1 << 24))
+    return (hashed(tuple(x.shape), rows, key, x.device, site) & 0xFFFFFF) < round(keep * (1 << 24))
 
 
-def random_order(n: int, length: int, device=None, key: int = 0) -> torch.Tensor:
+def random_order(n: int, length: int, device=None, key: int = 0, site: torch.Tensor | int = 0) -> torch.Tensor:
     """A random permutation of range(length) per row (n, length): from torch's generator (as timm draws it), or
-    within `drawn_by_rows` the row's own (`hashed`'s numbers, sorted stably; `key`: the draw's)."""
+    within `drawn_by_rows` the row's own (`hashed`'s numbers, sorted stably; `key`, `site`: the draw's)."""
     rows = rows_for(n)
     if rows is None:
         return torch.randn(n, length, device=device).argsort(dim=-1)
-    return hashed((n, length), rows, (key,), device).argsort(dim=-1, stable=True)
+    return hashed((n, length), rows, (key,), device, site).argsort(dim=-1, stable=True)
 
 
-class Dropout(nn.Dropout):
+class Dropout(nn.Dropout, DrawSite):
     """nn.Dropout (elementwise, scaled by 1/(1-p)), a draw site: within `drawn_by_rows` by the sample's row."""
 
     def __init__(self, p: float = 0.5):
-        super().__init__(p)
-        self.site = 0
+        super().__init__(p)  # (nn.Dropout's, then DrawSite's)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = rows_for(x.shape[0]) if self.training and self.p > 0 else None
         if rows is None:
             return super().forward(x)
-        return x * keep_mask(x, 1.0 - self.p, rows, self.site).to(x.dtype) / (1.0 - self.p)
+        return x * keep_mask(x, 1.0 - self.p, rows, site=self.site_key).to(x.dtype) / (1.0 - self.p)
 
 
-def sdpa(q, k, v, attn_mask: torch.Tensor | None, p: float, site: int, part: int = 0) -> torch.Tensor:
+def sdpa(q, k, v, attn_mask: torch.Tensor | None, p: float, site: torch.Tensor | int, part: int = 0) -> torch.Tensor:
     """F.scaled_dot_product_attention with attention dropout `p` (0 outside training); within `drawn_by_rows` the
     dropout's mask is the rows' (`site`, `part`: which of a layer's attentions), the probabilities materialised."""
     rows = rows_for(q.shape[0]) if p > 0 else None
@@ -152,4 +189,4 @@ def sdpa(q, k, v, attn_mask: torch.Tensor | None, p: float, site: int, part: int
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else scores + attn_mask
     probs = scores.softmax(dim=-1)
-    return (probs * keep_mask(probs, 1.0 - p, rows, site, part).to(probs.dtype) / (1.0 - p)) @ v
+    return (probs * keep_mask(probs, 1.0 - p, rows, part, site=site).to(probs.dtype) / (1.0 - p)) @ v

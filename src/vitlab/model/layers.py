@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitlab.model.draws import Dropout, random_order, row_numbers, rows_for
-from vitlab.utils.seeds import mix
+from vitlab.model.draws import DrawSite, Dropout, random_order, rows_for, uniform
 
 # ---- activations, norms, poolings ----------------------------------------------------------------------
 
@@ -58,7 +57,7 @@ def optional_norm(layer: NormLayer | None, dim: int) -> nn.Module:
 # ---- regularisation and residual scaling -----------------------------------------------------------
 
 
-class DropPath(nn.Module):
+class DropPath(DrawSite):
     """Stochastic depth (Huang et al. 2016): drop the whole residual branch per sample. The keep probability is a
     float64 scalar tensor (a non-persistent buffer, recomputed from `p` after every move or cast), not a Python float:
     the same draws, and every block's rate is an input of a compiled block rather than a constant of it, so
@@ -67,7 +66,7 @@ class DropPath(nn.Module):
 
     def __init__(self, p: float):
         super().__init__()
-        self.p, self.site = p, 0
+        self.p = p
         self.register_buffer("keep", torch.tensor(1.0 - p, dtype=torch.float64), persistent=False)
 
     def _apply(self, fn, recurse=True):
@@ -81,10 +80,9 @@ class DropPath(nn.Module):
         rows = rows_for(x.shape[0])
         if rows is not None:
             # views of the batch stacked view after view (multi-crop: m of them): each view's rows of its global batch
-            m = x.shape[0] // rows.count
-            g = torch.Generator().manual_seed(mix(rows.seed, self.site, m, *x.shape[1:]))  # (each kind of view its own)
-            drawn = torch.rand(m * rows.total, dtype=torch.float64, generator=g)[row_numbers(x.shape[0], rows)]
-            mask = (drawn < 1.0 - self.p).to(x.device, x.dtype, non_blocking=True)
+            # (keyed by m and the shape: each kind of view its own)
+            drawn = uniform((x.shape[0],), rows, (x.shape[0] // rows.count, *x.shape[1:]), x.device, self.site_key)
+            mask = (drawn < self.keep).to(x.dtype)
             return x * mask.view(-1, *(1,) * (x.ndim - 1)).div_(self.keep)
         mask = x.new_empty(x.shape[0], 1, 1).bernoulli_(self.keep)  # tokens (B, N, D): one draw per sample
         return x * mask.div_(self.keep)
@@ -94,28 +92,28 @@ def stochastic_depth(p: float) -> nn.Module:
     return DropPath(p) if p > 0 else nn.Identity()
 
 
-class PatchDropout(nn.Module):
+class PatchDropout(DrawSite):
     """In training, keep a random max(1, int(L * (1 - p))) of the L patch tokens of each image, prefix tokens
     always (Li et al. 2023, FLIP; timm's PatchDropout, unordered). A draw site: within `drawn_by_rows` each image's
     patches are its row's (model/draws.py `random_order`)."""
 
     def __init__(self, p: float, num_prefix_tokens: int):
         super().__init__()
-        self.p, self.num_prefix_tokens, self.site = p, num_prefix_tokens, 0
+        self.p, self.num_prefix_tokens = p, num_prefix_tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, prefix + L, D) -> (B, prefix + kept, D)
-        return _drop_patches(x, self.p, self.num_prefix_tokens, self.site)[0] if self.training else x
+        return _drop_patches(x, self.p, self.num_prefix_tokens, self.site_key)[0] if self.training else x
 
     def forward_with_kept(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """In training: the tokens and the indices of the kept patches (B, kept) (a RoPE table follows them)."""
-        return _drop_patches(x, self.p, self.num_prefix_tokens, self.site)
+        return _drop_patches(x, self.p, self.num_prefix_tokens, self.site_key)
 
 
 @torch.fx.wrap  # the kept count comes from the input's shape
-def _drop_patches(x: torch.Tensor, p: float, num_prefix: int, site: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _drop_patches(x: torch.Tensor, p: float, num_prefix: int, site: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     prefix, x = x[:, :num_prefix], x[:, num_prefix:]
     L = x.shape[1]
-    keep = random_order(x.shape[0], L, x.device, site)[:, : max(1, int(L * (1.0 - p)))]
+    keep = random_order(x.shape[0], L, x.device, site=site)[:, : max(1, int(L * (1.0 - p)))]
     x = x.gather(1, keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
     return torch.cat([prefix, x], dim=1), keep
 

@@ -139,7 +139,7 @@ def _another_count(
         return mine
     why = []
     if any(part.get("drew") for part in parts):
-        why.append("the processes drew random numbers of their own (MixUp or CutMix, a compiled model, the objective)")
+        why.append("the processes drew random numbers of their own (MixUp or CutMix, the augmentation, the objective)")
     objective = getattr(module, "objective", None)
     if objective is not None and objective.per_process(new):
         why.append(objective.per_process(new))
