@@ -136,3 +136,30 @@ def test_compiled_by_inductor_dropout_keeps_what_the_eager_one_keeps():
         with drawn_by_rows(drop, seed, 4, 4, 12):
             assert torch.equal(compiled(x), drop(x))
     torch._dynamo.reset()
+
+
+def test_a_draw_moves_nothing_from_the_host_to_the_models_device():
+    """A tensor copied from the host to a GPU makes the host wait for the GPU's queue: every tensor a draw makes
+    (the step's keys, the rows' numbers, the hash) is made on the model's device. Checked on the meta device: no
+    operation of a step's stochastic depth, dropout or patch order takes a host tensor and gives a meta one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from vitlab.model.layers import DropPath
+
+    crossings = []
+
+    class Crossings(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            devices = {t.device.type for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)}
+            if {"cpu", "meta"} <= devices:
+                crossings.append(func)
+            return out
+
+    net = torch.nn.Sequential(DropPath(0.5), Dropout(0.3)).to("meta").train()
+    x = torch.empty(8, 5, 6, device="meta")
+    with drawn_by_rows(net, 5, 4, 4, 12), Crossings():
+        net(x[:4])
+        random_order(4, 7, x.device, key=1)
+    assert crossings == []

@@ -42,8 +42,10 @@ class Rows(NamedTuple):
     keys: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, seed: int, start: int, count: int, total: int, numbers: torch.Tensor | None = None) -> Rows:
-        keys = torch.tensor([seed & 0x7FFFFFFF, seed >> 31 & 0x7FFFFFFF], dtype=torch.int32)
+    def of(cls, seed: int, start: int, count: int, total: int, numbers=None, device=None) -> Rows:
+        """The rows with their `keys` on `device` (filled there: no copy from the host, which would wait for a GPU)."""
+        keys = torch.empty(2, dtype=torch.int32, device=device)
+        keys[0], keys[1] = seed & 0x7FFFFFFF, seed >> 31 & 0x7FFFFFFF
         return cls(seed, start, count, total, numbers, keys)
 
 
@@ -57,7 +59,8 @@ def drawn_by_rows(model: nn.Module, seed: int, start: int, count: int, total: in
     each drawn as its own global batch (keyed by m and the shape, so global and local crops draw apart)."""
     if not hasattr(model, "draw_sites"):  # (a ViT numbers its sites when built: copies keep them)
         number_draw_sites(model)
-    token = _ROWS.set(Rows.of(mix(seed), start, count, total))
+    site = next((m for m in model.modules() if isinstance(m, DrawSite)), None)  # (the device the model draws on)
+    token = _ROWS.set(Rows.of(mix(seed), start, count, total, device=site.site_key.device if site else None))
     try:
         yield
     finally:
@@ -111,11 +114,14 @@ def rows_for(n: int) -> Rows | None:
     return None if rows is None or n % rows.count else rows
 
 
-def row_numbers(n: int, rows: Rows) -> torch.Tensor:
-    """The global row of each of a batch's `n` rows (int64, on the CPU): view j's rows count from j x total."""
+def row_numbers(n: int, rows: Rows, device=None) -> torch.Tensor:
+    """The global row of each of a batch's `n` rows (int64, on `device`): view j's rows count from j x total."""
     m = n // rows.count
-    numbers = rows.numbers if rows.numbers is not None else rows.start + torch.arange(rows.count)
-    return (torch.arange(m)[:, None] * rows.total + numbers).reshape(-1)
+    if rows.numbers is not None:
+        numbers = rows.numbers.to(device)
+    else:  # (made on the device: no copy from the host)
+        numbers = rows.start + torch.arange(rows.count, device=device)
+    return (torch.arange(m, device=device)[:, None] * rows.total + numbers).reshape(-1)
 
 
 _LOW16, _LOW17 = 0xFFFF, 0x1FFFF
@@ -141,7 +147,7 @@ def hashed(
     keys = rows.keys.to(device)
     a = _hash32(_hash32(keys[0] ^ (k & 0x7FFFFFFF)) ^ site)
     b = _hash32(_hash32(keys[1] ^ (k >> 31 & 0x7FFFFFFF)) ^ site)
-    global_rows = row_numbers(shape[0], rows).to(device=device, dtype=torch.int32)
+    global_rows = row_numbers(shape[0], rows, device).to(torch.int32)
     ka, kb = _hash32(global_rows ^ a)[:, None], _hash32(_hash32(global_rows ^ b) ^ a)[:, None]  # two keys a row
     places = torch.arange(math.prod(shape[1:]), dtype=torch.int32, device=device)
     return (_hash32(_hash32(places ^ ka) ^ kb) & 0x7FFFFFFF).view(shape)
