@@ -3,13 +3,11 @@
 processes and is fixed by (seed, epoch); data=digits data.imbalance=100 trains on Cao et al.'s exponential tail and
 tests on balanced digits."""
 
-import math
-
 import pytest
 import torch
 
 from vitlab.data import DigitsDataModule
-from vitlab.data.balanced import ClassBalancedSampler, balanced_sampler, image_weights, long_tail
+from vitlab.data.balanced import ClassBalancedOrder, balanced_sampler, image_weights, long_tail
 from vitlab.data.resident import ArrayImages
 from vitlab.data.seeded import TransformDataset
 from vitlab.utils.errors import UserError
@@ -25,7 +23,7 @@ def _tail():
 @pytest.mark.parametrize("balance, power", [("inverse", 1.0), ("sqrt", 0.5)])
 def test_each_class_is_drawn_as_its_weight_says_and_the_epoch_keeps_its_length(balance, power):
     data = _tail()
-    sampler = balanced_sampler(data, balance, world=1, rank=0, seed=0)
+    sampler = balanced_sampler(data, balance, world=1, rank=0, seed=0, batch_size=1)
     drawn = []
     for epoch in range(8):
         sampler.set_epoch(epoch)
@@ -37,24 +35,27 @@ def test_each_class_is_drawn_as_its_weight_says_and_the_epoch_keeps_its_length(b
     assert torch.allclose(got, share / share.sum(), atol=0.02), (got, share / share.sum())
 
 
-def test_the_processes_deal_out_one_draw_fixed_by_seed_and_epoch():
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_processes_share_out_one_draw_fixed_by_seed_and_epoch(world):
+    """Issue 78: one epoch's draws, the same on any count: global batches of 8 (66 of them), each process its
+    contiguous share, with the same augmentation seeds."""
     data = _tail()
     weights = image_weights(data.base.labels, 1.0)
-    ranks = [ClassBalancedSampler(data, weights, 2, r, seed=3, seeded=False) for r in range(2)]
+    ranks = [
+        ClassBalancedOrder(data, weights, world, r, seed=3, batch_size=8 // world, keyed=True) for r in range(world)
+    ]
     for s in ranks:
         s.set_epoch(1)
     shares = [list(s) for s in ranks]
-    assert [len(s) for s in shares] == [math.ceil(len(data) / 2)] * 2
-    alone = ClassBalancedSampler(data, weights, 1, 0, seed=3, seeded=False)
+    b = 8 // world
+    assert [len(s) for s in shares] == [len(data) // world] * world
+    alone = ClassBalancedOrder(data, weights, 1, 0, seed=3, batch_size=8, keyed=True)
     alone.set_epoch(1)
-    whole = list(alone)
-    assert shares[0] == whole[0::2] and shares[1] == whole[1::2]  # every world-th index of the same draw
+    pairs = list(alone)
+    assert [x for k in range(len(data) // 8) for s in shares for x in s[k * b : (k + 1) * b]] == pairs
+    assert len({s for s, _ in pairs}) == len(pairs)  # an image drawn twice: its own augmentation each time
     alone.set_epoch(2)
-    assert list(alone) != whole
-    seeded = ClassBalancedSampler(data, weights, 1, 0, seed=3, seeded=True)
-    seeded.set_epoch(1)
-    pairs = list(seeded)
-    assert [i for _, i in pairs] == whole and len({s for s, _ in pairs}) == len(pairs)  # a copy, its own draws
+    assert list(alone) != pairs
 
 
 def test_an_image_of_several_labels_weighs_as_its_rarest_label():
@@ -82,4 +83,4 @@ def test_long_tailed_digits_train_on_an_exponential_tail_and_test_on_all():
     train = torch.bincount(dm.train_set.base.labels[dm.train_set.indices], minlength=10).tolist()
     test = torch.bincount(dm.test_set.base.labels[dm.test_set.indices], minlength=10).tolist()
     assert train[0] / train[9] >= 50 and train == sorted(train, reverse=True) and min(test) >= 26
-    assert isinstance(dm.train_dataloader().sampler, ClassBalancedSampler)
+    assert isinstance(dm.train_dataloader().sampler, ClassBalancedOrder)

@@ -188,29 +188,40 @@ def test_cifar_is_held_from_torchvisions_arrays_as_its_items_are(monkeypatch):
 
 
 @pytest.mark.parametrize("on_device", [True, False])
-@pytest.mark.parametrize("world", [1, 2])
-def test_repeated_augmentation_covers_the_data_as_timms_sampler_and_augments_every_copy_alike_never(world, on_device):
-    """data.repeated_aug=3: each process's training indices are those of timm's RepeatAugSampler (DeiT's) for its
-    rank and the epoch, on either path; per image (the loader's) no two copies share an augmentation seed."""
+def test_repeated_augmentation_is_timms_global_batches_on_any_count_and_augments_every_copy_alike_never(on_device):
+    """data.repeated_aug=3: on one process the training indices are timm's RepeatAugSampler's (DeiT's) for the epoch,
+    on either path; on 2 or 4 processes (issue 78) each global batch holds the images timm's would (timm strides them
+    over the processes, here each process takes its contiguous share), with the same augmentation seeds as on one
+    process; per image (the loader's) no two copies share a seed."""
     from timm.data.distributed_sampler import RepeatAugSampler
 
     dm = FakeDataModule(
-        img_size=8, num_train=40, num_val=8, num_test=8, batch_size=4 * world, repeated_aug=3, on_device=on_device,
+        img_size=8, num_train=40, num_val=8, num_test=8, batch_size=8, repeated_aug=3, on_device=on_device,
         train_transform={"random_resized_crop": None},
     )  # fmt: skip
     dm.setup()
     for epoch in (0, 1):
-        seeds, covered = [], []
-        for rank in range(world):
-            _as_rank(dm, rank, world, epoch)
-            keys = list(dm.train_dataloader().sampler)
-            timm = RepeatAugSampler(dm.train_set, num_replicas=world, rank=rank, num_repeats=3)
-            timm.set_epoch(epoch)
-            indices = keys if on_device else [i for _, i in keys]
-            assert indices == list(timm)
-            seeds += [] if on_device else [s for s, _ in keys]
-            covered += indices
+        _as_rank(dm, 0, 1, epoch)
+        one = list(dm.train_dataloader().sampler)
+        timm = RepeatAugSampler(dm.train_set, num_replicas=1, rank=0, num_repeats=3)
+        timm.set_epoch(epoch)
+        indices = one if on_device else [i for _, i in one]
+        assert indices == list(timm)
+        for world in (2, 4):
+            b, shares, strided = 8 // world, [], []  # each process's share of a global batch of 8
+            for rank in range(world):
+                _as_rank(dm, rank, world, epoch)
+                shares.append(list(dm.train_dataloader().sampler))
+                strided.append(RepeatAugSampler(dm.train_set, num_replicas=world, rank=rank, num_repeats=3))
+                strided[-1].set_epoch(epoch)
+                strided[-1] = list(strided[-1])
+            ours = [x for k in range(len(one) // 8) for share in shares for x in share[k * b : (k + 1) * b]]
+            assert ours == one  # the one process's sequence, batch by batch, keys and all
+            for k in range(len(one) // 8):  # timm's global batch k: each process's k-th batch of b
+                theirs = sorted(i for s in strided for i in s[k * b : (k + 1) * b])
+                assert sorted(indices[k * 8 : (k + 1) * 8]) == theirs
+        seeds = [] if on_device else [s for s, _ in one]
         assert len(set(seeds)) == len(seeds)  # every copy its own augmentation
-        assert max(covered.count(i) for i in set(covered)) == 3  # an image's copies, dealt across the processes
+        assert max(indices.count(i) for i in set(indices)) == 3  # an image's copies
     with pytest.raises(ValueError, match="data.repeated_aug 1 must be 0 .off. or a number of copies >= 2"):
         FakeDataModule(img_size=8, repeated_aug=1)

@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers.commands import assert_refused, run_cli
 from tests.helpers.configs import RESUMABLE, extra_callback
-from tests.helpers.runs import assert_close_run, interrupt, resume, trained
+from tests.helpers.runs import assert_close_run, assert_goes_on_on_one, interrupt, resume, trained
 
 # 1,257 training digits in global batches of 96 (divisible by 1, 2, 3 and 4): 13 steps an epoch, 3 epochs; stochastic
 # depth and every dropout (each sample's own draws: model/draws.py), EMA and the default shift on the device (every
@@ -80,11 +80,7 @@ MAE = ["experiment=mae_pretrain_digits", "trainer.max_epochs=1", "trainer.determ
 def test_mae_stopped_on_two_processes_goes_on_on_one_as_the_uninterrupted_two(tmp_path_factory, tmp_path):
     """objective=mae: each image's mask is its row's of the global batch (model/draws.py random_order), not drawn
     from its process's generator: resumed on one process, the run is the two processes' (10 steps, stopped after 4)."""
-    two = trained(tmp_path_factory, "mae-two", *MAE)
-    command = interrupt(MAE, tmp_path, "SIGTERM", 4)
-    resumed = resume(command.replace(" trainer.devices=2 ", " trainer.devices=1 "), tmp_path)
-    assert "written by 2 processes, resumed on 1: exact" in (resumed / "train.log").read_text()
-    assert_close_run(two, resumed)
+    assert_goes_on_on_one(tmp_path_factory, tmp_path, "mae-two", MAE)
 
 
 def _naflex(folder) -> list[str]:
@@ -103,12 +99,8 @@ def test_naflex_stopped_on_two_processes_goes_on_on_one_as_the_uninterrupted_two
     """NaFlex's sequence lengths are one schedule for the whole training set, each global batch shared out
     (data/sizes.py's ScheduledBatches), its erasing drawn by the image's row of the global batch: stopped mid-epoch
     (the processes agree on step 16 of 24) and resumed on one process, the run is the two processes'."""
-    two = trained(tmp_path_factory, "naflex-two", *_naflex(folder))
+    two = assert_goes_on_on_one(tmp_path_factory, tmp_path, "naflex-two", _naflex(folder), step=3)
     assert "global batch sizes [8, 4]" in (two / "train.log").read_text()
-    command = interrupt(_naflex(folder), tmp_path, "SIGTERM", 3)
-    resumed = resume(command.replace(" trainer.devices=2 ", " trainer.devices=1 "), tmp_path)
-    assert "written by 2 processes, resumed on 1: exact" in (resumed / "train.log").read_text()
-    assert_close_run(two, resumed)
 
 
 def test_a_compiled_model_stopped_on_two_processes_goes_on_on_one_as_the_uninterrupted_two(tmp_path_factory, tmp_path):
@@ -116,8 +108,14 @@ def test_a_compiled_model_stopped_on_two_processes_goes_on_on_one_as_the_uninter
     batch as the eager ones do (the step's seed an input of the graph), not from the process's generator: resumed on
     one process, the run is the two processes' (Dynamo's graphs run by its eager backend: tests/helpers/callbacks)."""
     args = [*_on(2), "compile=regional", *extra_callback("eager", "EagerCompile")]
-    two = trained(tmp_path_factory, "compiled-two", *args)
-    command = interrupt(args, tmp_path, "SIGTERM", 4)
-    resumed = resume(command.replace(" trainer.devices=2 ", " trainer.devices=1 "), tmp_path)
-    assert "written by 2 processes, resumed on 1: exact" in (resumed / "train.log").read_text()
-    assert_close_run(two, resumed)
+    assert_goes_on_on_one(tmp_path_factory, tmp_path, "compiled-two", args)
+
+
+def test_repeated_augmentation_stopped_on_two_processes_goes_on_on_one_as_the_uninterrupted_two(
+    tmp_path_factory, tmp_path
+):
+    """data.repeated_aug=3 (DeiT's) on fake data (1,024 images of 16 px): timm's sequence of copies cut into global
+    batches (data/seeded.py's RepeatOrder), each process its contiguous share: resumed on one process, the run is the
+    two processes'."""
+    args = [*_on(2), "data=fake", "model.img_size=16", "data.repeated_aug=3"]
+    assert_goes_on_on_one(tmp_path_factory, tmp_path, "repeats-two", args)

@@ -14,7 +14,15 @@ from PIL import Image
 
 from tests.helpers.commands import run_cli
 from tests.helpers.configs import RESUMABLE, extra_callback
-from tests.helpers.runs import assert_close_run, assert_same_run, digits_checkpoint, interrupt, resume, trained
+from tests.helpers.runs import (
+    assert_close_run,
+    assert_goes_on_on_one,
+    assert_same_run,
+    digits_checkpoint,
+    interrupt,
+    resume,
+    trained,
+)
 from vitlab.convert.averaging import ema_weights
 from vitlab.convert.source import resolve
 from vitlab.convert.timm_args import create_timm_model
@@ -63,12 +71,7 @@ def test_two_processes_with_lora_dropout_stopped_mid_epoch_go_on_on_one_as_the_u
     """DDP over two processes, peft's lora_dropout on: stopped by SIGTERM mid-epoch, the run goes on on one process as
     the two would have (issue 78: the adapters' dropout draws by each sample's row of the global batch; issue 75: a
     DDP adapter run resumes), its adapters' checkpoint read back on the new count."""
-    args = [*lora(base), *DROPOUT_TWO]
-    two = trained(tmp_path_factory, "peft-lora-dropout-two", *args)
-    command = interrupt(args, tmp_path, "SIGTERM", 4)
-    resumed = resume(command.replace(" trainer.devices=2 ", " trainer.devices=1 "), tmp_path)
-    assert "written by 2 processes, resumed on 1: exact" in (resumed / "train.log").read_text()
-    assert_close_run(two, resumed)
+    assert_goes_on_on_one(tmp_path_factory, tmp_path, "peft-lora-dropout-two", [*lora(base), *DROPOUT_TWO])
 
 
 def test_under_fsdp2_the_frozen_base_is_sharded_lora_trains_as_under_ddp_and_resumes_exactly(

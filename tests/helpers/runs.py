@@ -207,3 +207,16 @@ def wandb_steps(run_dir: Path) -> list[int]:
                 if "trainer/global_step" in items:
                     steps.append(items["trainer/global_step"])
     return steps
+
+
+def assert_goes_on_on_one(tmp_path_factory, tmp_path, name: str, args: list[str], step: int = 4) -> Path:
+    """`args` (trainer.devices=2) trained whole once per pytest run as `name`, then stopped by SIGTERM after step
+    `step` and resumed by the printed command with trainer.devices=1: the resume line says it is exact, and the run
+    is the two processes' (`assert_close_run`). Returns the whole run's directory."""
+    two = trained(tmp_path_factory, name, *args)
+    command = interrupt(args, tmp_path, "SIGTERM", step)
+    assert " trainer.devices=2 " in command
+    resumed = resume(command.replace(" trainer.devices=2 ", " trainer.devices=1 "), tmp_path)
+    assert "written by 2 processes, resumed on 1: exact" in (resumed / "train.log").read_text()
+    assert_close_run(two, resumed)
+    return two

@@ -4,8 +4,9 @@ likely; `sqrt`, p = 1/2, the square-root sampling of Mahajan et al. 2018 and Kan
 the uniform sampler's. An image of several labels draws its rarest label's weight.
 
 The draw is torch's WeightedRandomSampler, from a generator seeded by the run's seed and the epoch alone: every
-process draws the same epoch and takes its share of it (every world-th index, as DistributedSampler deals them), and a
-run resumed mid-epoch draws the same indices (the loader skips to its position, as with the uniform sampler). Over the
+process draws the same epoch, cut into global batches as data/seeded.py's GlobalOrder cuts the uniform order, and
+takes its contiguous share of each, so a run resumed mid-epoch, on the same number of processes or another, draws the
+same indices (issue 78). Over the
 seeded loader path (TransformDataset) each index comes with its augmentation's seed (data/seeded.py), its place in
 the epoch mixed in, so an image drawn twice is augmented two ways.
 """
@@ -16,9 +17,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DistributedSampler, WeightedRandomSampler
+from torch.utils.data import WeightedRandomSampler
 
+from vitlab.data.seeded import GlobalOrder
 from vitlab.utils.errors import UserError
+from vitlab.utils.seeds import mix
 
 SAMPLERS = ("uniform", "class_balanced")
 BALANCES = {"inverse": 1.0, "sqrt": 0.5}  # the power of 1 / class count
@@ -52,24 +55,26 @@ def image_weights(labels: torch.Tensor, power: float) -> torch.Tensor:
     return torch.where(weights > 0, weights, per_class.min())
 
 
-class ClassBalancedSampler(DistributedSampler):
-    """This process's share of an epoch of len(dataset) (rounded up to the processes) weighted draws."""
+class ClassBalancedOrder(GlobalOrder):
+    """An epoch of len(dataset) weighted draws in a global order: process `rank` of `num_replicas` takes its
+    contiguous share of each global batch; `keyed`: each draw with its augmentation's seed, its place mixed in."""
 
     def __init__(self, dataset: Any, weights: Sequence[float] | torch.Tensor, num_replicas: int, rank: int, seed: int,
-                 seeded: bool):  # fmt: skip
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
-        self.weights, self.seeded = torch.as_tensor(weights, dtype=torch.double), seeded
+                 batch_size: int, keyed: bool):  # fmt: skip
+        super().__init__(dataset, num_replicas, rank, seed, batch_size, keyed)
+        self.weights = torch.as_tensor(weights, dtype=torch.double)
 
-    def __iter__(self):
-        from vitlab.data.seeded import mix
-
+    def sequence(self) -> list[int]:
         generator = torch.Generator().manual_seed(mix(self.seed, self.epoch) % 2**63)
-        drawn = list(WeightedRandomSampler(self.weights, self.total_size, replacement=True, generator=generator))
-        for k in range(self.rank, self.total_size, self.num_replicas):
-            yield (mix(self.seed, self.epoch, drawn[k], k), drawn[k]) if self.seeded else drawn[k]
+        return list(WeightedRandomSampler(self.weights, len(self.dataset), replacement=True, generator=generator))
+
+    def key(self, place: int, i: int) -> int:
+        return mix(self.seed, self.epoch, i, place)
 
 
-def balanced_sampler(dataset: Any, balance: str, world: int, rank: int, seed: int) -> ClassBalancedSampler:
+def balanced_sampler(
+    dataset: Any, balance: str, world: int, rank: int, seed: int, batch_size: int
+) -> ClassBalancedOrder:
     """The sampler of `dataset` (a TransformDataset over a reader that lists its labels, or images on the device)."""
     from vitlab.data.folds import labels_of
     from vitlab.data.seeded import TransformDataset
@@ -79,7 +84,7 @@ def balanced_sampler(dataset: Any, balance: str, world: int, rank: int, seed: in
         labels = torch.as_tensor(labels_of(dataset.base))[torch.as_tensor(dataset.indices, dtype=torch.long)]
     else:
         labels = torch.as_tensor(labels_of(dataset)).cpu()
-    return ClassBalancedSampler(dataset, image_weights(labels, BALANCES[balance]), world, rank, seed, seeded)
+    return ClassBalancedOrder(dataset, image_weights(labels, BALANCES[balance]), world, rank, seed, batch_size, seeded)
 
 
 def long_tail(indices: Sequence[int], labels: Sequence[int], ratio: float, seed: int) -> list[int]:

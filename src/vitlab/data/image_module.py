@@ -16,7 +16,7 @@ from vitlab.data import folds as folds_module
 from vitlab.data import naflex as naflex_loading
 from vitlab.data.base import DataModule
 from vitlab.data.resident import ResidentImages
-from vitlab.data.seeded import RepeatSampler, RepeatSeededSampler, Rows, TransformDataset
+from vitlab.data.seeded import RepeatOrder, Rows, TransformDataset
 from vitlab.utils.errors import UserError
 from vitlab.utils.values import from_mapping
 
@@ -143,10 +143,12 @@ class ImageDataModule(DataModule):
 
     def _train_sampler(self, dataset: Dataset, world: int, rank: int) -> Sampler:
         if self.sampler == "class_balanced":
-            return balanced.balanced_sampler(dataset, self.sampler_balance, world, rank, self.shuffle_seed)
-        if self.repeated_aug:
-            kind = RepeatSeededSampler if isinstance(dataset, TransformDataset) else RepeatSampler
-            return kind(dataset, world, rank, self.shuffle_seed, self.repeated_aug)
+            batch = self.per_device_batch_size
+            return balanced.balanced_sampler(dataset, self.sampler_balance, world, rank, self.shuffle_seed, batch)
+        if self.repeated_aug:  # DeiT's copies, in a global order (data/seeded.py)
+            keyed = isinstance(dataset, TransformDataset)
+            return RepeatOrder(dataset, world, rank, self.shuffle_seed, self.per_device_batch_size, self.repeated_aug,
+                               keyed=keyed)  # fmt: skip
         return super()._train_sampler(dataset, world, rank)
 
     def device_transform(self, batch, train: bool):

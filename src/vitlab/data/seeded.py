@@ -1,7 +1,7 @@
 """The training order and the random draws of its augmentation, kept apart from the processes that carry them:
-`GlobalOrder` (each epoch's global batches, each process its contiguous share), `TransformDataset` (an image's random
-transforms drawn from generators seeded with one number), the samplers that hand each index out with its number
-(`GlobalOrder(keyed=True)`, `SeededSampler`, `RepeatSeededSampler`: DeiT's repeated augmentation), `Rows` (what a
+`GlobalOrder` (each epoch's global batches, each process its contiguous share; `RepeatOrder`: DeiT's repeated
+augmentation), `TransformDataset` (an image's random transforms drawn from generators seeded with one number), the
+samplers that hand each index out with its number (`GlobalOrder(keyed=True)`, `SeededSampler`), `Rows` (what a
 batch draws on the device: its global batch's draws, this process's rows of them) and what loader workers run at
 their start."""
 
@@ -90,13 +90,24 @@ class GlobalOrder(DistributedSampler):
     def __len__(self) -> int:
         return self.batches * self.batch_size
 
+    def sequence(self) -> list[int]:
+        """The epoch's order, the global batches its consecutive slices."""
+        return torch.randperm(
+            len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch)
+        ).tolist()
+
+    def key(self, place: int, i: int) -> int:
+        """The seed of image `i`'s augmentation at `place` in the epoch's sequence."""
+        return mix(self.seed, self.epoch, i)
+
     def __iter__(self):
-        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        order = self.sequence()
         b, whole = self.batch_size, self.batch_size * self.num_replicas
         skip = self.start[1] if self.start is not None and self.start[0] == self.epoch else 0
         for k in range(skip, self.batches):
-            for i in order[k * whole + self.rank * b : k * whole + (self.rank + 1) * b].tolist():
-                yield (mix(self.seed, self.epoch, i), i) if self.keyed else i
+            first = k * whole + self.rank * b
+            for place in range(first, first + b):
+                yield (self.key(place, order[place]), order[place]) if self.keyed else order[place]
 
 
 class SeededSampler(DistributedSampler):
@@ -132,27 +143,30 @@ def rows_of(generator: torch.Generator | Rows | None, n: int) -> tuple[torch.Gen
     return tuple(generator) if isinstance(generator, Rows) else (generator, 0, n)
 
 
-class RepeatSampler(RepeatAugSampler, DistributedSampler):
-    """timm's RepeatAugSampler, DeiT's repeated augmentation (each image `num_repeats` times an epoch, its copies
-    dealt to different processes), in timm's order (a permutation seeded by the epoch), so it covers the data as
-    timm's does. It is also a DistributedSampler (its methods are all RepeatAugSampler's), so that Lightning uses it
-    as it is under DDP instead of sharding its output again. Plain indices: for data on the device
-    (data/resident.py), whose copies are augmented there, a batch at a time."""
+class RepeatOrder(GlobalOrder):
+    """DeiT's repeated augmentation (data.repeated_aug) in a global order: each epoch the sequence timm's
+    RepeatAugSampler deals out on one process (a permutation seeded by the epoch, each image `num_repeats` times in a
+    row, as many as timm selects), cut into global batches, each process its contiguous share. Each global batch holds
+    the images timm's would on any count (under DDP timm strides the sequence over the processes: the same global
+    batches, dealt otherwise), and a run resumes on another count at its global position. `keyed`: a copy's seed from
+    the run's seed, the epoch, the image and the copy's place in the sequence, so no two copies are augmented alike
+    (plain indices: data held on the device, whose copies are augmented there by their rows)."""
 
-    def __init__(self, dataset, num_replicas: int, rank: int, seed: int, num_repeats: int):
-        RepeatAugSampler.__init__(
-            self, dataset, num_replicas=num_replicas, rank=rank, shuffle=True, num_repeats=num_repeats
-        )
-        self.seed, self.drop_last = seed, False
+    def __init__(self, dataset, num_replicas: int, rank: int, seed: int, batch_size: int, num_repeats: int,
+                 keyed: bool = False):  # fmt: skip
+        super().__init__(dataset, num_replicas, rank, seed, batch_size, keyed)
+        self.repeats = RepeatAugSampler(dataset, num_replicas=1, rank=0, shuffle=True, num_repeats=num_repeats)
 
+    @property
+    def batches(self) -> int:
+        return len(self.repeats) // (self.batch_size * self.num_replicas)
 
-class RepeatSeededSampler(RepeatSampler):
-    """RepeatSampler handing out (seed, index) pairs as SeededSampler does. A copy's seed depends on the run's seed,
-    the epoch, the image and the copy's place in the epoch, so no two copies are augmented alike."""
+    def sequence(self) -> list[int]:
+        self.repeats.set_epoch(self.epoch)
+        return list(self.repeats)
 
-    def __iter__(self):
-        for k, i in enumerate(super().__iter__()):
-            yield mix(self.seed, self.epoch, i, self.rank + k * self.num_replicas), i
+    def key(self, place: int, i: int) -> int:
+        return mix(self.seed, self.epoch, i, place)
 
 
 def init_worker(worker_id: int) -> None:
