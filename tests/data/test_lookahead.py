@@ -9,7 +9,7 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitlab.data.lookahead import LookaheadLoader
-from vitlab.data.seeded import SeededSampler
+from vitlab.data.seeded import GlobalOrder
 
 N, BATCH = 22, 4  # 5 whole batches an epoch (drop_last)
 
@@ -30,14 +30,14 @@ class Keys(Dataset):
 
 
 def _loader(tmp_path, epoch=0):
-    sampler = SeededSampler(Keys(tmp_path / "fetched"), num_replicas=1, rank=0, shuffle=True, seed=5)
+    sampler = GlobalOrder(Keys(tmp_path / "fetched"), 1, 0, seed=5, batch_size=1, keyed=True)
     sampler.set_epoch(epoch)  # (as data/base.py does before Lightning's first iter())
     return LookaheadLoader(sampler.dataset, sampler=sampler, batch_size=BATCH, num_workers=2, persistent_workers=True,
                            prefetch_factor=1)  # fmt: skip
 
 
 def _expected(epoch):
-    sampler = SeededSampler(Keys(None), num_replicas=1, rank=0, shuffle=True, seed=5)
+    sampler = GlobalOrder(Keys(None), 1, 0, seed=5, batch_size=1, keyed=True)
     sampler.set_epoch(epoch)
     keys = [[s % 1000, i] for s, i in sampler][: N // BATCH * BATCH]
     return [keys[k : k + BATCH] for k in range(0, len(keys), BATCH)]
@@ -81,7 +81,7 @@ def test_a_resume_mid_epoch_and_an_epoch_cut_short_give_the_sampler_s_batches(tm
 
 
 def test_a_checkpoint_of_torchdata_s_loader_from_before_resumes_after_its_batches(tmp_path):
-    sampler = SeededSampler(Keys(tmp_path / "fetched"), num_replicas=1, rank=0, shuffle=True, seed=5)
+    sampler = GlobalOrder(Keys(tmp_path / "fetched"), 1, 0, seed=5, batch_size=1, keyed=True)
     sampler.set_epoch(1)
     before = StatefulDataLoader(sampler.dataset, sampler=sampler, batch_size=BATCH, num_workers=2, drop_last=True)
     it = iter(before)

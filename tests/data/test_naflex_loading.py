@@ -2,6 +2,7 @@
 of variable sequence length with timm's batch-size rule and loss scale, padded in the workers, the same lengths on
 every process, resumed mid-epoch exactly; every bad key one line."""
 
+import dataclasses
 import random
 import re
 
@@ -122,6 +123,18 @@ def test_every_count_of_processes_gets_the_same_lengths_and_images_and_resumes_a
     again.load_state_dict(state)
     resumed = [b[0]["patches"] for b in again]
     assert len(resumed) == len(rest) and all(torch.equal(a, b) for a, b in zip(rest, resumed, strict=True))
+
+
+def test_the_loss_scale_is_the_global_batch_over_data_batch_size_on_any_count():
+    """Issue 78: a batch's loss scale (timm's --naflex-loss-scale) is its global batch over data.batch_size, whatever
+    share of it a process holds (data.batch_size 3 on 2 processes: a share of 3 of a global 6 was scaled by
+    3 / (3 // 2) = 3, where one process scaled the 6 by 2)."""
+    from vitlab.data.naflex_batch import loss_scale
+
+    schedule = NaFlexSchedule.from_config(dict(seq_lens=[4, 9], patch_size=8, batch_divisor=2), 3)
+    for rule, expected in (("linear", 2.0), ("sqrt", 2.0**0.5), ("none", 1.0)):
+        ruled = dataclasses.replace(schedule, loss_scale=rule)
+        assert [loss_scale(6 // world, ruled, world) for world in (1, 2, 3)] == [expected] * 3
 
 
 def _train_batches(dm):

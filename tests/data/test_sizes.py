@@ -86,6 +86,18 @@ def test_every_count_of_processes_trains_on_the_same_sizes_and_images_in_timms_o
     assert seen[0] < seen[2] if schedule == "progressive" else len(set(seen)) == 1  # from small to large; a fixed mix
 
 
+@pytest.mark.parametrize("sampler", [dict(repeated_aug=3), dict(sampler="class_balanced")], ids=["repeats", "balanced"])
+def test_a_schedule_cuts_repeated_augmentations_and_class_balanced_draws_as_the_uniform_order(sampler):
+    """DeiT's copies and the class-balanced draws are whole-set sequences too: the schedule cuts each into global
+    batches, so 2 or 4 processes' shares make the one process's batches (each sampler dealing its share first and the
+    schedule cutting that again gave each process half the batches)."""
+    dm = _fake(train_img_sizes=[8, 16], train_transform={"random_resized_crop": None, "hflip": 0.5}, **sampler)
+    one = _steps(dm, 0, 1, 1)
+    for world in (2, 4):
+        shares = [_steps(dm, rank, world, 1) for rank in range(world)]
+        assert all(torch.equal(torch.cat(parts), x) for x, *parts in zip(one, *shares, strict=True))
+
+
 def test_each_image_is_the_training_transform_at_its_batchs_size():
     """The loader path: an image of a size-8 batch is what the one-size pipeline of an 8-px model makes of it (the
     same random crop and flip: the same seed)."""

@@ -103,19 +103,14 @@ def test_naflex_stopped_on_two_processes_goes_on_on_one_as_the_uninterrupted_two
     assert "global batch sizes [8, 4]" in (two / "train.log").read_text()
 
 
-def test_a_compiled_model_stopped_on_two_processes_goes_on_on_one_as_the_uninterrupted_two(tmp_path_factory, tmp_path):
-    """compile=regional: the compiled blocks' stochastic depth and dropout draw by each sample's row of the global
-    batch as the eager ones do (the step's seed an input of the graph), not from the process's generator: resumed on
-    one process, the run is the two processes' (Dynamo's graphs run by its eager backend: tests/helpers/callbacks)."""
-    args = [*_on(2), "compile=regional", *extra_callback("eager", "EagerCompile")]
-    assert_goes_on_on_one(tmp_path_factory, tmp_path, "compiled-two", args)
-
-
-def test_repeated_augmentation_stopped_on_two_processes_goes_on_on_one_as_the_uninterrupted_two(
+def test_a_compiled_deit_style_run_stopped_on_two_processes_goes_on_on_one_as_the_uninterrupted_two(
     tmp_path_factory, tmp_path
 ):
-    """data.repeated_aug=3 (DeiT's) on fake data (1,024 images of 16 px): timm's sequence of copies cut into global
-    batches (data/seeded.py's RepeatOrder), each process its contiguous share: resumed on one process, the run is the
-    two processes'."""
-    args = [*_on(2), "data=fake", "model.img_size=16", "data.repeated_aug=3"]
-    assert_goes_on_on_one(tmp_path_factory, tmp_path, "repeats-two", args)
+    """compile=regional and DeiT's repeated augmentation (data.repeated_aug=3), on fake data (1,024 images of 16 px):
+    the compiled blocks' stochastic depth and dropout draw by each sample's row of the global batch as the eager ones
+    do (the step's seed an input of the graph), not from the process's generator, and timm's sequence of copies is cut
+    into global batches (data/seeded.py's RepeatOrder), each process its contiguous share: resumed on one process, the
+    run is the two processes' (Dynamo's graphs run by its eager backend: tests/helpers/callbacks)."""
+    args = [*_on(2), "data=fake", "model.img_size=16", "data.repeated_aug=3", "compile=regional",
+            *extra_callback("eager", "EagerCompile")]  # fmt: skip
+    assert_goes_on_on_one(tmp_path_factory, tmp_path, "compiled-repeats-two", args)

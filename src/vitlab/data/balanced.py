@@ -64,12 +64,11 @@ class ClassBalancedOrder(GlobalOrder):
         super().__init__(dataset, num_replicas, rank, seed, batch_size, keyed)
         self.weights = torch.as_tensor(weights, dtype=torch.double)
 
+    repeats = True  # (with replacement)
+
     def sequence(self) -> list[int]:
         generator = torch.Generator().manual_seed(mix(self.seed, self.epoch) % 2**63)
         return list(WeightedRandomSampler(self.weights, len(self.dataset), replacement=True, generator=generator))
-
-    def key(self, place: int, i: int) -> int:
-        return mix(self.seed, self.epoch, i, place)
 
 
 def balanced_sampler(

@@ -19,12 +19,12 @@ import lightning as L
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from lightning.pytorch.strategies import DDPStrategy
-from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler, Subset
+from torch.utils.data import Dataset, IterableDataset, Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitlab.data import decoding, lookahead, sizes
 from vitlab.data.resident import ResidentImages, already_batched
-from vitlab.data.seeded import GlobalOrder, Rows, SeededSampler, TransformDataset, batch_rows, init_worker
+from vitlab.data.seeded import GlobalOrder, Rows, TransformDataset, batch_rows, init_worker
 from vitlab.model.config import as_hw
 from vitlab.utils.errors import UserError
 
@@ -131,9 +131,10 @@ class DataModule(L.LightningDataModule):
             # (all of it in one process): a position resumes by its count alone. The epoch is set here as Lightning
             # will set it (epochs processed), before a resumed loader skips to its position: Lightning sets it only
             # after it has made the iterator. Under DDP Lightning leaves a DistributedSampler as it is.
-            sampler = self._train_sampler(dataset, world, rank)
-            if self.size_schedule is not None:  # whole batches, each of one size (data/sizes.py)
-                sampler, dataset = sizes.scheduled_loading(self, sampler, dataset, world)
+            if self.size_schedule is None:
+                sampler = self._train_sampler(dataset, world, rank, self.per_device_batch_size)
+            else:  # whole batches, each of one size: the schedule cuts the whole set's order (data/sizes.py)
+                sampler, dataset = sizes.scheduled_loading(self, self._train_sampler(dataset, 1, 0, 1), dataset, world)
                 kwargs["batch_size"] = None
             sampler.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed if self.trainer is not None else 0)
             kwargs["sampler"] = sampler
@@ -154,12 +155,11 @@ class DataModule(L.LightningDataModule):
             kwargs["sampler"].start = start
         return StatefulDataLoader(dataset, drop_last=train and kwargs["batch_size"] is not None, **kwargs)
 
-    def _train_sampler(self, dataset: Dataset, world: int, rank: int) -> Sampler:
-        if self.size_schedule is not None:  # batches of several sizes: timm's sampler cuts the order (data/sizes.py)
-            kind = SeededSampler if isinstance(dataset, TransformDataset) else DistributedSampler
-            return kind(dataset, num_replicas=1, rank=0, shuffle=True, seed=self.shuffle_seed)  # the whole set's
+    def _train_sampler(self, dataset: Dataset, world: int, rank: int, batch_size: int) -> GlobalOrder:
+        """The epoch's order of process `rank` of `world`, in global batches of `batch_size` x `world` (1, 0, 1: the
+        whole set's order, which a size schedule cuts)."""
         keyed = isinstance(dataset, TransformDataset)
-        return GlobalOrder(dataset, world, rank, self.shuffle_seed, self.per_device_batch_size, keyed=keyed)
+        return GlobalOrder(dataset, world, rank, self.shuffle_seed, batch_size, keyed=keyed)
 
     def batch_draws(self, n: int) -> Rows | torch.Generator:
         """What a training batch of `n` images on this process draws its augmentation from, on the device: in a fit,

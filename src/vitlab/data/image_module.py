@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, Sampler, default_collate
+from torch.utils.data import Dataset, default_collate
 
 from vitlab.data import balanced, decoding, image_views, resident, sizes, transforms
 from vitlab.data import folds as folds_module
 from vitlab.data import naflex as naflex_loading
 from vitlab.data.base import DataModule
 from vitlab.data.resident import ResidentImages
-from vitlab.data.seeded import RepeatOrder, Rows, TransformDataset
+from vitlab.data.seeded import GlobalOrder, RepeatOrder, Rows, TransformDataset
 from vitlab.utils.errors import UserError
 from vitlab.utils.values import from_mapping
 
@@ -141,15 +141,13 @@ class ImageDataModule(DataModule):
             self.resides = self.decode != "device" and resident.decide(self)
         return self.resides
 
-    def _train_sampler(self, dataset: Dataset, world: int, rank: int) -> Sampler:
+    def _train_sampler(self, dataset: Dataset, world: int, rank: int, batch_size: int) -> GlobalOrder:
         if self.sampler == "class_balanced":
-            batch = self.per_device_batch_size
-            return balanced.balanced_sampler(dataset, self.sampler_balance, world, rank, self.shuffle_seed, batch)
+            return balanced.balanced_sampler(dataset, self.sampler_balance, world, rank, self.shuffle_seed, batch_size)
         if self.repeated_aug:  # DeiT's copies, in a global order (data/seeded.py)
             keyed = isinstance(dataset, TransformDataset)
-            return RepeatOrder(dataset, world, rank, self.shuffle_seed, self.per_device_batch_size, self.repeated_aug,
-                               keyed=keyed)  # fmt: skip
-        return super()._train_sampler(dataset, world, rank)
+            return RepeatOrder(dataset, world, rank, self.shuffle_seed, batch_size, self.repeated_aug, keyed=keyed)
+        return super()._train_sampler(dataset, world, rank, batch_size)
 
     def device_transform(self, batch, train: bool):
         """A uint8 batch, once on the device, to the model's normalised float32 input: held on the device, the training

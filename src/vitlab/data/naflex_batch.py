@@ -16,7 +16,7 @@ import torch
 from timm.data.naflex_random_erasing import PatchRandomErasing
 from torch.utils.data._utils.collate import default_collate
 
-from vitlab.data.seeded import Rows, rows_of, seeded
+from vitlab.data.seeded import Rows, reseeding, rows_of
 from vitlab.utils.errors import UserError
 
 
@@ -158,9 +158,11 @@ class Erasing:
         g, start, total = rows_of(generator, len(patches))
         seeds = torch.randint(2**62, (total,), generator=g)[start : start + len(patches)].tolist()
         cuda = [patches.device] if patches.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda, device_type="cuda"):  # (CPU's and this GPU's put back after)
+        # (the generators put back once for the batch: this GPU's by fork_rng, the host's by reseeding)
+        with torch.random.fork_rng(devices=cuda, device_type="cuda"), reseeding() as reseed:
             for i, seed in enumerate(seeds):  # (timm erases an image at a time too; in place)
+                reseed(seed)
                 if cuda:  # rand and pixel modes draw their values on the device
                     torch.cuda.default_generators[patches.device.index or 0].manual_seed(seed)
-                seeded(seed, lambda x, i=i: erase(x, coord[i : i + 1], valid[i : i + 1]), patches[i : i + 1])
+                erase(patches[i : i + 1], coord[i : i + 1], valid[i : i + 1])
         return patches

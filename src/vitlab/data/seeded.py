@@ -1,14 +1,15 @@
 """The training order and the random draws of its augmentation, kept apart from the processes that carry them:
 `GlobalOrder` (each epoch's global batches, each process its contiguous share; `RepeatOrder`: DeiT's repeated
 augmentation), `TransformDataset` (an image's random transforms drawn from generators seeded with one number), the
-samplers that hand each index out with its number (`GlobalOrder(keyed=True)`, `SeededSampler`), `Rows` (what a
+samplers that hand each index out with its number (`GlobalOrder(keyed=True)`), `Rows` (what a
 batch draws on the device: its global batch's draws, this process's rows of them) and what loader workers run at
 their start."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -23,10 +24,11 @@ from vitlab.utils.signals import ignore_stop_signals
 class TransformDataset(Dataset):
     """(image, label) pairs of `base`, restricted to `indices`, with `transform` applied to the image.
 
-    In training it is handed (seed, index) pairs (`SeededSampler`): the image's random transforms then draw from
-    torch's, Python's and numpy's generators seeded with that number alone. An image is augmented the same way whichever
-    worker prepares it, however many workers there are and whatever they prepared before, so a resumed run, whose
-    workers start anew and whose loader drops what they had prefetched, augments exactly as the uninterrupted one."""
+    In training it is handed (seed, index) pairs (`GlobalOrder(keyed=True)`): the image's random transforms then draw
+    from torch's, Python's and numpy's generators seeded with that number alone. An image is augmented the same way
+    whichever worker prepares it, however many workers there are and whatever they prepared before, so a resumed run,
+    whose workers start anew and whose loader drops what they had prefetched, augments exactly as the uninterrupted
+    one."""
 
     def __init__(self, base: Any, transform, indices: Sequence[int] | None = None):
         self.base, self.transform = base, transform
@@ -51,20 +53,32 @@ class TransformDataset(Dataset):
 def seeded(seed: int, transform, img):
     """`transform(img)` with torch's, Python's and numpy's generators seeded with `seed` alone (data/streamed.py
     augments each streamed image so too)."""
-    # Without loader workers this runs in the training process, whose own draws (dropout, MixUp) go on after it.
+    with reseeding() as reseed:
+        reseed(seed)
+        return transform(img)
+
+
+@contextmanager
+def reseeding() -> Iterator[Callable[[int], None]]:
+    """Within it, `reseed(seed)` seeds torch's (CPU), Python's and numpy's generators with `seed` alone, as often as
+    the caller draws anew (8 us); in the training process they are put back once at the end (45 us): its own draws
+    (dropout, MixUp) go on after it."""
     saved = None
     if get_worker_info() is None:
         saved = (torch.default_generator.get_state(), random.getstate(), np.random.get_state())
-    torch.default_generator.manual_seed(seed)  # (torch.manual_seed would also seed every GPU: 70 us an image)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)  # timm's RandAugment and AugMix draw from numpy too
     try:
-        return transform(img)
+        yield _reseed
     finally:
         if saved is not None:
             torch.default_generator.set_state(saved[0])
             random.setstate(saved[1])
             np.random.set_state(saved[2])
+
+
+def _reseed(seed: int) -> None:
+    torch.default_generator.manual_seed(seed)  # (torch.manual_seed would also seed every GPU: 70 us an image)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)  # timm's RandAugment and AugMix draw from numpy too
 
 
 class GlobalOrder(DistributedSampler):
@@ -96,9 +110,11 @@ class GlobalOrder(DistributedSampler):
             len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch)
         ).tolist()
 
+    repeats = False  # whether the sequence may hold an image more than once: then each copy's seed mixes its place in
+
     def key(self, place: int, i: int) -> int:
         """The seed of image `i`'s augmentation at `place` in the epoch's sequence."""
-        return mix(self.seed, self.epoch, i)
+        return mix(self.seed, self.epoch, i, place) if self.repeats else mix(self.seed, self.epoch, i)
 
     def __iter__(self):
         order = self.sequence()
@@ -108,17 +124,6 @@ class GlobalOrder(DistributedSampler):
             first = k * whole + self.rank * b
             for place in range(first, first + b):
                 yield (self.key(place, order[place]), order[place]) if self.keyed else order[place]
-
-
-class SeededSampler(DistributedSampler):
-    """A DistributedSampler (one permutation per epoch from the seed and the epoch, every num_replicas-th index of it
-    to this process) that hands each index out with the seed of its augmentation this epoch: (seed, index) pairs for
-    TransformDataset, as GlobalOrder's keys. What timm's sampler of batches of several sizes deals out
-    (data/sizes.py)."""
-
-    def __iter__(self):
-        for i in super().__iter__():
-            yield mix(self.seed, self.epoch, i), i
 
 
 class Rows(NamedTuple):
@@ -155,18 +160,17 @@ class RepeatOrder(GlobalOrder):
     def __init__(self, dataset, num_replicas: int, rank: int, seed: int, batch_size: int, num_repeats: int,
                  keyed: bool = False):  # fmt: skip
         super().__init__(dataset, num_replicas, rank, seed, batch_size, keyed)
-        self.repeats = RepeatAugSampler(dataset, num_replicas=1, rank=0, shuffle=True, num_repeats=num_repeats)
+        self.timms = RepeatAugSampler(dataset, num_replicas=1, rank=0, shuffle=True, num_repeats=num_repeats)
+
+    repeats = True
 
     @property
     def batches(self) -> int:
-        return len(self.repeats) // (self.batch_size * self.num_replicas)
+        return len(self.timms) // (self.batch_size * self.num_replicas)
 
     def sequence(self) -> list[int]:
-        self.repeats.set_epoch(self.epoch)
-        return list(self.repeats)
-
-    def key(self, place: int, i: int) -> int:
-        return mix(self.seed, self.epoch, i, place)
+        self.timms.set_epoch(self.epoch)
+        return list(self.timms)
 
 
 def init_worker(worker_id: int) -> None:

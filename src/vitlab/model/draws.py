@@ -16,6 +16,7 @@ compile=regional's blocks share one graph as before.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,8 +60,8 @@ def drawn_by_rows(model: nn.Module, seed: int, start: int, count: int, total: in
     each drawn as its own global batch (keyed by m and the shape, so global and local crops draw apart)."""
     if not hasattr(model, "draw_sites"):  # (a ViT numbers its sites when built: copies keep them)
         number_draw_sites(model)
-    site = next((m for m in model.modules() if isinstance(m, DrawSite)), None)  # (the device the model draws on)
-    token = _ROWS.set(Rows.of(mix(seed), start, count, total, device=site.site_key.device if site else None))
+    held = next(itertools.chain(model.parameters(), model.buffers()), None)  # (the device the model draws on)
+    token = _ROWS.set(Rows.of(mix(seed), start, count, total, device=held.device if held is not None else None))
     try:
         yield
     finally:
